@@ -1,0 +1,89 @@
+"""One attention signature for every cache kind and back end.
+
+`attend` writes this step's keys and values into the cache (dense slab, paged pool, or none) and
+attends over everything the sequence has so far. The math is `attention_reference`, pure jnp in f32;
+on a GPU, single-token decode over the paged pool goes to the Pallas Mosaic GPU kernel in
+kernels_pallas/ instead. The model never imports a kernel directly.
+
+Masking is causal by position: key slot s is visible to a query at position p iff s <= p. Masked scores
+take a large finite negative value, never -inf, so rows with nothing visible stay finite.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxinfer import kv_pool as kvp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' picks the Pallas kernel on a GPU and the jnp reference elsewhere."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return impl
+
+
+def attention_reference(
+    q: Float[Array, "B T H K"],
+    keys: Float[Array, "B S G K"],
+    values: Float[Array, "B S G K"],
+    q_positions: Int[Array, "B T"],
+    k_positions: Int[Array, "B S"],
+) -> Float[Array, "B T H K"]:
+    """Causal grouped-query attention; f32 scores and softmax, output in q's dtype."""
+    b, t, h, k = q.shape
+    g = keys.shape[2]
+    grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
+    scores = jnp.einsum("btgqk,bsgk->bgqts", grouped, keys, preferred_element_type=jnp.float32)
+    scores = scores * (k**-0.5)
+    visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)  # [B, G, Q, T, S]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgqts,bsgk->btgqk", probs, values.astype(jnp.float32))  # [B, T, G, Q, K]
+    return out.reshape(b, t, h, k).astype(q.dtype)
+
+
+def attend(
+    cache: kvp.DenseKVCache | kvp.KVPool | None,
+    layer: Int[Array, ""],
+    q: Float[Array, "B T H K"],
+    k: Float[Array, "B T G K"],
+    v: Float[Array, "B T G K"],
+    positions: Int[Array, "B T"],
+    pages: kvp.PageMeta | None = None,
+    impl: str = "reference",
+) -> tuple[Float[Array, "B T H K"], kvp.DenseKVCache | kvp.KVPool | None]:
+    """Write k, v for `layer` into `cache`, then attend. Returns (output, updated cache)."""
+    if cache is None:
+        return attention_reference(q, k, v, positions, positions), None
+    if isinstance(cache, kvp.DenseKVCache):
+        cache = kvp.write_dense(cache, layer, k, v, positions)
+        return _attend_slots(q, cache.k[layer], cache.v[layer], positions), cache
+    if pages is None:
+        raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
+    cache = kvp.write_paged(cache, layer, k, v, pages)
+    if resolve_impl(impl) == "pallas" and q.shape[1] == 1:
+        return _attend_pallas(q, cache, layer, positions, pages), cache
+    keys, values = kvp.gather_pages(cache, layer, pages.block_tables)
+    return _attend_slots(q, keys, values, positions), cache
+
+
+def _attend_slots(q, keys, values, positions):
+    """Attention over slabs whose slot index equals the token position."""
+    slots = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
+    return attention_reference(q, keys, values, positions, slots)
+
+
+def _attend_pallas(q, pool, layer, positions, pages):
+    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written."""
+    from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
+
+    out = kernel.paged_attention(
+        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1
+    )  # [B, H, K]
+    return out[:, None]

@@ -1,0 +1,89 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` describes the network. It is hashable and passed to jit as a static argument, so it holds
+only shapes and constants, never per-request values. `EngineConfig` (host side) lives in engine.py's
+neighbourhood and never reaches a traced function. Converting a Hugging Face `config.json` dict or GGUF
+metadata happens once at the edge (`from_hf_config`, loading.py); the rest of the code never sees dicts.
+"""
+
+import dataclasses
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and constants of a Llama-family decoder."""
+
+    vocab_size: int  # tokens
+    num_layers: int
+    embed_dim: int  # D
+    ffn_dim: int  # F, SwiGLU hidden width
+    num_heads: int  # H, query heads
+    num_kv_heads: int  # G, key/value heads (GQA groups)
+    head_dim: int  # K
+    rope_theta: float = 10_000.0  # rotary base
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True  # logits use the token embedding when True
+    max_context: int = 2048  # tokens; positions beyond this are rejected
+    dtype: str = "float32"  # compute and weight dtype: float32 | bfloat16 | float16
+    name: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads=} not divisible by {self.num_kv_heads=}")
+        if self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim=}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for field in ("vocab_size", "num_layers", "embed_dim", "ffn_dim", "num_heads", "max_context"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, k = self.embed_dim, self.ffn_dim, self.head_dim
+        attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        width = dtype_bytes or (4 if self.dtype == "float32" else 2)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * width
+
+
+def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_context: int | None = None) -> ModelConfig:
+    """Convert a Hugging Face Llama `config.json` dict to a ModelConfig."""
+    model_type = config.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads Llama-family models")
+    # transformers >= 5 nests rotary settings under `rope_parameters`; older files keep them at top level.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; only plain rotary embeddings are supported")
+    num_heads = config["num_attention_heads"]
+    embed_dim = config["hidden_size"]
+    return ModelConfig(
+        vocab_size=config["vocab_size"],
+        num_layers=config["num_hidden_layers"],
+        embed_dim=embed_dim,
+        ffn_dim=config["intermediate_size"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or embed_dim // num_heads,
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_context=max_context or int(config.get("max_position_embeddings", 2048)),
+        dtype=dtype,
+        name=model_type,
+    )

