@@ -87,3 +87,57 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         dtype=dtype,
         name=model_type,
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Host-side knobs of the paged engine: pool size, budgets and the bucket tables of every program.
+
+    Every jitted program's shape comes from these tables, and all of them are compiled at warm-up.
+    """
+
+    page_size: int = 64  # tokens per KV page
+    num_pages: int | None = None  # pages in the pool incl. the null page; None: from kv_memory_fraction
+    kv_memory_fraction: float = 0.2  # share of free device memory for the pool when num_pages is None
+    max_num_seqs: int = 32  # running sequences at most (largest decode batch)
+    max_prefill_tokens: int = 512  # prefill token budget per step (sum of chunk lengths)
+    max_context: int = 2048  # tokens per sequence (prompt + generated) at most
+    prefill_chunk_buckets: tuple[int, ...] = (64, 128, 256, 512)  # padded chunk length per sequence
+    prefill_seq_buckets: tuple[int, ...] = (1, 4)  # sequences per prefill step
+    decode_batch_buckets: tuple[int, ...] = (4, 8, 16, 32)  # sequences per decode step
+    decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
+    attention_impl: str = "auto"  # auto | reference | pallas
+    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables
+    compile_threads: int = 2  # programs compiled in parallel at warm-up
+    seed: int = 0  # base of the per-request seeds of requests that give none
+
+    def __post_init__(self):
+        if self.max_context % self.page_size:
+            raise ValueError(f"{self.max_context=} must be a multiple of {self.page_size=}")
+        for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets"):
+            table = getattr(self, name)
+            if not table or list(table) != sorted(set(table)) or table[0] < 1:
+                raise ValueError(f"{name} must be a non-empty increasing tuple of positive ints, got {table}")
+        if self.decode_batch_buckets[-1] < self.max_num_seqs:
+            raise ValueError(f"largest decode bucket {self.decode_batch_buckets[-1]} < {self.max_num_seqs=}")
+        if self.prefill_chunk_buckets[-1] > self.max_prefill_tokens:
+            raise ValueError(f"largest chunk bucket {self.prefill_chunk_buckets[-1]} > {self.max_prefill_tokens=}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"{self.num_pages=} must be >= 2 (page 0 is the null page)")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.max_context // self.page_size
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        """Pages-per-sequence buckets of decode programs (prefill reads the full table width)."""
+        if self.decode_page_buckets is not None:
+            return tuple(self.decode_page_buckets)
+        buckets, width = [], 1
+        while width < self.max_pages_per_seq:
+            buckets.append(width)
+            width *= 2
+        return tuple(buckets) + (self.max_pages_per_seq,)

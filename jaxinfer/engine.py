@@ -1,0 +1,161 @@
+"""The step loop's device half: one compiled program per bucket key, and the donated KV pool.
+
+`Engine` owns the params, the KV pool and a table of ahead-of-time compiled programs, one per bucket key
+(phase, rows, tokens per row, pages per row). `warmup()` compiles all of them before any traffic, with
+JAX's persistent compilation cache enabled; afterwards `step(plan)` only looks programs up, so nothing
+compiles after warm-up (calling a compiled program with another shape is an error, not a compile).
+The pool is donated into every step and rebound on the same line. The engine knows nothing about text.
+"""
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import kv_pool as kvp
+from jaxinfer import model, sampling
+from jaxinfer.attention import resolve_impl
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.params import Params
+from jaxinfer.request import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class PoolTooLargeError(ValueError):
+    """The requested KV pool does not fit the available memory."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    token_ids: jax.Array  # i32[R, T]
+    positions: jax.Array  # i32[R, T]
+    pages: kvp.PageMeta
+    logit_indices: jax.Array  # i32[R]
+    sampling: sampling.SamplingArrays
+
+
+def inputs_from_plan(plan: StepPlan) -> StepInputs:
+    pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets)
+    arrays = sampling.SamplingArrays(plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps)
+    return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays)
+
+
+def _step(params: Params, pool: kvp.KVPool, inputs: StepInputs, *, cfg: ModelConfig, impl: str):
+    """One prefill or decode step; donates `pool`. Returns (tokens i32[R], pool)."""
+    logits, pool = model.forward(
+        params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages,
+        logit_indices=inputs.logit_indices, attention_impl=impl,
+    )  # logits: [R, 1, V]
+    return sampling.next_tokens(logits[:, 0], inputs.sampling), pool
+
+
+def available_bytes(device: jax.Device) -> int:
+    """Free memory of the device; host MemAvailable for CPU devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info["MemFree"])
+
+
+def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device) -> int:
+    """Pages of the pool: as configured, or a share of free memory; fails if it cannot fit."""
+    page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size)
+    free = available_bytes(device)
+    if engine_cfg.num_pages is None:
+        wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+        num_pages = min(wanted, int(free * engine_cfg.kv_memory_fraction) // page_bytes)
+    else:
+        num_pages = engine_cfg.num_pages
+    needed = num_pages * page_bytes
+    if num_pages < 2 or needed > free:
+        raise PoolTooLargeError(
+            f"KV pool of {num_pages} pages x {page_bytes} bytes needs {needed} bytes "
+            f"({needed / 2**30:.2f} GiB); {free} bytes ({free / 2**30:.2f} GiB) are available on {device}"
+        )
+    return num_pages
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    if directory is None:
+        return
+    path = Path(os.path.expanduser(directory))
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Engine:
+    """Compiled programs + donated pool. `step(plan)` runs one planned step and returns its tokens."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig):
+        if engine_cfg.max_context > cfg.max_context:
+            raise ValueError(f"engine max_context {engine_cfg.max_context} exceeds the model's {cfg.max_context}")
+        self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
+        self.impl = resolve_impl(engine_cfg.attention_impl)
+        enable_compilation_cache(engine_cfg.compilation_cache_dir)
+        self.num_pages = resolve_num_pages(cfg, engine_cfg, jax.devices()[0])
+        self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size)
+        self._jitted = jax.jit(functools.partial(_step, cfg=cfg, impl=self.impl), donate_argnames=("pool",))
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self.num_compilations = 0
+        self.compile_seconds = 0.0
+
+    def bucket_keys(self) -> list[tuple[str, int, int, int]]:
+        """Every (phase, rows, tokens per row, pages per row) a plan can have."""
+        c = self.engine_cfg
+        prefill = [("prefill", r, t, c.max_pages_per_seq) for r in c.prefill_seq_buckets for t in c.prefill_chunk_buckets]
+        decode = [("decode", r, 1, p) for r in c.decode_batch_buckets for p in c.page_buckets]
+        return prefill + decode
+
+    def _abstract_inputs(self, key) -> StepInputs:
+        _, rows, tokens, width = key
+        spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+        pages = kvp.PageMeta(spec(rows, width), spec(rows, tokens), spec(rows, tokens))
+        arrays = sampling.SamplingArrays(spec(rows, dtype=jnp.float32), spec(rows), spec(rows, dtype=jnp.float32), spec(rows), spec(rows))
+        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows), arrays)
+
+    def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
+        start = time.perf_counter()
+        compiled = self._jitted.lower(self.params, self.pool, self._abstract_inputs(key)).compile()
+        return key, compiled, time.perf_counter() - start
+
+    def warmup(self, progress=None) -> None:
+        """Compile every bucket's program (in parallel threads). `progress(key, seconds)` is called per program."""
+        missing = [k for k in self.bucket_keys() if k not in self._programs]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
+            for key, compiled, seconds in pool.map(self._compile, missing):
+                self._programs[key] = compiled
+                self.num_compilations += 1
+                log.info("compiled %s in %.2fs", key, seconds)
+                if progress is not None:
+                    progress(key, seconds)
+        self.compile_seconds += time.perf_counter() - start
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R]."""
+        program = self._programs.get(plan.bucket)
+        if program is None:
+            raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
+        _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
+        tokens, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
+        return np.asarray(tokens)
+
+
+def _check_pages(block_tables: np.ndarray, slot_pages: np.ndarray, num_pages: int) -> None:
+    """JAX clamps out-of-range indices silently, so page ids are checked on the host."""
+    for name, pages in (("block_tables", block_tables), ("slot_pages", slot_pages)):
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise ValueError(f"{name} holds page ids outside [0, {num_pages}): min {pages.min()}, max {pages.max()}")
