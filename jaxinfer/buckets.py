@@ -350,15 +350,20 @@ class Fitted(_TableLookup):
         return cls(fit_buckets(lengths, budget, cost, multiple_of=multiple_of))
 
 
-def strategies_at_budget(lengths, budget: int, cost: CostFunction = TOKENS) -> tuple[BucketStrategy, ...]:
-    """Every sample-derived strategy with at most `budget` programs, fitted to `lengths`."""
+def strategies_at_budget(
+    lengths, budget: int, cost: CostFunction = TOKENS, *, multiple_of: int = 1
+) -> tuple[BucketStrategy, ...]:
+    """Every sample-derived strategy with at most `budget` programs, built from `lengths`.
+
+    `cost` and `multiple_of` apply to the fitted strategy; the others do not optimise anything.
+    """
     return (
         PadToMax.from_sample(lengths),
         PowersOfTwo.from_sample(lengths, budget),
         Linear.from_sample(lengths, budget),
         Quantile.from_sample(lengths, budget),
         MeanKSigma.from_sample(lengths, budget),
-        Fitted.from_sample(lengths, budget, cost),
+        Fitted.from_sample(lengths, budget, cost, multiple_of),
     )
 
 
