@@ -53,14 +53,7 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Raise ValueError if the request can never run under this configuration."""
-        if not request.prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed")
-        total = len(request.prompt_ids) + request.params.max_tokens
-        if len(request.prompt_ids) >= self.cfg.max_context:
-            raise ValueError(f"prompt has {len(request.prompt_ids)} tokens; the context is {self.cfg.max_context}")
-        pages = -(-min(total, self.cfg.max_context) // self.cfg.page_size)
-        if pages > self.block_pool.num_pages - 1:
-            raise ValueError(f"request needs {pages} KV pages; the pool has {self.block_pool.num_pages - 1}")
+        check_request(self.cfg, self.block_pool.num_pages, len(request.prompt_ids), request.params.max_tokens)
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -241,6 +234,18 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
+
+
+def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ValueError if a prompt of this length can never run: empty, over the context, or needing
+    more pages than the whole pool holds."""
+    if num_prompt_tokens == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    if num_prompt_tokens >= cfg.max_context:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens; the context is {cfg.max_context} (use --truncate to cut it)")
+    pages = -(-min(num_prompt_tokens + max_tokens, cfg.max_context) // cfg.page_size)
+    if pages > num_pages - 1:
+        raise ValueError(f"request needs {pages} KV pages; the pool has {num_pages - 1}")
 
 
 def _empty_plan_arrays(num_rows: int, num_tokens: int, width: int) -> dict[str, np.ndarray]:

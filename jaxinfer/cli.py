@@ -1,0 +1,199 @@
+"""`jaxinfer generate | info | buckets`: the command line.
+
+Only argument parsing and printing live here; the work is in api.py (LLM), batch.py (JSONL jobs) and
+buckets.py. Errors a user can fix (a missing file, a bad flag, an unfit memory budget) print one line
+to stderr and exit with status 2, without a traceback.
+"""
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+_GENERATE_EPILOG = """\
+input JSONL, one object a line:
+  {"id": "q1", "prompt": "Once upon a time"}
+  {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0, "max_tokens": 64}
+  optional per line: temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, priority
+
+output JSONL: exactly one line per input line, written as each finishes:
+  {"id", "line", "status": "ok"|"error", "text", "token_ids", "finish_reason", timings...} or {"error": reason}
+
+examples:
+  jaxinfer generate --prompt "What is the capital of France?" --chat --temperature 0
+  jaxinfer generate --input prompts.jsonl --output results.jsonl
+  jaxinfer generate --input prompts.jsonl --output results.jsonl --resume   # after a crash or Ctrl-C"""
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: %(default)s)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (defaults for every request; JSONL lines may override)")
+    group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=None, help="seed of every request (default: derived per request from --engine-seed)")
+    group.add_argument("--max-tokens", type=int, default=128, help="generated tokens at most (default: %(default)s)")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-context", type=int, default=2048, help="tokens per sequence, prompt + output (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most (default: %(default)s)")
+    group.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: a share of free memory)")
+    group.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default: %(default)s)")
+    group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
+    group.add_argument("--compile-cache", default="~/.cache/jaxinfer/xla", metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
+    group.add_argument("--engine-seed", type=int, default=0, help="base seed for requests without their own (default: %(default)s)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA batch inference for Llama-family LLMs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log compile times and engine events")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = commands.add_parser(
+        "generate", help="generate for one prompt or a JSONL file of prompts",
+        description="Generate text with the paged engine, for one --prompt or every line of an --input JSONL file.",
+        epilog=_GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="a single prompt; the reply is printed")
+    source.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of requests")
+    gen.add_argument("--output", type=Path, metavar="FILE", help="JSONL results (required with --input)")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user message")
+    gen.add_argument("--truncate", default="none", choices=("none", "left", "right"), help="cut over-long prompts: left keeps the end (default: error record)")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="skip ids already in --output and append the rest")
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    _add_engine_args(gen)
+    gen.set_defaults(func=_run_generate)
+
+    info = commands.add_parser("info", help="print a model's configuration, parameter count and memory", description="Print a model's configuration, parameter count and memory.")
+    _add_model_args(info)
+    info.set_defaults(func=_run_info)
+
+    from jaxinfer import cli_buckets
+
+    cli_buckets.add_subparser(commands)
+    return parser
+
+
+def _sampling_params(args):
+    from jaxinfer.request import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def _make_llm(args):
+    from jaxinfer.api import LLM
+    from jaxinfer.config import EngineConfig
+
+    defaults = EngineConfig()
+    max_seqs = args.max_num_seqs
+    batch_buckets = tuple(b for b in defaults.decode_batch_buckets if b < max_seqs) + (max_seqs,)
+    engine_config = dataclasses.replace(
+        defaults, max_context=args.max_context, max_num_seqs=max_seqs, num_pages=args.num_pages,
+        page_size=args.page_size, attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None,
+        seed=args.engine_seed, decode_batch_buckets=batch_buckets,
+    )
+    print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
+    return LLM(args.model, dtype=args.dtype, engine_config=engine_config)
+
+
+def _run_generate(args) -> int:
+    defaults = _sampling_params(args)
+    if args.input is None:
+        return _generate_one(args, defaults)
+    if args.output is None:
+        raise ValueError("--output FILE is required with --input")
+    if not args.input.is_file():
+        raise ValueError(f"input file not found: {args.input}")
+    if args.output.exists() and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.output} exists; pass --resume to continue it or --overwrite to replace it")
+    from jaxinfer.batch import BatchJob
+
+    llm = _make_llm(args)
+    job = BatchJob(llm, args.output, defaults, truncate=args.truncate)
+    summary = job.run(args.input, resume=args.resume, progress=not args.no_progress)
+    print(_summary_table(summary, llm), file=sys.stderr)
+    print(f"results: {args.output}")
+    if summary.interrupted:
+        print("interrupted: rerun with --resume to finish the remaining requests", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _generate_one(args, defaults) -> int:
+    llm = _make_llm(args)
+    if not args.prompt:
+        raise ValueError("empty prompt")
+    if args.chat:
+        output = llm.chat([{"role": "user", "content": args.prompt}], defaults)[0]
+    else:
+        output = llm.generate(args.prompt, defaults)[0]
+    print(output.text)
+    print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def _summary_table(summary, llm) -> str:
+    stats = llm.last_stats
+    rows = [
+        ("requests ok / error / skipped", f"{summary.num_ok} / {summary.num_errors} / {summary.num_skipped}"),
+        ("prompt tokens", f"{summary.prompt_tokens}"),
+        ("generated tokens", f"{summary.generated_tokens}"),
+        ("wall time", f"{summary.seconds:.2f} s"),
+        ("generated tokens/s", f"{summary.tokens_per_second:.1f}"),
+        ("time to first token p50 / p99", f"{summary.ttft_percentile(50):.3f} / {summary.ttft_percentile(99):.3f} s"),
+        ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
+        ("compilations (all at warm-up)", f"{llm.engine.num_compilations} in {llm.engine.compile_seconds:.1f} s"),
+        ("peak KV utilization", f"{stats.peak_kv_utilization:.1%}" if stats else "-"),
+        ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["", "summary", "-" * (width + 20)] + [f"{name:<{width}}  {value}" for name, value in rows])
+
+
+def _run_info(args) -> int:
+    from jaxinfer import loading
+
+    path = loading.resolve_model_path(args.model)
+    cfg, _ = loading.load_model(path, dtype=args.dtype)
+    weight_bytes = cfg.num_params() * (4 if cfg.dtype == "float32" else 2)
+    print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
+    for field in dataclasses.fields(cfg):
+        print(f"{field.name:<17} {getattr(cfg, field.name)}")
+    print(f"{'parameters':<17} {cfg.num_params():,}")
+    print(f"{'weights in memory':<17} {weight_bytes / 2**20:.1f} MiB ({cfg.dtype})")
+    print(f"{'KV per token':<17} {cfg.kv_bytes_per_token()} bytes ({cfg.kv_bytes_per_token() * 2048 / 2**20:.1f} MiB per 2048-token sequence)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from jaxinfer.engine import PoolTooLargeError
+    from jaxinfer.loading import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, PoolTooLargeError, ValueError, OSError) as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
