@@ -105,8 +105,8 @@ def _as_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
 
 def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """Returns the smallest bucket >= n; raises ValueError naming n and the largest bucket if none is."""
-    if n < 1:
-        raise ValueError(f"length must be positive, got {n=}")
+    if n < 0:
+        raise ValueError(f"length must be non-negative, got {n=}")
     index = bisect.bisect_left(buckets, n)
     if index == len(buckets):
         raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}; chunk it or refit the buckets")

@@ -183,6 +183,12 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
         epilog=_FIT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_fit_arguments(fit)
+    fit.set_defaults(func=run_fit)
+    return buckets
+
+
+def _add_fit_arguments(fit: argparse.ArgumentParser) -> None:
     fit.add_argument(
         "--trace", required=True, metavar="FILE",
         help="CSV trace in the Azure LLM inference format (TIMESTAMP,ContextTokens,GeneratedTokens)",
@@ -211,5 +217,3 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
         "--plot", metavar="PNG",
         help="also write a PNG: the length CDF with every strategy's boundaries, and waste against programs",
     )
-    fit.set_defaults(func=run_fit)
-    return buckets

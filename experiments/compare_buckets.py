@@ -1,0 +1,260 @@
+"""Which bucket strategy wastes the least padding for a given number of compiled programs?
+
+Runs every strategy in jaxinfer.buckets at budgets of 4, 8, 12, 16 and 32 programs on the Azure 2023
+conversation trace and on a synthetic trace with the same size and fitted defaults, and reports:
+  - padding waste in tokens and in the prefill cost model, programs used, requests over the top bucket;
+  - out of sample: strategies built from the first half of the trace (time order), waste measured on
+    that half (in sample) and on the second half (out of sample), side by side;
+  - batch-level views: arrival-order and sorted batches padded to their longest member, and packing;
+  - the time of the exact fit (`fit_buckets`) on 100k lengths with K = 32, and how it scales.
+Writes experiments/results/compare_buckets.json and PNG plots, prints tables, and prints one JSON
+document (the targets and their measured values) as its last stdout line. Host only: no jax, no device.
+
+    .venv/bin/python experiments/compare_buckets.py [--trace PATH] [--out DIR]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from jaxinfer.buckets import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
+from jaxinfer.cli_buckets import compare_strategies, plot_length_cdf, plot_waste_curves
+from jaxinfer.traces import TraceError, load_trace, synthetic_trace
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
+BUDGETS = (4, 8, 12, 16, 32)
+COSTS = {"tokens": TOKENS, "prefill": PREFILL}
+BATCH_SIZE = 32  # sequences per batch in the batch-level views
+PACKING_TOKEN_BUDGET = 8192  # tokens per packed step
+TARGET_BUDGET = 12  # the "at most 12 programs" comparison
+TIMING_SIZES = (10_000, 30_000, 100_000, 300_000)
+TIMING_BUDGET = 32
+
+
+def _wastes(fit_on, evaluate_on, budget: int, cost_name: str) -> list[float]:
+    """Waste of every strategy built from `fit_on`, measured on `evaluate_on`, in strategy order."""
+    results = compare_strategies(fit_on, budget, COSTS[cost_name], evaluate_on=evaluate_on)
+    return [_waste(metrics, cost_name) for _, metrics in results]
+
+
+def _strategy_rows(name: str, trace, cost_name: str, seed: int) -> list[dict]:
+    """One row per (budget, strategy): whole-trace waste, then the out-of-sample views.
+
+    Out of sample: built from the first half in time order, measured on that half ("in") and on the
+    second half ("out"); "oracle" is built from and measured on the second half, so out - oracle is the
+    cost of fitting on stale data and oracle - in is how much harder the second half is. A random
+    split into halves is the control with no drift in time.
+    """
+    lengths = trace.context_tokens
+    earlier, later = (part.context_tokens for part in trace.split_in_time(0.5))
+    shuffled = np.random.default_rng(seed).permutation(lengths)
+    first, second = shuffled[: lengths.size // 2], shuffled[lengths.size // 2 :]
+    rows = []
+    for budget in BUDGETS:
+        whole = compare_strategies(lengths, budget, COSTS[cost_name])
+        views = zip(
+            _wastes(earlier, earlier, budget, cost_name), _wastes(earlier, later, budget, cost_name),
+            _wastes(later, later, budget, cost_name), _wastes(first, first, budget, cost_name),
+            _wastes(first, second, budget, cost_name),
+        )  # fmt: skip
+        for (strategy, full), (inside, outside, oracle, random_in, random_out) in zip(whole, views):
+            rows.append({
+                "trace": name, "cost": cost_name, "budget": budget, "strategy": full.strategy,
+                "programs": full.num_programs, "buckets": list(strategy.buckets),
+                "token_waste": full.token_waste, "cost_waste": full.cost_waste,
+                "mean_padding": full.mean_padding, "max_padding": full.max_padding, "over_top": full.num_over_top,
+                "in_sample_waste": inside, "out_of_sample_waste": outside, "oracle_second_half_waste": oracle,
+                "random_split_in_waste": random_in, "random_split_out_waste": random_out,
+            })  # fmt: skip
+    return rows
+
+
+def _waste(metrics, cost_name: str) -> float:
+    """The waste the fit optimised: tokens for the token cost, the cost model otherwise."""
+    return metrics.token_waste if cost_name == "tokens" else metrics.cost_waste
+
+
+def _batching_rows(name: str, trace) -> dict:
+    """Batch-level views on the prompt lengths; waste in tokens."""
+    lengths = trace.context_tokens
+    fitted = Fitted.from_sample(lengths, TARGET_BUDGET)
+    views = {
+        "arrival_batches_pad_to_longest": batch_padding(lengths, BATCH_SIZE),
+        "sorted_batches_pad_to_longest": batch_padding(lengths, BATCH_SIZE, sort=True),
+        "sorted_batches_pad_to_fitted_bucket": batch_padding(lengths, BATCH_SIZE, fitted, sort=True),
+        "packing": packing(lengths, PACKING_TOKEN_BUDGET),
+    }
+    return {view: {"waste": m.waste, "steps": m.num_steps} for view, m in views.items()} | {"trace": name}
+
+
+def _time_fit(lengths: np.ndarray, budget: int, repeats: int) -> float:
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fit_buckets(lengths, budget)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _fit_timings() -> list[dict]:
+    """Fit time at K = 32 on synthetic prompt lengths of growing size, and on all-distinct lengths."""
+    rows = []
+    for size in TIMING_SIZES:
+        lengths = synthetic_trace(size, seed=1).context_tokens
+        rows.append({"lengths": size, "distinct": int(np.unique(lengths).size), "kind": "synthetic",
+                     "seconds": _time_fit(lengths, TIMING_BUDGET, repeats=3)})  # fmt: skip
+    all_distinct = np.random.default_rng(1).permutation(100_000) + 1
+    rows.append({"lengths": 100_000, "distinct": 100_000, "kind": "all distinct (worst case)",
+                 "seconds": _time_fit(all_distinct, TIMING_BUDGET, repeats=1)})  # fmt: skip
+    return rows
+
+
+def _print_waste_table(rows: list[dict], trace: str, cost: str) -> None:
+    selected = [r for r in rows if r["trace"] == trace and r["cost"] == cost]
+    field = "token_waste" if cost == "tokens" else "cost_waste"
+    print(f"\n{trace} trace, {cost} waste (programs used), strategies fitted to the whole trace")
+    print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>14}" for b in BUDGETS) + f"{'over top':>10}")
+    for strategy in dict.fromkeys(r["strategy"] for r in selected):
+        cells = [r for r in selected if r["strategy"] == strategy]
+        line = "".join(f"{r[field]:>9.1%} ({r['programs']:>2})" for r in cells)
+        print(f"{strategy:<14}{line}{max(r['over_top'] for r in cells):>10}")
+
+
+def _print_out_of_sample_table(rows: list[dict], trace: str, cost: str) -> None:
+    selected = [r for r in rows if r["trace"] == trace and r["cost"] == cost]
+    print(f"\n{trace} trace, {cost} waste, built from the first half in time: in sample / out of sample"
+          " (second half) / oracle (built from the second half); random halves: in / out")  # fmt: skip
+    print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>22}" for b in BUDGETS) + f"{'random K=12':>16}")
+    for strategy in dict.fromkeys(r["strategy"] for r in selected):
+        cells = [r for r in selected if r["strategy"] == strategy]
+        views = ("in_sample_waste", "out_of_sample_waste", "oracle_second_half_waste")
+        line = "".join(f"{'/'.join(f'{100 * r[v]:.1f}' for v in views):>22}" for r in cells)
+        control = next(r for r in cells if r["budget"] == TARGET_BUDGET)
+        print(f"{strategy:<14}{line}{control['random_split_in_waste']:>9.1%}/{control['random_split_out_waste']:.1%}")
+
+
+def _plot_waste(rows: list[dict], trace: str, path: pathlib.Path) -> None:
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    for axes, cost in zip(figure.subplots(1, 2), COSTS):
+        field = "token_waste" if cost == "tokens" else "cost_waste"
+        curves: dict[str, list] = {}
+        for row in (r for r in rows if r["trace"] == trace and r["cost"] == cost):
+            curves.setdefault(row["strategy"], []).append((row["programs"], row[field]))
+        plot_waste_curves(axes, curves, "token waste" if cost == "tokens" else "prefill cost waste")
+        axes.set_title(f"{trace} trace: {'token' if cost == 'tokens' else 'prefill cost'} waste against programs")
+    figure.savefig(path, dpi=110)
+
+
+def _plot_cdf(trace_name: str, lengths: np.ndarray, path: pathlib.Path) -> None:
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axes = figure.subplots()
+    plot_length_cdf(axes, lengths, [s for s, _ in compare_strategies(lengths, TARGET_BUDGET)])
+    axes.set_title(f"{trace_name}: prompt length CDF and bucket boundaries at {TARGET_BUDGET} programs")
+    figure.savefig(path, dpi=110)
+
+
+def _row(rows, **match) -> dict:
+    return next(r for r in rows if all(r[k] == v for k, v in match.items()))
+
+
+def _out_of_sample(rows: list[dict], trace: str) -> dict:
+    """The fitted strategy's in- and out-of-sample token waste at every budget, with its decomposition."""
+    fitted = [r for r in rows if r["trace"] == trace and r["cost"] == "tokens" and r["strategy"] == "fitted"]
+    return {
+        str(r["budget"]): {
+            "in": r["in_sample_waste"], "out": r["out_of_sample_waste"], "oracle": r["oracle_second_half_waste"],
+            "gap": r["out_of_sample_waste"] - r["in_sample_waste"],
+            "stale_fit_regret": r["out_of_sample_waste"] - r["oracle_second_half_waste"],
+            "random_split_gap": r["random_split_out_waste"] - r["random_split_in_waste"],
+        }
+        for r in fitted
+    }  # fmt: skip
+
+
+def _targets(rows: list[dict], batching: list[dict], timings: list[dict]) -> dict:
+    """The issue's targets, measured on the conversation trace (prompt lengths, token waste)."""
+    conversation = dict(trace="conversation", cost="tokens")
+    fitted_12 = _row(rows, **conversation, budget=TARGET_BUDGET, strategy="fitted")
+    powers_12 = _row(rows, **conversation, budget=TARGET_BUDGET, strategy="powers-of-two")
+    gap_12 = fitted_12["out_of_sample_waste"] - fitted_12["in_sample_waste"]
+    sorted_waste = _row(batching, trace="conversation")["sorted_batches_pad_to_longest"]["waste"]
+    fit_seconds = _row(timings, lengths=100_000, kind="synthetic")["seconds"]
+    return {
+        "fitted_token_waste_at_12": fitted_12["token_waste"], "fitted_target": 0.10,
+        "powers_of_two_token_waste_at_12": powers_12["token_waste"], "powers_of_two_programs": powers_12["programs"],
+        "sorted_batching_waste": sorted_waste, "sorted_batching_target": 0.02,
+        "fitted_out_of_sample_gap_at_12": gap_12, "out_of_sample_gap_target": 0.02,
+        "fitted_out_of_sample": {name: _out_of_sample(rows, name) for name in ("conversation", "synthetic")},
+        "fit_seconds_100k_k32": fit_seconds, "fit_seconds_target": 5.0,
+        "met": {
+            "fitted_waste": fitted_12["token_waste"] <= 0.10, "sorted_batching": sorted_waste <= 0.02,
+            "out_of_sample_gap_at_12": abs(gap_12) <= 0.02, "fit_time": fit_seconds < 5.0,
+        },
+    }  # fmt: skip
+
+
+def _load_traces(args) -> dict:
+    conversation = load_trace(args.trace)
+    synthetic = synthetic_trace(conversation.num_requests, seed=args.seed)
+    return {"conversation": conversation, "synthetic": synthetic}
+
+
+def _print_batching_and_timings(batching: list[dict], timings: list[dict]) -> None:
+    print(f"\nbatch-level token waste (batches of {BATCH_SIZE}; packing into {PACKING_TOKEN_BUDGET}-token steps)")
+    for entry in batching:
+        views = ", ".join(f"{k} {v['waste']:.1%}" for k, v in entry.items() if k != "trace")
+        print(f"  {entry['trace']}: {views}")
+    print(f"\nfit_buckets time at K={TIMING_BUDGET} (O(K·M·log M), M distinct lengths)")
+    for t in timings:
+        print(f"  {t['lengths']:>7} lengths, {t['distinct']:>6} distinct ({t['kind']}): {t['seconds']:.3f} s")
+
+
+def _write_plots(out: pathlib.Path, traces: dict, rows: list[dict]) -> list[pathlib.Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for name, trace in traces.items():
+        plots += [out / f"buckets_waste_vs_programs_{name}.png", out / f"buckets_length_cdf_{name}.png"]
+        _plot_waste(rows, name, plots[-2])
+        _plot_cdf(name, trace.context_tokens, plots[-1])
+    return plots
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="Azure-format trace CSV")
+    parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "experiments/results", help="output folder")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    args = parser.parse_args(argv)
+    try:
+        traces = _load_traces(args)
+    except (TraceError, OSError) as error:
+        print(f"compare_buckets: {error}", file=sys.stderr)
+        return 2
+    rows = [r for name, trace in traces.items() for cost in COSTS for r in _strategy_rows(name, trace, cost, args.seed)]
+    batching = [_batching_rows(name, trace) for name, trace in traces.items()]
+    timings = _fit_timings()
+    for name in traces:
+        for cost in COSTS:
+            _print_waste_table(rows, name, cost)
+            _print_out_of_sample_table(rows, name, cost)
+    _print_batching_and_timings(batching, timings)
+    plots = _write_plots(args.out, traces, rows)
+    targets = _targets(rows, batching, timings)
+    results = {"trace": os.path.relpath(args.trace, REPO_ROOT), "synthetic_seed": args.seed, "budgets": list(BUDGETS),
+               "rows": rows, "batching": batching, "fit_timings": timings, "targets": targets}  # fmt: skip
+    (args.out / "compare_buckets.json").write_text(json.dumps(results, indent=1) + "\n")
+    summary = {k: v for k, v in targets.items() if k != "fitted_out_of_sample"}  # the details are in the file
+    summary["fitted_stale_fit_regret_at_12"] = targets["fitted_out_of_sample"]["conversation"]["12"]["stale_fit_regret"]
+    print(json.dumps({"experiment": "compare_buckets", "targets": summary, "plots": [p.name for p in plots]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
