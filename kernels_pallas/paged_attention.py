@@ -179,7 +179,7 @@ class PagedAttentionConfig:
     """Shared memory one program allocates (the output aliases the K ring)."""
     block_kv = self.pages_per_block * page_size
     ring = 2 * self.pipeline_depth * block_kv * head_dim * itemsize
-    return ring + self.block_h * (head_dim + block_kv) * itemsize + 1024  # + q, p, barriers
+    return ring + self.block_h * (head_dim + block_kv) * itemsize + 2048  # + q, p, barriers
 
   def check_shapes(self, head_dim: int, page_size: int, group_size: int) -> None:
     """Raises ValueError if this config cannot run these (static) sizes."""
@@ -407,7 +407,6 @@ def paged_attention(
                               config=config, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
 def paged_attention_reference(
     q: Float[Array, "B H K"],
     k_pages: Float[Array, "G P K L"],
@@ -421,25 +420,34 @@ def paged_attention_reference(
 ) -> Float[Array, "B H K"]:
   """Pure-jnp paged decode attention in f32; the same contract as `paged_attention`.
 
-  Gathers each sequence's pages through its block table and masks positions >= length with
-  MASK_VALUE. Any float dtype. `config` and `interpret` are accepted for signature parity and
-  ignored. Out-of-range page ids are clamped by the gather: validate on the host first.
+  Gathers each sequence's pages through its block table and masks positions >= length (scores
+  with MASK_VALUE, V with zeros, so stale pages may hold anything). Any float dtype; `config`
+  and `interpret` are accepted for signature parity and ignored. Out-of-range page ids are
+  clamped by the gather: validate on the host first.
   """
   del config, interpret
-  num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+  _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+  return _reference_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _reference_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale):
   batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, group_size = k_pages.shape[0], num_q_heads // k_pages.shape[0]
   max_pages, page_size = block_tables.shape[1], k_pages.shape[-1]
-  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   hi = lax.Precision.HIGHEST  # true f32 on GPU too (the default may use tf32)
   q_grouped = q.reshape(batch, num_kv_heads, group_size, head_dim).astype(jnp.float32)
   k = k_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, K, L]
   v = v_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, L, K]
-  scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * scale
+  scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
   scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
   valid = jnp.arange(max_pages * page_size)[None, :] < lengths[:, None]  # [B, S]
   scores = jnp.where(valid[:, None, None, :], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).reshape(
       batch, num_kv_heads, group_size, max_pages, page_size)  # [B, G, q, M, L]
+  # Zero V past the length too: a 0 probability times a NaN in a stale page is still NaN.
+  v = jnp.where(valid.reshape(1, batch, max_pages, page_size, 1), v, 0.0)
   out = jnp.einsum("bgqml,gbmlk->bgqk", probs, v, precision=hi)  # [B, G, q, K]
   out = jnp.where(lengths[:, None, None, None] > 0, out, 0.0)  # padding rows: zeros
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
