@@ -10,8 +10,8 @@ Writes into DIR:
   tiny_llama/              small random Llama: config.json + model.safetensors (float32)
   tiny_llama_reference.npz its logits for fixed id sequences
 
-npz layout (all arrays little-endian; see the module docstring of tests/reference/compare.py
-and the report in the commit for the key list):
+npz layout (all arrays little-endian; tests/reference/compare.py says how a rebuild is compared
+with the committed files):
 
 smollm2_reference.npz
   num_prompts  int64 scalar          P
