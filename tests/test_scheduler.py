@@ -1,0 +1,178 @@
+"""Scheduler: scripted steps with exact page ids, and a fake paged engine that checks every plan.
+
+The fake engine keeps a numpy "pool" of token ids per (page, offset). It writes each plan's tokens to
+their slots, reads each sampled row's context back through its block table, and returns a token that is
+a hash of that whole context. If any slot mapping, block table, chunk or preemption were wrong, the
+tokens would differ from the hash chain of the true sequence.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.request import Request, SamplingParams
+from jaxinfer.scheduler import Scheduler
+
+VOCAB = 1000
+
+
+def small_config(**overrides) -> EngineConfig:
+    base = dict(
+        page_size=4, max_context=32, max_num_seqs=4, max_prefill_tokens=8,
+        prefill_chunk_buckets=(4, 8), prefill_seq_buckets=(1, 2), decode_batch_buckets=(2, 4), compilation_cache_dir=None,
+    )
+    return EngineConfig(**(base | overrides))
+
+
+def request(rid: str, prompt_len: int, max_tokens: int, index: int = 0, priority: int = 0) -> Request:
+    prompt = [(7 * index + 3 * i + 1) % VOCAB for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), seed=0, arrival_index=index, priority=priority)
+
+
+def context_hash(tokens) -> int:
+    value = 17
+    for t in tokens:
+        value = (value * 131 + int(t) + 1) % VOCAB
+    return value
+
+
+class FakePagedEngine:
+    def __init__(self, num_pages: int, page_size: int):
+        self.slots = np.full((num_pages, page_size), -1, np.int64)
+        self.page_size = page_size
+
+    def step(self, plan) -> np.ndarray:
+        real = len(plan.request_ids)
+        self.slots[plan.slot_pages, plan.slot_offsets] = plan.token_ids  # padding lands on page 0
+        out = np.zeros(plan.token_ids.shape[0], np.int32)
+        for row in range(real):
+            last_position = plan.positions[row, plan.logit_indices[row]]
+            positions = np.arange(last_position + 1)
+            pages = plan.block_tables[row, positions // self.page_size]
+            assert (pages != 0).all(), "a real token reads the null page"
+            out[row] = context_hash(self.slots[pages, positions % self.page_size])
+        return out
+
+
+def expected_output(req: Request) -> list[int]:
+    tokens = list(req.prompt_ids)
+    for _ in range(req.params.max_tokens):
+        tokens.append(context_hash(tokens))
+    return tokens[len(req.prompt_ids):]
+
+
+def run_to_completion(scheduler: Scheduler, engine: FakePagedEngine, max_steps: int = 2000):
+    finished, plans = [], []
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return finished, plans
+        step_plans = scheduler.schedule()
+        assert step_plans, "scheduler made no progress"
+        for plan in step_plans:
+            plans.append(plan)
+            finished += scheduler.update(plan, engine.step(plan))
+    raise AssertionError("did not finish")
+
+
+def test_first_step_prefills_under_token_budget_with_exact_slots():
+    cfg = small_config()
+    scheduler = Scheduler(cfg, num_pages=7)
+    scheduler.add(request("a", 6, 4, 0))
+    scheduler.add(request("b", 3, 4, 1))
+    (plan,) = scheduler.schedule()
+    assert plan.phase == "prefill" and plan.bucket == ("prefill", 2, 8, 8)
+    assert plan.request_ids == ("a", "b") and plan.num_new_tokens == (6, 2) and plan.samples == (True, False)
+    assert plan.slot_pages[0].tolist() == [1, 1, 1, 1, 2, 2, 0, 0]
+    assert plan.slot_offsets[0, :6].tolist() == [0, 1, 2, 3, 0, 1]
+    assert plan.slot_pages[1].tolist() == [3, 3, 0, 0, 0, 0, 0, 0]
+    assert plan.block_tables[0, :3].tolist() == [1, 2, 0]
+    assert plan.logit_indices.tolist() == [5, 1]
+
+
+def test_second_step_decodes_a_and_continues_chunk_of_b():
+    scheduler = Scheduler(small_config(), num_pages=7)
+    scheduler.add(request("a", 6, 4, 0))
+    scheduler.add(request("b", 3, 4, 1))
+    scheduler.update(plan := scheduler.schedule()[0], np.array([11, 12]))
+    decode, prefill = scheduler.schedule()
+    assert decode.request_ids == ("a",) and decode.token_ids[0, 0] == 11 and decode.positions[0, 0] == 6
+    assert decode.bucket == ("decode", 2, 1, 2)
+    assert prefill.request_ids == ("b",) and prefill.positions[0, 0] == 2 and prefill.samples == (True,)
+
+
+def test_preemption_takes_most_recently_admitted_and_keeps_its_output():
+    scheduler = Scheduler(small_config(max_prefill_tokens=8), num_pages=5)  # 4 usable pages
+    engine = FakePagedEngine(5, 4)
+    scheduler.add(request("a", 7, 6, 0))
+    scheduler.add(request("b", 7, 6, 1))
+    for _ in range(3):  # prefill a, prefill b, then decode until both need a third page
+        for plan in scheduler.schedule():
+            scheduler.update(plan, engine.step(plan))
+    b = next(r for r in scheduler.running if r.request_id == "b")
+    kept = list(b.output_ids)
+    for plan in scheduler.schedule():
+        scheduler.update(plan, engine.step(plan))
+    assert b.num_preemptions >= 1 and scheduler.stats.num_preemptions >= 1
+    assert b.output_ids[: len(kept)] == kept
+    a = next(r for r in scheduler.running if r.request_id == "a")
+    assert a.num_preemptions == 0
+
+
+def test_all_outputs_match_hash_chain_when_pool_forces_preemption():
+    cfg = small_config()
+    scheduler = Scheduler(cfg, num_pages=9)
+    engine = FakePagedEngine(9, 4)
+    requests = [request(f"r{i}", 3 + 5 * i % 17, 3 + i % 6, i) for i in range(10)]
+    for r in requests:
+        scheduler.add(r)
+    finished, plans = run_to_completion(scheduler, engine)
+    assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in requests)
+    for r in requests:
+        assert r.output_ids == expected_output(r), r.request_id
+    assert scheduler.stats.num_preemptions > 0
+    assert scheduler.block_pool.num_free == 8  # every page returned
+    assert any(p.phase == "prefill" and not all(p.samples) for p in plans)  # chunked prefill happened
+
+
+def test_priority_orders_admission():
+    scheduler = Scheduler(small_config(max_prefill_tokens=4, prefill_chunk_buckets=(4,)), num_pages=20)
+    scheduler.add(request("low", 4, 2, 0, priority=5))
+    scheduler.add(request("high", 4, 2, 1, priority=0))
+    (plan,) = scheduler.schedule()
+    assert plan.request_ids == ("high",)
+
+
+def test_add_rejects_requests_that_can_never_fit():
+    scheduler = Scheduler(small_config(), num_pages=3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        scheduler.add(request("e", 0, 4))
+    with pytest.raises(ValueError, match="the context is 32"):
+        scheduler.add(request("long", 40, 4))
+    with pytest.raises(ValueError, match="needs 4 KV pages; the pool has 2"):
+        scheduler.add(request("big", 12, 4))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10)), min_size=1, max_size=8),
+    num_pages=st.integers(9, 20),
+)
+def test_every_request_finishes_exactly_once_with_correct_tokens(lengths, num_pages):
+    scheduler = Scheduler(small_config(), num_pages=num_pages)
+    engine = FakePagedEngine(num_pages, 4)
+    requests = [request(f"r{i}", p, m, i) for i, (p, m) in enumerate(lengths)]
+    for r in requests:
+        scheduler.add(r)
+    finished, plans = run_to_completion(scheduler, engine)
+    assert len(finished) == len(requests) == len({id(r) for r in finished})
+    for r in requests:
+        assert r.output_ids == expected_output(r)
+    assert scheduler.block_pool.num_free == num_pages - 1
+    cfg = scheduler.cfg
+    for plan in plans:
+        _, rows, tokens, width = plan.bucket
+        buckets = cfg.decode_batch_buckets if plan.phase == "decode" else cfg.prefill_seq_buckets
+        assert rows in buckets
+        assert tokens == 1 if plan.phase == "decode" else tokens in cfg.prefill_chunk_buckets
