@@ -29,6 +29,33 @@ from jaxinfer.request import StepPlan
 log = logging.getLogger(__name__)
 
 
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+
+
+class CompileCounter:
+    """Counts JAX traces and backend compiles in the process while active (a context manager).
+
+    Independent of the engine's own bookkeeping: it listens to jax.monitoring, so any compile anywhere
+    (a stray jnp op on a new shape, a jit cache miss) is seen.
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.events: list[str] = []
+
+    def _listener(self, event: str, duration: float, **_) -> None:
+        if event in _COMPILE_EVENTS:
+            self.count += 1
+            self.events.append(event)
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
 class PoolTooLargeError(ValueError):
     """The requested KV pool does not fit the available memory."""
 
