@@ -31,7 +31,17 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, Int
+
+try:
+  from jaxtyping import Array, Float, Int
+except ImportError:  # a bare GPU box (jax, numpy, absl-py) running experiments/device_check.py
+  Array = jax.Array
+
+  class Float:  # Float[Array, "B H K"] -> jax.Array: the annotation is kept, unchecked
+    def __class_getitem__(cls, _):
+      return jax.Array
+
+  Int = Float
 
 # Finite stand-in for -inf: exp2(MASK_VALUE - m) underflows to 0 without NaN from inf - inf.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

@@ -323,3 +323,76 @@ def test_lowering_sweep_for_cuda():
     except Exception as e:  # collect them all, then fail once with the list
       failures.append(f"{kwargs}: {type(e).__name__}: {str(e)[:300]}")
   assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- harness and device check
+
+
+def test_race_detector_is_live():
+  """A negative control: the harness must see a race the interpreter can detect (a register
+  store read by a TMA without `commit_smem`), or 'no races' above would mean nothing."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_ref, o_ref, smem):
+    smem[...] = x_ref[...] + 1.0
+    plgpu.copy_smem_to_gmem(smem, o_ref)  # missing plgpu.commit_smem()
+    plgpu.wait_smem_to_gmem(0)
+
+  with kernel_interpret.gpu_interpreter() as params:
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                          scratch_types=[plgpu.SMEM((128,), jnp.float32)], interpret=params)
+    jax.block_until_ready(jax.jit(kernel)(jnp.zeros((128,), jnp.float32)))
+    assert kernel_interpret.races_found()
+
+
+def _device_check_module():
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "device_check.py"
+  spec = importlib.util.spec_from_file_location("device_check", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_device_check_plan_is_valid():
+  """The GPU-only branches of experiments/device_check.py, planned on CPU: every correctness
+  case and timing shape has a valid config, and lengths stay in range."""
+  dc = _device_check_module()
+  rng = np.random.default_rng(0)
+  cases = dc.correctness_cases(dry_run=False)
+  assert len(cases) >= len({(e.head_dim, e.page_size, e.config) for e in pa.TUNED_TABLE})
+  for shape, config in cases:
+    config.check_shapes(shape.head_dim, shape.page_size, shape.group_size)
+    lengths = dc.awkward_lengths(shape, config, rng)
+    assert lengths.shape == (shape.batch,) and 1 <= lengths.min() and lengths.max() <= shape.context
+  shapes = dc.timing_shapes(dry_run=False)
+  assert (shapes[0].batch, shapes[0].context) == dc.MILESTONE
+  assert len(shapes) == 2 * (len(dc.BATCHES) * len(dc.CONTEXTS) + 1)
+  for shape in shapes:
+    pa.config_for(shape.batch, shape.max_pages, shape.num_kv_heads, shape.group_size,
+                  shape.head_dim, shape.page_size)
+  assert shapes[0].kv_bytes([4096] * 64) == 2 * 64 * 4096 * 8 * 128 * 2
+
+
+def test_device_check_dry_run(tmp_path):
+  """`device_check.py --dry-run` end to end, from the source tree, without jaxtyping (the GPU
+  box has only jax, numpy and absl-py)."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  code = ("import runpy, sys; sys.modules['jaxtyping'] = None; "
+          "sys.argv = ['device_check.py', '--dry-run']; "
+          "runpy.run_path('experiments/device_check.py', run_name='__main__')")
+  env = dict(os.environ, PYTHONPATH=str(root), OUT=str(tmp_path))
+  proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  doc = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert doc["ok"] and not doc["errors"], doc["errors"]
+  assert doc["correctness"][0]["ok"] and doc["correctness"][0]["races"] is False
+  assert all("reference_us" in row for row in doc["timing"])
+  assert json.loads((tmp_path / "device_check_dry_run.json").read_text())["ok"]
