@@ -45,365 +45,365 @@ H200_HBM_TB_S = 4.8  # spec sheet, for reference only: the floor uses the measur
 
 
 class Budget:
-  """Global wall-clock budget: phases skip what no longer fits and say so in the JSON."""
+    """Global wall-clock budget: phases skip what no longer fits and say so in the JSON."""
 
-  def __init__(self, seconds: float):
-    self.seconds, self.start = seconds, time.perf_counter()
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.perf_counter()
 
-  def left(self) -> float:
-    return self.seconds - (time.perf_counter() - self.start)
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
 
 
 def _error(e: BaseException) -> str:
-  return f"{type(e).__name__}: {str(e)[:400]}"
+    return f"{type(e).__name__}: {str(e)[:400]}"
 
 
 def _wall(fn, *args) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
 
 
 def time_chained(fn, args, *, min_total_s: float = 0.02) -> float:
-  """Seconds per call of `fn(q, *rest)`: a jitted, unrolled chain of n dependent calls (one
-  dispatch, no host sync in between), median of 3, compile excluded. Each call adds q + 0 and
-  sums its whole output (both tiny next to the KV reads), so XLA can neither hoist a call out
-  nor compute only part of an output."""
-  def chain(n):
-    def run(q, *rest):
-      carry = jnp.float32(0)
-      for _ in range(n):
-        out = fn(q + carry.astype(q.dtype), *rest)
-        carry = carry * 0 + jnp.sum(out.astype(jnp.float32)) * 0  # x * 0 is not folded
-      return carry
-    return jax.jit(run)
+    """Seconds per call of `fn(q, *rest)`: a jitted, unrolled chain of n dependent calls (one
+    dispatch, no host sync in between), median of 3, compile excluded. Each call adds q + 0 and
+    sums its whole output (both tiny next to the KV reads), so XLA can neither hoist a call out
+    nor compute only part of an output."""
+    def chain(n):
+        def run(q, *rest):
+            carry = jnp.float32(0)
+            for _ in range(n):
+                out = fn(q + carry.astype(q.dtype), *rest)
+                carry = carry * 0 + jnp.sum(out.astype(jnp.float32)) * 0  # x * 0 is not folded
+            return carry
+        return jax.jit(run)
 
-  one = chain(1)
-  _wall(one, *args)  # compile
-  single = min(_wall(one, *args) for _ in range(2))
-  n = int(min(16, max(2, math.ceil(min_total_s / max(single, 1e-6)))))
-  many = chain(n)
-  _wall(many, *args)  # compile
-  return float(np.median([_wall(many, *args) for _ in range(3)])) / n
+    one = chain(1)
+    _wall(one, *args)  # compile
+    single = min(_wall(one, *args) for _ in range(2))
+    n = int(min(16, max(2, math.ceil(min_total_s / max(single, 1e-6)))))
+    many = chain(n)
+    _wall(many, *args)  # compile
+    return float(np.median([_wall(many, *args) for _ in range(3)])) / n
 
 
 def time_back_to_back(fn, args, *, calls: int = 10) -> float:
-  """Seconds per call for big ops (over ~1 ms): `calls` async dispatches, one sync at the end."""
-  jax.block_until_ready(fn(*args))  # compile
+    """Seconds per call for big ops (over ~1 ms): `calls` async dispatches, one sync at the end."""
+    jax.block_until_ready(fn(*args))  # compile
 
-  def run():
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    return out
+    def run():
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        return out
 
-  return float(np.median([_wall(run) for _ in range(3)])) / calls
+    return float(np.median([_wall(run) for _ in range(3)])) / calls
 
 
 def measure_ceilings(dry_run: bool) -> dict:
-  """Copy bandwidth ((read + write) bytes / s) and bf16 matmul FLOP/s."""
-  out = {}
-  try:
-    elements = (1 << 24) if dry_run else (1 << 30)  # 2 GiB of bf16 on the GPU
-    x = jnp.ones((elements,), jnp.bfloat16)
-    seconds = time_back_to_back(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,))
-    out["copy_bytes"] = 2 * x.nbytes
-    out["copy_tb_s"] = 2 * x.nbytes / seconds / 1e12
-    del x
-  except Exception as e:
-    out["copy_error"] = _error(e)
-  try:
-    n = 1024 if dry_run else 8192
-    a = jnp.ones((n, n), jnp.bfloat16)
-    matmul = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-    seconds = time_back_to_back(matmul, (a, a))
-    out["matmul_n"], out["matmul_tflops"] = n, 2 * n**3 / seconds / 1e12
-  except Exception as e:
-    out["matmul_error"] = _error(e)
-  return out
+    """Copy bandwidth ((read + write) bytes / s) and bf16 matmul FLOP/s."""
+    out = {}
+    try:
+        elements = (1 << 24) if dry_run else (1 << 30)  # 2 GiB of bf16 on the GPU
+        x = jnp.ones((elements,), jnp.bfloat16)
+        seconds = time_back_to_back(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,))
+        out["copy_bytes"] = 2 * x.nbytes
+        out["copy_tb_s"] = 2 * x.nbytes / seconds / 1e12
+        del x
+    except Exception as e:
+        out["copy_error"] = _error(e)
+    try:
+        n = 1024 if dry_run else 8192
+        a = jnp.ones((n, n), jnp.bfloat16)
+        matmul = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
+        seconds = time_back_to_back(matmul, (a, a))
+        out["matmul_n"], out["matmul_tflops"] = n, 2 * n**3 / seconds / 1e12
+    except Exception as e:
+        out["matmul_error"] = _error(e)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  batch: int
-  context: int  # tokens per sequence (max_pages * page_size)
-  num_kv_heads: int
-  group_size: int
-  head_dim: int
-  page_size: int
-  dtype: str = "bfloat16"
+    batch: int
+    context: int  # tokens per sequence (max_pages * page_size)
+    num_kv_heads: int
+    group_size: int
+    head_dim: int
+    page_size: int
+    dtype: str = "bfloat16"
 
-  @property
-  def max_pages(self) -> int:
-    return -(-self.context // self.page_size)
+    @property
+    def max_pages(self) -> int:
+        return -(-self.context // self.page_size)
 
-  def kv_bytes(self, lengths) -> int:
-    """K and V bytes the kernel must read: valid tokens, whole pages."""
-    pages = -(-np.asarray(lengths, np.int64) // self.page_size)
-    per_page = 2 * self.num_kv_heads * self.head_dim * self.page_size * jnp.dtype(self.dtype).itemsize
-    return int(pages.sum() * per_page)
+    def kv_bytes(self, lengths) -> int:
+        """K and V bytes the kernel must read: valid tokens, whole pages."""
+        pages = -(-np.asarray(lengths, np.int64) // self.page_size)
+        per_page = 2 * self.num_kv_heads * self.head_dim * self.page_size * jnp.dtype(self.dtype).itemsize
+        return int(pages.sum() * per_page)
 
 
 def make_inputs(shape: Shape, lengths, seed: int, q_scale: float = 1.0):
-  """Random pool with a shuffled page assignment (page 0 is the null page)."""
-  rng = np.random.default_rng(seed)
-  num_pages = shape.batch * shape.max_pages + 1
-  tables = (rng.permutation(num_pages - 1) + 1).astype(np.int32)
-  tables = tables.reshape(shape.batch, shape.max_pages)
-  lengths = np.asarray(lengths, np.int32)
-  tables[np.arange(shape.max_pages)[None, :] * shape.page_size >= lengths[:, None]] = 0
-  key_q, key_k, key_v = jax.random.split(jax.random.key(seed), 3)
-  dtype, heads = jnp.dtype(shape.dtype), shape.num_kv_heads
-  q = jax.random.normal(key_q, (shape.batch, heads * shape.group_size, shape.head_dim)) * q_scale
-  k = jax.random.normal(key_k, (heads, num_pages, shape.head_dim, shape.page_size), dtype)
-  v = jax.random.normal(key_v, (heads, num_pages, shape.page_size, shape.head_dim), dtype)
-  return q.astype(dtype), k, v, jnp.asarray(tables), jnp.asarray(lengths)
+    """Random pool with a shuffled page assignment (page 0 is the null page)."""
+    rng = np.random.default_rng(seed)
+    num_pages = shape.batch * shape.max_pages + 1
+    tables = (rng.permutation(num_pages - 1) + 1).astype(np.int32)
+    tables = tables.reshape(shape.batch, shape.max_pages)
+    lengths = np.asarray(lengths, np.int32)
+    tables[np.arange(shape.max_pages)[None, :] * shape.page_size >= lengths[:, None]] = 0
+    key_q, key_k, key_v = jax.random.split(jax.random.key(seed), 3)
+    dtype, heads = jnp.dtype(shape.dtype), shape.num_kv_heads
+    q = jax.random.normal(key_q, (shape.batch, heads * shape.group_size, shape.head_dim)) * q_scale
+    k = jax.random.normal(key_k, (heads, num_pages, shape.head_dim, shape.page_size), dtype)
+    v = jax.random.normal(key_v, (heads, num_pages, shape.page_size, shape.head_dim), dtype)
+    return q.astype(dtype), k, v, jnp.asarray(tables), jnp.asarray(lengths)
 
 
 def awkward_lengths(shape: Shape, config: pa.PagedAttentionConfig, rng) -> np.ndarray:
-  """1, L-1, L, L+1, a split boundary +-1, the max, then random; one per sequence."""
-  page, context = shape.page_size, shape.context
-  blocks = -(-shape.max_pages // config.pages_per_block)
-  boundary = -(-blocks // config.num_splits) * config.pages_per_block * page
-  picks = [1, page - 1, page, page + 1, boundary - 1, boundary, boundary + 1, context]
-  picks = [min(max(n, 1), context) for n in picks]
-  extra = rng.integers(1, context + 1, size=max(0, shape.batch - len(picks)))
-  return np.concatenate([picks, extra])[: shape.batch].astype(np.int32)
+    """1, L-1, L, L+1, a split boundary +-1, the max, then random; one per sequence."""
+    page, context = shape.page_size, shape.context
+    blocks = -(-shape.max_pages // config.pages_per_block)
+    boundary = -(-blocks // config.num_splits) * config.pages_per_block * page
+    picks = [1, page - 1, page, page + 1, boundary - 1, boundary, boundary + 1, context]
+    picks = [min(max(n, 1), context) for n in picks]
+    extra = rng.integers(1, context + 1, size=max(0, shape.batch - len(picks)))
+    return np.concatenate([picks, extra])[: shape.batch].astype(np.int32)
 
 
 def rel_err(out, ref) -> float:
-  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dict:
-  rng = np.random.default_rng(seed)
-  lengths = awkward_lengths(shape, config, rng)
-  q, k, v, bt, lens = make_inputs(shape, lengths, seed, q_scale)
-  pa.validate_block_tables(np.asarray(bt), k.shape[1], np.asarray(lens), shape.page_size)
-  out = pa.paged_attention(q, k, v, bt, lens, config=config, interpret=interpret)
-  ref = pa.paged_attention_reference(q, k, v, bt, lens)
-  err = rel_err(out, ref)
-  finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
-  return dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
+    rng = np.random.default_rng(seed)
+    lengths = awkward_lengths(shape, config, rng)
+    q, k, v, bt, lens = make_inputs(shape, lengths, seed, q_scale)
+    pa.validate_block_tables(np.asarray(bt), k.shape[1], np.asarray(lens), shape.page_size)
+    out = pa.paged_attention(q, k, v, bt, lens, config=config, interpret=interpret)
+    ref = pa.paged_attention_reference(q, k, v, bt, lens)
+    err = rel_err(out, ref)
+    finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
+    return dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
 
 
 def correctness_cases(dry_run: bool):
-  """(Shape, config) per distinct tuned config, at a shape inside its bucket; plus the
-  default model's GQA 3 at head_dim 64 and an f16 run. Dry run: one interpreter case."""
-  if dry_run:
-    shape = Shape(2, 192, 2, 4, 64, 64)
-    return [(shape, pa.PagedAttentionConfig(num_splits=2))]
-  cases, seen = [], set()
-  for e in pa.TUNED_TABLE:
-    if (e.head_dim, e.page_size, e.config) in seen:
-      continue
-    seen.add((e.head_dim, e.page_size, e.config))
-    heads = 8
-    batch = max(1, min(e.max_rows, 256) // heads)
-    context = min(e.max_context, 8192)
-    cases.append((Shape(batch, context, heads, 4, e.head_dim, e.page_size), e.config))
-  for dtype, group, head_dim in (("bfloat16", 3, 64), ("float16", 8, 128)):
-    shape = Shape(8, 1024, 3, group, head_dim, 64, dtype)
-    cases.append((shape, pa.config_for(8, 16, 3, group, head_dim, 64)))
-  return cases
+    """(Shape, config) per distinct tuned config, at a shape inside its bucket; plus the
+    default model's GQA 3 at head_dim 64 and an f16 run. Dry run: one interpreter case."""
+    if dry_run:
+        shape = Shape(2, 192, 2, 4, 64, 64)
+        return [(shape, pa.PagedAttentionConfig(num_splits=2))]
+    cases, seen = [], set()
+    for e in pa.TUNED_TABLE:
+        if (e.head_dim, e.page_size, e.config) in seen:
+            continue
+        seen.add((e.head_dim, e.page_size, e.config))
+        heads = 8
+        batch = max(1, min(e.max_rows, 256) // heads)
+        context = min(e.max_context, 8192)
+        cases.append((Shape(batch, context, heads, 4, e.head_dim, e.page_size), e.config))
+    for dtype, group, head_dim in (("bfloat16", 3, 64), ("float16", 8, 128)):
+        shape = Shape(8, 1024, 3, group, head_dim, 64, dtype)
+        cases.append((shape, pa.config_for(8, 16, 3, group, head_dim, 64)))
+    return cases
 
 
 def run_correctness(rows: list, budget: Budget, reserve_s: float, dry_run: bool, interpret):
-  for i, (shape, config) in enumerate(correctness_cases(dry_run)):
-    row = dict(shape=dataclasses.asdict(shape), config=dataclasses.asdict(config))
-    if budget.left() < reserve_s:
-      rows.append(dict(row, skipped="time budget"))
-      continue
-    try:
-      row.update(check_one(shape, config, seed=100 + i, q_scale=5.0 if i % 2 else 1.0,
-                           interpret=interpret))
-      if interpret:
-        row["races"] = _races_found()
-        row["ok"] = row["ok"] and not row["races"]
-    except Exception as e:
-      row.update(ok=False, error=_error(e))
-      _reset_interpreter()
-    rows.append(row)
-    print(f"correctness {i:2d} {shape} {config}: "
-          f"{row.get('rel_err', row.get('error', row.get('skipped')))}", flush=True)
+    for i, (shape, config) in enumerate(correctness_cases(dry_run)):
+        row = dict(shape=dataclasses.asdict(shape), config=dataclasses.asdict(config))
+        if budget.left() < reserve_s:
+            rows.append(dict(row, skipped="time budget"))
+            continue
+        try:
+            row.update(check_one(shape, config, seed=100 + i, q_scale=5.0 if i % 2 else 1.0,
+                                 interpret=interpret))
+            if interpret:
+                row["races"] = _races_found()
+                row["ok"] = row["ok"] and not row["races"]
+        except Exception as e:
+            row.update(ok=False, error=_error(e))
+            _reset_interpreter()
+        rows.append(row)
+        print(f"correctness {i:2d} {shape} {config}: "
+              f"{row.get('rel_err', row.get('error', row.get('skipped')))}", flush=True)
 
 
 def timing_shapes(dry_run: bool) -> list[Shape]:
-  if dry_run:
-    return [Shape(b, c, 2, g, 64, 64) for b in (1, 2) for c in (128, 256) for g in (2,)]
-  pairs = [MILESTONE] + [(b, c) for c in CONTEXTS for b in BATCHES]
-  return [Shape(b, c, NUM_KV_HEADS, g, HEAD_DIM, 64) for b, c in pairs for g in GROUP_SIZES]
+    if dry_run:
+        return [Shape(b, c, 2, g, 64, 64) for b in (1, 2) for c in (128, 256) for g in (2,)]
+    pairs = [MILESTONE] + [(b, c) for c in CONTEXTS for b in BATCHES]
+    return [Shape(b, c, NUM_KV_HEADS, g, HEAD_DIM, 64) for b, c in pairs for g in GROUP_SIZES]
 
 
 def time_shape(shape: Shape, ceilings: dict, *, kernel: bool, reference: bool = True,
                config=None) -> dict:
-  """Kernel and reference time at full length; bandwidth as a share of the copy rate."""
-  lengths = np.full((shape.batch,), shape.context, np.int32)
-  q, k, v, bt, lens = make_inputs(shape, lengths, seed=7)
-  if config is None:
-    config = pa.config_for(shape.batch, shape.max_pages, shape.num_kv_heads, shape.group_size,
-                           shape.head_dim, shape.page_size)
-  kv_bytes = shape.kv_bytes(lengths)
-  row = dict(dataclasses.asdict(shape), config=dataclasses.asdict(config), kv_bytes=kv_bytes)
-  copy = ceilings.get("copy_tb_s")
-  fns = {}
-  if kernel:
-    fns["kernel"] = lambda *a: pa.paged_attention(*a, config=config)
-  if reference:
-    fns["reference"] = pa.paged_attention_reference
-  for name, fn in fns.items():
-    try:
-      seconds = time_chained(fn, (q, k, v, bt, lens))
-      row[f"{name}_us"] = seconds * 1e6
-      row[f"{name}_tb_s"] = kv_bytes / seconds / 1e12
-      if copy:
-        row[f"{name}_frac_copy"] = row[f"{name}_tb_s"] / copy
-    except Exception as e:
-      row[f"{name}_error"] = _error(e)
-  if "kernel_us" in row and "reference_us" in row:
-    row["speedup_vs_reference"] = row["reference_us"] / row["kernel_us"]
-  return row
+    """Kernel and reference time at full length; bandwidth as a share of the copy rate."""
+    lengths = np.full((shape.batch,), shape.context, np.int32)
+    q, k, v, bt, lens = make_inputs(shape, lengths, seed=7)
+    if config is None:
+        config = pa.config_for(shape.batch, shape.max_pages, shape.num_kv_heads, shape.group_size,
+                               shape.head_dim, shape.page_size)
+    kv_bytes = shape.kv_bytes(lengths)
+    row = dict(dataclasses.asdict(shape), config=dataclasses.asdict(config), kv_bytes=kv_bytes)
+    copy = ceilings.get("copy_tb_s")
+    fns = {}
+    if kernel:
+        fns["kernel"] = lambda *a: pa.paged_attention(*a, config=config)
+    if reference:
+        fns["reference"] = pa.paged_attention_reference
+    for name, fn in fns.items():
+        try:
+            seconds = time_chained(fn, (q, k, v, bt, lens))
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_tb_s"] = kv_bytes / seconds / 1e12
+            if copy:
+                row[f"{name}_frac_copy"] = row[f"{name}_tb_s"] / copy
+        except Exception as e:
+            row[f"{name}_error"] = _error(e)
+    if "kernel_us" in row and "reference_us" in row:
+        row["speedup_vs_reference"] = row["reference_us"] / row["kernel_us"]
+    return row
 
 
 def run_timing(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry_run: bool):
-  for shape in timing_shapes(dry_run):
-    if budget.left() < reserve_s:
-      rows.append(dict(dataclasses.asdict(shape), skipped="time budget"))
-      continue
-    try:
-      rows.append(time_shape(shape, ceilings, kernel=not dry_run))
-    except Exception as e:
-      rows.append(dict(dataclasses.asdict(shape), error=_error(e)))
-    print_timing_row(rows[-1])
+    for shape in timing_shapes(dry_run):
+        if budget.left() < reserve_s:
+            rows.append(dict(dataclasses.asdict(shape), skipped="time budget"))
+            continue
+        try:
+            rows.append(time_shape(shape, ceilings, kernel=not dry_run))
+        except Exception as e:
+            rows.append(dict(dataclasses.asdict(shape), error=_error(e)))
+        print_timing_row(rows[-1])
 
 
 def run_tuning(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry_run: bool):
-  """Kernel-only timing of alternative configs at the milestone shape."""
-  if dry_run:
-    return
-  alternatives = [pa.PagedAttentionConfig(num_splits=s, pages_per_block=b, pipeline_depth=d)
-                  for b, d in ((1, 2), (1, 4), (2, 2), (2, 3)) for s in (1, 2)]
-  for group in GROUP_SIZES:
-    shape = Shape(*MILESTONE, NUM_KV_HEADS, group, HEAD_DIM, 64)
-    for config in alternatives:
-      if budget.left() < reserve_s:
-        rows.append(dict(group_size=group, config=dataclasses.asdict(config), skipped="budget"))
-        continue
-      try:
-        rows.append(time_shape(shape, ceilings, kernel=True, reference=False, config=config))
-      except Exception as e:
-        rows.append(dict(group_size=group, config=dataclasses.asdict(config), error=_error(e)))
-      print_timing_row(rows[-1])
+    """Kernel-only timing of alternative configs at the milestone shape."""
+    if dry_run:
+        return
+    alternatives = [pa.PagedAttentionConfig(num_splits=s, pages_per_block=b, pipeline_depth=d)
+                    for b, d in ((1, 2), (1, 4), (2, 2), (2, 3)) for s in (1, 2)]
+    for group in GROUP_SIZES:
+        shape = Shape(*MILESTONE, NUM_KV_HEADS, group, HEAD_DIM, 64)
+        for config in alternatives:
+            if budget.left() < reserve_s:
+                rows.append(dict(group_size=group, config=dataclasses.asdict(config), skipped="budget"))
+                continue
+            try:
+                rows.append(time_shape(shape, ceilings, kernel=True, reference=False, config=config))
+            except Exception as e:
+                rows.append(dict(group_size=group, config=dataclasses.asdict(config), error=_error(e)))
+            print_timing_row(rows[-1])
 
 
 def print_timing_row(row: dict) -> None:
-  if "skipped" in row or "error" in row:
-    print(f"  {row}", flush=True)
-    return
-  c = row["config"]
-  knobs = f"s{c['num_splits']}/b{c['pages_per_block']}/d{c['pipeline_depth']}"
-  cells = [f"{row['batch']:>5} {row['context']:>6} {row['group_size']:>3} {knobs:>10}"]
-  for name in ("kernel", "reference"):
-    if f"{name}_us" in row:
-      frac = row.get(f"{name}_frac_copy", float("nan"))
-      cells.append(f"{name} {row[f'{name}_us']:9.1f} us {row[f'{name}_tb_s']:5.2f} TB/s "
-                   f"({100 * frac:5.1f}% of copy)")
-    elif f"{name}_error" in row:
-      cells.append(f"{name} ERROR {row[f'{name}_error'][:80]}")
-  print("  ".join(cells), flush=True)
+    if "skipped" in row or "error" in row:
+        print(f"  {row}", flush=True)
+        return
+    c = row["config"]
+    knobs = f"s{c['num_splits']}/b{c['pages_per_block']}/d{c['pipeline_depth']}"
+    cells = [f"{row['batch']:>5} {row['context']:>6} {row['group_size']:>3} {knobs:>10}"]
+    for name in ("kernel", "reference"):
+        if f"{name}_us" in row:
+            frac = row.get(f"{name}_frac_copy", float("nan"))
+            cells.append(f"{name} {row[f'{name}_us']:9.1f} us {row[f'{name}_tb_s']:5.2f} TB/s "
+                         f"({100 * frac:5.1f}% of copy)")
+        elif f"{name}_error" in row:
+            cells.append(f"{name} ERROR {row[f'{name}_error'][:80]}")
+    print("  ".join(cells), flush=True)
 
 
 def _races_found() -> bool:
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # private: races
-  return bool(interpret_pallas_call.get_races().races_found)
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # private: races
+    return bool(interpret_pallas_call.get_races().races_found)
 
 
 def _reset_interpreter() -> None:
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
-  except Exception:
-    pass
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
+    except Exception:
+        pass
 
 
 def device_info() -> dict:
-  devices = jax.devices()
-  return dict(backend=jax.default_backend(), count=len(devices),
-              kind=devices[0].device_kind if devices else None, jax=jax.__version__,
-              python=platform.python_version())
+    devices = jax.devices()
+    return dict(backend=jax.default_backend(), count=len(devices),
+                kind=devices[0].device_kind if devices else None, jax=jax.__version__,
+                python=platform.python_version())
 
 
 def write_doc(doc: dict, out_dir: str, dry_run: bool) -> None:
-  path = pathlib.Path(out_dir)
-  path.mkdir(parents=True, exist_ok=True)
-  name = "device_check_dry_run.json" if dry_run else "device_check.json"
-  (path / name).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    path = pathlib.Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    name = "device_check_dry_run.json" if dry_run else "device_check.json"
+    (path / name).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def finish(doc: dict, budget: Budget, args) -> int:
-  doc["elapsed_s"] = budget.seconds - budget.left()
-  doc["ok"] = not doc["errors"] and all(r.get("ok", True) for r in doc.get("correctness", []))
-  try:
-    write_doc(doc, args.out, args.dry_run)
-  except Exception as e:
-    doc["errors"].append(f"write: {_error(e)}")
-  print(json.dumps(doc, default=str), flush=True)
-  return 0 if doc["ok"] else 1
+    doc["elapsed_s"] = budget.seconds - budget.left()
+    doc["ok"] = not doc["errors"] and all(r.get("ok", True) for r in doc.get("correctness", []))
+    try:
+        write_doc(doc, args.out, args.dry_run)
+    except Exception as e:
+        doc["errors"].append(f"write: {_error(e)}")
+    print(json.dumps(doc, default=str), flush=True)
+    return 0 if doc["ok"] else 1
 
 
 def start_watchdog(doc: dict, budget: Budget, args) -> None:
-  """If a phase hangs (say, a kernel deadlocks on a barrier), write what we have and exit."""
-  def fire():
-    doc["errors"].append(f"watchdog: still running {args.budget_s + 30:.0f} s after start")
-    os._exit(finish(doc, budget, args) or 3)
+    """If a phase hangs (say, a kernel deadlocks on a barrier), write what we have and exit."""
+    def fire():
+        doc["errors"].append(f"watchdog: still running {args.budget_s + 30:.0f} s after start")
+        os._exit(finish(doc, budget, args) or 3)
 
-  timer = threading.Timer(args.budget_s + 30, fire)
-  timer.daemon = True
-  timer.start()
+    timer = threading.Timer(args.budget_s + 30, fire)
+    timer.daemon = True
+    timer.start()
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dry-run", action="store_true",
-                      help="CPU: tiny shapes, reference timing only, one interpreter case")
-  parser.add_argument("--budget-s", type=float, default=420.0, help="global wall-clock budget")
-  parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "experiments/results/gpu"))
-  args = parser.parse_args(argv)
-  budget = Budget(args.budget_s)
-  doc = dict(experiment="device_check", dry_run=args.dry_run, budget_s=args.budget_s, errors=[],
-             ceilings={}, correctness=[], timing=[], tuning=[])
-  start_watchdog(doc, budget, args)
-  try:
-    doc["device"] = device_info()
-  except Exception as e:
-    doc["errors"].append(f"device: {_error(e)}")
-  if doc.get("device", {}).get("backend") != "gpu" and not args.dry_run:
-    doc["errors"].append("no GPU backend: run on the GPU box, or pass --dry-run on CPU")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: tiny shapes, reference timing only, one interpreter case")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="global wall-clock budget")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "experiments/results/gpu"))
+    args = parser.parse_args(argv)
+    budget = Budget(args.budget_s)
+    doc = dict(experiment="device_check", dry_run=args.dry_run, budget_s=args.budget_s, errors=[],
+               ceilings={}, correctness=[], timing=[], tuning=[])
+    start_watchdog(doc, budget, args)
+    try:
+        doc["device"] = device_info()
+    except Exception as e:
+        doc["errors"].append(f"device: {_error(e)}")
+    if doc.get("device", {}).get("backend") != "gpu" and not args.dry_run:
+        doc["errors"].append("no GPU backend: run on the GPU box, or pass --dry-run on CPU")
+        return finish(doc, budget, args)
+    interpret = plgpu.InterpretGPUParams(detect_races=True) if args.dry_run else False
+    total = args.budget_s
+    phases = (  # (name, run); each run stops starting new items when its reserve is reached
+        ("ceilings", lambda: doc["ceilings"].update(measure_ceilings(args.dry_run))),
+        ("correctness", lambda: run_correctness(
+            doc["correctness"], budget, 0.6 * total, args.dry_run, interpret)),
+        ("timing", lambda: run_timing(
+            doc["timing"], budget, 0.12 * total, doc["ceilings"], args.dry_run)),
+        ("tuning", lambda: run_tuning(doc["tuning"], budget, 20, doc["ceilings"], args.dry_run)),
+    )
+    for name, run in phases:
+        print(f"== {name} ({budget.left():.0f} s left)", flush=True)
+        try:
+            run()
+        except Exception as e:
+            doc["errors"].append(f"{name}: {_error(e)}\n{traceback.format_exc()[-1500:]}")
+        try:
+            write_doc(doc, args.out, args.dry_run)  # partial results survive a later hang or kill
+        except Exception as e:
+            doc["errors"].append(f"write: {_error(e)}")
+    print(f"ceilings: {doc['ceilings']}", flush=True)
     return finish(doc, budget, args)
-  interpret = plgpu.InterpretGPUParams(detect_races=True) if args.dry_run else False
-  total = args.budget_s
-  phases = (  # (name, run); each run stops starting new items when its reserve is reached
-      ("ceilings", lambda: doc["ceilings"].update(measure_ceilings(args.dry_run))),
-      ("correctness", lambda: run_correctness(
-          doc["correctness"], budget, 0.6 * total, args.dry_run, interpret)),
-      ("timing", lambda: run_timing(
-          doc["timing"], budget, 0.12 * total, doc["ceilings"], args.dry_run)),
-      ("tuning", lambda: run_tuning(doc["tuning"], budget, 20, doc["ceilings"], args.dry_run)),
-  )
-  for name, run in phases:
-    print(f"== {name} ({budget.left():.0f} s left)", flush=True)
-    try:
-      run()
-    except Exception as e:
-      doc["errors"].append(f"{name}: {_error(e)}\n{traceback.format_exc()[-1500:]}")
-    try:
-      write_doc(doc, args.out, args.dry_run)  # partial results survive a later hang or kill
-    except Exception as e:
-      doc["errors"].append(f"write: {_error(e)}")
-  print(f"ceilings: {doc['ceilings']}", flush=True)
-  return finish(doc, budget, args)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

@@ -33,15 +33,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 try:
-  from jaxtyping import Array, Float, Int
+    from jaxtyping import Array, Float, Int
 except ImportError:  # a bare GPU box (jax, numpy, absl-py) running experiments/device_check.py
-  Array = jax.Array
+    Array = jax.Array
 
-  class Float:  # Float[Array, "B H K"] -> jax.Array: the annotation is kept, unchecked
-    def __class_getitem__(cls, _):
-      return jax.Array
+    class Float:  # Float[Array, "B H K"] -> jax.Array: the annotation is kept, unchecked
+        def __class_getitem__(cls, _):
+            return jax.Array
 
-  Int = Float
+    Int = Float
 
 # Finite stand-in for -inf: exp2(MASK_VALUE - m) underflows to 0 without NaN from inf - inf.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -61,173 +61,173 @@ def _paged_attention_kernel(
     q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers,  # scratch
     *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale,
 ):
-  """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
+    """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
 
-  q_ref [B, G, Gp, K] · k_ref [G, P, K, L] · v_ref [G, P, L, K] · block_tables_ref [B, M]
-  lengths_ref [B] · out_ref [B, G, S, group, K] (f32; q.dtype when S == 1) · lse_ref
-  [B, G, S, R] f32 or None · q_smem [R, K] · v_smem [depth, N, K] · p_smem [R, N], with
-  N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L], (o_smem [R, K], lse_smem
-  [R])): the output buffers reuse the K ring, which is dead once the loop has ended.
-  """
-  k_smem, (o_smem, lse_smem) = ring_union
-  num_rows, head_dim = q_smem.shape
-  page_size = k_ref.shape[-1]
-  max_pages = block_tables_ref.shape[1]
-  dtype = q_smem.dtype
-  kv_head, seq, split = (lax.axis_index(n) for n in ("kv_head", "seq", "split"))
+    q_ref [B, G, Gp, K] · k_ref [G, P, K, L] · v_ref [G, P, L, K] · block_tables_ref [B, M]
+    lengths_ref [B] · out_ref [B, G, S, group, K] (f32; q.dtype when S == 1) · lse_ref
+    [B, G, S, R] f32 or None · q_smem [R, K] · v_smem [depth, N, K] · p_smem [R, N], with
+    N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L], (o_smem [R, K], lse_smem
+    [R])): the output buffers reuse the K ring, which is dead once the loop has ended.
+    """
+    k_smem, (o_smem, lse_smem) = ring_union
+    num_rows, head_dim = q_smem.shape
+    page_size = k_ref.shape[-1]
+    max_pages = block_tables_ref.shape[1]
+    dtype = q_smem.dtype
+    kv_head, seq, split = (lax.axis_index(n) for n in ("kv_head", "seq", "split"))
 
-  length = jnp.minimum(lengths_ref[seq], max_pages * page_size)
-  seq_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
-  first_page = split * pages_per_split
-  split_pages = jnp.clip(seq_pages - first_page, 0, pages_per_split)
-  num_blocks = lax.div(split_pages + (pages_per_block - 1), jnp.int32(pages_per_block))
+    length = jnp.minimum(lengths_ref[seq], max_pages * page_size)
+    seq_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
+    first_page = split * pages_per_split
+    split_pages = jnp.clip(seq_pages - first_page, 0, pages_per_split)
+    num_blocks = lax.div(split_pages + (pages_per_block - 1), jnp.int32(pages_per_block))
 
-  def fetch_block(block, slot):
-    # A block's pages past the sequence re-read its last page: always a real, finite page
-    # of this sequence, and the arrival count of the slot barrier stays fixed.
-    for j in range(pages_per_block):
-      index = jnp.minimum(first_page + block * pages_per_block + j, seq_pages - 1)
-      page = block_tables_ref[seq, index]
-      rows = pl.ds(j * page_size, page_size)
-      plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, j], k_barriers.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+    def fetch_block(block, slot):
+        # A block's pages past the sequence re-read its last page: always a real, finite page
+        # of this sequence, and the arrival count of the slot barrier stays fixed.
+        for j in range(pages_per_block):
+            index = jnp.minimum(first_page + block * pages_per_block + j, seq_pages - 1)
+            page = block_tables_ref[seq, index]
+            rows = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, j], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
 
-  @pl.when(num_blocks > 0)  # empty splits exit early: no loads, zeros out
-  def _prologue():
-    padded_group = q_ref.shape[2]
-    if padded_group < num_rows:  # rows past the group must be finite: they share the wgmma
-      q_smem[...] = jnp.zeros((num_rows, head_dim), dtype)
-      plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, padded_group)], q_barrier)
-    for slot in range(pipeline_depth):
-      pl.when(slot < num_blocks)(functools.partial(fetch_block, slot, slot))
-    plgpu.barrier_wait(q_barrier)
+    @pl.when(num_blocks > 0)  # empty splits exit early: no loads, zeros out
+    def _prologue():
+        padded_group = q_ref.shape[2]
+        if padded_group < num_rows:  # rows past the group must be finite: they share the wgmma
+            q_smem[...] = jnp.zeros((num_rows, head_dim), dtype)
+            plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, padded_group)], q_barrier)
+        for slot in range(pipeline_depth):
+            pl.when(slot < num_blocks)(functools.partial(fetch_block, slot, slot))
+        plgpu.barrier_wait(q_barrier)
 
-  def kv_step(block, carry):
-    acc, m_i, l_i = carry  # [R, K], [R], [R]; m_i and scores are in log2 units
-    slot = lax.rem(block, jnp.int32(pipeline_depth))
-    plgpu.barrier_wait(k_barriers.at[slot])
+    def kv_step(block, carry):
+        acc, m_i, l_i = carry  # [R, K], [R], [R]; m_i and scores are in log2 units
+        slot = lax.rem(block, jnp.int32(pipeline_depth))
+        plgpu.barrier_wait(k_barriers.at[slot])
 
-    def qk(page, acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, page])
-      return acc_ref[...]
+        def qk(page, acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, page])
+            return acc_ref[...]
 
-    # One QK wgmma per page (a K block spanning pages is not contiguous for TMA), one softmax
-    # update and one PV wgmma per block.
-    scores = []
-    for j in range(pages_per_block):
-      s = pl.run_scoped(functools.partial(qk, j), plgpu.ACC((num_rows, page_size), jnp.float32))
-      s = s * (sm_scale * _LOG2E)  # [R, L]
-      col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-      position = (first_page + block * pages_per_block + j) * page_size + col
-      scores.append(jnp.where(position < length, s, MASK_VALUE))
-    # Every block holds >= 1 valid token, so m_new is a real score and masked p is exactly 0.
-    m_new = functools.reduce(jnp.maximum, [s.max(axis=1) for s in scores], m_i)
-    alpha = jnp.exp2(m_i - m_new)
-    l_i = l_i * alpha
-    for j, s in enumerate(scores):
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))  # [R, L]
-      l_i = l_i + p.sum(axis=1)
-      # Staged in SMEM: a wgmma A operand in registers does not run in the interpreter.
-      p_smem.at[:, pl.ds(j * page_size, page_size)][...] = p.astype(dtype)
+        # One QK wgmma per page (a K block spanning pages is not contiguous for TMA), one softmax
+        # update and one PV wgmma per block.
+        scores = []
+        for j in range(pages_per_block):
+            s = pl.run_scoped(functools.partial(qk, j), plgpu.ACC((num_rows, page_size), jnp.float32))
+            s = s * (sm_scale * _LOG2E)  # [R, L]
+            col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            position = (first_page + block * pages_per_block + j) * page_size + col
+            scores.append(jnp.where(position < length, s, MASK_VALUE))
+        # Every block holds >= 1 valid token, so m_new is a real score and masked p is exactly 0.
+        m_new = functools.reduce(jnp.maximum, [s.max(axis=1) for s in scores], m_i)
+        alpha = jnp.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        for j, s in enumerate(scores):
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))  # [R, L]
+            l_i = l_i + p.sum(axis=1)
+            # Staged in SMEM: a wgmma A operand in registers does not run in the interpreter.
+            p_smem.at[:, pl.ds(j * page_size, page_size)][...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_barriers.at[slot])
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((num_rows, head_dim), jnp.float32))
+        # Both wgmmas have been awaited (their results are in registers), so the slot is free.
+        pl.when(block + pipeline_depth < num_blocks)(
+            functools.partial(fetch_block, block + pipeline_depth, slot))
+        return acc, m_new, l_i
+
+    init = (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(0, num_blocks, kv_step, init)
+
+    nonempty = l_i > 0  # false for all rows of an empty split
+    l_safe = jnp.where(nonempty, l_i, 1.0)
+    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+    if lse_ref is not None:
+        lse_smem[...] = jnp.where(nonempty, m_i + jnp.log2(l_safe), MASK_VALUE)
     plgpu.commit_smem()
-    plgpu.barrier_wait(v_barriers.at[slot])
-
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-      return acc_ref[...]
-
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    acc = acc + pl.run_scoped(pv, plgpu.ACC((num_rows, head_dim), jnp.float32))
-    # Both wgmmas have been awaited (their results are in registers), so the slot is free.
-    pl.when(block + pipeline_depth < num_blocks)(
-        functools.partial(fetch_block, block + pipeline_depth, slot))
-    return acc, m_new, l_i
-
-  init = (
-      jnp.zeros((num_rows, head_dim), jnp.float32),
-      jnp.full((num_rows,), MASK_VALUE, jnp.float32),
-      jnp.zeros((num_rows,), jnp.float32),
-  )
-  acc, m_i, l_i = lax.fori_loop(0, num_blocks, kv_step, init)
-
-  nonempty = l_i > 0  # false for all rows of an empty split
-  l_safe = jnp.where(nonempty, l_i, 1.0)
-  o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
-  if lse_ref is not None:
-    lse_smem[...] = jnp.where(nonempty, m_i + jnp.log2(l_safe), MASK_VALUE)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group_size)], out_ref.at[seq, kv_head, split])
-  if lse_ref is not None:
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, kv_head, split])
-  plgpu.wait_smem_to_gmem(0)
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group_size)], out_ref.at[seq, kv_head, split])
+    if lse_ref is not None:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, kv_head, split])
+    plgpu.wait_smem_to_gmem(0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PagedAttentionConfig:
-  """Static kernel knobs; hashable, so it can be a jit static argument."""
+    """Static kernel knobs; hashable, so it can be a jit static argument."""
 
-  num_splits: int = 1  # sequence splits per (sequence, kv head), merged by log-sum-exp in XLA
-  pages_per_block: int = 1  # pages per KV block; the wgmma N is pages_per_block * page_size
-  pipeline_depth: int = 2  # SMEM ring slots: KV blocks in flight while one is computed
-  block_h: int = _WGMMA_ROWS  # query rows per program; a kv head's group is padded to it
+    num_splits: int = 1  # sequence splits per (sequence, kv head), merged by log-sum-exp in XLA
+    pages_per_block: int = 1  # pages per KV block; the wgmma N is pages_per_block * page_size
+    pipeline_depth: int = 2  # SMEM ring slots: KV blocks in flight while one is computed
+    block_h: int = _WGMMA_ROWS  # query rows per program; a kv head's group is padded to it
 
-  def __post_init__(self):
-    for name in ("num_splits", "pages_per_block", "pipeline_depth", "block_h"):
-      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int")
-    if self.num_splits > 256:
-      raise ValueError(f"{self.num_splits=} must be <= 256")
-    if self.pages_per_block not in (1, 2, 4):
-      raise ValueError(f"{self.pages_per_block=} must be 1, 2 or 4")
-    if not 2 <= self.pipeline_depth <= 6:
-      raise ValueError(f"{self.pipeline_depth=} must be in [2, 6]")
-    if self.block_h != _WGMMA_ROWS:
-      raise ValueError(f"{self.block_h=} must be {_WGMMA_ROWS}, one warpgroup's wgmma M")
+    def __post_init__(self):
+        for name in ("num_splits", "pages_per_block", "pipeline_depth", "block_h"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int")
+        if self.num_splits > 256:
+            raise ValueError(f"{self.num_splits=} must be <= 256")
+        if self.pages_per_block not in (1, 2, 4):
+            raise ValueError(f"{self.pages_per_block=} must be 1, 2 or 4")
+        if not 2 <= self.pipeline_depth <= 6:
+            raise ValueError(f"{self.pipeline_depth=} must be in [2, 6]")
+        if self.block_h != _WGMMA_ROWS:
+            raise ValueError(f"{self.block_h=} must be {_WGMMA_ROWS}, one warpgroup's wgmma M")
 
-  def smem_bytes(self, head_dim: int, page_size: int, itemsize: int = 2) -> int:
-    """Shared memory one program allocates (the output aliases the K ring)."""
-    block_kv = self.pages_per_block * page_size
-    ring = 2 * self.pipeline_depth * block_kv * head_dim * itemsize
-    return ring + self.block_h * (head_dim + block_kv) * itemsize + 2048  # + q, p, barriers
+    def smem_bytes(self, head_dim: int, page_size: int, itemsize: int = 2) -> int:
+        """Shared memory one program allocates (the output aliases the K ring)."""
+        block_kv = self.pages_per_block * page_size
+        ring = 2 * self.pipeline_depth * block_kv * head_dim * itemsize
+        return ring + self.block_h * (head_dim + block_kv) * itemsize + 2048  # + q, p, barriers
 
-  def check_shapes(self, head_dim: int, page_size: int, group_size: int) -> None:
-    """Raises ValueError if this config cannot run these (static) sizes."""
-    if self.pages_per_block * page_size > 256:
-      raise ValueError(f"{self.pages_per_block=} * {page_size=} exceeds the wgmma K limit 256")
-    if group_size > self.block_h:
-      raise ValueError(f"{group_size=} query heads per kv head exceeds {self.block_h=}")
-    if (n := self.smem_bytes(head_dim, page_size)) > SMEM_LIMIT_BYTES:
-      raise ValueError(f"{self} needs {n} bytes of SMEM at {head_dim=}, {page_size=}; "
-                       f"the limit is {SMEM_LIMIT_BYTES}")
+    def check_shapes(self, head_dim: int, page_size: int, group_size: int) -> None:
+        """Raises ValueError if this config cannot run these (static) sizes."""
+        if self.pages_per_block * page_size > 256:
+            raise ValueError(f"{self.pages_per_block=} * {page_size=} exceeds the wgmma K limit 256")
+        if group_size > self.block_h:
+            raise ValueError(f"{group_size=} query heads per kv head exceeds {self.block_h=}")
+        if (n := self.smem_bytes(head_dim, page_size)) > SMEM_LIMIT_BYTES:
+            raise ValueError(f"{self} needs {n} bytes of SMEM at {head_dim=}, {page_size=}; "
+                             f"the limit is {SMEM_LIMIT_BYTES}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TunedEntry:
-  """One row of the tuned-config table: a shape bucket and the config it runs."""
+    """One row of the tuned-config table: a shape bucket and the config it runs."""
 
-  head_dim: int
-  page_size: int
-  max_rows: int  # bucket bound (inclusive) on batch * num_kv_heads, the programs per split
-  max_context: int  # bucket bound (inclusive) on max_pages * page_size, in tokens
-  config: PagedAttentionConfig
+    head_dim: int
+    page_size: int
+    max_rows: int  # bucket bound (inclusive) on batch * num_kv_heads, the programs per split
+    max_context: int  # bucket bound (inclusive) on max_pages * page_size, in tokens
+    config: PagedAttentionConfig
 
 
 def _build_tuned_table() -> tuple[TunedEntry, ...]:
-  # Seeded, not yet measured (no GPU in the session that wrote it): every block is 128 tokens
-  # and the ring is as deep as fits ~160 KiB of SMEM; splits aim at >= 2 * NUM_SMS programs
-  # with >= 2 blocks per split. experiments/device_check.py times alternatives to re-tune.
-  blocking = {(64, 64): (2, 3), (64, 128): (1, 3), (128, 64): (2, 2), (128, 128): (1, 2)}
-  inf = 2**31 - 1
-  context_bounds = (1024, 4096, 16384, inf)
-  splits_by_rows = {8: (4, 16, 32, 32), 32: (4, 8, 16, 16), 128: (2, 4, 4, 8),
-                    512: (1, 2, 2, 2), inf: (1, 1, 2, 2)}
-  return tuple(
-      TunedEntry(head_dim, page_size, max_rows, max_context, PagedAttentionConfig(
-          num_splits=splits, pages_per_block=pages_per_block, pipeline_depth=depth))
-      for (head_dim, page_size), (pages_per_block, depth) in blocking.items()
-      for max_rows, row_splits in splits_by_rows.items()
-      for max_context, splits in zip(context_bounds, row_splits))
+    # Seeded, not yet measured (no GPU in the session that wrote it): every block is 128 tokens
+    # and the ring is as deep as fits ~160 KiB of SMEM; splits aim at >= 2 * NUM_SMS programs
+    # with >= 2 blocks per split. experiments/device_check.py times alternatives to re-tune.
+    blocking = {(64, 64): (2, 3), (64, 128): (1, 3), (128, 64): (2, 2), (128, 128): (1, 2)}
+    inf = 2**31 - 1
+    context_bounds = (1024, 4096, 16384, inf)
+    splits_by_rows = {8: (4, 16, 32, 32), 32: (4, 8, 16, 16), 128: (2, 4, 4, 8),
+                      512: (1, 2, 2, 2), inf: (1, 1, 2, 2)}
+    return tuple(
+        TunedEntry(head_dim, page_size, max_rows, max_context, PagedAttentionConfig(
+            num_splits=splits, pages_per_block=pages_per_block, pipeline_depth=depth))
+        for (head_dim, page_size), (pages_per_block, depth) in blocking.items()
+        for max_rows, row_splits in splits_by_rows.items()
+        for max_context, splits in zip(context_bounds, row_splits))
 
 
 TUNED_TABLE: tuple[TunedEntry, ...] = _build_tuned_table()
@@ -235,134 +235,134 @@ TUNED_TABLE: tuple[TunedEntry, ...] = _build_tuned_table()
 
 def config_for(batch: int, max_pages: int, num_kv_heads: int, group_size: int, head_dim: int,
                page_size: int) -> PagedAttentionConfig:
-  """Returns the tuned config for one shape bucket (all arguments are static sizes).
+    """Returns the tuned config for one shape bucket (all arguments are static sizes).
 
-  Raises:
-    ValueError: if the sizes are unsupported by the kernel.
-  """
-  if head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
-    raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
-                     f"{SUPPORTED_PAGE_SIZES}")
-  rows, context = batch * num_kv_heads, max_pages * page_size
-  entry = next(e for e in TUNED_TABLE if (e.head_dim, e.page_size) == (head_dim, page_size)
-               and rows <= e.max_rows and context <= e.max_context)
-  num_blocks = -(-max_pages // entry.config.pages_per_block)
-  config = dataclasses.replace(entry.config, num_splits=min(entry.config.num_splits, num_blocks))
-  config.check_shapes(head_dim, page_size, group_size)
-  return config
+    Raises:
+      ValueError: if the sizes are unsupported by the kernel.
+    """
+    if head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
+                         f"{SUPPORTED_PAGE_SIZES}")
+    rows, context = batch * num_kv_heads, max_pages * page_size
+    entry = next(e for e in TUNED_TABLE if (e.head_dim, e.page_size) == (head_dim, page_size)
+                 and rows <= e.max_rows and context <= e.max_context)
+    num_blocks = -(-max_pages // entry.config.pages_per_block)
+    config = dataclasses.replace(entry.config, num_splits=min(entry.config.num_splits, num_blocks))
+    config.check_shapes(head_dim, page_size, group_size)
+    return config
 
 
 def validate_block_tables(block_tables, num_pages: int, lengths=None, page_size: int | None = None
                           ) -> None:
-  """Host-side check of page ids (JAX would clamp an out-of-range id silently).
+    """Host-side check of page ids (JAX would clamp an out-of-range id silently).
 
-  Args:
-    block_tables: int [B, M] array-like (numpy or a concrete jax array).
-    num_pages: pages in the pool; valid ids are 0 .. num_pages - 1 (0 is the null page).
-    lengths: optional int [B]; if given with page_size, each must lie in [0, M * page_size].
+    Args:
+      block_tables: int [B, M] array-like (numpy or a concrete jax array).
+      num_pages: pages in the pool; valid ids are 0 .. num_pages - 1 (0 is the null page).
+      lengths: optional int [B]; if given with page_size, each must lie in [0, M * page_size].
 
-  Raises:
-    ValueError: naming the first offending row and entry.
-  """
-  table = np.asarray(block_tables)
-  bad = np.argwhere((table < 0) | (table >= num_pages))
-  if bad.size:
-    row, col = bad[0]
-    raise ValueError(f"block_tables[{row}, {col}] = {table[row, col]} is out of range for "
-                     f"{num_pages=} ({len(bad)} bad entries)")
-  if lengths is not None and page_size is not None:
-    lens = np.asarray(lengths)
-    capacity = table.shape[1] * page_size
-    if ((lens < 0) | (lens > capacity)).any():
-      row = int(np.argmax((lens < 0) | (lens > capacity)))
-      raise ValueError(f"lengths[{row}] = {lens[row]} outside [0, {capacity}] "
-                       f"(max_pages={table.shape[1]} * {page_size=})")
+    Raises:
+      ValueError: naming the first offending row and entry.
+    """
+    table = np.asarray(block_tables)
+    bad = np.argwhere((table < 0) | (table >= num_pages))
+    if bad.size:
+        row, col = bad[0]
+        raise ValueError(f"block_tables[{row}, {col}] = {table[row, col]} is out of range for "
+                         f"{num_pages=} ({len(bad)} bad entries)")
+    if lengths is not None and page_size is not None:
+        lens = np.asarray(lengths)
+        capacity = table.shape[1] * page_size
+        if ((lens < 0) | (lens > capacity)).any():
+            row = int(np.argmax((lens < 0) | (lens > capacity)))
+            raise ValueError(f"lengths[{row}] = {lens[row]} outside [0, {capacity}] "
+                             f"(max_pages={table.shape[1]} * {page_size=})")
 
 
 def _check_inputs(q, k_pages, v_pages, block_tables, lengths) -> tuple[int, int]:
-  """Validates static shapes and dtypes; returns (num_kv_heads, group_size)."""
-  if q.ndim != 3 or k_pages.ndim != 4 or v_pages.ndim != 4:
-    raise ValueError(f"expected q [B, H, K], pages 4-D; got {q.shape=}, {k_pages.shape=}, "
-                     f"{v_pages.shape=}")
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_pages, _, page_size = k_pages.shape
-  if k_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
-    raise ValueError(f"{k_pages.shape=} must be [G, P, K={head_dim}, L] (K transposed per page)")
-  if v_pages.shape != (num_kv_heads, num_pages, page_size, head_dim):
-    raise ValueError(f"{v_pages.shape=} must be {(num_kv_heads, num_pages, page_size, head_dim)}")
-  if num_q_heads % num_kv_heads:
-    raise ValueError(f"{num_q_heads=} is not a multiple of {num_kv_heads=}")
-  if block_tables.ndim != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
-    raise ValueError(f"{block_tables.shape=} must be [{batch}, M] and {lengths.shape=} [{batch}]")
-  if block_tables.dtype != jnp.int32 or lengths.dtype != jnp.int32:
-    raise ValueError(f"{block_tables.dtype=} and {lengths.dtype=} must be int32")
-  if not q.dtype == k_pages.dtype == v_pages.dtype:
-    raise ValueError(f"{q.dtype=}, {k_pages.dtype=} and {v_pages.dtype=} must match")
-  return num_kv_heads, num_q_heads // num_kv_heads
+    """Validates static shapes and dtypes; returns (num_kv_heads, group_size)."""
+    if q.ndim != 3 or k_pages.ndim != 4 or v_pages.ndim != 4:
+        raise ValueError(f"expected q [B, H, K], pages 4-D; got {q.shape=}, {k_pages.shape=}, "
+                         f"{v_pages.shape=}")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, _, page_size = k_pages.shape
+    if k_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
+        raise ValueError(f"{k_pages.shape=} must be [G, P, K={head_dim}, L] (K transposed per page)")
+    if v_pages.shape != (num_kv_heads, num_pages, page_size, head_dim):
+        raise ValueError(f"{v_pages.shape=} must be {(num_kv_heads, num_pages, page_size, head_dim)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} is not a multiple of {num_kv_heads=}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"{block_tables.shape=} must be [{batch}, M] and {lengths.shape=} [{batch}]")
+    if block_tables.dtype != jnp.int32 or lengths.dtype != jnp.int32:
+        raise ValueError(f"{block_tables.dtype=} and {lengths.dtype=} must be int32")
+    if not q.dtype == k_pages.dtype == v_pages.dtype:
+        raise ValueError(f"{q.dtype=}, {k_pages.dtype=} and {v_pages.dtype=} must match")
+    return num_kv_heads, num_q_heads // num_kv_heads
 
 
 def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, config,
                               interpret):
-  """Runs the kernel. Returns (out [B, G, S, group, K], lse [B, G, S, R] in log2 units | None);
-  out is f32 normalized per split when S > 1, and the final q.dtype output when S == 1."""
-  batch, _, head_dim = q.shape
-  num_kv_heads, _, _, page_size = k_pages.shape
-  group_size = q.shape[1] // num_kv_heads
-  num_splits, pages_per_block, depth = (
-      config.num_splits, config.pages_per_block, config.pipeline_depth)
-  num_rows, block_kv = config.block_h, pages_per_block * page_size
-  padded_group = -(-group_size // 8) * 8  # the TMA box into the 8-row-tiled q_smem
-  q_packed = q.reshape(batch, num_kv_heads, group_size, head_dim)  # [B, G, group, K]
-  q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_group - group_size), (0, 0)))
-  num_blocks = -(-block_tables.shape[1] // pages_per_block)
-  pages_per_split = -(-num_blocks // num_splits) * pages_per_block
-  out_dtype = q.dtype if num_splits == 1 else jnp.float32
-  out_type = [jax.ShapeDtypeStruct(
-      (batch, num_kv_heads, num_splits, group_size, head_dim), out_dtype)]
-  if num_splits > 1:
-    out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, num_rows), jnp.float32))
-  smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=_SWIZZLE)
-  scratch = [
-      smem((num_rows, head_dim)),
-      smem((depth, block_kv, head_dim)),
-      smem((num_rows, block_kv)),
-      plgpu.RefUnion(smem((depth, pages_per_block, head_dim, page_size)), (
-          plgpu.SMEM((num_rows, head_dim), out_dtype), plgpu.SMEM((num_rows,), jnp.float32))),
-      plgpu.Barrier(),
-      plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
-      plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
-  ]
-  body = functools.partial(
-      _paged_attention_kernel, group_size=group_size, pages_per_split=pages_per_split,
-      pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale)
-  if num_splits == 1:
-    body = functools.partial(lambda f, *refs: f(*refs[:6], None, *refs[6:]), body)
-  # A fresh plgpu.kernel per config: a reused kernel can keep its first grid (jax-ml/jax#40847).
-  kernel = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch,
-      grid=(num_kv_heads, batch, num_splits), grid_names=("kv_head", "seq", "split"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret or None)
-  outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths)
-  return outs[0], (outs[1] if num_splits > 1 else None)
+    """Runs the kernel. Returns (out [B, G, S, group, K], lse [B, G, S, R] in log2 units | None);
+    out is f32 normalized per split when S > 1, and the final q.dtype output when S == 1."""
+    batch, _, head_dim = q.shape
+    num_kv_heads, _, _, page_size = k_pages.shape
+    group_size = q.shape[1] // num_kv_heads
+    num_splits, pages_per_block, depth = (
+        config.num_splits, config.pages_per_block, config.pipeline_depth)
+    num_rows, block_kv = config.block_h, pages_per_block * page_size
+    padded_group = -(-group_size // 8) * 8  # the TMA box into the 8-row-tiled q_smem
+    q_packed = q.reshape(batch, num_kv_heads, group_size, head_dim)  # [B, G, group, K]
+    q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_group - group_size), (0, 0)))
+    num_blocks = -(-block_tables.shape[1] // pages_per_block)
+    pages_per_split = -(-num_blocks // num_splits) * pages_per_block
+    out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    out_type = [jax.ShapeDtypeStruct(
+        (batch, num_kv_heads, num_splits, group_size, head_dim), out_dtype)]
+    if num_splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, num_rows), jnp.float32))
+    smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=_SWIZZLE)
+    scratch = [
+        smem((num_rows, head_dim)),
+        smem((depth, block_kv, head_dim)),
+        smem((num_rows, block_kv)),
+        plgpu.RefUnion(smem((depth, pages_per_block, head_dim, page_size)), (
+            plgpu.SMEM((num_rows, head_dim), out_dtype), plgpu.SMEM((num_rows,), jnp.float32))),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
+    ]
+    body = functools.partial(
+        _paged_attention_kernel, group_size=group_size, pages_per_split=pages_per_split,
+        pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale)
+    if num_splits == 1:
+        body = functools.partial(lambda f, *refs: f(*refs[:6], None, *refs[6:]), body)
+    # A fresh plgpu.kernel per config: a reused kernel can keep its first grid (jax-ml/jax#40847).
+    kernel = plgpu.kernel(
+        body, out_type=tuple(out_type), scratch_types=scratch,
+        grid=(num_kv_heads, batch, num_splits), grid_names=("kv_head", "seq", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None)
+    outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths)
+    return outs[0], (outs[1] if num_splits > 1 else None)
 
 
 def _merge_splits(out, lse):
-  """Log-sum-exp merge. out [B, G, S, group, K] f32, lse [B, G, S, R] -> [B, G, group, K] f32."""
-  lse = lse[..., : out.shape[3]]  # [B, G, S, group]
-  weight = jnp.exp2(lse - lse.max(axis=2, keepdims=True))  # an empty split weighs exactly 0
-  return (out * weight[..., None]).sum(axis=2) / weight.sum(axis=2)[..., None]
+    """Log-sum-exp merge. out [B, G, S, group, K] f32, lse [B, G, S, R] -> [B, G, group, K] f32."""
+    lse = lse[..., : out.shape[3]]  # [B, G, S, group]
+    weight = jnp.exp2(lse - lse.max(axis=2, keepdims=True))  # an empty split weighs exactly 0
+    return (out * weight[..., None]).sum(axis=2) / weight.sum(axis=2)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
 def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, config,
                          interpret):
-  batch, num_q_heads, head_dim = q.shape
-  out, lse = _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths,
-                                       sm_scale=sm_scale, config=config, interpret=interpret)
-  if lse is None:
-    return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
-  return _merge_splits(out, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    batch, num_q_heads, head_dim = q.shape
+    out, lse = _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths,
+                                         sm_scale=sm_scale, config=config, interpret=interpret)
+    if lse is None:
+        return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
+    return _merge_splits(out, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 def paged_attention(
@@ -376,45 +376,45 @@ def paged_attention(
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "B H K"]:
-  """Decode attention of one query token per sequence over a paged KV cache (Mosaic GPU).
+    """Decode attention of one query token per sequence over a paged KV cache (Mosaic GPU).
 
-  Args:
-    q: queries; head h attends with kv head h // (H // G). bf16 or f16.
-    k_pages: K pool, transposed per page. v_pages: V pool. Same dtype as q.
-    block_tables: int32 page ids per sequence, padded with page 0 (the null page).
-    lengths: int32 valid tokens per sequence, in [0, M * L]; 0 gives a zero output row.
-    sm_scale: static softmax scale; default 1 / sqrt(K).
-    config: static kernel knobs; default `config_for(...)` of these shapes.
-    interpret: False on GPU; an `InterpretGPUParams` (or True) runs the GPU interpreter on CPU.
+    Args:
+      q: queries; head h attends with kv head h // (H // G). bf16 or f16.
+      k_pages: K pool, transposed per page. v_pages: V pool. Same dtype as q.
+      block_tables: int32 page ids per sequence, padded with page 0 (the null page).
+      lengths: int32 valid tokens per sequence, in [0, M * L]; 0 gives a zero output row.
+      sm_scale: static softmax scale; default 1 / sqrt(K).
+      config: static kernel knobs; default `config_for(...)` of these shapes.
+      interpret: False on GPU; an `InterpretGPUParams` (or True) runs the GPU interpreter on CPU.
 
-  Returns:
-    [B, H, K] in q.dtype. Accumulation and softmax statistics are f32.
+    Returns:
+      [B, H, K] in q.dtype. Accumulation and softmax statistics are f32.
 
-  Raises:
-    ValueError: bad shapes, dtypes or config, or (for concrete inputs) an out-of-range page
-      id or length. Under an outer jit the ids are traced, so the caller must run
-      `validate_block_tables` on the host first.
-  """
-  num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths)
-  if q.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"{q.dtype=} unsupported: the kernel takes bf16 or f16 (an f32 wgmma "
-                     "would run in tf32); use paged_attention_reference for f32")
-  batch, _, head_dim = q.shape
-  _, num_pages, _, page_size = k_pages.shape
-  if not isinstance(block_tables, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):
-    validate_block_tables(block_tables, num_pages, lengths, page_size)
-  if config is None:
-    config = config_for(batch, block_tables.shape[1], num_kv_heads, group_size, head_dim,
-                        page_size)
-  elif head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
-    raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
-                     f"{SUPPORTED_PAGE_SIZES}")
-  config.check_shapes(head_dim, page_size, group_size)
-  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                              config=config, interpret=interpret)
+    Raises:
+      ValueError: bad shapes, dtypes or config, or (for concrete inputs) an out-of-range page
+        id or length. Under an outer jit the ids are traced, so the caller must run
+        `validate_block_tables` on the host first.
+    """
+    num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{q.dtype=} unsupported: the kernel takes bf16 or f16 (an f32 wgmma "
+                         "would run in tf32); use paged_attention_reference for f32")
+    batch, _, head_dim = q.shape
+    _, num_pages, _, page_size = k_pages.shape
+    if not isinstance(block_tables, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):
+        validate_block_tables(block_tables, num_pages, lengths, page_size)
+    if config is None:
+        config = config_for(batch, block_tables.shape[1], num_kv_heads, group_size, head_dim,
+                            page_size)
+    elif head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
+                         f"{SUPPORTED_PAGE_SIZES}")
+    config.check_shapes(head_dim, page_size, group_size)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+                                config=config, interpret=interpret)
 
 
 def paged_attention_reference(
@@ -428,36 +428,36 @@ def paged_attention_reference(
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "B H K"]:
-  """Pure-jnp paged decode attention in f32; the same contract as `paged_attention`.
+    """Pure-jnp paged decode attention in f32; the same contract as `paged_attention`.
 
-  Gathers each sequence's pages through its block table and masks positions >= length (scores
-  with MASK_VALUE, V with zeros, so stale pages may hold anything). Any float dtype; `config`
-  and `interpret` are accepted for signature parity and ignored. Out-of-range page ids are
-  clamped by the gather: validate on the host first.
-  """
-  del config, interpret
-  _check_inputs(q, k_pages, v_pages, block_tables, lengths)
-  scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-  return _reference_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=scale)
+    Gathers each sequence's pages through its block table and masks positions >= length (scores
+    with MASK_VALUE, V with zeros, so stale pages may hold anything). Any float dtype; `config`
+    and `interpret` are accepted for signature parity and ignored. Out-of-range page ids are
+    clamped by the gather: validate on the host first.
+    """
+    del config, interpret
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    return _reference_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def _reference_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale):
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, group_size = k_pages.shape[0], num_q_heads // k_pages.shape[0]
-  max_pages, page_size = block_tables.shape[1], k_pages.shape[-1]
-  hi = lax.Precision.HIGHEST  # true f32 on GPU too (the default may use tf32)
-  q_grouped = q.reshape(batch, num_kv_heads, group_size, head_dim).astype(jnp.float32)
-  k = k_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, K, L]
-  v = v_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, L, K]
-  scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
-  scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
-  valid = jnp.arange(max_pages * page_size)[None, :] < lengths[:, None]  # [B, S]
-  scores = jnp.where(valid[:, None, None, :], scores, MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).reshape(
-      batch, num_kv_heads, group_size, max_pages, page_size)  # [B, G, q, M, L]
-  # Zero V past the length too: a 0 probability times a NaN in a stale page is still NaN.
-  v = jnp.where(valid.reshape(1, batch, max_pages, page_size, 1), v, 0.0)
-  out = jnp.einsum("bgqml,gbmlk->bgqk", probs, v, precision=hi)  # [B, G, q, K]
-  out = jnp.where(lengths[:, None, None, None] > 0, out, 0.0)  # padding rows: zeros
-  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, group_size = k_pages.shape[0], num_q_heads // k_pages.shape[0]
+    max_pages, page_size = block_tables.shape[1], k_pages.shape[-1]
+    hi = lax.Precision.HIGHEST  # true f32 on GPU too (the default may use tf32)
+    q_grouped = q.reshape(batch, num_kv_heads, group_size, head_dim).astype(jnp.float32)
+    k = k_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, K, L]
+    v = v_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, L, K]
+    scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
+    scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
+    valid = jnp.arange(max_pages * page_size)[None, :] < lengths[:, None]  # [B, S]
+    scores = jnp.where(valid[:, None, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).reshape(
+        batch, num_kv_heads, group_size, max_pages, page_size)  # [B, G, q, M, L]
+    # Zero V past the length too: a 0 probability times a NaN in a stale page is still NaN.
+    v = jnp.where(valid.reshape(1, batch, max_pages, page_size, 1), v, 0.0)
+    out = jnp.einsum("bgqml,gbmlk->bgqk", probs, v, precision=hi)  # [B, G, q, K]
+    out = jnp.where(lengths[:, None, None, None] > 0, out, 0.0)  # padding rows: zeros
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -14,24 +14,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def interpret_params(*, detect_races: bool = True) -> plgpu.InterpretGPUParams:
-  """Interpreter settings: uninitialized memory (outputs included) reads as NaN, and an
-  out-of-bounds read of a buffer raises."""
-  return plgpu.InterpretGPUParams(
-      detect_races=detect_races, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    """Interpreter settings: uninitialized memory (outputs included) reads as NaN, and an
+    out-of-bounds read of a buffer raises."""
+    return plgpu.InterpretGPUParams(
+        detect_races=detect_races, uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
 def races_found() -> bool:
-  """Whether the race detector flagged anything since the last reset."""
-  return bool(_mosaic_interpret.get_races().races_found)
+    """Whether the race detector flagged anything since the last reset."""
+    return bool(_mosaic_interpret.get_races().races_found)
 
 
 @contextlib.contextmanager
 def gpu_interpreter(*, detect_races: bool = True) -> Iterator[plgpu.InterpretGPUParams]:
-  """Yields interpreter params on a fresh interpreter state, and resets it again on exit
-  (after an exception the interpreter must be reset before its next use)."""
-  _mosaic_interpret.gpu_callbacks.reset_gpu_interpret_mode_state()
-  try:
-    yield interpret_params(detect_races=detect_races)
-  except BaseException:
+    """Yields interpreter params on a fresh interpreter state, and resets it again on exit
+    (after an exception the interpreter must be reset before its next use)."""
     _mosaic_interpret.gpu_callbacks.reset_gpu_interpret_mode_state()
-    raise
+    try:
+        yield interpret_params(detect_races=detect_races)
+    except BaseException:
+        _mosaic_interpret.gpu_callbacks.reset_gpu_interpret_mode_state()
+        raise
