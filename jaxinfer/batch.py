@@ -151,10 +151,13 @@ class BatchJob:
             if not text.strip():
                 continue
             request_id = None
+            if f"line:{line_number}" in done:  # an error record without an id
+                self.summary.num_skipped += 1
+                continue
             try:
                 obj = parse_line(text)
                 request_id = obj["id"]
-                if f"id:{request_id}" in done or f"line:{line_number}" in done:
+                if f"id:{request_id}" in done:
                     self.summary.num_skipped += 1
                     continue
                 if request_id in seen:

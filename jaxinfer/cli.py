@@ -104,8 +104,10 @@ def _make_llm(args):
     defaults = EngineConfig()
     max_seqs = args.max_num_seqs
     batch_buckets = tuple(b for b in defaults.decode_batch_buckets if b < max_seqs) + (max_seqs,)
+    chunk_buckets = tuple(b for b in defaults.prefill_chunk_buckets if b < args.max_context) or (args.max_context // 2,)
     engine_config = dataclasses.replace(
         defaults, max_context=args.max_context, max_num_seqs=max_seqs, num_pages=args.num_pages,
+        prefill_chunk_buckets=chunk_buckets,
         page_size=args.page_size, attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None,
         seed=args.engine_seed, decode_batch_buckets=batch_buckets,
     )

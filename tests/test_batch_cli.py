@@ -1,0 +1,128 @@
+"""The JSONL batch CLI: error records for bad lines, resume after SIGKILL without loss or duplicates."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxinfer.batch import LineError, parse_line, read_done, sampling_from_line
+from jaxinfer.request import SamplingParams
+
+ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
+QUESTIONS = [
+    "What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.",
+    "Describe a cat in one sentence.", "What is the boiling point of water?", "Who painted the Mona Lisa?",
+    "Give a synonym for happy.", "What day comes after Monday?",
+]
+
+
+def write_input(path) -> dict[str, str]:
+    """Nine good requests and four bad lines; returns the expected status by id (or line)."""
+    lines = [json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 40}) for i, q in enumerate(QUESTIONS)]
+    lines.insert(2, '{"id": "broken", "prompt": "unterminated')
+    lines.insert(5, json.dumps({"prompt": "no id here"}))
+    lines.insert(7, json.dumps({"id": "toolong", "prompt": "word " * 400}))
+    lines.insert(9, json.dumps({"id": "badtemp", "prompt": "hi", "temperature": "hot"}))
+    path.write_text("\n".join(lines) + "\n")
+    expected = {f"q{i}": "ok" for i in range(len(QUESTIONS))}
+    expected.update({"line:3": "error", "line:6": "error", "toolong": "error", "badtemp": "error"})
+    return expected
+
+
+def run_cli(input_path, output_path, cache, *extra, wait=True):
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(input_path), "--output", str(output_path), "--compile-cache", cache, *ENGINE_FLAGS, *extra]
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def key(record: dict) -> str:
+    return record["id"] if record["id"] is not None else f"line:{record['line']}"
+
+
+@pytest.mark.slow
+def test_bad_lines_get_error_records_and_resume_after_sigkill_matches_full_run(tmp_path, compile_cache):
+    input_path = tmp_path / "in.jsonl"
+    expected = write_input(input_path)
+    full = run_cli(input_path, tmp_path / "full.jsonl", compile_cache)
+    assert full.returncode == 0, full.stderr[-2000:]
+    assert "Traceback" not in full.stderr
+    full_records = records(tmp_path / "full.jsonl")
+    assert {key(r): r["status"] for r in full_records} == expected
+    assert len(full_records) == len(expected)
+    errors = {key(r): r["error"] for r in full_records if r["status"] == "error"}
+    assert "malformed JSON" in errors["line:3"] and "line 3" in errors["line:3"]
+    assert "'id'" in errors["line:6"]
+    assert "context is 256" in errors["toolong"]
+    assert "temperature" in errors["badtemp"]
+    assert "requests ok / error / skipped  9 / 4 / 0" in full.stderr
+
+    partial_path = tmp_path / "partial.jsonl"
+    process = run_cli(input_path, partial_path, compile_cache, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if partial_path.exists() and sum(r["status"] == "ok" for r in records(partial_path)) >= 2:
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "the job finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = len(records(partial_path))
+    assert killed_at < len(expected)
+    resumed = run_cli(input_path, partial_path, compile_cache, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = records(partial_path)
+    assert sorted(key(r) for r in final) == sorted(key(r) for r in full_records)  # none missing, none twice
+    assert {key(r): r.get("text") for r in final} == {key(r): r.get("text") for r in full_records}
+
+
+def test_cli_refuses_to_overwrite_without_flag(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    (tmp_path / "out.jsonl").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2 and "--resume" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_read_done_drops_torn_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "line": 1, "status": "ok"}\n{"id": null, "line": 2, "status": "error"}\n{"id": "c", "li')
+    assert read_done(out) == {"id:a", "line:2"}
+    assert out.read_text().endswith("error\"}\n")
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("not json", "malformed JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"prompt": "x"}', "'id'"),
+        ('{"id": 1}', "exactly one of 'prompt' or 'messages'"),
+        ('{"id": 1, "prompt": ""}', "non-empty string"),
+        ('{"id": true, "prompt": "x"}', "'id'"),
+    ],
+)
+def test_parse_line_names_the_problem(text, reason):
+    with pytest.raises(LineError, match=reason):
+        parse_line(text)
+
+
+def test_sampling_fields_override_defaults_and_are_type_checked():
+    params = sampling_from_line({"temperature": 0, "stop": ["\n"], "max_tokens": 5}, SamplingParams())
+    assert (params.temperature, params.stop, params.max_tokens) == (0, ("\n",), 5)
+    with pytest.raises(LineError, match="'top_k' must be an integer"):
+        sampling_from_line({"top_k": 1.5}, SamplingParams())
+    with pytest.raises(LineError, match="top_p must be in"):
+        sampling_from_line({"top_p": 0}, SamplingParams())
+    with pytest.raises(LineError, match="'max_tokens' must be an integer"):
+        sampling_from_line({"max_tokens": True}, SamplingParams())
