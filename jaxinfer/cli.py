@@ -139,9 +139,9 @@ def _run_generate(args) -> int:
 
 
 def _generate_one(args, defaults) -> int:
-    llm = _make_llm(args)
     if not args.prompt:
-        raise ValueError("empty prompt")
+        raise ValueError("empty prompt: --prompt needs some text")
+    llm = _make_llm(args)
     if args.chat:
         output = llm.chat([{"role": "user", "content": args.prompt}], defaults)[0]
     else:

@@ -113,9 +113,11 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
     try:
         num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
         embed_dim = int(gguf_field(reader, f"{arch}.embedding_length"))
-        names = {t.name for t in reader.tensors}
+        tensors = {t.name: t for t in reader.tensors}
+        if "token_embd.weight" not in tensors:
+            raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
         return ModelConfig(
-            vocab_size=int(gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))),
+            vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml order: [D, V]
             num_layers=int(gguf_field(reader, f"{arch}.block_count")),
             embed_dim=embed_dim,
             ffn_dim=int(gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -124,7 +126,7 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
             head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads)),
             rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
             rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_embeddings="output.weight" not in names,
+            tie_embeddings="output.weight" not in tensors,
             max_context=max_context or int(gguf_field(reader, f"{arch}.context_length", 2048)),
             dtype=dtype,
             name=str(gguf_field(reader, "general.name", arch)),
