@@ -1,0 +1,53 @@
+"""LLM.generate / chat on the real default model: input order, counts, stop strings, chat template."""
+
+import pytest
+
+from jaxinfer.api import LLM
+from jaxinfer.generate import generate
+from jaxinfer.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def llm(compile_cache):
+    return LLM(
+        None, max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(32, 64),
+        prefill_seq_buckets=(1, 4), decode_batch_buckets=(4,), decode_page_buckets=(4, 16), compilation_cache_dir=compile_cache,
+    )
+
+
+def test_generate_returns_one_output_per_prompt_in_input_order(llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Roses are red,", "def add(a, b):", "Water boils at"]
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.index for o in outputs] == list(range(5))
+    for prompt, out in zip(prompts, outputs):
+        assert out.num_prompt_tokens == len(llm.tokenizer.encode(prompt))
+        assert out.num_generated_tokens == len(out.token_ids) <= 24
+        assert out.finish_reason in ("stop", "length")
+        assert 0 < out.time_to_first_token <= out.latency
+    assert outputs[1].text.lstrip().startswith("5")
+
+
+def test_greedy_output_equals_reference_generate(llm):
+    ids = llm.tokenizer.encode("A short story about a robot:")
+    (out,) = llm.generate([ids], GREEDY)
+    cfg, params = llm.model_config, llm.engine.params
+    (ref,) = generate(params, cfg, [ids], GREEDY, eos_id=llm.tokenizer.eos_id)
+    assert out.token_ids == ref.token_ids
+
+
+def test_stop_string_cuts_text_and_finishes(llm):
+    (out,) = llm.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8,", SamplingParams(temperature=0, max_tokens=40, stop=(" 11",)))
+    assert out.finish_reason == "stop" and " 11" not in out.text and out.num_generated_tokens < 40
+
+
+def test_chat_applies_template_and_stops_at_end_of_turn(llm):
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=40))
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    assert out.token_ids[-1] == llm.tokenizer.eos_id and "<|im_end|>" not in out.text
+
+
+def test_mismatched_sampling_params_list_is_rejected(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [GREEDY, GREEDY])
