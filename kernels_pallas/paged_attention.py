@@ -82,12 +82,15 @@ def _paged_attention_kernel(
     split_pages = jnp.clip(seq_pages - first_page, 0, pages_per_split)
     num_blocks = lax.div(split_pages + (pages_per_block - 1), jnp.int32(pages_per_block))
 
-    def fetch_block(block, slot):
-        # A block's pages past the sequence re-read its last page: always a real, finite page
-        # of this sequence, and the arrival count of the slot barrier stays fixed.
-        for j in range(pages_per_block):
-            index = jnp.minimum(first_page + block * pages_per_block + j, seq_pages - 1)
-            page = block_tables_ref[seq, index]
+    def block_pages(block):
+        # Page ids of a block. Pages past the sequence re-read its last page: always a real,
+        # finite page of this sequence, and the arrival count of the slot barrier stays fixed.
+        first = first_page + block * pages_per_block
+        return tuple(block_tables_ref[seq, jnp.clip(first + j, 0, seq_pages - 1)]
+                     for j in range(pages_per_block))
+
+    def fetch(pages, slot):
+        for j, page in enumerate(pages):
             rows = pl.ds(j * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, j], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
@@ -100,12 +103,15 @@ def _paged_attention_kernel(
             plgpu.commit_smem()
         plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, padded_group)], q_barrier)
         for slot in range(pipeline_depth):
-            pl.when(slot < num_blocks)(functools.partial(fetch_block, slot, slot))
+            pl.when(slot < num_blocks)(lambda slot=slot: fetch(block_pages(slot), slot))
         plgpu.barrier_wait(q_barrier)
 
     def kv_step(block, carry):
-        acc, m_i, l_i = carry  # [R, K], [R], [R]; m_i and scores are in log2 units
+        acc, m_i, l_i, pages = carry  # [R, K], [R], [R]; m_i and scores are in log2 units
         slot = lax.rem(block, jnp.int32(pipeline_depth))
+        # Page ids for the next step's refill, read a whole step ahead so that the global-memory
+        # latency hides behind this step's compute (`pages` was read by the previous step).
+        following = block_pages(block + pipeline_depth + 1)
         plgpu.barrier_wait(k_barriers.at[slot])
 
         def qk(page, acc_ref):
@@ -140,16 +146,16 @@ def _paged_attention_kernel(
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc = acc + pl.run_scoped(pv, plgpu.ACC((num_rows, head_dim), jnp.float32))
         # Both wgmmas have been awaited (their results are in registers), so the slot is free.
-        pl.when(block + pipeline_depth < num_blocks)(
-            functools.partial(fetch_block, block + pipeline_depth, slot))
-        return acc, m_new, l_i
+        pl.when(block + pipeline_depth < num_blocks)(functools.partial(fetch, pages, slot))
+        return acc, m_new, l_i, following
 
     init = (
         jnp.zeros((num_rows, head_dim), jnp.float32),
         jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
+        block_pages(pipeline_depth),
     )
-    acc, m_i, l_i = lax.fori_loop(0, num_blocks, kv_step, init)
+    acc, m_i, l_i, _ = lax.fori_loop(0, num_blocks, kv_step, init)
 
     nonempty = l_i > 0  # false for all rows of an empty split
     l_safe = jnp.where(nonempty, l_i, 1.0)

@@ -193,9 +193,9 @@ def test_config_shape_checks_and_table():
 
 INTERPRETER_CASES = {
     # The default model's GQA (9 query heads over 3 kv heads, head_dim 64); lengths 1, L-1,
-    # L, L+1, both sides of the split boundaries (3 pages per split = 192 tokens), and the max.
+    # L, L+1, both sides of a split boundary (4 pages per split = 256 tokens), and the max.
     "gqa3_d64_l64_splits3": (
-        Case(lengths=(1, 63, 64, 65, 191, 192, 193, 512), num_kv_heads=3, group_size=3,
+        Case(lengths=(1, 63, 64, 65, 255, 256, 257, 704), num_kv_heads=3, group_size=3,
              head_dim=64, page_size=64),
         pa.PagedAttentionConfig(num_splits=3, pipeline_depth=2)),
     # f16, peaked softmax, 2-page blocks (the last split holds a partial block), a padding row
@@ -204,9 +204,10 @@ INTERPRETER_CASES = {
         Case(lengths=(0, 1, 129, 255, 256, 257, 383, 448), num_kv_heads=2, group_size=4,
              head_dim=128, page_size=64, dtype=jnp.float16, q_scale=8.0, seed=1),
         pa.PagedAttentionConfig(num_splits=2, pages_per_block=2, pipeline_depth=3)),
-    # One split: the kernel writes q.dtype directly. GQA 8, page 128, near-uniform softmax.
+    # One split: the kernel writes q.dtype directly. GQA 8, page 128, near-uniform softmax,
+    # 7 blocks through a 2-slot ring (the page ids read a step ahead are all used).
     "gqa8_d128_l128_one_split_flat": (
-        Case(lengths=(1, 127, 128, 129, 384), num_kv_heads=1, group_size=8, head_dim=128,
+        Case(lengths=(1, 127, 128, 129, 896), num_kv_heads=1, group_size=8, head_dim=128,
              page_size=128, q_scale=0.05, seed=2),
         pa.PagedAttentionConfig(num_splits=1, pipeline_depth=2)),
     # MHA, page 128, config from the tuned table: 4 splits of 2 pages over 5 pages, so the
