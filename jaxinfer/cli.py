@@ -132,6 +132,10 @@ def _run_generate(args) -> int:
     summary = job.run(args.input, resume=args.resume, progress=not args.no_progress)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
+    print(
+        f"summary: {summary.num_ok + summary.num_errors} requests ({summary.num_ok} ok, {summary.num_errors} errors), "
+        f"{summary.generated_tokens} generated tokens, {summary.tokens_per_second:.1f} tokens/s"
+    )
     if summary.interrupted:
         print("interrupted: rerun with --resume to finish the remaining requests", file=sys.stderr)
         return 130
