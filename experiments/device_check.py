@@ -64,27 +64,21 @@ def _wall(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def time_chained(fn, args, *, min_total_s: float = 0.02) -> float:
-    """Seconds per call of `fn(q, *rest)`: a jitted, unrolled chain of n dependent calls (one
-    dispatch, no host sync in between), median of 3, compile excluded. Each call adds q + 0 and
-    sums its whole output (both tiny next to the KV reads), so XLA can neither hoist a call out
-    nor compute only part of an output."""
-    def chain(n):
-        def run(q, *rest):
-            carry = jnp.float32(0)
-            for _ in range(n):
-                out = fn(q + carry.astype(q.dtype), *rest)
-                carry = carry * 0 + jnp.sum(out.astype(jnp.float32)) * 0  # x * 0 is not folded
-            return carry
-        return jax.jit(run)
+def time_chained(fn, args, *, calls: int = 8) -> float:
+    """Seconds per call of `fn(q, *rest)`: one jitted, unrolled chain of `calls` dependent calls
+    (one dispatch, no host sync in between), median of 3, compile excluded. Each call adds q + 0
+    and sums its whole output (both tiny next to the KV reads), so XLA can neither hoist a call
+    out nor compute only part of an output."""
+    def run(q, *rest):
+        carry = jnp.float32(0)
+        for _ in range(calls):
+            out = fn(q + carry.astype(q.dtype), *rest)
+            carry = carry * 0 + jnp.sum(out.astype(jnp.float32)) * 0  # x * 0 is not folded
+        return carry
 
-    one = chain(1)
-    _wall(one, *args)  # compile
-    single = min(_wall(one, *args) for _ in range(2))
-    n = int(min(16, max(2, math.ceil(min_total_s / max(single, 1e-6)))))
-    many = chain(n)
-    _wall(many, *args)  # compile
-    return float(np.median([_wall(many, *args) for _ in range(3)])) / n
+    chain = jax.jit(run)
+    _wall(chain, *args)  # compile
+    return float(np.median([_wall(chain, *args) for _ in range(3)])) / calls
 
 
 def time_back_to_back(fn, args, *, calls: int = 10) -> float:

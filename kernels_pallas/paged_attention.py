@@ -174,7 +174,7 @@ class PagedAttentionConfig:
     """Static kernel knobs; hashable, so it can be a jit static argument."""
 
     num_splits: int = 1  # sequence splits per (sequence, kv head), merged by log-sum-exp in XLA
-    pages_per_block: int = 1  # pages per KV block; the wgmma N is pages_per_block * page_size
+    pages_per_block: int = 1  # pages per KV block (one ring slot); the PV wgmma's K dimension
     pipeline_depth: int = 2  # SMEM ring slots: KV blocks in flight while one is computed
     block_h: int = _WGMMA_ROWS  # query rows per program; a kv head's group is padded to it
 
@@ -220,9 +220,9 @@ class TunedEntry:
 
 
 def _build_tuned_table() -> tuple[TunedEntry, ...]:
-    # Seeded, not yet measured (no GPU in the session that wrote it): every block is 128 tokens
-    # and the ring is as deep as fits ~160 KiB of SMEM; splits aim at >= 2 * NUM_SMS programs
-    # with >= 2 blocks per split. experiments/device_check.py times alternatives to re-tune.
+    # Seeded, not yet measured (no GPU in the session that wrote it): every block is 128 tokens,
+    # the ring holds 2-3 blocks in 122-162 KiB of SMEM, and splits aim at >= 2 * NUM_SMS
+    # programs with >= 2 blocks per split. experiments/device_check.py times alternatives.
     blocking = {(64, 64): (2, 3), (64, 128): (1, 3), (128, 64): (2, 2), (128, 128): (1, 2)}
     inf = 2**31 - 1
     context_bounds = (1024, 4096, 16384, inf)
