@@ -194,7 +194,7 @@ def correctness_cases(dry_run: bool):
             continue
         seen.add((e.head_dim, e.page_size, e.config))
         heads = 8
-        batch = max(1, min(e.max_rows, 256) // heads)
+        batch = max(8, min(e.max_rows, 256) // heads)  # >= 8 rows: all the awkward lengths
         context = min(e.max_context, 8192)
         cases.append((Shape(batch, context, heads, 4, e.head_dim, e.page_size), e.config))
     for dtype, group, head_dim in (("bfloat16", 3, 64), ("float16", 8, 128)):
