@@ -67,10 +67,22 @@ def attend(
     if pages is None:
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
-    if resolve_impl(impl) == "pallas" and q.shape[1] == 1:
+    if _use_kernel(impl, q):
         return _attend_pallas(q, cache, layer, positions, pages), cache
     keys, values = kvp.gather_pages(cache, layer, pages.block_tables)
     return _attend_slots(q, keys, values, positions), cache
+
+
+def _use_kernel(impl: str, q: jax.Array) -> bool:
+    """The kernel serves single-token decode in 16-bit dtypes; 'auto' falls back to the reference for
+    f32 (the kernel's tensor-core matmuls would round f32 to tf32), an explicit 'pallas' refuses."""
+    if resolve_impl(impl) != "pallas" or q.shape[1] != 1:
+        return False
+    if q.dtype in (jnp.bfloat16, jnp.float16):
+        return True
+    if impl == "pallas":
+        raise ValueError(f"the Pallas decode kernel needs bfloat16 or float16, got {q.dtype}; use dtype='bfloat16' or attention_impl='reference'")
+    return False
 
 
 def _attend_slots(q, keys, values, positions):
