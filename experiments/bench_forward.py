@@ -1,0 +1,335 @@
+"""How fast is jaxinfer's forward on this machine, as a fraction of its measured matmul peak, and vs HF?
+
+Issue 2's benchmark. In one run, on the default model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to
+float32):
+  1. correctness first: last-position logits of `model.forward` vs the committed HF fixtures
+     (tests/fixtures/smollm2_reference.npz, every prompt), and vs HF's logits on the benchmark's own
+     prefill ids computed in this run; both must be within MAX_RELATIVE_ERROR (relative error norm);
+  2. the machine's ceilings, measured here: f32 matmul FLOP/s (MATMUL_SIZE^3 jnp matmul) and read
+     bandwidth (a reduction over BANDWIDTH_BYTES), best of several runs after a warm-up;
+  3. prefill: one sequence of --prefill-tokens real-text tokens through a dense cache, jitted;
+  4. decode: one token per row at each batch size over a dense cache of --context slots, every row at
+     position context - 1 (so every row attends to the full context), jitted, cache donated;
+  5. compile time of each of those programs (lower + compile, persistent cache not used);
+  6. HF transformers on the same ids and batch sizes, via experiments/peers/hf_forward.py in .venv-ref.
+
+FLOPs counted (stated in the output): 2 * P_matmul * tokens + 2 * V * D * rows_with_logits
++ 4 * L * H * K * (sum over query tokens of keys attended), P_matmul = the layers' matmul weights.
+Bytes counted for decode MBU: f32 weights read once (layers + embedding as LM head) + the K/V read.
+Writes experiments/results/bench_forward.json; the last stdout line is one JSON document.
+
+    .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf]
+"""
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import kv_pool, loading, model
+from jaxinfer.config import ModelConfig
+from jaxinfer.tokenizer import load_tokenizer
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "smollm2_reference.npz"
+TEXT_FILE = REPO_ROOT / "experiments" / "data" / "passages.txt"
+RESULTS = REPO_ROOT / "experiments" / "results" / "bench_forward.json"
+REF_PYTHON = REPO_ROOT / ".venv-ref" / "bin" / "python"
+HF_PEER = REPO_ROOT / "experiments" / "peers" / "hf_forward.py"
+MATMUL_SIZE = 2048  # the peak is an f32 [n, n] @ [n, n] matmul
+BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of this size
+MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
+FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
+
+
+def _time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn() (which blocks), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_matmul_peak(repeats: int) -> dict:
+    """f32 matmul FLOP/s of this machine: best and median of `repeats` timed runs."""
+    a = jax.random.normal(jax.random.key(0), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    times = _time_calls(lambda: matmul(a, b).block_until_ready(), repeats, warmup=2)
+    flops = 2 * MATMUL_SIZE**3
+    return {"size": MATMUL_SIZE, "best_flops_per_s": flops / min(times), "median_flops_per_s": flops / statistics.median(times)}
+
+
+def measure_bandwidth_peak(repeats: int) -> dict:
+    """Read bandwidth: bytes/s of a jitted sum over a BANDWIDTH_BYTES f32 array."""
+    x = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    times = _time_calls(lambda: total(x).block_until_ready(), repeats, warmup=2)
+    return {"bytes": BANDWIDTH_BYTES, "best_bytes_per_s": BANDWIDTH_BYTES / min(times), "median_bytes_per_s": BANDWIDTH_BYTES / statistics.median(times)}
+
+
+# ------------------------------------------------------------------------------------------ cost model
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul per token, excluding the LM head (embedding lookups are free)."""
+    d, k = cfg.embed_dim, cfg.head_dim
+    per_layer = d * k * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.ffn_dim
+    return cfg.num_layers * per_layer
+
+
+def forward_flops(cfg: ModelConfig, num_tokens: int, num_logit_rows: int, num_keys_attended: int) -> int:
+    """Useful FLOPs of a forward: layer matmuls, the LM head for rows with logits, and attention
+    (QK^T and PV: 4 * K per query head per key, over `num_keys_attended` (query, key) pairs per layer)."""
+    lm_head = 2 * cfg.vocab_size * cfg.embed_dim * num_logit_rows
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_keys_attended
+    return 2 * matmul_params(cfg) * num_tokens + lm_head + attention
+
+
+def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+    """Least bytes a decode step reads: every f32 weight once (embedding as LM head) and the K/V."""
+    weights = 4 * (matmul_params(cfg) + cfg.vocab_size * cfg.embed_dim)
+    return weights + batch * context * cfg.kv_bytes_per_token(4)
+
+
+# ------------------------------------------------------------------------------------------ programs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill(params, cache, tokens, *, cfg):
+    """Prefill [B, T] into a dense cache; donates `cache`. Returns (last-position logits [B, V], cache)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    last = jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32)
+    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg, logit_indices=last)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _decode(params, cache, tokens, positions, *, cfg):
+    """One greedy decode step for [B, 1]; donates `cache`. Returns (next tokens [B, 1], cache)."""
+    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _last_logits_no_cache(params, tokens, last, *, cfg):
+    """Logits at index last[b] of each row of [B, T], no cache (the fixture check)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, _ = model.forward(params, None, tokens, positions, cfg=cfg, logit_indices=last)
+    return logits[:, 0]
+
+
+def _compile(jitted, *args, **kwargs):
+    start = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - start
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def check_fixtures(params, cfg: ModelConfig) -> dict:
+    """Relative error of our last-position logits vs the committed HF fixtures, per prompt."""
+    with np.load(FIXTURES) as fixtures:
+        count = int(fixtures["num_prompts"])
+        ids = [fixtures[f"p{i}_ids"] for i in range(count)]
+        expected = [fixtures[f"p{i}_last_logits"] for i in range(count)]
+    tokens = np.zeros((count, FIXTURE_PAD), np.int32)
+    for row, prompt in enumerate(ids):
+        tokens[row, : len(prompt)] = prompt
+    last = np.array([len(p) - 1 for p in ids], np.int32)
+    logits = np.asarray(_last_logits_no_cache(params, tokens, last, cfg=cfg))
+    errors = [relative_error(logits[i], expected[i]) for i in range(count)]
+    argmax_equal = [int(np.argmax(logits[i]) == np.argmax(expected[i])) for i in range(count)]
+    return {"num_prompts": count, "max_relative_error": max(errors), "relative_errors": errors, "argmax_equal": sum(argmax_equal)}
+
+
+def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the real-text passages (repeated if the file is shorter)."""
+    ids = tokenizer.encode(TEXT_FILE.read_text(), add_bos=False)
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    return ids[:num_tokens]
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int) -> dict:
+    tokens = jnp.asarray([ids], jnp.int32)
+    cache = kv_pool.init_dense_cache(cfg, 1, len(ids))
+    program, compile_s = _compile(_prefill, params, cache, tokens, cfg=cfg)
+    state = {"cache": cache}
+
+    def run():
+        logits, state["cache"] = program(params, state["cache"], tokens)
+        state["logits"] = logits.block_until_ready()
+
+    times = _time_calls(run, repeats, warmup=1)
+    seconds = statistics.median(times)
+    num_tokens = len(ids)
+    flops = forward_flops(cfg, num_tokens, 1, num_tokens * (num_tokens + 1) // 2)
+    return {
+        "tokens": num_tokens, "compile_s": compile_s, "times_s": times, "median_s": seconds,
+        "tokens_per_s": num_tokens / seconds, "flops": flops, "flops_per_s": flops / seconds,
+        "last_logits": np.asarray(state["logits"][0]),
+    }
+
+
+def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int) -> dict:
+    cache = kv_pool.init_dense_cache(cfg, batch, context)
+    tokens = jnp.full((batch, 1), token, jnp.int32)
+    positions = jnp.full((batch, 1), context - 1, jnp.int32)  # every row attends to all `context` slots
+    program, compile_s = _compile(_decode, params, cache, tokens, positions, cfg=cfg)
+    state = {"cache": cache}
+
+    def run():
+        next_tokens, state["cache"] = program(params, state["cache"], tokens, positions)
+        next_tokens.block_until_ready()
+
+    times = _time_calls(run, repeats, warmup=2)
+    seconds = statistics.median(times)
+    flops = forward_flops(cfg, batch, batch, batch * context)
+    num_bytes = decode_bytes(cfg, batch, context)
+    return {
+        "batch": batch, "context": context, "compile_s": compile_s, "times_s": times, "median_step_s": seconds,
+        "tokens_per_s": batch / seconds, "flops": flops, "flops_per_s": flops / seconds,
+        "bytes": num_bytes, "bytes_per_s": num_bytes / seconds,
+    }
+
+
+def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path) -> tuple[dict, np.ndarray]:
+    """Run experiments/peers/hf_forward.py in .venv-ref; returns (its JSON, its last-position logits)."""
+    ids_file, logits_file = workdir / "ids.json", workdir / "hf_logits.npy"
+    ids_file.write_text(json.dumps(ids))
+    command = [str(REF_PYTHON), str(HF_PEER), "--ids", str(ids_file), "--batch-sizes", ",".join(map(str, batch_sizes)),
+               "--steps", str(steps), "--logits-out", str(logits_file)]
+    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(f"HF peer failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1]), np.load(logits_file)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _row(name, seconds, tokens_per_s, flops_per_s, peak, mbu, hf_seconds, compile_s):
+    ratio = f"{hf_seconds / seconds:6.2f}x" if hf_seconds else "     -"
+    hf = f"{hf_seconds * 1e3:9.1f}" if hf_seconds else "        -"
+    mbu_text = f"{mbu:6.1%}" if mbu is not None else "     -"
+    return (f"{name:<18} {seconds * 1e3:9.1f} {tokens_per_s:10.1f} {flops_per_s / 1e9:8.2f} {flops_per_s / peak:7.1%} "
+            f"{mbu_text} {compile_s:8.2f} {hf} {ratio}")
+
+
+def print_table(result: dict) -> None:
+    peak = result["peaks"]["matmul"]["best_flops_per_s"]
+    hf = result.get("hf") or {}
+    print(f"\nmatmul peak {peak / 1e9:.1f} GFLOP/s (f32 {MATMUL_SIZE}^3), read bandwidth "
+          f"{result['peaks']['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s; load avg {result['load_average']}")
+    print(f"{'program':<18} {'ms':>9} {'tokens/s':>10} {'GFLOP/s':>8} {'%peak':>7} {'MBU':>6} {'compile':>8} {'HF ms':>9} {'jax/HF':>7}")
+    prefill = result["prefill"]
+    print(_row(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], peak,
+               None, hf.get("prefill_median_s"), prefill["compile_s"]))
+    bandwidth = result["peaks"]["bandwidth"]["best_bytes_per_s"]
+    for entry in result["decode"]:
+        hf_step = (hf.get("decode_median_step_s") or {}).get(str(entry["batch"]))
+        print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
+                   entry["flops_per_s"], peak, entry["bytes_per_s"] / bandwidth, hf_step, entry["compile_s"]))
+    print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--context", type=int, default=512, help="dense cache slots of the decode programs")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per program")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    total_start = time.perf_counter()
+
+    start = time.perf_counter()
+    cfg, params = loading.load_model(None)
+    load_s = time.perf_counter() - start
+    ids = prompt_ids(load_tokenizer(None), args.prefill_tokens)
+    fixtures = check_fixtures(params, cfg)
+    print(f"loaded in {load_s:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
+          f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
+
+    peaks = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
+    prefill = bench_prefill(params, cfg, ids, args.repeats)
+    ours_logits = prefill.pop("last_logits")
+    decode = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in batch_sizes]
+    print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
+
+    hf_summary, hf_error = None, None
+    if not args.no_hf:
+        with tempfile.TemporaryDirectory() as workdir:
+            hf_raw, hf_logits = run_hf_peer(ids, batch_sizes, args.repeats, pathlib.Path(workdir))
+        hf_error = relative_error(ours_logits, hf_logits)
+        hf_summary = {
+            "peer": hf_raw, "prefill_median_s": statistics.median(hf_raw["prefill_s"]),
+            "decode_median_step_s": {b: d["median_step_s"] for b, d in hf_raw["decode"].items()},
+            "prefill_logits_relative_error": hf_error,
+            "prefill_argmax_equal": bool(np.argmax(ours_logits) == np.argmax(hf_logits)),
+        }
+    correct = fixtures["max_relative_error"] <= MAX_RELATIVE_ERROR and (hf_error is None or hf_error <= MAX_RELATIVE_ERROR)
+
+    peak = peaks["matmul"]["best_flops_per_s"]
+    result = {
+        "question": "jaxinfer forward speed on this machine: fraction of measured f32 matmul peak, and vs HF transformers",
+        "model": loading.default_model_path().name, "dtype": cfg.dtype, "num_params": cfg.num_params(),
+        "matmul_params": matmul_params(cfg),
+        "flops_formula": "2*P_matmul*tokens + 2*V*D*rows_with_logits + 4*L*H*K*(query,key) pairs; decode: rows attend to `context` keys; prefill: causal T(T+1)/2",
+        "bytes_formula": "decode: 4*(P_matmul + V*D) + B*context*kv_bytes_per_token(f32)",
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()},
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "load_s": load_s,
+        "correctness": {"max_relative_error_allowed": MAX_RELATIVE_ERROR, "fixtures": fixtures, "hf_prefill_relative_error": hf_error, "passed": correct},
+        "peaks": peaks,
+        "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
+        "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]} for d in decode],
+        "hf": hf_summary,
+        "runtime_s": time.perf_counter() - total_start,
+    }
+    if hf_summary:
+        result["ratios_vs_hf"] = {
+            "prefill_speedup": hf_summary["prefill_median_s"] / prefill["median_s"],
+            **{f"decode_b{d['batch']}_speedup": hf_summary["decode_median_step_s"][str(d["batch"])] / d["median_step_s"] for d in decode},
+        }
+    print_table(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {
+        "bench": "forward", "correct": correct, "matmul_peak_gflops": peak / 1e9,
+        "prefill_tokens_per_s": prefill["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],
+        **{f"decode_b{d['batch']}_ms": d["median_step_s"] * 1e3 for d in decode},
+        **{f"decode_b{d['batch']}_fraction_of_peak": d["flops_per_s"] / peak for d in decode},
+        **(result.get("ratios_vs_hf") or {}), "runtime_s": result["runtime_s"],
+    }
+    print(json.dumps(summary))
+    if not correct:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
