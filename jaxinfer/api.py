@@ -26,7 +26,7 @@ class RequestOutput:
     index: int  # position in the input
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "timeout" (its deadline passed before it started)
     num_prompt_tokens: int
     num_generated_tokens: int
     time_to_first_token: float  # seconds from submission
@@ -42,6 +42,7 @@ class Prompt:
     token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    deadline_s: float | None = None  # seconds after submission by which it must start
 
 
 class LLM:
@@ -84,6 +85,9 @@ class LLM:
         bar = tqdm(total=len(submitted), unit="req", disable=not (progress if progress is not None else len(submitted) >= _PROGRESS_MIN_REQUESTS))
         try:
             while scheduler.has_work():
+                for request in scheduler.expire():
+                    bar.update(1)
+                    yield self._output(request)
                 for plan in scheduler.schedule():
                     for request in scheduler.update(plan, self.engine.step(plan)):
                         bar.update(1)
@@ -97,7 +101,11 @@ class LLM:
         seeds = seeds_for([p.params for p in prompts], self.engine_config.seed)
         requests = []
         for prompt, seed in zip(prompts, seeds):
-            request = Request(str(prompt.index), prompt.token_ids, prompt.params, int(seed), priority=prompt.priority, arrival_index=prompt.index, arrival_time=now)
+            deadline = None if prompt.deadline_s is None else now + prompt.deadline_s
+            request = Request(
+                str(prompt.index), prompt.token_ids, prompt.params, int(seed), priority=prompt.priority,
+                deadline=deadline, arrival_index=prompt.index, arrival_time=now,
+            )
             scheduler.add(request)
             requests.append(request)
         return requests
@@ -114,7 +122,7 @@ class LLM:
             finish_reason=request.finish_reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_generated_tokens=len(request.output_ids),
-            time_to_first_token=request.first_token_time - request.arrival_time,
+            time_to_first_token=(request.first_token_time or request.finish_time) - request.arrival_time,
             latency=request.finish_time - request.arrival_time,
             num_preemptions=request.num_preemptions,
         )

@@ -143,7 +143,12 @@ class BatchJob:
             check_request(self.llm.engine_config, self.llm.engine.num_pages, len(ids), params.max_tokens)
         except ValueError as e:
             raise LineError(str(e)) from None
-        return Prompt(len(self._index_to_line), ids, params, priority=int(obj.get("priority", 0)))
+        priority, deadline = obj.get("priority", 0), obj.get("deadline_s")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise LineError(f"field 'priority' must be an integer, got {priority!r}")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline <= 0):
+            raise LineError(f"field 'deadline_s' must be a positive number of seconds, got {deadline!r}")
+        return Prompt(len(self._index_to_line), ids, params, priority=priority, deadline_s=deadline)
 
     def _collect(self, input_path: Path, done: set[str]) -> list[Prompt]:
         prompts, seen = [], set()
@@ -173,6 +178,8 @@ class BatchJob:
 
     def _record(self, output: RequestOutput) -> dict:
         line_number, request_id = self._index_to_line[output.index]
+        if output.finish_reason == "timeout":
+            return {"id": request_id, "line": line_number, "status": "error", "error": f"line {line_number}: timed out: its deadline passed before it started"}
         return {
             "id": request_id, "line": line_number, "status": "ok", "text": output.text,
             "token_ids": output.token_ids, "finish_reason": output.finish_reason,
@@ -187,8 +194,12 @@ class BatchJob:
             prompts = self._collect(input_path, done)
             try:
                 for output in self.llm.stream(prompts, progress=progress):
-                    self._write(self._record(output))
-                    self.summary.add(output)
+                    record = self._record(output)
+                    self._write(record)
+                    if record["status"] == "ok":
+                        self.summary.add(output)
+                    else:
+                        self.summary.num_errors += 1
             except KeyboardInterrupt:
                 self.summary.interrupted = True
         self.summary.seconds = time.perf_counter() - start

@@ -15,7 +15,8 @@ _GENERATE_EPILOG = """\
 input JSONL, one object a line:
   {"id": "q1", "prompt": "Once upon a time"}
   {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0, "max_tokens": 64}
-  optional per line: temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, priority
+  optional per line: temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos,
+  priority (lower runs first), deadline_s (seconds after submission by which it must start, else an error record)
 
 output JSONL: exactly one line per input line, written as each finishes:
   {"id", "line", "status": "ok"|"error", "text", "token_ids", "finish_reason", timings...} or {"error": reason}

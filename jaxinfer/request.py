@@ -73,6 +73,7 @@ class Request:
     params: SamplingParams
     seed: int
     priority: int = 0  # lower runs first
+    deadline: float | None = None  # time.perf_counter() by which it must start, else it times out
     arrival_index: int = 0
     arrival_time: float = 0.0
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -6,7 +6,7 @@ Each call to `schedule()` returns the plans of one engine iteration:
      needs a new page and none is free, requests are preempted by recompute, most recently admitted first
      (their pages are freed, their generated tokens kept, and they re-queue at the front).
   2. prefill: partially prefilled requests continue, then waiting requests are admitted in (priority,
-     arrival) order, under the per-step token budget, the sequence limit and the free pages. A prompt
+     deadline, arrival) order (earliest deadline first within a priority), under the per-step token budget, the sequence limit and the free pages. A prompt
      longer than the largest chunk bucket is split over several steps (chunked prefill).
 
 `update(plan, tokens)` applies the sampled tokens, checks stop conditions and frees finished requests.
@@ -64,6 +64,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------ planning
+
+    def expire(self, now: float | None = None) -> list[Request]:
+        """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started."""
+        now = time.perf_counter() if now is None else now
+        expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now and not r.output_ids]
+        for request in expired:
+            self.waiting.remove(request)
+            request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, "timeout", now
+        return expired
 
     def schedule(self) -> list[StepPlan]:
         decode_rows = self._reserve_decode_pages()
@@ -131,7 +140,8 @@ class Scheduler:
 
     def _waiting_in_order(self) -> list[Request]:
         room = self.cfg.max_num_seqs - len(self.running)
-        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_index))[: max(room, 0)]
+        order = lambda r: (r.priority, r.deadline if r.deadline is not None else float("inf"), r.arrival_index)  # noqa: E731
+        return sorted(self.waiting, key=order)[: max(room, 0)]
 
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""

@@ -27,9 +27,10 @@ def write_input(path) -> dict[str, str]:
     lines.insert(5, json.dumps({"prompt": "no id here"}))
     lines.insert(7, json.dumps({"id": "toolong", "prompt": "word " * 400}))
     lines.insert(9, json.dumps({"id": "badtemp", "prompt": "hi", "temperature": "hot"}))
+    lines.append(json.dumps({"id": "late", "prompt": "hi", "deadline_s": 1e-9}))  # cannot start in 1 ns
     path.write_text("\n".join(lines) + "\n")
     expected = {f"q{i}": "ok" for i in range(len(QUESTIONS))}
-    expected.update({"line:3": "error", "line:6": "error", "toolong": "error", "badtemp": "error"})
+    expected.update({"line:3": "error", "line:6": "error", "toolong": "error", "badtemp": "error", "late": "error"})
     return expected
 
 
@@ -63,7 +64,8 @@ def test_bad_lines_get_error_records_and_resume_after_sigkill_matches_full_run(t
     assert "'id'" in errors["line:6"]
     assert "context is 256" in errors["toolong"]
     assert "temperature" in errors["badtemp"]
-    assert "requests ok / error / skipped  9 / 4 / 0" in full.stderr
+    assert "timed out" in errors["late"]
+    assert "requests ok / error / skipped  9 / 5 / 0" in full.stderr
 
     partial_path = tmp_path / "partial.jsonl"
     process = run_cli(input_path, partial_path, compile_cache, wait=False)

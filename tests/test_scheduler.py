@@ -176,3 +176,14 @@ def test_every_request_finishes_exactly_once_with_correct_tokens(lengths, num_pa
         buckets = cfg.decode_batch_buckets if plan.phase == "decode" else cfg.prefill_seq_buckets
         assert rows in buckets
         assert tokens == 1 if plan.phase == "decode" else tokens in cfg.prefill_chunk_buckets
+
+
+def test_earliest_deadline_first_within_a_priority_and_expiry():
+    scheduler = Scheduler(small_config(max_prefill_tokens=4, prefill_chunk_buckets=(4,)), num_pages=20)
+    late, soon, stale = request("late", 4, 2, 0), request("soon", 4, 2, 1), request("stale", 4, 2, 2)
+    late.deadline, soon.deadline, stale.deadline = 100.0, 50.0, 5.0
+    for r in (late, soon, stale):
+        scheduler.add(r)
+    assert scheduler.expire(now=10.0) == [stale] and stale.finish_reason == "timeout"
+    (plan,) = scheduler.schedule()
+    assert plan.request_ids == ("soon",)
