@@ -49,14 +49,20 @@ def key(record: dict) -> str:
     return record["id"] if record["id"] is not None else f"line:{record['line']}"
 
 
-@pytest.mark.slow
-def test_bad_lines_get_error_records_and_resume_after_sigkill_matches_full_run(tmp_path, compile_cache):
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, compile_cache):
+    tmp_path = tmp_path_factory.mktemp("batch")
     input_path = tmp_path / "in.jsonl"
     expected = write_input(input_path)
-    full = run_cli(input_path, tmp_path / "full.jsonl", compile_cache)
-    assert full.returncode == 0, full.stderr[-2000:]
-    assert "Traceback" not in full.stderr
-    full_records = records(tmp_path / "full.jsonl")
+    result = run_cli(input_path, tmp_path / "full.jsonl", compile_cache)
+    return input_path, expected, result, records(tmp_path / "full.jsonl")
+
+
+@pytest.mark.slow
+def test_bad_lines_get_error_records_and_the_rest_completes(full_run):
+    _, expected, result, full_records = full_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
     assert {key(r): r["status"] for r in full_records} == expected
     assert len(full_records) == len(expected)
     errors = {key(r): r["error"] for r in full_records if r["status"] == "error"}
@@ -65,8 +71,12 @@ def test_bad_lines_get_error_records_and_resume_after_sigkill_matches_full_run(t
     assert "context is 256" in errors["toolong"]
     assert "temperature" in errors["badtemp"]
     assert "timed out" in errors["late"]
-    assert "requests ok / error / skipped  9 / 5 / 0" in full.stderr
+    assert "requests ok / error / skipped  9 / 5 / 0" in result.stderr
 
+
+def interrupt_then_resume(full_run, tmp_path, compile_cache, sig):
+    """Start the job, send `sig` once two results are written, then --resume; returns (rc, final records)."""
+    input_path, expected, _, full_records = full_run
     partial_path = tmp_path / "partial.jsonl"
     process = run_cli(input_path, partial_path, compile_cache, wait=False)
     deadline = time.time() + 300
@@ -74,16 +84,26 @@ def test_bad_lines_get_error_records_and_resume_after_sigkill_matches_full_run(t
         if partial_path.exists() and sum(r["status"] == "ok" for r in records(partial_path)) >= 2:
             break
         time.sleep(0.02)
-    assert process.poll() is None, "the job finished before it could be killed"
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    killed_at = len(records(partial_path))
-    assert killed_at < len(expected)
+    assert process.poll() is None, "the job finished before it could be interrupted"
+    os.kill(process.pid, sig)
+    returncode = process.wait(timeout=120)
+    assert len(records(partial_path)) < len(expected)
     resumed = run_cli(input_path, partial_path, compile_cache, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     final = records(partial_path)
     assert sorted(key(r) for r in final) == sorted(key(r) for r in full_records)  # none missing, none twice
     assert {key(r): r.get("text") for r in final} == {key(r): r.get("text") for r in full_records}
+    return returncode
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_full_run(full_run, tmp_path, compile_cache):
+    assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGKILL) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_sigint_stops_cleanly_and_resume_matches_full_run(full_run, tmp_path, compile_cache):
+    assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGINT) == 130
 
 
 def test_cli_refuses_to_overwrite_without_flag(tmp_path):
