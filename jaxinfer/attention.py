@@ -69,8 +69,29 @@ def attend(
     cache = kvp.write_paged(cache, layer, k, v, pages)
     if _use_kernel(impl, q):
         return _attend_pallas(q, cache, layer, positions, pages), cache
-    keys, values = kvp.gather_pages(cache, layer, pages.block_tables)
-    return _attend_slots(q, keys, values, positions), cache
+    k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
+    return attention_over_pages(q, k_pages, v_pages, positions), cache
+
+
+def attention_over_pages(
+    q: Float[Array, "B T H K"],
+    k_pages: Float[Array, "G B P K L"],
+    v_pages: Float[Array, "G B P L K"],
+    q_positions: Int[Array, "B T"],
+) -> Float[Array, "B T H K"]:
+    """Causal GQA attention straight over gathered pages in the pool's layout (no transpose copy);
+    slot p * L + l holds position p * L + l. f32 scores and softmax, output in q's dtype."""
+    b, t, h, k = q.shape
+    g, _, p, _, l = k_pages.shape
+    grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
+    scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, g, h // g, t, p * l) * (k**-0.5)  # [B, G, Q, T, S]
+    slots = jnp.arange(p * l, dtype=jnp.int32)
+    visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
+    values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
+    out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
+    return out.reshape(b, t, h, k).astype(q.dtype)
 
 
 def _use_kernel(impl: str, q: jax.Array) -> bool:

@@ -121,6 +121,7 @@ class EngineConfig:
     prefill_seq_buckets: tuple[int, ...] = (1, 4)  # sequences per prefill step
     decode_batch_buckets: tuple[int, ...] = (4, 8, 16, 32)  # sequences per decode step
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
+    decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables
     compile_threads: int = 2  # programs compiled in parallel at warm-up
@@ -145,6 +146,12 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return self.max_context // self.page_size
+
+    def first_chunk_width(self, chunk_tokens: int) -> int:
+        """Pages read by a prefill whose rows all start at position 0: enough for the chunk itself."""
+        from jaxinfer.buckets import pad_to_bucket
+
+        return pad_to_bucket(-(-chunk_tokens // self.page_size), self.page_buckets)
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

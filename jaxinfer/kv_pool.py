@@ -89,10 +89,5 @@ def write_paged(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, meta
 
 
 def gather_pages(pool: KVPool, layer: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values of each sequence's pages, flattened to token order: two [B, S, G, K], S = P_max * L."""
-    k_pages = pool.k[layer][:, block_tables]  # [G, B, P_max, K, L]
-    v_pages = pool.v[layer][:, block_tables]  # [G, B, P_max, L, K]
-    g, b, p, k, l = k_pages.shape
-    keys = k_pages.transpose(1, 2, 4, 0, 3).reshape(b, p * l, g, k)  # [B, S, G, K]
-    values = v_pages.transpose(1, 2, 3, 0, 4).reshape(b, p * l, g, k)  # [B, S, G, K]
-    return keys, values
+    """Each sequence's pages of `layer`, kept in the pool's layout: K [G, B, P_max, K, L], V [G, B, P_max, L, K]."""
+    return pool.k[layer][:, block_tables], pool.v[layer][:, block_tables]

@@ -78,8 +78,8 @@ class Scheduler:
         decode_rows = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill()
         plans = []
-        if decode_rows:
-            plans.append(self._decode_plan(decode_rows))
+        for group in split_decode_rows(decode_rows, self._decode_cost):
+            plans.append(self._decode_plan(group))
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
         self._record_utilization()
@@ -162,10 +162,19 @@ class Scheduler:
 
     # ------------------------------------------------------------ plan arrays
 
-    def _decode_plan(self, requests: list[Request]) -> StepPlan:
+    def _decode_shape(self, requests: list[Request]) -> tuple[int, int]:
+        """(rows, pages per row) buckets of a decode step over these requests."""
         rows = pad_to_bucket(len(requests), self.cfg.decode_batch_buckets)
         max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r in requests)
-        width = pad_to_bucket(max_pages, self.cfg.page_buckets)
+        return rows, pad_to_bucket(max_pages, self.cfg.page_buckets)
+
+    def _decode_cost(self, requests: list[Request]) -> float:
+        """Modelled cost of one decode step: a fixed part (weights read once) plus rows x (pages + 2)."""
+        rows, width = self._decode_shape(requests)
+        return self.cfg.decode_split_overhead + rows * (width + 2)
+
+    def _decode_plan(self, requests: list[Request]) -> StepPlan:
+        rows, width = self._decode_shape(requests)
         chunks = [(r, r.num_tokens - 1, 1) for r in requests]
         return self._build_plan("decode", chunks, rows, 1, width, [True] * len(requests))
 
@@ -174,7 +183,10 @@ class Scheduler:
         tokens = pad_to_bucket(max(chunk for _, chunk in pairs), self.cfg.prefill_chunk_buckets)
         chunks = [(r, r.num_computed_tokens, chunk) for r, chunk in pairs]
         samples = [r.num_computed_tokens + chunk == r.num_tokens for r, chunk in pairs]
-        return self._build_plan("prefill", chunks, rows, tokens, self.cfg.max_pages_per_seq, samples)
+        # A prefill whose rows all start at 0 reads only its own chunk's pages; a continuation reads all.
+        first = all(r.num_computed_tokens == 0 for r, _ in pairs)
+        width = self.cfg.first_chunk_width(tokens) if first else self.cfg.max_pages_per_seq
+        return self._build_plan("prefill", chunks, rows, tokens, width, samples)
 
     def _build_plan(self, phase, chunks, num_rows, num_tokens, width, samples) -> StepPlan:
         """chunks: (request, first position, length) per real row."""
@@ -244,6 +256,23 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
+
+
+def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], float]) -> list[list[Request]]:
+    """Decode rows as one group, or two groups split by context length when that is cheaper.
+
+    One long sequence would otherwise make every row of the step read as many pages as it does. Rows
+    are sorted by length and every split point is costed; the cheapest of (no split, best split) wins.
+    """
+    if len(requests) < 2:
+        return [requests] if requests else []
+    ordered = sorted(requests, key=lambda r: r.num_tokens)
+    best, groups = cost(ordered), [ordered]
+    for split in range(1, len(ordered)):
+        total = cost(ordered[:split]) + cost(ordered[split:])
+        if total < best:
+            best, groups = total, [ordered[:split], ordered[split:]]
+    return groups
 
 
 def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:

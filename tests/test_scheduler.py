@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request, SamplingParams
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.scheduler import Scheduler, split_decode_rows
 
 VOCAB = 1000
 
@@ -82,12 +82,12 @@ def test_first_step_prefills_under_token_budget_with_exact_slots():
     scheduler.add(request("a", 6, 4, 0))
     scheduler.add(request("b", 3, 4, 1))
     (plan,) = scheduler.schedule()
-    assert plan.phase == "prefill" and plan.bucket == ("prefill", 2, 8, 8)
+    assert plan.phase == "prefill" and plan.bucket == ("prefill", 2, 8, 2)  # first chunks read 2 pages
     assert plan.request_ids == ("a", "b") and plan.num_new_tokens == (6, 2) and plan.samples == (True, False)
     assert plan.slot_pages[0].tolist() == [1, 1, 1, 1, 2, 2, 0, 0]
     assert plan.slot_offsets[0, :6].tolist() == [0, 1, 2, 3, 0, 1]
     assert plan.slot_pages[1].tolist() == [3, 3, 0, 0, 0, 0, 0, 0]
-    assert plan.block_tables[0, :3].tolist() == [1, 2, 0]
+    assert plan.block_tables.tolist() == [[1, 2], [3, 0]]
     assert plan.logit_indices.tolist() == [5, 1]
 
 
@@ -100,6 +100,7 @@ def test_second_step_decodes_a_and_continues_chunk_of_b():
     assert decode.request_ids == ("a",) and decode.token_ids[0, 0] == 11 and decode.positions[0, 0] == 6
     assert decode.bucket == ("decode", 2, 1, 2)
     assert prefill.request_ids == ("b",) and prefill.positions[0, 0] == 2 and prefill.samples == (True,)
+    assert prefill.bucket == ("prefill", 1, 4, 8)  # a continuation reads the full table width
 
 
 def test_preemption_takes_most_recently_admitted_and_keeps_its_output():
@@ -187,3 +188,26 @@ def test_earliest_deadline_first_within_a_priority_and_expiry():
     assert scheduler.expire(now=10.0) == [stale] and stale.finish_reason == "timeout"
     (plan,) = scheduler.schedule()
     assert plan.request_ids == ("soon",)
+
+
+def test_decode_splits_off_a_long_sequence_when_cheaper():
+    scheduler = Scheduler(small_config(max_context=64, decode_batch_buckets=(1, 2, 4), decode_split_overhead=2.0), num_pages=40)
+    engine = FakePagedEngine(40, 4)
+    for i, (prompt, gen) in enumerate([(3, 12), (4, 12), (5, 12), (50, 12)]):
+        scheduler.add(request(f"r{i}", prompt, gen, i))
+    finished, plans = run_to_completion(scheduler, engine)
+    assert all(r.output_ids == expected_output(r) for r in finished)
+    steps = {}
+    for plan in plans:
+        if plan.phase == "decode":
+            steps.setdefault(plan.positions[0, 0] >= 50, []).append(plan.bucket)
+    assert ("decode", 1, 1, 16) in steps[True]  # the long one decodes alone at full width
+    assert all(width <= 8 for _, _, _, width in steps[False])  # the short ones stay narrow
+
+
+def test_split_decode_rows_keeps_one_group_when_overhead_dominates():
+    reqs = [request(f"r{i}", n, 1, i) for i, n in enumerate([3, 5, 40])]
+    width = lambda group: max(r.num_tokens for r in group)  # noqa: E731
+    assert len(split_decode_rows(reqs, lambda g: 1000 + len(g) * width(g))) == 1
+    groups = split_decode_rows(reqs, lambda g: 1 + len(g) * width(g))
+    assert [[r.request_id for r in g] for g in groups] == [["r0", "r1"], ["r2"]]
