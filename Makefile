@@ -50,8 +50,17 @@ test: $(VENV)/.stamp reference-check
 test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
-bench: $(VENV)/.stamp $(VENV_REF)/.stamp
+# llama.cpp peer of bench_engine.py: llama-cpp-python builds from source (about 12 minutes on 2 cores).
+$(VENV_REF)/.stamp-bench: $(VENV_REF)/.stamp
+	$(VENV_REF)/bin/pip install $(PIP_FLAGS) llama-cpp-python==0.3.36
+	touch $@
+
+setup-bench: $(VENV_REF)/.stamp-bench
+
+# Benchmarks are never part of `make test`; each prints a table and writes experiments/results/*.json.
+bench: $(VENV)/.stamp $(VENV_REF)/.stamp-bench
 	$(VENV)/bin/python experiments/bench_forward.py
+	$(VENV)/bin/python experiments/bench_engine.py
 	$(VENV)/bin/python experiments/compare_buckets.py
 
 clean:
