@@ -6,7 +6,9 @@ prompts are real English (experiments/data/passages.txt) tokenized by jaxinfer's
 repeated from a random offset to each prompt length; each request asks for exactly its generated
 length (EOS ignored). The workload is written once as JSON (ids + max_tokens) and every runner reads
 it. Runners, one after the other in this run (never concurrently):
-  jaxinfer  LLM(...) with token-id prompts, greedy, ignore_eos; warm-up (compiles) timed apart;
+  jaxinfer  LLM(...) with token-id prompts, greedy, ignore_eos; warm-up (compiles) timed apart; the
+            EngineConfig knobs chosen here (one prefill row per step, see engine_config_for);
+  jaxinfer_defaults  the same with EngineConfig's default prefill/decode bucket tables, for contrast;
   naive     jaxinfer's model.forward over a dense cache in static batches (arrival order) padded to the
             workload's longest prompt, every row decoded to the longest generation;
   hf        transformers batched generate (experiments/peers/hf_generate.py, .venv-ref);
@@ -20,8 +22,10 @@ Writes experiments/results/bench_engine.json; the last stdout line is one JSON d
 """
 
 import argparse
+import collections
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -50,7 +54,7 @@ RESULTS = REPO_ROOT / "experiments" / "results" / "bench_engine.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_engine"  # the workload and peers' token files (not committed)
 REF_PYTHON = REPO_ROOT / ".venv-ref" / "bin" / "python"
 PEERS_DIR = REPO_ROOT / "experiments" / "peers"
-ALL_RUNNERS = ("jaxinfer", "naive", "hf", "llamacpp")
+ALL_RUNNERS = ("jaxinfer", "naive", "jaxinfer_defaults", "hf", "llamacpp")
 MAX_CONTEXT = 2048  # covers the scaled trace's longest prompt + generation (14050/8 + 1000/8 = 1882)
 NUM_REFERENCE_CHECKS = 3  # requests checked against generate.generate before timing
 NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many positions (bounds score memory)
@@ -92,6 +96,33 @@ def _greedy(max_tokens: int) -> SamplingParams:
 # ------------------------------------------------------------------------------------------ jaxinfer
 
 
+class StepTimer:
+    """Wraps `llm.engine.step` (instance attribute only; jaxinfer is not modified) to time each step by
+    bucket key, so the run splits into device steps (compute + the one device->host copy) and host time."""
+
+    def __init__(self, engine):
+        self.engine, self.inner = engine, engine.step
+        self.seconds: dict[tuple, list[float]] = collections.defaultdict(list)
+        engine.step = self
+
+    def __call__(self, plan):
+        start = time.perf_counter()
+        tokens = self.inner(plan)
+        self.seconds[plan.bucket].append(time.perf_counter() - start)
+        return tokens
+
+    def summary(self, total_seconds: float) -> dict:
+        phase = lambda name: [t for key, ts in self.seconds.items() if key[0] == name for t in ts]  # noqa: E731
+        in_steps = sum(sum(ts) for ts in self.seconds.values())
+        return {
+            "prefill_steps": len(phase("prefill")), "prefill_s": sum(phase("prefill")),
+            "decode_steps": len(phase("decode")), "decode_s": sum(phase("decode")),
+            "host_s": total_seconds - in_steps,
+            "by_bucket": {"/".join(map(str, key)): {"steps": len(ts), "median_ms": 1e3 * float(np.median(ts)), "total_s": sum(ts)}
+                          for key, ts in sorted(self.seconds.items())},
+        }
+
+
 def run_jaxinfer(workload: dict, engine_config: EngineConfig) -> tuple[dict, list[list[int]], LLM]:
     """Load, warm up (timed apart), check a few requests against the dense reference, then time the run."""
     requests = workload["requests"]
@@ -107,6 +138,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig) -> tuple[dict, lis
 
     prompts = [r["prompt_ids"] for r in requests]
     params = [_greedy(r["max_tokens"]) for r in requests]
+    timer = StepTimer(llm.engine)
     with CompileCounter() as compiles:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, progress=False)
@@ -121,6 +153,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig) -> tuple[dict, lis
         "engine_config": {k: v for k, v in dataclasses.asdict(engine_config).items()}, "num_pages": llm.engine.num_pages,
         "attention_impl": llm.engine.impl, "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
+        "time_split": timer.summary(seconds),
         "mean_latency_s": float(np.mean([o.latency for o in outputs])),
         "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs])),
     }
@@ -236,7 +269,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 
 
 def print_table(results: dict, base: float | None) -> None:
-    print(f"\n{'runner':<24} {'out tok/s':>10} {'seconds':>9} {'setup s':>8} {'jaxinfer/x':>10} {'exact':>6} {'prefix':>7}")
+    print(f"\n{'runner':<24} {'out tok/s':>10} {'run s':>8} {'load s':>7} {'warm-up s':>9} {'jaxinfer/x':>10} {'exact':>6} {'prefix':>7}")
     for name, entry in results.items():
         if "output_tokens_per_s" not in entry:
             print(f"{name:<24} {'not run: ' + entry.get('error', '?')[:60]}")
@@ -246,9 +279,20 @@ def print_table(results: dict, base: float | None) -> None:
         agree = entry.get("agreement_with_jaxinfer") or {}
         exact = f"{agree['exact_requests']:6.0%}" if agree else "     -"
         prefix = f"{agree['mean_prefix_fraction']:7.0%}" if agree else "      -"
-        setup = entry.get("warmup_s", entry.get("compile_s", entry.get("load_s", 0.0)))
-        print(f"{name:<24} {rate:10.1f} {entry['seconds']:9.1f} {setup:8.1f} {ratio} {exact} {prefix}")
-    print("jaxinfer/x = jaxinfer output tokens/s / runner's; exact / prefix = agreement of greedy tokens with jaxinfer's.")
+        load = entry.get("load_s", (entry.get("peer") or {}).get("load_s", 0.0))
+        warmup = entry.get("warmup_s", entry.get("compile_s", 0.0))
+        print(f"{name:<24} {rate:10.1f} {entry['seconds']:8.1f} {load:7.1f} {warmup:9.1f} {ratio} {exact} {prefix}")
+    print("jaxinfer/x = jaxinfer output tokens/s / runner's; exact / prefix = agreement of greedy tokens with jaxinfer's\n"
+          "(share of requests identical / mean share of tokens before the first difference). Warm-up: compiles\n"
+          "(jaxinfer: every bucket program, cold; naive: its 2 programs) or an untimed first call (peers).")
+    for name in ("jaxinfer", "jaxinfer_defaults"):
+        entry = results.get(name)
+        if entry and "stats" in entry:
+            stats, split = entry["stats"], entry["time_split"]
+            print(f"{name}: {entry['num_compilations']} programs, {entry['compiles_during_timed_run']} compiles in the timed run; "
+                  f"peak KV utilization {stats['peak_kv_utilization']:.1%}, padding waste {stats['padding_waste']:.1%}, "
+                  f"{stats['num_preemptions']} preemptions; prefill {split['prefill_steps']} steps {split['prefill_s']:.1f}s, "
+                  f"decode {split['decode_steps']} steps {split['decode_s']:.1f}s, host {split['host_s']:.1f}s")
 
 
 def goals(results: dict) -> dict:
@@ -271,7 +315,8 @@ def parse_args():
     parser.add_argument("--peers", default=",".join(ALL_RUNNERS), help=f"comma list of {ALL_RUNNERS}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests at scale 32")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="jaxinfer's largest decode batch")
-    parser.add_argument("--page-size", type=int, default=16, help="jaxinfer's tokens per KV page")
+    parser.add_argument("--page-size", type=int, default=64, help="jaxinfer's tokens per KV page")
+    parser.add_argument("--prefill-seqs", default="1", help="jaxinfer's prefill_seq_buckets (comma list)")
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--naive-batch", type=int, default=32)
     parser.add_argument("--llamacpp-parallel", type=int, default=16, help="sequences per llama_batch in batched mode")
@@ -286,12 +331,19 @@ def parse_args():
     return args
 
 
-def engine_config_for(args) -> EngineConfig:
+def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     """Pages for max_num_seqs sequences of MAX_CONTEXT (the pool never forces a preemption on this workload),
-    and no persistent compilation cache, so the warm-up time is a cold compile."""
+    and no persistent compilation cache, so the warm-up time is a cold compile.
+
+    Tuned: one sequence per prefill step (prefill_seq_buckets=(1,)). Measured on this 2-core CPU, a 4-row
+    prefill step costs about 4 one-row steps (prefill is compute-bound here, so rows do not amortize),
+    and sharing the 512-token budget among 4 rows splits prompts into continuation chunks, which read the
+    full block-table width (MAX_CONTEXT keys per token); with one row, every prompt of this workload
+    (<= 512 tokens) prefills in one first chunk that reads only its own pages."""
     pages_per_seq = MAX_CONTEXT // args.page_size
+    knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
     return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
-                        num_pages=args.max_num_seqs * pages_per_seq + 1, compilation_cache_dir=None)
+                        num_pages=args.max_num_seqs * pages_per_seq + 1, compilation_cache_dir=None, **knobs)
 
 
 def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
@@ -304,6 +356,14 @@ def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
         results["naive"], tokens = run_naive(llm, workload, args.naive_batch)
         results["naive"]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
         print(f"naive: {results['naive']['output_tokens_per_s']:.1f} tokens/s", flush=True)
+    del llm  # frees its KV pool before the next runner
+    gc.collect()
+    if "jaxinfer_defaults" in args.runners:
+        results["jaxinfer_defaults"], tokens, _ = run_jaxinfer(workload, engine_config_for(args, tuned=False))
+        if jax_tokens is not None:
+            results["jaxinfer_defaults"]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
+        print(f"jaxinfer_defaults: {results['jaxinfer_defaults']['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        gc.collect()
     peers = []
     if "hf" in args.runners:
         peers.append(("hf", "hf_generate.py", ["--batch-size", str(args.hf_batch)]))

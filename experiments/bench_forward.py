@@ -11,7 +11,10 @@ float32):
   4. decode: one token per row at each batch size over a dense cache of --context slots, every row at
      position context - 1 (so every row attends to the full context), jitted, cache donated;
   5. compile time of each of those programs (lower + compile, persistent cache not used);
-  6. HF transformers on the same ids and batch sizes, via experiments/peers/hf_forward.py in .venv-ref.
+  6. HF transformers on the same ids and batch sizes, via experiments/peers/hf_forward.py in .venv-ref;
+  7. where a decode step's time goes, per batch size: the forward without a cache (layer matmuls, norms,
+     rope, LM head), the LM head + argmax alone, and the attention block alone (K/V write + attention,
+     30 layers) over the dense cache and over a paged pool (PAGE_SIZE) holding the same context.
 
 FLOPs counted (stated in the output): 2 * P_matmul * tokens + 2 * V * D * rows_with_logits
 + 4 * L * H * K * (sum over query tokens of keys attended), P_matmul = the layers' matmul weights.
@@ -37,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kv_pool, loading, model
+from jaxinfer import attention, kv_pool, loading, model
 from jaxinfer.config import ModelConfig
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -51,6 +54,7 @@ MATMUL_SIZE = 2048  # the peak is an f32 [n, n] @ [n, n] matmul
 BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of this size
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
 FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
+PAGE_SIZE = 64  # tokens per page of the paged pool in the breakdown (the engine's default)
 
 
 def _time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
@@ -215,6 +219,51 @@ def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int,
     }
 
 
+def _attention_only(cache, q, k, v, positions, pages, *, num_layers: int):
+    """The attention block of every layer (write this step's K/V, attend); donates `cache`."""
+    def body(carry, layer):
+        out, cache = carry
+        new_out, cache = attention.attend(cache, layer, q, k, v, positions, pages, "reference")
+        return (out + new_out, cache), None
+
+    (out, cache), _ = jax.lax.scan(body, (jnp.zeros_like(q), cache), jnp.arange(num_layers, dtype=jnp.int32))
+    return out, cache
+
+
+def _time_donating(program, cache, *args, repeats: int) -> float:
+    """Median seconds of program(cache, *args) -> (out, cache), rebinding the donated cache each call."""
+    state = {"cache": cache}
+
+    def run():
+        out, state["cache"] = program(state["cache"], *args)
+        out.block_until_ready()
+
+    return statistics.median(_time_calls(run, repeats, warmup=2))
+
+
+def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats: int) -> dict:
+    """Milliseconds of the parts of a decode step at this batch size and context (each jitted alone)."""
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), context - 1, jnp.int32)
+    no_cache = jax.jit(lambda p, t, pos: jnp.argmax(model.forward(p, None, t, pos, cfg=cfg)[0][:, -1], axis=-1))
+    hidden = jax.random.normal(jax.random.key(2), (batch, 1, cfg.embed_dim), jnp.float32)
+    lm_head = jax.jit(lambda p, x: jnp.argmax(model.logits_from_hidden(p, x, cfg)[:, -1], axis=-1))
+    q = jax.random.normal(jax.random.key(3), (batch, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
+    kv = jax.random.normal(jax.random.key(4), (batch, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    attend = jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers), donate_argnums=0)
+    pages_per_row = -(-context // PAGE_SIZE)
+    tables = jnp.arange(1, batch * pages_per_row + 1, dtype=jnp.int32).reshape(batch, pages_per_row)
+    meta = kv_pool.PageMeta(tables, tables[:, -1:], jnp.full((batch, 1), (context - 1) % PAGE_SIZE, jnp.int32))
+    pool = kv_pool.init_pool(cfg, batch * pages_per_row + 1, PAGE_SIZE)
+    seconds = {
+        "forward_without_cache": statistics.median(_time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
+        "lm_head_argmax": statistics.median(_time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
+        "attention_dense": _time_donating(attend, kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
+        "attention_paged": _time_donating(attend, pool, q, kv, kv, positions, meta, repeats=repeats),
+    }
+    return {"batch": batch, "context": context, "page_size": PAGE_SIZE, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
+
+
 def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path) -> tuple[dict, np.ndarray]:
     """Run experiments/peers/hf_forward.py in .venv-ref; returns (its JSON, its last-position logits)."""
     ids_file, logits_file = workdir / "ids.json", workdir / "hf_logits.npy"
@@ -253,6 +302,11 @@ def print_table(result: dict) -> None:
         print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
                    entry["flops_per_s"], peak, entry["bytes_per_s"] / bandwidth, hf_step, entry["compile_s"]))
     print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
+    print(f"\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
+    print(f"{'batch':>5} {'full step':>10} {'no-cache fwd':>13} {'LM head+argmax':>15} {'attn dense':>11} {'attn paged':>11}")
+    for entry, parts in zip(result["decode"], result["decode_breakdown"]):
+        print(f"{parts['batch']:>5} {entry['median_step_s'] * 1e3:10.1f} {parts['forward_without_cache_ms']:13.1f} "
+              f"{parts['lm_head_argmax_ms']:15.1f} {parts['attention_dense_ms']:11.1f} {parts['attention_paged_ms']:11.1f}")
 
 
 def main() -> None:
@@ -279,6 +333,7 @@ def main() -> None:
     prefill = bench_prefill(params, cfg, ids, args.repeats)
     ours_logits = prefill.pop("last_logits")
     decode = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in batch_sizes]
+    breakdown = [decode_breakdown(params, cfg, b, args.context, args.repeats) for b in batch_sizes]
     print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
 
     hf_summary, hf_error = None, None
@@ -308,6 +363,7 @@ def main() -> None:
         "peaks": peaks,
         "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
         "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]} for d in decode],
+        "decode_breakdown": breakdown,
         "hf": hf_summary,
         "runtime_s": time.perf_counter() - total_start,
     }
