@@ -51,9 +51,10 @@ test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 # llama.cpp peer of bench_engine.py: llama-cpp-python builds from source (about 12 minutes on 2 cores).
+# A failed build does not stop `make bench`: bench_engine.py then reports llama.cpp as not run.
 $(VENV_REF)/.stamp-bench: $(VENV_REF)/.stamp
-	$(VENV_REF)/bin/pip install $(PIP_FLAGS) llama-cpp-python==0.3.36
-	touch $@
+	$(VENV_REF)/bin/pip install $(PIP_FLAGS) llama-cpp-python==0.3.36 && touch $@ \
+		|| echo "warning: llama-cpp-python did not install; the llama.cpp peer will be skipped" >&2
 
 setup-bench: $(VENV_REF)/.stamp-bench
 

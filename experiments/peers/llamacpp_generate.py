@@ -9,7 +9,8 @@ computed the llama.cpp way (quantized weights, f16 KV cache), in two modes:
               carries one token for each decoding sequence plus prompt chunks of newly admitted ones
               (up to n_batch tokens); a finished sequence's cells are removed and its slot is refilled
               in arrival order.
-Greedy = argmax of the returned logits; EOS is not a stop. Each mode warms up (untimed) first.
+Greedy = argmax of the returned logits; EOS is not a stop. Each mode warms up (untimed) first, then
+times the workload --repeats times and reports the best.
 Writes {mode: ids per request} to --out and prints one JSON document as its last stdout line.
 
     .venv-ref/bin/python experiments/peers/llamacpp_generate.py --workload W.json --out TOKENS.json --parallel 16
@@ -133,19 +134,23 @@ def run(context: Context, requests: list[dict], parallel: int) -> list[list[int]
     return outputs
 
 
-def run_mode(model, requests: list[dict], parallel: int, threads: int) -> tuple[dict, list[list[int]]]:
+def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: int) -> tuple[dict, list[list[int]]]:
     context = Context(model, parallel, threads)
     try:
         start = time.perf_counter()
         run(context, [{"prompt_ids": requests[0]["prompt_ids"][:16], "max_tokens": 4}] * parallel, parallel)
         warmup_s = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = run(context, requests, parallel)
-        seconds = time.perf_counter() - start
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = run(context, requests, parallel)
+            runs.append((time.perf_counter() - start, outputs))
     finally:
         context.close()
+    seconds, outputs = min(runs, key=lambda run: run[0])
     num_output = sum(len(o) for o in outputs)
     return {"parallel": parallel, "n_ctx": parallel * MAX_CONTEXT, "n_batch": N_BATCH, "warmup_s": warmup_s, "seconds": seconds,
+            "seconds_per_repeat": [run[0] for run in runs], "repeats_identical_tokens": all(run[1] == outputs for run in runs),
             "num_output_tokens": num_output, "output_tokens_per_s": num_output / seconds}, outputs
 
 
@@ -156,6 +161,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=16, help="sequence ids in batched mode")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--modes", default="sequential,batched")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of the workload per mode; the best is reported")
     args = parser.parse_args()
 
     with open(args.workload) as file:
@@ -169,7 +175,7 @@ def main() -> None:
     modes, tokens = {}, {}
     for mode in args.modes.split(","):
         parallel = 1 if mode == "sequential" else args.parallel
-        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads)
+        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads, args.repeats)
     lc.llama_model_free(model)
     with open(args.out, "w") as file:
         json.dump(tokens, file)
