@@ -60,7 +60,7 @@ ALL_RUNNERS = ("jaxinfer", "naive", "jaxinfer_defaults", "hf", "llamacpp")
 MAX_CONTEXT = 2048  # covers the scaled trace's longest prompt + generation (14050/8 + 1000/8 = 1882)
 NUM_REFERENCE_CHECKS = 3  # requests checked against generate.generate before timing
 NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many positions (bounds score memory)
-GOALS = {"vs_hf": 2.0, "vs_llamacpp_best": 1.0, "vs_naive": 3.0, "kv_utilization": 0.9}
+GOALS = {"vs_hf": 2.0, "vs_llamacpp_best": 1.0, "vs_naive": 3.0, "kv_utilization": 0.9, "kv_utilization_mean_decode": 0.9}
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -102,16 +102,28 @@ class StepTimer:
     """Wraps `llm.engine.step` (instance attribute only; jaxinfer is not modified) to time each step by
     bucket key, so the run splits into device steps (compute + the one device->host copy) and host time."""
 
-    def __init__(self, engine):
-        self.engine, self.inner = engine, engine.step
+    def __init__(self, engine, page_size: int):
+        self.engine, self.inner, self.page_size = engine, engine.step, page_size
         self.seconds: dict[tuple, list[float]] = collections.defaultdict(list)
+        self.decode_kv: list[tuple[int, int]] = []  # (tokens in the pool, slots of their pages) per decode step
         engine.step = self
 
     def __call__(self, plan):
         start = time.perf_counter()
         tokens = self.inner(plan)
         self.seconds[plan.bucket].append(time.perf_counter() - start)
+        if plan.phase == "decode":
+            rows = len(plan.request_ids)  # real rows come first; pages of a row are its non-null entries
+            num_tokens = int((plan.positions[:rows, 0] + 1).sum())
+            self.decode_kv.append((num_tokens, int(np.count_nonzero(plan.block_tables[:rows])) * self.page_size))
         return tokens
+
+    def kv_utilization(self) -> dict:
+        """Decoding sequences' tokens / slots of their pages: mean over decode steps, and over all of them."""
+        if not self.decode_kv:
+            return {}
+        return {"mean_over_decode_steps": float(np.mean([t / s for t, s in self.decode_kv])),
+                "all_decode_steps": sum(t for t, _ in self.decode_kv) / sum(s for _, s in self.decode_kv)}
 
     def summary(self, total_seconds: float) -> dict:
         phase = lambda name: [t for key, ts in self.seconds.items() if key[0] == name for t in ts]  # noqa: E731
@@ -143,7 +155,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
     runs = []  # (seconds, outputs, timer) per repeat
     with CompileCounter() as compiles:
         for _ in range(repeats):
-            timer = StepTimer(llm.engine)
+            timer = StepTimer(llm.engine, engine_config.page_size)
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, progress=False)
             runs.append((time.perf_counter() - start, outputs, timer))
@@ -161,6 +173,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
         "attention_impl": llm.engine.impl, "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
         "time_split": timer.summary(seconds),
+        "decode_kv_utilization": timer.kv_utilization(),  # from the plans; SchedulerStats keeps only the peak
         "mean_latency_s": float(np.mean([o.latency for o in outputs])),
         "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs])),
     }
@@ -302,18 +315,21 @@ def print_table(results: dict, base: float | None) -> None:
             stats, split = entry["stats"], entry["time_split"]
             print(f"{name}: {entry['num_compilations']} programs, {entry['compiles_during_timed_run']} compiles in the timed run; "
                   f"peak KV utilization {stats['peak_kv_utilization']:.1%}, padding waste {stats['padding_waste']:.1%}, "
+                  f"mean over decode steps {entry['decode_kv_utilization'].get('mean_over_decode_steps', 0):.1%}, "
                   f"{stats['num_preemptions']} preemptions; prefill {split['prefill_steps']} steps {split['prefill_s']:.1f}s, "
                   f"decode {split['decode_steps']} steps {split['decode_s']:.1f}s, host {split['host_s']:.1f}s")
 
 
 def goals(results: dict) -> dict:
-    """Issue 4's targets with their measured values (None where the runner did not run)."""
+    """Issue 4's targets with their measured values (None where the runner did not run). KV utilization is
+    SchedulerStats' peak over steps; the stricter mean over decode steps is held to the same target."""
     rate = lambda name: results.get(name, {}).get("output_tokens_per_s")  # noqa: E731
     ours = rate("jaxinfer")
     llamacpp_best = max([r for r in (rate("llamacpp_sequential"), rate("llamacpp_batched")) if r] or [0.0]) or None
     ratio = lambda peer: ours / peer if ours and peer else None  # noqa: E731
     measured = {"vs_hf": ratio(rate("hf")), "vs_llamacpp_best": ratio(llamacpp_best), "vs_naive": ratio(rate("naive")),
-                "kv_utilization": results.get("jaxinfer", {}).get("stats", {}).get("peak_kv_utilization")}
+                "kv_utilization": results.get("jaxinfer", {}).get("stats", {}).get("peak_kv_utilization"),
+                "kv_utilization_mean_decode": results.get("jaxinfer", {}).get("decode_kv_utilization", {}).get("mean_over_decode_steps")}
     return {k: {"target": GOALS[k], "measured": v, "met": None if v is None else v >= GOALS[k]} for k, v in measured.items()}
 
 
@@ -327,7 +343,8 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests at scale 32, one repeat")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of the workload per runner; the best is reported")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="jaxinfer's largest decode batch")
-    parser.add_argument("--page-size", type=int, default=64, help="jaxinfer's tokens per KV page")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="jaxinfer's tokens per KV page (16: mean decode KV utilization 93%% vs 80%% at 64, same tokens/s)")
     parser.add_argument("--prefill-seqs", default="1", help="jaxinfer's prefill_seq_buckets (comma list)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
     parser.add_argument("--naive-batch", type=int, default=32)
