@@ -309,7 +309,7 @@ def print_table(result: dict) -> None:
               f"{parts['lm_head_argmax_ms']:15.1f} {parts['attention_dense_ms']:11.1f} {parts['attention_paged_ms']:11.1f}")
 
 
-def main() -> None:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--context", type=int, default=512, help="dense cache slots of the decode programs")
@@ -318,72 +318,82 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    total_start = time.perf_counter()
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    return args
 
-    start = time.perf_counter()
-    cfg, params = loading.load_model(None)
-    load_s = time.perf_counter() - start
-    ids = prompt_ids(load_tokenizer(None), args.prefill_tokens)
-    fixtures = check_fixtures(params, cfg)
-    print(f"loaded in {load_s:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
-          f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
 
-    peaks = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
-    prefill = bench_prefill(params, cfg, ids, args.repeats)
-    ours_logits = prefill.pop("last_logits")
-    decode = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in batch_sizes]
-    breakdown = [decode_breakdown(params, cfg, b, args.context, args.repeats) for b in batch_sizes]
-    print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
+def hf_comparison(ids: list[int], ours_logits: np.ndarray, args) -> dict:
+    """HF's timings on the same ids and batch sizes, and how far our prefill logits are from its."""
+    with tempfile.TemporaryDirectory() as workdir:
+        hf_raw, hf_logits = run_hf_peer(ids, args.batch_sizes, args.repeats, pathlib.Path(workdir))
+    return {
+        "peer": hf_raw, "prefill_median_s": statistics.median(hf_raw["prefill_s"]),
+        "decode_median_step_s": {b: d["median_step_s"] for b, d in hf_raw["decode"].items()},
+        "prefill_logits_relative_error": relative_error(ours_logits, hf_logits),
+        "prefill_argmax_equal": bool(np.argmax(ours_logits) == np.argmax(hf_logits)),
+    }
 
-    hf_summary, hf_error = None, None
-    if not args.no_hf:
-        with tempfile.TemporaryDirectory() as workdir:
-            hf_raw, hf_logits = run_hf_peer(ids, batch_sizes, args.repeats, pathlib.Path(workdir))
-        hf_error = relative_error(ours_logits, hf_logits)
-        hf_summary = {
-            "peer": hf_raw, "prefill_median_s": statistics.median(hf_raw["prefill_s"]),
-            "decode_median_step_s": {b: d["median_step_s"] for b, d in hf_raw["decode"].items()},
-            "prefill_logits_relative_error": hf_error,
-            "prefill_argmax_equal": bool(np.argmax(ours_logits) == np.argmax(hf_logits)),
-        }
+
+def assemble(cfg: ModelConfig, parts: dict) -> dict:
+    """The results document from the measured parts."""
+    peaks, prefill, decode, hf = parts["peaks"], parts["prefill"], parts["decode"], parts["hf"]
+    peak, bandwidth = peaks["matmul"]["best_flops_per_s"], peaks["bandwidth"]["best_bytes_per_s"]
+    hf_error = hf["prefill_logits_relative_error"] if hf else None
+    fixtures = parts["fixtures"]
     correct = fixtures["max_relative_error"] <= MAX_RELATIVE_ERROR and (hf_error is None or hf_error <= MAX_RELATIVE_ERROR)
-
-    peak = peaks["matmul"]["best_flops_per_s"]
     result = {
         "question": "jaxinfer forward speed on this machine: fraction of measured f32 matmul peak, and vs HF transformers",
-        "model": loading.default_model_path().name, "dtype": cfg.dtype, "num_params": cfg.num_params(),
-        "matmul_params": matmul_params(cfg),
+        "model": loading.default_model_path().name, "dtype": cfg.dtype, "num_params": cfg.num_params(), "matmul_params": matmul_params(cfg),
         "flops_formula": "2*P_matmul*tokens + 2*V*D*rows_with_logits + 4*L*H*K*(query,key) pairs; decode: rows attend to `context` keys; prefill: causal T(T+1)/2",
         "bytes_formula": "decode: 4*(P_matmul + V*D) + B*context*kv_bytes_per_token(f32)",
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()},
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "load_s": load_s,
+        "load_average": [round(x, 2) for x in os.getloadavg()], "load_s": parts["load_s"],
         "correctness": {"max_relative_error_allowed": MAX_RELATIVE_ERROR, "fixtures": fixtures, "hf_prefill_relative_error": hf_error, "passed": correct},
         "peaks": peaks,
         "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
-        "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]} for d in decode],
-        "decode_breakdown": breakdown,
-        "hf": hf_summary,
-        "runtime_s": time.perf_counter() - total_start,
+        "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / bandwidth} for d in decode],
+        "decode_breakdown": parts["breakdown"], "hf": hf, "runtime_s": parts["runtime_s"],
     }
-    if hf_summary:
+    if hf:
         result["ratios_vs_hf"] = {
-            "prefill_speedup": hf_summary["prefill_median_s"] / prefill["median_s"],
-            **{f"decode_b{d['batch']}_speedup": hf_summary["decode_median_step_s"][str(d["batch"])] / d["median_step_s"] for d in decode},
+            "prefill_speedup": hf["prefill_median_s"] / prefill["median_s"],
+            **{f"decode_b{d['batch']}_speedup": hf["decode_median_step_s"][str(d["batch"])] / d["median_step_s"] for d in decode},
         }
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    total_start = time.perf_counter()
+    cfg, params = loading.load_model(None)
+    parts = {"load_s": time.perf_counter() - total_start}
+    ids = prompt_ids(load_tokenizer(None), args.prefill_tokens)
+    fixtures = parts["fixtures"] = check_fixtures(params, cfg)
+    print(f"loaded in {parts['load_s']:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
+          f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
+
+    parts["peaks"] = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
+    parts["prefill"] = bench_prefill(params, cfg, ids, args.repeats)
+    ours_logits = parts["prefill"].pop("last_logits")
+    parts["decode"] = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in args.batch_sizes]
+    parts["breakdown"] = [decode_breakdown(params, cfg, b, args.context, args.repeats) for b in args.batch_sizes]
+    print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
+    parts["hf"] = None if args.no_hf else hf_comparison(ids, ours_logits, args)
+    parts["runtime_s"] = time.perf_counter() - total_start
+
+    result = assemble(cfg, parts)
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {
-        "bench": "forward", "correct": correct, "matmul_peak_gflops": peak / 1e9,
-        "prefill_tokens_per_s": prefill["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],
-        **{f"decode_b{d['batch']}_ms": d["median_step_s"] * 1e3 for d in decode},
-        **{f"decode_b{d['batch']}_fraction_of_peak": d["flops_per_s"] / peak for d in decode},
+    peak = result["peaks"]["matmul"]["best_flops_per_s"]
+    print(json.dumps({
+        "bench": "forward", "correct": result["correctness"]["passed"], "matmul_peak_gflops": peak / 1e9,
+        "prefill_tokens_per_s": result["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],
+        **{f"decode_b{d['batch']}_ms": d["median_step_s"] * 1e3 for d in result["decode"]},
+        **{f"decode_b{d['batch']}_fraction_of_peak": d["fraction_of_peak"] for d in result["decode"]},
         **(result.get("ratios_vs_hf") or {}), "runtime_s": result["runtime_s"],
-    }
-    print(json.dumps(summary))
-    if not correct:
+    }))
+    if not result["correctness"]["passed"]:
         sys.exit(1)
 
 
