@@ -167,7 +167,7 @@ def _summary_table(summary, llm) -> str:
         ("time to first token p50 / p99", f"{summary.ttft_percentile(50):.3f} / {summary.ttft_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
         ("compilations (all at warm-up)", f"{llm.engine.num_compilations} in {llm.engine.compile_seconds:.1f} s"),
-        ("peak KV utilization", f"{stats.peak_kv_utilization:.1%}" if stats else "-"),
+        ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
     ]
     width = max(len(name) for name, _ in rows)

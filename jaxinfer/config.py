@@ -120,7 +120,7 @@ class EngineConfig:
     # Padded chunk lengths: fitted to a conversation-like trace, plus a 32-token bucket because chat
     # prompts typed in notebooks (30-60 tokens) are rarer in that trace than in interactive use.
     prefill_chunk_buckets: tuple[int, ...] = dataclasses.field(default_factory=lambda: (32,) + fitted_chunk_buckets())
-    prefill_seq_buckets: tuple[int, ...] = (1, 4)  # sequences per prefill step
+    prefill_seq_buckets: tuple[int, ...] = (1,)  # sequences per prefill step (on CPU one row is fastest)
     decode_batch_buckets: tuple[int, ...] = (4, 8, 16, 32)  # sequences per decode step
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
@@ -150,10 +150,14 @@ class EngineConfig:
         return self.max_context // self.page_size
 
     def first_chunk_width(self, chunk_tokens: int) -> int:
-        """Pages read by a prefill whose rows all start at position 0: enough for the chunk itself."""
+        """Narrowest page-table width of a prefill program with `chunk_tokens` tokens per row."""
         from jaxinfer.buckets import pad_to_bucket
 
         return pad_to_bucket(-(-chunk_tokens // self.page_size), self.page_buckets)
+
+    def prefill_widths(self, chunk_tokens: int) -> tuple[int, ...]:
+        """Page-table widths a prefill program of this chunk length can have."""
+        return tuple(w for w in self.page_buckets if w >= self.first_chunk_width(chunk_tokens))
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

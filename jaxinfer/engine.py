@@ -142,8 +142,7 @@ class Engine:
     def bucket_keys(self) -> list[tuple[str, int, int, int]]:
         """Every (phase, rows, tokens per row, pages per row) a plan can have."""
         c = self.engine_cfg
-        widths = lambda t: sorted({c.first_chunk_width(t), c.max_pages_per_seq})  # noqa: E731
-        prefill = [("prefill", r, t, w) for r in c.prefill_seq_buckets for t in c.prefill_chunk_buckets for w in widths(t)]
+        prefill = [("prefill", r, t, w) for r in c.prefill_seq_buckets for t in c.prefill_chunk_buckets for w in c.prefill_widths(t)]
         decode = [("decode", r, 1, p) for r in c.decode_batch_buckets for p in c.page_buckets]
         return prefill + decode
 

@@ -32,6 +32,12 @@ class SchedulerStats:
     real_tokens: int = 0  # tokens computed by steps
     padded_tokens: int = 0  # token slots computed, padding included
     peak_kv_utilization: float = 0.0  # max over steps of tokens in pool / slots of allocated pages
+    kv_utilization_sum: float = 0.0  # summed over the steps that hold pages (for the mean)
+    kv_utilization_steps: int = 0
+
+    @property
+    def mean_kv_utilization(self) -> float:
+        return self.kv_utilization_sum / self.kv_utilization_steps if self.kv_utilization_steps else 0.0
 
     @property
     def padding_waste(self) -> float:
@@ -183,9 +189,9 @@ class Scheduler:
         tokens = pad_to_bucket(max(chunk for _, chunk in pairs), self.cfg.prefill_chunk_buckets)
         chunks = [(r, r.num_computed_tokens, chunk) for r, chunk in pairs]
         samples = [r.num_computed_tokens + chunk == r.num_tokens for r, chunk in pairs]
-        # A prefill whose rows all start at 0 reads only its own chunk's pages; a continuation reads all.
-        first = all(r.num_computed_tokens == 0 for r, _ in pairs)
-        width = self.cfg.first_chunk_width(tokens) if first else self.cfg.max_pages_per_seq
+        # Rows read only the pages they hold (after this chunk's allocation), bucketed like decode.
+        max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r, _ in pairs)
+        width = max(pad_to_bucket(max_pages, self.cfg.page_buckets), self.cfg.first_chunk_width(tokens))
         return self._build_plan("prefill", chunks, rows, tokens, width, samples)
 
     def _build_plan(self, phase, chunks, num_rows, num_tokens, width, samples) -> StepPlan:
@@ -219,6 +225,8 @@ class Scheduler:
             tokens = sum(min(r.num_tokens, len(self.block_pool.pages_of(r.request_id)) * self.cfg.page_size) for r in self.running)
             utilization = tokens / (used_pages * self.cfg.page_size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
+            self.stats.kv_utilization_sum += utilization
+            self.stats.kv_utilization_steps += 1
 
     # ------------------------------------------------------------ results
 

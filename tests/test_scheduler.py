@@ -100,7 +100,7 @@ def test_second_step_decodes_a_and_continues_chunk_of_b():
     assert decode.request_ids == ("a",) and decode.token_ids[0, 0] == 11 and decode.positions[0, 0] == 6
     assert decode.bucket == ("decode", 2, 1, 2)
     assert prefill.request_ids == ("b",) and prefill.positions[0, 0] == 2 and prefill.samples == (True,)
-    assert prefill.bucket == ("prefill", 1, 4, 8)  # a continuation reads the full table width
+    assert prefill.bucket == ("prefill", 1, 4, 1)  # a continuation reads the pages it holds, bucketed
 
 
 def test_preemption_takes_most_recently_admitted_and_keeps_its_output():
@@ -211,3 +211,11 @@ def test_split_decode_rows_keeps_one_group_when_overhead_dominates():
     assert len(split_decode_rows(reqs, lambda g: 1000 + len(g) * width(g))) == 1
     groups = split_decode_rows(reqs, lambda g: 1 + len(g) * width(g))
     assert [[r.request_id for r in g] for g in groups] == [["r0", "r1"], ["r2"]]
+
+
+def test_kv_utilization_counts_tokens_over_allocated_slots():
+    scheduler = Scheduler(small_config(), num_pages=10)
+    scheduler.add(request("a", 6, 1, 0))  # 6 tokens in 2 pages of 4: 6 / 8
+    scheduler.schedule()
+    assert scheduler.stats.peak_kv_utilization == pytest.approx(6 / 8)
+    assert scheduler.stats.mean_kv_utilization == pytest.approx(6 / 8)
