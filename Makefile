@@ -13,7 +13,7 @@ VENV_REF := .venv-ref
 PIP_FLAGS := --disable-pip-version-check --quiet
 REF_OUT := build/reference
 
-.PHONY: run test test-fast reference reference-check bench setup setup-ref clean
+.PHONY: run test test-fast reference reference-check bench setup setup-ref setup-bench clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
