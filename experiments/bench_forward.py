@@ -302,7 +302,7 @@ def print_table(result: dict) -> None:
         print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
                    entry["flops_per_s"], peak, entry["bytes_per_s"] / bandwidth, hf_step, entry["compile_s"]))
     print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
-    print(f"\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
+    print("\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
     print(f"{'batch':>5} {'full step':>10} {'no-cache fwd':>13} {'LM head+argmax':>15} {'attn dense':>11} {'attn paged':>11}")
     for entry, parts in zip(result["decode"], result["decode_breakdown"]):
         print(f"{parts['batch']:>5} {entry['median_step_s'] * 1e3:10.1f} {parts['forward_without_cache_ms']:13.1f} "

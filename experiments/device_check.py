@@ -19,7 +19,6 @@ stdout line. Needs only jax, numpy and absl-py (no jaxinfer install):
 import argparse
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import platform

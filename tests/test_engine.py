@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FIXTURES
 from jaxinfer import kv_pool as kvp
-from jaxinfer.api import LLM, Prompt
+from jaxinfer.api import Prompt
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import CompileCounter, Engine, PoolTooLargeError
 from jaxinfer.generate import generate

@@ -95,7 +95,7 @@ def test_second_step_decodes_a_and_continues_chunk_of_b():
     scheduler = Scheduler(small_config(), num_pages=7)
     scheduler.add(request("a", 6, 4, 0))
     scheduler.add(request("b", 3, 4, 1))
-    scheduler.update(plan := scheduler.schedule()[0], np.array([11, 12]))
+    scheduler.update(scheduler.schedule()[0], np.array([11, 12]))
     decode, prefill = scheduler.schedule()
     assert decode.request_ids == ("a",) and decode.token_ids[0, 0] == 11 and decode.positions[0, 0] == 6
     assert decode.bucket == ("decode", 2, 1, 2)
