@@ -81,6 +81,15 @@ class Scheduler:
         return expired
 
     def schedule(self) -> list[StepPlan]:
+        """The plans of one iteration; never empty while requests are running (see _plan_step)."""
+        plans = self._plan_step()
+        while not plans and self.running:
+            # Partial prefills can hold every page while none can grow: free the latest admitted one.
+            self._preempt(self.running[-1])
+            plans = self._plan_step()
+        return plans
+
+    def _plan_step(self) -> list[StepPlan]:
         decode_rows = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill()
         plans = []

@@ -219,3 +219,16 @@ def test_kv_utilization_counts_tokens_over_allocated_slots():
     scheduler.schedule()
     assert scheduler.stats.peak_kv_utilization == pytest.approx(6 / 8)
     assert scheduler.stats.mean_kv_utilization == pytest.approx(6 / 8)
+
+
+def test_partial_prefills_that_fill_the_pool_do_not_deadlock():
+    """Two prompts admitted together, each partly prefilled, hold every page: one must yield."""
+    cfg = small_config(max_prefill_tokens=8, prefill_chunk_buckets=(4,), prefill_seq_buckets=(1, 2))
+    scheduler = Scheduler(cfg, num_pages=5)  # 4 usable pages of 4 tokens
+    engine = FakePagedEngine(5, 4)
+    for r in (request("a", 14, 2, 0), request("b", 14, 2, 1)):
+        scheduler.add(r)
+    finished, _ = run_to_completion(scheduler, engine, max_steps=200)
+    assert sorted(r.request_id for r in finished) == ["a", "b"]
+    assert all(r.output_ids == expected_output(r) for r in finished)
+    assert scheduler.stats.num_preemptions > 0
