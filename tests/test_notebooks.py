@@ -37,3 +37,10 @@ def test_bucket_strategies_notebook_falls_back_to_synthetic_without_trace(monkey
     absent = str(tmp_path / "absent.csv")
     notebook = _execute("bucket_strategies.ipynb", monkeypatch, JAXINFER_NB_SAMPLE="1000", JAXINFER_NB_TRACE=absent)
     assert "synthetic (no trace file found): 1000 requests" in _stream_text(notebook)
+
+
+def test_quickstart_notebook_generates_and_chats_with_the_default_model(monkeypatch):
+    text = _stream_text(_execute("quickstart.ipynb", monkeypatch))
+    assert "134,515,008 parameters" in text
+    assert text.count("tokens, ttft") == 3
+    assert "Paris" in text and "padding waste" in text
