@@ -18,8 +18,6 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 
-NULL_PAGE = 0
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

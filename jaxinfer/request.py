@@ -38,8 +38,6 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop) if not isinstance(self.stop, str) else (self.stop,))
 
 
-GREEDY = SamplingParams(temperature=0.0)
-
 
 def stop_reason(token_ids: list[int], params: SamplingParams, eos_id: int | None) -> str | None:
     """'stop' if the last token ends the request, 'length' if max_tokens is reached, else None."""
