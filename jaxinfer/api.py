@@ -1,24 +1,30 @@
 """`LLM(...).generate(prompts, SamplingParams(...))` for notebooks and scripts.
 
-The run loop joins the three pieces: the tokenizer (text in and out), the host Scheduler (what runs
-each step) and the Engine (compiled programs over the donated pool). `stream()` yields each request's
-output as soon as it finishes, which the batch CLI writes at once; `generate()` collects them back into
-input order.
+`LLM` joins the tokenizer (text in and out), the host Scheduler (what runs each step), the Engine
+(compiled programs over the donated pool) and the OutputProcessor (when a request is done, and its
+text) through the one run loop, `runloop.run`. `prepare` is the request boundary that the API and the
+batch reader share: it encodes, truncates on request, and checks token ids against the vocabulary and
+the request against the engine's limits, raising a `ValueError` that names the problem. `stream()`
+yields each request's output as soon as it finishes, which the batch CLI writes at once; `generate()`
+collects them back into input order.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxinfer import loading, tokenizer as tok
+from jaxinfer import loading, runloop, tokenizer as tok
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
-from jaxinfer.request import Request, SamplingParams, seeds_for
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.output import OutputProcessor
+from jaxinfer.request import FieldError, Request, SamplingParams, check_int, check_number, check_text, check_token_ids, derive_seed
+from jaxinfer.scheduler import Scheduler, check_request
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
+TRUNCATE_SIDES = ("none", "left", "right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,23 +32,48 @@ class RequestOutput:
     index: int  # position in the input
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "timeout" (its deadline passed before it started)
+    finish_reason: str  # "stop" | "length" | "timeout" (its deadline passed before it started) | "error"
     num_prompt_tokens: int
     num_generated_tokens: int
     time_to_first_token: float  # seconds from submission
     latency: float  # seconds from submission to finish
     num_preemptions: int = 0
+    error: str | None = None  # why it failed, when finish_reason is "error"
 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    """One unit of work: token ids plus its sampling parameters. `index` orders the outputs."""
+    """One unit of work: token ids plus its sampling parameters. `index` orders the outputs.
+
+    `identity` names the request stably across runs (a batch line's key); a request without its own
+    seed derives one from it (or from `index` when it is None), so reruns draw the same tokens.
+    """
 
     index: int
     token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
+    priority: int = 0  # lower runs first
     deadline_s: float | None = None  # seconds after submission by which it must start
+    identity: str | None = None
+
+    def __post_init__(self):
+        check_int("priority", self.priority, low=-(2**62), high=2**62)
+        if self.deadline_s is not None:
+            object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
+
+
+def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
+    """Cut a prompt that does not fit the context; prompts that fit are never cut.
+
+    A cut prompt keeps room for max_tokens of output, but at least half the context for itself. 'left'
+    keeps the end of the prompt (the usual choice for chats), 'right' its start.
+    """
+    if side not in TRUNCATE_SIDES:
+        raise FieldError("truncate", f"must be one of {TRUNCATE_SIDES}, got {side!r}")
+    if len(ids) < max_context or side == "none":
+        return ids
+    keep = max_context - min(max_tokens, max_context // 2)
+    return ids[-keep:] if side == "left" else ids[:keep]
 
 
 class LLM:
@@ -51,11 +82,11 @@ class LLM:
     Args:
       model: a GGUF file, a Hugging Face folder, or None for the embedded SmolLM2-135M-Instruct.
       dtype: compute dtype, "float32" (default, best on CPU) or "bfloat16".
-      engine_config: an EngineConfig; keyword overrides of its fields may be passed instead.
+      engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
     """
 
     def __init__(self, model=None, *, dtype: str = "float32", engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides):
-        engine_config = dataclasses.replace(engine_config or EngineConfig(), **engine_overrides)
+        engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
         self.model_config, params = loading.load_model(model, dtype=dtype)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
@@ -64,57 +95,78 @@ class LLM:
             self.engine.warmup()
         self.last_stats = None
 
-    # ------------------------------------------------------------ inputs
+    # ------------------------------------------------------------ the request boundary
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text or token ids -> token ids checked against the model's vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("empty prompt")
-            return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+                raise FieldError("prompt", "is empty")
+            return self.tokenizer.encode(check_text("prompt", prompt))
+        if not isinstance(prompt, Sequence):
+            raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
+        return check_token_ids("prompt", prompt, self.model_config.vocab_size)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok.check_messages(messages)
+        for i, message in enumerate(messages):
+            check_text(f"messages[{i}].content", message["content"])
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+
+    def prepare(self, prompt, params: SamplingParams, *, index: int, chat: bool = False, truncate: str = "none", **request_fields) -> Prompt:
+        """Validate one request and turn it into a Prompt; raises ValueError naming what is wrong.
+
+        Args:
+          prompt: text, token ids, or (with chat=True) a list of {'role', 'content'} messages.
+          params: its sampling parameters.
+          index: its position in the input; outputs carry it.
+          truncate: 'none' (a prompt over the context is an error), 'left' or 'right' (see truncate_prompt).
+          request_fields: priority, deadline_s, identity (see Prompt).
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        ids = self.encode_chat(prompt) if chat else self.encode(prompt)
+        ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
+        check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
+        return Prompt(index, ids, params, **request_fields)
 
     # ------------------------------------------------------------ running
 
     def stream(self, prompts: Iterable[Prompt], *, progress: bool | None = None) -> Iterator[RequestOutput]:
-        """Run prompts through the engine, yielding each output as soon as it finishes."""
-        scheduler = Scheduler(self.engine_config, self.engine.num_pages, eos_id=self.tokenizer.eos_id, detokenize=self.tokenizer.decode)
+        """Run prepared prompts through the engine, yielding each output as soon as it finishes."""
+        scheduler = Scheduler(self.engine_config, self.engine.num_pages)
+        processor = OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context)
         submitted = self._submit(scheduler, list(prompts))
-        bar = tqdm(total=len(submitted), unit="req", disable=not (progress if progress is not None else len(submitted) >= _PROGRESS_MIN_REQUESTS))
+        show = progress if progress is not None else len(submitted) >= _PROGRESS_MIN_REQUESTS
+        bar = tqdm(total=len(submitted), unit="req", disable=not show)
         try:
-            while scheduler.has_work():
-                for request in scheduler.expire():
-                    bar.update(1)
-                    yield self._output(request)
-                for plan in scheduler.schedule():
-                    for request in scheduler.update(plan, self.engine.step(plan)):
-                        bar.update(1)
-                        yield self._output(request)
+            for request in runloop.run(scheduler, self.engine.step, processor):
+                bar.update(1)
+                yield self._output(request, processor.text(request))
         finally:
             bar.close()
             self.last_stats = scheduler.stats
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=True)
+
     def _submit(self, scheduler: Scheduler, prompts: list[Prompt]) -> list[Request]:
         now = time.perf_counter()
-        seeds = seeds_for([p.params for p in prompts], self.engine_config.seed)
         requests = []
-        for prompt, seed in zip(prompts, seeds):
+        for prompt in prompts:
             deadline = None if prompt.deadline_s is None else now + prompt.deadline_s
+            identity = f"index:{prompt.index}" if prompt.identity is None else prompt.identity
+            seed = prompt.params.seed if prompt.params.seed is not None else derive_seed(self.engine_config.seed, identity)
             request = Request(
-                str(prompt.index), prompt.token_ids, prompt.params, int(seed), priority=prompt.priority,
+                str(prompt.index), prompt.token_ids, prompt.params, seed, priority=prompt.priority,
                 deadline=deadline, arrival_index=prompt.index, arrival_time=now,
             )
             scheduler.add(request)
             requests.append(request)
         return requests
 
-    def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_ids, skip_special=True)
-        for stop in request.params.stop:
-            if stop in text:
-                text = text[: text.index(stop)]
+    def _output(self, request: Request, text: str) -> RequestOutput:
         return RequestOutput(
             index=int(request.request_id),
             text=text,
@@ -125,21 +177,32 @@ class LLM:
             time_to_first_token=(request.first_token_time or request.finish_time) - request.arrival_time,
             latency=request.finish_time - request.arrival_time,
             num_preemptions=request.num_preemptions,
+            error=request.error,
         )
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); one RequestOutput per prompt, in input order."""
+        """Generate for each prompt (text or token ids); one RequestOutput per prompt, in input order.
+
+        Every prompt is checked before any work starts; a bad one raises ValueError naming its index.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _broadcast_params(sampling_params, len(prompts))
-        work = [Prompt(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        outputs = sorted(self.stream(work, progress=progress), key=lambda o: o.index)
-        return outputs
+        return self._generate(list(prompts), sampling_params, chat=False, progress=progress)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.encode_chat(m) for m in conversations], sampling_params, progress=progress)
+        return self._generate(conversations, sampling_params, chat=True, progress=progress)
+
+    def _generate(self, prompts: list, sampling_params, *, chat: bool, progress) -> list[RequestOutput]:
+        params = _broadcast_params(sampling_params, len(prompts))
+        work = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                work.append(self.prepare(prompt, sp, index=i, chat=chat))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return sorted(self.stream(work, progress=progress), key=lambda o: o.index)
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

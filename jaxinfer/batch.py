@@ -1,38 +1,61 @@
-"""Resumable JSONL batch jobs: one result line per input line, written as each request finishes.
+"""Resumable JSONL batch jobs: exactly one result record per non-blank input line, written as it finishes.
 
 Input lines are JSON objects with an `id` and either `prompt` (text) or `messages` (a chat), plus
-optional sampling fields. A line that cannot run (malformed JSON, a bad field, a prompt over the
-context) becomes an error record naming its line and reason; the job goes on. Results are appended and
-flushed as they finish, so a job killed with SIGKILL loses only the work in flight: `resume=True` skips
-every id (or line, for records without an id) already in the output, after dropping a torn last line.
+optional sampling fields (those of SamplingParams), `priority` and `deadline_s`. A line that cannot run
+(bad bytes, malformed JSON, a bad field, a prompt over the context, a failed step) becomes an error
+record naming its line and reason; the job goes on.
+
+The resume contract (also in the README):
+
+- Lines are split on b"\\n" only and decoded one by one, so a bad byte spoils only its own line. A UTF-8
+  BOM at the start of the file is ignored. Blank lines get no record.
+- A line's identity is its `key`: `id:<the id as JSON>` (so 1 and "1" differ) for a line with a valid
+  id, else `sha256:<hash of the line's bytes>`. The n-th repeat of a key (n >= 2) gets `#n` appended.
+- A line is done when the output holds a record with its key. `resume=True` first drops a torn last
+  record (from a kill), then runs exactly the lines that are not done, appending their records.
+- A repeated id is an error record for each repeat (key `...#2`, `#3`, ...); the first one runs.
+- Edited inputs: a line whose key is already in the output is skipped, whatever else changed in it;
+  records whose key is no longer in the input are left alone.
+- A request without its own seed derives one from its key, so a resumed job draws the same tokens as
+  an uninterrupted one.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxinfer.api import LLM, Prompt, RequestOutput
-from jaxinfer.request import SamplingParams
-from jaxinfer.scheduler import check_request
+from jaxinfer.request import SAMPLING_FIELDS, SamplingParams, check_text, unknown_field_error
+from jaxinfer.scheduler import PromptTooLongError
 
-_SAMPLING_FIELDS = {  # JSONL field -> (accepted types, description)
-    "temperature": ((int, float), "a number"),
-    "top_k": ((int,), "an integer"),
-    "top_p": ((int, float), "a number"),
-    "seed": ((int,), "an integer"),
-    "max_tokens": ((int,), "an integer"),
-    "stop": ((list, str), "a string or a list of strings"),
-    "stop_token_ids": ((list,), "a list of integers"),
-    "ignore_eos": ((bool,), "true or false"),
-}
+_BOM = b"\xef\xbb\xbf"
+_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s"})
+KNOWN_FIELDS = _REQUEST_FIELDS | SAMPLING_FIELDS
 
 
 class LineError(ValueError):
     """A line that cannot run; the message is the reason recorded in its error record."""
+
+
+class ResumeError(ValueError):
+    """The existing output cannot be resumed (not a jaxinfer result file, or damaged in the middle)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLine:
+    """One non-blank input line: where it is, its key, and its parsed object (or why it has none)."""
+
+    number: int  # 1-based, counting b"\n"
+    key: str
+    obj: dict | None
+    request_id: str | int | None  # its valid id, else None
+    problem: str | None  # the line's error, when it cannot run
 
 
 @dataclasses.dataclass
@@ -44,6 +67,7 @@ class JobSummary:
     generated_tokens: int = 0
     seconds: float = 0.0
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    ignored_fields: dict[str, int] = dataclasses.field(default_factory=dict)  # unknown field -> lines
     interrupted: bool = False
 
     def add(self, output: RequestOutput) -> None:
@@ -60,30 +84,27 @@ class JobSummary:
         return float(np.percentile(self.ttfts, q)) if self.ttfts else float("nan")
 
 
-def sampling_from_line(obj: dict, defaults: SamplingParams) -> SamplingParams:
-    """The line's sampling fields over the job's defaults."""
-    overrides = {}
-    for name, (types, description) in _SAMPLING_FIELDS.items():
-        if name not in obj:
-            continue
-        value = obj[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise LineError(f"field {name!r} must be {description}, got {value!r}")
-        overrides[name] = tuple(value) if isinstance(value, list) else value
-    try:
-        return dataclasses.replace(defaults, **overrides)
-    except (TypeError, ValueError) as e:
-        raise LineError(str(e)) from None
+# ---------------------------------------------------------------- reading lines
+
+
+def split_lines(data: bytes) -> list[tuple[int, bytes]]:
+    """(line number, bytes) of each non-blank line; b"\\n" is the only separator."""
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
+    return [(i, raw) for i, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
 
 
 def parse_line(text: str) -> dict:
+    """A line's JSON object with a valid id and exactly one of prompt / messages; LineError otherwise."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise LineError("malformed JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
-    if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+    if not _valid_id(obj.get("id")):
         raise LineError("missing or invalid 'id' (a string or integer is required)")
     if ("prompt" in obj) == ("messages" in obj):
         raise LineError("exactly one of 'prompt' or 'messages' is required")
@@ -92,8 +113,50 @@ def parse_line(text: str) -> dict:
     return obj
 
 
+def _valid_id(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return False
+    try:
+        return isinstance(value, int) or bool(check_text("id", value))
+    except ValueError:
+        return False
+
+
+def _id_of(text: str | None) -> str | int | None:
+    """The line's id if it has a valid one, even when the rest of the line is bad."""
+    try:
+        obj = json.loads(text) if text is not None else None
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return obj["id"] if isinstance(obj, dict) and _valid_id(obj.get("id")) else None
+
+
+def read_input(data: bytes) -> list[InputLine]:
+    """Every non-blank line with its key (repeats numbered), parsed or with its problem."""
+    lines, first_line, repeats = [], {}, {}
+    for number, raw in split_lines(data):
+        text, problem, obj = None, None, None
+        try:
+            text = raw.decode("utf-8")
+            obj = parse_line(text)
+        except UnicodeDecodeError as e:
+            problem = f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
+            text = raw.decode("utf-8", "replace")  # only to recover the id, when the bad byte is elsewhere
+        except LineError as e:
+            problem = str(e)
+        request_id = _id_of(text)
+        base = f"id:{json.dumps(request_id, ensure_ascii=False)}" if request_id is not None else f"sha256:{hashlib.sha256(raw.strip()).hexdigest()[:32]}"
+        first = first_line.setdefault(base, number)
+        repeat = repeats[base] = repeats.get(base, 0) + 1
+        key = base if repeat == 1 else f"{base}#{repeat}"
+        if repeat > 1 and request_id is not None and problem is None:
+            problem = f"duplicate id {request_id!r} (first on line {first})"
+        lines.append(InputLine(number, key, obj, request_id, problem))
+    return lines
+
+
 def read_done(path: Path) -> set[str]:
-    """Keys (`id:<id>` / `line:<n>`) already written; a torn last line from a kill is cut off first."""
+    """Keys already written to the output; a torn last line from a kill is cut off first."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -101,106 +164,137 @@ def read_done(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
         data = data[: data.rfind(b"\n") + 1]
-    done = set()
-    for line in data.decode().splitlines():
-        record = json.loads(line)
-        done.add(f"id:{record['id']}" if record.get("id") is not None else f"line:{record['line']}")
-    return done
+    return {_record_key(path, number, raw) for number, raw in split_lines(data)}
 
 
-def _truncate(ids: list[int], keep: int, side: str) -> list[int]:
-    if len(ids) <= keep or side == "none":
-        return ids
-    return ids[-keep:] if side == "left" else ids[:keep]
+def _record_key(path: Path, number: int, raw: bytes) -> str:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ResumeError(f"cannot resume: {path} line {number} is not a JSON record; fix or remove that line, or use --overwrite") from None
+    if isinstance(record, dict) and isinstance(record.get("key"), str):
+        return record["key"]
+    raise ResumeError(f"cannot resume: {path} line {number} has no 'key' (it is not a jaxinfer result record); use --overwrite to start over")
+
+
+# ---------------------------------------------------------------- the job
+
+
+def check_paths(input_path: Path, output_path: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any model is loaded, a job whose files cannot work."""
+    if not input_path.is_file():
+        raise ValueError(f"input file not found: {input_path}")
+    if not output_path.parent.is_dir():
+        raise ValueError(f"output directory does not exist: {output_path.parent}")
+    if output_path.exists() and os.path.samefile(input_path, output_path) or output_path.resolve() == input_path.resolve():
+        raise ValueError(f"--output {output_path} is the input file; write the results to another file")
+    if output_path.exists() and not (resume or overwrite):
+        raise ValueError(f"{output_path} exists; pass --resume to continue it or --overwrite to replace it")
 
 
 class BatchJob:
-    """One run over an input file, appending to the output file."""
+    """One run over an input file, appending to (or replacing) the output file.
 
-    def __init__(self, llm: LLM, output: Path, defaults: SamplingParams, truncate: str = "none"):
-        self.llm, self.output, self.defaults, self.truncate = llm, output, defaults, truncate
+    Construction reads the input and, on resume, the output's done keys, so that bad files fail before
+    the model loads. `run(llm)` then writes one record for every line that is not done.
+    """
+
+    def __init__(self, input_path: Path, output: Path, defaults: SamplingParams, *, resume: bool = False, truncate: str = "none"):
+        self.output, self.defaults, self.resume, self.truncate = output, defaults, resume, truncate
         self.summary = JobSummary()
-        self._index_to_line: dict[int, tuple[int, object]] = {}
+        self.lines = read_input(input_path.read_bytes())
+        done = read_done(output) if resume else set()
+        self.todo = [line for line in self.lines if line.key not in done]
+        self.summary.num_skipped = len(self.lines) - len(self.todo)
+        self._index_to_line: dict[int, InputLine] = {}
         self._file = None
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        text = json.dumps(record, ensure_ascii=False)
+        try:
+            data = (text + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from the input: keep it as a JSON escape
+            data = (json.dumps(record) + "\n").encode("ascii")
+        self._file.write(data)
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def _error(self, line_number: int, request_id, reason: str) -> None:
+    def _error(self, line: InputLine, reason: str) -> None:
         self.summary.num_errors += 1
-        self._write({"id": request_id, "line": line_number, "status": "error", "error": reason})
+        self._write({"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"})
 
-    def _prepare(self, line_number: int, obj: dict) -> Prompt:
-        params = sampling_from_line(obj, self.defaults)
+    def _prepare(self, llm: LLM, line: InputLine) -> Prompt:
+        obj = line.obj
+        self._check_fields(obj)
+        sampling = {name: obj[name] for name in SAMPLING_FIELDS if name in obj}
         try:
-            ids = self.llm.encode_chat(obj["messages"]) if "messages" in obj else self.llm.encode(obj["prompt"])
-        except ValueError as e:
+            params = SamplingParams.from_fields(sampling, self.defaults)
+            chat = "messages" in obj
+            return llm.prepare(
+                obj["messages"] if chat else obj["prompt"], params, index=len(self._index_to_line), chat=chat, truncate=self.truncate,
+                priority=obj.get("priority", 0), deadline_s=obj.get("deadline_s"), identity=line.key,
+            )
+        except PromptTooLongError as e:
+            raise LineError(f"{e} (--truncate left|right cuts it)") from None
+        except (TypeError, ValueError) as e:
             raise LineError(str(e)) from None
-        ids = _truncate(ids, self.llm.engine_config.max_context - params.max_tokens, self.truncate)
-        try:
-            check_request(self.llm.engine_config, self.llm.engine.num_pages, len(ids), params.max_tokens)
-        except ValueError as e:
-            raise LineError(str(e)) from None
-        priority, deadline = obj.get("priority", 0), obj.get("deadline_s")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise LineError(f"field 'priority' must be an integer, got {priority!r}")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline <= 0):
-            raise LineError(f"field 'deadline_s' must be a positive number of seconds, got {deadline!r}")
-        return Prompt(len(self._index_to_line), ids, params, priority=priority, deadline_s=deadline)
 
-    def _collect(self, input_path: Path, done: set[str]) -> list[Prompt]:
-        prompts, seen = [], set()
-        for line_number, text in enumerate(input_path.read_text().splitlines(), start=1):
-            if not text.strip():
+    def _check_fields(self, obj: dict) -> None:
+        """A misspelt known field is an error (with the hint); other unknown fields are ignored, counted."""
+        for name in obj:
+            if name in KNOWN_FIELDS:
                 continue
-            request_id = None
-            if f"line:{line_number}" in done:  # an error record without an id
-                self.summary.num_skipped += 1
-                continue
+            error = unknown_field_error(name, KNOWN_FIELDS)
+            if "did you mean" in str(error):
+                raise LineError(str(error))
+            self.summary.ignored_fields[name] = self.summary.ignored_fields.get(name, 0) + 1
+
+    def _collect(self, llm: LLM) -> list[Prompt]:
+        prompts = []
+        for line in self.todo:
             try:
-                obj = parse_line(text)
-                request_id = obj["id"]
-                if f"id:{request_id}" in done:
-                    self.summary.num_skipped += 1
-                    continue
-                if request_id in seen:
-                    raise LineError(f"duplicate id {request_id!r}")
-                seen.add(request_id)
-                prompt = self._prepare(line_number, obj)
+                if line.problem is not None:
+                    raise LineError(line.problem)
+                prompt = self._prepare(llm, line)
             except LineError as e:
-                self._error(line_number, request_id, f"line {line_number}: {e}")
+                self._error(line, str(e))
                 continue
-            self._index_to_line[prompt.index] = (line_number, request_id)
+            self._index_to_line[prompt.index] = line
             prompts.append(prompt)
         return prompts
 
     def _record(self, output: RequestOutput) -> dict:
-        line_number, request_id = self._index_to_line[output.index]
+        line = self._index_to_line[output.index]
+        head = {"id": line.request_id, "line": line.number, "key": line.key}
         if output.finish_reason == "timeout":
-            return {"id": request_id, "line": line_number, "status": "error", "error": f"line {line_number}: timed out: its deadline passed before it started"}
-        return {
-            "id": request_id, "line": line_number, "status": "ok", "text": output.text,
-            "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+            return head | {"status": "error", "error": f"line {line.number}: timed out: its deadline passed before it started"}
+        if output.finish_reason == "error":
+            return head | {"status": "error", "error": f"line {line.number}: {output.error}"}
+        return head | {
+            "status": "ok", "text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
             "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": output.num_generated_tokens,
             "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
         }
 
-    def run(self, input_path: Path, *, resume: bool, progress: bool = True) -> JobSummary:
-        done = read_done(self.output) if resume else set()
+    def run(self, llm: LLM, *, progress: bool = True) -> JobSummary:
+        """Write a record for every line not yet done; Ctrl-C stops cleanly (summary.interrupted)."""
         start = time.perf_counter()
-        with open(self.output, "a" if resume else "w", encoding="utf-8") as self._file:
-            prompts = self._collect(input_path, done)
+        with open(self.output, "ab" if self.resume else "wb") as self._file:
             try:
-                for output in self.llm.stream(prompts, progress=progress):
-                    record = self._record(output)
-                    self._write(record)
-                    if record["status"] == "ok":
-                        self.summary.add(output)
-                    else:
-                        self.summary.num_errors += 1
+                self._run(llm, progress)
             except KeyboardInterrupt:
                 self.summary.interrupted = True
         self.summary.seconds = time.perf_counter() - start
+        if self.summary.ignored_fields:
+            names = ", ".join(f"{k!r} ({n} lines)" for k, n in sorted(self.summary.ignored_fields.items()))
+            print(f"jaxinfer: warning: ignored unknown fields: {names}", file=sys.stderr)
         return self.summary
+
+    def _run(self, llm: LLM, progress: bool) -> None:
+        for output in llm.stream(self._collect(llm), progress=progress):
+            record = self._record(output)
+            self._write(record)
+            if record["status"] == "ok":
+                self.summary.add(output)
+            else:
+                self.summary.num_errors += 1

@@ -19,7 +19,13 @@ input JSONL, one object a line:
   priority (lower runs first), deadline_s (seconds after submission by which it must start, else an error record)
 
 output JSONL: exactly one line per input line, written as each finishes:
-  {"id", "line", "status": "ok"|"error", "text", "token_ids", "finish_reason", timings...} or {"error": reason}
+  {"id", "line", "key", "status": "ok"|"error", "text", "token_ids", "finish_reason", timings...} or {..., "error": reason}
+
+resume: a line is identified by its id (1 and "1" differ; a repeated id is an error record
+  for each repeat) or, without a valid id, by its bytes; it is done once --output holds a record
+  with its "key". --resume drops a torn last record and runs exactly the lines not done, so the
+  output ends with one record per non-blank input line. Unseeded requests derive their seed from
+  the key, so a resumed job equals an uninterrupted one.
 
 examples:
   jaxinfer generate --prompt "What is the capital of France?" --chat --temperature 0
@@ -43,15 +49,21 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
+def _engine_default(name: str):
+    from jaxinfer.config import EngineConfig
+
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--max-context", type=int, default=2048, help="tokens per sequence, prompt + output (default: %(default)s)")
-    group.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most (default: %(default)s)")
+    group.add_argument("--max-context", type=int, default=_engine_default("max_context"), help="tokens per sequence, prompt + output (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=_engine_default("max_num_seqs"), help="sequences decoded together at most (default: %(default)s)")
     group.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: a share of free memory)")
-    group.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default: %(default)s)")
+    group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
     group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
-    group.add_argument("--compile-cache", default="~/.cache/jaxinfer/xla", metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
-    group.add_argument("--engine-seed", type=int, default=0, help="base seed for requests without their own (default: %(default)s)")
+    group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
+    group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -69,9 +81,13 @@ def _build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of requests")
     gen.add_argument("--output", type=Path, metavar="FILE", help="JSONL results (required with --input)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user message")
-    gen.add_argument("--truncate", default="none", choices=("none", "left", "right"), help="cut over-long prompts: left keeps the end (default: error record)")
+    gen.add_argument(
+        "--truncate", default="none", choices=("none", "left", "right"),
+        help="cut prompts that do not fit --max-context (prompts that fit are never cut), keeping room for --max-tokens "
+        "but at least half the context: left keeps the end, right the start (default: none, an error record)",
+    )
     mode = gen.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="skip ids already in --output and append the rest")
+    mode.add_argument("--resume", action="store_true", help="append only the lines not yet in --output (see 'resume' below)")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_args(gen)
@@ -89,48 +105,71 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Field names of SamplingParams / EngineConfig -> the flag that sets them, so errors use the user's words.
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
+_ENGINE_FLAGS = {
+    "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
+    "attention_impl": "--attention", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
+}
+
+
+def _with_flag_names(error: ValueError, flags: dict[str, str]) -> ValueError:
+    from jaxinfer.request import FieldError
+
+    if isinstance(error, FieldError) and error.field in flags:
+        return ValueError(f"{flags[error.field]} {error.problem}")
+    return error
+
+
 def _sampling_params(args):
     from jaxinfer.request import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        )
+    except ValueError as e:
+        raise _with_flag_names(e, _SAMPLING_FLAGS) from None
 
 
-def _make_llm(args):
-    from jaxinfer.api import LLM
+def _engine_config(args):
+    """The flags as EngineConfig fields; every other field (the bucket tables) keeps its default, derived
+    from these limits exactly as `LLM(**fields)` derives it."""
     from jaxinfer.config import EngineConfig
 
-    defaults = EngineConfig()
-    max_seqs = args.max_num_seqs
-    batch_buckets = tuple(b for b in defaults.decode_batch_buckets if b < max_seqs) + (max_seqs,)
-    chunk_buckets = tuple(b for b in defaults.prefill_chunk_buckets if b < args.max_context) or (args.max_context // 2,)
-    engine_config = dataclasses.replace(
-        defaults, max_context=args.max_context, max_num_seqs=max_seqs, num_pages=args.num_pages,
-        prefill_chunk_buckets=chunk_buckets,
-        page_size=args.page_size, attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None,
-        seed=args.engine_seed, decode_batch_buckets=batch_buckets,
-    )
+    try:
+        return EngineConfig(
+            max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
+            attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
+        )
+    except ValueError as e:
+        raise _with_flag_names(e, _ENGINE_FLAGS) from None
+
+
+def _make_llm(args, engine_config):
+    from jaxinfer.api import LLM
+
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
-    return LLM(args.model, dtype=args.dtype, engine_config=engine_config)
+    try:
+        return LLM(args.model, dtype=args.dtype, engine_config=engine_config)
+    except ValueError as e:
+        raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
 
 def _run_generate(args) -> int:
     defaults = _sampling_params(args)
+    engine_config = _engine_config(args)
     if args.input is None:
-        return _generate_one(args, defaults)
+        return _generate_one(args, defaults, engine_config)
     if args.output is None:
         raise ValueError("--output FILE is required with --input")
-    if not args.input.is_file():
-        raise ValueError(f"input file not found: {args.input}")
-    if args.output.exists() and not (args.resume or args.overwrite):
-        raise ValueError(f"{args.output} exists; pass --resume to continue it or --overwrite to replace it")
-    from jaxinfer.batch import BatchJob
+    from jaxinfer.batch import BatchJob, check_paths
 
-    llm = _make_llm(args)
-    job = BatchJob(llm, args.output, defaults, truncate=args.truncate)
-    summary = job.run(args.input, resume=args.resume, progress=not args.no_progress)
+    check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
+    job = BatchJob(args.input, args.output, defaults, resume=args.resume, truncate=args.truncate)
+    llm = _make_llm(args, engine_config)
+    summary = job.run(llm, progress=not args.no_progress)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
     print(
@@ -143,14 +182,22 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _generate_one(args, defaults) -> int:
+def _generate_one(args, defaults, engine_config) -> int:
+    for flag, value in (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite)):
+        if value:
+            raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")
     if not args.prompt:
         raise ValueError("empty prompt: --prompt needs some text")
-    llm = _make_llm(args)
-    if args.chat:
-        output = llm.chat([{"role": "user", "content": args.prompt}], defaults)[0]
-    else:
-        output = llm.generate(args.prompt, defaults)[0]
+    llm = _make_llm(args, engine_config)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        work = llm.prepare(prompt, defaults, index=0, chat=args.chat, truncate=args.truncate)
+    except ValueError as e:
+        hint = " (--truncate left|right cuts it)" if "context is" in str(e) else ""
+        raise ValueError(f"--prompt: {e}{hint}") from None
+    (output,) = llm.stream([work], progress=False)
+    if output.finish_reason == "error":
+        raise ValueError(f"--prompt failed: {output.error}")
     print(output.text)
     print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s]", file=sys.stderr)
     return 0
@@ -190,7 +237,10 @@ def _run_info(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from jaxinfer.engine import PoolTooLargeError
     from jaxinfer.loading import ModelLoadError
@@ -200,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, PoolTooLargeError, ValueError, OSError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # during load or compile; a running batch job stops cleanly by itself
+        print("jaxinfer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

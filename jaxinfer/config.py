@@ -7,7 +7,12 @@ metadata happens once at the edge (`from_hf_config`, loading.py); the rest of th
 """
 
 import dataclasses
+import math
 from typing import Any
+
+from jaxinfer.request import FieldError, check_int, check_number, unknown_field_error
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -31,15 +36,16 @@ class ModelConfig:
     name: str = "llama"
 
     def __post_init__(self):
+        for field in ("vocab_size", "num_layers", "embed_dim", "ffn_dim", "num_heads", "num_kv_heads", "head_dim", "max_context"):
+            check_int(field, getattr(self, field), low=1)
+        check_number("rope_theta", self.rope_theta, low=0.0, high=math.inf, low_open=True)
+        check_number("rms_norm_eps", self.rms_norm_eps, low=0.0, high=1.0)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads=} not divisible by {self.num_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim=}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        for field in ("vocab_size", "num_layers", "embed_dim", "ffn_dim", "num_heads", "max_context"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
 
     @property
     def group_size(self) -> int:
@@ -62,6 +68,8 @@ class ModelConfig:
 
 def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_context: int | None = None) -> ModelConfig:
     """Convert a Hugging Face Llama `config.json` dict to a ModelConfig."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type", "llama")
     if model_type not in ("llama", "mistral"):
         raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads Llama-family models")
@@ -104,11 +112,16 @@ def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: in
     return fit_buckets(np.concatenate([full_chunks, remainders]), budget, multiple_of=16)
 
 
+_DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Host-side knobs of the paged engine: pool size, budgets and the bucket tables of every program.
 
     Every jitted program's shape comes from these tables, and all of them are compiled at warm-up.
+    Every field is checked here, where it is built; errors name the field (`FieldError`). Tables left at
+    None are derived from the limits, so any valid set of limits builds an engine that warms up.
     """
 
     page_size: int = 64  # tokens per KV page
@@ -117,11 +130,12 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences at most (largest decode batch)
     max_prefill_tokens: int = 512  # prefill token budget per step (sum of chunk lengths)
     max_context: int = 2048  # tokens per sequence (prompt + generated) at most
-    # Padded chunk lengths: fitted to a conversation-like trace, plus a 32-token bucket because chat
-    # prompts typed in notebooks (30-60 tokens) are rarer in that trace than in interactive use.
-    prefill_chunk_buckets: tuple[int, ...] = dataclasses.field(default_factory=lambda: (32,) + fitted_chunk_buckets())
+    # Padded chunk lengths. None: fitted to a conversation-like trace, plus a 32-token bucket because chat
+    # prompts typed in notebooks (30-60 tokens) are rarer in that trace than in interactive use; buckets
+    # over min(max_prefill_tokens, max_context) are dropped.
+    prefill_chunk_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] = (1,)  # sequences per prefill step (on CPU one row is fastest)
-    decode_batch_buckets: tuple[int, ...] = (4, 8, 16, 32)  # sequences per decode step
+    decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 4, 8, 16, 32 cut at max_num_seqs
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas
@@ -130,20 +144,61 @@ class EngineConfig:
     seed: int = 0  # base of the per-request seeds of requests that give none
 
     def __post_init__(self):
+        self._check_limits()
+        self._derive_tables()
+        self._check_tables()
+
+    def _check_limits(self) -> None:
+        check_int("page_size", self.page_size, low=1)
+        if self.num_pages is not None:
+            check_int("num_pages", self.num_pages, low=2)  # page 0 is the null page
+        check_number("kv_memory_fraction", self.kv_memory_fraction, low=0.0, high=1.0, low_open=True)
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_context", "compile_threads"):
+            check_int(name, getattr(self, name), low=1)
         if self.max_context % self.page_size:
-            raise ValueError(f"{self.max_context=} must be a multiple of {self.page_size=}")
-        for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets"):
+            raise FieldError("max_context", f"must be a multiple of page_size ({self.page_size}), got {self.max_context}")
+        check_number("decode_split_overhead", self.decode_split_overhead, low=0.0, high=math.inf)
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise FieldError("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
+            raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
+        check_int("seed", self.seed, low=0)
+
+    def _derive_tables(self) -> None:
+        if self.prefill_chunk_buckets is None:
+            cap = min(self.max_prefill_tokens, self.max_context)
+            fitted = (32,) + fitted_chunk_buckets()
+            object.__setattr__(self, "prefill_chunk_buckets", tuple(b for b in fitted if b < cap) + (cap,))
+        if self.decode_batch_buckets is None:
+            below = tuple(b for b in _DEFAULT_DECODE_BATCH_BUCKETS if b < self.max_num_seqs)
+            object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
+
+    def _check_tables(self) -> None:
+        for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets", "decode_page_buckets"):
             table = getattr(self, name)
-            if not table or list(table) != sorted(set(table)) or table[0] < 1:
-                raise ValueError(f"{name} must be a non-empty increasing tuple of positive ints, got {table}")
+            if table is None and name == "decode_page_buckets":
+                continue
+            if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
+                raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
+            object.__setattr__(self, name, tuple(table))
         if self.decode_batch_buckets[-1] < self.max_num_seqs:
-            raise ValueError(f"largest decode bucket {self.decode_batch_buckets[-1]} < {self.max_num_seqs=}")
-        if self.prefill_chunk_buckets[-1] > self.max_prefill_tokens:
-            raise ValueError(f"largest chunk bucket {self.prefill_chunk_buckets[-1]} > {self.max_prefill_tokens=}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"{self.num_pages=} must be >= 2 (page 0 is the null page)")
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+            raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({self.max_num_seqs}); its largest is {self.decode_batch_buckets[-1]}")
+        if self.prefill_chunk_buckets[-1] > min(self.max_prefill_tokens, self.max_context):
+            raise FieldError("prefill_chunk_buckets", f"must not exceed max_prefill_tokens ({self.max_prefill_tokens}) or max_context ({self.max_context}); its largest is {self.prefill_chunk_buckets[-1]}")
+        if self.decode_page_buckets is not None and self.decode_page_buckets[-1] < self.max_pages_per_seq:
+            raise FieldError("decode_page_buckets", f"must reach max_context / page_size ({self.max_pages_per_seq} pages); its largest is {self.decode_page_buckets[-1]}")
+
+    @classmethod
+    def with_overrides(cls, base: "EngineConfig | None" = None, **overrides) -> "EngineConfig":
+        """`base` (or the defaults) with some fields replaced; an unknown name is an error with a hint."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in overrides:
+            if name not in names:
+                raise unknown_field_error(name, names)
+        if base is None:
+            return cls(**overrides)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)} | overrides
+        return cls(**fields)
 
     @property
     def max_pages_per_seq(self) -> int:

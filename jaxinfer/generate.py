@@ -15,7 +15,8 @@ import numpy as np
 from jaxinfer import kv_pool, model, sampling
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Params
-from jaxinfer.request import SamplingParams, seeds_for, stop_reason
+from jaxinfer.output import token_stop_reason
+from jaxinfer.request import SamplingParams, derive_seed
 
 _CACHE_ROUND = 128  # dense cache lengths are rounded up to this, to bound the number of compiles
 
@@ -54,7 +55,7 @@ def generate_one(params: Params, cfg: ModelConfig, prompt_ids: list[int], sp: Sa
     arrays = lambda step: sampling.pack([sp], np.array([seed]), np.array([step]))  # noqa: E731
     token, cache = _prefill(params, cache, jnp.array([prompt_ids], jnp.int32), arrays(0), cfg=cfg)
     out = [int(token[0])]
-    while (reason := stop_reason(out, sp, eos_id)) is None:
+    while (reason := token_stop_reason(out, sp, eos_id)) is None:
         position = jnp.array([[len(prompt_ids) + len(out) - 1]], jnp.int32)
         token, cache = _decode(params, cache, token[:, None], position, arrays(len(out)), cfg=cfg)
         out.append(int(token[0]))
@@ -64,5 +65,5 @@ def generate_one(params: Params, cfg: ModelConfig, prompt_ids: list[int], sp: Sa
 def generate(params: Params, cfg: ModelConfig, prompts: list[list[int]], sp: SamplingParams | list[SamplingParams], *, seed: int = 0, eos_id: int | None = None) -> list[Generation]:
     """Reference generation for each prompt in turn (token ids in, token ids out)."""
     per_prompt = sp if isinstance(sp, list) else [sp] * len(prompts)
-    seeds = seeds_for(per_prompt, seed)
-    return [generate_one(params, cfg, ids, p, seed=int(s), eos_id=eos_id) for ids, p, s in zip(prompts, per_prompt, seeds)]
+    seeds = [p.seed if p.seed is not None else derive_seed(seed, f"index:{i}") for i, p in enumerate(per_prompt)]  # as LLM.generate
+    return [generate_one(params, cfg, ids, p, seed=s, eos_id=eos_id) for ids, p, s in zip(prompts, per_prompt, seeds)]

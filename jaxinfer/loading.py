@@ -183,7 +183,7 @@ def load_hf_folder(folder: Path, *, dtype: str = "float32", max_context: int | N
         raise ModelLoadError(f"{folder}: no config.json (a Hugging Face model folder needs config.json and *.safetensors)")
     try:
         cfg = from_hf_config(json.loads(config_path.read_text()), dtype=dtype, max_context=max_context)
-    except (json.JSONDecodeError, KeyError, ValueError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError, AttributeError) as e:
         raise ModelLoadError(f"{config_path}: {type(e).__name__}: {e}") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -9,7 +9,8 @@ Each call to `schedule()` returns the plans of one engine iteration:
      deadline, arrival) order (earliest deadline first within a priority), under the per-step token budget, the sequence limit and the free pages. A prompt
      longer than the largest chunk bucket is split over several steps (chunked prefill).
 
-`update(plan, tokens)` applies the sampled tokens, checks stop conditions and frees finished requests.
+`update(plan, tokens)` applies the sampled tokens; the output processor (output.py) decides which
+requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
 Plans are shaped by the bucket tables of EngineConfig, so the engine only ever sees known shapes.
 """
 
@@ -19,10 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxinfer.block_pool import NULL_PAGE, BlockPool, OutOfPagesError
+from jaxinfer.block_pool import BlockPool, OutOfPagesError
 from jaxinfer.buckets import pad_to_bucket
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import Request, RequestStatus, StepPlan, stop_reason
+from jaxinfer.request import BucketKey, Request, RequestStatus, RowChunk, StepPlan
 
 
 @dataclasses.dataclass
@@ -45,11 +46,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, num_pages: int, *, eos_id: int | None = None, detokenize: Callable[[list[int]], str] | None = None):
+    def __init__(self, cfg: EngineConfig, num_pages: int):
         self.cfg = cfg
         self.block_pool = BlockPool(num_pages)
-        self.eos_id = eos_id
-        self.detokenize = detokenize  # needed only for stop strings
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
@@ -76,8 +75,7 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now and not r.output_ids]
         for request in expired:
-            self.waiting.remove(request)
-            request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, "timeout", now
+            self.finish(request, "timeout")
         return expired
 
     def schedule(self) -> list[StepPlan]:
@@ -190,43 +188,26 @@ class Scheduler:
 
     def _decode_plan(self, requests: list[Request]) -> StepPlan:
         rows, width = self._decode_shape(requests)
-        chunks = [(r, r.num_tokens - 1, 1) for r in requests]
-        return self._build_plan("decode", chunks, rows, 1, width, [True] * len(requests))
+        chunks = [self._chunk(r, r.num_tokens - 1, 1, True) for r in requests]
+        return self._build_plan("decode", chunks, BucketKey("decode", rows, 1, width))
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:
         rows = pad_to_bucket(len(pairs), self.cfg.prefill_seq_buckets)
         tokens = pad_to_bucket(max(chunk for _, chunk in pairs), self.cfg.prefill_chunk_buckets)
-        chunks = [(r, r.num_computed_tokens, chunk) for r, chunk in pairs]
-        samples = [r.num_computed_tokens + chunk == r.num_tokens for r, chunk in pairs]
+        chunks = [self._chunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens) for r, n in pairs]
         # Rows read only the pages they hold (after this chunk's allocation), bucketed like decode.
-        max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r, _ in pairs)
+        max_pages = max(len(c.pages) for c in chunks)
         width = max(pad_to_bucket(max_pages, self.cfg.page_buckets), self.cfg.first_chunk_width(tokens))
-        return self._build_plan("prefill", chunks, rows, tokens, width, samples)
+        return self._build_plan("prefill", chunks, BucketKey("prefill", rows, tokens, width))
 
-    def _build_plan(self, phase, chunks, num_rows, num_tokens, width, samples) -> StepPlan:
-        """chunks: (request, first position, length) per real row."""
-        arrays = _empty_plan_arrays(num_rows, num_tokens, width)
-        page_size = self.cfg.page_size
-        for row, (request, start, length) in enumerate(chunks):
-            pages = np.asarray(self.block_pool.pages_of(request.request_id), np.int32)
-            positions = np.arange(start, start + length, dtype=np.int32)
-            arrays["token_ids"][row, :length] = [request.token_at(p) for p in positions]
-            arrays["positions"][row, :length] = positions
-            arrays["slot_pages"][row, :length] = pages[positions // page_size]
-            arrays["slot_offsets"][row, :length] = positions % page_size
-            arrays["block_tables"][row, : len(pages)] = pages
-            arrays["logit_indices"][row] = length - 1
-            _fill_sampling(arrays, row, request)
+    def _chunk(self, request: Request, start: int, length: int, sample: bool) -> RowChunk:
+        return RowChunk(request, start, length, self.block_pool.pages_of(request.request_id), sample)
+
+    def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> StepPlan:
         self.stats.num_steps += 1
-        self.stats.real_tokens += sum(length for _, _, length in chunks)
-        self.stats.padded_tokens += num_rows * num_tokens
-        return StepPlan(
-            phase=phase,
-            request_ids=tuple(r.request_id for r, _, _ in chunks),
-            num_new_tokens=tuple(length for _, _, length in chunks),
-            samples=tuple(samples),
-            **arrays,
-        )
+        self.stats.real_tokens += sum(c.length for c in chunks)
+        self.stats.padded_tokens += shape.num_rows * shape.num_tokens
+        return StepPlan.build(phase, chunks, shape, self.cfg.page_size)
 
     def _record_utilization(self) -> None:
         used_pages = self.block_pool.num_used
@@ -240,39 +221,44 @@ class Scheduler:
     # ------------------------------------------------------------ results
 
     def update(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
-        """Apply one step's sampled tokens (int[R]); return the requests that finished."""
+        """Apply one step's sampled tokens (int[R]); return the requests that got a new output token.
+
+        Whether they are done is the output processor's decision (output.py); it calls `finish`.
+        """
         by_id = {r.request_id: r for r in self.running}
-        finished = []
+        sampled = []
         now = time.perf_counter()
         for row, request_id in enumerate(plan.request_ids):
             request = by_id.get(request_id)
             if request is None:  # preempted after planning: nothing to apply
                 continue
             request.num_computed_tokens += plan.num_new_tokens[row]
-            if not plan.samples[row]:
-                continue
-            request.output_ids.append(int(tokens[row]))
-            request.first_token_time = request.first_token_time or now
-            if (reason := self._finish_reason(request)) is not None:
-                self._finish(request, reason, now)
-                finished.append(request)
-        return finished
+            if plan.samples[row]:
+                request.output_ids.append(int(tokens[row]))
+                request.first_token_time = request.first_token_time or now
+                sampled.append(request)
+        return sampled
 
-    def _finish_reason(self, request: Request) -> str | None:
-        reason = stop_reason(request.output_ids, request.params, self.eos_id)
-        if reason is None and request.params.stop and self.detokenize is not None:
-            text = self.detokenize(request.output_ids)
-            reason = "stop" if any(s in text for s in request.params.stop) else None
-        if reason is None and request.num_tokens >= self.cfg.max_context:
-            reason = "length"
-        return reason
-
-    def _finish(self, request: Request, reason: str, now: float) -> None:
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request (running or waiting) and free its pages."""
         self.block_pool.free(request.request_id)
-        self.running.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.finish_time = now
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+        request.finish_time = time.perf_counter()
+
+    def abort(self, request_ids, error: str) -> list[Request]:
+        """Finish these requests with reason 'error'; returns them."""
+        wanted = set(request_ids)
+        aborted = [r for r in self.running + self.waiting if r.request_id in wanted]
+        for request in aborted:
+            self.finish(request, "error", error)
+        return aborted
+
+    def abort_all(self, error: str) -> list[Request]:
+        return self.abort([r.request_id for r in self.running + self.waiting], error)
 
 
 def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], float]) -> list[list[Request]]:
@@ -292,38 +278,17 @@ def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], f
     return groups
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the context for a single generated token."""
+
+
 def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:
     """Raise ValueError if a prompt of this length can never run: empty, over the context, or needing
     more pages than the whole pool holds."""
     if num_prompt_tokens == 0:
         raise ValueError("empty prompt: at least one token is needed")
     if num_prompt_tokens >= cfg.max_context:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens; the context is {cfg.max_context} (use --truncate to cut it)")
+        raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; the context is {cfg.max_context} (prompt + output)")
     pages = -(-min(num_prompt_tokens + max_tokens, cfg.max_context) // cfg.page_size)
     if pages > num_pages - 1:
         raise ValueError(f"request needs {pages} KV pages; the pool has {num_pages - 1}")
-
-
-def _empty_plan_arrays(num_rows: int, num_tokens: int, width: int) -> dict[str, np.ndarray]:
-    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return {
-        "token_ids": zeros(num_rows, num_tokens),
-        "positions": zeros(num_rows, num_tokens),
-        "block_tables": np.full((num_rows, width), NULL_PAGE, np.int32),
-        "slot_pages": np.full((num_rows, num_tokens), NULL_PAGE, np.int32),
-        "slot_offsets": zeros(num_rows, num_tokens),
-        "logit_indices": zeros(num_rows),
-        "temperature": np.zeros(num_rows, np.float32),
-        "top_k": zeros(num_rows),
-        "top_p": np.ones(num_rows, np.float32),
-        "seeds": zeros(num_rows),
-        "steps": zeros(num_rows),
-    }
-
-
-def _fill_sampling(arrays: dict[str, np.ndarray], row: int, request: Request) -> None:
-    arrays["temperature"][row] = request.params.temperature
-    arrays["top_k"][row] = request.params.top_k
-    arrays["top_p"][row] = request.params.top_p
-    arrays["seeds"][row] = request.seed
-    arrays["steps"][row] = len(request.output_ids)

@@ -60,7 +60,7 @@ class TextTokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        _check_messages(messages)
+        check_messages(messages)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         template = env.from_string(self.chat_template)
@@ -79,7 +79,7 @@ def _raise_template_error(message: str):
     raise ValueError(f"chat template error: {message}")
 
 
-def _check_messages(messages) -> None:
+def check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     for i, message in enumerate(messages):

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxinfer import runloop
 from jaxinfer.config import EngineConfig
+from jaxinfer.output import OutputProcessor
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import Scheduler, split_decode_rows
 
@@ -64,16 +66,17 @@ def expected_output(req: Request) -> list[int]:
 
 
 def run_to_completion(scheduler: Scheduler, engine: FakePagedEngine, max_steps: int = 2000):
-    finished, plans = [], []
-    for _ in range(max_steps):
-        if not scheduler.has_work():
-            return finished, plans
-        step_plans = scheduler.schedule()
-        assert step_plans, "scheduler made no progress"
-        for plan in step_plans:
-            plans.append(plan)
-            finished += scheduler.update(plan, engine.step(plan))
-    raise AssertionError("did not finish")
+    """The library's run loop over the fake engine; fails if any request errors or it runs too long."""
+    plans = []
+
+    def on_step(plan, _):
+        plans.append(plan)
+        assert len(plans) <= max_steps, "did not finish"
+
+    processor = OutputProcessor(None, None, scheduler.cfg.max_context)
+    finished = list(runloop.run(scheduler, engine.step, processor, on_step=on_step))
+    assert not [r.error for r in finished if r.finish_reason == "error"]
+    return finished, plans
 
 
 def test_first_step_prefills_under_token_budget_with_exact_slots():
