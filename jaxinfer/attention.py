@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxinfer import kv_pool as kvp
+from jaxinfer.config import ATTENTION_IMPLS
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
 
 def resolve_impl(impl: str) -> str:
@@ -33,9 +33,11 @@ def attention_reference(
     keys: Float[Array, "B S G K"],
     values: Float[Array, "B S G K"],
     q_positions: Int[Array, "B T"],
-    k_positions: Int[Array, "B S"],
+    k_positions: Int[Array, "#B S"],
 ) -> Float[Array, "B T H K"]:
-    """Causal grouped-query attention; f32 scores and softmax, output in q's dtype."""
+    """Causal grouped-query attention; f32 scores and softmax, output in q's dtype.
+
+    `k_positions` may be [1, S], shared by every row (a dense slab, whose slot s is position s)."""
     b, t, h, k = q.shape
     g = keys.shape[2]
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]

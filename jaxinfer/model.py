@@ -1,8 +1,10 @@
 """The Llama-family decoder as pure functions over a params pytree.
 
-Axis letters used in every einsum and shape comment:
+Axis letters used in every einsum, shape comment and jaxtyping annotation (here and in attention.py):
     B batch · T query tokens · S key/value tokens · D embed · H query heads · G kv heads
-    Q query heads per kv head · K head dim · F ffn · V vocab · N layers · P pages · L page length
+    Q query heads per kv head · K head dim · F ffn · V vocab · N layers · L page length
+    P pages (of the pool, or of one block table) · X heads of either kind, H or G (rope takes both)
+A leading `#` (jaxtyping) means "that size or 1": `forward` returns [B, 1, V] with `logit_indices`.
 
 One `forward` serves the no-cache reference (cache=None), the dense cache of the reference generator
 and the paged pool of the engine: only the cache argument differs. Layers are stacked and run with
@@ -77,7 +79,7 @@ def forward(
     pages: kvp.PageMeta | None = None,
     logit_indices: Int[Array, "B"] | None = None,
     attention_impl: str = "reference",
-) -> tuple[Float[Array, "B T V"], kvp.DenseKVCache | kvp.KVPool | None]:
+) -> tuple[Float[Array, "B #T V"], kvp.DenseKVCache | kvp.KVPool | None]:
     """Run the decoder on `tokens` at `positions`, writing their K/V into `cache`.
 
     Args:
@@ -85,7 +87,8 @@ def forward(
       logit_indices: if given, logits are computed only at token index logit_indices[b] of each row,
         and the result is [B, 1, V]; this skips the vocabulary projection for the rest of a prefill chunk.
     Returns:
-      (logits in f32, the updated cache). Callers that donate the cache rebind it at once.
+      (logits in f32, [B, T, V], or [B, 1, V] with `logit_indices`; the updated cache). Callers that
+      donate the cache rebind it at once.
     """
     x = params.embed[tokens]  # [B, T, D]
     body = functools.partial(_layer, positions=positions, pages=pages, cfg=cfg, impl=attention_impl)

@@ -1,9 +1,11 @@
 """Paged-attention decode on the Pallas Mosaic GPU backend (Hopper), beside its jnp reference.
 
 Owns the decode kernel (one query token per sequence over a paged KV cache), its config and
-tuned-config table, the host-side block-table check, and `paged_attention_reference`, which is
-also the XLA path the engine runs on CPU. Must not import jaxinfer: experiments/device_check.py
-runs this file from a bare source tree (jax, numpy, absl-py only).
+tuned-config table, the host-side block-table check, and `paged_attention_reference`, the kernel's
+f32 oracle. The engine's CPU path is jaxinfer.attention.attention_over_pages, not this reference;
+the two are proven equal in decode (lengths >= 1, finite pools) by tests/test_attention_dispatch.py.
+Must not import jaxinfer: experiments/device_check.py runs this file from a bare source tree (jax,
+numpy, absl-py only).
 
 Layout (axis letters as in model.py: B batch, H query heads, G kv heads, K head dim, P pages,
 L page length; M is the block-table width, max pages per sequence):

@@ -1,5 +1,6 @@
-"""attention.py's two back ends against each other: the Pallas decode kernel (GPU interpreter on CPU)
-and the jnp reference, inside the real model forward over the paged pool."""
+"""attention.py's back ends against each other: the Pallas decode kernel (GPU interpreter on CPU) and
+the jnp reference inside the real model forward over the paged pool; and the two jnp references, the
+engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
 
 import dataclasses
 
@@ -8,12 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from beartype import beartype
+from jaxtyping import jaxtyped
+
 from jaxinfer import kv_pool as kvp
+from jaxinfer.attention import attention_over_pages
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward
 from jaxinfer.params import init_random
 from kernel_interpret import gpu_interpreter, races_found
-from tolerances import KERNEL_BF16, assert_close
+from kernels_pallas.paged_attention import paged_attention_reference
+from tolerances import KERNEL_BF16, KERNEL_F32, assert_close
 
 PAGE = 64
 # SmolLM2's attention geometry (9 query heads over 3 kv heads, head_dim 64), two layers, bf16.
@@ -66,3 +72,56 @@ def _force_interpret(params):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.force_gpu_interpret_mode(params)
+
+
+# ---------------------------------------------------------------- the engine's path == the kernel's reference
+
+GARBAGE = 1e30  # large but finite: NaN or inf past the length would break attention_over_pages (0 * inf)
+TABLE_WIDTH = 4  # pages per block table (M)
+
+
+def _awkward_lengths(page_size: int) -> list[int]:
+    return [1, page_size - 1, page_size, page_size + 1, 2 * page_size + 1, TABLE_WIDTH * page_size]
+
+
+def _random_paged_pools(lengths, page_size, num_kv_heads, head_dim, seed=0):
+    """f32 pools with distinct, shuffled pages per sequence, null-padded tables, and GARBAGE (of random
+    sign) in every slot past each length: the unfilled part of the last page, the unused pages and the
+    null page."""
+    rng = np.random.default_rng(seed)
+    num_pages = 1 + TABLE_WIDTH * len(lengths)
+    shuffled = rng.permutation(np.arange(1, num_pages, dtype=np.int32)).reshape(len(lengths), TABLE_WIDTH)
+    needed = np.arange(TABLE_WIDTH)[None, :] < -(-np.asarray(lengths)[:, None] // page_size)
+    tables = np.where(needed, shuffled, 0).astype(np.int32)
+    k_pool = rng.standard_normal((num_kv_heads, num_pages, head_dim, page_size)).astype(np.float32)
+    v_pool = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    valid = np.zeros((num_pages, page_size), bool)  # slot (page, offset) holds a token below its length
+    for table, length in zip(tables, lengths):
+        slots = np.arange(length)
+        valid[table[slots // page_size], slots % page_size] = True
+    sign = rng.choice(np.float32([-GARBAGE, GARBAGE]), (num_pages, page_size))
+    k_pool = np.where(valid[None, :, None, :], k_pool, sign[None, :, None, :])
+    v_pool = np.where(valid[None, :, :, None], v_pool, sign[None, :, :, None])
+    return jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(tables), valid
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("group_size", [1, 3, 4])
+def test_attention_over_pages_matches_kernel_reference_in_decode(page_size, group_size):
+    """The engine's CPU path (gather_pages, then attention_over_pages, masking slot <= position) and the
+    kernel's reference (masking slot < length and zeroing V there) agree for one decode token per
+    sequence at position length - 1. Lengths are >= 1: a padding row (length 0) is zeros in the kernel's
+    contract only, and the engine discards those rows."""
+    num_kv_heads, head_dim = 2, 32
+    lengths = _awkward_lengths(page_size)
+    k_pool, v_pool, tables, valid = _random_paged_pools(lengths, page_size, num_kv_heads, head_dim)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((len(lengths), num_kv_heads * group_size, head_dim)), jnp.float32)
+    k_pages, v_pages = kvp.gather_pages(kvp.KVPool(k_pool[None], v_pool[None]), 0, tables)  # [G, B, M, K, L], [G, B, M, L, K]
+    positions = jnp.asarray(lengths, jnp.int32)[:, None] - 1  # [B, 1]: the decode token, already written
+    with jax.default_matmul_precision("highest"):  # both are f32 references; no tf32 on a GPU
+        engine = jaxtyped(typechecker=beartype)(attention_over_pages)(q[:, None], k_pages, v_pages, positions)[:, 0]
+        kernel = jaxtyped(typechecker=beartype)(paged_attention_reference)(q, k_pool, v_pool, tables, jnp.asarray(lengths, jnp.int32))
+    # Each output row is a convex combination of its valid V rows, so garbage that leaked would show.
+    bound = float(np.abs(np.asarray(v_pool)[:, valid]).max())
+    assert float(np.abs(np.asarray(engine)).max()) <= bound * (1 + 1e-6), "attention_over_pages read past a length"
+    assert_close(engine, kernel, KERNEL_F32, f"attention_over_pages vs paged_attention_reference, lengths {lengths}")

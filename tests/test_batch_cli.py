@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from jaxinfer.batch import LineError, parse_line, read_done, sampling_from_line
-from jaxinfer.request import SamplingParams
+from jaxinfer.batch import LineError, parse_line
 
 ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
 QUESTIONS = [
@@ -31,7 +30,7 @@ def write_input(path) -> dict[str, str]:
     path.write_text("\n".join(lines) + "\n")
     expected = {f"q{i}": "ok" for i in range(len(QUESTIONS))}
     expected.update({"line:3": "error", "line:6": "error", "toolong": "error", "badtemp": "error", "late": "error"})
-    return expected
+    return expected  # by id, or by line for the lines without a valid id
 
 
 def run_cli(input_path, output_path, cache, *extra, wait=True):
@@ -42,11 +41,11 @@ def run_cli(input_path, output_path, cache, *extra, wait=True):
 
 
 def records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip()]
 
 
 def key(record: dict) -> str:
-    return record["id"] if record["id"] is not None else f"line:{record['line']}"
+    return record["id"] if record["id"] is not None else f"line:{record['line']}"  # unique in this input
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +67,7 @@ def test_bad_lines_get_error_records_and_the_rest_completes(full_run):
     errors = {key(r): r["error"] for r in full_records if r["status"] == "error"}
     assert "malformed JSON" in errors["line:3"] and "line 3" in errors["line:3"]
     assert "'id'" in errors["line:6"]
-    assert "context is 256" in errors["toolong"]
+    assert "context is 256" in errors["toolong"] and "--truncate" in errors["toolong"]
     assert "temperature" in errors["badtemp"]
     assert "timed out" in errors["late"]
     assert "requests ok / error / skipped  9 / 5 / 0" in result.stderr
@@ -106,21 +105,77 @@ def test_sigint_stops_cleanly_and_resume_matches_full_run(full_run, tmp_path, co
     assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGINT) == 130
 
 
+def run_fast(*args) -> subprocess.CompletedProcess:
+    """A CLI call that must fail before any model loads."""
+    return subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def one_line_error(result, *needles) -> bool:
+    lines = result.stderr.strip().splitlines()
+    return result.returncode == 2 and len(lines) == 1 and lines[0].startswith("jaxinfer: error: ") and all(n in lines[0] for n in needles)
+
+
 def test_cli_refuses_to_overwrite_without_flag(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
     (tmp_path / "out.jsonl").write_text("")
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")],
-        capture_output=True, text=True,
+    assert one_line_error(run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl"), "--resume")
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--page-size", "0"], ["--page-size must be >= 1"]),
+        (["--max-num-seqs", "0"], ["--max-num-seqs must be >= 1"]),
+        (["--max-context", "100", "--page-size", "64"], ["--max-context must be a multiple of page_size"]),
+        (["--temperature", "nan"], ["--temperature must be a finite number"]),
+        (["--top-k", "-1"], ["--top-k must be in"]),
+        (["--stop", ""], ["--stop must hold non-empty strings"]),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag_before_loading(tmp_path, flags, needles):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    result = run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", *flags)
+    assert one_line_error(result, *needles), result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_output_equal_to_input_leaves_the_input_untouched(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "hi"}\n{"id": 2, "prompt": "torn')
+    before = inp.read_bytes()
+    for mode in ("--overwrite", "--resume"):
+        assert one_line_error(run_fast("--input", inp, "--output", inp, mode), "is the input file")
+    assert inp.read_bytes() == before
+
+
+def test_output_into_a_missing_directory_fails_before_loading(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    assert one_line_error(run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "no" / "out.jsonl"), "output directory does not exist")
+
+
+@pytest.mark.parametrize("flag", [["--output", "x.jsonl"], ["--resume"], ["--overwrite"]])
+def test_prompt_refuses_batch_only_flags(flag):
+    assert one_line_error(run_fast("--prompt", "hi", *flag), flag[0], "--input")
+
+
+def test_resume_over_an_output_without_keys_is_one_line(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    (tmp_path / "out.jsonl").write_text('{"status": "ok"}\n')
+    assert one_line_error(run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--resume"), "has no 'key'")
+
+
+def test_ctrl_c_during_load_exits_130_with_one_line(tmp_path, compile_cache):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--compile-cache", compile_cache],
+        stderr=subprocess.PIPE, text=True,
     )
-    assert result.returncode == 2 and "--resume" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_read_done_drops_torn_last_line(tmp_path):
-    out = tmp_path / "out.jsonl"
-    out.write_text('{"id": "a", "line": 1, "status": "ok"}\n{"id": null, "line": 2, "status": "error"}\n{"id": "c", "li')
-    assert read_done(out) == {"id:a", "line:2"}
-    assert out.read_text().endswith("error\"}\n")
+    assert process.stderr.readline().startswith("loading")  # printed just before the model loads
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    returncode = process.wait(timeout=120)
+    rest = process.stderr.read()
+    assert returncode == 130 and "Traceback" not in rest and len(rest.strip().splitlines()) <= 1, rest
 
 
 @pytest.mark.parametrize(
@@ -132,19 +187,11 @@ def test_read_done_drops_torn_last_line(tmp_path):
         ('{"id": 1}', "exactly one of 'prompt' or 'messages'"),
         ('{"id": 1, "prompt": ""}', "non-empty string"),
         ('{"id": true, "prompt": "x"}', "'id'"),
+        ('{"id": 1.5, "prompt": "x"}', "'id'"),
+        ('{"id": "\\ud800", "prompt": "x"}', "'id'"),
+        ("[" * 100000, "malformed JSON"),
     ],
 )
 def test_parse_line_names_the_problem(text, reason):
     with pytest.raises(LineError, match=reason):
         parse_line(text)
-
-
-def test_sampling_fields_override_defaults_and_are_type_checked():
-    params = sampling_from_line({"temperature": 0, "stop": ["\n"], "max_tokens": 5}, SamplingParams())
-    assert (params.temperature, params.stop, params.max_tokens) == (0, ("\n",), 5)
-    with pytest.raises(LineError, match="'top_k' must be an integer"):
-        sampling_from_line({"top_k": 1.5}, SamplingParams())
-    with pytest.raises(LineError, match="top_p must be in"):
-        sampling_from_line({"top_p": 0}, SamplingParams())
-    with pytest.raises(LineError, match="'max_tokens' must be an integer"):
-        sampling_from_line({"max_tokens": True}, SamplingParams())

@@ -1,12 +1,15 @@
 """`jaxinfer buckets fit`, driven through the parser that `add_subparser` registers."""
 
 import argparse
+import inspect
+import re
 
+import numpy as np
 import pytest
 
-from jaxinfer.buckets import FixedList, padding_metrics
-from jaxinfer.cli_buckets import add_subparser, format_table
-from jaxinfer.traces import save_trace, synthetic_trace
+from jaxinfer.buckets import CostModel, FixedList, fit_buckets, padding_metrics, strategies_at_budget
+from jaxinfer.cli_buckets import _FIT_DESCRIPTION, _FIT_EPILOG, add_subparser, compare_strategies, cost_model, format_table
+from jaxinfer.traces import CONTEXT_TOKENS, load_trace, save_trace, synthetic_trace
 
 STRATEGY_NAMES = ("pad-to-max", "powers-of-two", "linear", "quantile", "mean+k-sigma", "fitted")
 
@@ -77,13 +80,72 @@ def test_fit_rejects_non_positive_budget(trace_path, capsys):
     assert exit_info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
-def test_fit_help_describes_every_option(capsys):
+def _fit_parser() -> argparse.ArgumentParser:
+    buckets = add_subparser(argparse.ArgumentParser(prog="jaxinfer").add_subparsers(dest="command"))
+    commands = next(a for a in buckets._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["fit"]
+
+
+def _squash(text: str) -> str:
+    """Whitespace-insensitive text: argparse re-wraps option help to the terminal width."""
+    return " ".join(text.split())
+
+
+def _default_of(function, name: str):
+    return inspect.signature(function).parameters[name].default
+
+
+def test_fit_help_lists_every_option_with_its_explanation_and_choices(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _run(["buckets", "fit", "--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    for option in ("--trace", "--budget", "--column", "--cost", "--plot", "--multiple-of", "example:"):
-        assert option in out
+    out = _squash(capsys.readouterr().out)
+    options = [a for a in _fit_parser()._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in options} == {"trace", "budget", "column", "cost", "crossover", "multiple_of", "plot"}
+    for action in options:
+        explanation = _squash(action.help % {**vars(action), "prog": "jaxinfer buckets fit"})
+        assert f"{action.option_strings[0]} {action.metavar or '{' + ','.join(action.choices) + '}'} {explanation}" in out
+        if action.default is not None:
+            assert f"(default: {action.default}" in explanation, f"{action.option_strings[0]} hides its default"
+    assert _squash(_FIT_DESCRIPTION) in out and _squash(_FIT_EPILOG) in out
+
+
+def test_fit_help_defaults_equal_the_defaults_of_the_functions_they_describe():
+    defaults = {a.dest: a.default for a in _fit_parser()._actions}
+    assert defaults["crossover"] == _default_of(cost_model, "crossover_length") == _default_of(CostModel.prefill, "crossover_length")
+    assert defaults["multiple_of"] == _default_of(fit_buckets, "multiple_of") == _default_of(compare_strategies, "multiple_of")
+    assert cost_model(defaults["cost"]) == _default_of(fit_buckets, "cost") == _default_of(compare_strategies, "cost")
+    assert defaults["column"] == _default_of(load_trace, "column") == CONTEXT_TOKENS  # "the prompt"
+
+
+def test_fit_help_cost_claims_hold():
+    """"padded tokens", "a*n + b*n^2", and the crossover: attention (n^2 term) equals matmuls (n term)."""
+    lengths = np.array([1, 7, 300])
+    np.testing.assert_array_equal(cost_model("tokens")(lengths), lengths)
+    prefill = cost_model("prefill", 300)
+    assert prefill.linear * 300 == pytest.approx(prefill.quadratic * 300**2)
+    np.testing.assert_allclose(prefill(lengths), lengths + lengths**2 / 300)
+
+
+def test_fit_description_names_exactly_the_strategies_it_compares():
+    listed = re.search(r"every other strategy \(([^)]*)\)", _FIT_DESCRIPTION).group(1)
+    compared = {strategy.name for strategy in strategies_at_budget([1, 5, 9, 30], 3)} - {"fitted"}
+    same_words = lambda name: name.strip().replace("-", " ")  # "powers of two" is "powers-of-two"
+    assert set(map(same_words, listed.split(","))) == set(map(same_words, compared))
+
+
+def test_fit_description_waste_and_over_top_claims_hold():
+    """Waste is (padded - real) / padded per request; longer requests are chunked and counted as over top."""
+    metrics = padding_metrics(FixedList((4, 8)), [3, 8, 19])  # padded 4, 8 and 8 + 8 + 4
+    assert (metrics.padded_tokens, metrics.num_over_top) == (32, 1)
+    assert metrics.token_waste == pytest.approx((32 - 30) / 32)
+
+
+def test_fit_epilog_example_parses_with_the_real_parser():
+    command = _FIT_EPILOG.splitlines()[-1].split()
+    assert command[:3] == ["jaxinfer", "buckets", "fit"]
+    args = _fit_parser().parse_args(command[3:])
+    assert (args.trace, args.budget, args.plot) == ("../shared/data/azure_llm_trace_2023_conv.csv", 12, "buckets.png")
 
 
 def test_format_table_shows_percentages():

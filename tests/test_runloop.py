@@ -1,0 +1,45 @@
+"""The run loop's isolation rules, host only: a failing step fails only its own rows, and work that can
+never be planned ends as errors instead of a spin."""
+
+import subprocess
+import sys
+
+from test_scheduler import FakePagedEngine, expected_output, request, small_config
+
+from jaxinfer import runloop
+from jaxinfer.output import OutputProcessor
+from jaxinfer.scheduler import Scheduler
+
+
+def test_a_step_that_raises_fails_only_the_requests_in_its_plan():
+    scheduler = Scheduler(small_config(prefill_seq_buckets=(1,)), num_pages=20)
+    engine = FakePagedEngine(20, 4)
+    requests = [request(f"r{i}", 5, 3, i) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+
+    def step(plan):
+        if "r1" in plan.request_ids:
+            raise RuntimeError("device fault")
+        return engine.step(plan)
+
+    finished = list(runloop.run(scheduler, step, OutputProcessor(None, None, 32)))
+    assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2"]
+    r0, r1, r2 = requests
+    assert r1.finish_reason == "error" and "RuntimeError: device fault" in r1.error
+    assert r0.output_ids == expected_output(r0) and r2.output_ids == expected_output(r2)
+    assert scheduler.block_pool.num_free == 19  # the failed request's pages came back too
+
+
+def test_work_that_can_never_be_planned_ends_as_errors_not_a_spin():
+    scheduler = Scheduler(small_config(), num_pages=3)
+    too_big = request("big", 20, 4)  # needs 6 pages of 4; the pool has 2 (bypassing add's check)
+    scheduler.waiting.append(too_big)
+    finished = list(runloop.run(scheduler, FakePagedEngine(3, 4).step, OutputProcessor(None, None, 32)))
+    assert finished == [too_big] and too_big.finish_reason == "error" and "no step could be planned" in too_big.error
+    assert not scheduler.has_work()
+
+
+def test_runloop_imports_no_jax():
+    code = "import jaxinfer.runloop, jaxinfer.output, jaxinfer.request, sys; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
