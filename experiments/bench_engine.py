@@ -99,24 +99,20 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 class StepTimer:
-    """Wraps `llm.engine.step` (instance attribute only; jaxinfer is not modified) to time each step by
-    bucket key, so the run splits into device steps (compute + the one device->host copy) and host time."""
+    """The run loop's `on_step` hook: times each step by bucket key, so the run splits into device steps
+    (compute + the one device->host copy) and host time, and records each decode step's KV use."""
 
-    def __init__(self, engine, page_size: int):
-        self.engine, self.inner, self.page_size = engine, engine.step, page_size
+    def __init__(self, page_size: int):
+        self.page_size = page_size
         self.seconds: dict[tuple, list[float]] = collections.defaultdict(list)
         self.decode_kv: list[tuple[int, int]] = []  # (tokens in the pool, slots of their pages) per decode step
-        engine.step = self
 
-    def __call__(self, plan):
-        start = time.perf_counter()
-        tokens = self.inner(plan)
-        self.seconds[plan.bucket].append(time.perf_counter() - start)
+    def __call__(self, plan, tokens, seconds: float) -> None:
+        self.seconds[plan.bucket].append(seconds)
         if plan.phase == "decode":
             rows = len(plan.request_ids)  # real rows come first; pages of a row are its non-null entries
             num_tokens = int((plan.positions[:rows, 0] + 1).sum())
             self.decode_kv.append((num_tokens, int(np.count_nonzero(plan.block_tables[:rows])) * self.page_size))
-        return tokens
 
     def kv_utilization(self) -> dict:
         """Decoding sequences' tokens / slots of their pages: mean over decode steps, and over all of them."""
@@ -155,11 +151,10 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
     runs = []  # (seconds, outputs, timer) per repeat
     with CompileCounter() as compiles:
         for _ in range(repeats):
-            timer = StepTimer(llm.engine, engine_config.page_size)
+            timer = StepTimer(engine_config.page_size)
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params, progress=False)
+            outputs = llm.generate(prompts, params, progress=False, on_step=timer)
             runs.append((time.perf_counter() - start, outputs, timer))
-            llm.engine.step = timer.inner
     seconds, outputs, timer = min(runs, key=lambda run: run[0])
     stats = llm.last_stats  # the scheduler is deterministic: every repeat has the same stats
     tokens = [o.token_ids for o in outputs]
@@ -173,7 +168,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
         "attention_impl": llm.engine.impl, "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
         "time_split": timer.summary(seconds),
-        "decode_kv_utilization": timer.kv_utilization(),  # from the plans; SchedulerStats keeps only the peak
+        "decode_kv_utilization": timer.kv_utilization(),  # from the plans, over decode steps only
         "mean_latency_s": float(np.mean([o.latency for o in outputs])),
         "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs])),
     }

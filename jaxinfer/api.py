@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from jaxinfer import loading, runloop, tokenizer as tok
+from jaxinfer.block_pool import BlockPool
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.output import OutputProcessor
@@ -39,6 +40,7 @@ class RequestOutput:
     latency: float  # seconds from submission to finish
     num_preemptions: int = 0
     error: str | None = None  # why it failed, when finish_reason is "error"
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,14 @@ class Prompt:
     priority: int = 0  # lower runs first
     deadline_s: float | None = None  # seconds after submission by which it must start
     identity: str | None = None
+    cache_salt: str | None = None  # prefix-cache pages are shared only between prompts with equal salts
 
     def __post_init__(self):
         check_int("priority", self.priority, low=-(2**62), high=2**62)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise FieldError("cache_salt", f"must be a string, got {self.cache_salt!r}")
+        if self.cache_salt is not None:
+            check_text("cache_salt", self.cache_salt)
         if self.deadline_s is not None:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
 
@@ -91,6 +98,7 @@ class LLM:
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
         self.engine = Engine(self.model_config, params, engine_config)
+        self.block_pool = BlockPool(self.engine.num_pages)  # outlives each batch: cached prefixes persist
         if warmup:
             self.engine.warmup()
         self.last_stats = None
@@ -133,18 +141,22 @@ class LLM:
 
     # ------------------------------------------------------------ running
 
-    def stream(self, prompts: Iterable[Prompt], *, progress: bool | None = None) -> Iterator[RequestOutput]:
-        """Run prepared prompts through the engine, yielding each output as soon as it finishes."""
-        scheduler = Scheduler(self.engine_config, self.engine.num_pages)
+    def stream(self, prompts: Iterable[Prompt], *, progress: bool | None = None, on_step: runloop.OnStep | None = None) -> Iterator[RequestOutput]:
+        """Run prepared prompts through the engine, yielding each output as soon as it finishes.
+
+        `on_step(plan, tokens, seconds)` is called after every engine step (for timing and counting).
+        """
+        scheduler = Scheduler(self.engine_config, self.engine.num_pages, block_pool=self.block_pool)
         processor = OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context)
         submitted = self._submit(scheduler, list(prompts))
         show = progress if progress is not None else len(submitted) >= _PROGRESS_MIN_REQUESTS
         bar = tqdm(total=len(submitted), unit="req", disable=not show)
         try:
-            for request in runloop.run(scheduler, self.engine.step, processor):
+            for request in runloop.run(scheduler, self.engine.step, processor, on_step=on_step):
                 bar.update(1)
                 yield self._output(request, processor.text(request))
-        finally:
+        finally:  # an interrupted or abandoned stream gives its pages back (cached ones stay named)
+            scheduler.abort_all("the run was stopped before this request finished")
             bar.close()
             self.last_stats = scheduler.stats
 
@@ -160,7 +172,7 @@ class LLM:
             seed = prompt.params.seed if prompt.params.seed is not None else derive_seed(self.engine_config.seed, identity)
             request = Request(
                 str(prompt.index), prompt.token_ids, prompt.params, seed, priority=prompt.priority,
-                deadline=deadline, arrival_index=prompt.index, arrival_time=now,
+                deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
             )
             scheduler.add(request)
             requests.append(request)
@@ -178,23 +190,24 @@ class LLM:
             latency=request.finish_time - request.arrival_time,
             num_preemptions=request.num_preemptions,
             error=request.error,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None, on_step: runloop.OnStep | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); one RequestOutput per prompt, in input order.
 
         Every prompt is checked before any work starts; a bad one raises ValueError naming its index.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._generate(list(prompts), sampling_params, chat=False, progress=progress)
+        return self._generate(list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._generate(conversations, sampling_params, chat=True, progress=progress)
 
-    def _generate(self, prompts: list, sampling_params, *, chat: bool, progress) -> list[RequestOutput]:
+    def _generate(self, prompts: list, sampling_params, *, chat: bool, progress, on_step=None) -> list[RequestOutput]:
         params = _broadcast_params(sampling_params, len(prompts))
         work = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -202,7 +215,7 @@ class LLM:
                 work.append(self.prepare(prompt, sp, index=i, chat=chat))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return sorted(self.stream(work, progress=progress), key=lambda o: o.index)
+        return sorted(self.stream(work, progress=progress, on_step=on_step), key=lambda o: o.index)
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

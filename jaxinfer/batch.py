@@ -1,7 +1,7 @@
 """Resumable JSONL batch jobs: exactly one result record per non-blank input line, written as it finishes.
 
 Input lines are JSON objects with an `id` and either `prompt` (text) or `messages` (a chat), plus
-optional sampling fields (those of SamplingParams), `priority` and `deadline_s`. A line that cannot run
+optional sampling fields (those of SamplingParams), `priority`, `deadline_s` and `cache_salt`. A line that cannot run
 (bad bytes, malformed JSON, a bad field, a prompt over the context, a failed step) becomes an error
 record naming its line and reason; the job goes on.
 
@@ -35,7 +35,7 @@ from jaxinfer.request import SAMPLING_FIELDS, SamplingParams, check_text, unknow
 from jaxinfer.scheduler import PromptTooLongError
 
 _BOM = b"\xef\xbb\xbf"
-_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s"})
+_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s", "cache_salt"})
 KNOWN_FIELDS = _REQUEST_FIELDS | SAMPLING_FIELDS
 
 
@@ -232,7 +232,7 @@ class BatchJob:
             chat = "messages" in obj
             return llm.prepare(
                 obj["messages"] if chat else obj["prompt"], params, index=len(self._index_to_line), chat=chat, truncate=self.truncate,
-                priority=obj.get("priority", 0), deadline_s=obj.get("deadline_s"), identity=line.key,
+                priority=obj.get("priority", 0), deadline_s=obj.get("deadline_s"), identity=line.key, cache_salt=obj.get("cache_salt"),
             )
         except PromptTooLongError as e:
             raise LineError(f"{e} (--truncate left|right cuts it)") from None
@@ -273,7 +273,7 @@ class BatchJob:
         return head | {
             "status": "ok", "text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
             "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": output.num_generated_tokens,
-            "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
+            "num_cached_tokens": output.num_cached_tokens, "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
         }
 
     def run(self, llm: LLM, *, progress: bool = True) -> JobSummary:

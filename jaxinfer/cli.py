@@ -16,7 +16,8 @@ input JSONL, one object a line:
   {"id": "q1", "prompt": "Once upon a time"}
   {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0, "max_tokens": 64}
   optional per line: temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos,
-  priority (lower runs first), deadline_s (seconds after submission by which it must start, else an error record)
+  priority (lower runs first), deadline_s (seconds after submission by which it must start, else an error record),
+  cache_salt (prefix-cache pages are shared only between lines with the same salt)
 
 output JSONL: exactly one line per input line, written as each finishes:
   {"id", "line", "key", "status": "ok"|"error", "text", "token_ids", "finish_reason", timings...} or {..., "error": reason}
@@ -63,6 +64,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
     group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
     group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
+    group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
 
 
@@ -142,6 +144,7 @@ def _engine_config(args):
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
+            enable_prefix_caching=not args.no_prefix_cache,
         )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
@@ -216,6 +219,7 @@ def _summary_table(summary, llm) -> str:
         ("compilations (all at warm-up)", f"{llm.engine.num_compilations} in {llm.engine.compile_seconds:.1f} s"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
+        ("prefix cache hit tokens / queried", f"{stats.prefix_cache_hits} / {stats.prefix_cache_queries} ({stats.prefix_cache_hit_rate:.1%})" if stats else "-"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["", "summary", "-" * (width + 20)] + [f"{name:<{width}}  {value}" for name, value in rows])

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxinfer.request import FieldError, check_int, check_number, unknown_field_error
+from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
 
@@ -142,6 +142,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
+    enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
 
     def __post_init__(self):
         self._check_limits()
@@ -163,6 +164,7 @@ class EngineConfig:
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
         check_int("seed", self.seed, low=0)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
     def _derive_tables(self) -> None:
         if self.prefill_chunk_buckets is None:

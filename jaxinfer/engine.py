@@ -24,7 +24,7 @@ from jaxinfer import model, sampling
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
-from jaxinfer.request import StepPlan
+from jaxinfer.request import FieldError, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig):
         if engine_cfg.max_context > cfg.max_context:
-            raise ValueError(f"engine max_context {engine_cfg.max_context} exceeds the model's {cfg.max_context}")
+            raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.impl = resolve_impl(engine_cfg.attention_impl)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)

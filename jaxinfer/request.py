@@ -174,6 +174,8 @@ class Request:
     status: str = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why it failed, when finish_reason is "error"
+    cache_salt: str | None = None  # prefix-cache isolation: pages are shared only between equal salts
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
     admit_index: int = -1  # order of the latest admission; preemption takes the largest first
     num_preemptions: int = 0
     first_token_time: float | None = None

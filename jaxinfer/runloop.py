@@ -10,6 +10,7 @@ frees their pages. Two rules keep one request from taking others down, or the lo
   why, instead of looping forever.
 """
 
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -19,16 +20,17 @@ from jaxinfer.request import Request, StepPlan
 from jaxinfer.scheduler import Scheduler
 
 StepFn = Callable[[StepPlan], np.ndarray]  # plan -> sampled tokens int[R]
+OnStep = Callable[[StepPlan, np.ndarray, float], None]  # (plan, tokens, seconds the step took)
 
 
-def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_step: Callable[[StepPlan, np.ndarray], None] | None = None) -> Iterator[Request]:
+def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_step: OnStep | None = None) -> Iterator[Request]:
     """Run until the scheduler has no work; yield each request as soon as it has finished.
 
     Args:
       scheduler: holds the submitted requests.
       step: runs one plan (Engine.step, or a fake in tests).
       processor: decides when a request is done.
-      on_step: called with (plan, tokens) after every step (benchmarks time and count steps here).
+      on_step: called with (plan, tokens, seconds) after every step (benchmarks time and count steps here).
     """
     while scheduler.has_work():
         finished = scheduler.expire()
@@ -40,14 +42,15 @@ def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_st
         yield from finished
 
 
-def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, plan: StepPlan, on_step=None) -> list[Request]:
+def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, plan: StepPlan, on_step: OnStep | None = None) -> list[Request]:
     """Run one plan and apply its tokens; returns the requests it finished."""
+    start = time.perf_counter()
     try:
         tokens = step(plan)
     except Exception as e:  # one bad step fails its own rows, not the job
         return scheduler.abort(plan.request_ids, f"the step failed: {type(e).__name__}: {e}")
     if on_step is not None:
-        on_step(plan, tokens)
+        on_step(plan, tokens, time.perf_counter() - start)
     finished = []
     for request in scheduler.update(plan, tokens):
         try:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxinfer.block_pool import BlockPool, OutOfPagesError
+from jaxinfer.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
 from jaxinfer.buckets import pad_to_bucket
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import BucketKey, Request, RequestStatus, RowChunk, StepPlan
@@ -35,6 +35,12 @@ class SchedulerStats:
     peak_kv_utilization: float = 0.0  # max over steps of tokens in pool / slots of allocated pages
     kv_utilization_sum: float = 0.0  # summed over the steps that hold pages (for the mean)
     kv_utilization_steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens whose KV came from cached pages
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def mean_kv_utilization(self) -> float:
@@ -46,13 +52,19 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, num_pages: int):
+    def __init__(self, cfg: EngineConfig, num_pages: int, *, block_pool: BlockPool | None = None):
+        """`block_pool` may be shared by successive schedulers over the same KV pool, so that cached
+        prefixes outlive one batch; it must have no owners left when handed over."""
         self.cfg = cfg
-        self.block_pool = BlockPool(num_pages)
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
+        if self.block_pool.num_pages != num_pages or self.block_pool.num_used:
+            raise ValueError("a shared block pool must match the KV pool and hold no pages")
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
+        self._page_names: dict[str, list[bytes]] = {}  # request -> names of its full pages so far
+        self._num_named: dict[str, int] = {}  # request -> how many of its pages are in the cache map
 
     # ------------------------------------------------------------ intake
 
@@ -123,7 +135,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the pages, keep the output, re-queue at the front."""
-        self.block_pool.free(request.request_id)
+        self.block_pool.free(request.request_id)  # shared pages stay with their other owners
+        self._num_named.pop(request.request_id, None)
         self.running.remove(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -140,13 +153,15 @@ class Scheduler:
         for request in partial + self._waiting_in_order():
             if budget <= 0 or len(rows) == max_rows:
                 break
+            hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
             chunk = self._fit_chunk(request, budget)
             if chunk == 0:
                 if request.status == RequestStatus.WAITING:
+                    self._release(request)
                     break  # no room to admit: keep the priority order, do not skip ahead
                 continue
             if request.status == RequestStatus.WAITING:
-                self._admit(request)
+                self._admit(request, hit)
             rows.append((request, chunk))
             budget -= chunk
         return rows
@@ -166,7 +181,54 @@ class Scheduler:
             chunk = min(chunk - 1, spare + free_tokens)
         return chunk
 
-    def _admit(self, request: Request) -> None:
+    # ------------------------------------------------------------ prefix cache
+
+    def _names_of(self, request: Request, num_pages: int) -> list[bytes]:
+        """Names of the request's first `num_pages` full pages (prompt + output), extended as needed."""
+        names = self._page_names.setdefault(request.request_id, [])
+        size = self.cfg.page_size
+        while len(names) < num_pages:
+            start = len(names) * size
+            names.append(page_hash(names[-1] if names else ROOT_HASH, request.tokens_between(start, start + size), request.cache_salt))
+        return names[:num_pages]
+
+    def _reuse_prefix(self, request: Request) -> int:
+        """Share the longest cached run of the request's full pages; returns the tokens it covers.
+        The last token is always computed (it needs logits), so at most (num_tokens - 1) // page_size."""
+        if not self.cfg.enable_prefix_caching:
+            return 0
+        pages = self.block_pool.lookup(self._names_of(request, (request.num_tokens - 1) // self.cfg.page_size))
+        if pages:
+            self.block_pool.share(request.request_id, pages)
+            self._num_named[request.request_id] = len(pages)
+        request.num_computed_tokens = len(pages) * self.cfg.page_size
+        return request.num_computed_tokens
+
+    def _release(self, request: Request) -> None:
+        """Undo `_reuse_prefix` for a request that could not be admitted after all."""
+        self.block_pool.free(request.request_id)
+        self._num_named.pop(request.request_id, None)
+        request.num_computed_tokens = 0
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        """Name the request's pages that are now full of computed KV, so later requests can share them."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.cfg.page_size
+        first = self._num_named.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        pages, names = self.block_pool.pages_of(request.request_id), self._names_of(request, num_full)
+        for i in range(first, num_full):
+            self.block_pool.cache_page(pages[i], names[i])
+        self._num_named[request.request_id] = num_full
+
+    def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
+        if self.cfg.enable_prefix_caching:
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += num_cached_tokens
+        if request.admit_index < 0:  # its first admission
+            request.num_cached_tokens = num_cached_tokens
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         request.admit_index = self._admissions
@@ -212,8 +274,11 @@ class Scheduler:
     def _record_utilization(self) -> None:
         used_pages = self.block_pool.num_used
         if used_pages:
-            tokens = sum(min(r.num_tokens, len(self.block_pool.pages_of(r.request_id)) * self.cfg.page_size) for r in self.running)
-            utilization = tokens / (used_pages * self.cfg.page_size)
+            size, filled = self.cfg.page_size, {}  # page -> tokens it holds (a shared page counts once)
+            for r in self.running:
+                for i, page in enumerate(self.block_pool.pages_of(r.request_id)):
+                    filled[page] = max(filled.get(page, 0), min(size, r.num_tokens - i * size))
+            utilization = sum(filled.values()) / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
             self.stats.kv_utilization_sum += utilization
             self.stats.kv_utilization_steps += 1
@@ -233,6 +298,7 @@ class Scheduler:
             if request is None:  # preempted after planning: nothing to apply
                 continue
             request.num_computed_tokens += plan.num_new_tokens[row]
+            self._cache_computed_pages(request)
             if plan.samples[row]:
                 request.output_ids.append(int(tokens[row]))
                 request.first_token_time = request.first_token_time or now
@@ -240,8 +306,10 @@ class Scheduler:
         return sampled
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """End a request (running or waiting) and free its pages."""
+        """End a request (running or waiting) and free its pages (named ones stay cached until evicted)."""
         self.block_pool.free(request.request_id)
+        self._page_names.pop(request.request_id, None)
+        self._num_named.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

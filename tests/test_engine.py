@@ -39,7 +39,7 @@ def run_engine(engine: Engine, prompts: list[Prompt], eos_id=None):
         scheduler.add(r)
     plans = []
     processor = OutputProcessor(None, eos_id, engine.engine_cfg.max_context)
-    finished = list(runloop.run(scheduler, engine.step, processor, on_step=lambda plan, _: plans.append(plan)))
+    finished = list(runloop.run(scheduler, engine.step, processor, on_step=lambda plan, *_: plans.append(plan)))
     assert len(finished) == len(requests) and not [r.error for r in finished if r.error]
     return {int(r.request_id): r.output_ids for r in requests}, scheduler.stats, plans
 
@@ -60,6 +60,27 @@ def test_greedy_outputs_equal_reference_generate_under_preemption_and_chunking(s
         assert outputs[p.index] == ref.token_ids, f"request {p.index} (prompt {len(p.token_ids)} tokens)"
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert any(plan.phase == "prefill" and not all(plan.samples) for plan in plans), "no chunked prefill happened"
+
+
+@pytest.mark.slow
+def test_greedy_outputs_with_prefix_cache_equal_outputs_without_it_and_the_reference(smollm2, compile_cache):
+    cfg, params = smollm2
+    prefixes = [LONG_TEXT_IDS[:40], LONG_TEXT_IDS[200:237]]  # two shared preambles (2+ full pages of 16)
+    prompts = [
+        Prompt(i, prefixes[i % 2] + LONG_TEXT_IDS[300 + 9 * i : 300 + 9 * i + 3 + i], SamplingParams(temperature=0, max_tokens=6 + i % 3, ignore_eos=True))
+        for i in range(12)
+    ]
+    outputs = {}
+    for enabled in (True, False):
+        engine_cfg = smollm2_engine_config(compile_cache, num_pages=20, enable_prefix_caching=enabled)  # 19 pages: evicts
+        engine = Engine(cfg, params, engine_cfg)
+        engine.warmup()
+        outputs[enabled], stats, _ = run_engine(engine, prompts)
+        if enabled:
+            assert stats.prefix_cache_hits >= 16 * 8, stats  # most requests reuse at least one page
+    assert outputs[True] == outputs[False]
+    reference = generate(params, cfg, [p.token_ids for p in prompts], [p.params for p in prompts])
+    assert [outputs[True][p.index] for p in prompts] == [r.token_ids for r in reference]
 
 
 def tiny_engine_config(compile_cache, **overrides) -> EngineConfig:

@@ -125,6 +125,20 @@ def test_hf_unsupported_model_type_is_named(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ([1, 2], "must hold a JSON object, got list"),
+        ({"model_type": "llama", "hidden_size": "64", "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 8, "vocab_size": 10, "head_dim": 16}, "embed_dim must be an integer, got '64'"),
+        ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": "4", "num_hidden_layers": 2, "intermediate_size": 8, "vocab_size": 10}, "TypeError"),
+    ],
+)
+def test_hf_config_of_the_wrong_shape_is_a_load_error_naming_the_file(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"config.json: .*{message}"):
+        load_model(tmp_path)
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "jaxinfer.cli", *args], capture_output=True, text=True, timeout=300)
 
