@@ -1,0 +1,685 @@
+"""Does the resumable JSONL batch CLI lose, duplicate or change records when it is killed and resumed?
+
+Builds --lines input lines (seeded): about 90% good requests (prompts and chats, greedy and sampled, with
+and without seeds) and about 10% odd or poison lines covering every kind of bad input (malformed JSON,
+bad ids and fields, NaN/Infinity, over-long prompts, a lone surrogate, invalid UTF-8, duplicate ids)
+plus good-but-odd ones (raw U+2028/U+2029/U+0085 in prompts, ids 1 and "1", a BOM on line 1, blank
+lines). Each line carries its kind and its expected status (ok, error, either; none for blank lines).
+Runs `python -m jaxinfer.cli generate` once uninterrupted into ref.jsonl, then again into soak.jsonl,
+sending SIGKILL at --sigkills and SIGINT at --sigints points (random order; each fires when the output
+holds a random number of records, spread over the job) plus --load-kills SIGKILLs during model load
+(before the invocation writes a record), resuming with --resume after each and once more at the end.
+Every invocation gets a timeout; a crash is recorded, never raised. Reports lines in, records out,
+statuses, duplicate keys, lost lines, exit codes, tracebacks and whether soak equals ref per key
+(status, token_ids, text, error). Goal: N in, N out, 0 lost, 0 duplicated, identical, clean exits.
+Prints tables, writes --out (JSON) and prints the same JSON document as its last stdout line.
+Exit status 0 when the goal is met, 1 when not (2 for a bad flag). Needs no accelerator; on 2 CPU cores
+each invocation spends about 20 s loading (warm compile cache), and the default run takes an estimated
+half hour. Children inherit the environment, so PYTHONPATH can point them at another jaxinfer checkout.
+
+    .venv/bin/python experiments/soak_batch.py [--lines 2000] [--sigkills 5] [--sigints 2] [--seed 0]
+    .venv/bin/python experiments/soak_batch.py --lines 100 --sigkills 1 --sigints 1   # a quick look
+    .venv/bin/python experiments/soak_batch.py --exclude-kinds invalid_utf8,lone_surrogate   # isolate
+"""
+
+import argparse
+import collections
+import dataclasses
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "experiments" / "results" / "soak_batch.json"
+MAX_CONTEXT = 256  # tokens per sequence; the 400-word prompt is well over it
+ENGINE_FLAGS = ("--no-progress", "--max-context", str(MAX_CONTEXT), "--max-num-seqs", "16", "--page-size", "16")
+NUM_OVER_CONTEXT_WORDS = 400
+POISON_FRACTION = 0.10  # odd + poison lines, at least one of every kind
+NUM_BLANK_LINES = 3
+POLL_S = 0.05  # how often the output file is counted while an invocation runs
+LOAD_KILL_DELAY_S = (0.3, 3.0)  # after the loading message; a warm load + compile takes longer (~15 s on 2 cores)
+LOAD_FALLBACK_S = 10.0  # a CLI silent on stderr this long is taken to be loading
+COMPARED_FIELDS = ("status", "token_ids", "text", "error")
+MAX_LISTED = 20  # examples kept per list in the report
+
+NOUNS = ("river", "castle", "robot", "garden", "violin", "comet", "library", "forest", "teacher", "dragon",
+         "bicycle", "ocean", "market", "lantern", "volcano", "penguin", "bridge", "kitchen", "island", "clock")
+ADJECTIVES = ("quiet", "ancient", "curious", "bright", "tiny", "enormous", "gentle", "strange", "happy", "cold")
+VERBS = ("builds", "paints", "visits", "repairs", "forgets", "chases", "remembers", "carries", "finds", "sings to")
+TEMPLATES = (
+    "Write a {adj} sentence about a {noun}.",
+    "Explain how a {noun} {verb} a {noun2}.",
+    "List three {adj} facts about the {noun}.",
+    "Tell me a story about a {adj} {noun} who {verb} a {noun2}.",
+    "What is the difference between a {noun} and a {noun2}?",
+    "Describe a {adj} {noun} in one line.",
+)
+CLAUSES = ("Keep it {adj}.", "Mention a {noun} somewhere.", "Imagine the {noun} {verb} a {adj} {noun2}.",
+           "Use simple words.", "Make the {noun} the hero.")
+
+
+@dataclasses.dataclass
+class InputLine:
+    data: bytes  # the raw line, without its newline
+    kind: str
+    expect: str  # "ok" | "error" | "either" | "none" (blank: no record)
+
+
+@dataclasses.dataclass
+class Invocation:
+    run: str  # "ref" | "soak"
+    index: int
+    mode: str  # "--overwrite" | "--resume"
+    event: str  # "none" | "sigkill" | "sigint" | "load_kill"
+    threshold: int | None = None  # records in the output at which the signal is sent
+    delay_s: float | None = None  # load_kill: seconds after the CLI starts loading (see _load_started)
+    records_before: int = 0
+    records_at_signal: int | None = None
+    records_after: int = 0
+    signal_sent: bool = False
+    returncode: int | None = None
+    expected_returncode: int = 0
+    timed_out: bool = False
+    stuck_after_sigint: bool = False
+    traceback: bool = False
+    seconds: float = 0.0
+    seconds_to_first_record: float | None = None
+    stderr_tail: list[str] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- input
+
+
+def _dumps(obj, ascii_only: bool = False) -> bytes:
+    # allow_nan (the default) writes NaN / Infinity as bare tokens, which Python's json reads back.
+    return json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8")
+
+
+def _prompt_text(rng: random.Random) -> str:
+    def fill(template):
+        nouns = rng.sample(NOUNS, 2)
+        return template.format(adj=rng.choice(ADJECTIVES), noun=nouns[0], noun2=nouns[1], verb=rng.choice(VERBS))
+
+    parts = [fill(rng.choice(TEMPLATES))] + [fill(rng.choice(CLAUSES)) for _ in range(rng.randint(0, 4))]
+    return " ".join(parts)  # about 8 to 55 tokens
+
+
+def _messages(rng: random.Random) -> list[dict]:
+    messages = [{"role": "user", "content": _prompt_text(rng)}]
+    if rng.random() < 0.2:
+        messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}] + messages
+    if rng.random() < 0.3:
+        messages.insert(0, {"role": "system", "content": f"You are a {rng.choice(ADJECTIVES)} assistant."})
+    return messages
+
+
+def _good_request(rng: random.Random, request_id, *, chat: bool | None = None) -> dict:
+    """A valid request; `chat` None draws prompt (60%) or messages (40%)."""
+    request = {"id": request_id}
+    if chat is None:
+        chat = rng.random() < 0.4
+    if chat:
+        request["messages"] = _messages(rng)
+    else:
+        request["prompt"] = _prompt_text(rng)
+    request["max_tokens"] = rng.randint(4, 16)
+    if rng.random() < 0.5:
+        request["temperature"] = 0
+        return request
+    request["temperature"] = round(rng.uniform(0.7, 1.0), 3)
+    if rng.random() < 0.5:
+        request["seed"] = rng.randrange(2**31)
+    if rng.random() < 0.3:
+        request.update(rng.choice(({"top_k": 20}, {"top_k": 50}, {"top_p": 0.9})))
+    return request
+
+
+def _with(base: dict, drop: tuple[str, ...] = (), **fields) -> dict:
+    return {**{k: v for k, v in base.items() if k not in drop}, **fields}
+
+
+def _field_poison(base: dict) -> dict[str, tuple[str, dict]]:
+    """Lines that are valid JSON objects with one bad (or odd) field: kind -> (expect, object)."""
+    return {
+        "missing_id": ("error", _with(base, drop=("id",))),
+        "id_bool": ("error", _with(base, id=True)),
+        "id_float": ("error", _with(base, id=1.5)),
+        "id_object": ("error", _with(base, id={"name": base["id"]})),
+        "missing_prompt": ("error", _with(base, drop=("prompt",))),
+        "empty_prompt": ("error", _with(base, prompt="")),
+        "prompt_and_messages": ("error", _with(base, messages=[{"role": "user", "content": "Hi"}])),
+        "messages_not_list": ("error", _with(base, drop=("prompt",), messages=base["prompt"])),
+        "message_without_content": ("error", _with(base, drop=("prompt",), messages=[{"role": "user"}])),
+        "stop_not_string": ("error", _with(base, stop=[1])),
+        "stop_empty_string": ("error", _with(base, stop=[""])),
+        "top_k_overflow": ("error", _with(base, top_k=2**31)),
+        "temperature_nan": ("error", _with(base, temperature=float("nan"))),
+        "temperature_infinity": ("error", _with(base, temperature=float("inf"))),
+        "temperature_negative": ("error", _with(base, temperature=-1)),
+        "top_p_zero": ("error", _with(base, top_p=0)),
+        "max_tokens_zero": ("error", _with(base, max_tokens=0)),
+        "max_tokens_bool": ("error", _with(base, max_tokens=True)),
+        "stop_token_ids_string": ("error", _with(base, stop_token_ids=["5"])),
+        "stop_token_ids_float": ("error", _with(base, stop_token_ids=[1.5])),
+        "stop_token_ids_huge": ("error", _with(base, stop_token_ids=[10**9])),
+        "stop_token_ids_negative": ("error", _with(base, stop_token_ids=[-1])),
+        "seed_negative": ("error", _with(base, seed=-1)),
+        "seed_huge": ("error", _with(base, seed=2**40)),
+        "deadline_nan": ("either", _with(base, deadline_s=float("nan"))),
+        "deadline_negative": ("either", _with(base, deadline_s=-1)),
+        "unknown_field_typo": ("either", _with(base, drop=("max_tokens",), max_token=5)),
+    }
+
+
+def _text_poison(rng: random.Random, base: dict) -> dict[str, tuple[str, bytes]]:
+    """Lines whose bytes or text are the point: kind -> (expect, raw line)."""
+    words = " ".join(rng.choice(NOUNS) for _ in range(NUM_OVER_CONTEXT_WORDS))
+    half = len(base["prompt"]) // 2
+    odd = {name: base["prompt"][:half] + char + base["prompt"][half:]
+           for name, char in (("u2028", "\u2028"), ("u2029", "\u2029"), ("u0085", "\u0085"))}
+    return {
+        "malformed_json": ("error", rng.choice((_dumps(base)[:-9], _dumps(base)[:-1] + b",}", b"{'id': 'x', 'prompt': 'hi'}"))),
+        "json_array": ("error", _dumps([base["id"], base["prompt"]])),
+        "prompt_over_context": ("error", _dumps(_with(base, prompt=words))),
+        "lone_surrogate": ("error", _dumps(_with(base, prompt="\ud800"), ascii_only=True)),  # the \\ud800 escape
+        "invalid_utf8": ("error", _dumps(_with(base, prompt="PLACEHOLDER")).replace(b"PLACEHOLDER", b"caf\xff au lait")),
+        **{f"raw_{name}_in_prompt": ("ok", _dumps(_with(base, prompt=text))) for name, text in odd.items()},
+    }
+
+
+def _single_line_kinds(rng: random.Random, request_id: str) -> dict[str, tuple[str, bytes]]:
+    base = _good_request(rng, request_id, chat=False)
+    kinds = {kind: (expect, _dumps(obj)) for kind, (expect, obj) in _field_poison(base).items()}
+    return {**kinds, **_text_poison(rng, base)}
+
+
+def _poison_group(rng: random.Random, kind: str, request_id: str) -> list[InputLine]:
+    """One occurrence of `kind`: one line, or the two lines of a pair (kept in this order)."""
+    if kind == "duplicate_id":
+        first = _good_request(rng, request_id)
+        second = _good_request(rng, request_id)
+        return [InputLine(_dumps(first), "duplicate_id_first", "ok"), InputLine(_dumps(second), "duplicate_id_second", "error")]
+    if kind == "ids_1_and_string_1":
+        lines = [_good_request(rng, request_id) for request_id in (1, "1")]
+        return [InputLine(_dumps(lines[0]), "id_int_1", "ok"), InputLine(_dumps(lines[1]), "id_string_1", "ok")]
+    if kind == "blank_line":
+        return [InputLine(rng.choice((b"", b"   ", b"\t")), "blank_line", "none")]
+    expect, data = _single_line_kinds(rng, request_id)[kind]
+    return [InputLine(data, kind, expect)]
+
+
+def line_kinds() -> list[str]:
+    """Every odd/poison kind --exclude-kinds accepts; the first three are not repeated."""
+    return ["bom_first_line", "ids_1_and_string_1", "blank_line", "duplicate_id", *_single_line_kinds(random.Random(0), "x")]
+
+
+def _special_groups(rng: random.Random, num_lines: int, excluded: set[str]) -> list[list[InputLine]]:
+    """Every odd/poison kind once, then repeats (not of the once-only ones) up to POISON_FRACTION."""
+    repeatable = [kind for kind in line_kinds()[3:] if kind not in excluded]
+    kinds = repeatable + [kind for kind in ("ids_1_and_string_1",) if kind not in excluded]
+    kinds += ["blank_line"] * (NUM_BLANK_LINES if "blank_line" not in excluded else 0)
+    groups = [_poison_group(rng, kind, f"odd-{n:05d}") for n, kind in enumerate(kinds)]
+    while sum(len(group) for group in groups) < POISON_FRACTION * num_lines:
+        groups.append(_poison_group(rng, rng.choice(repeatable), f"odd-{len(groups):05d}"))
+    return groups
+
+
+def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset()) -> list[InputLine]:
+    """num_lines lines; line 1 is a good request behind a UTF-8 BOM (unless excluded)."""
+    rng = random.Random(seed)
+    groups = _special_groups(rng, num_lines, excluded)
+    num_special = sum(len(group) for group in groups)
+    if num_special + 2 > num_lines:
+        raise ValueError(f"--lines must be at least {num_special + 2} to hold every kind of line")
+    slots = sorted(rng.sample(range(1, num_lines), num_special))  # line 0 holds the BOM line
+    rng.shuffle(groups)
+    lines: list[InputLine | None] = [None] * num_lines
+    flat = [line for group in groups for line in group]  # each pair keeps its order: slots are sorted
+    for slot, line in zip(slots, flat):
+        lines[slot] = line
+    for slot in range(num_lines):
+        if lines[slot] is None:
+            request_id = 100_000 + slot if rng.random() < 0.15 else f"req-{slot:05d}-{rng.choice(NOUNS)}"
+            lines[slot] = InputLine(_dumps(_good_request(rng, request_id)), "good", "ok")
+    if "bom_first_line" not in excluded:
+        lines[0] = InputLine(b"\xef\xbb\xbf" + lines[0].data, "bom_first_line", "ok")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def _count_records(path: pathlib.Path) -> int:
+    """Complete (newline-terminated) lines in the output; a torn last line does not count."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _load_started(stderr_path: pathlib.Path, elapsed: float) -> bool:
+    # The CLI prints "loading ... compiling the engine's programs..." to stderr once its imports are done;
+    # a CLI that prints nothing is taken to be loading after LOAD_FALLBACK_S.
+    return elapsed >= LOAD_FALLBACK_S or stderr_path.stat().st_size > 0
+
+
+def _should_signal(inv: Invocation, num_records: int, since_load: float | None) -> bool:
+    if inv.event == "none" or inv.signal_sent:
+        return False
+    if inv.event == "load_kill":  # fire at the delay, or at once if a record shows up first (reported)
+        return (since_load is not None and since_load >= inv.delay_s) or num_records > inv.records_before
+    # At least one new record, so the signal lands after the model is loaded, never during imports.
+    return num_records >= inv.threshold and num_records > inv.records_before
+
+
+def _send_signal(proc: subprocess.Popen, inv: Invocation, num_records: int, grace_s: float) -> None:
+    inv.signal_sent, inv.records_at_signal = True, num_records
+    if inv.event in ("sigkill", "load_kill"):
+        inv.expected_returncode = -signal.SIGKILL
+        proc.kill()
+        return
+    inv.expected_returncode = 130
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        inv.stuck_after_sigint = True
+        proc.kill()
+
+
+def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr_path: pathlib.Path, args) -> None:
+    """Poll until the process exits; send the invocation's signal when its trigger is reached."""
+    start, load_start = time.perf_counter(), None
+    while proc.poll() is None:
+        elapsed = time.perf_counter() - start
+        num_records = _count_records(output)
+        if inv.seconds_to_first_record is None and num_records > inv.records_before:
+            inv.seconds_to_first_record = round(elapsed, 3)
+        if load_start is None and _load_started(stderr_path, elapsed):
+            load_start = elapsed
+        if elapsed > args.timeout_s:
+            inv.timed_out = True
+            proc.kill()
+        elif _should_signal(inv, num_records, None if load_start is None else elapsed - load_start):
+            _send_signal(proc, inv, num_records, args.sigint_grace_s)
+        time.sleep(POLL_S)
+
+
+def _command(paths: dict, output: pathlib.Path, mode: str) -> list[str]:
+    return [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(paths["input"]), "--output", str(output),
+            mode, *ENGINE_FLAGS, "--compile-cache", str(paths["compile_cache"])]
+
+
+def run_invocation(inv: Invocation, output: pathlib.Path, paths: dict, args) -> Invocation:
+    """Runs one CLI invocation to its end (own exit, signal, or timeout); never raises for its failures."""
+    log_stem = paths["workdir"] / f"{inv.run}-{inv.index:02d}"
+    inv.records_before = _count_records(output)
+    start = time.perf_counter()
+    with open(f"{log_stem}.stdout", "wb") as stdout, open(f"{log_stem}.stderr", "wb") as stderr:
+        proc = subprocess.Popen(_command(paths, output, inv.mode), cwd=paths["workdir"], stdin=subprocess.DEVNULL,
+                                stdout=stdout, stderr=stderr, start_new_session=True)  # our Ctrl-C is not its
+        try:
+            _watch(proc, inv, output, pathlib.Path(f"{log_stem}.stderr"), args)
+        finally:
+            if proc.poll() is None:  # this script itself was interrupted
+                proc.kill()
+            proc.wait()
+    inv.seconds, inv.returncode = round(time.perf_counter() - start, 3), proc.returncode
+    inv.records_after = _count_records(output)
+    stderr_text = pathlib.Path(f"{log_stem}.stderr").read_text(errors="replace")
+    inv.traceback = "Traceback" in stderr_text
+    inv.stderr_tail = stderr_text.strip().splitlines()[-4:]
+    print(f"  {inv.run} #{inv.index} {inv.mode} {inv.event:<9} rc={inv.returncode} records {inv.records_before}"
+          f"->{inv.records_after} in {inv.seconds:.1f}s", file=sys.stderr, flush=True)
+    return inv
+
+
+def _spread_thresholds(count: int, num_expected: int, rng: random.Random) -> list[int]:
+    """`count` increasing record counts, one drawn from each of `count` equal strata of 5%..95% of the job."""
+    width = 0.9 * num_expected / max(count, 1)
+    thresholds, previous = [], 0
+    for stratum in range(count):
+        low = 0.05 * num_expected + stratum * width
+        previous = max(previous + 1, int(rng.uniform(low, low + width)))
+        thresholds.append(previous)
+    return thresholds
+
+
+def plan_soak(args, num_expected: int, rng: random.Random) -> list[Invocation]:
+    """The soak run's invocations: signalled ones in random order, load kills among them, a final resume."""
+    events = ["sigkill"] * args.sigkills + ["sigint"] * args.sigints
+    rng.shuffle(events)
+    planned = [(event, threshold) for event, threshold in zip(events, _spread_thresholds(len(events), num_expected, rng))]
+    for _ in range(args.load_kills):
+        planned.insert(rng.randint(0, len(planned)), ("load_kill", None))
+    planned.append(("none", None))
+    return [Invocation("soak", index, "--overwrite" if index == 0 else "--resume", event, threshold,
+                       delay_s=round(rng.uniform(*LOAD_KILL_DELAY_S), 3) if event == "load_kill" else None)
+            for index, (event, threshold) in enumerate(planned)]
+
+
+# ----------------------------------------------------------------------------------------- analysis
+
+
+def read_records(path: pathlib.Path) -> tuple[list[dict], dict]:
+    """Records of a JSONL output, split on b'\\n' only; unparseable lines and a torn tail are counted."""
+    data = path.read_bytes() if path.exists() else b""
+    *complete, tail = data.split(b"\n")
+    records, num_unparseable = [], 0
+    for raw in complete:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            num_unparseable += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            num_unparseable += 1
+    return records, {"num_unparseable_lines": num_unparseable, "torn_tail_bytes": len(tail)}
+
+
+def record_key(record: dict) -> str:
+    """The record's "key" if it has one, else id (typed: 1 and "1" differ) or line number."""
+    if isinstance(record.get("key"), str):
+        return record["key"]
+    if record.get("id") is not None:
+        return f"id:{json.dumps(record['id'])}"
+    return f"line:{record.get('line')}"
+
+
+def _expectation_mismatches(lines: list[InputLine], by_line: dict) -> list[dict]:
+    mismatches = []
+    for number, line in enumerate(lines, start=1):
+        if line.expect == "none":
+            continue
+        records = by_line.get(number, [])
+        got = records[0].get("status") if records else "missing"
+        if got != line.expect and not (line.expect == "either" and got in ("ok", "error")):
+            reason = str(records[0].get("error", ""))[:160] if records else ""
+            mismatches.append({"line": number, "kind": line.kind, "expect": line.expect, "got": got, "error": reason})
+    return mismatches
+
+
+def _unique_ids_to_lines(lines: list[InputLine]) -> dict[str, int]:
+    """json.dumps(id) -> line number, for ids (string or integer) that occur on exactly one line."""
+    id_to_lines = collections.defaultdict(list)
+    for number, line in enumerate(lines, start=1):
+        try:
+            obj = json.loads(line.data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("id"), (str, int)) and not isinstance(obj["id"], bool):
+            id_to_lines[json.dumps(obj["id"])].append(number)
+    return {request_id: numbers[0] for request_id, numbers in id_to_lines.items() if len(numbers) == 1}
+
+
+def group_by_input_line(records: list[dict], lines: list[InputLine]) -> tuple[dict[int, list[dict]], int]:
+    """Input line -> its records: by unique id where the record has one (so a CLI that numbers lines
+    differently is still matched), else by the record's "line"; also counts records whose "line" is not
+    the line their id is on."""
+    id_to_line = _unique_ids_to_lines(lines)
+    by_line, num_wrong_line = collections.defaultdict(list), 0
+    for record in records:
+        number = id_to_line.get(json.dumps(record.get("id")), record.get("line"))
+        num_wrong_line += number != record.get("line")
+        by_line[number].append(record)
+    return by_line, num_wrong_line
+
+
+def summarize_output(path: pathlib.Path, lines: list[InputLine]) -> tuple[dict, list[dict], dict]:
+    """Accounting of one output against the input: counts, duplicates, losses, expectations."""
+    records, damage = read_records(path)
+    non_blank = {number for number, line in enumerate(lines, start=1) if line.expect != "none"}
+    by_line, num_wrong_line = group_by_input_line(records, lines)
+    key_counts = collections.Counter(record_key(record) for record in records)
+    duplicate_keys = sorted(key for key, count in key_counts.items() if count > 1)
+    lost = sorted(non_blank - set(by_line))
+    mismatches = _expectation_mismatches(lines, by_line)
+    return {
+        "num_lines_in": len(non_blank), "num_records_out": len(records), **damage,
+        "num_records_by_status": dict(collections.Counter(str(record.get("status")) for record in records)),
+        "num_records_with_key_field": sum("key" in record for record in records),
+        "num_duplicate_keys": len(duplicate_keys), "duplicate_keys": duplicate_keys[:MAX_LISTED],
+        "num_lines_with_several_records": sum(len(group) > 1 for group in by_line.values()),
+        "num_lost_lines": len(lost), "lost_lines": [{"line": n, "kind": lines[n - 1].kind} for n in lost[:MAX_LISTED]],
+        "num_records_for_unknown_lines": sum(len(by_line[n]) for n in set(by_line) - non_blank),
+        "num_records_with_wrong_line": num_wrong_line,
+        "num_expectation_mismatches": len(mismatches), "expectation_mismatches": mismatches[:MAX_LISTED],
+    }, records, by_line
+
+
+def compare_outputs(ref_records: list[dict], soak_records: list[dict]) -> dict:
+    """Per key (first record of each key): equal status, token_ids, text and error."""
+    ref = {}
+    for record in ref_records:
+        ref.setdefault(record_key(record), record)
+    soak = {}
+    for record in soak_records:
+        soak.setdefault(record_key(record), record)
+    differences = []
+    for key in sorted(set(ref) | set(soak)):
+        if key not in ref or key not in soak:
+            differences.append({"key": key, "fields": ["missing in " + ("soak" if key in ref else "ref")]})
+            continue
+        fields = [field for field in COMPARED_FIELDS if ref[key].get(field) != soak[key].get(field)]
+        if fields:
+            differences.append({"key": key, "fields": fields, "ref": _brief(ref[key]), "soak": _brief(soak[key])})
+    num_keys = len(set(ref) | set(soak))  # two empty outputs are not "identical": nothing was compared
+    return {"num_keys": num_keys, "num_differing_keys": len(differences),
+            "identical": num_keys > 0 and not differences, "differences": differences[:MAX_LISTED]}
+
+
+def _brief(record: dict) -> dict:
+    return {field: str(record.get(field))[:80] for field in COMPARED_FIELDS if field in record}
+
+
+def _kind_table(lines: list[InputLine], ref_by_line: dict[int, list[dict]]) -> dict:
+    """kind -> {lines, expect, statuses seen in ref}."""
+    status_by_line = {number: str(records[0].get("status")) for number, records in ref_by_line.items()}
+    table = {}
+    for number, line in enumerate(lines, start=1):
+        entry = table.setdefault(line.kind, {"num_lines": 0, "expect": line.expect, "ref_statuses": collections.Counter()})
+        entry["num_lines"] += 1
+        if line.expect != "none":
+            entry["ref_statuses"][status_by_line.get(number, "missing")] += 1
+    return {kind: {**entry, "ref_statuses": dict(entry["ref_statuses"])} for kind, entry in sorted(table.items())}
+
+
+def invocation_checks(invocations: list[Invocation]) -> dict:
+    return {
+        "exit_codes_as_expected": all(inv.returncode == inv.expected_returncode for inv in invocations),
+        "sigint_exit_130": all(inv.returncode == 130 for inv in invocations if inv.event == "sigint" and inv.signal_sent),
+        "no_tracebacks": not any(inv.traceback for inv in invocations),
+        "no_timeouts": not any(inv.timed_out or inv.stuck_after_sigint for inv in invocations),
+    }
+
+
+def coverage_checks(invocations: list[Invocation]) -> dict:
+    """Whether the plan was carried out (reported, not part of the goal: a fast job can finish first)."""
+    return {
+        "all_signals_sent": all(inv.signal_sent for inv in invocations if inv.event != "none"),
+        "load_kills_before_first_record": all(inv.records_at_signal == inv.records_before
+                                              for inv in invocations if inv.event == "load_kill"),
+    }
+
+
+def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invocation]) -> dict:
+    """Goal: N in, N out, 0 lost, 0 duplicated, identical to the uninterrupted run, clean invocations."""
+    checks = {}
+    for name, summary in (("ref", ref), ("soak", soak)):
+        checks[f"{name}_n_in_n_out"] = summary["num_records_out"] == summary["num_lines_in"]
+        checks[f"{name}_none_lost"] = summary["num_lost_lines"] == 0
+        checks[f"{name}_none_duplicated"] = summary["num_duplicate_keys"] == 0 and summary["num_lines_with_several_records"] == 0
+        checks[f"{name}_no_damaged_lines"] = summary["num_unparseable_lines"] == 0 and summary["torn_tail_bytes"] == 0
+        checks[f"{name}_line_numbers_right"] = summary["num_records_with_wrong_line"] == 0 and summary["num_records_for_unknown_lines"] == 0
+    checks["soak_identical_to_ref"] = comparison["identical"]
+    checks.update(invocation_checks(invocations))
+    return checks
+
+
+# ----------------------------------------------------------------------------------------- printing
+
+
+def _print_accounting(ref: dict, soak: dict) -> None:
+    rows = [("lines in (non-blank)", "num_lines_in"), ("records out", "num_records_out"),
+            ("records with a 'key' field", "num_records_with_key_field"), ("duplicate keys", "num_duplicate_keys"),
+            ("lines with several records", "num_lines_with_several_records"), ("lost lines", "num_lost_lines"),
+            ("records for unknown lines", "num_records_for_unknown_lines"),
+            ("records with a wrong line number", "num_records_with_wrong_line"),
+            ("unparseable output lines", "num_unparseable_lines"), ("torn tail bytes", "torn_tail_bytes"),
+            ("expected-status mismatches", "num_expectation_mismatches")]
+    print(f"\n{'accounting':<34} {'ref':>8} {'soak':>8}")
+    for label, field in rows:
+        print(f"{label:<34} {ref[field]:>8} {soak[field]:>8}")
+    for status in sorted(set(ref["num_records_by_status"]) | set(soak["num_records_by_status"])):
+        print(f"{'records ' + status:<34} {ref['num_records_by_status'].get(status, 0):>8} {soak['num_records_by_status'].get(status, 0):>8}")
+
+
+def _print_invocations(invocations: list[Invocation]) -> None:
+    print(f"\n{'run':<5} {'#':>2} {'mode':<11} {'event':<9} {'trigger':>8} {'before':>6} {'at sig':>6} {'after':>6} "
+          f"{'rc':>4} {'want':>4} {'load s':>7} {'wall s':>7}  notes")
+    for inv in invocations:
+        trigger = inv.threshold if inv.threshold is not None else (f"{inv.delay_s:.1f}s" if inv.delay_s is not None else "-")
+        notes = [name for name in ("timed_out", "stuck_after_sigint", "traceback") if getattr(inv, name)]
+        if inv.event != "none" and not inv.signal_sent:
+            notes.append("exited before its signal")
+        load = f"{inv.seconds_to_first_record:.1f}" if inv.seconds_to_first_record is not None else "-"
+        at_signal = inv.records_at_signal if inv.records_at_signal is not None else "-"
+        print(f"{inv.run:<5} {inv.index:>2} {inv.mode:<11} {inv.event:<9} {trigger:>8} {inv.records_before:>6} {at_signal:>6} "
+              f"{inv.records_after:>6} {inv.returncode!s:>4} {inv.expected_returncode:>4} {load:>7} {inv.seconds:>7.1f}  {' '.join(notes)}")
+        if inv.returncode not in (0, 130, -signal.SIGKILL) or inv.traceback:
+            for text in inv.stderr_tail:
+                print(f"{'':>10}stderr: {text[:150]}")
+
+
+def _print_kinds(kinds: dict, ref: dict, comparison: dict) -> None:
+    print(f"\n{'line kind':<28} {'lines':>5} {'expect':>7}  ref statuses")
+    for kind, entry in kinds.items():
+        statuses = ", ".join(f"{status} {count}" for status, count in sorted(entry["ref_statuses"].items()))
+        print(f"{kind:<28} {entry['num_lines']:>5} {entry['expect']:>7}  {statuses}")
+    for mismatch in ref["expectation_mismatches"]:
+        print(f"  ref line {mismatch['line']} {mismatch['kind']}: expected {mismatch['expect']}, got {mismatch['got']} {mismatch['error']}")
+    print(f"\nsoak vs ref: {comparison['num_keys']} keys, {comparison['num_differing_keys']} differ")
+    for difference in comparison["differences"][:10]:
+        print(f"  {difference['key']}: {', '.join(difference['fields'])} {difference.get('ref', '')} vs {difference.get('soak', '')}")
+
+
+def _print_checks(checks: dict, coverage: dict, goal_met: bool) -> None:
+    print()
+    for name, passed in checks.items():
+        print(f"{'pass' if passed else 'FAIL'}  {name}")
+    for name, passed in coverage.items():
+        print(f"{'yes ' if passed else 'no  '}  {name} (coverage, not in the goal)")
+    print(f"goal {'met' if goal_met else 'NOT met'}")
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lines", type=int, default=2000, help="input lines, blank ones included (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the input and the kill plan (default: %(default)s)")
+    parser.add_argument("--sigkills", type=int, default=5, help="SIGKILLs at random record counts (default: %(default)s)")
+    parser.add_argument("--sigints", type=int, default=2, help="SIGINTs at random record counts (default: %(default)s)")
+    parser.add_argument("--load-kills", type=int, default=1, help="SIGKILLs during model load (default: %(default)s)")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per invocation, then SIGKILL (default: %(default)s)")
+    parser.add_argument("--sigint-grace-s", type=float, default=120.0, help="wait for exit after SIGINT (default: %(default)s)")
+    parser.add_argument("--workdir", type=pathlib.Path, help="inputs, outputs and logs (default: a new temp dir, removed when the goal is met)")
+    parser.add_argument("--compile-cache", type=pathlib.Path, help="XLA cache shared by the invocations (default: WORKDIR/xla_cache)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="JSON results (default: %(default)s)")
+    parser.add_argument("--exclude-kinds", type=lambda text: [kind for kind in text.split(",") if kind], default=[],
+                        metavar="K1,K2", help="leave out these odd/poison kinds, to isolate a failure (default: none)")
+    args = parser.parse_args()
+    unknown = set(args.exclude_kinds) - set(line_kinds())
+    if unknown:
+        parser.error(f"unknown kinds {sorted(unknown)}; known: {','.join(line_kinds())}")
+    return args
+
+
+def _machine() -> dict:
+    try:
+        jax_version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        jax_version = None
+    return {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "jax": jax_version,
+            "jax_platforms_env": os.environ.get("JAX_PLATFORMS")}
+
+
+def _prepare_paths(args) -> dict:
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_batch_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {"workdir": workdir, "input": workdir / "input.jsonl", "ref": workdir / "ref.jsonl",
+             "soak": workdir / "soak.jsonl", "compile_cache": args.compile_cache or workdir / "xla_cache"}
+    for name in ("ref", "soak"):  # a reused workdir: the first invocations would count stale records
+        paths[name].unlink(missing_ok=True)
+    return paths
+
+
+def _write_input(paths: dict, lines: list[InputLine]) -> None:
+    paths["input"].write_bytes(b"\n".join(line.data for line in lines) + b"\n")
+    manifest = [{"line": number, "kind": line.kind, "expect": line.expect} for number, line in enumerate(lines, start=1)]
+    (paths["workdir"] / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def run_all(args, paths: dict, lines: list[InputLine]) -> list[Invocation]:
+    """The reference run, then the soak run; returns every invocation."""
+    rng = random.Random(args.seed + 1)
+    num_expected = sum(line.expect != "none" for line in lines)
+    print(f"workdir {paths['workdir']}: {len(lines)} lines, {num_expected} non-blank", file=sys.stderr, flush=True)
+    ref = run_invocation(Invocation("ref", 0, "--overwrite", "none"), paths["ref"], paths, args)
+    soak = plan_soak(args, num_expected, rng)
+    for inv in soak:
+        run_invocation(inv, paths["soak"], paths, args)
+    return [ref] + soak
+
+
+def main() -> int:
+    args = parse_args()
+    start = time.perf_counter()
+    try:
+        lines = build_input(args.lines, args.seed, frozenset(args.exclude_kinds))
+    except ValueError as e:
+        print(f"soak_batch: error: {e}", file=sys.stderr)
+        return 2
+    paths = _prepare_paths(args)
+    _write_input(paths, lines)
+    invocations = run_all(args, paths, lines)
+    ref, ref_records, ref_by_line = summarize_output(paths["ref"], lines)
+    soak, soak_records, _ = summarize_output(paths["soak"], lines)
+    comparison = compare_outputs(ref_records, soak_records)
+    checks = goal_checks(ref, soak, comparison, invocations)
+    goal_met, coverage = all(checks.values()), coverage_checks(invocations)
+    kinds = _kind_table(lines, ref_by_line)
+    _print_accounting(ref, soak)
+    _print_invocations(invocations)
+    _print_kinds(kinds, ref, comparison)
+    _print_checks(checks, coverage, goal_met)
+    params = {key: str(value) if isinstance(value, pathlib.Path) else value for key, value in vars(args).items()}
+    result = {
+        "bench": "soak_batch", "goal_met": goal_met, "checks": checks, "coverage": coverage, "machine": _machine(),
+        "parameters": {**params, "workdir": str(paths["workdir"]), "engine_flags": list(ENGINE_FLAGS)},
+        "wall_s": round(time.perf_counter() - start, 3), "reference": ref, "soak": soak, "comparison": comparison,
+        "line_kinds": kinds, "invocations": [dataclasses.asdict(inv) for inv in invocations],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if goal_met and args.workdir is None:
+        shutil.rmtree(paths["workdir"], ignore_errors=True)
+    print(json.dumps(result))
+    return 0 if goal_met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
