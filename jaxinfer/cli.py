@@ -64,6 +64,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
     group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
     group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
+    group.add_argument("--deterministic", action="store_true", help="bitwise-reproducible logits whatever else is in the batch (fixed program shapes; slower)")
     group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
 
@@ -144,7 +145,7 @@ def _engine_config(args):
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
-            enable_prefix_caching=not args.no_prefix_cache,
+            enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic,
         )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
@@ -227,11 +228,16 @@ def _summary_table(summary, llm) -> str:
 
 def _run_info(args) -> int:
     from jaxinfer import loading
+    from jaxinfer.tokenizer import describe_tokenizer
 
     path = loading.resolve_model_path(args.model)
     cfg, _ = loading.load_model(path, dtype=args.dtype)
     weight_bytes = cfg.num_params() * (4 if cfg.dtype == "float32" else 2)
     print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
+    print(f"{'family':<17} {cfg.architecture}")
+    for feature, value in cfg.features().items():
+        print(f"{feature:<17} {value}")
+    print(f"{'tokenizer':<17} {describe_tokenizer(path)}")
     for field in dataclasses.fields(cfg):
         print(f"{field.name:<17} {getattr(cfg, field.name)}")
     print(f"{'parameters':<17} {cfg.num_params():,}")

@@ -113,6 +113,7 @@ def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: in
 
 
 _DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
+_DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,9 @@ class EngineConfig:
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
+    # Bitwise-reproducible logits whatever else runs: one program shape per phase (full-width attention,
+    # fixed rows and chunk), and preempted requests replay generated tokens through decode steps.
+    deterministic: bool = False
 
     def __post_init__(self):
         self._check_limits()
@@ -165,8 +169,11 @@ class EngineConfig:
             raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("deterministic", self.deterministic)
 
     def _derive_tables(self) -> None:
+        if self.deterministic:
+            self._derive_deterministic_tables()
         if self.prefill_chunk_buckets is None:
             cap = min(self.max_prefill_tokens, self.max_context)
             fitted = (32,) + fitted_chunk_buckets()
@@ -174,6 +181,16 @@ class EngineConfig:
         if self.decode_batch_buckets is None:
             below = tuple(b for b in _DEFAULT_DECODE_BATCH_BUCKETS if b < self.max_num_seqs)
             object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
+
+    def _derive_deterministic_tables(self) -> None:
+        """One shape per phase: the row count, chunk length and page width of every program are fixed,
+        because XLA's CPU matmuls and reductions round differently for different shapes (measured)."""
+        given = {name: getattr(self, name) for name in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, name) is not None}
+        if given or self.prefill_seq_buckets != (1,):
+            raise FieldError("deterministic", f"fixes the bucket tables itself; leave them unset (got {sorted(given) or ['prefill_seq_buckets']})")
+        object.__setattr__(self, "prefill_chunk_buckets", (min(_DETERMINISTIC_CHUNK, self.max_prefill_tokens, self.max_context),))
+        object.__setattr__(self, "decode_batch_buckets", (self.max_num_seqs,))
+        object.__setattr__(self, "decode_page_buckets", (self.max_context // self.page_size,))
 
     def _check_tables(self) -> None:
         for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets", "decode_page_buckets"):

@@ -76,13 +76,15 @@ def inputs_from_plan(plan: StepPlan) -> StepInputs:
     return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays)
 
 
-def _step(params: Params, pool: kvp.KVPool, inputs: StepInputs, *, cfg: ModelConfig, impl: str):
-    """One prefill or decode step; donates `pool`. Returns (tokens i32[R], pool)."""
+def _step(params: Params, pool: kvp.KVPool, inputs: StepInputs, *, cfg: ModelConfig, impl: str, return_logits: bool = False):
+    """One prefill or decode step; donates `pool`. Returns (tokens i32[R], pool), or
+    (tokens, logits f32[R, V], pool) with return_logits."""
     logits, pool = model.forward(
         params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages,
         logit_indices=inputs.logit_indices, attention_impl=impl,
     )  # logits: [R, 1, V]
-    return sampling.next_tokens(logits[:, 0], inputs.sampling), pool
+    tokens = sampling.next_tokens(logits[:, 0], inputs.sampling)
+    return (tokens, logits[:, 0].astype(jnp.float32), pool) if return_logits else (tokens, pool)
 
 
 def available_bytes(device: jax.Device) -> int:
@@ -126,7 +128,9 @@ def enable_compilation_cache(directory: str | None) -> None:
 class Engine:
     """Compiled programs + donated pool. `step(plan)` runs one planned step and returns its tokens."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig):
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, *, return_logits: bool = False):
+        """`return_logits`: every step also copies its rows' logits to the host (`last_logits`), for
+        tests that compare logits bit for bit; it costs a [R, V] copy per step."""
         if engine_cfg.max_context > cfg.max_context:
             raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
@@ -134,7 +138,9 @@ class Engine:
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.num_pages = resolve_num_pages(cfg, engine_cfg, jax.devices()[0])
         self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size)
-        self._jitted = jax.jit(functools.partial(_step, cfg=cfg, impl=self.impl), donate_argnames=("pool",))
+        self._jitted = jax.jit(functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits), donate_argnames=("pool",))
+        self.return_logits = return_logits
+        self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
         self._programs: dict[tuple, jax.stages.Compiled] = {}
         self.num_compilations = 0
         self.compile_seconds = 0.0
@@ -177,7 +183,11 @@ class Engine:
         if program is None:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
         _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
-        tokens, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
+        if self.return_logits:
+            tokens, logits, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
+            self.last_logits = np.asarray(logits)
+        else:
+            tokens, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
         return np.asarray(tokens)
 
 

@@ -110,6 +110,19 @@ class Scheduler:
         self._record_utilization()
         return plans
 
+    # ------------------------------------------------------------ phases of a running request
+
+    def _prefill_end(self, request: Request) -> int:
+        """Tokens a prefill may cover. In deterministic mode only the prompt: generated tokens, when a
+        preempted request recomputes them, are replayed through decode steps, as they were first computed."""
+        return len(request.prompt_ids) if self.cfg.deterministic and request.output_ids else request.num_tokens
+
+    def _in_decode(self, request: Request) -> bool:
+        """The next step feeds one token: the newest (normal decode) or a generated one being replayed."""
+        if not request.output_ids:
+            return False
+        return request.num_computed_tokens == request.num_tokens - 1 or self._prefill_end(request) <= request.num_computed_tokens < request.num_tokens
+
     def _pages_needed(self, request: Request, num_tokens: int) -> int:
         have = len(self.block_pool.pages_of(request.request_id))
         return max(0, -(-num_tokens // self.cfg.page_size) - have)
@@ -117,14 +130,15 @@ class Scheduler:
     def _reserve_decode_pages(self) -> list[Request]:
         """Give every decoding request room for one more token, preempting when the pool is full."""
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or not request.in_decode:
+            if request.status != RequestStatus.RUNNING or not self._in_decode(request):
                 continue
-            while self._pages_needed(request, request.num_tokens) and not self._try_allocate(request, request.num_tokens):
+            needed = request.num_computed_tokens + 1
+            while self._pages_needed(request, needed) and not self._try_allocate(request, needed):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     break
-        return [r for r in self.running if r.in_decode]
+        return [r for r in self.running if self._in_decode(r)]
 
     def _try_allocate(self, request: Request, num_tokens: int) -> bool:
         try:
@@ -149,7 +163,7 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         max_rows = self.cfg.prefill_seq_buckets[-1]
         rows: list[tuple[Request, int]] = []
-        partial = [r for r in self.running if not r.in_decode]
+        partial = [r for r in self.running if not self._in_decode(r)]
         for request in partial + self._waiting_in_order():
             if budget <= 0 or len(rows) == max_rows:
                 break
@@ -173,7 +187,7 @@ class Scheduler:
 
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
-        remaining = request.num_tokens - request.num_computed_tokens
+        remaining = self._prefill_end(request) - request.num_computed_tokens
         chunk = min(remaining, budget, self.cfg.prefill_chunk_buckets[-1])
         while chunk > 0 and not self._try_allocate(request, request.num_computed_tokens + chunk):
             free_tokens = self.block_pool.num_free * self.cfg.page_size
@@ -194,10 +208,11 @@ class Scheduler:
 
     def _reuse_prefix(self, request: Request) -> int:
         """Share the longest cached run of the request's full pages; returns the tokens it covers.
-        The last token is always computed (it needs logits), so at most (num_tokens - 1) // page_size."""
+        The last token a prefill covers is always computed (it needs logits), so at most
+        (prefill end - 1) // page_size pages."""
         if not self.cfg.enable_prefix_caching:
             return 0
-        pages = self.block_pool.lookup(self._names_of(request, (request.num_tokens - 1) // self.cfg.page_size))
+        pages = self.block_pool.lookup(self._names_of(request, (self._prefill_end(request) - 1) // self.cfg.page_size))
         if pages:
             self.block_pool.share(request.request_id, pages)
             self._num_named[request.request_id] = len(pages)
@@ -214,7 +229,10 @@ class Scheduler:
         """Name the request's pages that are now full of computed KV, so later requests can share them."""
         if not self.cfg.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.cfg.page_size
+        computed = request.num_computed_tokens
+        if self.cfg.deterministic:  # share only pages a prefill computed: decode-computed KV differs in its bits
+            computed = min(computed, len(request.prompt_ids))
+        num_full = computed // self.cfg.page_size
         first = self._num_named.get(request.request_id, 0)
         if num_full <= first:
             return
@@ -250,7 +268,7 @@ class Scheduler:
 
     def _decode_plan(self, requests: list[Request]) -> StepPlan:
         rows, width = self._decode_shape(requests)
-        chunks = [self._chunk(r, r.num_tokens - 1, 1, True) for r in requests]
+        chunks = [self._chunk(r, r.num_computed_tokens, 1, r.num_computed_tokens == r.num_tokens - 1) for r in requests]
         return self._build_plan("decode", chunks, BucketKey("decode", rows, 1, width))
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:

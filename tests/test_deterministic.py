@@ -1,0 +1,98 @@
+"""Deterministic mode: a fixed request's logits are bitwise identical whatever else is in the batch,
+its row, the padding, whether its prefix came from the cache, and whether it was preempted and
+replayed. Outside deterministic mode the same comparison is recorded, not asserted."""
+
+import numpy as np
+import pytest
+
+from jaxinfer import runloop
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import Engine
+from jaxinfer.output import OutputProcessor
+from jaxinfer.request import Request, SamplingParams
+from jaxinfer.scheduler import Scheduler
+
+NEEDLE = [(13 * i + 7) % 500 + 1 for i in range(37)]
+
+
+def engine_for(tiny_llama, compile_cache, deterministic: bool) -> Engine:
+    cfg, params = tiny_llama
+    engine_cfg = EngineConfig(
+        page_size=8, max_context=128, max_num_seqs=8, max_prefill_tokens=64, num_pages=24,  # 23 pages: forces preemption
+        compilation_cache_dir=compile_cache, deterministic=deterministic,
+        **({} if deterministic else dict(prefill_seq_buckets=(1, 2))),
+    )
+    engine = Engine(cfg, params, engine_cfg, return_logits=True)
+    engine.warmup()
+    return engine
+
+
+def run_with_needle(engine: Engine, others: list[list[int]], position: int, params: SamplingParams):
+    """The needle at `position` among `others`; returns (its tokens, its logits per drawn token, stats)."""
+    scheduler = Scheduler(engine.engine_cfg, engine.num_pages)
+    prompts = others[:position] + [NEEDLE] + others[position:]
+    for i, prompt in enumerate(prompts):
+        sp = params if i == position else SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i % 9, ignore_eos=True)
+        scheduler.add(Request(str(i), prompt, sp, seed=sp.seed if sp.seed is not None else i, arrival_index=i))
+    drawn = []
+
+    def on_step(plan, tokens, _):
+        for row, rid in enumerate(plan.request_ids):
+            if rid == str(position) and plan.samples[row]:
+                drawn.append(engine.last_logits[row].copy())
+
+    finished = {r.request_id: r for r in runloop.run(scheduler, engine.step, OutputProcessor(None, None, 128), on_step=on_step)}
+    assert len(finished) == len(prompts) and not any(r.error for r in finished.values())
+    return finished[str(position)].output_ids, drawn, scheduler.stats
+
+
+def random_others(rng, count: int) -> list[list[int]]:
+    others = []
+    for _ in range(count):
+        if rng.random() < 0.3:  # shares the needle's prefix: the needle may hit its pages
+            others.append(NEEDLE[: int(rng.integers(9, 37))] + rng.integers(1, 500, int(rng.integers(1, 20))).tolist())
+        else:
+            others.append(rng.integers(1, 500, int(rng.integers(1, 70))).tolist())
+    return others
+
+
+def max_difference(alone, crowd) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(alone, crowd))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), SamplingParams(temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)], ids=["greedy", "seeded"])
+def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(tiny_llama, compile_cache, params):
+    engine = engine_for(tiny_llama, compile_cache, deterministic=True)
+    tokens, alone, _ = run_with_needle(engine, [], 0, params)
+    rng = np.random.default_rng(0)
+    hits = preemptions = 0
+    for trial in range(6):
+        others = random_others(rng, int(rng.integers(2, 20)))
+        position = int(rng.integers(0, len(others) + 1))
+        crowd_tokens, crowd, stats = run_with_needle(engine, others, position, params)
+        hits += stats.prefix_cache_hits
+        preemptions += stats.num_preemptions
+        assert crowd_tokens == tokens, f"trial {trial}"
+        assert len(crowd) == len(alone) and all(np.array_equal(a, b) for a, b in zip(alone, crowd)), f"trial {trial}: max |diff| {max_difference(alone, crowd)}"
+    assert hits > 0 and preemptions > 0, "the trials were meant to include cache hits and preemptions"
+
+
+def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compile_cache, record_property):
+    engine = engine_for(tiny_llama, compile_cache, deterministic=False)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    _, alone, _ = run_with_needle(engine, [], 0, params)
+    rng = np.random.default_rng(0)
+    differences = []
+    for _ in range(3):
+        others = random_others(rng, int(rng.integers(2, 20)))
+        _, crowd, _ = run_with_needle(engine, others, int(rng.integers(0, len(others) + 1)), params)
+        differences.append(max_difference(alone, crowd))
+    record_property("max_abs_logit_difference_outside_deterministic_mode", max(differences))
+    print(f"outside deterministic mode, max |logit difference| of the needle across batches: {max(differences):.3g}")
+
+
+def test_deterministic_mode_fixes_the_tables_and_refuses_given_ones():
+    cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=8, deterministic=True, compilation_cache_dir=None)
+    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.page_buckets) == ((64,), (1,), (8,), (16,))
+    with pytest.raises(ValueError, match="deterministic fixes the bucket tables"):
+        EngineConfig(deterministic=True, decode_batch_buckets=(4, 32))
