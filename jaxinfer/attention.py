@@ -69,6 +69,9 @@ def attend(
     if pages is None:
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
+    if impl == DETERMINISTIC_IMPL:
+        k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
+        return attention_over_page_blocks(q, k_pages, v_pages, positions), cache
     if _use_kernel(impl, q):
         return _attend_pallas(q, cache, layer, positions, pages), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
@@ -94,6 +97,49 @@ def attention_over_pages(
     values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
     out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
     return out.reshape(b, t, h, k).astype(q.dtype)
+
+
+DETERMINISTIC_IMPL = "deterministic"  # the engine's deterministic mode: attention_over_page_blocks
+PAGES_PER_BLOCK = 8  # pages per online-softmax block of attention_over_page_blocks
+
+
+def attention_over_page_blocks(
+    q: Float[Array, "B T H K"],
+    k_pages: Float[Array, "G B P K L"],
+    v_pages: Float[Array, "G B P L K"],
+    q_positions: Int[Array, "B T"],
+) -> Float[Array, "B T H K"]:
+    """attention_over_pages as an online softmax over fixed blocks of pages, in order (a lax.scan).
+
+    Every block has the same shape, and a block wholly past a query's position changes nothing, bit for
+    bit: its scores are MASK_VALUE, so the running max stays, the rescale is exp(0) = 1 and it adds exact
+    zeros. So a query's output does not depend on how many pages the step's table holds, which lets
+    deterministic mode keep bucketed page widths. P must be a multiple of the block (or smaller than it).
+    """
+    b, t, h, k = q.shape
+    g, _, p, _, l = k_pages.shape
+    block = min(PAGES_PER_BLOCK, p)
+    grouped = q.reshape(b, t, g, h // g, k).astype(jnp.float32) * (k**-0.5)  # [B, T, G, Q, K]
+    k_blocks = k_pages.reshape(g, b, p // block, block, k, l).transpose(2, 0, 1, 3, 4, 5)  # [N, G, B, p, K, L]
+    v_blocks = v_pages.reshape(g, b, p // block, block, l, k).transpose(2, 0, 1, 3, 4, 5)  # [N, G, B, p, L, K]
+
+    def step(carry, xs):
+        m, denom, acc = carry  # [B, G, Q, T], [B, G, Q, T], [B, G, Q, T, K]
+        index, kb, vb = xs
+        scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, kb, preferred_element_type=jnp.float32).reshape(b, g, h // g, t, block * l)
+        slots = index * block * l + jnp.arange(block * l, dtype=jnp.int32)
+        visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S_block]
+        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
+        values = vb.reshape(g, b, block * l, k).astype(jnp.float32)  # [G, B, S_block, K]
+        acc = acc * scale[..., None] + jnp.einsum("bgqts,gbsk->bgqtk", probs, values)
+        return (m_new, denom * scale + probs.sum(axis=-1), acc), None
+
+    init = (jnp.full((b, g, h // g, t), MASK_VALUE, jnp.float32), jnp.zeros((b, g, h // g, t), jnp.float32), jnp.zeros((b, g, h // g, t, k), jnp.float32))
+    (_, denom, acc), _ = jax.lax.scan(step, init, (jnp.arange(p // block, dtype=jnp.int32), k_blocks, v_blocks))
+    out = acc / denom[..., None]  # [B, G, Q, T, K]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, k).astype(q.dtype)
 
 
 def _use_kernel(impl: str, q: jax.Array) -> bool:

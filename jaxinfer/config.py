@@ -114,6 +114,21 @@ def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: in
 
 _DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
+_DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
+
+
+def _block_multiples(max_pages: int) -> tuple[int, ...]:
+    """Page widths for deterministic mode: powers of two times the attention block, up to max_pages
+    (which must be a multiple of the block, or smaller than it)."""
+    if max_pages <= _DETERMINISTIC_BLOCK:
+        return (max_pages,)
+    if max_pages % _DETERMINISTIC_BLOCK:
+        raise FieldError("deterministic", f"needs max_context / page_size ({max_pages} pages) to be a multiple of {_DETERMINISTIC_BLOCK}")
+    widths, width = [], _DETERMINISTIC_BLOCK
+    while width < max_pages:
+        widths.append(width)
+        width *= 2
+    return tuple(w for w in widths if max_pages % w == 0) + (max_pages,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,9 +159,10 @@ class EngineConfig:
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
-    # Bitwise-reproducible logits whatever else runs: one program shape per phase (full-width attention,
-    # fixed rows and chunk), and preempted requests replay generated tokens through decode steps.
+    # Bitwise-reproducible logits whatever else runs: fixed rows and chunk per phase, blockwise attention,
+    # and preempted requests replay generated tokens through decode steps.
     deterministic: bool = False
+    _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
 
     def __post_init__(self):
         self._check_limits()
@@ -170,8 +186,12 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("deterministic", self.deterministic)
+        if self.deterministic and self.attention_impl == "pallas":  # its split count follows the batch (issue 10)
+            raise FieldError("attention_impl", "'pallas' is not batch-invariant yet; deterministic mode uses the jnp reference ('auto')")
 
     def _derive_tables(self) -> None:
+        unset = tuple(n for n in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, n) is None)
+        object.__setattr__(self, "_derived", unset)
         if self.deterministic:
             self._derive_deterministic_tables()
         if self.prefill_chunk_buckets is None:
@@ -183,14 +203,15 @@ class EngineConfig:
             object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
 
     def _derive_deterministic_tables(self) -> None:
-        """One shape per phase: the row count, chunk length and page width of every program are fixed,
-        because XLA's CPU matmuls and reductions round differently for different shapes (measured)."""
+        """Fixed row counts and chunk length, because XLA's CPU matmuls round differently for different
+        row counts (measured); page widths stay bucketed (multiples of the attention block), because
+        attention_over_page_blocks is exact under extra masked blocks."""
         given = {name: getattr(self, name) for name in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, name) is not None}
         if given or self.prefill_seq_buckets != (1,):
             raise FieldError("deterministic", f"fixes the bucket tables itself; leave them unset (got {sorted(given) or ['prefill_seq_buckets']})")
         object.__setattr__(self, "prefill_chunk_buckets", (min(_DETERMINISTIC_CHUNK, self.max_prefill_tokens, self.max_context),))
         object.__setattr__(self, "decode_batch_buckets", (self.max_num_seqs,))
-        object.__setattr__(self, "decode_page_buckets", (self.max_context // self.page_size,))
+        object.__setattr__(self, "decode_page_buckets", _block_multiples(self.max_context // self.page_size))
 
     def _check_tables(self) -> None:
         for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets", "decode_page_buckets"):
@@ -210,13 +231,14 @@ class EngineConfig:
     @classmethod
     def with_overrides(cls, base: "EngineConfig | None" = None, **overrides) -> "EngineConfig":
         """`base` (or the defaults) with some fields replaced; an unknown name is an error with a hint."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         for name in overrides:
             if name not in names:
                 raise unknown_field_error(name, names)
         if base is None:
             return cls(**overrides)
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)} | overrides
+        # Tables the base derived from its limits are derived again from the new ones.
+        fields = {n: None if n in base._derived else getattr(base, n) for n in names} | overrides
         return cls(**fields)
 
     @property

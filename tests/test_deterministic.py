@@ -93,6 +93,23 @@ def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compi
 
 def test_deterministic_mode_fixes_the_tables_and_refuses_given_ones():
     cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=8, deterministic=True, compilation_cache_dir=None)
-    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.page_buckets) == ((64,), (1,), (8,), (16,))
+    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.page_buckets) == ((64,), (1,), (8,), (8, 16))
     with pytest.raises(ValueError, match="deterministic fixes the bucket tables"):
         EngineConfig(deterministic=True, decode_batch_buckets=(4, 32))
+
+
+def test_blockwise_attention_matches_attention_over_pages_and_ignores_extra_masked_blocks():
+    import jax.numpy as jnp
+
+    from jaxinfer.attention import attention_over_page_blocks, attention_over_pages
+
+    rng = np.random.default_rng(3)
+    b, t, h, g, k, l, p = 3, 4, 6, 2, 16, 4, 16
+    q = jnp.asarray(rng.normal(size=(b, t, h, k)), jnp.float32)
+    k_pages = jnp.asarray(rng.normal(size=(g, b, p, k, l)), jnp.float32)
+    v_pages = jnp.asarray(rng.normal(size=(g, b, p, l, k)), jnp.float32)
+    positions = jnp.asarray([[0, 1, 2, 3], [10, 11, 12, 13], [27, 28, 29, 30]], jnp.int32)  # all within 8 pages
+    blocked = np.asarray(attention_over_page_blocks(q, k_pages, v_pages, positions))
+    np.testing.assert_allclose(blocked, np.asarray(attention_over_pages(q, k_pages, v_pages, positions)), rtol=2e-5, atol=2e-6)
+    narrow = np.asarray(attention_over_page_blocks(q, k_pages[:, :, :8], v_pages[:, :, :8], positions))
+    assert np.array_equal(blocked, narrow), "a wholly masked block changed the output"

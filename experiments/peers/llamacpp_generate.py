@@ -8,7 +8,10 @@ computed the llama.cpp way (quantized weights, f16 KV cache), in two modes:
   batched     continuous batching over --parallel sequence ids in one context: every llama_decode
               carries one token for each decoding sequence plus prompt chunks of newly admitted ones
               (up to n_batch tokens); a finished sequence's cells are removed and its slot is refilled
-              in arrival order.
+              in arrival order;
+  batched_prefix  the same, but the first --shared-prefix tokens (common to every request) are decoded once
+              into a spare sequence id and copied into each admitted sequence (llama_memory_seq_cp), so only
+              the rest of each prompt is computed: llama.cpp's way to share a prefix across sequences.
 Greedy = argmax of the returned logits; EOS is not a stop. Each mode warms up (untimed) first, then
 times the workload --repeats times and reports the best.
 Writes {mode: ids per request} to --out and prints one JSON document as its last stdout line.
@@ -43,6 +46,7 @@ class Context:
     """A llama.cpp context with room for `parallel` sequences of MAX_CONTEXT tokens."""
 
     def __init__(self, model, parallel: int, threads: int):
+        parallel += 1  # a spare sequence id holds a shared prefix (batched_prefix)
         params = lc.llama_context_default_params()
         params.n_ctx = parallel * MAX_CONTEXT
         params.n_batch = params.n_ubatch = N_BATCH
@@ -71,6 +75,9 @@ class Context:
                 logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
                 picks.append(int(np.argmax(logits)))
         return picks
+
+    def copy_prefix(self, source: int, seq: int, length: int) -> None:
+        lc.llama_memory_seq_cp(self.memory, source, seq, 0, length)
 
     def remove(self, seq: int) -> None:
         lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
@@ -111,15 +118,26 @@ def _plan(slots: dict[int, Slot]) -> tuple[list[tuple[int, int, int, bool]], lis
     return entries, owners
 
 
-def run(context: Context, requests: list[dict], parallel: int) -> list[list[int]]:
-    """Continuous batching over `parallel` sequence ids (parallel = 1 is one sequential stream)."""
+def _decode_prefix(context: Context, prefix: list[int], seq: int) -> None:
+    for start in range(0, len(prefix), N_BATCH):
+        context.decode([(t, start + i, seq, False) for i, t in enumerate(prefix[start:start + N_BATCH])])
+
+
+def run(context: Context, requests: list[dict], parallel: int, shared_prefix: int = 0) -> list[list[int]]:
+    """Continuous batching over `parallel` sequence ids (parallel = 1 is one sequential stream); with
+    shared_prefix, that many leading tokens are decoded once (sequence id `parallel`) and copied."""
     waiting = deque(enumerate(requests))
     slots: dict[int, Slot] = {}
     outputs: list[list[int] | None] = [None] * len(requests)
+    if shared_prefix:
+        _decode_prefix(context, requests[0]["prompt_ids"][:shared_prefix], parallel)
     while waiting or slots:
         for seq in range(parallel):
             if seq not in slots and waiting:
                 slots[seq] = Slot(*waiting.popleft())
+                if shared_prefix:
+                    context.copy_prefix(parallel, seq, shared_prefix)
+                    slots[seq].num_prompt_done = shared_prefix
         entries, owners = _plan(slots)
         picks = iter(context.decode(entries))
         for (token, position, seq, logits), (owner, consumed) in zip(entries, owners):
@@ -131,10 +149,12 @@ def run(context: Context, requests: list[dict], parallel: int) -> list[list[int]
             slot = slots.pop(seq)
             outputs[slot.index] = slot.output
             context.remove(seq)
+    if shared_prefix:
+        context.remove(parallel)
     return outputs
 
 
-def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: int) -> tuple[dict, list[list[int]]]:
+def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: int, shared_prefix: int = 0) -> tuple[dict, list[list[int]]]:
     context = Context(model, parallel, threads)
     try:
         start = time.perf_counter()
@@ -143,7 +163,7 @@ def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: 
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
-            outputs = run(context, requests, parallel)
+            outputs = run(context, requests, parallel, shared_prefix)
             runs.append((time.perf_counter() - start, outputs))
     finally:
         context.close()
@@ -161,6 +181,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=16, help="sequence ids in batched mode")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--modes", default="sequential,batched")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="batched_prefix: leading tokens every request shares")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of the workload per mode; the best is reported")
     args = parser.parse_args()
 
@@ -175,7 +196,10 @@ def main() -> None:
     modes, tokens = {}, {}
     for mode in args.modes.split(","):
         parallel = 1 if mode == "sequential" else args.parallel
-        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads, args.repeats)
+        shared = args.shared_prefix if mode == "batched_prefix" else 0
+        if shared and any(r["prompt_ids"][:shared] != requests[0]["prompt_ids"][:shared] for r in requests):
+            raise SystemExit("error: --shared-prefix tokens differ between requests")
+        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads, args.repeats, shared)
     lc.llama_model_free(model)
     with open(args.out, "w") as file:
         json.dump(tokens, file)

@@ -1,0 +1,232 @@
+"""Does prefix caching pay on shared prompts, cost nothing without sharing, and what does deterministic mode cost?
+
+Issue 10's benchmark. Three workloads from the Azure conversation trace (lengths / --scale, real English
+prompts from experiments/data/passages.txt, greedy, EOS ignored, exact output lengths):
+  (a) shared_system  64 requests behind one 400-token system prompt;
+  (b) multi_turn     16 four-turn conversations, each turn resending the whole history (turns run in
+                     order: turn t+1 holds turn t's generated reply);
+  (c) no_sharing     bench_engine.py's workload (64 requests, nothing shared).
+Runners, one after the other: jaxinfer with the prefix cache, without it, and in deterministic mode
+(on c); llama.cpp (llama-cpp-python in .venv-ref, same GGUF) batched, and on (a) also with the shared
+prefix decoded once and copied into every sequence (llama_memory_seq_cp), which is what its low-level
+API can share; it has no cross-request page cache, so (b) is not run there. Every jaxinfer run starts
+with an empty cache. Correctness first: greedy tokens with the cache equal those without it.
+Reports output tokens/s, time to first token p50/p99, cache hit rate and prefill tokens saved.
+Writes experiments/results/bench_prefix.json; the last stdout line is one JSON document.
+
+    .venv/bin/python experiments/bench_prefix.py [--scale 8] [--quick]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_engine  # noqa: E402  (workload builder and paths shared with the engine benchmark)
+
+from jaxinfer.api import LLM  # noqa: E402
+from jaxinfer.block_pool import BlockPool  # noqa: E402
+from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.request import SamplingParams  # noqa: E402
+from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
+
+REPO_ROOT = bench_engine.REPO_ROOT
+RESULTS = REPO_ROOT / "experiments" / "results" / "bench_prefix.json"
+WORK_DIR = REPO_ROOT / "build" / "bench_prefix"
+MAX_CONTEXT = bench_engine.MAX_CONTEXT
+SYSTEM_TOKENS = 400
+GOALS = {"a_speedup": 2.0, "a_ttft_p50_reduction": 3.0, "c_within": 0.03, "deterministic_cost_c": 0.15}
+
+
+# ------------------------------------------------------------------------------------------ workloads
+
+
+def _text_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(bench_engine.TEXT_FILE.read_text(), add_bos=False)
+
+
+def shared_system_workload(args, tokenizer) -> list[dict]:
+    """(a): one 400-token system prompt in front of each trace request's own prompt."""
+    system = _text_ids(tokenizer)[:SYSTEM_TOKENS]
+    turns = bench_engine.build_workload(args.trace, args.num_requests, args.scale, 1, tokenizer)["requests"]
+    return [{"prompt_ids": (system + r["prompt_ids"])[: MAX_CONTEXT - r["max_tokens"]], "max_tokens": r["max_tokens"]} for r in turns]
+
+
+def conversation_turns(args, tokenizer) -> list[list[dict]]:
+    """(b): user turns and reply lengths of 16 conversations x 4 turns (history is added at run time)."""
+    turns = bench_engine.build_workload(args.trace, 16 * 4, args.scale, 2, tokenizer)["requests"]
+    return [[{"user_ids": t["prompt_ids"][:120], "max_tokens": min(t["max_tokens"], 48)} for t in turns[c::16]] for c in range(16)]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------------------ jaxinfer
+
+
+def make_llm(args, **fields) -> LLM:
+    pages = args.max_num_seqs * (MAX_CONTEXT // args.page_size) + 1
+    cfg = EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size, num_pages=pages,
+                       compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
+    start = time.perf_counter()
+    llm = LLM(None, engine_config=cfg)
+    print(f"jaxinfer {fields}: loaded and compiled {llm.engine.num_compilations} programs in {time.perf_counter() - start:.1f}s", flush=True)
+    return llm
+
+
+def _timed_generate(llm: LLM, requests: list[dict]) -> tuple[list, float]:
+    start = time.perf_counter()
+    outputs = llm.generate([r["prompt_ids"] for r in requests], [_greedy(r["max_tokens"]) for r in requests], progress=False)
+    return outputs, time.perf_counter() - start
+
+
+def _summary(outputs: list, seconds: float, stats: list) -> dict:
+    ttfts = [o.time_to_first_token for o in outputs]
+    queried, hits = sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats)
+    return {"seconds": seconds, "num_output_tokens": sum(o.num_generated_tokens for o in outputs),
+            "output_tokens_per_s": sum(o.num_generated_tokens for o in outputs) / seconds,
+            "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99)),
+            "prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "prefill_tokens_saved": hits,
+            "hit_rate": hits / queried if queried else 0.0, "num_steps": sum(s.num_steps for s in stats)}
+
+
+def run_single(llm: LLM, requests: list[dict]) -> tuple[dict, list[list[int]]]:
+    """One batch from an empty cache."""
+    llm.block_pool = BlockPool(llm.engine.num_pages)
+    outputs, seconds = _timed_generate(llm, requests)
+    return _summary(outputs, seconds, [llm.last_stats]), [o.token_ids for o in outputs]
+
+
+def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, list[list[int]]]:
+    """Turn after turn, each resending the history (its replies as generated), from an empty cache."""
+    llm.block_pool = BlockPool(llm.engine.num_pages)
+    histories, all_outputs, stats, seconds = [[] for _ in conversations], [], [], 0.0
+    for turn in range(len(conversations[0])):
+        requests = [{"prompt_ids": h + c[turn]["user_ids"], "max_tokens": c[turn]["max_tokens"]} for h, c in zip(histories, conversations)]
+        outputs, elapsed = _timed_generate(llm, requests)
+        seconds += elapsed
+        stats.append(llm.last_stats)
+        histories = [r["prompt_ids"] + o.token_ids for r, o in zip(requests, outputs)]
+        all_outputs += outputs
+    return _summary(all_outputs, seconds, stats), [o.token_ids for o in all_outputs]
+
+
+# ------------------------------------------------------------------------------------------ llama.cpp
+
+
+def run_llamacpp(requests: list[dict], name: str, extra: list[str]) -> dict:
+    path = WORK_DIR / f"{name}.json"
+    path.write_text(json.dumps({"requests": requests}))
+    command = [str(bench_engine.REF_PYTHON), str(bench_engine.PEERS_DIR / "llamacpp_generate.py"), "--workload", str(path),
+               "--out", str(WORK_DIR / f"{name}_tokens.json"), "--parallel", "32", *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr[-1500:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])["modes"]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--scale", type=float, default=8.0)
+    parser.add_argument("--trace", type=pathlib.Path, default=bench_engine.DEFAULT_TRACE)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 requests at scale 32, no llama.cpp")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.scale, args.no_llamacpp = 8, 32.0, True
+    return args
+
+
+def run_jaxinfer(args, workloads: dict) -> tuple[dict, dict]:
+    results, tokens = {}, {}
+    for name, fields in (("cache", {}), ("no_cache", {"enable_prefix_caching": False}), ("deterministic", {"deterministic": True})):
+        llm = make_llm(args, **fields)
+        run_single(llm, workloads["no_sharing"][:4])  # untimed: first-call costs out of the way
+        for workload, data in workloads.items():
+            if name == "deterministic" and workload != "no_sharing":
+                continue
+            runner = run_multi_turn if workload == "multi_turn" else run_single
+            results[f"{workload}/jaxinfer_{name}"], tokens[(workload, name)] = runner(llm, data)
+            print(f"{workload:<14} jaxinfer_{name:<14} {results[f'{workload}/jaxinfer_{name}']['output_tokens_per_s']:7.1f} tokens/s", flush=True)
+        del llm
+    return results, tokens
+
+
+def run_peers(args, workloads: dict) -> dict:
+    if args.no_llamacpp or not bench_engine.REF_PYTHON.exists():
+        return {}
+    results = {}
+    for workload, extra in (("shared_system", ["--modes", "batched,batched_prefix", "--shared-prefix", str(SYSTEM_TOKENS)]), ("no_sharing", ["--modes", "batched"])):
+        modes = run_llamacpp(workloads[workload], workload, extra)
+        for mode, entry in (modes.items() if "error" not in modes else [("error", modes)]):
+            results[f"{workload}/llamacpp_{mode}"] = entry
+            print(f"{workload:<14} llamacpp_{mode:<14} {entry.get('output_tokens_per_s', float('nan')):7.1f} tokens/s", flush=True)
+    return results
+
+
+def goals(results: dict) -> dict:
+    a_on, a_off = results["shared_system/jaxinfer_cache"], results["shared_system/jaxinfer_no_cache"]
+    c_on, c_off, c_det = (results[f"no_sharing/jaxinfer_{n}"] for n in ("cache", "no_cache", "deterministic"))
+    measured = {
+        "a_speedup": a_on["output_tokens_per_s"] / a_off["output_tokens_per_s"],
+        "a_ttft_p50_reduction": a_off["ttft_p50_s"] / a_on["ttft_p50_s"],
+        "c_within": 1 - c_on["output_tokens_per_s"] / c_off["output_tokens_per_s"],
+        "deterministic_cost_c": 1 - c_det["output_tokens_per_s"] / c_off["output_tokens_per_s"],
+    }
+    lower_is_better = {"c_within", "deterministic_cost_c"}
+    return {k: {"measured": v, "goal": GOALS[k], "met": v <= GOALS[k] if k in lower_is_better else v >= GOALS[k]} for k, v in measured.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(None)
+    workloads = {"shared_system": shared_system_workload(args, tokenizer), "multi_turn": conversation_turns(args, tokenizer),
+                 "no_sharing": bench_engine.build_workload(args.trace, args.num_requests, args.scale, 0, tokenizer)["requests"]}
+    start = time.perf_counter()
+    results, tokens = run_jaxinfer(args, workloads)
+    correctness = {w: agreement(tokens[(w, "cache")], tokens[(w, "no_cache")]) for w in workloads}
+    correctness["no_sharing_deterministic"] = agreement(tokens[("no_sharing", "deterministic")], tokens[("no_sharing", "no_cache")])
+    results |= run_peers(args, workloads)
+    result = {
+        "question": "prefix caching's gain on shared prompts and cost without sharing; deterministic mode's cost",
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "load_average_at_end": list(os.getloadavg())},
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "greedy_agreement_cache_vs_no_cache": correctness, "results": results, "goals": goals(results),
+        "runtime_s": time.perf_counter() - start,
+    }
+    print(f"\n{'workload/runner':<42} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'hit rate':>9} {'saved':>7}")
+    for key, r in results.items():
+        if "output_tokens_per_s" in r:
+            print(f"{key:<42} {r['output_tokens_per_s']:8.1f} {r.get('ttft_p50_s', float('nan')):9.2f} {r.get('ttft_p99_s', float('nan')):9.2f} {r.get('hit_rate', float('nan')):9.1%} {r.get('prefill_tokens_saved', 0):7}")
+    print(f"greedy agreement, cache vs no cache: {correctness}")
+    for k, g in result["goals"].items():
+        print(f"goal {k}: {g['measured']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"bench": "prefix", "agreement": correctness, "goals": {k: g["measured"] for k, g in result["goals"].items()}}))
+
+
+if __name__ == "__main__":
+    main()
