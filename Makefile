@@ -12,8 +12,9 @@ VENV := .venv
 VENV_REF := .venv-ref
 PIP_FLAGS := --disable-pip-version-check --quiet
 REF_OUT := build/reference
+LLAMA_CPP_MODELS := build/llama-cpp-python/models
 
-.PHONY: run test test-fast reference reference-check bench setup setup-ref setup-bench clean
+.PHONY: run test test-fast reference reference-check bench setup setup-ref setup-bench llama-cpp-models clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
@@ -37,14 +38,21 @@ run: $(VENV)/.stamp
 	@mkdir -p build
 	$(VENV)/bin/jaxinfer generate --input examples/prompts.jsonl --output build/results.jsonl --overwrite
 
+# llama.cpp's vocab GGUFs, reference tokenizations and chat templates, from the llama-cpp-python sdist on
+# the package index (downloaded once into build/, pip's cache serves repeats; about 21 MB unpacked).
+$(LLAMA_CPP_MODELS)/.complete: | $(VENV)/.stamp
+	$(VENV)/bin/python tests/reference/fetch_llama_cpp_models.py --out $(dir $(LLAMA_CPP_MODELS))
+
+llama-cpp-models: $(LLAMA_CPP_MODELS)/.complete
+
 # Rebuild the references into build/ (never over the committed fixtures); a test compares the two.
-reference-check: $(VENV_REF)/.stamp
-	$(VENV_REF)/bin/python tests/reference/make_fixtures.py --out $(REF_OUT)
+reference-check: $(VENV_REF)/.stamp $(LLAMA_CPP_MODELS)/.complete
+	JAXINFER_LLAMA_CPP_MODELS=$(LLAMA_CPP_MODELS) $(VENV_REF)/bin/python tests/reference/make_fixtures.py --out $(REF_OUT)
 
-reference: $(VENV_REF)/.stamp
-	$(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
+reference: $(VENV_REF)/.stamp $(LLAMA_CPP_MODELS)/.complete
+	JAXINFER_LLAMA_CPP_MODELS=$(LLAMA_CPP_MODELS) $(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
 
-test: $(VENV)/.stamp reference-check
+test: $(VENV)/.stamp reference-check $(LLAMA_CPP_MODELS)/.complete
 	JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q
 
 test-fast: $(VENV)/.stamp

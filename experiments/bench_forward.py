@@ -21,7 +21,14 @@ FLOPs counted (stated in the output): 2 * P_matmul * tokens + 2 * V * D * rows_w
 Bytes counted for decode MBU: f32 weights read once (layers + embedding as LM head) + the K/V read.
 Writes experiments/results/bench_forward.json; the last stdout line is one JSON document.
 
-    .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf]
+With --geometry NAME (llama3-1b: Llama 3.2 1B's shape with llama3 rope scaling; qwen2.5-0.5b: Qwen2.5
+0.5B's shape with q/k/v biases), the same measurements run on random weights of that geometry instead:
+they are written as a Hugging Face folder (config.json + safetensors), jaxinfer loads it with its HF
+loader, HF transformers loads the same folder, and correctness is our last-position logits vs HF's on
+the benchmark's (random) prompt ids. Results go to bench_forward_<NAME>.json. Those runs need about
+3 x the f32 weight bytes of memory (1B: ~15 GB; 0.5B: ~6 GB).
+
+    .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf] [--geometry NAME]
 """
 
 import argparse
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import attention, kv_pool, loading, model
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, from_hf_config
 from jaxinfer.tokenizer import load_tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,6 +62,38 @@ BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of t
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
 FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
 PAGE_SIZE = 64  # tokens per page of the paged pool in the breakdown (the engine's default)
+# Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
+GEOMETRIES = {
+    "llama3-1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False, "architectures": ["Qwen2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+# Runs hf_forward.py's timing on a HF folder instead of the embedded GGUF (its load_model swapped out).
+_HF_FOLDER_PEER = """
+import sys, time, torch
+sys.path.insert(0, {peers!r})
+import hf_forward
+from transformers import AutoModelForCausalLM
+def load_model(threads):
+    import transformers
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
+    return model.eval(), time.perf_counter() - start, transformers.__version__
+hf_forward.load_model = load_model
+sys.argv = ["hf_forward.py"] + {argv!r}
+hf_forward.main()
+"""
 
 
 def _time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
@@ -264,12 +303,15 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     return {"batch": batch, "context": context, "page_size": PAGE_SIZE, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
 
 
-def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path) -> tuple[dict, np.ndarray]:
-    """Run experiments/peers/hf_forward.py in .venv-ref; returns (its JSON, its last-position logits)."""
+def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path, folder: pathlib.Path | None = None) -> tuple[dict, np.ndarray]:
+    """Run experiments/peers/hf_forward.py in .venv-ref (on the HF `folder` if given); returns (its JSON,
+    its last-position logits)."""
     ids_file, logits_file = workdir / "ids.json", workdir / "hf_logits.npy"
     ids_file.write_text(json.dumps(ids))
-    command = [str(REF_PYTHON), str(HF_PEER), "--ids", str(ids_file), "--batch-sizes", ",".join(map(str, batch_sizes)),
-               "--steps", str(steps), "--logits-out", str(logits_file)]
+    argv = ["--ids", str(ids_file), "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(steps), "--logits-out", str(logits_file)]
+    command = [str(REF_PYTHON), str(HF_PEER), *argv]
+    if folder is not None:
+        command = [str(REF_PYTHON), "-c", _HF_FOLDER_PEER.format(peers=str(HF_PEER.parent), folder=str(folder), argv=argv)]
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         raise RuntimeError(f"HF peer failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
@@ -316,16 +358,40 @@ def parse_args():
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per program")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="random weights of this geometry instead of SmolLM2")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="default: experiments/results/bench_forward[_GEOMETRY].json")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.out = args.out or (RESULTS.with_name(f"bench_forward_{args.geometry}.json") if args.geometry else RESULTS)
     return args
 
 
-def hf_comparison(ids: list[int], ours_logits: np.ndarray, args) -> dict:
+def write_random_folder(config: dict, folder: pathlib.Path) -> None:
+    """A HF folder of `config` with seeded random weights: matrices and biases ~ N(0, 0.02), norms 1."""
+    from safetensors.numpy import save_file
+
+    cfg = from_hf_config(config)
+    rng = np.random.default_rng(0)
+    d, q_width, kv_width = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,), "self_attn.q_proj.weight": (q_width, d),
+                 "self_attn.k_proj.weight": (kv_width, d), "self_attn.v_proj.weight": (kv_width, d), "self_attn.o_proj.weight": (d, q_width),
+                 "mlp.gate_proj.weight": (cfg.ffn_dim, d), "mlp.up_proj.weight": (cfg.ffn_dim, d), "mlp.down_proj.weight": (d, cfg.ffn_dim)}
+        if cfg.attention_bias:
+            layer |= {"self_attn.q_proj.bias": (q_width,), "self_attn.k_proj.bias": (kv_width,), "self_attn.v_proj.bias": (kv_width,)}
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    weights = {name: np.ones(shape, np.float32) if name.endswith("norm.weight") else (rng.standard_normal(shape, np.float32) * 0.02)
+               for name, shape in shapes.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def hf_comparison(ids: list[int], ours_logits: np.ndarray, args, folder: pathlib.Path | None = None) -> dict:
     """HF's timings on the same ids and batch sizes, and how far our prefill logits are from its."""
     with tempfile.TemporaryDirectory() as workdir:
-        hf_raw, hf_logits = run_hf_peer(ids, args.batch_sizes, args.repeats, pathlib.Path(workdir))
+        hf_raw, hf_logits = run_hf_peer(ids, args.batch_sizes, args.repeats, pathlib.Path(workdir), folder)
     return {
         "peer": hf_raw, "prefill_median_s": statistics.median(hf_raw["prefill_s"]),
         "decode_median_step_s": {b: d["median_step_s"] for b, d in hf_raw["decode"].items()},
@@ -339,11 +405,11 @@ def assemble(cfg: ModelConfig, parts: dict) -> dict:
     peaks, prefill, decode, hf = parts["peaks"], parts["prefill"], parts["decode"], parts["hf"]
     peak, bandwidth = peaks["matmul"]["best_flops_per_s"], peaks["bandwidth"]["best_bytes_per_s"]
     hf_error = hf["prefill_logits_relative_error"] if hf else None
-    fixtures = parts["fixtures"]
+    fixtures = parts["fixtures"] or {"max_relative_error": 0.0, "note": "random weights: checked against HF on the prefill ids only"}
     correct = fixtures["max_relative_error"] <= MAX_RELATIVE_ERROR and (hf_error is None or hf_error <= MAX_RELATIVE_ERROR)
     result = {
         "question": "jaxinfer forward speed on this machine: fraction of measured f32 matmul peak, and vs HF transformers",
-        "model": loading.default_model_path().name, "dtype": cfg.dtype, "num_params": cfg.num_params(), "matmul_params": matmul_params(cfg),
+        "model": parts.get("model") or loading.default_model_path().name, "features": cfg.features(), "dtype": cfg.dtype, "num_params": cfg.num_params(), "matmul_params": matmul_params(cfg),
         "flops_formula": "2*P_matmul*tokens + 2*V*D*rows_with_logits + 4*L*H*K*(query,key) pairs; decode: rows attend to `context` keys; prefill: causal T(T+1)/2",
         "bytes_formula": "decode: 4*(P_matmul + V*D) + B*context*kv_bytes_per_token(f32)",
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()},
@@ -362,23 +428,42 @@ def assemble(cfg: ModelConfig, parts: dict) -> dict:
     return result
 
 
+def _load(args, workdir: pathlib.Path) -> tuple:
+    """(cfg, params, prefill ids, parts so far, HF folder or None): SmolLM2 with its fixture check, or a
+    random-weight geometry written as a HF folder (random prompt ids; the check against HF comes later)."""
+    start = time.perf_counter()
+    if args.geometry is None:
+        cfg, params = loading.load_model(None)
+        parts = {"load_s": time.perf_counter() - start}
+        fixtures = parts["fixtures"] = check_fixtures(params, cfg)
+        print(f"loaded in {parts['load_s']:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
+              f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
+        return cfg, params, prompt_ids(load_tokenizer(None), args.prefill_tokens), parts, None
+    folder = workdir / args.geometry
+    write_random_folder(GEOMETRIES[args.geometry], folder)
+    cfg, params = loading.load_model(folder, max_context=max(args.context, args.prefill_tokens))
+    parts = {"load_s": time.perf_counter() - start, "fixtures": None, "model": f"{args.geometry} (random weights, {cfg.num_params():,} parameters)"}
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prefill_tokens).tolist()
+    print(f"wrote and loaded {parts['model']} in {parts['load_s']:.1f}s; features {cfg.features()}", flush=True)
+    return cfg, params, ids, parts, folder
+
+
 def main() -> None:
     args = parse_args()
     total_start = time.perf_counter()
-    cfg, params = loading.load_model(None)
-    parts = {"load_s": time.perf_counter() - total_start}
-    ids = prompt_ids(load_tokenizer(None), args.prefill_tokens)
-    fixtures = parts["fixtures"] = check_fixtures(params, cfg)
-    print(f"loaded in {parts['load_s']:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
-          f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
+    with tempfile.TemporaryDirectory(dir=REPO_ROOT / "build" if (REPO_ROOT / "build").is_dir() else None) as workdir:
+        cfg, params, ids, parts, folder = _load(args, pathlib.Path(workdir))
+        _measure(cfg, params, ids, parts, folder, args, total_start)
 
+
+def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
     parts["peaks"] = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
     parts["prefill"] = bench_prefill(params, cfg, ids, args.repeats)
     ours_logits = parts["prefill"].pop("last_logits")
     parts["decode"] = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in args.batch_sizes]
     parts["breakdown"] = [decode_breakdown(params, cfg, b, args.context, args.repeats) for b in args.batch_sizes]
     print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
-    parts["hf"] = None if args.no_hf else hf_comparison(ids, ours_logits, args)
+    parts["hf"] = None if args.no_hf else hf_comparison(ids, ours_logits, args, folder)
     parts["runtime_s"] = time.perf_counter() - total_start
 
     result = assemble(cfg, parts)

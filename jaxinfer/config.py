@@ -17,9 +17,45 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type / GGUF general.architecture families
+ROPE_TYPES = ("linear", "dynamic", "llama3", "frequency_factors")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts (HF `rope_parameters`, llama.cpp `rope_freqs`).
+
+    linear: every frequency divided by `factor`. dynamic (NTK): the base grows with the sequence once it
+    passes `original_max_position`. llama3: low frequencies divided by `factor`, high ones kept, a smooth
+    blend between (wavelengths measured against `original_max_position`). frequency_factors: one divisor
+    per frequency, as llama.cpp stores Llama 3 scaling in a GGUF (`rope_freqs.weight`).
+    """
+
+    kind: str
+    factor: float = 1.0  # context stretch
+    low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_position / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_position / this are kept
+    original_max_position: int = 8192  # tokens of the pretraining context (llama3, dynamic)
+    frequency_factors: tuple[float, ...] = ()  # frequency_factors: divisor of each of the K/2 frequencies
+
+    def __post_init__(self):
+        if self.kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.kind!r}; supported: default, {', '.join(ROPE_TYPES[:3])}")
+        check_number("rope factor", self.factor, low=0.0, high=math.inf, low_open=True)
+        check_int("original_max_position", self.original_max_position, low=1)
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"llama3 rope needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor}, {self.high_freq_factor}")
+        if (self.kind == "frequency_factors") != bool(self.frequency_factors):
+            raise ValueError("frequency_factors are given exactly when the rope type is 'frequency_factors'")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and constants of a Llama-family decoder."""
+    """Shape, constants and family features of a Llama-family decoder.
+
+    Features are fields (rope scaling, q/k/v biases, q/k norm), each read by one small function of model.py;
+    `architecture` only names the family for people and never selects code.
+    """
 
     vocab_size: int  # tokens
     num_layers: int
@@ -29,10 +65,15 @@ class ModelConfig:
     num_kv_heads: int  # G, key/value heads (GQA groups)
     head_dim: int  # K
     rope_theta: float = 10_000.0  # rotary base
+    rope_scaling: RopeScaling | None = None  # None: plain rotary frequencies
+    attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    sliding_window: int | None = None  # tokens a query may look back (Mistral); max_context must fit in it
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True  # logits use the token embedding when True
     max_context: int = 2048  # tokens; positions beyond this are rejected
     dtype: str = "float32"  # compute and weight dtype: float32 | bfloat16 | float16
+    architecture: str = "llama"  # family name, one of ARCHITECTURES
     name: str = "llama"
 
     def __post_init__(self):
@@ -46,16 +87,38 @@ class ModelConfig:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim=}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.frequency_factors and len(scaling.frequency_factors) != self.head_dim // 2:
+            raise ValueError(f"rope has {len(scaling.frequency_factors)} frequency factors, expected head_dim / 2 = {self.head_dim // 2}")
+        if self.sliding_window is not None and self.max_context > self.sliding_window:
+            raise ValueError(
+                f"max_context {self.max_context} exceeds the sliding window of {self.sliding_window} tokens; jaxinfer has "
+                f"no sliding-window attention, so use max_context <= {self.sliding_window}"
+            )
 
     @property
     def group_size(self) -> int:
         """Query heads per kv head."""
         return self.num_heads // self.num_kv_heads
 
+    def features(self) -> dict[str, str]:
+        """The family features in words, for `jaxinfer info` and logs."""
+        scaling = self.rope_scaling
+        return {
+            "rope scaling": "none" if scaling is None else f"{scaling.kind} (factor {scaling.factor:g})",
+            "q/k/v bias": "yes" if self.attention_bias else "no",
+            "q/k norm": "yes" if self.qk_norm else "no",
+            "sliding window": "none" if self.sliding_window is None else f"{self.sliding_window} tokens (context kept within it)",
+        }
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         d, f, k = self.embed_dim, self.ffn_dim, self.head_dim
         attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += k * (self.num_heads + 2 * self.num_kv_heads) if self.attention_bias else 0
+        attn += 2 * k if self.qk_norm else 0
         per_layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
@@ -67,19 +130,23 @@ class ModelConfig:
 
 
 def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_context: int | None = None) -> ModelConfig:
-    """Convert a Hugging Face Llama `config.json` dict to a ModelConfig."""
+    """Convert a Hugging Face `config.json` dict (llama, mistral, qwen2, qwen3) to a ModelConfig.
+
+    A Mistral sliding window caps the default context at the window (inside it, full causal attention is
+    exact); asking for more is an error, because there is no sliding-window mask.
+    """
     if not isinstance(config, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads Llama-family models")
-    # transformers >= 5 nests rotary settings under `rope_parameters`; older files keep them at top level.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope scaling {rope_type!r}; only plain rotary embeddings are supported")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads {', '.join(ARCHITECTURES)}")
+    _check_hf_unsupported(config)
     num_heads = config["num_attention_heads"]
     embed_dim = config["hidden_size"]
+    # transformers >= 5 nests rotary settings under `rope_parameters`; older files keep them at top level.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    max_position = int(config.get("max_position_embeddings", 2048))
+    window = _hf_sliding_window(config)
     return ModelConfig(
         vocab_size=config["vocab_size"],
         num_layers=config["num_hidden_layers"],
@@ -89,12 +156,56 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or embed_dim // num_heads,
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
+        rope_scaling=rope_scaling_from_hf(rope, max_position),
+        attention_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases (and none on o)
+        qk_norm=model_type == "qwen3",
+        sliding_window=window,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_context=max_context or int(config.get("max_position_embeddings", 2048)),
+        max_context=max_context or (min(max_position, window) if window else max_position),
         dtype=dtype,
+        architecture=model_type,
         name=model_type,
     )
+
+
+def rope_scaling_from_hf(rope: dict[str, Any], max_position: int) -> RopeScaling | None:
+    """HF `rope_parameters` (or the older `rope_scaling`) -> RopeScaling; None for plain rotary."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind not in ROPE_TYPES[:3]:
+        raise ValueError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_TYPES[:3])}")
+    factor = float(rope["factor"])
+    if kind == "linear":
+        return RopeScaling(kind=kind, factor=factor)
+    if kind == "dynamic":  # transformers measures the growth against max_position_embeddings
+        return RopeScaling(kind=kind, factor=factor, original_max_position=max_position)
+    return RopeScaling(
+        kind=kind,
+        factor=factor,
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _hf_sliding_window(config: dict[str, Any]) -> int | None:
+    """The window a config really applies: Mistral's `sliding_window`; Qwen's only with `use_sliding_window`."""
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        return None
+    window = config.get("sliding_window")
+    return None if window is None else int(window)
+
+
+def _check_hf_unsupported(config: dict[str, Any]) -> None:
+    """Features of these families that jaxinfer does not run, named instead of silently dropped."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; jaxinfer runs SwiGLU (silu)")
+    if config.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias: true (biases on the MLP projections)")
+    if config.get("attention_bias") and config.get("model_type") != "qwen2":
+        raise ValueError("unsupported attention_bias: true (biases on q/k/v and the output projection)")
 
 
 def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: int = 10_000) -> tuple[int, ...]:

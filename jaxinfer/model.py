@@ -4,23 +4,29 @@ Axis letters used in every einsum, shape comment and jaxtyping annotation (here 
     B batch · T query tokens · S key/value tokens · D embed · H query heads · G kv heads
     Q query heads per kv head · K head dim · F ffn · V vocab · N layers · L page length
     P pages (of the pool, or of one block table) · X heads of either kind, H or G (rope takes both)
+    R rotary frequencies (K/2)
 A leading `#` (jaxtyping) means "that size or 1": `forward` returns [B, 1, V] with `logit_indices`.
 
 One `forward` serves the no-cache reference (cache=None), the dense cache of the reference generator
 and the paged pool of the engine: only the cache argument differs. Layers are stacked and run with
 `lax.scan`, so compile time does not grow with depth. The cache rides in the scan carry and each layer
 updates its own slice, which XLA does in place when the caller donates the cache.
+
+Family features are ModelConfig fields, each read by one function here: `rope_scaling` by
+`rotary_frequencies`, `attention_bias` and `qk_norm` by `attention_inputs`. Nothing branches on the
+architecture's name.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxinfer import attention
 from jaxinfer import kv_pool as kvp
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.params import LayerParams, Params
 
 
@@ -30,15 +36,72 @@ def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) ->
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: Float[Array, "B T X K"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T X K"]:
+def _llama3_divisors(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Llama 3 scaling as one divisor per frequency [R]: wavelengths longer than original context /
+    low_freq_factor are stretched by `factor`, those shorter than original / high_freq_factor are kept,
+    and the band between is blended linearly in 1/divisor."""
+    wavelength = 2 * np.pi / inv_freq
+    original = scaling.original_max_position
+    smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    divisors = 1.0 / ((1 - smooth) / scaling.factor + smooth)
+    divisors = np.where(wavelength > original / scaling.low_freq_factor, scaling.factor, divisors)
+    return np.where(wavelength < original / scaling.high_freq_factor, 1.0, divisors)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse rotary frequencies [R] (a host constant) after linear, llama3 or per-frequency scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [R]
+    divisors = {
+        "linear": lambda: np.full_like(inv_freq, scaling.factor),
+        "llama3": lambda: _llama3_divisors(inv_freq, scaling),
+        "frequency_factors": lambda: np.asarray(scaling.frequency_factors, np.float64),
+    }
+    if scaling is not None and scaling.kind in divisors:
+        inv_freq = inv_freq / divisors[scaling.kind]()
+    return inv_freq.astype(np.float32)
+
+
+def rotary_frequencies(positions: Int[Array, "B T"], cfg: ModelConfig) -> Float[Array, "#B R"]:
+    """Inverse frequencies of the rotary pairs for these rows, as `cfg.rope_scaling` says.
+
+    Dynamic (NTK) scaling grows the base with the row's length, max(position) + 1, once it passes the
+    original context, as transformers does per forward call; keys already cached keep the base they had.
+    """
+    inv_freq = jnp.asarray(_scaled_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))[None]  # [1, R]
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.kind != "dynamic":
+        return inv_freq
+    original, factor, dim = scaling.original_max_position, scaling.factor, cfg.head_dim
+    length = jnp.maximum(positions.max(axis=1) + 1, original).astype(jnp.float32)  # [B]
+    growth = (factor * length / original - (factor - 1)) ** (dim / (dim - 2))  # [B], base multiplier
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim  # [R]
+    return inv_freq * growth[:, None] ** -exponents[None]  # [B, R]
+
+
+def rope(x: Float[Array, "B T X K"], positions: Int[Array, "B T"], inv_freq: Float[Array, "#B R"]) -> Float[Array, "B T X K"]:
     """Rotary embedding in the rotate-half layout: pairs are (i, i + K/2). Angles in f32."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [K/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, K/2]
-    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # [B, T, 1, K/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[:, None, :]  # [B, T, R]
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # [B, T, 1, R]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def attention_inputs(
+    h: Float[Array, "B T D"], layer: LayerParams, positions: Int[Array, "B T"], inv_freq: Float[Array, "#B R"], cfg: ModelConfig
+) -> tuple[Float[Array, "B T H K"], Float[Array, "B T G K"], Float[Array, "B T G K"]]:
+    """q, k, v of one layer: projections, + biases (`attention_bias`), per-head RMSNorm of q and k
+    (`qk_norm`, before rope, as Qwen3 does), then rope on q and k."""
+    q = jnp.einsum("btd,dhk->bthk", h, layer.wq)  # [B, T, H, K]
+    k = jnp.einsum("btd,dgk->btgk", h, layer.wk)  # [B, T, G, K]
+    v = jnp.einsum("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
+    if cfg.attention_bias:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    if cfg.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
 
 def mlp(x: Float[Array, "B T D"], layer: LayerParams) -> Float[Array, "B T D"]:
@@ -47,14 +110,12 @@ def mlp(x: Float[Array, "B T D"], layer: LayerParams) -> Float[Array, "B T D"]:
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
-def _layer(carry, layer_and_index, *, positions, pages, cfg: ModelConfig, impl: str):
+def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConfig, impl: str):
     x, cache = carry  # x: [B, T, D]
     layer, index = layer_and_index
     with jax.named_scope("attention"):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q = rope(jnp.einsum("btd,dhk->bthk", h, layer.wq), positions, cfg.rope_theta)  # [B, T, H, K]
-        k = rope(jnp.einsum("btd,dgk->btgk", h, layer.wk), positions, cfg.rope_theta)  # [B, T, G, K]
-        v = jnp.einsum("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
+        q, k, v = attention_inputs(h, layer, positions, inv_freq, cfg)
         out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl)
         x = x + jnp.einsum("bthk,hkd->btd", out, layer.wo)
     with jax.named_scope("mlp"):
@@ -91,7 +152,8 @@ def forward(
       donate the cache rebind it at once.
     """
     x = params.embed[tokens]  # [B, T, D]
-    body = functools.partial(_layer, positions=positions, pages=pages, cfg=cfg, impl=attention_impl)
+    inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
+    body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     if logit_indices is not None:

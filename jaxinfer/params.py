@@ -28,6 +28,11 @@ class LayerParams:
     w_gate: jax.Array  # [N, D, F]
     w_up: jax.Array  # [N, D, F]
     w_down: jax.Array  # [N, F, D]
+    bq: jax.Array | None = None  # [N, H, K], only with cfg.attention_bias
+    bk: jax.Array | None = None  # [N, G, K]
+    bv: jax.Array | None = None  # [N, G, K]
+    q_norm: jax.Array | None = None  # [N, K], only with cfg.qk_norm
+    k_norm: jax.Array | None = None  # [N, K]
 
 
 @jax.tree_util.register_dataclass
@@ -40,9 +45,9 @@ class Params:
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each stacked layer weight."""
+    """Shape of each stacked layer weight the config has (biases and q/k norms only with their feature)."""
     n, d, h, g, k, f = cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
-    return {
+    shapes = {
         "attn_norm": (n, d),
         "wq": (n, d, h, k),
         "wk": (n, d, g, k),
@@ -53,6 +58,11 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w_up": (n, d, f),
         "w_down": (n, f, d),
     }
+    if cfg.attention_bias:
+        shapes.update(bq=(n, h, k), bk=(n, g, k), bv=(n, g, k))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(n, k), k_norm=(n, k))
+    return shapes
 
 
 def from_numpy(cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> Params:

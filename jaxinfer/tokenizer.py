@@ -1,37 +1,53 @@
 """Tokenizers built from GGUF metadata or a Hugging Face tokenizer.json, and chat templates.
 
-GGUF byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are rebuilt with the `tokenizers`
-library: token list, merges, token types (control tokens become special, matched in text as llama.cpp
-does with `special=True`), and the pre-tokenizer named by `tokenizer.ggml.pre`. Chat templates are the
-model's own Jinja text, rendered in a sandbox. The engine never sees text: it takes and returns ids.
+GGUF vocabularies are rebuilt with the `tokenizers` library, following llama.cpp's tokenizer:
+- `tokenizer.ggml.model == "gpt2"`: byte-level BPE from the token list and merges, split first by the
+  pre-tokenizer named in `tokenizer.ggml.pre` (an unknown name is an error naming it);
+- `"llama"`: SentencePiece BPE. Merges rank by the score of the merged piece (llama.cpp merges the
+  highest-scoring pair first), spaces become `▁` with one prefixed to each text fragment
+  (`add_space_prefix`), and characters outside the vocabulary fall back to `<0xXX>` byte tokens.
+Control tokens are special: matched whole in text when `parse_special` (llama.cpp's `special=True`);
+user-defined tokens are always matched. Chat templates are the model's own Jinja text, rendered in a
+sandbox with the globals transformers provides. The engine never sees text: it takes and returns ids.
 """
 
 import dataclasses
+import datetime
+import json
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Split patterns of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched whole in text
+_QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp token types (2 unknown, 6 byte: left to the BPE model)
+_SPACE = "\u2581"  # SentencePiece's visible space, ▁
+GGUF_PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm", "llama-bpe", "llama3", "smaug-bpe", "qwen2")
+
+
+def _split_then_bytes(pattern: str):
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _pre_tokenizer(name: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if name == "smollm":  # every digit on its own, then GPT-2 splitting
         digits = pre_tokenizers.Digits(individual_digits=True)
         return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     if name in ("gpt-2", "gpt2", "default"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if name in ("llama-bpe", "llama3", "smaug-bpe"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    raise ValueError(f"unsupported GGUF pre-tokenizer {name!r}; use a Hugging Face folder with tokenizer.json")
+        return _split_then_bytes(_LLAMA3_PATTERN)
+    if name == "qwen2":
+        return _split_then_bytes(_QWEN2_PATTERN)
+    raise ValueError(f"unsupported GGUF pre-tokenizer {name!r} (tokenizer.ggml.pre); supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +64,9 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; control tokens written in the text are matched only with `parse_special`."""
+        self.tokenizer.encode_special_tokens = not parse_special
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -57,18 +75,20 @@ class TextTokenizer:
     def decode(self, ids, *, skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables) -> str:
+        """The chat template rendered as transformers renders it (trim_blocks, lstrip_blocks, loop controls,
+        `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII); `variables` (for example
+        `date_string`) reach the template too. `bos_token` is in the text only where the template puts it."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         check_messages(messages)
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        template = env.from_string(self.chat_template)
+        template = _template_environment().from_string(self.chat_template)
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_id),
             eos_token=self._token_text(self.eos_id),
+            **variables,
         )
 
     def _token_text(self, token_id: int | None) -> str:
@@ -77,6 +97,18 @@ class TextTokenizer:
 
 def _raise_template_error(message: str):
     raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _template_environment() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
 
 def check_messages(messages) -> None:
@@ -88,28 +120,84 @@ def check_messages(messages) -> None:
 
 
 def from_gguf_reader(reader) -> TextTokenizer:
-    """Rebuild the tokenizer stored in GGUF metadata."""
+    """Rebuild the tokenizer stored in GGUF metadata (`tokenizer.ggml.*`)."""
     from jaxinfer.loading import gguf_field
 
     kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is built from GGUF")
+    if kind is None:
+        raise ValueError("the GGUF has no tokenizer (no tokenizer.ggml.model); pass token ids instead of text")
+    if kind not in _GGUF_BUILDERS:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE), llama (SentencePiece)")
     tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
-    types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(str(gguf_field(reader, "tokenizer.ggml.pre", "default")))
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
-    tokenizer.add_special_tokens(specials)
+    types = list(gguf_field(reader, "tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    tokenizer = _GGUF_BUILDERS[kind](reader, tokens, types)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
     return TextTokenizer(
         tokenizer=tokenizer,
         bos_id=_optional_int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
         eos_id=_optional_int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
-        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", _default_add_bos(reader, kind))),
         chat_template=gguf_field(reader, "tokenizer.chat_template"),
     )
+
+
+def _default_add_bos(reader, kind: str) -> bool:
+    """llama.cpp's default when the GGUF has no add_bos_token key: SentencePiece and Llama 3 add BOS."""
+    from jaxinfer.loading import gguf_field
+
+    return kind == "llama" or gguf_field(reader, "tokenizer.ggml.pre", "default") in ("llama-bpe", "llama3")
+
+
+def _byte_level_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
+    from jaxinfer.loading import gguf_field
+
+    pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    pre_tokenizer = _pre_tokenizer(pre)
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+    # Llama 3 emits a pre-token that is itself in the vocabulary without merging (llama.cpp ignore_merges).
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two pieces of the vocabulary, the merge of the best-scoring
+    merged piece first (ties: lower ids first). This is the order llama.cpp's SPM tokenizer merges in."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for merged_id, piece in enumerate(tokens):
+        if types[merged_id] not in (_NORMAL, _USER_DEFINED):
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                candidates.append((-scores[merged_id], merged_id, ids[left], ids[right], left, right))
+    candidates.sort()
+    return [(left, right) for *_, left, right in candidates]
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
+    from jaxinfer.loading import gguf_field
+
+    scores = [float(s) for s in gguf_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))]
+    unknown = _optional_int(gguf_field(reader, "tokenizer.ggml.unknown_token_id"))
+    bpe = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=_sentencepiece_merges(tokens, scores, types),
+        unk_token=None if unknown is None else tokens[unknown], byte_fallback=True, fuse_unk=True,
+    )
+    tokenizer = Tokenizer(bpe)
+    space_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    escape = normalizers.Replace(" ", _SPACE)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), escape]) if space_prefix else escape
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tokenizer
+
+
+_GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
 def _optional_int(value) -> int | None:
@@ -118,8 +206,6 @@ def _optional_int(value) -> int | None:
 
 def from_hf_folder(folder: Path) -> TextTokenizer:
     """tokenizer.json plus tokenizer_config.json (special tokens, chat template) from a HF folder."""
-    import json
-
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"{folder}: no tokenizer.json; pass token ids instead of text for this model")
@@ -148,4 +234,27 @@ def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:
     path = loading.resolve_model_path(model)
     if path.is_dir():
         return from_hf_folder(path)
-    return from_gguf_reader(loading.open_gguf(path))
+    reader = loading.open_gguf(path)
+    try:
+        return from_gguf_reader(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def describe_tokenizer(model: str | Path | None = None) -> str:
+    """The tokenizer kind of a model in words (for `jaxinfer info`), read from metadata without building it."""
+    from jaxinfer import loading
+
+    path = loading.resolve_model_path(model)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            return "none (no tokenizer.json)"
+        kind = json.loads((path / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("type", "?")
+        return f"tokenizer.json ({kind})"
+    reader = loading.open_gguf(path)
+    kind = loading.gguf_field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        return "none (no tokenizer.ggml metadata)"
+    size = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    names = {"llama": "SentencePiece BPE", "gpt2": f"byte-level BPE, pre-tokenizer {loading.gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
+    return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"

@@ -25,7 +25,7 @@ from jaxinfer import kv_pool as kvp
 
 PAGE = 8
 CHECKED = {
-    model: ("rms_norm", "rope", "mlp", "logits_from_hidden", "forward"),
+    model: ("rms_norm", "rotary_frequencies", "rope", "attention_inputs", "mlp", "logits_from_hidden", "forward"),
     attention: ("attend", "attention_reference", "attention_over_pages"),
 }
 
@@ -76,7 +76,7 @@ def test_forward_without_cache_passes_the_checker(tiny_llama, calls, with_logit_
     indices = jnp.array([4, 2], jnp.int32) if with_logit_indices else None
     logits, cache = model.forward(params, None, tokens, positions, cfg=cfg, logit_indices=indices)
     assert logits.shape == (2, 1 if with_logit_indices else 5, cfg.vocab_size) and cache is None
-    assert set(calls) == {"forward", "rms_norm", "rope", "mlp", "attend", "attention_reference", "logits_from_hidden"}
+    assert set(calls) == {"forward", "rms_norm", "rotary_frequencies", "rope", "attention_inputs", "mlp", "attend", "attention_reference", "logits_from_hidden"}
 
 
 @pytest.mark.parametrize("with_logit_indices", [False, True])
@@ -93,7 +93,7 @@ def test_forward_over_paged_pool_passes_the_checker_in_prefill_and_decode(tiny_l
     decode_pages = _paged_meta(tables, decode_positions)
     logits, pool = model.forward(params, pool, tokens[:, :1], jnp.asarray(decode_positions), cfg=cfg, pages=decode_pages)
     assert logits.shape == (2, 1, cfg.vocab_size)
-    assert {"forward", "rms_norm", "rope", "mlp", "attend", "attention_over_pages", "logits_from_hidden"} == set(calls)
+    assert {"forward", "rms_norm", "rotary_frequencies", "rope", "attention_inputs", "mlp", "attend", "attention_over_pages", "logits_from_hidden"} == set(calls)
 
 
 def test_forward_over_dense_cache_passes_the_checker_with_two_rows(tiny_llama, calls):
@@ -103,6 +103,33 @@ def test_forward_over_dense_cache_passes_the_checker_with_two_rows(tiny_llama, c
     logits, cache = model.forward(params, kvp.init_dense_cache(cfg, 2, 16), tokens, positions, cfg=cfg)
     assert logits.shape == (2, 6, cfg.vocab_size) and isinstance(cache, kvp.DenseKVCache)
     assert calls["attention_reference"] == 1
+
+
+@pytest.mark.parametrize("family", ["tiny_llama3", "tiny_llama_dynamic", "tiny_qwen2", "tiny_qwen3"])
+def test_family_features_pass_the_checker_without_cache_and_over_the_paged_pool(calls, family):
+    """Rope scaling (per-row frequencies when dynamic), q/k/v biases and q/k norm, each under beartype."""
+    from conftest import FIXTURES
+    from jaxinfer.loading import load_model
+
+    cfg, params = load_model(FIXTURES / family, max_context=256)
+    tokens, positions = _tokens(cfg, 2, 11)
+    logits, _ = model.forward(params, None, tokens, positions, cfg=cfg)
+    assert logits.shape == (2, 11, cfg.vocab_size)
+    tables = np.array([[3, 5, 0], [6, 1, 2]], np.int32)
+    pool = kvp.init_pool(cfg, 8, PAGE)
+    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=_paged_meta(tables, np.asarray(positions)))
+    assert logits.shape == (2, 11, cfg.vocab_size)
+    assert calls["attention_inputs"] == 2 and calls["rotary_frequencies"] == 2 and calls["rms_norm"] >= (10 if cfg.qk_norm else 6)
+
+
+def test_control_rotary_frequencies_claiming_one_row_per_batch_row_fails(tiny_llama, monkeypatch):
+    """Plain rope returns one shared row of frequencies ([1, R]); an annotation "B R" is caught."""
+    cfg, params = tiny_llama
+    wrong = _with_annotations(model.rotary_frequencies, return_=Float[Array, "B R"])
+    monkeypatch.setattr(model, "rotary_frequencies", jaxtyped(typechecker=beartype)(wrong))
+    tokens, positions = _tokens(cfg, 2, 3)
+    with pytest.raises(TypeCheckError, match="return"):
+        model.forward(params, None, tokens, positions, cfg=cfg)
 
 
 def test_control_old_forward_annotation_fails_with_logit_indices(tiny_llama):
@@ -161,5 +188,5 @@ def test_annotations_use_only_axes_declared_in_model_docstring(module, name):
 
 
 def test_control_undeclared_axis_is_reported():
-    assert _declared_axes() >= {"B", "T", "S", "D", "H", "G", "Q", "K", "F", "V", "N", "P", "L", "X"}
+    assert _declared_axes() >= {"B", "T", "S", "D", "H", "G", "Q", "K", "F", "V", "N", "P", "L", "X", "R"}
     assert _annotation_axes(_with_annotations(model.rope, x=Float[Array, "B T Y K"])) - _declared_axes() == {"Y"}

@@ -27,14 +27,15 @@ import numpy as np
 RTOL = 1e-4
 
 # What tests/reference/make_fixtures.py writes, relative to its --out directory.
+FAMILY_MODELS = ("tiny_llama", "tiny_llama3", "tiny_llama_linear", "tiny_llama_dynamic", "tiny_mistral", "tiny_qwen2", "tiny_qwen3")
 FIXTURE_FILES = (
     "smollm2_reference.npz",
     "smollm2_reference.json",
-    "tiny_llama_reference.npz",
-    "tiny_llama/config.json",
-    "tiny_llama/model.safetensors",
+    "chat_templates.json",
+    *(f"{name}_reference.npz" for name in FAMILY_MODELS),
+    *(f"{name}/{file}" for name in FAMILY_MODELS for file in ("config.json", "model.safetensors")),
 )
-FIXTURE_DIRS = ("tiny_llama",)
+FIXTURE_DIRS = FAMILY_MODELS
 
 
 def _rel_err(a: np.ndarray, b: np.ndarray) -> float:

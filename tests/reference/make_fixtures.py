@@ -9,6 +9,11 @@ Writes into DIR:
   smollm2_reference.json   prompt texts, model file, versions, dtype
   tiny_llama/              small random Llama: config.json + model.safetensors (float32)
   tiny_llama_reference.npz its logits for fixed id sequences
+  tiny_<family>/ + tiny_<family>_reference.npz   the same for each family in FAMILIES (Llama 3 rope
+                           scaling, linear and dynamic rope, Mistral, Qwen2, Qwen3), same layout
+  chat_templates.json      chat templates (from llama.cpp's models/templates in the cached
+                           llama-cpp-python sdist, plus tests/reference/templates) rendered by
+                           transformers' render_jinja_template, with the bos/eos text of a vocab GGUF
 
 npz layout (all arrays little-endian; tests/reference/compare.py says how a rebuild is compared
 with the committed files):
@@ -27,7 +32,7 @@ smollm2_reference.npz
   p{i}_greedy_top20_values float32[32, 20] top-20 logits of the step that chose greedy_ids[j]
   p{i}_greedy_top20_indices int32[32, 20]  (row 0 = position T-1 of the prompt forward)
 
-tiny_llama_reference.npz
+tiny_llama_reference.npz (and every tiny_<family>_reference.npz)
   num_sequences int64 scalar
   s{i}_ids      int32[T]
   s{i}_logits   float32[T, vocab]
@@ -183,9 +188,51 @@ TINY_CONFIG = dict(
     eos_token_id=2,
     pad_token_id=None,
 )
-TINY_SEQ_LENGTHS = (7, 33, 100)
+TINY_SEQ_LENGTHS = (7, 33, 100)  # ascending, so transformers' stateful dynamic rope equals a per-row one
 TINY_WEIGHT_STD = 0.05
 TINY_NORM_STD = 0.1
+
+# Each family's tiny model: (config class, model class, config overrides, rope_parameters). One sequence
+# (100 tokens) is longer than every scaled rope's original context (32), so scaling changes the logits.
+_BASE = {k: v for k, v in TINY_CONFIG.items() if k != "rope_theta"}
+FAMILIES = {
+    "tiny_llama": ("LlamaConfig", "LlamaForCausalLM", {}, {"rope_type": "default", "rope_theta": 50000.0}),
+    "tiny_llama3": ("LlamaConfig", "LlamaForCausalLM", {}, {
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "tiny_llama_linear": ("LlamaConfig", "LlamaForCausalLM", {}, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "tiny_llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", {"max_position_embeddings": 32}, {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+    "tiny_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 128}, {"rope_type": "default", "rope_theta": 1e6}),
+    "tiny_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True, "use_sliding_window": False}, {
+        "rope_type": "default", "rope_theta": 1e6}),
+    "tiny_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}, {
+        "rope_type": "default", "rope_theta": 1e6}),
+}
+_NOT_IN = {"Qwen2Config": ("attention_bias", "mlp_bias", "head_dim"), "MistralConfig": ("attention_bias", "mlp_bias"),
+           "Qwen3Config": ("mlp_bias",)}
+
+# Chat templates: (name, template file, vocab GGUF whose bos/eos text the template gets). Files named
+# "sdist:..." come from the cached llama-cpp-python sdist (llama.cpp's models/templates), the others
+# from tests/reference/templates (written from the models' published tokenizer_config.json).
+CHAT_TEMPLATES = (
+    ("llama-3.1", "sdist:meta-llama-Llama-3.1-8B-Instruct.jinja", "llama-bpe"),
+    ("llama-3.2", "sdist:meta-llama-Llama-3.2-3B-Instruct.jinja", "llama-bpe"),
+    ("qwen2.5", "sdist:Qwen-Qwen2.5-7B-Instruct.jinja", "qwen2"),
+    ("qwen3", "sdist:Qwen-Qwen3-0.6B.jinja", "qwen2"),
+    ("mistral-nemo", "sdist:mistralai-Mistral-Nemo-Instruct-2407.jinja", "llama-spm"),
+    ("llama-2", "llama-2-chat.jinja", "llama-spm"),
+    ("mistral-7b-v0.1", "mistral-7b-instruct-v0.1.jinja", "llama-spm"),
+)
+CHAT_CONVERSATIONS = (
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a prime."},
+     {"role": "assistant", "content": "Seven."}, {"role": "user", "content": "Another one, über-quick: ¿sí?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Write  two\nlines."}],
+)
+CHAT_DATE = "26 Jul 2024"  # Llama 3.x templates print a date; fixed so the fixture is reproducible
+SDIST_MODELS = Path(os.environ.get("JAXINFER_LLAMA_CPP_MODELS", "build/llama-cpp-python/models"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,19 +388,9 @@ def smollm2_fixtures(out: Path) -> None:
     (out / "smollm2_reference.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
 
 
-@torch.inference_mode()
-def tiny_llama_fixtures(out: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = dict(TINY_CONFIG)
-    rope_theta = cfg.pop("rope_theta")
-    config = LlamaConfig(
-        **cfg, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    # Fill every parameter ourselves (sorted by name, one seeded generator) so the weights do not
-    # depend on transformers' init code: matrices ~ N(0, 0.05), norm weights ~ 1 + N(0, 0.1).
+def _fill_weights(model) -> None:
+    """Fill every parameter ourselves (sorted by name, one seeded generator) so the weights do not depend
+    on transformers' init code: matrices and biases ~ N(0, 0.05), norm weights ~ 1 + N(0, 0.1)."""
     gen = torch.Generator().manual_seed(1234)
     params = dict(model.named_parameters())
     for name in sorted(params):
@@ -363,9 +400,21 @@ def tiny_llama_fixtures(out: Path) -> None:
             p.copy_(1.0 + TINY_NORM_STD * noise)
         else:
             p.copy_(TINY_WEIGHT_STD * noise)
-    assert model.config.rope_parameters["rope_theta"] == rope_theta
 
-    folder = out / "tiny_llama"
+
+@torch.inference_mode()
+def tiny_family_fixtures(out: Path, name: str) -> None:
+    import transformers
+
+    config_class, model_class, overrides, rope = FAMILIES[name]
+    fields = {k: v for k, v in {**_BASE, **overrides}.items() if k not in _NOT_IN.get(config_class, ())}
+    config = getattr(transformers, config_class)(**fields, rope_parameters=dict(rope))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+    _fill_weights(model)
+    assert model.config.rope_parameters["rope_type"] == rope["rope_type"]
+
+    folder = out / name
     if folder.exists():
         shutil.rmtree(folder)
     model.save_pretrained(folder, safe_serialization=True)
@@ -376,7 +425,8 @@ def tiny_llama_fixtures(out: Path) -> None:
     assert saved == ["config.json", "model.safetensors"], saved
 
     # Reload from disk to make sure the logits belong to exactly what was saved.
-    reloaded = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    loader = getattr(transformers, model_class)
+    reloaded = loader.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(42)
     arrays: dict[str, np.ndarray] = {"num_sequences": np.int64(len(TINY_SEQ_LENGTHS))}
     for i, n in enumerate(TINY_SEQ_LENGTHS):
@@ -386,20 +436,63 @@ def tiny_llama_fixtures(out: Path) -> None:
         assert torch.equal(logits, ref) or torch.allclose(logits, ref, rtol=1e-5, atol=1e-6)
         arrays[f"s{i}_ids"] = ids[0].numpy().astype(np.int32)
         arrays[f"s{i}_logits"] = logits.numpy().astype(np.float32)
-        print(f"  s{i} T={n:3d} logits std={logits.std().item():.3f}", flush=True)
-    write_npz(out / "tiny_llama_reference.npz", arrays)
+        print(f"  {name} s{i} T={n:3d} logits std={logits.std().item():.3f}", flush=True)
+    write_npz(out / f"{name}_reference.npz", arrays)
+
+
+def _vocab_special_text(vocab: str) -> tuple[str, str]:
+    import gguf
+
+    reader = gguf.GGUFReader(SDIST_MODELS / f"ggml-vocab-{vocab}.gguf")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    return tuple(tokens[int(reader.fields[f"tokenizer.ggml.{k}_token_id"].contents())] for k in ("bos", "eos"))
+
+
+def _template_text(file: str) -> str:
+    if file.startswith("sdist:"):
+        return (SDIST_MODELS / "templates" / file.removeprefix("sdist:")).read_text(encoding="utf-8")
+    return (Path(__file__).parent / "templates" / file).read_text(encoding="utf-8")
+
+
+def chat_template_fixtures(out: Path) -> None:
+    """Every template x conversation x add_generation_prompt, rendered by transformers (or the error
+    message the template raises, for conversations it refuses)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    cases, templates = [], {}
+    for name, file, vocab in CHAT_TEMPLATES:
+        templates[name] = template = _template_text(file)
+        bos, eos = _vocab_special_text(vocab)
+        for c, messages in enumerate(CHAT_CONVERSATIONS):
+            for generation_prompt in (True, False):
+                case = {"template": name, "vocab": vocab, "conversation": c, "add_generation_prompt": generation_prompt,
+                        "bos_token": bos, "eos_token": eos}
+                try:
+                    case["rendered"] = render_jinja_template(
+                        conversations=[messages], chat_template=template, add_generation_prompt=generation_prompt,
+                        bos_token=bos, eos_token=eos, date_string=CHAT_DATE,
+                    )[0][0]
+                except Exception as e:  # the template's raise_exception: our renderer must refuse it too
+                    case["error"] = str(e)
+                cases.append(case)
+        print(f"  chat template {name}: {len(CHAT_CONVERSATIONS) * 2} renderings", flush=True)
+    doc = {"date_string": CHAT_DATE, "conversations": list(CHAT_CONVERSATIONS), "templates": templates, "cases": cases}
+    (out / "chat_templates.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output directory")
-    ap.add_argument("--skip-smollm2", action="store_true", help="only build the tiny Llama fixtures")
+    ap.add_argument("--skip-smollm2", action="store_true", help="only build the tiny family and chat template fixtures")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     setup_determinism()
     t0 = time.perf_counter()
-    print(f"tiny_llama -> {args.out}", flush=True)
-    tiny_llama_fixtures(args.out)
+    for name in FAMILIES:
+        print(f"{name} -> {args.out}", flush=True)
+        tiny_family_fixtures(args.out, name)
+    print(f"chat templates -> {args.out}", flush=True)
+    chat_template_fixtures(args.out)
     if not args.skip_smollm2:
         print(f"smollm2 -> {args.out}", flush=True)
         smollm2_fixtures(args.out)
