@@ -193,11 +193,6 @@ class Request:
         """Token ids at positions [start, stop) of prompt + output."""
         return (self.prompt_ids + self.output_ids)[start:stop]
 
-    @property
-    def in_decode(self) -> bool:
-        """All tokens but the newest are in the pool: the next step decodes the newest one."""
-        return bool(self.output_ids) and self.num_computed_tokens == self.num_tokens - 1
-
 
 class BucketKey(NamedTuple):
     """The shape of a step's program: phase, rows, tokens per row, pages per row."""
