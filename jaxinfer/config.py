@@ -226,6 +226,7 @@ def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: in
 _DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
 _DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
+_DETERMINISTIC_ROWS = 8  # rows of every decode program in deterministic mode; more rows run as more programs
 
 
 def _block_multiples(max_pages: int) -> tuple[int, ...]:
@@ -270,8 +271,9 @@ class EngineConfig:
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
-    # Bitwise-reproducible logits whatever else runs: fixed rows and chunk per phase, blockwise attention,
-    # and preempted requests replay generated tokens through decode steps.
+    # Bitwise-reproducible logits whatever else runs: fixed rows and chunk per phase (decode steps of more
+    # rows run as several 8-row programs), blockwise attention, and preempted requests replay generated
+    # tokens through decode steps.
     deterministic: bool = False
     _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
 
@@ -316,12 +318,14 @@ class EngineConfig:
     def _derive_deterministic_tables(self) -> None:
         """Fixed row counts and chunk length, because XLA's CPU matmuls round differently for different
         row counts (measured); page widths stay bucketed (multiples of the attention block), because
-        attention_over_page_blocks is exact under extra masked blocks."""
+        attention_over_page_blocks is exact under extra masked blocks. Decode programs have one row count,
+        _DETERMINISTIC_ROWS (or max_num_seqs if smaller); the scheduler runs a larger decode batch as
+        several of them, so a padded 32-row program never runs for a few rows."""
         given = {name: getattr(self, name) for name in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, name) is not None}
         if given or self.prefill_seq_buckets != (1,):
             raise FieldError("deterministic", f"fixes the bucket tables itself; leave them unset (got {sorted(given) or ['prefill_seq_buckets']})")
         object.__setattr__(self, "prefill_chunk_buckets", (min(_DETERMINISTIC_CHUNK, self.max_prefill_tokens, self.max_context),))
-        object.__setattr__(self, "decode_batch_buckets", (self.max_num_seqs,))
+        object.__setattr__(self, "decode_batch_buckets", (min(_DETERMINISTIC_ROWS, self.max_num_seqs),))
         object.__setattr__(self, "decode_page_buckets", _block_multiples(self.max_context // self.page_size))
 
     def _check_tables(self) -> None:
@@ -332,7 +336,7 @@ class EngineConfig:
             if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
                 raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
             object.__setattr__(self, name, tuple(table))
-        if self.decode_batch_buckets[-1] < self.max_num_seqs:
+        if self.decode_batch_buckets[-1] < self.max_num_seqs and not self.deterministic:
             raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({self.max_num_seqs}); its largest is {self.decode_batch_buckets[-1]}")
         if self.prefill_chunk_buckets[-1] > min(self.max_prefill_tokens, self.max_context):
             raise FieldError("prefill_chunk_buckets", f"must not exceed max_prefill_tokens ({self.max_prefill_tokens}) or max_context ({self.max_context}); its largest is {self.prefill_chunk_buckets[-1]}")
@@ -351,6 +355,12 @@ class EngineConfig:
         # Tables the base derived from its limits are derived again from the new ones.
         fields = {n: None if n in base._derived else getattr(base, n) for n in names} | overrides
         return cls(**fields)
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows of the largest decode program; a decode batch with more rows runs as several programs
+        (only in deterministic mode: elsewhere the largest bucket reaches max_num_seqs)."""
+        return self.decode_batch_buckets[-1]
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -104,7 +104,7 @@ class Scheduler:
         prefill_rows = self._plan_prefill()
         plans = []
         for group in split_decode_rows(decode_rows, self._decode_cost):
-            plans.append(self._decode_plan(group))
+            plans += [self._decode_plan(piece) for piece in self._decode_programs(group)]
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
         self._record_utilization()
@@ -261,10 +261,15 @@ class Scheduler:
         max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r in requests)
         return rows, pad_to_bucket(max_pages, self.cfg.page_buckets)
 
+    def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
+        """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
+        size = self.cfg.max_decode_rows
+        return [requests[i : i + size] for i in range(0, len(requests), size)]
+
     def _decode_cost(self, requests: list[Request]) -> float:
-        """Modelled cost of one decode step: a fixed part (weights read once) plus rows x (pages + 2)."""
-        rows, width = self._decode_shape(requests)
-        return self.cfg.decode_split_overhead + rows * (width + 2)
+        """Modelled cost of decoding a group: per program, a fixed part (weights read once) plus rows x (pages + 2)."""
+        shapes = [self._decode_shape(piece) for piece in self._decode_programs(requests)]
+        return sum(self.cfg.decode_split_overhead + rows * (width + 2) for rows, width in shapes)
 
     def _decode_plan(self, requests: list[Request]) -> StepPlan:
         rows, width = self._decode_shape(requests)

@@ -18,7 +18,9 @@ NEEDLE = [(13 * i + 7) % 500 + 1 for i in range(37)]
 def engine_for(tiny_llama, compile_cache, deterministic: bool) -> Engine:
     cfg, params = tiny_llama
     engine_cfg = EngineConfig(
-        page_size=8, max_context=128, max_num_seqs=8, max_prefill_tokens=64, num_pages=24,  # 23 pages: forces preemption
+        # 16 sequences: deterministic decode runs them as two 8-row programs. The scheduler may use fewer
+        # pages than the pool holds (run_with_needle): 23 force preemption, 159 let 16 sequences decode.
+        page_size=8, max_context=128, max_num_seqs=16, max_prefill_tokens=64, num_pages=160,
         compilation_cache_dir=compile_cache, deterministic=deterministic,
         **({} if deterministic else dict(prefill_seq_buckets=(1, 2))),
     )
@@ -27,16 +29,20 @@ def engine_for(tiny_llama, compile_cache, deterministic: bool) -> Engine:
     return engine
 
 
-def run_with_needle(engine: Engine, others: list[list[int]], position: int, params: SamplingParams):
-    """The needle at `position` among `others`; returns (its tokens, its logits per drawn token, stats)."""
-    scheduler = Scheduler(engine.engine_cfg, engine.num_pages)
+def run_with_needle(engine: Engine, others: list[list[int]], position: int, params: SamplingParams, num_pages: int = 24):
+    """The needle at `position` among `others`; returns (its tokens, its logits per drawn token, stats);
+    stats gains `max_decoding`, the most requests in decode at once."""
+    scheduler = Scheduler(engine.engine_cfg, num_pages)
     prompts = others[:position] + [NEEDLE] + others[position:]
     for i, prompt in enumerate(prompts):
-        sp = params if i == position else SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i % 9, ignore_eos=True)
+        sp = params if i == position else SamplingParams(temperature=0.8, seed=i, max_tokens=8 + i % 13, ignore_eos=True)
         scheduler.add(Request(str(i), prompt, sp, seed=sp.seed if sp.seed is not None else i, arrival_index=i))
     drawn = []
+    scheduler.stats.max_decoding = 0
 
     def on_step(plan, tokens, _):
+        decoding = sum(scheduler._in_decode(r) for r in scheduler.running)
+        scheduler.stats.max_decoding = max(scheduler.stats.max_decoding, decoding)
         for row, rid in enumerate(plan.request_ids):
             if rid == str(position) and plan.samples[row]:
                 drawn.append(engine.last_logits[row].copy())
@@ -65,16 +71,18 @@ def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(tiny
     engine = engine_for(tiny_llama, compile_cache, deterministic=True)
     tokens, alone, _ = run_with_needle(engine, [], 0, params)
     rng = np.random.default_rng(0)
-    hits = preemptions = 0
+    hits = preemptions = max_decoding = 0
     for trial in range(6):
         others = random_others(rng, int(rng.integers(2, 20)))
         position = int(rng.integers(0, len(others) + 1))
-        crowd_tokens, crowd, stats = run_with_needle(engine, others, position, params)
+        crowd_tokens, crowd, stats = run_with_needle(engine, others, position, params, num_pages=(24, 160)[trial % 2])
         hits += stats.prefix_cache_hits
         preemptions += stats.num_preemptions
+        max_decoding = max(max_decoding, stats.max_decoding)
         assert crowd_tokens == tokens, f"trial {trial}"
         assert len(crowd) == len(alone) and all(np.array_equal(a, b) for a, b in zip(alone, crowd)), f"trial {trial}: max |diff| {max_difference(alone, crowd)}"
     assert hits > 0 and preemptions > 0, "the trials were meant to include cache hits and preemptions"
+    assert max_decoding > engine.engine_cfg.max_decode_rows, "the trials were meant to split a decode batch into programs"
 
 
 def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compile_cache, record_property):
@@ -94,6 +102,7 @@ def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compi
 def test_deterministic_mode_fixes_the_tables_and_refuses_given_ones():
     cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=8, deterministic=True, compilation_cache_dir=None)
     assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.page_buckets) == ((64,), (1,), (8,), (8, 16))
+    assert EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True).max_decode_rows == 8
     with pytest.raises(ValueError, match="deterministic fixes the bucket tables"):
         EngineConfig(deterministic=True, decode_batch_buckets=(4, 32))
 
@@ -113,3 +122,27 @@ def test_blockwise_attention_matches_attention_over_pages_and_ignores_extra_mask
     np.testing.assert_allclose(blocked, np.asarray(attention_over_pages(q, k_pages, v_pages, positions)), rtol=2e-5, atol=2e-6)
     narrow = np.asarray(attention_over_page_blocks(q, k_pages[:, :, :8], v_pages[:, :, :8], positions))
     assert np.array_equal(blocked, narrow), "a wholly masked block changed the output"
+
+
+def test_deterministic_decode_batches_run_as_programs_of_eight_rows():
+    """20 decoding requests: every iteration plans each of them once, in decode programs of 8 rows."""
+    from jaxinfer.block_pool import BlockPool
+
+    cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True, compilation_cache_dir=None)
+    scheduler = Scheduler(cfg, 200, block_pool=BlockPool(200))
+    for i in range(20):
+        scheduler.add(Request(str(i), list(range(1, 4 + i)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), seed=i, arrival_index=i))
+    decode_iterations = 0
+    while scheduler.has_work():
+        plans = scheduler.schedule()
+        decode_ids = [rid for plan in plans if plan.phase == "decode" for rid, n in zip(plan.request_ids, plan.num_new_tokens) if n]
+        assert len(decode_ids) == len(set(decode_ids))
+        assert all(plan.bucket.num_rows == 8 for plan in plans if plan.phase == "decode")
+        if len(decode_ids) == 20:
+            decode_iterations += 1
+            assert sum(plan.phase == "decode" for plan in plans) == 3
+        for plan in plans:
+            for request in scheduler.update(plan, np.ones(plan.bucket.num_rows, np.int32)):
+                if len(request.output_ids) == request.params.max_tokens:
+                    scheduler.finish(request, "length")
+    assert decode_iterations > 0
