@@ -2,8 +2,12 @@
 
 `attend` writes this step's keys and values into the cache (dense slab, paged pool, or none) and
 attends over everything the sequence has so far. The math is `attention_reference`, pure jnp in f32;
-on a GPU, single-token decode over the paged pool goes to the Pallas Mosaic GPU kernel in
+on a GPU, single-token 16-bit decode over the paged pool goes to the Pallas Mosaic GPU kernel in
 kernels_pallas/ instead. The model never imports a kernel directly.
+
+Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deterministic=True)`)
+keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
+jnp paths become `attention_over_page_blocks`, and the kernel runs its fixed-split config.
 
 Masking is causal by position: key slot s is visible to a query at position p iff s <= p. Masked scores
 take a large finite negative value, never -inf, so rows with nothing visible stay finite.
@@ -19,12 +23,25 @@ from jaxinfer.config import ATTENTION_IMPLS
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def resolve_impl(impl: str) -> str:
-    """'auto' picks the Pallas kernel on a GPU and the jnp reference elsewhere."""
+DETERMINISTIC_IMPL = "deterministic"  # deterministic mode, jnp only: attention_over_page_blocks
+DETERMINISTIC_PALLAS_IMPL = "deterministic_pallas"  # ... with the kernel's deterministic config in decode
+_KERNEL_IMPLS = ("pallas", DETERMINISTIC_PALLAS_IMPL)
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def resolve_impl(impl: str, *, deterministic: bool = False, dtype=None) -> str:
+    """The impl `attend` runs for an EngineConfig.attention_impl: 'reference' or 'pallas', or in
+    deterministic mode DETERMINISTIC_IMPL or DETERMINISTIC_PALLAS_IMPL.
+
+    'auto' picks the Pallas kernel on a GPU, unless `dtype` (the model's, if known) is not 16-bit,
+    and the jnp reference elsewhere."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        kernel_dtype = dtype is None or jnp.dtype(dtype) in _KERNEL_DTYPES
+        impl = "pallas" if jax.default_backend() == "gpu" and kernel_dtype else "reference"
+    if deterministic:
+        return DETERMINISTIC_PALLAS_IMPL if impl == "pallas" else DETERMINISTIC_IMPL
     return impl
 
 
@@ -69,13 +86,12 @@ def attend(
     if pages is None:
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
-    if impl == DETERMINISTIC_IMPL:
-        k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
-        return attention_over_page_blocks(q, k_pages, v_pages, positions), cache
+    deterministic = impl in (DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL)
     if _use_kernel(impl, q):
-        return _attend_pallas(q, cache, layer, positions, pages), cache
+        return _attend_pallas(q, cache, layer, positions, pages, deterministic=deterministic), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
-    return attention_over_pages(q, k_pages, v_pages, positions), cache
+    over_pages = attention_over_page_blocks if deterministic else attention_over_pages
+    return over_pages(q, k_pages, v_pages, positions), cache
 
 
 def attention_over_pages(
@@ -99,7 +115,6 @@ def attention_over_pages(
     return out.reshape(b, t, h, k).astype(q.dtype)
 
 
-DETERMINISTIC_IMPL = "deterministic"  # the engine's deterministic mode: attention_over_page_blocks
 PAGES_PER_BLOCK = 8  # pages per online-softmax block of attention_over_page_blocks
 
 
@@ -143,15 +158,16 @@ def attention_over_page_blocks(
 
 
 def _use_kernel(impl: str, q: jax.Array) -> bool:
-    """The kernel serves single-token decode in 16-bit dtypes; 'auto' falls back to the reference for
-    f32 (the kernel's tensor-core matmuls would round f32 to tf32), an explicit 'pallas' refuses."""
-    if resolve_impl(impl) != "pallas" or q.shape[1] != 1:
+    """The kernel serves single-token decode in 16-bit dtypes (in deterministic mode too: prefill stays
+    on attention_over_page_blocks); 'auto' falls back to the reference for f32 (the kernel's tensor-core
+    matmuls would round f32 to tf32), a resolved 'pallas' refuses."""
+    if impl == "auto":
+        impl = resolve_impl(impl, dtype=q.dtype)
+    if impl not in _KERNEL_IMPLS or q.shape[1] != 1:
         return False
-    if q.dtype in (jnp.bfloat16, jnp.float16):
-        return True
-    if impl == "pallas":
+    if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the Pallas decode kernel needs bfloat16 or float16, got {q.dtype}; use dtype='bfloat16' or attention_impl='reference'")
-    return False
+    return True
 
 
 def _attend_slots(q, keys, values, positions):
@@ -160,11 +176,16 @@ def _attend_slots(q, keys, values, positions):
     return attention_reference(q, keys, values, positions, slots)
 
 
-def _attend_pallas(q, pool, layer, positions, pages):
-    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written."""
+def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
+    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. In
+    deterministic mode the kernel's splits have a fixed size (its tuned split count follows the batch)."""
     from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
 
+    config = None  # the tuned table's, for this batch and page width
+    if deterministic:
+        group_size = q.shape[2] // pool.k.shape[1]  # pool.k: [layers, G, P, K, L]
+        config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
     out = kernel.paged_attention(
-        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1
+        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, config=config
     )  # [B, H, K]
     return out[:, None]

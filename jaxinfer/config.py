@@ -299,8 +299,7 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("deterministic", self.deterministic)
-        if self.deterministic and self.attention_impl == "pallas":  # its split count follows the batch (issue 10)
-            raise FieldError("attention_impl", "'pallas' is not batch-invariant yet; deterministic mode uses the jnp reference ('auto')")
+        # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
 
     def _derive_tables(self) -> None:
         unset = tuple(n for n in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, n) is None)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxinfer import kv_pool as kvp
 from jaxinfer import model, sampling
-from jaxinfer.attention import DETERMINISTIC_IMPL, resolve_impl
+from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
 from jaxinfer.request import FieldError, StepPlan
@@ -134,8 +134,9 @@ class Engine:
         if engine_cfg.max_context > cfg.max_context:
             raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
-        # Deterministic mode keeps the jnp reference even on a GPU: the kernel's split count follows the batch.
-        self.impl = DETERMINISTIC_IMPL if engine_cfg.deterministic else resolve_impl(engine_cfg.attention_impl)
+        # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
+        # runs its fixed-split config, and everything else attention_over_page_blocks.
+        self.impl = resolve_impl(engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.num_pages = resolve_num_pages(cfg, engine_cfg, jax.devices()[0])
         self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size)

@@ -18,9 +18,12 @@ L page length; M is the block-table width, max pages per sequence):
 Dataflow: grid (G, B, num_splits). A program loads the group's query rows, zero-padded to the
 64-row wgmma tile, then streams its split's KV blocks through a ring of SMEM slots filled by TMA,
 runs an online softmax in f32, and writes a normalized partial output with its log2-sum-exp.
-XLA merges the splits. Invariants: masked scores use the finite MASK_VALUE, never -inf; a
-program whose split starts past the sequence loads nothing and writes zeros with lse =
-MASK_VALUE; only pages below the sequence length are ever read, so padding entries are not.
+XLA merges the splits. Deterministic mode (`deterministic_config`) fixes the pages per split,
+so a split's work depends only on its own sequence, and merges the splits in a fixed order: a
+sequence's output is then bitwise the same whatever the batch, its row and the table width.
+Invariants: masked scores use the finite MASK_VALUE, never -inf; a program whose split starts
+past the sequence loads nothing and writes zeros with lse = MASK_VALUE; only pages below the
+sequence length are ever read, so padding entries are not.
 """
 
 import dataclasses
@@ -52,6 +55,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (64, 128)
 SMEM_LIMIT_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200 (sm_90)
 NUM_SMS = 132  # H100/H200 SXM; the split table aims for >= 2 programs per SM
+MAX_SPLITS = 256  # splits per (sequence, kv head)
+DETERMINISTIC_SPLIT_TOKENS = 512  # tokens per split of `deterministic_config` (4 blocks of 128)
 _LOG2E = math.log2(math.e)
 _WGMMA_ROWS = 64  # one warpgroup's wgmma M
 _SWIZZLE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -66,10 +71,11 @@ def _paged_attention_kernel(
     """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
 
     q_ref [B, G, Gp, K] · k_ref [G, P, K, L] · v_ref [G, P, L, K] · block_tables_ref [B, M]
-    lengths_ref [B] · out_ref [B, G, S, group, K] (f32; q.dtype when S == 1) · lse_ref
-    [B, G, S, R] f32 or None · q_smem [R, K] · v_smem [depth, N, K] · p_smem [R, N], with
-    N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L], (o_smem [R, K], lse_smem
-    [R])): the output buffers reuse the K ring, which is dead once the loop has ended.
+    lengths_ref [B] · out_ref [B, G, S, group, K] (f32; q.dtype when lse_ref is None) · lse_ref
+    [B, G, S, R] f32 (None: one split, not deterministic) · q_smem [R, K] · v_smem [depth, N, K]
+    · p_smem [R, N], with N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L],
+    (o_smem [R, K], lse_smem [R])): the output buffers reuse the K ring, which is dead once the
+    loop has ended.
     """
     k_smem, (o_smem, lse_smem) = ring_union
     num_rows, head_dim = q_smem.shape
@@ -179,19 +185,51 @@ class PagedAttentionConfig:
     pages_per_block: int = 1  # pages per KV block (one ring slot); the PV wgmma's K dimension
     pipeline_depth: int = 2  # SMEM ring slots: KV blocks in flight while one is computed
     block_h: int = _WGMMA_ROWS  # query rows per program; a kv head's group is padded to it
+    # Deterministic mode: pages per split, fixed, so the split count follows the table width
+    # alone (num_splits stays 1) and splits merge in a fixed order; see `deterministic_config`.
+    pages_per_split: int | None = None
 
     def __post_init__(self):
         for name in ("num_splits", "pages_per_block", "pipeline_depth", "block_h"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive int")
-        if self.num_splits > 256:
-            raise ValueError(f"{self.num_splits=} must be <= 256")
+        if self.num_splits > MAX_SPLITS:
+            raise ValueError(f"{self.num_splits=} must be <= {MAX_SPLITS}")
+        if self.pages_per_split is not None:
+            if not isinstance(self.pages_per_split, int) or self.pages_per_split < 1:
+                raise ValueError(f"{self.pages_per_split=} must be a positive int or None")
+            if self.pages_per_split % self.pages_per_block:  # no block may straddle two splits
+                raise ValueError(f"{self.pages_per_split=} must be a multiple of "
+                                 f"{self.pages_per_block=}")
+            if self.num_splits != 1:
+                raise ValueError(f"{self.num_splits=} must stay 1 with {self.pages_per_split=}: "
+                                 "the split count then follows the block-table width")
         if self.pages_per_block not in (1, 2, 4):
             raise ValueError(f"{self.pages_per_block=} must be 1, 2 or 4")
         if not 2 <= self.pipeline_depth <= 6:
             raise ValueError(f"{self.pipeline_depth=} must be in [2, 6]")
         if self.block_h != _WGMMA_ROWS:
             raise ValueError(f"{self.block_h=} must be {_WGMMA_ROWS}, one warpgroup's wgmma M")
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether a sequence's output is independent of the batch, its row and the table width."""
+        return self.pages_per_split is not None
+
+    def split_layout(self, max_pages: int) -> tuple[int, int]:
+        """(num_splits, pages_per_split) over a block table of `max_pages` pages (static).
+
+        Raises:
+          ValueError: if a fixed pages_per_split needs more than MAX_SPLITS splits.
+        """
+        if self.pages_per_split is None:  # equal splits of the table, whole blocks each
+            num_blocks = -(-max_pages // self.pages_per_block)
+            return self.num_splits, -(-num_blocks // self.num_splits) * self.pages_per_block
+        num_splits = -(-max_pages // self.pages_per_split)
+        if num_splits > MAX_SPLITS:
+            raise ValueError(f"{max_pages=} needs {num_splits} splits of {self.pages_per_split} "
+                             f"pages; at most {MAX_SPLITS}")
+        return num_splits, self.pages_per_split
 
     def smem_bytes(self, head_dim: int, page_size: int, itemsize: int = 2) -> int:
         """Shared memory one program allocates (the output aliases the K ring)."""
@@ -221,11 +259,14 @@ class TunedEntry:
     config: PagedAttentionConfig
 
 
+# (head_dim, page_size) -> (pages_per_block, pipeline_depth). Seeded, not yet measured (no GPU in
+# the session that wrote it): every block is 128 tokens, the ring holds 2-3 blocks in 122-162 KiB
+# of SMEM. experiments/device_check.py times alternatives.
+_BLOCKING = {(64, 64): (2, 3), (64, 128): (1, 3), (128, 64): (2, 2), (128, 128): (1, 2)}
+
+
 def _build_tuned_table() -> tuple[TunedEntry, ...]:
-    # Seeded, not yet measured (no GPU in the session that wrote it): every block is 128 tokens,
-    # the ring holds 2-3 blocks in 122-162 KiB of SMEM, and splits aim at >= 2 * NUM_SMS
-    # programs with >= 2 blocks per split. experiments/device_check.py times alternatives.
-    blocking = {(64, 64): (2, 3), (64, 128): (1, 3), (128, 64): (2, 2), (128, 128): (1, 2)}
+    # Splits aim at >= 2 * NUM_SMS programs with >= 2 blocks per split.
     inf = 2**31 - 1
     context_bounds = (1024, 4096, 16384, inf)
     splits_by_rows = {8: (4, 16, 32, 32), 32: (4, 8, 16, 16), 128: (2, 4, 4, 8),
@@ -233,7 +274,7 @@ def _build_tuned_table() -> tuple[TunedEntry, ...]:
     return tuple(
         TunedEntry(head_dim, page_size, max_rows, max_context, PagedAttentionConfig(
             num_splits=splits, pages_per_block=pages_per_block, pipeline_depth=depth))
-        for (head_dim, page_size), (pages_per_block, depth) in blocking.items()
+        for (head_dim, page_size), (pages_per_block, depth) in _BLOCKING.items()
         for max_rows, row_splits in splits_by_rows.items()
         for max_context, splits in zip(context_bounds, row_splits))
 
@@ -248,9 +289,7 @@ def config_for(batch: int, max_pages: int, num_kv_heads: int, group_size: int, h
     Raises:
       ValueError: if the sizes are unsupported by the kernel.
     """
-    if head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
-                         f"{SUPPORTED_PAGE_SIZES}")
+    _check_sizes(head_dim, page_size)
     rows, context = batch * num_kv_heads, max_pages * page_size
     entry = next(e for e in TUNED_TABLE if (e.head_dim, e.page_size) == (head_dim, page_size)
                  and rows <= e.max_rows and context <= e.max_context)
@@ -258,6 +297,32 @@ def config_for(batch: int, max_pages: int, num_kv_heads: int, group_size: int, h
     config = dataclasses.replace(entry.config, num_splits=min(entry.config.num_splits, num_blocks))
     config.check_shapes(head_dim, page_size, group_size)
     return config
+
+
+def deterministic_config(head_dim: int, page_size: int, group_size: int) -> PagedAttentionConfig:
+    """The config of deterministic mode: the tuned table's blocking, DETERMINISTIC_SPLIT_TOKENS per
+    split whatever the batch or the table width (all arguments are static sizes).
+
+    A split's partial output then depends only on its own sequence's pages, and the merge folds the
+    splits left to right, so a sequence's output is bitwise the same in any batch, at any row and
+    under any table width (extra trailing splits are empty and skipped). Fewer splits than the
+    tuned table gives at a small batch: parallelism is traded for invariance.
+
+    Raises:
+      ValueError: if the sizes are unsupported by the kernel.
+    """
+    _check_sizes(head_dim, page_size)
+    pages_per_block, depth = _BLOCKING[(head_dim, page_size)]
+    config = PagedAttentionConfig(pages_per_block=pages_per_block, pipeline_depth=depth,
+                                  pages_per_split=DETERMINISTIC_SPLIT_TOKENS // page_size)
+    config.check_shapes(head_dim, page_size, group_size)
+    return config
+
+
+def _check_sizes(head_dim: int, page_size: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
+                         f"{SUPPORTED_PAGE_SIZES}")
 
 
 def validate_block_tables(block_tables, num_pages: int, lengths=None, page_size: int | None = None
@@ -312,22 +377,23 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths) -> tuple[int, int]
 def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, config,
                               interpret):
     """Runs the kernel. Returns (out [B, G, S, group, K], lse [B, G, S, R] in log2 units | None);
-    out is f32 normalized per split when S > 1, and the final q.dtype output when S == 1."""
+    out is f32 normalized per split when there is an lse, and the final q.dtype output when not:
+    one split outside deterministic mode (which always merges, so that one split and several
+    take the same path)."""
     batch, _, head_dim = q.shape
     num_kv_heads, _, _, page_size = k_pages.shape
     group_size = q.shape[1] // num_kv_heads
-    num_splits, pages_per_block, depth = (
-        config.num_splits, config.pages_per_block, config.pipeline_depth)
+    pages_per_block, depth = config.pages_per_block, config.pipeline_depth
+    num_splits, pages_per_split = config.split_layout(block_tables.shape[1])
     num_rows, block_kv = config.block_h, pages_per_block * page_size
     padded_group = -(-group_size // 8) * 8  # the TMA box into the 8-row-tiled q_smem
     q_packed = q.reshape(batch, num_kv_heads, group_size, head_dim)  # [B, G, group, K]
     q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_group - group_size), (0, 0)))
-    num_blocks = -(-block_tables.shape[1] // pages_per_block)
-    pages_per_split = -(-num_blocks // num_splits) * pages_per_block
-    out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    with_lse = num_splits > 1 or config.deterministic
+    out_dtype = jnp.float32 if with_lse else q.dtype
     out_type = [jax.ShapeDtypeStruct(
         (batch, num_kv_heads, num_splits, group_size, head_dim), out_dtype)]
-    if num_splits > 1:
+    if with_lse:
         out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, num_rows), jnp.float32))
     smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=_SWIZZLE)
     scratch = [
@@ -343,7 +409,7 @@ def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_
     body = functools.partial(
         _paged_attention_kernel, group_size=group_size, pages_per_split=pages_per_split,
         pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale)
-    if num_splits == 1:
+    if not with_lse:
         body = functools.partial(lambda f, *refs: f(*refs[:6], None, *refs[6:]), body)
     # A fresh plgpu.kernel per config: a reused kernel can keep its first grid (jax-ml/jax#40847).
     kernel = plgpu.kernel(
@@ -352,7 +418,7 @@ def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None)
     outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths)
-    return outs[0], (outs[1] if num_splits > 1 else None)
+    return outs[0], (outs[1] if with_lse else None)
 
 
 def _merge_splits(out, lse):
@@ -360,6 +426,33 @@ def _merge_splits(out, lse):
     lse = lse[..., : out.shape[3]]  # [B, G, S, group]
     weight = jnp.exp2(lse - lse.max(axis=2, keepdims=True))  # an empty split weighs exactly 0
     return (out * weight[..., None]).sum(axis=2) / weight.sum(axis=2)[..., None]
+
+
+def _merge_splits_in_order(out, lse):
+    """`_merge_splits` as a left-to-right fold over the splits (deterministic mode).
+
+    XLA may reassociate a reduction over the split axis differently for another split count, so
+    the sum is a sequential loop instead, and a split of weight 0 (an empty trailing split, or
+    one whose weight underflows) is skipped rather than added as +0, which would also turn a
+    -0.0 into +0.0. The max is exact in any order. So a sequence's result is the fold over its own
+    nonempty splits only, whatever the table width. Shapes as in `_merge_splits`.
+    """
+    lse = lse[..., : out.shape[3]]  # [B, G, S, group]
+    weights = jnp.exp2(lse - lse.max(axis=2, keepdims=True))  # [B, G, S, group]
+
+    def add_split(carry, split):
+        total, weight_sum = carry  # [B, G, group, K], [B, G, group]
+        split_out, weight = split  # [B, G, group, K], [B, G, group]
+        used = weight > 0
+        total = jnp.where(used[..., None], total + split_out * weight[..., None], total)
+        return (total, jnp.where(used, weight_sum + weight, weight_sum)), None
+
+    # Split 0 holds the first page, so it always counts (a padding row, all weights 1 and zero
+    # outputs, merges to 0 at any width).
+    first = (out[:, :, 0] * weights[:, :, 0, :, None], weights[:, :, 0])
+    rest = (jnp.moveaxis(out[:, :, 1:], 2, 0), jnp.moveaxis(weights[:, :, 1:], 2, 0))  # [S-1, ...]
+    (total, weight_sum), _ = lax.scan(add_split, first, rest)
+    return total / weight_sum[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
@@ -370,7 +463,8 @@ def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
                                          sm_scale=sm_scale, config=config, interpret=interpret)
     if lse is None:
         return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
-    return _merge_splits(out, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    merge = _merge_splits_in_order if config.deterministic else _merge_splits
+    return merge(out, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 def paged_attention(
@@ -392,7 +486,8 @@ def paged_attention(
       block_tables: int32 page ids per sequence, padded with page 0 (the null page).
       lengths: int32 valid tokens per sequence, in [0, M * L]; 0 gives a zero output row.
       sm_scale: static softmax scale; default 1 / sqrt(K).
-      config: static kernel knobs; default `config_for(...)` of these shapes.
+      config: static kernel knobs; default `config_for(...)` of these shapes. Pass
+        `deterministic_config(...)` for a result independent of the batch and the table width.
       interpret: False on GPU; an `InterpretGPUParams` (or True) runs the GPU interpreter on CPU.
 
     Returns:
@@ -414,10 +509,10 @@ def paged_attention(
     if config is None:
         config = config_for(batch, block_tables.shape[1], num_kv_heads, group_size, head_dim,
                             page_size)
-    elif head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
-                         f"{SUPPORTED_PAGE_SIZES}")
+    else:
+        _check_sizes(head_dim, page_size)
     config.check_shapes(head_dim, page_size, group_size)
+    config.split_layout(block_tables.shape[1])  # raises if a fixed split size needs too many splits
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()

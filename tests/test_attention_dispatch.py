@@ -1,6 +1,7 @@
 """attention.py's back ends against each other: the Pallas decode kernel (GPU interpreter on CPU) and
-the jnp reference inside the real model forward over the paged pool; and the two jnp references, the
-engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
+the jnp reference inside the real model forward over the paged pool; the impl rule (`resolve_impl`) and
+deterministic mode's dispatch (kernel in decode, blockwise jnp in prefill); and the two jnp references,
+the engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
 
 import dataclasses
 
@@ -13,7 +14,7 @@ from beartype import beartype
 from jaxtyping import jaxtyped
 
 from jaxinfer import kv_pool as kvp
-from jaxinfer.attention import attention_over_pages
+from jaxinfer.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages, resolve_impl
 from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward
 from jaxinfer.params import init_random
@@ -26,8 +27,8 @@ PAGE = 64
 CFG = ModelConfig(vocab_size=256, num_layers=2, embed_dim=192, ffn_dim=256, num_heads=9, num_kv_heads=3, head_dim=64, dtype="bfloat16", max_context=256)
 
 
-def prefill_then_decode(impl: str, params, prompt_lengths):
-    """Prefill two sequences with the reference path, then one decode step with `impl`."""
+def prefill_then_decode(impl: str, params, prompt_lengths, prefill_impl: str = "reference"):
+    """Prefill two sequences with `prefill_impl`, then one decode step with `impl`."""
     pool = kvp.init_pool(CFG, 8, PAGE)
     tables = np.array([[3, 5, 0, 0], [6, 1, 2, 0]], np.int32)  # shuffled pages, null-padded
     rng = np.random.default_rng(0)
@@ -35,7 +36,7 @@ def prefill_then_decode(impl: str, params, prompt_lengths):
         positions = np.arange(length, dtype=np.int32)[None]
         meta = kvp.PageMeta(tables[row : row + 1], tables[row][positions // PAGE], positions % PAGE)
         tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (1, length)), jnp.int32)
-        _, pool = forward(params, pool, tokens, jnp.asarray(positions), cfg=CFG, pages=meta)
+        _, pool = forward(params, pool, tokens, jnp.asarray(positions), cfg=CFG, pages=meta, attention_impl=prefill_impl)
     positions = np.array([[n] for n in prompt_lengths], np.int32)
     meta = kvp.PageMeta(tables, np.take_along_axis(tables, positions // PAGE, 1), positions % PAGE)
     logits, _ = forward(params, pool, jnp.array([[7], [9]], jnp.int32), jnp.asarray(positions), cfg=CFG, pages=meta, attention_impl=impl)
@@ -60,6 +61,40 @@ def test_explicit_pallas_refuses_float32():
     meta = kvp.PageMeta(jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
     with pytest.raises(ValueError, match="needs bfloat16 or float16"):
         forward(params, pool, jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cfg=cfg, pages=meta, attention_impl="pallas")
+
+
+def test_resolve_impl_picks_the_kernel_for_16_bit_on_a_gpu_in_both_modes(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    expected = {  # (attention_impl, dtype) -> (normal mode, deterministic mode)
+        ("auto", "bfloat16"): ("pallas", DETERMINISTIC_PALLAS_IMPL),
+        ("auto", "float32"): ("reference", DETERMINISTIC_IMPL),
+        ("pallas", "float16"): ("pallas", DETERMINISTIC_PALLAS_IMPL),
+        ("reference", "bfloat16"): ("reference", DETERMINISTIC_IMPL),
+    }
+    for (impl, dtype), modes in expected.items():
+        assert tuple(resolve_impl(impl, deterministic=d, dtype=dtype) for d in (False, True)) == modes, (impl, dtype)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_impl("auto", deterministic=True, dtype="bfloat16") == DETERMINISTIC_IMPL
+
+
+def test_deterministic_pallas_sends_decode_to_the_fixed_split_kernel_and_keeps_prefill_blockwise(monkeypatch):
+    """The kernel replaced by a spy that runs its reference: prefill (T > 1) never calls it, decode calls
+    it once per traced layer scan with the deterministic config, and the logits match the jnp-only
+    deterministic path."""
+    from kernels_pallas import paged_attention as pa
+
+    calls = []
+
+    def spy(q, k_pages, v_pages, block_tables, lengths, *, config=None):
+        calls.append((q.shape, config))
+        return pa.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths)
+
+    params = init_random(jax.random.key(0), CFG, scale=0.3)
+    jnp_only = prefill_then_decode(DETERMINISTIC_IMPL, params, (70, 129), prefill_impl=DETERMINISTIC_IMPL)
+    monkeypatch.setattr(pa, "paged_attention", spy)
+    with_kernel = prefill_then_decode(DETERMINISTIC_PALLAS_IMPL, params, (70, 129), prefill_impl=DETERMINISTIC_PALLAS_IMPL)
+    assert calls == [((2, CFG.num_heads, CFG.head_dim), pa.deterministic_config(CFG.head_dim, PAGE, 3))]
+    assert_close(with_kernel, jnp_only, KERNEL_BF16, "deterministic decode: kernel (its reference) vs blockwise jnp")
 
 
 def _h100_mesh():

@@ -1,6 +1,7 @@
 """kernels_pallas.paged_attention on CPU: the reference against float64 numpy, the Mosaic GPU
 kernel in the GPU interpreter (race detection, NaN-poisoned outputs) against the reference,
-host validation, and a lowering sweep for cuda over the tuned-config table.
+host validation, deterministic mode (splits of a fixed size; bitwise invariance to the batch, the
+row and the table width), and a lowering sweep for cuda over the tuned and deterministic configs.
 
 Interpreter cases are few and each combines several properties (awkward lengths, split
 boundaries, shuffled tables, GQA ratio, head_dim, page size, peaked or flat softmax), because
@@ -8,6 +9,7 @@ each costs seconds on 2 cores.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -163,7 +165,8 @@ def test_shape_and_dtype_errors():
 
 @pytest.mark.parametrize("kwargs", [
     dict(num_splits=0), dict(pages_per_block=3), dict(pipeline_depth=1), dict(block_h=128),
-    dict(num_splits=1.5),
+    dict(num_splits=1.5), dict(pages_per_split=0), dict(pages_per_split=3, pages_per_block=2),
+    dict(pages_per_split=8, num_splits=2),
 ])
 def test_config_rejects_bad_knobs(kwargs):
     with pytest.raises(ValueError):
@@ -187,6 +190,42 @@ def test_config_shape_checks_and_table():
     assert tiny.num_splits <= 2  # never more splits than KV blocks
     with pytest.raises(ValueError):
         pa.config_for(batch=1, max_pages=2, num_kv_heads=1, group_size=1, head_dim=96, page_size=64)
+
+
+def _num_splits_run(config, batch, max_pages, head_dim=64, page_size=64, group_size=4):
+    """The split count the kernel's grid really has (its partial outputs' split axis), from
+    jax.eval_shape: no lowering, no interpreter."""
+    num_kv_heads = 2
+    shapes = (
+        jax.ShapeDtypeStruct((batch, num_kv_heads * group_size, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_kv_heads, 8, head_dim, page_size), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_kv_heads, 8, page_size, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    out, lse = jax.eval_shape(functools.partial(
+        pa._paged_attention_partials, sm_scale=0.1, config=config, interpret=False), *shapes)
+    assert lse is not None or not config.deterministic, "deterministic mode always merges"
+    return out.shape[2]
+
+
+def test_deterministic_splits_follow_the_table_width_not_the_batch():
+    """The deterministic config has a fixed pages_per_split at every (head_dim, page_size), and
+    the kernel's grid has ceil(width / pages_per_split) splits at every batch size; the tuned
+    config, the control, changes its split count with the batch at the same width."""
+    for head_dim in pa.SUPPORTED_HEAD_DIMS:
+        for page_size in pa.SUPPORTED_PAGE_SIZES:
+            config = pa.deterministic_config(head_dim, page_size, 8)
+            assert config.pages_per_split * page_size == pa.DETERMINISTIC_SPLIT_TOKENS
+            config.check_shapes(head_dim, page_size, 8)
+    config = pa.deterministic_config(64, 64, 4)
+    batches, widths = (1, 3, 64, 512), (1, 8, 9, 64)
+    runs = {(b, m): _num_splits_run(config, b, m) for b in batches for m in widths}
+    assert all(runs[b, m] == -(-m // 8) for b, m in runs), runs
+    tuned = {b: _num_splits_run(pa.config_for(b, 64, 2, 4, 64, 64), b, 64) for b in batches}
+    assert len(set(tuned.values())) > 1, f"the control should depend on the batch: {tuned}"
+    with pytest.raises(ValueError, match="splits"):
+        config.split_layout(8 * pa.MAX_SPLITS + 1)
 
 
 # ---------------------------------------------------------------- kernel in the GPU interpreter
@@ -260,6 +299,49 @@ def test_public_wrapper_in_interpreter():
     assert_close(out, expected, REL_ERR[jnp.bfloat16], "wrapper vs f64")
 
 
+def _needle_arrays():
+    """One sequence (the needle, 600 tokens = 5 pages of 128, across two 4-page splits) in a pool
+    shared by two block tables: alone, 5 pages wide; and at row 1 of 3 between sequences of 1
+    and 1030 tokens (9 pages: 3 splits), 9 pages wide. The null page holds NaN, so a read of a
+    padding entry would show in the output."""
+    rng = np.random.default_rng(5)
+    num_kv_heads, group_size, head_dim, page_size = 2, 4, 64, 128
+    lengths = (1, 600, 1030)
+    pages = [-(-n // page_size) for n in lengths]
+    ids = rng.permutation(np.arange(1, 1 + sum(pages) + 2))
+    starts = np.cumsum([0] + pages)
+    wide = np.zeros((3, 9), np.int32)
+    for row, (start, n) in enumerate(zip(starts, pages)):
+        wide[row, :n] = ids[start: start + n]
+    q = rng.standard_normal((3, num_kv_heads * group_size, head_dim)) * 5.0  # peaked softmax
+    k = rng.standard_normal((num_kv_heads, len(ids) + 1, head_dim, page_size))
+    v = rng.standard_normal((num_kv_heads, len(ids) + 1, page_size, head_dim))
+    k[:, 0], v[:, 0] = np.nan, np.nan
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    batch = (q, k, v, jnp.asarray(wide), jnp.asarray(np.int32(lengths)))
+    alone = (q[1:2], k, v, jnp.asarray(wide[1:2, :5]), jnp.asarray(np.int32(lengths[1:2])))
+    return alone, batch
+
+
+def test_deterministic_kernel_is_bitwise_invariant_to_batch_row_and_width_in_interpreter():
+    alone, batch = _needle_arrays()
+    config = pa.deterministic_config(64, 128, 4)
+    assert (config.split_layout(5)[0], config.split_layout(9)[0]) == (2, 3)
+    outs = []
+    for args in (alone, batch):
+        with kernel_interpret.gpu_interpreter() as params:
+            outs.append(jax.block_until_ready(
+                pa.paged_attention(*args, config=config, interpret=params)))
+            assert not kernel_interpret.races_found(), "race detector fired"
+    out_alone, out_batch = (np.asarray(o) for o in outs)
+    assert np.isfinite(out_batch.astype(np.float32)).all(), "a NaN from the null page leaked"
+    assert np.array_equal(out_alone[0].view(np.uint16), out_batch[1].view(np.uint16)), (
+        f"not bitwise equal: max |diff| "
+        f"{np.abs(out_alone[0].astype(np.float32) - out_batch[1].astype(np.float32)).max()}")
+    assert_close(out_batch, pa.paged_attention_reference(*batch), REL_ERR[jnp.bfloat16],
+                 "deterministic kernel vs reference")
+
+
 # ---------------------------------------------------------------- lowering for cuda
 
 
@@ -305,6 +387,13 @@ def _lowering_cases():
                 cases[(config, head_dim, page_size, "bfloat16", 4)] = dict(
                     batch=2, max_pages=16, num_kv_heads=2, group_size=4, head_dim=head_dim,
                     page_size=page_size, dtype=jnp.bfloat16, config=config)
+            # Deterministic mode: one split (still merged) and 4 splits, the last one partial.
+            config = pa.deterministic_config(head_dim, page_size, 8)
+            for max_pages, dtype in ((config.pages_per_split, "float16"),
+                                     (3 * config.pages_per_split + 1, "bfloat16")):
+                cases[(config, head_dim, page_size, dtype, 8, max_pages)] = dict(
+                    batch=3, max_pages=max_pages, num_kv_heads=2, group_size=8,
+                    head_dim=head_dim, page_size=page_size, dtype=jnp.dtype(dtype), config=config)
     return list(cases.values())
 
 
