@@ -2,21 +2,53 @@
 
 Runs only in the reference env (.venv-ref) with llama-cpp-python (`make setup-bench`); bench_engine.py
 starts it as a subprocess. Uses the low-level API (llama_batch + llama_decode) on the same Q4_1 GGUF,
-computed the llama.cpp way (quantized weights, f16 KV cache), in two modes:
+computed the llama.cpp way (quantized weights, f16 KV cache), in these modes:
   sequential  one stream: each request's prompt in chunks of up to n_batch tokens, then one token per
               llama_decode, request after request;
   batched     continuous batching over --parallel sequence ids in one context: every llama_decode
               carries one token for each decoding sequence plus prompt chunks of newly admitted ones
               (up to n_batch tokens); a finished sequence's cells are removed and its slot is refilled
-              in arrival order;
+              in arrival order. KV layout: llama.cpp's default, kv_unified = false (one KV stream of
+              MAX_CONTEXT cells per sequence id);
   batched_prefix  the same, but the first --shared-prefix tokens (common to every request) are decoded once
-              into a spare sequence id and copied into each admitted sequence (llama_memory_seq_cp), so only
-              the rest of each prompt is computed: llama.cpp's way to share a prefix across sequences.
+              into a spare sequence id and shared with each admitted sequence (llama_memory_seq_cp), so only
+              the rest of each prompt is computed. This needs kv_unified = true (one KV buffer for all
+              sequence ids, as llama-server's --kv-unified / llama-parallel's shared system prompt);
+  batched_unified  batched (no sharing) with kv_unified = true: isolates the layout's cost from the sharing;
+  batched_prefix_copy  batched_prefix with the default layout (kv_unified = false): the prefix is copied,
+              not shared (a whole-stream K/V buffer copy per admitted sequence).
+Sharing is exact: a sequence given the prefix by seq_cp (either layout) has bit-identical logits to one that
+decoded the prefix itself in the same chunks. Tokens can still differ from `batched`, which computes the
+prefix inside other prompt chunks: llama.cpp's CPU results depend on how tokens are grouped into ubatches
+(up to ~0.6 in a logit here), so greedy picks can flip where the top two logits are close.
+
+What llama.cpp (llama-cpp-python 0.3.36, src/llama-kv-cache.cpp llama_kv_cache::seq_cp) can share:
+  - kv_unified = true: every sequence id lives in the one stream, and seq_cp(src, dst, p0, p1) only adds dst
+    to the sequence set of src's cells at positions [p0, p1); no K/V data moves, the prefix is stored once,
+    any position range is allowed. seq_rm(dst) later drops dst from those cells; they stay while src holds
+    them. The cost: each ubatch's attention spans every cell up to the highest one any sequence uses (padded
+    to 256, others' cells masked), not only its own stream's.
+  - kv_unified = false (the default): each sequence id has its own stream (n_ctx / n_seq_max cells). seq_cp
+    between two streams cannot share: it resets dst's stream (dst loses what it held) and, at the next
+    decode, copies src's whole K/V buffers (every cell of the stream, every layer) into dst's; so only the
+    whole sequence can be copied: p0 and p1 must each be <= 0 or >= stream size - 1 (-1, -1 in practice),
+    and any other range, e.g. the earlier seq_cp(src, dst, 0, N) here, aborts with GGML_ASSERT "seq_cp() is
+    only supported for full KV buffers". The prefix then exists once per sequence, and its compute is
+    saved, not its memory.
+  - Neither layout shares a prefix at other positions (cells carry absolute positions: dst gets src's cells
+    at src's positions), nor across contexts; and sharing is always explicit: llama_decode never finds on its
+    own that another sequence holds the same tokens. (llama-server reuses a slot's own previous prompt, saves
+    and restores sequence states to and from a host-memory prompt cache as data copies, and seq_cp's whole
+    sequences between slots only for n > 1 completions of one prompt.)
 Greedy = argmax of the returned logits; EOS is not a stop. Each mode warms up (untimed) first, then
 times the workload --repeats times and reports the best.
 Writes {mode: ids per request} to --out and prints one JSON document as its last stdout line.
 
     .venv-ref/bin/python experiments/peers/llamacpp_generate.py --workload W.json --out TOKENS.json --parallel 16
+    .venv-ref/bin/python experiments/peers/llamacpp_generate.py --workload W.json --out TOKENS.json \
+        --modes batched,batched_prefix --shared-prefix 400
+
+W.json: {"requests": [{"prompt_ids": [int, ...], "max_tokens": int}, ...]}.
 """
 
 import argparse
@@ -32,6 +64,9 @@ import numpy as np
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_CONTEXT = 2048  # tokens per sequence, as in bench_engine.py
 N_BATCH = 512  # tokens per llama_decode at most (prompt chunks + decode tokens)
+# mode: (one stream?, kv_unified, prefix shared via seq_cp)
+MODES = {"sequential": (True, False, False), "batched": (False, False, False), "batched_prefix": (False, True, True),
+         "batched_unified": (False, True, False), "batched_prefix_copy": (False, False, True)}
 
 
 def gguf_path() -> str:
@@ -43,15 +78,17 @@ def gguf_path() -> str:
 
 
 class Context:
-    """A llama.cpp context with room for `parallel` sequences of MAX_CONTEXT tokens."""
+    """A llama.cpp context with room for `parallel` sequences of MAX_CONTEXT tokens; `unified`: one KV buffer
+    for all sequence ids (kv_unified), else llama.cpp's default of one stream per sequence id."""
 
-    def __init__(self, model, parallel: int, threads: int):
+    def __init__(self, model, parallel: int, threads: int, unified: bool = False):
         parallel += 1  # a spare sequence id holds a shared prefix (batched_prefix)
         params = lc.llama_context_default_params()
         params.n_ctx = parallel * MAX_CONTEXT
         params.n_batch = params.n_ubatch = N_BATCH
         params.n_seq_max = parallel
         params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = unified
         self.ctx = lc.llama_init_from_model(model, params)
         if not self.ctx:
             raise RuntimeError("llama_init_from_model failed")
@@ -76,8 +113,11 @@ class Context:
                 picks.append(int(np.argmax(logits)))
         return picks
 
-    def copy_prefix(self, source: int, seq: int, length: int) -> None:
-        lc.llama_memory_seq_cp(self.memory, source, seq, 0, length)
+    def copy_prefix(self, source: int, seq: int) -> None:
+        """Give `seq` all of `source`'s cells (the shared prefix): with kv_unified, the cells are shared (meta
+        data only); without, source's whole stream is copied into seq's, the only cross-stream seq_cp llama.cpp
+        allows (p0 = p1 = -1: the whole sequence)."""
+        lc.llama_memory_seq_cp(self.memory, source, seq, -1, -1)
 
     def remove(self, seq: int) -> None:
         lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
@@ -136,7 +176,7 @@ def run(context: Context, requests: list[dict], parallel: int, shared_prefix: in
             if seq not in slots and waiting:
                 slots[seq] = Slot(*waiting.popleft())
                 if shared_prefix:
-                    context.copy_prefix(parallel, seq, shared_prefix)
+                    context.copy_prefix(parallel, seq)
                     slots[seq].num_prompt_done = shared_prefix
         entries, owners = _plan(slots)
         picks = iter(context.decode(entries))
@@ -154,8 +194,10 @@ def run(context: Context, requests: list[dict], parallel: int, shared_prefix: in
     return outputs
 
 
-def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: int, shared_prefix: int = 0) -> tuple[dict, list[list[int]]]:
-    context = Context(model, parallel, threads)
+def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: int, shared_prefix: int = 0,
+             unified: bool = False) -> tuple[dict, list[list[int]]]:
+    context = Context(model, parallel, threads, unified)
+    n_ctx = lc.llama_n_ctx(context.ctx)  # all sequence ids, the spare one included
     try:
         start = time.perf_counter()
         run(context, [{"prompt_ids": requests[0]["prompt_ids"][:16], "max_tokens": 4}] * parallel, parallel)
@@ -169,7 +211,8 @@ def run_mode(model, requests: list[dict], parallel: int, threads: int, repeats: 
         context.close()
     seconds, outputs = min(runs, key=lambda run: run[0])
     num_output = sum(len(o) for o in outputs)
-    return {"parallel": parallel, "n_ctx": parallel * MAX_CONTEXT, "n_batch": N_BATCH, "warmup_s": warmup_s, "seconds": seconds,
+    return {"parallel": parallel, "kv_unified": unified, "shared_prefix": shared_prefix, "n_ctx": n_ctx, "n_batch": N_BATCH,
+            "warmup_s": warmup_s, "seconds": seconds,
             "seconds_per_repeat": [run[0] for run in runs], "repeats_identical_tokens": all(run[1] == outputs for run in runs),
             "num_output_tokens": num_output, "output_tokens_per_s": num_output / seconds}, outputs
 
@@ -180,8 +223,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file: {mode: generated ids per request}")
     parser.add_argument("--parallel", type=int, default=16, help="sequence ids in batched mode")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--modes", default="sequential,batched")
-    parser.add_argument("--shared-prefix", type=int, default=0, help="batched_prefix: leading tokens every request shares")
+    parser.add_argument("--modes", default="sequential,batched", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="batched_prefix(_copy): leading tokens every request shares (fewer than any prompt has)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of the workload per mode; the best is reported")
     args = parser.parse_args()
 
@@ -195,11 +239,18 @@ def main() -> None:
     load_s = time.perf_counter() - start
     modes, tokens = {}, {}
     for mode in args.modes.split(","):
-        parallel = 1 if mode == "sequential" else args.parallel
-        shared = args.shared_prefix if mode == "batched_prefix" else 0
+        if mode not in MODES:
+            raise SystemExit(f"error: unknown mode {mode!r} (modes: {', '.join(MODES)})")
+        single, unified, sharing = MODES[mode]
+        parallel = 1 if single else args.parallel
+        shared = args.shared_prefix if sharing else 0
+        if sharing and not shared:
+            raise SystemExit(f"error: {mode} needs --shared-prefix N > 0")
         if shared and any(r["prompt_ids"][:shared] != requests[0]["prompt_ids"][:shared] for r in requests):
             raise SystemExit("error: --shared-prefix tokens differ between requests")
-        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads, args.repeats, shared)
+        if shared and any(len(r["prompt_ids"]) <= shared for r in requests):
+            raise SystemExit("error: --shared-prefix must be shorter than every prompt (its last token's logits are needed)")
+        modes[mode], tokens[mode] = run_mode(model, requests, parallel, args.threads, args.repeats, shared, unified)
     lc.llama_model_free(model)
     with open(args.out, "w") as file:
         json.dump(tokens, file)
