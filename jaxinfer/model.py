@@ -15,6 +15,11 @@ updates its own slice, which XLA does in place when the caller donates the cache
 Family features are ModelConfig fields, each read by one function here: `rope_scaling` by
 `rotary_frequencies`, `attention_bias` and `qk_norm` by `attention_inputs`. Nothing branches on the
 architecture's name.
+
+Every weight matmul goes through `quant.qeinsum` and the embedding lookup through `quant.take`, so one
+forward serves dense and quantized params alike: on a dense array they are exactly `jnp.einsum` and
+`w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most one layer's
+weights are expanded at a time. The tied head multiplies by the embedding in whatever format it is kept.
 """
 
 import functools
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxinfer import attention
+from jaxinfer import attention, quant
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.params import LayerParams, Params
@@ -94,9 +99,9 @@ def attention_inputs(
 ) -> tuple[Float[Array, "B T H K"], Float[Array, "B T G K"], Float[Array, "B T G K"]]:
     """q, k, v of one layer: projections, + biases (`attention_bias`), per-head RMSNorm of q and k
     (`qk_norm`, before rope, as Qwen3 does), then rope on q and k."""
-    q = jnp.einsum("btd,dhk->bthk", h, layer.wq)  # [B, T, H, K]
-    k = jnp.einsum("btd,dgk->btgk", h, layer.wk)  # [B, T, G, K]
-    v = jnp.einsum("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
+    q = quant.qeinsum("btd,dhk->bthk", h, layer.wq)  # [B, T, H, K]
+    k = quant.qeinsum("btd,dgk->btgk", h, layer.wk)  # [B, T, G, K]
+    v = quant.qeinsum("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
     if cfg.attention_bias:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if cfg.qk_norm:
@@ -105,9 +110,9 @@ def attention_inputs(
 
 
 def mlp(x: Float[Array, "B T D"], layer: LayerParams) -> Float[Array, "B T D"]:
-    gate = jnp.einsum("btd,df->btf", x, layer.w_gate)
-    up = jnp.einsum("btd,df->btf", x, layer.w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
+    gate = quant.qeinsum("btd,df->btf", x, layer.w_gate)
+    up = quant.qeinsum("btd,df->btf", x, layer.w_up)
+    return quant.qeinsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
 def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConfig, impl: str):
@@ -117,7 +122,7 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q, k, v = attention_inputs(h, layer, positions, inv_freq, cfg)
         out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl)
-        x = x + jnp.einsum("bthk,hkd->btd", out, layer.wo)
+        x = x + quant.qeinsum("bthk,hkd->btd", out, layer.wo)
     with jax.named_scope("mlp"):
         x = x + mlp(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer)
     return (x, cache), None
@@ -125,9 +130,11 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
 
 def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfig) -> Float[Array, "B T V"]:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    # A tied head is the embedding in its kept format (params.weight_format owns that choice): quantized,
+    # the head is dequantized once per step, [V, D] at a time, outside the layer scan.
     if params.lm_head is None:
-        return jnp.einsum("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
+        return quant.qeinsum("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
+    return quant.qeinsum("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(
@@ -151,7 +158,7 @@ def forward(
       (logits in f32, [B, T, V], or [B, 1, V] with `logit_indices`; the updated cache). Callers that
       donate the cache rebind it at once.
     """
-    x = params.embed[tokens]  # [B, T, D]
+    x = quant.take(params.embed, tokens, dtype=jnp.dtype(cfg.dtype))  # [B, T, D]
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
