@@ -223,6 +223,10 @@ def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: in
     return fit_buckets(np.concatenate([full_chunks, remainders]), budget, multiple_of=16)
 
 
+# The default prefill chunk buckets: fitted_chunk_buckets() (tests/test_config_defaults.py checks that the
+# fit still gives them), plus a 32-token bucket for short chat prompts; cut at min(max_prefill_tokens,
+# max_context), which is always added as the largest.
+DEFAULT_CHUNK_BUCKETS = (32, 128, 240, 368, 512)
 _DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
 _DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
@@ -258,9 +262,9 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences at most (largest decode batch)
     max_prefill_tokens: int = 512  # prefill token budget per step (sum of chunk lengths)
     max_context: int = 2048  # tokens per sequence (prompt + generated) at most
-    # Padded chunk lengths. None: fitted to a conversation-like trace, plus a 32-token bucket because chat
-    # prompts typed in notebooks (30-60 tokens) are rarer in that trace than in interactive use; buckets
-    # over min(max_prefill_tokens, max_context) are dropped.
+    # Padded chunk lengths. None: DEFAULT_CHUNK_BUCKETS, fitted to a conversation-like trace, plus a 32-token
+    # bucket because chat prompts typed in notebooks (30-60 tokens) are rarer in that trace than in
+    # interactive use; buckets over min(max_prefill_tokens, max_context) are dropped.
     prefill_chunk_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] = (1,)  # sequences per prefill step (on CPU one row is fastest)
     decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 4, 8, 16, 32 cut at max_num_seqs
@@ -308,8 +312,7 @@ class EngineConfig:
             self._derive_deterministic_tables()
         if self.prefill_chunk_buckets is None:
             cap = min(self.max_prefill_tokens, self.max_context)
-            fitted = (32,) + fitted_chunk_buckets()
-            object.__setattr__(self, "prefill_chunk_buckets", tuple(b for b in fitted if b < cap) + (cap,))
+            object.__setattr__(self, "prefill_chunk_buckets", tuple(b for b in DEFAULT_CHUNK_BUCKETS if b < cap) + (cap,))
         if self.decode_batch_buckets is None:
             below = tuple(b for b in _DEFAULT_DECODE_BATCH_BUCKETS if b < self.max_num_seqs)
             object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
