@@ -21,6 +21,7 @@ from jaxinfer.block_pool import BlockPool
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.output import OutputProcessor
+from jaxinfer.params import QUANTIZATIONS
 from jaxinfer.request import FieldError, Request, SamplingParams, check_int, check_number, check_text, check_token_ids, derive_seed
 from jaxinfer.scheduler import Scheduler, check_request
 
@@ -69,6 +70,12 @@ class Prompt:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
 
 
+def check_quantization(value) -> str | None:
+    if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
+        raise FieldError("quantization", f"must be None or one of {QUANTIZATIONS}, got {value!r}")
+    return value
+
+
 def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
     """Cut a prompt that does not fit the context; prompts that fit are never cut.
 
@@ -89,12 +96,19 @@ class LLM:
     Args:
       model: a GGUF file, a Hugging Face folder, or None for the embedded SmolLM2-135M-Instruct.
       dtype: compute dtype, "float32" (default, best on CPU) or "bfloat16".
+      quantization: how weights are held on the device: None (dense in `dtype`), "gguf" (a GGUF file's
+        own blocks, dequantized one layer at a time inside the step), "int8" (per-channel) or "int4"
+        (groups of 32); see params.weight_format for which tensors.
       engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
     """
 
-    def __init__(self, model=None, *, dtype: str = "float32", engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides):
+    def __init__(
+        self, model=None, *, dtype: str = "float32", quantization: str | None = None,
+        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+    ):
+        check_quantization(quantization)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        self.model_config, params = loading.load_model(model, dtype=dtype)
+        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
         self.engine = Engine(self.model_config, params, engine_config)

@@ -37,6 +37,11 @@ examples:
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: %(default)s)")
+    parser.add_argument(
+        "--quantization", default=None, choices=("gguf", "int8", "int4"),
+        help="weights held quantized on the device: gguf keeps a GGUF file's own blocks, int8 is per output channel, "
+        "int4 groups of 32 (embedding and head int8); default: dense in --dtype",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +161,7 @@ def _make_llm(args, engine_config):
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(args.model, dtype=args.dtype, engine_config=engine_config)
+        return LLM(args.model, dtype=args.dtype, quantization=args.quantization, engine_config=engine_config)
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
@@ -228,11 +233,11 @@ def _summary_table(summary, llm) -> str:
 
 def _run_info(args) -> int:
     from jaxinfer import loading
+    from jaxinfer import params as params_module
     from jaxinfer.tokenizer import describe_tokenizer
 
     path = loading.resolve_model_path(args.model)
-    cfg, _ = loading.load_model(path, dtype=args.dtype)
-    weight_bytes = cfg.num_params() * (4 if cfg.dtype == "float32" else 2)
+    cfg, params = loading.load_model(path, dtype=args.dtype, quantization=args.quantization)
     print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
     print(f"{'family':<17} {cfg.architecture}")
     for feature, value in cfg.features().items():
@@ -241,9 +246,24 @@ def _run_info(args) -> int:
     for field in dataclasses.fields(cfg):
         print(f"{field.name:<17} {getattr(cfg, field.name)}")
     print(f"{'parameters':<17} {cfg.num_params():,}")
-    print(f"{'weights in memory':<17} {weight_bytes / 2**20:.1f} MiB ({cfg.dtype})")
+    print(_weight_table(params_module.weight_bytes(params), args.quantization, tied=cfg.tie_embeddings))
     print(f"{'KV per token':<17} {cfg.kv_bytes_per_token()} bytes ({cfg.kv_bytes_per_token() * 2048 / 2**20:.1f} MiB per 2048-token sequence)")
     return 0
+
+
+def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: str | None, *, tied: bool) -> str:
+    """Resident weight bytes, one row per tensor kind, one column per storage format, with totals."""
+    kinds = ("embedding", "attention", "mlp", "head")
+    formats = sorted({fmt for _, fmt in by_kind_and_format})
+    cell = lambda n: f"{n / 2**20:.2f} MiB" if n else "-"  # noqa: E731
+    lines = [f"{'weights in memory':<17} quantization: {quantization or 'none (dense)'}", f"  {'kind':<11}" + "".join(f"{f:>13}" for f in formats) + f"{'total':>13}"]
+    for kind in kinds:
+        row = [by_kind_and_format.get((kind, f), 0) for f in formats]
+        note = "  (tied: the embedding; final norm only)" if kind == "head" and tied else ""
+        lines.append(f"  {kind:<11}" + "".join(f"{cell(n):>13}" for n in row) + f"{cell(sum(row)):>13}{note}")
+    totals = [sum(n for (_, f), n in by_kind_and_format.items() if f == fmt) for fmt in formats]
+    lines.append(f"  {'total':<11}" + "".join(f"{cell(n):>13}" for n in totals) + f"{cell(sum(totals)):>13}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
