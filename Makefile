@@ -53,7 +53,7 @@ reference: $(VENV_REF)/.stamp $(LLAMA_CPP_MODELS)/.complete
 	JAXINFER_LLAMA_CPP_MODELS=$(LLAMA_CPP_MODELS) $(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
 
 test: $(VENV)/.stamp reference-check $(LLAMA_CPP_MODELS)/.complete
-	JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q
+	JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q --durations=25
 
 test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"

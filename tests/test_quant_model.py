@@ -193,9 +193,10 @@ def test_gguf_kept_logits_match_f32_path_and_hf(smollm2_gguf, smollm2_f32_logits
 @pytest.mark.slow
 def test_gguf_kept_greedy_tokens_equal_the_f32_path(smollm2_gguf):
     cfg, params = smollm2_gguf
-    prompts = [SMOLLM2[f"p{i}_ids"].tolist() for i in PROMPTS]
+    chosen = (0, 5, 8)  # short, the 601-token one, a single token; the logits test covers every prompt
+    prompts = [SMOLLM2[f"p{i}_ids"].tolist() for i in chosen]
     outputs = generate(params, cfg, prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    for i, out in zip(PROMPTS, outputs):
+    for i, out in zip(chosen, outputs):
         assert out.token_ids == SMOLLM2[f"p{i}_greedy_ids"].tolist(), f"prompt {i}"
 
 
@@ -305,7 +306,7 @@ def test_a_systematic_error_breaks_the_noise_model_bound(tiny_llama):
 
 ENGINE = dict(
     max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(32, 64),
-    prefill_seq_buckets=(1, 4), decode_batch_buckets=(4,), decode_page_buckets=(4, 16),
+    prefill_seq_buckets=(1,), decode_batch_buckets=(4,), decode_page_buckets=(4, 16),
 )
 
 
