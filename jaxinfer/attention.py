@@ -9,6 +9,9 @@ Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deter
 keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
 jnp paths become `attention_over_page_blocks`, and the kernel runs its fixed-split config.
 
+A quantized pool (int8 or fp8 codes with per-token scales, kv_pool.py) is dequantized on read by the jnp
+paths; the kernel takes the codes and the scales as they are.
+
 Masking is causal by position: key slot s is visible to a query at position p iff s <= p. Masked scores
 take a large finite negative value, never -inf, so rows with nothing visible stay finite.
 """
@@ -89,7 +92,7 @@ def attend(
     deterministic = impl in (DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL)
     if _use_kernel(impl, q):
         return _attend_pallas(q, cache, layer, positions, pages, deterministic=deterministic), cache
-    k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables)
+    k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables, dtype=q.dtype)  # dequantized if quantized
     over_pages = attention_over_page_blocks if deterministic else attention_over_pages
     return over_pages(q, k_pages, v_pages, positions), cache
 
@@ -185,7 +188,8 @@ def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
     if deterministic:
         group_size = q.shape[2] // pool.k.shape[1]  # pool.k: [layers, G, P, K, L]
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
+    scales = dict(k_scales=pool.k_scale[layer], v_scales=pool.v_scale[layer]) if pool.quantized else {}
     out = kernel.paged_attention(
-        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, config=config
+        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, config=config, **scales
     )  # [B, H, K]
     return out[:, None]

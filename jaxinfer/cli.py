@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from jaxinfer.config import KV_CACHE_DTYPES
+
 _GENERATE_EPILOG = """\
 input JSONL, one object a line:
   {"id": "q1", "prompt": "Once upon a time"}
@@ -68,6 +70,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: a share of free memory)")
     group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
     group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
+    group.add_argument(
+        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+        help="store the KV cache quantized: int8 or fp8_e4m3 codes with one f32 scale per token and kv head, "
+        "taken when the token is written (0.27x of an f32 pool's bytes at SmolLM2's head dim 64; default: the model's dtype)",
+    )
     group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
     group.add_argument("--deterministic", action="store_true", help="bitwise-reproducible logits whatever else is in the batch (fixed program shapes; slower)")
     group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
@@ -117,7 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
-    "attention_impl": "--attention", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
+    "attention_impl": "--attention", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
 }
 
 
@@ -149,7 +156,7 @@ def _engine_config(args):
     try:
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
-            attention_impl=args.attention, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
+            attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
             enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic,
         )
     except ValueError as e:
@@ -232,7 +239,7 @@ def _summary_table(summary, llm) -> str:
 
 
 def _run_info(args) -> int:
-    from jaxinfer import loading
+    from jaxinfer import kv_pool, loading
     from jaxinfer import params as params_module
     from jaxinfer.tokenizer import describe_tokenizer
 
@@ -247,7 +254,10 @@ def _run_info(args) -> int:
         print(f"{field.name:<17} {getattr(cfg, field.name)}")
     print(f"{'parameters':<17} {cfg.num_params():,}")
     print(_weight_table(params_module.weight_bytes(params), args.quantization, tied=cfg.tie_embeddings))
-    print(f"{'KV per token':<17} {cfg.kv_bytes_per_token()} bytes ({cfg.kv_bytes_per_token() * 2048 / 2**20:.1f} MiB per 2048-token sequence)")
+    for kv_cache_dtype in (None, *KV_CACHE_DTYPES):
+        per_token = kv_pool.token_bytes(cfg, kv_cache_dtype)
+        kind = f"--kv-cache-dtype {kv_cache_dtype} (codes + f32 scales)" if kv_cache_dtype else f"{cfg.dtype} (default)"
+        print(f"{'KV per token':<17} {per_token:>6} bytes = {per_token * 2048 / 2**20:5.1f} MiB per 2048-token sequence, {kind}")
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (quant.KV_CODE_FORMATS); None keeps the model dtype
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -271,6 +272,9 @@ class EngineConfig:
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas
+    # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
+    # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.
+    kv_cache_dtype: str | None = None
     compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
@@ -298,6 +302,8 @@ class EngineConfig:
         check_number("decode_split_overhead", self.decode_split_overhead, low=0.0, high=math.inf)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise FieldError("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise FieldError("kv_cache_dtype", f"must be None or one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
             raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
         check_int("seed", self.seed, low=0)

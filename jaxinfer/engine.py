@@ -99,7 +99,7 @@ def available_bytes(device: jax.Device) -> int:
 
 def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device) -> int:
     """Pages of the pool: as configured, or a share of free memory; fails if it cannot fit."""
-    page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size)
+    page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
     free = available_bytes(device)
     if engine_cfg.num_pages is None:
         wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
@@ -109,7 +109,7 @@ def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.De
     needed = num_pages * page_bytes
     if num_pages < 2 or needed > free:
         raise PoolTooLargeError(
-            f"KV pool of {num_pages} pages x {page_bytes} bytes needs {needed} bytes "
+            f"KV pool ({engine_cfg.kv_cache_dtype or cfg.dtype}{', scales included' if engine_cfg.kv_cache_dtype else ''}) of {num_pages} pages x {page_bytes} bytes needs {needed} bytes "
             f"({needed / 2**30:.2f} GiB); {free} bytes ({free / 2**30:.2f} GiB) are available on {device}"
         )
     return num_pages
@@ -139,7 +139,7 @@ class Engine:
         self.impl = resolve_impl(engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.num_pages = resolve_num_pages(cfg, engine_cfg, jax.devices()[0])
-        self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size)
+        self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
         self._jitted = jax.jit(functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits), donate_argnames=("pool",))
         self.return_logits = return_logits
         self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits

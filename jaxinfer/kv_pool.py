@@ -9,6 +9,15 @@ block_pool.py. Layout of the paged pool (see shared notes/pallas_gpu.md), so the
 N layers, G kv heads, P pages, K head dim, L page size. Page 0 is the null page: padding lanes write to it
 and read from it, never from a real page. The pool is allocated once and donated into every step; the
 step returns the updated pool and the caller rebinds it at once.
+
+A quantized pool (`kv_cache_dtype` "int8" or "fp8_e4m3") holds codes in k and v and one f32 scale per
+token and kv head beside them, in the same page layout less the head dim, so the kernel reads a page's
+scales as one row of L:
+
+    k_scale, v_scale: [N, G, P, L]
+
+The scales are pool arrays: allocated, donated and counted with K and V. A token is quantized when it is
+written (quant.quantize_per_token) and its page dequantized when it is read.
 """
 
 import dataclasses
@@ -16,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 
 
@@ -31,8 +41,21 @@ class DenseKVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    k: jax.Array  # [N, G, P, K, L]
+    k: jax.Array  # [N, G, P, K, L]; codes when quantized
     v: jax.Array  # [N, G, P, L, K]
+    k_scale: jax.Array | None = None  # f32[N, G, P, L] when quantized, else None
+    v_scale: jax.Array | None = None  # f32[N, G, P, L]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The kv_cache_dtype name of the codes, None for an unquantized pool."""
+        if not self.quantized:
+            return None
+        return next(name for name, (dtype, _) in quant.KV_CODE_FORMATS.items() if jnp.dtype(dtype) == self.k.dtype)
 
     @property
     def num_pages(self) -> int:
@@ -58,17 +81,30 @@ def init_dense_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> DenseKV
     return DenseKVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
 
-def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
-    """Device bytes of a pool with `num_pages` pages (K and V, all layers)."""
-    return num_pages * page_size * cfg.kv_bytes_per_token(jnp.dtype(cfg.dtype).itemsize)
+def token_bytes(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> int:
+    """Pool bytes one token occupies across all layers: K and V, and their scales when quantized."""
+    if kv_cache_dtype is None:
+        return cfg.kv_bytes_per_token(jnp.dtype(cfg.dtype).itemsize)
+    code_dtype, _ = quant.KV_CODE_FORMATS[kv_cache_dtype]
+    scale_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * jnp.dtype(quant.KV_SCALE_DTYPE).itemsize
+    return cfg.kv_bytes_per_token(jnp.dtype(code_dtype).itemsize) + scale_bytes
 
 
-def init_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> KVPool:
-    """Allocate the pool once (zeros, so the null page holds finite values)."""
+def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, kv_cache_dtype: str | None = None) -> int:
+    """Device bytes of a pool with `num_pages` pages (K, V and any scales, all layers)."""
+    return num_pages * page_size * token_bytes(cfg, kv_cache_dtype)
+
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_cache_dtype: str | None = None) -> KVPool:
+    """Allocate the pool once (zeros, so the null page holds finite values; scales of 1 when quantized)."""
     n, g, k = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    k_pages = jnp.zeros((n, g, num_pages, k, page_size), cfg.dtype)
-    v_pages = jnp.zeros((n, g, num_pages, page_size, k), cfg.dtype)
-    return KVPool(k_pages, v_pages)
+    dtype = cfg.dtype if kv_cache_dtype is None else quant.KV_CODE_FORMATS[kv_cache_dtype][0]
+    k_pages = jnp.zeros((n, g, num_pages, k, page_size), dtype)
+    v_pages = jnp.zeros((n, g, num_pages, page_size, k), dtype)
+    if kv_cache_dtype is None:
+        return KVPool(k_pages, v_pages)
+    scales = lambda: jnp.ones((n, g, num_pages, page_size), quant.KV_SCALE_DTYPE)  # noqa: E731
+    return KVPool(k_pages, v_pages, scales(), scales())
 
 
 def write_dense(cache: DenseKVCache, layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> DenseKVCache:
@@ -80,12 +116,27 @@ def write_dense(cache: DenseKVCache, layer: jax.Array, k: jax.Array, v: jax.Arra
 def write_paged(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, meta: PageMeta) -> KVPool:
     """Scatter k, v [B, T, G, K] into their (page, offset) slots of `layer`."""
     pages, offsets = meta.slot_pages, meta.slot_offsets  # [B, T]
-    # Advanced indices separated by a slice move to the front: the indexed view is [B, T, G, K] for both.
-    new_k = pool.k.at[layer, :, pages, :, offsets].set(k)
-    new_v = pool.v.at[layer, :, pages, offsets, :].set(v)
-    return KVPool(new_k, new_v)
+    # Advanced indices separated by a slice move to the front: the indexed view is [B, T, G, K] for both
+    # (and [B, T, G] for the scales).
+    if not pool.quantized:
+        return KVPool(pool.k.at[layer, :, pages, :, offsets].set(k), pool.v.at[layer, :, pages, offsets, :].set(v))
+    name = pool.kv_cache_dtype
+    (k_codes, k_scale), (v_codes, v_scale) = quant.quantize_per_token(k, name), quant.quantize_per_token(v, name)
+    return KVPool(
+        pool.k.at[layer, :, pages, :, offsets].set(k_codes), pool.v.at[layer, :, pages, offsets, :].set(v_codes),
+        pool.k_scale.at[layer, :, pages, offsets].set(k_scale), pool.v_scale.at[layer, :, pages, offsets].set(v_scale),
+    )
 
 
-def gather_pages(pool: KVPool, layer: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each sequence's pages of `layer`, kept in the pool's layout: K [G, B, P_max, K, L], V [G, B, P_max, L, K]."""
-    return pool.k[layer][:, block_tables], pool.v[layer][:, block_tables]
+def gather_pages(pool: KVPool, layer: jax.Array, block_tables: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's pages of `layer`, kept in the pool's layout: K [G, B, P_max, K, L], V [G, B, P_max, L, K].
+
+    A quantized pool's pages are dequantized on read, into `dtype` (f32 if None)."""
+    k_pages, v_pages = pool.k[layer][:, block_tables], pool.v[layer][:, block_tables]
+    if not pool.quantized:
+        return k_pages, v_pages
+    dtype = dtype or jnp.float32
+    k_scale, v_scale = pool.k_scale[layer][:, block_tables], pool.v_scale[layer][:, block_tables]  # [G, B, P_max, L]
+    k_pages = (k_pages.astype(jnp.float32) * k_scale[..., None, :]).astype(dtype)
+    v_pages = (v_pages.astype(jnp.float32) * v_scale[..., None]).astype(dtype)
+    return k_pages, v_pages

@@ -465,3 +465,25 @@ def resident_bytes(tree) -> int:
                 seen.add(key)
                 total += shard.data.on_device_size_in_bytes()
     return total
+
+
+# ------------------------------------------------------------------ per-token KV-cache quantization
+# kv_cache_dtype name -> (code dtype, largest code magnitude). One scale per token and kv head, taken when
+# the token is written (dynamic: no calibration): scale = max|x| over the head dim / largest code.
+KV_CODE_FORMATS = {"int8": (jnp.int8, 127.0), "fp8_e4m3": (jnp.float8_e4m3fn, 448.0)}
+KV_SCALE_DTYPE = jnp.float32
+
+
+def quantize_per_token(x: Float[Array, "*lead K"], kv_cache_dtype: str) -> tuple[Array, Float[Array, "*lead"]]:
+    """Codes [*lead, K] (int8 or float8_e4m3fn) and scales f32 [*lead], so that codes * scale ≈ x.
+
+    int8 rounds to nearest, so |x - codes * scale| <= scale / 2; fp8 e4m3 keeps 3 mantissa bits, a
+    relative error of at most 2^-4 for normal codes. An all-zero vector gets scale 1 and zero codes."""
+    code_dtype, largest = KV_CODE_FORMATS[kv_cache_dtype]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.abs(x32).max(axis=-1)  # [*lead]
+    scale = jnp.where(amax > 0, amax / largest, 1.0).astype(KV_SCALE_DTYPE)
+    scaled = x32 / scale[..., None]
+    if jnp.issubdtype(code_dtype, jnp.integer):
+        scaled = jnp.clip(jnp.round(scaled), -largest, largest)
+    return scaled.astype(code_dtype), scale
