@@ -22,6 +22,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.output import OutputProcessor
 from jaxinfer.params import QUANTIZATIONS
+from jaxinfer.quant import INT4_GROUP_SIZES
 from jaxinfer.request import FieldError, Request, SamplingParams, check_int, check_number, check_text, check_token_ids, derive_seed
 from jaxinfer.scheduler import Scheduler, check_request
 
@@ -70,9 +71,15 @@ class Prompt:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
 
 
-def check_quantization(value) -> str | None:
+def check_quantization(value, group_size: int | None = None) -> str | None:
+    """The weight quantization and its int4 group size (None: the default, DEFAULT_INT4_GROUP_SIZE)."""
     if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
         raise FieldError("quantization", f"must be None or one of {QUANTIZATIONS}, got {value!r}")
+    if group_size is not None:
+        if value != "int4":
+            raise FieldError("group_size", f"applies to quantization='int4' only, got quantization={value!r}")
+        if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
+            raise FieldError("group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     return value
 
 
@@ -98,17 +105,19 @@ class LLM:
       dtype: compute dtype, "float32" (default, best on CPU) or "bfloat16".
       quantization: how weights are held on the device: None (dense in `dtype`), "gguf" (a GGUF file's
         own blocks, dequantized one layer at a time inside the step), "int8" (per-channel) or "int4"
-        (groups of 32); see params.weight_format for which tensors.
+        (groups of `group_size` along the input: 32, the default, 64 or 128); see params.weight_format
+        for which tensors.
       engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
     """
 
     def __init__(
-        self, model=None, *, dtype: str = "float32", quantization: str | None = None,
+        self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
         engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
-        check_quantization(quantization)
+        check_quantization(quantization, group_size)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization)
+        group = {} if group_size is None else {"group_size": group_size}
+        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, **group)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
         self.engine = Engine(self.model_config, params, engine_config)

@@ -42,8 +42,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, choices=("gguf", "int8", "int4"),
         help="weights held quantized on the device: gguf keeps a GGUF file's own blocks, int8 is per output channel, "
-        "int4 groups of 32 (embedding and head int8); default: dense in --dtype",
+        "int4 groups of --group-size (embedding and head int8); default: dense in --dtype",
     )
+    parser.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128), help="input elements per int4 scale, with --quantization int4 (default: 32)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +125,7 @@ def _build_parser() -> argparse.ArgumentParser:
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
-    "attention_impl": "--attention", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
+    "attention_impl": "--attention", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
 }
 
 
@@ -168,7 +169,7 @@ def _make_llm(args, engine_config):
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(args.model, dtype=args.dtype, quantization=args.quantization, engine_config=engine_config)
+        return LLM(args.model, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, engine_config=engine_config)
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
@@ -244,7 +245,14 @@ def _run_info(args) -> int:
     from jaxinfer.tokenizer import describe_tokenizer
 
     path = loading.resolve_model_path(args.model)
-    cfg, params = loading.load_model(path, dtype=args.dtype, quantization=args.quantization)
+    from jaxinfer.api import check_quantization
+
+    try:
+        check_quantization(args.quantization, args.group_size)
+    except ValueError as e:
+        raise _with_flag_names(e, _ENGINE_FLAGS) from None
+    group = {} if args.group_size is None else {"group_size": args.group_size}
+    cfg, params = loading.load_model(path, dtype=args.dtype, quantization=args.quantization, **group)
     print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
     print(f"{'family':<17} {cfg.architecture}")
     for feature, value in cfg.features().items():

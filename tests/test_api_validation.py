@@ -162,3 +162,23 @@ def test_random_engine_configs_are_a_clear_error_or_a_completed_run(tiny_chat_mo
             assert "KV pages" in str(e) or "context is" in str(e), e  # the prompt cannot fit this engine
             return
     assert all(o.finish_reason in ("length", "stop") for o in outputs)
+
+
+@pytest.mark.parametrize(("quantization", "group_size"), [("int8", 64), (None, 32), ("int4", 48), ("int4", True)])
+def test_group_size_is_checked_at_the_boundary(quantization, group_size):
+    from conftest import FIXTURES
+
+    with pytest.raises(FieldError, match="group_size") as info:
+        LLM(FIXTURES / "tiny_llama", quantization=quantization, group_size=group_size, warmup=False)
+    assert info.value.field == "group_size"
+
+
+def test_group_size_reaches_the_int4_weights(tiny_chat_model, capsys):
+    from jaxinfer import cli
+
+    llm = LLM(tiny_chat_model, quantization="int4", group_size=32, warmup=False, max_context=128, num_pages=4)
+    assert llm.engine.params.layers.w_up.group_size == 32
+    with pytest.raises(ValueError, match="'wq' .* group size 64: input dim 32"):  # the tiny model's width is 32
+        LLM(tiny_chat_model, quantization="int4", group_size=64, warmup=False, max_context=128, num_pages=4)
+    assert cli.main(["info", "--model", str(tiny_chat_model), "--group-size", "64"]) == 2
+    assert "--group-size applies to quantization='int4' only" in capsys.readouterr().err
