@@ -3,10 +3,12 @@
 One script for one H200 session (under 8 minutes, guarded by a global time budget):
   1. ceilings: device copy bandwidth ((read + write) bytes / time) and bf16 matmul rate;
   2. correctness: the kernel against paged_attention_reference on fresh random data, once per
-     distinct tuned config (kernels_pallas.paged_attention.TUNED_TABLE), with awkward lengths;
+     distinct tuned config (kernels_pallas.paged_attention.TUNED_TABLE), with awkward lengths,
+     plus int8 and fp8 (e4m3) pools quantized per token;
   3. timing: kernel and XLA reference at batch {1, 8, 32, 64, 128} x context {512, 2048, 8192}
      plus 64 x 4096 (the milestone shape, timed first); 8 kv heads, head_dim 128, GQA 4 and 8,
-     bf16, page 64. Achieved bandwidth = K+V bytes read / time, as a fraction of the copy rate;
+     bf16, page 64, and the milestone shape again with int8 and fp8 pools. Achieved bandwidth =
+     K+V bytes read (codes and scales when quantized) / time, as a fraction of the copy rate;
   4. tuning: alternative configs at the milestone shape, so TUNED_TABLE can be re-seeded.
 Each phase records its errors in the JSON instead of crashing. Writes device_check.json under
 $OUT (default experiments/results/gpu/), prints tables, and prints the JSON document as its last
@@ -125,6 +127,7 @@ class Shape:
     head_dim: int
     page_size: int
     dtype: str = "bfloat16"
+    kv_dtype: str | None = None  # "int8" / "float8_e4m3fn": quantized pools, f32 scale per token
 
     @property
     def max_pages(self) -> int:
@@ -133,12 +136,27 @@ class Shape:
     def kv_bytes(self, lengths) -> int:
         """K and V bytes the kernel must read: valid tokens, whole pages."""
         pages = -(-np.asarray(lengths, np.int64) // self.page_size)
-        per_page = 2 * self.num_kv_heads * self.head_dim * self.page_size * jnp.dtype(self.dtype).itemsize
+        itemsize = jnp.dtype(self.kv_dtype or self.dtype).itemsize
+        per_token = self.head_dim * itemsize + (4 if self.kv_dtype else 0)  # codes + a scale
+        per_page = 2 * self.num_kv_heads * self.page_size * per_token
         return int(pages.sum() * per_page)
 
 
+def quantize_per_token(x, kv_dtype: str, head_dim_axis: int):
+    """(codes, f32 scales [G, P, L]): scale = max |x| over the head dim / 127 (int8) or / 448
+    (float8_e4m3fn)."""
+    code_max = 127.0 if kv_dtype == "int8" else 448.0
+    x = x.astype(jnp.float32)
+    scales = jnp.abs(x).max(axis=head_dim_axis) / code_max
+    y = jnp.clip(x / jnp.expand_dims(jnp.where(scales > 0, scales, 1.0), head_dim_axis),
+                 -code_max, code_max)
+    return (jnp.round(y) if kv_dtype == "int8" else y).astype(kv_dtype), scales
+
+
 def make_inputs(shape: Shape, lengths, seed: int, q_scale: float = 1.0):
-    """Random pool with a shuffled page assignment (page 0 is the null page)."""
+    """Random pool with a shuffled page assignment (page 0 is the null page). Returns
+    (q, k, v, block_tables, lengths, scales): scales is {} or, for a quantized pool, the
+    k_scales / v_scales keyword arguments."""
     rng = np.random.default_rng(seed)
     num_pages = shape.batch * shape.max_pages + 1
     tables = (rng.permutation(num_pages - 1) + 1).astype(np.int32)
@@ -150,7 +168,12 @@ def make_inputs(shape: Shape, lengths, seed: int, q_scale: float = 1.0):
     q = jax.random.normal(key_q, (shape.batch, heads * shape.group_size, shape.head_dim)) * q_scale
     k = jax.random.normal(key_k, (heads, num_pages, shape.head_dim, shape.page_size), dtype)
     v = jax.random.normal(key_v, (heads, num_pages, shape.page_size, shape.head_dim), dtype)
-    return q.astype(dtype), k, v, jnp.asarray(tables), jnp.asarray(lengths)
+    scales = {}
+    if shape.kv_dtype:
+        k, k_scales = quantize_per_token(k, shape.kv_dtype, head_dim_axis=2)
+        v, v_scales = quantize_per_token(v, shape.kv_dtype, head_dim_axis=3)
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+    return q.astype(dtype), k, v, jnp.asarray(tables), jnp.asarray(lengths), scales
 
 
 def awkward_lengths(shape: Shape, config: pa.PagedAttentionConfig, rng) -> np.ndarray:
@@ -172,10 +195,10 @@ def rel_err(out, ref) -> float:
 def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dict:
     rng = np.random.default_rng(seed)
     lengths = awkward_lengths(shape, config, rng)
-    q, k, v, bt, lens = make_inputs(shape, lengths, seed, q_scale)
+    q, k, v, bt, lens, scales = make_inputs(shape, lengths, seed, q_scale)
     pa.validate_block_tables(np.asarray(bt), k.shape[1], np.asarray(lens), shape.page_size)
-    out = pa.paged_attention(q, k, v, bt, lens, config=config, interpret=interpret)
-    ref = pa.paged_attention_reference(q, k, v, bt, lens)
+    out = pa.paged_attention(q, k, v, bt, lens, **scales, config=config, interpret=interpret)
+    ref = pa.paged_attention_reference(q, k, v, bt, lens, **scales)
     err = rel_err(out, ref)
     finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
     return dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
@@ -183,10 +206,11 @@ def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dic
 
 def correctness_cases(dry_run: bool):
     """(Shape, config) per distinct tuned config, at a shape inside its bucket; plus the
-    default model's GQA 3 at head_dim 64 and an f16 run. Dry run: one interpreter case."""
+    default model's GQA 3 at head_dim 64, an f16 run, and int8 / fp8 pools (tuned and
+    deterministic configs). Dry run: two interpreter cases, bf16 and int8."""
     if dry_run:
-        shape = Shape(2, 192, 2, 4, 64, 64)
-        return [(shape, pa.PagedAttentionConfig(num_splits=2))]
+        return [(Shape(2, 192, 2, 4, 64, 64), pa.PagedAttentionConfig(num_splits=2)),
+                (Shape(2, 128, 1, 4, 64, 64, kv_dtype="int8"), pa.PagedAttentionConfig())]
     cases, seen = [], set()
     for e in pa.TUNED_TABLE:
         if (e.head_dim, e.page_size, e.config) in seen:
@@ -199,6 +223,13 @@ def correctness_cases(dry_run: bool):
     for dtype, group, head_dim in (("bfloat16", 3, 64), ("float16", 8, 128)):
         shape = Shape(8, 1024, 3, group, head_dim, 64, dtype)
         cases.append((shape, pa.config_for(8, 16, 3, group, head_dim, 64)))
+    for kv_dtype, dtype, head_dim, page in (("int8", "bfloat16", 128, 64),
+                                            ("float8_e4m3fn", "bfloat16", 64, 128),
+                                            ("float8_e4m3fn", "float16", 128, 128)):
+        shape = Shape(8, 2048, 4, 4, head_dim, page, dtype, kv_dtype)
+        cases.append((shape, pa.config_for(8, shape.max_pages, 4, 4, head_dim, page)))
+    shape = Shape(8, 2048, 4, 8, 128, 64, "bfloat16", "int8")
+    cases.append((shape, pa.deterministic_config(128, 64, 8)))
     return cases
 
 
@@ -226,14 +257,17 @@ def timing_shapes(dry_run: bool) -> list[Shape]:
     if dry_run:
         return [Shape(b, c, 2, g, 64, 64) for b in (1, 2) for c in (128, 256) for g in (2,)]
     pairs = [MILESTONE] + [(b, c) for c in CONTEXTS for b in BATCHES]
-    return [Shape(b, c, NUM_KV_HEADS, g, HEAD_DIM, 64) for b, c in pairs for g in GROUP_SIZES]
+    shapes = [Shape(b, c, NUM_KV_HEADS, g, HEAD_DIM, 64) for b, c in pairs for g in GROUP_SIZES]
+    quantized = [Shape(*MILESTONE, NUM_KV_HEADS, GROUP_SIZES[0], HEAD_DIM, 64, kv_dtype=kv)
+                 for kv in ("int8", "float8_e4m3fn")]
+    return shapes[:2] + quantized + shapes[2:]  # the milestone shape first, then quantized
 
 
 def time_shape(shape: Shape, ceilings: dict, *, kernel: bool, reference: bool = True,
                config=None) -> dict:
     """Kernel and reference time at full length; bandwidth as a share of the copy rate."""
     lengths = np.full((shape.batch,), shape.context, np.int32)
-    q, k, v, bt, lens = make_inputs(shape, lengths, seed=7)
+    q, k, v, bt, lens, scales = make_inputs(shape, lengths, seed=7)
     if config is None:
         config = pa.config_for(shape.batch, shape.max_pages, shape.num_kv_heads, shape.group_size,
                                shape.head_dim, shape.page_size)
@@ -242,12 +276,15 @@ def time_shape(shape: Shape, ceilings: dict, *, kernel: bool, reference: bool = 
     copy = ceilings.get("copy_tb_s")
     fns = {}
     if kernel:
-        fns["kernel"] = lambda *a: pa.paged_attention(*a, config=config)
+        fns["kernel"] = lambda *a, **kw: pa.paged_attention(*a, **kw, config=config)
     if reference:
         fns["reference"] = pa.paged_attention_reference
+    scale_args = (scales["k_scales"], scales["v_scales"]) if scales else ()
     for name, fn in fns.items():
+        if scales:  # time_chained passes arrays positionally; the scales are keyword-only
+            fn = (lambda f: lambda *a: f(*a[:5], k_scales=a[5], v_scales=a[6]))(fn)
         try:
-            seconds = time_chained(fn, (q, k, v, bt, lens))
+            seconds = time_chained(fn, (q, k, v, bt, lens, *scale_args))
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_tb_s"] = kv_bytes / seconds / 1e12
             if copy:
@@ -296,7 +333,8 @@ def print_timing_row(row: dict) -> None:
         return
     c = row["config"]
     knobs = f"s{c['num_splits']}/b{c['pages_per_block']}/d{c['pipeline_depth']}"
-    cells = [f"{row['batch']:>5} {row['context']:>6} {row['group_size']:>3} {knobs:>10}"]
+    cells = [f"{row['batch']:>5} {row['context']:>6} {row['group_size']:>3} {knobs:>10} "
+             f"{row.get('kv_dtype') or row.get('dtype', ''):>13}"]
     for name in ("kernel", "reference"):
         if f"{name}_us" in row:
             frac = row.get(f"{name}_frac_copy", float("nan"))

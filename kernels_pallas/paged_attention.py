@@ -14,16 +14,21 @@ L page length; M is the block-table width, max pages per sequence):
   v_pages       [G, P, L, K]
   block_tables  [B, M] int32  padded with page 0, the null page
   lengths       [B] int32     valid tokens; 0 marks a padding row, whose output is zeros
+  k_scales, v_scales [G, P, L] f32, only with quantized pages (int8 / float8_e4m3fn codes):
+                one scale per (kv head, page, token slot); key = codes[:, l] * k_scales[l]
 
 Dataflow: grid (G, B, num_splits). A program loads the group's query rows, zero-padded to the
 64-row wgmma tile, then streams its split's KV blocks through a ring of SMEM slots filled by TMA,
 runs an online softmax in f32, and writes a normalized partial output with its log2-sum-exp.
-XLA merges the splits. Deterministic mode (`deterministic_config`) fixes the pages per split,
+XLA merges the splits. Quantized pages stream as codes (half the bytes), are converted exactly to
+q's dtype in SMEM for the wgmmas, and their scales are applied in f32: K's to the score columns,
+V's to p before it is staged. Deterministic mode (`deterministic_config`) fixes the pages per split,
 so a split's work depends only on its own sequence, and merges the splits in a fixed order: a
 sequence's output is then bitwise the same whatever the batch, its row and the table width.
 Invariants: masked scores use the finite MASK_VALUE, never -inf; a program whose split starts
 past the sequence loads nothing and writes zeros with lse = MASK_VALUE; only pages below the
-sequence length are ever read, so padding entries are not.
+sequence length are ever read, so padding entries are not. Slots past the length inside a read
+page may hold any scale, but must hold finite codes or values (a NaN times p = 0 is NaN).
 """
 
 import dataclasses
@@ -38,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 try:
-    from jaxtyping import Array, Float, Int
+    from jaxtyping import Array, Float, Int, Num
 except ImportError:  # a bare GPU box (jax, numpy, absl-py) running experiments/device_check.py
     Array = jax.Array
 
@@ -46,11 +51,13 @@ except ImportError:  # a bare GPU box (jax, numpy, absl-py) running experiments/
         def __class_getitem__(cls, _):
             return jax.Array
 
-    Int = Float
+    Int = Num = Float
 
 # Finite stand-in for -inf: exp2(MASK_VALUE - m) underflows to 0 without NaN from inf - inf.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Quantized K/V codes (both pools alike), dequantized with f32 scales per (kv head, page, slot).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (64, 128)
 SMEM_LIMIT_BYTES = 227 * 1024  # per-block opt-in shared memory on H100/H200 (sm_90)
@@ -60,12 +67,15 @@ DETERMINISTIC_SPLIT_TOKENS = 512  # tokens per split of `deterministic_config` (
 _LOG2E = math.log2(math.e)
 _WGMMA_ROWS = 64  # one warpgroup's wgmma M
 _SWIZZLE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# 1-byte codes: a 128-byte swizzle would need 128-code tile rows, longer than a K page's 64-slot
+# rows at page_size 64, so the code rings use 64-code (64-byte) tile rows and the 64-byte swizzle.
+_SWIZZLE_8BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def _paged_attention_kernel(
-    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref,  # inputs, GMEM
+    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, k_scales_ref, v_scales_ref,  # GMEM in
     out_ref, lse_ref,  # outputs, GMEM
-    q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers,  # scratch
+    q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers, dequant,  # scratch
     *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale,
 ):
     """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
@@ -76,6 +86,11 @@ def _paged_attention_kernel(
     · p_smem [R, N], with N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L],
     (o_smem [R, K], lse_smem [R])): the output buffers reuse the K ring, which is dead once the
     loop has ended.
+
+    Quantized pages (int8 / fp8 codes; the rings hold codes): k_scales_ref, v_scales_ref
+    [G, P, L] f32 and dequant = (k_scale_smem [depth, ppb, L], v_scale_smem [depth, N] f32, both
+    filled with the K pages on the K barrier; k_mma [ppb, K, L], v_mma [N, K]: the block
+    converted to q.dtype, the wgmma operands, one slot each). Otherwise the three are None.
     """
     k_smem, (o_smem, lse_smem) = ring_union
     num_rows, head_dim = q_smem.shape
@@ -102,6 +117,12 @@ def _paged_attention_kernel(
             rows = pl.ds(j * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, j], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+            if dequant is not None:  # both scale rows ride on the K barrier: p needs v's early
+                k_scale_smem, v_scale_smem, _, _ = dequant
+                plgpu.copy_gmem_to_smem(k_scales_ref.at[kv_head, page], k_scale_smem.at[slot, j],
+                                        k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_scales_ref.at[kv_head, page],
+                                        v_scale_smem.at[slot, rows], k_barriers.at[slot])
 
     @pl.when(num_blocks > 0)  # empty splits exit early: no loads, zeros out
     def _prologue():
@@ -121,20 +142,31 @@ def _paged_attention_kernel(
         # latency hides behind this step's compute (`pages` was read by the previous step).
         following = block_pages(block + pipeline_depth + 1)
         plgpu.barrier_wait(k_barriers.at[slot])
+        if dequant is not None:  # codes -> q.dtype, through registers, for the QK wgmma
+            k_scale_smem, v_scale_smem, k_mma, v_mma = dequant
+            for j in range(pages_per_block):
+                k_mma.at[j][...] = _codes_to(k_smem.at[slot, j][...], dtype)  # [K, L]
+            plgpu.commit_smem()
 
         def qk(page, acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot, page])
+            k_tile = k_smem.at[slot, page] if dequant is None else k_mma.at[page]  # [K, L]
+            plgpu.wgmma(acc_ref, q_smem, k_tile)
             return acc_ref[...]
 
         # One QK wgmma per page (a K block spanning pages is not contiguous for TMA), one softmax
         # update and one PV wgmma per block.
-        scores = []
+        scores, valid = [], []
         for j in range(pages_per_block):
             s = pl.run_scoped(functools.partial(qk, j), plgpu.ACC((num_rows, page_size), jnp.float32))
-            s = s * (sm_scale * _LOG2E)  # [R, L]
+            if dequant is None:
+                s = s * (sm_scale * _LOG2E)  # [R, L]
+            else:  # a key's scale is a column scale of the scores of its page
+                column_scale = k_scale_smem.at[slot, j][...] * (sm_scale * _LOG2E)  # [L]
+                s = s * lax.broadcast_in_dim(column_scale, s.shape, [1])  # [R, L]
             col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             position = (first_page + block * pages_per_block + j) * page_size + col
-            scores.append(jnp.where(position < length, s, MASK_VALUE))
+            valid.append(position < length)
+            scores.append(jnp.where(valid[j], s, MASK_VALUE))
         # Every block holds >= 1 valid token, so m_new is a real score and masked p is exactly 0.
         m_new = functools.reduce(jnp.maximum, [s.max(axis=1) for s in scores], m_i)
         alpha = jnp.exp2(m_i - m_new)
@@ -142,13 +174,24 @@ def _paged_attention_kernel(
         for j, s in enumerate(scores):
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))  # [R, L]
             l_i = l_i + p.sum(axis=1)
+            if dequant is not None:  # a value's scale is a row scale of V: fold it into p
+                row_scale = v_scale_smem.at[slot, pl.ds(j * page_size, page_size)][...]  # [L]
+                # where, not just p * scale: a stale slot past the length may hold any scale.
+                p = jnp.where(valid[j], p * lax.broadcast_in_dim(row_scale, p.shape, [1]), 0.0)
             # Staged in SMEM: a wgmma A operand in registers does not run in the interpreter.
             p_smem.at[:, pl.ds(j * page_size, page_size)][...] = p.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(v_barriers.at[slot])
+        if dequant is None:
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_barriers.at[slot])
+        else:
+            plgpu.barrier_wait(v_barriers.at[slot])
+            for j in range(pages_per_block):  # page by page: a [L, K] tile's registers at a time
+                rows = pl.ds(j * page_size, page_size)
+                v_mma.at[rows][...] = _codes_to(v_smem.at[slot, rows][...], dtype)  # [L, K]
+            plgpu.commit_smem()  # p and the converted V, before the wgmma reads them
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot] if dequant is None else v_mma)
             return acc_ref[...]
 
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -175,6 +218,16 @@ def _paged_attention_kernel(
     if lse_ref is not None:
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, kv_head, split])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _codes_to(codes, dtype):
+    """Quantized codes -> the wgmma dtype, exactly (every int8 and every e4m3 value is
+    representable in bf16 and in f16). Mosaic GPU converts e4m3 to bf16 only with ptxas ISA
+    >= 9.2 (the CPU lowering raises NotImplementedError without it), and e4m3 to f16 always, so
+    e4m3 -> bf16 goes through f16 (then f32, which Mosaic inserts between the 16-bit types)."""
+    if codes.dtype == jnp.float8_e4m3fn and dtype == jnp.bfloat16:
+        codes = codes.astype(jnp.float16)
+    return codes.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -231,19 +284,40 @@ class PagedAttentionConfig:
                              f"pages; at most {MAX_SPLITS}")
         return num_splits, self.pages_per_split
 
-    def smem_bytes(self, head_dim: int, page_size: int, itemsize: int = 2) -> int:
-        """Shared memory one program allocates (the output aliases the K ring)."""
-        block_kv = self.pages_per_block * page_size
-        ring = 2 * self.pipeline_depth * block_kv * head_dim * itemsize
-        return ring + self.block_h * (head_dim + block_kv) * itemsize + 2048  # + q, p, barriers
+    def smem_bytes(self, head_dim: int, page_size: int, itemsize: int = 2,
+                   kv_itemsize: int | None = None) -> int:
+        """Shared memory one program allocates (the output aliases the K ring).
 
-    def check_shapes(self, head_dim: int, page_size: int, group_size: int) -> None:
-        """Raises ValueError if this config cannot run these (static) sizes."""
+        `kv_itemsize` is the bytes of a stored K/V element when it differs from q's `itemsize`
+        (1 for int8 / fp8 codes): the rings then hold codes, and one converted K block and one V
+        block in q's dtype plus the f32 scale rows of every slot are added.
+        """
+        block_kv = self.pages_per_block * page_size
+        if kv_itemsize is None or kv_itemsize == itemsize:
+            ring = 2 * self.pipeline_depth * block_kv * head_dim * itemsize
+            return ring + self.block_h * (head_dim + block_kv) * itemsize + 2048  # + q, p, barriers
+        # Counted as the lowering allocates (checked to the byte): each buffer 1024-aligned.
+        def aligned(num_bytes):
+            return -(-num_bytes // 1024) * 1024
+
+        ring = aligned(self.pipeline_depth * block_kv * head_dim * kv_itemsize)  # K or V codes
+        union = aligned(max(ring, self.block_h * (head_dim + 1) * 4))  # f32 output + lse alias K
+        converted = 2 * aligned(block_kv * head_dim * itemsize)  # one K and one V block
+        scales = 2 * aligned(self.pipeline_depth * block_kv * 4)  # f32 rows, every slot
+        q_and_p = aligned(self.block_h * (head_dim + block_kv) * itemsize)
+        barriers = 8 * (1 + 2 * self.pipeline_depth)
+        return union + ring + converted + scales + q_and_p + barriers + 2048
+
+    def check_shapes(self, head_dim: int, page_size: int, group_size: int, *,
+                     kv_itemsize: int | None = None) -> None:
+        """Raises ValueError if this config cannot run these (static) sizes (`kv_itemsize` as in
+        `smem_bytes`)."""
         if self.pages_per_block * page_size > 256:
             raise ValueError(f"{self.pages_per_block=} * {page_size=} exceeds the wgmma K limit 256")
         if group_size > self.block_h:
             raise ValueError(f"{group_size=} query heads per kv head exceeds {self.block_h=}")
-        if (n := self.smem_bytes(head_dim, page_size)) > SMEM_LIMIT_BYTES:
+        n = self.smem_bytes(head_dim, page_size, kv_itemsize=kv_itemsize)
+        if n > SMEM_LIMIT_BYTES:
             raise ValueError(f"{self} needs {n} bytes of SMEM at {head_dim=}, {page_size=}; "
                              f"the limit is {SMEM_LIMIT_BYTES}")
 
@@ -352,7 +426,8 @@ def validate_block_tables(block_tables, num_pages: int, lengths=None, page_size:
                              f"(max_pages={table.shape[1]} * {page_size=})")
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, lengths) -> tuple[int, int]:
+def _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None
+                  ) -> tuple[int, int]:
     """Validates static shapes and dtypes; returns (num_kv_heads, group_size)."""
     if q.ndim != 3 or k_pages.ndim != 4 or v_pages.ndim != 4:
         raise ValueError(f"expected q [B, H, K], pages 4-D; got {q.shape=}, {k_pages.shape=}, "
@@ -369,23 +444,55 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths) -> tuple[int, int]
         raise ValueError(f"{block_tables.shape=} must be [{batch}, M] and {lengths.shape=} [{batch}]")
     if block_tables.dtype != jnp.int32 or lengths.dtype != jnp.int32:
         raise ValueError(f"{block_tables.dtype=} and {lengths.dtype=} must be int32")
-    if not q.dtype == k_pages.dtype == v_pages.dtype:
-        raise ValueError(f"{q.dtype=}, {k_pages.dtype=} and {v_pages.dtype=} must match")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must match")
+    if k_pages.dtype in QUANTIZED_DTYPES:
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is None:
+                raise ValueError(f"{name} is required with {k_pages.dtype} pages")
+            if scales.shape != (num_kv_heads, num_pages, page_size) or scales.dtype != jnp.float32:
+                raise ValueError(f"{name} must be float32 {(num_kv_heads, num_pages, page_size)} "
+                                 f"[G, P, L], one scale per token slot; got {scales.shape} "
+                                 f"{scales.dtype}")
+    else:
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is not None:
+                raise ValueError(f"{name} must be None: {k_pages.dtype} pages are not quantized "
+                                 f"(quantized pages are {[d.name for d in QUANTIZED_DTYPES]})")
+        if q.dtype != k_pages.dtype:
+            raise ValueError(f"{q.dtype=}, {k_pages.dtype=} and {v_pages.dtype=} must match")
     return num_kv_heads, num_q_heads // num_kv_heads
 
 
-def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, config,
-                              interpret):
+def _bind_refs(body, *, quantized: bool, with_lse: bool):
+    """Adapts `_paged_attention_kernel` to the refs a kernel really has: None stands for the
+    scale inputs and dequant scratch of unquantized pages, and for lse with one split."""
+    num_inputs, num_outputs = (7 if quantized else 5), (2 if with_lse else 1)
+
+    def bound(*refs):
+        inputs, refs = list(refs[:num_inputs]), refs[num_inputs:]
+        outputs, scratch = list(refs[:num_outputs]), list(refs[num_outputs:])
+        inputs += [None, None] * (not quantized)
+        outputs += [None] * (not with_lse)
+        scratch += [None] * (not quantized)
+        return body(*inputs, *outputs, *scratch)
+
+    return bound
+
+
+def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scales=None,
+                              v_scales=None, *, sm_scale, config, interpret):
     """Runs the kernel. Returns (out [B, G, S, group, K], lse [B, G, S, R] in log2 units | None);
     out is f32 normalized per split when there is an lse, and the final q.dtype output when not:
     one split outside deterministic mode (which always merges, so that one split and several
-    take the same path)."""
+    take the same path). k_scales / v_scales: f32 [G, P, L] with quantized pages, else None."""
     batch, _, head_dim = q.shape
     num_kv_heads, _, _, page_size = k_pages.shape
     group_size = q.shape[1] // num_kv_heads
     pages_per_block, depth = config.pages_per_block, config.pipeline_depth
     num_splits, pages_per_split = config.split_layout(block_tables.shape[1])
     num_rows, block_kv = config.block_h, pages_per_block * page_size
+    quantized = k_scales is not None
     padded_group = -(-group_size // 8) * 8  # the TMA box into the 8-row-tiled q_smem
     q_packed = q.reshape(batch, num_kv_heads, group_size, head_dim)  # [B, G, group, K]
     q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_group - group_size), (0, 0)))
@@ -396,28 +503,40 @@ def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, *, sm_
     if with_lse:
         out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, num_rows), jnp.float32))
     smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=_SWIZZLE)
+    # The rings hold the pages as stored: codes (64-byte rows of 1-byte codes) when quantized.
+    ring = (functools.partial(plgpu.SMEM, dtype=k_pages.dtype, transforms=_SWIZZLE_8BIT)
+            if quantized else smem)
+    # K and V each arrive as one TMA per page; with quantized pages the K barrier also counts
+    # the two scale rows of each page.
     scratch = [
         smem((num_rows, head_dim)),
-        smem((depth, block_kv, head_dim)),
+        ring((depth, block_kv, head_dim)),
         smem((num_rows, block_kv)),
-        plgpu.RefUnion(smem((depth, pages_per_block, head_dim, page_size)), (
+        plgpu.RefUnion(ring((depth, pages_per_block, head_dim, page_size)), (
             plgpu.SMEM((num_rows, head_dim), out_dtype), plgpu.SMEM((num_rows,), jnp.float32))),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
+        plgpu.Barrier(num_arrivals=pages_per_block * (3 if quantized else 1), num_barriers=depth),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
     ]
-    body = functools.partial(
+    if quantized:
+        scratch.append((
+            plgpu.SMEM((depth, pages_per_block, page_size), jnp.float32),  # K scale rows
+            plgpu.SMEM((depth, block_kv), jnp.float32),  # V scale rows
+            smem((pages_per_block, head_dim, page_size)),  # K block converted to q.dtype
+            smem((block_kv, head_dim)),  # V block converted to q.dtype
+        ))
+    body = _bind_refs(functools.partial(
         _paged_attention_kernel, group_size=group_size, pages_per_split=pages_per_split,
-        pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale)
-    if not with_lse:
-        body = functools.partial(lambda f, *refs: f(*refs[:6], None, *refs[6:]), body)
+        pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale),
+        quantized=quantized, with_lse=with_lse)
     # A fresh plgpu.kernel per config: a reused kernel can keep its first grid (jax-ml/jax#40847).
     kernel = plgpu.kernel(
         body, out_type=tuple(out_type), scratch_types=scratch,
         grid=(num_kv_heads, batch, num_splits), grid_names=("kv_head", "seq", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None)
-    outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths)
+    scale_inputs = (k_scales, v_scales) if quantized else ()
+    outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths, *scale_inputs)
     return outs[0], (outs[1] if with_lse else None)
 
 
@@ -456,11 +575,12 @@ def _merge_splits_in_order(out, lse):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, config,
-                         interpret):
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                         sm_scale, config, interpret):
     batch, num_q_heads, head_dim = q.shape
-    out, lse = _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths,
-                                         sm_scale=sm_scale, config=config, interpret=interpret)
+    out, lse = _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scales,
+                                         v_scales, sm_scale=sm_scale, config=config,
+                                         interpret=interpret)
     if lse is None:
         return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
     merge = _merge_splits_in_order if config.deterministic else _merge_splits
@@ -469,11 +589,13 @@ def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
 
 def paged_attention(
     q: Float[Array, "B H K"],
-    k_pages: Float[Array, "G P K L"],
-    v_pages: Float[Array, "G P L K"],
+    k_pages: Num[Array, "G P K L"],
+    v_pages: Num[Array, "G P L K"],
     block_tables: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
+    k_scales: Float[Array, "G P L"] | None = None,
+    v_scales: Float[Array, "G P L"] | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -482,9 +604,13 @@ def paged_attention(
 
     Args:
       q: queries; head h attends with kv head h // (H // G). bf16 or f16.
-      k_pages: K pool, transposed per page. v_pages: V pool. Same dtype as q.
+      k_pages: K pool, transposed per page. v_pages: V pool. Either q's dtype, or int8 /
+        float8_e4m3fn codes (both the same), dequantized per token slot with the scales below.
       block_tables: int32 page ids per sequence, padded with page 0 (the null page).
       lengths: int32 valid tokens per sequence, in [0, M * L]; 0 gives a zero output row.
+      k_scales, v_scales: f32 [G, P, L], given exactly when the pages are quantized: the key of
+        slot l of page p, kv head g is `k_pages[g, p, :, l] * k_scales[g, p, l]` and its value
+        `v_pages[g, p, l, :] * v_scales[g, p, l]`.
       sm_scale: static softmax scale; default 1 / sqrt(K).
       config: static kernel knobs; default `config_for(...)` of these shapes. Pass
         `deterministic_config(...)` for a result independent of the batch and the table width.
@@ -494,11 +620,12 @@ def paged_attention(
       [B, H, K] in q.dtype. Accumulation and softmax statistics are f32.
 
     Raises:
-      ValueError: bad shapes, dtypes or config, or (for concrete inputs) an out-of-range page
-        id or length. Under an outer jit the ids are traced, so the caller must run
+      ValueError: bad shapes, dtypes, scales or config, or (for concrete inputs) an out-of-range
+        page id or length. Under an outer jit the ids are traced, so the caller must run
         `validate_block_tables` on the host first.
     """
-    num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths,
+                                             k_scales, v_scales)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{q.dtype=} unsupported: the kernel takes bf16 or f16 (an f32 wgmma "
                          "would run in tf32); use paged_attention_reference for f32")
@@ -511,41 +638,45 @@ def paged_attention(
                             page_size)
     else:
         _check_sizes(head_dim, page_size)
-    config.check_shapes(head_dim, page_size, group_size)
+    config.check_shapes(head_dim, page_size, group_size, kv_itemsize=k_pages.dtype.itemsize)
     config.split_layout(block_tables.shape[1])  # raises if a fixed split size needs too many splits
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                                config=config, interpret=interpret)
+    return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                                sm_scale=sm_scale, config=config, interpret=interpret)
 
 
 def paged_attention_reference(
     q: Float[Array, "B H K"],
-    k_pages: Float[Array, "G P K L"],
-    v_pages: Float[Array, "G P L K"],
+    k_pages: Num[Array, "G P K L"],
+    v_pages: Num[Array, "G P L K"],
     block_tables: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
+    k_scales: Float[Array, "G P L"] | None = None,
+    v_scales: Float[Array, "G P L"] | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "B H K"]:
     """Pure-jnp paged decode attention in f32; the same contract as `paged_attention`.
 
-    Gathers each sequence's pages through its block table and masks positions >= length (scores
-    with MASK_VALUE, V with zeros, so stale pages may hold anything). Any float dtype; `config`
-    and `interpret` are accepted for signature parity and ignored. Out-of-range page ids are
-    clamped by the gather: validate on the host first.
+    Gathers each sequence's pages (and, for quantized pages, their scale rows) through its block
+    table, dequantizes on read in f32, and masks positions >= length (scores with MASK_VALUE, V
+    with zeros, so stale pages and scales may hold anything). Any float q dtype; `config` and
+    `interpret` are accepted for signature parity and ignored. Out-of-range page ids are clamped
+    by the gather: validate on the host first.
     """
     del config, interpret
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths)
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return _reference_jit(q, k_pages, v_pages, block_tables, lengths, sm_scale=scale)
+    return _reference_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                          sm_scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _reference_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale):
+def _reference_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, group_size = k_pages.shape[0], num_q_heads // k_pages.shape[0]
     max_pages, page_size = block_tables.shape[1], k_pages.shape[-1]
@@ -553,6 +684,9 @@ def _reference_jit(q, k_pages, v_pages, block_tables, lengths, *, sm_scale):
     q_grouped = q.reshape(batch, num_kv_heads, group_size, head_dim).astype(jnp.float32)
     k = k_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, K, L]
     v = v_pages[:, block_tables].astype(jnp.float32)  # [G, B, M, L, K]
+    if k_scales is not None:  # dequantize on read: one scale per (kv head, page, token slot)
+        k = k * k_scales[:, block_tables][:, :, :, None, :]  # [G, B, M, 1, L]
+        v = v * v_scales[:, block_tables][..., None]  # [G, B, M, L, 1]
     scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
     scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
     valid = jnp.arange(max_pages * page_size)[None, :] < lengths[:, None]  # [B, S]

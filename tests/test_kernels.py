@@ -1,7 +1,10 @@
 """kernels_pallas.paged_attention on CPU: the reference against float64 numpy, the Mosaic GPU
 kernel in the GPU interpreter (race detection, NaN-poisoned outputs) against the reference,
 host validation, deterministic mode (splits of a fixed size; bitwise invariance to the batch, the
-row and the table width), and a lowering sweep for cuda over the tuned and deterministic configs.
+row and the table width), quantized pages (int8 and fp8 e4m3 codes with per-token scales: the
+reference against float64 numpy on the dequantized pools, the kernel against the reference, with
+negative controls on the scales, argument errors, SMEM accounting), and a lowering sweep for cuda
+over the tuned and deterministic configs, bf16/f16 and quantized pages.
 
 Interpreter cases are few and each combines several properties (awkward lengths, split
 boundaries, shuffled tables, GQA ratio, head_dim, page size, peaked or flat softmax), because
@@ -342,18 +345,222 @@ def test_deterministic_kernel_is_bitwise_invariant_to_batch_row_and_width_in_int
                  "deterministic kernel vs reference")
 
 
+# ---------------------------------------------------------------- quantized KV pages (int8, fp8)
+
+QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_CODE_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize_per_token(x, kv_dtype, head_dim_axis):
+    """Codes and f32 scales of one pool, per (kv head, page, token slot): scale = max |x| over the
+    head dim / 127 (int8, codes rounded) or / 448 (float8_e4m3fn, codes cast)."""
+    x = np.asarray(x, np.float32)
+    code_max = _CODE_MAX[jnp.dtype(kv_dtype)]
+    scales = np.abs(x).max(axis=head_dim_axis) / code_max  # [G, P, L]
+    y = np.clip(x / np.expand_dims(np.where(scales > 0, scales, 1.0), head_dim_axis),
+                -code_max, code_max)
+    codes = np.rint(y).astype(np.int8) if kv_dtype == jnp.int8 else jnp.asarray(y).astype(kv_dtype)
+    return jnp.asarray(codes), jnp.asarray(scales, jnp.float32)
+
+
+def dequantize_f64(k_codes, v_codes, k_scales, v_scales):
+    """The dequantized pools in float64, written independently of the reference's jnp."""
+    k_codes, v_codes = (np.asarray(jnp.asarray(c).astype(jnp.float32), np.float64)
+                        for c in (k_codes, v_codes))
+    k_scales, v_scales = np.asarray(k_scales, np.float64), np.asarray(v_scales, np.float64)
+    return k_codes * k_scales[:, :, None, :], v_codes * v_scales[..., None]
+
+
+def quantized_arrays(case: Case, kv_dtype):
+    """`case.arrays()` with K/V quantized per token, plus `read` [P, L]: whether some sequence
+    reads the slot as valid. Token magnitudes vary about 20x (log-normal gains), so each token's
+    own scale matters."""
+    q, k, v, bt, lens = case.arrays()
+    rng = np.random.default_rng(case.seed + 100)
+    gain = np.exp(rng.normal(0.0, 0.75, (k.shape[0], k.shape[1], k.shape[3])))  # [G, P, L]
+    k = np.asarray(k, np.float32) * gain[:, :, None, :]
+    v = np.asarray(v, np.float32) * gain[..., None]
+    k_codes, k_scales = quantize_per_token(k, kv_dtype, head_dim_axis=2)
+    v_codes, v_scales = quantize_per_token(v, kv_dtype, head_dim_axis=3)
+    page, tables = case.page_size, np.asarray(bt)
+    read = np.zeros(k_scales.shape[1:], bool)  # [P, L]
+    for b, n in enumerate(np.asarray(lens)):
+        for j in range(-(-int(n) // page)):
+            read[tables[b, j], : min(page, int(n) - j * page)] = True
+    return q, k_codes, v_codes, bt, lens, k_scales, v_scales, read
+
+
+def poison_unread(scales, read):
+    """NaN scales at every slot no sequence reads: the kernel may load them (masked), and must
+    not let them through."""
+    return jnp.where(read, scales, jnp.nan)
+
+
+@pytest.mark.parametrize("kv,tables,lengths,num_kv_heads,group_size,head_dim,page_size", [
+    ("int8", [[3, 1, 0], [2, 5, 4], [0, 0, 0]], [5, 12, 0], 2, 3, 8, 4),  # GQA 3, padding row
+    ("fp8", [[4, 7], [5, 0]], [16, 7], 1, 8, 16, 8),  # GQA 8, one full table
+])
+def test_quantized_reference_matches_float64_dense(kv, tables, lengths, num_kv_heads, group_size,
+                                                   head_dim, page_size):
+    q, k, v, bt, lens = _hand_built(tables, lengths, num_kv_heads, group_size, head_dim,
+                                    page_size, jnp.float32)
+    k_codes, k_scales = quantize_per_token(k * 3.0, QUANTIZED[kv], head_dim_axis=2)
+    v_codes, v_scales = quantize_per_token(v * 0.5, QUANTIZED[kv], head_dim_axis=3)
+    k_scales = k_scales.at[:, 0].set(jnp.nan)  # the null page: never valid
+    sm_scale = 0.7 / math.sqrt(head_dim)
+    checked = jaxtyped(typechecker=beartype)(pa.paged_attention_reference)
+    out = checked(q, k_codes, v_codes, bt, lens, k_scales=k_scales, v_scales=v_scales,
+                  sm_scale=sm_scale)
+    assert out.dtype == jnp.float32 and out.shape == q.shape
+    k_f64, v_f64 = dequantize_f64(k_codes, v_codes, k_scales, v_scales)
+    expected = dense_attention_f64(q, k_f64, v_f64, bt, lens, sm_scale)
+    assert_close(out, expected, REL_ERR[jnp.float32], f"{kv} reference vs f64 on dequantized K/V")
+    # Negative control: the same codes read without their scales.
+    ones = jnp.ones_like(k_scales)
+    k_raw, v_raw = dequantize_f64(k_codes, v_codes, ones, ones)
+    with pytest.raises(AssertionError):
+        assert_close(out, dense_attention_f64(q, k_raw, v_raw, bt, lens, sm_scale),
+                     REL_ERR[jnp.float32])
+
+
+QUANTIZED_INTERPRETER_CASES = {  # (case, codes, config (None: deterministic), public wrapper)
+    # int8 under bf16 q: 3 splits of 2-page blocks over 10 pages (the last split holds one
+    # block); lengths 1, L+1, both sides of the split boundary (256 tokens), the max.
+    "int8_gqa4_d64_l64_splits3_2pages": (
+        Case(lengths=(1, 65, 255, 257, 640), num_kv_heads=1, group_size=4, head_dim=64,
+             page_size=64, seed=11),
+        "int8", pa.PagedAttentionConfig(num_splits=3, pages_per_block=2, pipeline_depth=2), False),
+    # fp8 under bf16 q (the e4m3 -> f16 -> bf16 conversion), deterministic mode: 512-token
+    # splits of 2-page blocks through a 3-slot ring (4 blocks: the ring wraps), peaked softmax,
+    # 9 pages = 2 splits, lengths at 512 +- 1.
+    "fp8_gqa4_d64_l64_deterministic": (
+        Case(lengths=(1, 511, 513), num_kv_heads=1, group_size=4, head_dim=64, page_size=64,
+             q_scale=5.0, seed=12),
+        "fp8", None, False),
+    # int8 under f16 q through the public wrapper, one split (the kernel writes f16 itself),
+    # GQA 8, head_dim and page 128, 3 blocks through 2 slots, a padding row.
+    "int8_gqa8_d128_l128_f16_one_split_public": (
+        Case(lengths=(0, 129, 300), num_kv_heads=1, group_size=8, head_dim=128, page_size=128,
+             dtype=jnp.float16, seed=13),
+        "int8", pa.PagedAttentionConfig(num_splits=1, pipeline_depth=2), True),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED_INTERPRETER_CASES))
+def test_quantized_kernel_matches_reference_in_interpreter(name):
+    case, kv, config, public = QUANTIZED_INTERPRETER_CASES[name]
+    q, k, v, bt, lens, clean_k_scales, clean_v_scales, read = quantized_arrays(case, QUANTIZED[kv])
+    k_scales, v_scales = poison_unread(clean_k_scales, read), poison_unread(clean_v_scales, read)
+    if config is None:
+        config = pa.deterministic_config(case.head_dim, case.page_size, case.group_size)
+        assert config.split_layout(bt.shape[1])[0] == 2
+    sm_scale = 1.0 / math.sqrt(case.head_dim)
+    partials = jax.jit(pa._paged_attention_partials, static_argnames=(
+        "sm_scale", "config", "interpret"))
+    with kernel_interpret.gpu_interpreter() as params:
+        if public:  # one split: the wrapper returns the kernel's own (NaN-initialized) output
+            assert config.split_layout(bt.shape[1])[0] == 1 and not config.deterministic
+            out = pa.paged_attention(q, k, v, bt, lens, k_scales=k_scales, v_scales=v_scales,
+                                     sm_scale=sm_scale, config=config, interpret=params)
+            out, lse = jax.block_until_ready(out), None
+            assert out.dtype == q.dtype
+        else:
+            out, lse = partials(q, k, v, bt, lens, k_scales, v_scales, sm_scale=sm_scale,
+                                config=config, interpret=params)
+            out, lse = jax.block_until_ready((out, lse))
+        assert not kernel_interpret.races_found(), "race detector fired"
+    # Outputs start as NaN in the interpreter; stale slots hold NaN scales.
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "unwritten or NaN partial output"
+    if lse is not None:
+        assert np.isfinite(np.asarray(lse)).all(), "unwritten or NaN log-sum-exp"
+        merge = pa._merge_splits_in_order if config.deterministic else pa._merge_splits
+        out = merge(out, lse)
+    out = out.reshape(q.shape).astype(q.dtype)
+    reference = functools.partial(pa.paged_attention_reference, q, k, v, bt, lens,
+                                  sm_scale=sm_scale)
+    assert_close(out, reference(k_scales=k_scales, v_scales=v_scales), REL_ERR[case.dtype], name)
+    assert not np.asarray(out, np.float32)[np.asarray(lens) == 0].any(), "padding row not zero"
+    # Negative controls: the comparison fails against the same codes without their scales, or
+    # with either scale row shifted one token (right magnitudes, wrong tokens; finite wherever
+    # read, so the failure is a real mismatch, not a NaN).
+    ones = jnp.ones_like(k_scales)
+    shifted_k, shifted_v = (poison_unread(jnp.roll(s, 1, axis=2), read)
+                            for s in (clean_k_scales, clean_v_scales))
+    for wrong_k, wrong_v in ((ones, ones), (shifted_k, v_scales), (k_scales, shifted_v)):
+        wrong = reference(k_scales=wrong_k, v_scales=wrong_v)
+        assert np.isfinite(np.asarray(wrong, np.float32)).all()
+        with pytest.raises(AssertionError):
+            assert_close(out, wrong, REL_ERR[case.dtype])
+
+
+def test_quantized_argument_errors():
+    case = Case(lengths=(3, 70), num_kv_heads=2, group_size=2, head_dim=64, page_size=64)
+    q, k, v, bt, lens = case.arrays()
+    _, k8, v8, _, _, ks, vs, _ = quantized_arrays(case, jnp.int8)
+    for fn in (pa.paged_attention, pa.paged_attention_reference):
+        with pytest.raises(ValueError, match="k_scales must be None"):  # float pages
+            fn(q, k, v, bt, lens, k_scales=ks, v_scales=vs)
+        with pytest.raises(ValueError, match="v_scales must be None"):
+            fn(q, k, v, bt, lens, v_scales=vs)
+        with pytest.raises(ValueError, match="k_scales is required"):
+            fn(q, k8, v8, bt, lens)
+        with pytest.raises(ValueError, match="v_scales is required"):  # missing v_scales
+            fn(q, k8, v8, bt, lens, k_scales=ks)
+        with pytest.raises(ValueError, match="k_scales must be float32"):  # wrong shape
+            fn(q, k8, v8, bt, lens, k_scales=ks[:, :, :32], v_scales=vs)
+        with pytest.raises(ValueError, match="v_scales must be float32"):  # [G, P] per page
+            fn(q, k8, v8, bt, lens, k_scales=ks, v_scales=vs[..., 0])
+        with pytest.raises(ValueError, match="v_scales must be float32"):  # wrong dtype
+            fn(q, k8, v8, bt, lens, k_scales=ks, v_scales=vs.astype(jnp.bfloat16))
+        with pytest.raises(ValueError, match="must match"):  # int8 K with fp8 V
+            fn(q, k8, v8.astype(jnp.float8_e4m3fn), bt, lens, k_scales=ks, v_scales=vs)
+    with pytest.raises(ValueError, match="f32"):  # the kernel still needs a bf16/f16 q
+        pa.paged_attention(q.astype(jnp.float32), k8, v8, bt, lens, k_scales=ks, v_scales=vs)
+    pa.paged_attention_reference(q.astype(jnp.float32), k8, v8, bt, lens, k_scales=ks,
+                                 v_scales=vs)  # the reference takes an f32 q
+
+
+def test_quantized_smem_accounting():
+    """Code rings hold half the bytes: a block/ring too big in bf16 fits with 1-byte codes, the
+    converted tiles and scale rows still count, and every tuned and deterministic config fits."""
+    wide = pa.PagedAttentionConfig(pages_per_block=4, pipeline_depth=3)
+    with pytest.raises(ValueError, match="SMEM"):
+        wide.check_shapes(64, 64, 4)
+    wide.check_shapes(64, 64, 4, kv_itemsize=1)
+    deep = pa.PagedAttentionConfig(pipeline_depth=4)
+    assert deep.smem_bytes(128, 128, kv_itemsize=1) < deep.smem_bytes(128, 128)
+    with pytest.raises(ValueError, match="SMEM"):  # 4 slots of 128 x 128 codes: 230 KiB
+        deep.check_shapes(128, 128, 4, kv_itemsize=1)
+    for entry in pa.TUNED_TABLE:
+        entry.config.check_shapes(entry.head_dim, entry.page_size, 8, kv_itemsize=1)
+    for head_dim in pa.SUPPORTED_HEAD_DIMS:
+        for page_size in pa.SUPPORTED_PAGE_SIZES:
+            pa.deterministic_config(head_dim, page_size, 8).check_shapes(
+                head_dim, page_size, 8, kv_itemsize=1)
+
+
+
 # ---------------------------------------------------------------- lowering for cuda
 
 
-def _lower(config, *, batch, max_pages, num_kv_heads, group_size, head_dim, page_size, dtype):
+def _lower(config, *, batch, max_pages, num_kv_heads, group_size, head_dim, page_size, dtype,
+           kv_dtype=None):
+    """Lowers the public wrapper for cuda; `kv_dtype` (int8 / fp8) quantizes the pages."""
+    num_pages = batch * max_pages + 1
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     shapes = (
         jax.ShapeDtypeStruct((batch, num_kv_heads * group_size, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_kv_heads, batch * max_pages + 1, head_dim, page_size), dtype),
-        jax.ShapeDtypeStruct((num_kv_heads, batch * max_pages + 1, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_kv_heads, num_pages, head_dim, page_size), kv_dtype),
+        jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), kv_dtype),
         jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
-    fn = jax.jit(lambda *args: pa.paged_attention(*args, config=config))
+    if kv_dtype == dtype:
+        fn = jax.jit(lambda *args: pa.paged_attention(*args, config=config))
+    else:
+        shapes += (jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size), jnp.float32),) * 2
+        fn = jax.jit(lambda *args: pa.paged_attention(
+            *args[:5], k_scales=args[5], v_scales=args[6], config=config))
     export.export(fn, platforms=("cuda",), disabled_checks=[
         export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*shapes)
 
@@ -394,17 +601,53 @@ def _lowering_cases():
                 cases[(config, head_dim, page_size, dtype, 8, max_pages)] = dict(
                     batch=3, max_pages=max_pages, num_kv_heads=2, group_size=8,
                     head_dim=head_dim, page_size=page_size, dtype=jnp.dtype(dtype), config=config)
+            cases.update(_quantized_lowering_cases(head_dim, page_size))
     return list(cases.values())
 
 
-def test_lowering_sweep_for_cuda():
-    failures = []
+def _quantized_lowering_cases(head_dim, page_size):
+    """int8 and fp8 pages at one (head_dim, page_size), two lowerings (each about 2 s): bf16 q
+    under the tuned config (head_dim 64) or the deterministic config over 4 splits (head_dim
+    128), and f16 q under the widest block with the largest code ring that fits the SMEM
+    limit. The codes swap roles with the page size, so each code meets both q dtypes."""
+    if head_dim == 64:
+        config, max_pages = pa.config_for(4, 8, 3, 4, head_dim, page_size), 8
+    else:
+        config = pa.deterministic_config(head_dim, page_size, 8)
+        max_pages = 3 * config.pages_per_split + 1
+    fitting = [pa.PagedAttentionConfig(num_splits=2, pages_per_block=b, pipeline_depth=d)
+               for b in (1, 2, 4) for d in range(2, 7) if b * page_size <= 256]
+    smem = {c: c.smem_bytes(head_dim, page_size, kv_itemsize=1) for c in fitting}
+    largest = max((c for c in fitting if smem[c] <= pa.SMEM_LIMIT_BYTES),
+                  key=lambda c: (c.pages_per_block, smem[c]))
+    first, second = ("int8", "fp8") if page_size == 64 else ("fp8", "int8")
+    plan = [(first, "bfloat16", config, max_pages), (second, "float16", largest, 16)]
+    return {(config, head_dim, page_size, dtype, 4, max_pages, kv): dict(
+                batch=3, max_pages=max_pages, num_kv_heads=2, group_size=4, head_dim=head_dim,
+                page_size=page_size, dtype=jnp.dtype(dtype), config=config,
+                kv_dtype=QUANTIZED[kv])
+            for kv, dtype, config, max_pages in plan}
+
+
+def test_lowering_sweep_for_cuda(monkeypatch):
+    """Every case lowers. With quantized pages the lowering's own SMEM bound is set to the
+    config's `smem_bytes`, so an undercount there fails here too (private jax knob)."""
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+    failures, quantized = [], set()
     for kwargs in _lowering_cases():
+        if kwargs.get("kv_dtype") is not None:
+            quantized.add((kwargs["head_dim"], kwargs["page_size"], jnp.dtype(kwargs["kv_dtype"])))
+            estimate = kwargs["config"].smem_bytes(kwargs["head_dim"], kwargs["page_size"],
+                                                   kv_itemsize=1)
+            monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", estimate)
         try:
             _lower(**kwargs)
         except Exception as e:  # collect them all, then fail once with the list
             failures.append(f"{kwargs}: {type(e).__name__}: {str(e)[:300]}")
+        monkeypatch.undo()
     assert not failures, "\n".join(failures)
+    assert quantized == {(head_dim, page_size, dtype) for head_dim in pa.SUPPORTED_HEAD_DIMS
+                         for page_size in pa.SUPPORTED_PAGE_SIZES for dtype in pa.QUANTIZED_DTYPES}
 
 
 # ---------------------------------------------------------------- harness and device check
@@ -450,11 +693,14 @@ def test_device_check_plan_is_valid():
         assert lengths.shape == (shape.batch,) and 1 <= lengths.min() and lengths.max() <= shape.context
     shapes = dc.timing_shapes(dry_run=False)
     assert (shapes[0].batch, shapes[0].context) == dc.MILESTONE
-    assert len(shapes) == 2 * (len(dc.BATCHES) * len(dc.CONTEXTS) + 1)
+    assert len(shapes) == 2 * (len(dc.BATCHES) * len(dc.CONTEXTS) + 1) + 2  # + int8, fp8
     for shape in shapes:
         pa.config_for(shape.batch, shape.max_pages, shape.num_kv_heads, shape.group_size,
                       shape.head_dim, shape.page_size)
     assert shapes[0].kv_bytes([4096] * 64) == 2 * 64 * 4096 * 8 * 128 * 2
+    assert [s.kv_dtype for s in shapes[2:4]] == ["int8", "float8_e4m3fn"]
+    assert shapes[2].kv_bytes([4096] * 64) == 2 * 64 * 4096 * 8 * (128 + 4)  # codes + scales
+    assert {shape.kv_dtype for shape, _ in cases} >= {None, "int8", "float8_e4m3fn"}
 
 
 def test_device_check_dry_run(tmp_path):
@@ -475,6 +721,7 @@ def test_device_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["ok"] and not doc["errors"], doc["errors"]
-    assert doc["correctness"][0]["ok"] and doc["correctness"][0]["races"] is False
+    assert all(row["ok"] and row["races"] is False for row in doc["correctness"])
+    assert [row["shape"]["kv_dtype"] for row in doc["correctness"]] == [None, "int8"]
     assert all("reference_us" in row for row in doc["timing"])
     assert json.loads((tmp_path / "device_check_dry_run.json").read_text())["ok"]
