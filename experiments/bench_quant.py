@@ -1,0 +1,801 @@
+"""What do quantized weights and an int8 KV cache cost in accuracy, and what do they save in memory and time?
+
+Issue 8's benchmark. Every weight format in one run, on the embedded SmolLM2-135M-Instruct (Q4_1 GGUF):
+f32, bf16 (dense in that dtype), int8 (per channel), int4 in groups of 32, 64 and 128 (128 does not
+divide SmolLM2's width 576: reported as not available, with the loader's reason), and gguf (the file's
+Q4_1 / Q8_0 blocks kept); each also with the paged pool's int8 KV cache (EngineConfig(kv_cache_dtype=
+"int8")), or reported "not available" where this checkout's EngineConfig has no such field. Each format
+runs in its own subprocess (--worker), so its peak resident set (VmHWM, reset between phases) is its own:
+  1. correctness first: greedy tokens of 4 fixture prompts (GREEDY_TOKENS each) through the paged pool;
+     f32 must equal HF's fixture tokens, every other row reports its agreement with f32;
+  2. memory: resident weight bytes (quant.resident_bytes, per kind as `jaxinfer info` prints them), KV
+     bytes per token, peak RSS of loading and of each row;
+  3. accuracy: the held-out text (experiments/data/heldout_python_docs.txt, see its .md) in
+     non-overlapping WINDOW-token windows, each one forward through the paged pool (so an int8 pool's
+     codes are what attention reads); perplexity over every next token of each window, the change vs
+     f32, the mean KL(p_f32 || p_format) per predicted position, argmax agreement, and for gguf the
+     relative error norm of the logits vs f32 (GGUF_LOGITS_TOLERANCE);
+  4. speed, through the paged pool (pages of bench_forward.PAGE_SIZE): prefill of --prefill-tokens real
+     tokens, decode ms/step at --batch-sizes with every row attending to --context keys (bench_forward's
+     timing helpers, median of --repeats after 2 untimed calls); MBU against the measured bandwidth with
+     the format's resident weight bytes + the K/V read;
+  5. end to end: bench_engine.py's workload and jaxinfer runner (--e2e-requests requests at --e2e-scale),
+     one run per row, the format passed to the LLM it builds.
+Beside them, llama.cpp on the same GGUF and our token ids (experiments/peers/llamacpp_perplexity.py: the
+same windows, KL vs our f32 logits, prefill/decode timing; f16 and q8_0 KV caches; and bench_engine's
+llama.cpp runner on the same workload), and a Llama-3.2-1B-shaped model (bench_forward's llama3-1b
+geometry with plain rope, random Q4_0 blocks, SmolLM2's tokenizer padded to the vocabulary) written as
+a GGUF one tensor at a time, loaded with quantization='gguf', generating a few tokens (--skip-1b).
+Goals (GOALS) are printed as met / not met with their figures. Writes experiments/results/bench_quant.json
+(--out); the last stdout line is one JSON document; progress goes to stderr.
+
+    .venv/bin/python experiments/bench_quant.py [--quick] [--formats f32,int8,gguf] [--kv-cache-dtypes none,int8] [--skip-1b]
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_engine  # noqa: E402  (the end-to-end workload, its jaxinfer runner and peer runner)
+import bench_forward  # noqa: E402  (timing helpers, cost model, the machine's measured peaks, geometries)
+
+from jaxinfer import kv_pool, loading, model, params as params_lib, quant  # noqa: E402
+from jaxinfer.api import LLM  # noqa: E402
+from jaxinfer.config import EngineConfig, from_hf_config  # noqa: E402
+from jaxinfer.engine import Engine  # noqa: E402
+from jaxinfer.request import SamplingParams  # noqa: E402
+from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
+
+REPO_ROOT = bench_forward.REPO_ROOT
+HELDOUT_TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
+RESULTS = REPO_ROOT / "experiments" / "results" / "bench_quant.json"
+WORK_DIR = REPO_ROOT / "build" / "bench_quant"  # plan, reference logits, the 1B GGUF (git-ignored)
+LLAMACPP_PEER = bench_engine.PEERS_DIR / "llamacpp_perplexity.py"
+FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
+    "f32": ("float32", None, None),
+    "bf16": ("bfloat16", None, None),
+    "int8": ("float32", "int8", None),
+    "int4_g32": ("float32", "int4", 32),
+    "int4_g64": ("float32", "int4", 64),
+    "int4_g128": ("float32", "int4", 128),
+    "gguf": ("float32", "gguf", None),
+}
+REFERENCE = "f32"  # the baseline every other row is compared with; always run, and first
+QUICK_FORMATS = ("f32", "int8", "gguf")
+# False before EngineConfig(kv_cache_dtype=...) (commit af7174b): the KV rows then say "not available".
+KV_OPTION = "kv_cache_dtype" in {f.name for f in dataclasses.fields(EngineConfig)}
+WINDOW = 512  # tokens per perplexity window
+MAX_CONTEXT = bench_engine.MAX_CONTEXT  # context the model is loaded with (the e2e engine needs 2048)
+PAGE_SIZE = bench_forward.PAGE_SIZE
+GREEDY_PROMPTS = (0, 1, 3, 7)  # fixture prompts of 46-59 tokens (padded to GREEDY_PAD)
+GREEDY_PAD, GREEDY_TOKENS = 64, 32  # the fixture holds HF's first 32 greedy tokens (--quick: 8)
+GGUF_LOGITS_TOLERANCE = 1e-5  # gguf-kept vs f32 logits: tests/tolerances.py LOGITS_VS_FLOAT64 (same weights, other sum order)
+GGUF_PPL_TOLERANCE = 1e-4  # "identical perplexity": |ppl_gguf / ppl_f32 - 1| at most this
+GOALS = {  # name: (what, target)
+    "int8_ppl": ("int8 perplexity within 0.5% of f32", 0.005),
+    "int4_g32_ppl": ("int4 g32 perplexity within 3% of f32", 0.03),
+    "gguf_ppl_identical": (f"gguf perplexity identical to f32 (|change| <= {GGUF_PPL_TOLERANCE:g})", GGUF_PPL_TOLERANCE),
+    "int8_kv_ppl": ("f32 weights + int8 KV cache perplexity within 0.5% of f32", 0.005),
+    "int8_weight_bytes": ("int8 resident weight bytes <= 0.3x f32's", 0.3),
+    "gguf_weight_bytes": ("gguf resident weight bytes <= 1.15x the file's tensor bytes", 1.15),
+    "int8_decode_b1": ("int8 decode at batch 1 >= 1.5x faster than f32", 1.5),
+    "none_slower_b32": ("no row slower than f32 at batch 32 decode", 1.0),
+    "1b_gguf_weight_bytes": ("1B Q4_0 gguf resident weight bytes within 15% of the file's tensor bytes", 0.15),
+}
+GEOMETRY_1B = "llama3-1b"
+GENERATE_1B_TOKENS = 4
+Q4_0_BLOCK_BYTES, Q4_0_BLOCK = 18, 32  # fp16 scale + 16 bytes of nibbles per 32 weights
+_CONTROL_TOKEN = 3  # llama.cpp token type of the padding tokens added to the 1B's vocabulary
+
+
+def log(message: str) -> None:
+    print(f"[bench_quant {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since the last reset_peak_rss (VmHWM)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak (Linux >= 4.0: writing 5 to clear_refs resets VmHWM); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def weight_memory(params) -> dict:
+    """Resident bytes of the weights, in total and per (kind, storage format) as `jaxinfer info` prints."""
+    by_kind = params_lib.weight_bytes(params)
+    return {"resident_bytes": quant.resident_bytes(params), "by_kind": {f"{kind}/{fmt}": n for (kind, fmt), n in sorted(by_kind.items())}}
+
+
+def gguf_tensor_bytes(path: pathlib.Path) -> int:
+    return sum(int(t.n_bytes) for t in loading.open_gguf(path).tensors)
+
+
+# ------------------------------------------------------------------------------------------ the paged pool
+
+
+def make_pool(cfg, params, num_pages: int, kv_cache_dtype: str | None) -> tuple[kv_pool.KVPool, str]:
+    """(a pool of num_pages pages as the engine allocates it for kv_cache_dtype, the attention impl the
+    engine resolves). Built by Engine, so this benchmark follows whatever layout the engine's pool has."""
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+    engine_cfg = EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_context=MAX_CONTEXT, max_num_seqs=1, compilation_cache_dir=None, **extra)
+    engine = Engine(cfg, params, engine_cfg)
+    return engine.pool, engine.impl
+
+
+def page_meta(block_tables: np.ndarray, positions: np.ndarray, valid: np.ndarray | None = None) -> kv_pool.PageMeta:
+    """Where tokens at `positions` [B, T] go in rows with `block_tables` [B, W]; invalid (padding) tokens
+    write to the null page 0."""
+    pages = np.take_along_axis(block_tables, positions // PAGE_SIZE, axis=1)
+    if valid is not None:
+        pages = np.where(valid, pages, 0)
+    return kv_pool.PageMeta(jnp.asarray(block_tables, jnp.int32), jnp.asarray(pages, jnp.int32), jnp.asarray(positions % PAGE_SIZE, jnp.int32))
+
+
+def row_tables(num_rows: int, pages_per_row: int) -> np.ndarray:
+    """Distinct pages 1.. for each row: int32 [num_rows, pages_per_row]."""
+    return (1 + np.arange(num_rows * pages_per_row, dtype=np.int32)).reshape(num_rows, pages_per_row)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
+def _paged_greedy(params, pool, tokens, positions, pages, last, *, cfg, impl):
+    """Forward [B, T] through the paged pool; donates `pool`. Returns (argmax at index last[b] [B], pool)."""
+    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
+    return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), pool
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
+def _paged_logits(params, pool, tokens, positions, pages, *, cfg, impl):
+    """Forward [B, T] through the paged pool; donates `pool`. Returns (f32 logits [B, T, V], pool)."""
+    return model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl=impl)
+
+
+# ------------------------------------------------------------------------------------------ correctness and accuracy
+
+
+def greedy_tokens(cfg, params, kv: str | None, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """num_tokens greedy tokens per prompt, all prompts as rows of one batch through the paged pool."""
+    rows, pages_per_row = len(prompts), -(-(GREEDY_PAD + num_tokens) // PAGE_SIZE)
+    pool, impl = make_pool(cfg, params, rows * pages_per_row + 1, kv)
+    tables = row_tables(rows, pages_per_row)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((rows, GREEDY_PAD), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = prompt
+    positions = np.broadcast_to(np.arange(GREEDY_PAD, dtype=np.int32), tokens.shape)
+    meta = page_meta(tables, positions, valid=positions < lengths[:, None])
+    token, pool = _paged_greedy(params, pool, tokens, positions, meta, lengths - 1, cfg=cfg, impl=impl)
+    generated = [np.asarray(token)]
+    for step in range(1, num_tokens):
+        positions = (lengths + step - 1)[:, None]
+        token, pool = _paged_greedy(params, pool, token[:, None], positions, page_meta(tables, positions), np.zeros(rows, np.int32), cfg=cfg, impl=impl)
+        generated.append(np.asarray(token))
+    return np.stack(generated, axis=1).tolist()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities along the last axis."""
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def score_window(logits: np.ndarray, window: list[int], reference: np.ndarray | None) -> dict:
+    """Sums over the window's predicted positions (t predicts token t + 1): NLL, and vs the f32 reference
+    logits the KL(p_f32 || p), argmax agreement and the logits' relative error norm."""
+    log_probs = log_softmax(logits[:-1])  # [T - 1, V]
+    scores = {"nll_sum": float(-log_probs[np.arange(len(window) - 1), window[1:]].sum()), "num_predicted": len(window) - 1}
+    if reference is not None:
+        ref_log_probs = log_softmax(reference[:-1])
+        scores |= {"kl_sum": float((np.exp(ref_log_probs) * (ref_log_probs - log_probs)).sum()),
+                   "argmax_equal": int((logits[:-1].argmax(-1) == reference[:-1].argmax(-1)).sum()),
+                   "logits_relative_error": bench_forward.relative_error(logits, reference)}
+    return scores
+
+
+def aggregate_scores(per_window: list[dict], seconds: float) -> dict:
+    """Perplexity over every predicted token of all windows, and the per-token means vs f32 if scored."""
+    count = sum(w["num_predicted"] for w in per_window)
+    result = {"num_windows": len(per_window), "num_predicted": count, "seconds": seconds, "mean_nll": sum(w["nll_sum"] for w in per_window) / count}
+    result["perplexity"] = math.exp(result["mean_nll"])
+    if "kl_sum" in per_window[0]:
+        result |= {"mean_kl_vs_f32": sum(w["kl_sum"] for w in per_window) / count,
+                   "argmax_agreement_vs_f32": sum(w["argmax_equal"] for w in per_window) / count,
+                   "max_logits_relative_error_vs_f32": max(w["logits_relative_error"] for w in per_window)}
+    return result
+
+
+def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_dir: pathlib.Path, write_reference: bool) -> dict:
+    """Each window as one forward through a fresh paged pool (its pages rewritten from position 0).
+    The reference row (f32, model-dtype KV) writes its logits to reference_dir; the others read them."""
+    pages = WINDOW // PAGE_SIZE
+    pool, impl = make_pool(cfg, params, pages + 1, kv)
+    positions = np.arange(WINDOW, dtype=np.int32)[None]
+    meta = page_meta(row_tables(1, pages), positions)
+    start, per_window = time.perf_counter(), []
+    for i, window in enumerate(windows):
+        logits, pool = _paged_logits(params, pool, jnp.asarray([window], jnp.int32), positions, meta, cfg=cfg, impl=impl)
+        logits = np.asarray(logits[0], np.float32)  # [T, V]
+        if write_reference:
+            np.save(reference_dir / f"w{i}.npy", logits)
+        per_window.append(score_window(logits, window, None if write_reference else np.load(reference_dir / f"w{i}.npy")))
+    return aggregate_scores(per_window, time.perf_counter() - start)
+
+
+def score_llamacpp(windows: list[list[int]], workdir: pathlib.Path, kv_type: str) -> dict:
+    """llama.cpp's saved logits of each window (the peer's {kv_type}_w{i}.npy), scored as ours are."""
+    per_window = [score_window(np.load(workdir / "llamacpp" / f"{kv_type}_w{i}.npy"), window, np.load(workdir / "reference" / f"w{i}.npy"))
+                  for i, window in enumerate(windows)]
+    return aggregate_scores(per_window, 0.0)
+
+
+# ------------------------------------------------------------------------------------------ speed
+
+
+def _timed_program(cfg, params, kv, num_pages: int, args: tuple, repeats: int) -> dict:
+    """Compile _paged_greedy for these inputs over a fresh pool, then the median of `repeats` calls."""
+    pool, impl = make_pool(cfg, params, num_pages, kv)
+    kv_bytes_per_token = quant.resident_bytes(pool) / (num_pages * PAGE_SIZE)
+    program, compile_s = bench_forward._compile(_paged_greedy, params, pool, *args, cfg=cfg, impl=impl)
+    seconds = bench_forward._time_donating(lambda p, *a: program(params, p, *a), pool, *args, repeats=repeats)
+    return {"compile_s": compile_s, "median_s": seconds, "kv_bytes_per_token": kv_bytes_per_token}
+
+
+def time_prefill(cfg, params, kv, ids: list[int], repeats: int) -> dict:
+    pages = -(-len(ids) // PAGE_SIZE)
+    positions = np.arange(len(ids), dtype=np.int32)[None]
+    args = (jnp.asarray([ids], jnp.int32), positions, page_meta(row_tables(1, pages), positions), np.array([len(ids) - 1], np.int32))
+    timed = _timed_program(cfg, params, kv, pages + 1, args, repeats)
+    flops = bench_forward.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
+    return {"tokens": len(ids), **timed, "tokens_per_s": len(ids) / timed["median_s"], "flops_per_s": flops / timed["median_s"]}
+
+
+def time_decode(cfg, params, kv, batch: int, context: int, token: int, repeats: int, weight_bytes: int) -> dict:
+    """One token per row, every row at position context - 1 of its own pages (attends to `context` keys)."""
+    pages_per_row = -(-context // PAGE_SIZE)
+    positions = np.full((batch, 1), context - 1, np.int32)
+    meta = page_meta(row_tables(batch, pages_per_row), positions)
+    args = (jnp.full((batch, 1), token, jnp.int32), positions, meta, np.zeros(batch, np.int32))
+    timed = _timed_program(cfg, params, kv, batch * pages_per_row + 1, args, repeats)
+    seconds = timed.pop("median_s")
+    num_bytes = weight_bytes + batch * context * timed["kv_bytes_per_token"]  # weights once + the K/V read
+    return {"batch": batch, "context": context, **timed, "median_step_s": seconds, "tokens_per_s": batch / seconds, "bytes": num_bytes}
+
+
+# ------------------------------------------------------------------------------------------ one format (subprocess)
+
+
+def _load_kwargs(name: str) -> dict:
+    """load_model's keyword arguments for a format (group_size only where it has one)."""
+    dtype, quantization, group_size = FORMATS[name]
+    return {"dtype": dtype, "quantization": quantization, **({"group_size": group_size} if group_size else {})}
+
+
+def _kv_key(kv: str | None) -> str:
+    return kv or "none"
+
+
+@contextlib.contextmanager
+def engine_runner_as(name: str):
+    """bench_engine.run_jaxinfer builds `LLM(None, engine_config=..., warmup=False)`; inside this block its
+    LLM is this format's (dtype, quantization and group_size passed through LLM's own arguments)."""
+    original = bench_engine.LLM
+    bench_engine.LLM = functools.partial(LLM, **_load_kwargs(name))
+    try:
+        yield
+    finally:
+        bench_engine.LLM = original
+
+
+def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pathlib.Path, weight_bytes: int) -> dict:
+    """Correctness, accuracy and speed of one (format, KV cache) row."""
+    if kv is not None and not KV_OPTION:
+        return {"status": "not available", "reason": "this checkout's EngineConfig has no kv_cache_dtype field"}
+    label = f"{name} kv={kv or cfg.dtype}"
+    tokens = greedy_tokens(cfg, params, kv, plan["greedy_prompts"], plan["greedy_tokens"])
+    log(f"{label}: greedy tokens done")
+    accuracy = perplexity(cfg, params, kv, plan["windows"], workdir / "reference", write_reference=(name == REFERENCE and kv is None))
+    log(f"{label}: perplexity {accuracy['perplexity']:.4f} over {accuracy['num_predicted']} tokens ({accuracy['seconds']:.0f}s)")
+    repeats, ids = plan["repeats"], plan["prefill_ids"]
+    speed = {"prefill": time_prefill(cfg, params, kv, ids, repeats),
+             "decode": [time_decode(cfg, params, kv, b, plan["context"], ids[-1], repeats, weight_bytes) for b in plan["batch_sizes"]]}
+    log(f"{label}: prefill {speed['prefill']['tokens_per_s']:.0f} tok/s, decode ms " + ", ".join(f"b{d['batch']} {d['median_step_s'] * 1e3:.1f}" for d in speed["decode"]))
+    return {"status": "ok", "greedy_tokens": tokens, "accuracy": accuracy, "speed": speed, "kv_bytes_per_token": speed["prefill"]["kv_bytes_per_token"]}
+
+
+def run_e2e(name: str, kv: str | None, plan: dict) -> dict:
+    """bench_engine's jaxinfer runner (its EngineConfig, page size 16, 32 sequences) on its workload."""
+    engine_config = bench_engine.engine_config_for(argparse.Namespace(page_size=16, max_num_seqs=32, prefill_seqs="1"))
+    if kv is not None:
+        engine_config = EngineConfig.with_overrides(engine_config, kv_cache_dtype=kv)
+    workload = json.loads(pathlib.Path(plan["e2e_workload"]).read_text())
+    with engine_runner_as(name), contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
+        result, tokens, llm = bench_engine.run_jaxinfer(workload, engine_config, plan["e2e_repeats"])
+    del llm
+    keep = ("load_s", "warmup_s", "num_compilations", "compiles_during_timed_run", "seconds", "seconds_per_repeat", "num_output_tokens",
+            "output_tokens_per_s", "all_lengths_exact", "reference_check", "time_split")
+    return {"status": "ok", **{k: result[k] for k in keep}, "tokens": tokens}
+
+
+def run_worker(name: str, workdir: pathlib.Path) -> dict:
+    """Everything measured for one weight format, in this process (so its peak RSS is the format's)."""
+    plan = json.loads((workdir / "plan.json").read_text())
+    result = {"format": name, "dtype": FORMATS[name][0], "quantization": FORMATS[name][1], "group_size": FORMATS[name][2],
+              "peak_rss_reset_works": reset_peak_rss()}
+    start = time.perf_counter()
+    try:
+        cfg, params = loading.load_model(None, max_context=MAX_CONTEXT, **_load_kwargs(name))
+    except ValueError as error:  # an int4 group that does not divide a width
+        return result | {"status": "not available", "reason": str(error)}
+    result |= {"status": "ok", "load_s": time.perf_counter() - start, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
+    if name == "gguf":
+        result["memory"]["file_tensor_bytes"] = gguf_tensor_bytes(loading.default_model_path())
+    log(f"{name}: loaded in {result['load_s']:.1f}s, {result['memory']['resident_bytes'] / 2**20:.1f} MiB of weights")
+    rows = {}
+    for kv in plan["kv_cache_dtypes"] if name == REFERENCE or not plan["quick"] else [None]:  # --quick: KV variants on f32 only
+        reset_peak_rss()
+        rows[_kv_key(kv)] = measure_row(name, cfg, params, kv, plan, workdir, result["memory"]["resident_bytes"])
+        result["peak_rss_bytes"][f"row_kv_{_kv_key(kv)}"] = peak_rss_bytes()
+    del params
+    gc.collect()
+    if plan["e2e_requests"]:
+        for key, row in rows.items():
+            if row["status"] != "ok":
+                continue
+            reset_peak_rss()
+            row["e2e"] = run_e2e(name, None if key == "none" else key, plan)
+            result["peak_rss_bytes"][f"e2e_kv_{key}"] = peak_rss_bytes()
+            log(f"{name} kv={key}: end to end {row['e2e']['output_tokens_per_s']:.1f} output tokens/s")
+    return result | {"rows": rows}
+
+
+# ------------------------------------------------------------------------------------------ the 1B-class geometry (subprocess)
+
+
+def _shapes_1b(cfg) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> numpy shape ([out, in] for matrices) of a tied Llama of this config."""
+    d, q_width, kv_width, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
+    shapes = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q_width, d), "attn_k.weight": (kv_width, d),
+                 "attn_v.weight": (kv_width, d), "attn_output.weight": (d, q_width), "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d),
+                 "ffn_down.weight": (d, f)}
+        shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def _random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """uint8 [rows, cols / 32 * 18]: Q4_0 blocks of uniform random codes; scale d ~ U(0.5, 1.5) * 0.0043,
+    so weights d * (code - 8) have a standard deviation of about 0.02."""
+    num_blocks = rows * cols // Q4_0_BLOCK
+    scales = (rng.uniform(0.5, 1.5, num_blocks) * 0.0043).astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
+    codes = rng.integers(0, 256, (num_blocks, Q4_0_BLOCK // 2), dtype=np.uint8)
+    return np.concatenate([scales, codes], axis=1).reshape(rows, cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES)
+
+
+def _copy_tokenizer(writer, reader, vocab_size: int) -> None:
+    """The source GGUF's tokenizer.* metadata, its token list padded with CONTROL tokens to vocab_size."""
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            value = value + [f"<|bench_quant_pad_{i}|>" for i in range(vocab_size - len(value))]
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [_CONTROL_TOKEN] * (vocab_size - len(value))
+        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+
+
+def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader) -> None:
+    """bench_forward's geometry as a GGUF, written one tensor at a time: every matrix (embedding included)
+    random Q4_0 blocks, norms 1, the geometry's rope base without its llama3 scaling (which changes no
+    byte of the weights), SmolLM2's tokenizer."""
+    import gguf
+
+    cfg = from_hf_config(hf_config)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"{GEOMETRY_1B} random Q4_0 (bench_quant)")
+    for add, value in ((writer.add_block_count, cfg.num_layers), (writer.add_context_length, MAX_CONTEXT), (writer.add_embedding_length, cfg.embed_dim),
+                       (writer.add_feed_forward_length, cfg.ffn_dim), (writer.add_head_count, cfg.num_heads), (writer.add_head_count_kv, cfg.num_kv_heads),
+                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_rope_freq_base, cfg.rope_theta), (writer.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    _copy_tokenizer(writer, tokenizer_reader, cfg.vocab_size)
+    shapes = _shapes_1b(cfg)
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            byte_shape = (shape[0], shape[1] // Q4_0_BLOCK * Q4_0_BLOCK_BYTES)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        writer.write_tensor_data(np.ones(shape, np.float32) if len(shape) == 1 else _random_q4_0(rng, *shape))
+    writer.close()
+
+
+def run_1b_worker(workdir: pathlib.Path) -> dict:
+    """Write the 1B GGUF, load it with quantization='gguf' through LLM, greedy-generate a few tokens."""
+    path = workdir.resolve() / f"{GEOMETRY_1B}-random-q4_0.gguf"
+    start = time.perf_counter()
+    write_random_q4_0_gguf(path, bench_forward.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
+    result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": time.perf_counter() - start, "file_bytes": path.stat().st_size,
+              "file_tensor_bytes": gguf_tensor_bytes(path), "peak_rss_reset_works": reset_peak_rss()}
+    log(f"1B: wrote {result['file_bytes'] / 2**20:.0f} MiB in {result['write_s']:.0f}s")
+    engine_config = EngineConfig(max_context=64, page_size=16, num_pages=5, max_num_seqs=1, max_prefill_tokens=32, prefill_chunk_buckets=(32,),
+                                 decode_batch_buckets=(1,), decode_page_buckets=(4,), compilation_cache_dir=None)
+    start = time.perf_counter()
+    llm = LLM(path, quantization="gguf", engine_config=engine_config, warmup=False)
+    result |= {"load_s": time.perf_counter() - start, "memory": weight_memory(llm.engine.params), "peak_rss_bytes": {"load": peak_rss_bytes()},
+               "num_params": llm.model_config.num_params(), "features": llm.model_config.features()}
+    result["dense_f32_bytes"] = 4 * result["num_params"]
+    start = time.perf_counter()
+    llm.engine.warmup()
+    result["warmup_s"] = time.perf_counter() - start
+    output = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=GENERATE_1B_TOKENS, ignore_eos=True), progress=False)[0]
+    result |= {"generated_token_ids": output.token_ids, "generate_latency_s": output.latency, "time_to_first_token_s": output.time_to_first_token,
+               "peak_rss_bytes": result["peak_rss_bytes"] | {"all": peak_rss_bytes()}}
+    result["resident_vs_file_tensor_bytes"] = result["memory"]["resident_bytes"] / result["file_tensor_bytes"]
+    log(f"1B: resident {result['memory']['resident_bytes'] / 2**20:.0f} MiB = {result['resident_vs_file_tensor_bytes']:.4f}x the file's tensors; "
+        f"generated {len(output.token_ids)} tokens in {output.latency:.1f}s")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ subprocesses
+
+
+def run_worker_process(name: str, workdir: pathlib.Path) -> dict:
+    """This script as `--worker name` in a fresh process; its last stdout line is its result."""
+    command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", name, "--workdir", str(workdir)]
+    completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # stderr: progress, passed through
+    if completed.returncode != 0:
+        return {"format": name, "status": "failed", "returncode": completed.returncode, "stdout_tail": completed.stdout[-2000:]}
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def run_llamacpp(args, workdir: pathlib.Path, plan: dict) -> dict:
+    """experiments/peers/llamacpp_perplexity.py on the same windows, reference logits and prefill ids."""
+    (workdir / "llamacpp").mkdir(exist_ok=True)
+    command = [str(bench_engine.REF_PYTHON), str(LLAMACPP_PEER), "--windows", str(workdir / "windows.json"), "--logits-dir", str(workdir / "llamacpp"),
+               "--prefill-ids", str(workdir / "prefill_ids.json"), "--kv-types", args.llamacpp_kv_types, "--batch-sizes", ",".join(map(str, plan["batch_sizes"])),
+               "--context", str(plan["context"]), "--repeats", str(plan["repeats"])]
+    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    if completed.returncode != 0:
+        return {"status": "failed", "error": completed.stderr[-3000:]}
+    result = {"status": "ok", **json.loads(completed.stdout.strip().splitlines()[-1])}
+    for kv_type, entry in result["kv_types"].items():
+        entry["perplexity"] = score_llamacpp(plan["windows"], workdir, kv_type)
+    return result
+
+
+def run_llamacpp_e2e(plan: dict) -> dict:
+    """bench_engine's llama.cpp runner (sequential and batched over 32 sequence ids) on the same workload."""
+    bench_engine.WORK_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        raw, _ = bench_engine.run_peer("llamacpp_generate.py", pathlib.Path(plan["e2e_workload"]), ["--parallel", "32", "--repeats", str(plan["e2e_repeats"])])
+    except (RuntimeError, json.JSONDecodeError, FileNotFoundError) as error:
+        return {"status": "failed", "error": str(error)[-3000:]}
+    return {"status": "ok", **raw}
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def build_plan(args, workdir: pathlib.Path) -> dict:
+    """Token ids every worker and peer uses, written once under workdir (plan.json and the peer's files)."""
+    tokenizer = load_tokenizer(None)
+    ids = tokenizer.encode(HELDOUT_TEXT.read_text(), add_bos=False)
+    num_windows = len(ids) // WINDOW if not args.num_windows else min(args.num_windows, len(ids) // WINDOW)
+    with np.load(bench_forward.FIXTURES) as fixtures:
+        prompts = [fixtures[f"p{i}_ids"].tolist() for i in GREEDY_PROMPTS]
+        fixture_tokens = [fixtures[f"p{i}_greedy_ids"][: args.greedy_tokens].tolist() for i in GREEDY_PROMPTS]
+    plan = {"heldout_text": str(HELDOUT_TEXT.relative_to(REPO_ROOT)), "heldout_tokens": len(ids), "window": WINDOW,
+            "windows": [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(num_windows)], "greedy_prompt_indices": list(GREEDY_PROMPTS),
+            "greedy_prompts": prompts, "greedy_tokens": args.greedy_tokens, "fixture_greedy_tokens": fixture_tokens, "quick": args.quick,
+            "prefill_ids": bench_forward.prompt_ids(tokenizer, args.prefill_tokens),
+            "batch_sizes": args.batch_sizes, "context": args.context, "repeats": args.repeats, "page_size": PAGE_SIZE,
+            "kv_cache_dtypes": [None if k == "none" else k for k in args.kv_cache_dtypes], "e2e_requests": args.e2e_requests,
+            "e2e_scale": args.e2e_scale, "e2e_repeats": args.e2e_repeats, "e2e_workload": None}
+    if args.e2e_requests:
+        workload = bench_engine.build_workload(args.trace, args.e2e_requests, args.e2e_scale, 0, tokenizer)
+        plan["e2e_workload"] = str(workdir / "workload.json")
+        pathlib.Path(plan["e2e_workload"]).write_text(json.dumps(workload))
+        plan["e2e_summary"] = bench_engine.workload_summary(workload)
+    (workdir / "reference").mkdir(parents=True, exist_ok=True)
+    for stale in (workdir / "reference").glob("w*.npy"):
+        stale.unlink()
+    (workdir / "windows.json").write_text(json.dumps(plan["windows"]))
+    (workdir / "prefill_ids.json").write_text(json.dumps(plan["prefill_ids"]))
+    (workdir / "plan.json").write_text(json.dumps(plan))
+    return plan
+
+
+def _row_name(fmt: str, kv: str) -> str:
+    return fmt if kv == "none" else f"{fmt}+kv_{kv}"
+
+
+def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, bandwidth: float, peak: float) -> dict:
+    """One row's figures, with ratios against the f32 row (`base`, model-dtype KV)."""
+    row = worker["rows"][kv]
+    if row["status"] != "ok":
+        return {"row": _row_name(fmt, kv), "status": row["status"], "reason": row.get("reason")}
+    accuracy, speed = row["accuracy"], row["speed"]
+    base_decode = {d["batch"]: d["median_step_s"] for d in base["speed"]["decode"]}
+    summary = {
+        "row": _row_name(fmt, kv), "status": "ok", "weight_bytes": worker["memory"]["resident_bytes"],
+        "weight_bytes_vs_f32": worker["memory"]["resident_bytes"] / base_bytes, "kv_bytes_per_token": row["kv_bytes_per_token"],
+        "peak_rss_bytes": max(worker["peak_rss_bytes"]["load"], worker["peak_rss_bytes"][f"row_kv_{kv}"]),
+        "perplexity": accuracy["perplexity"], "perplexity_change_vs_f32": accuracy["perplexity"] / base["accuracy"]["perplexity"] - 1,
+        "mean_kl_vs_f32": accuracy.get("mean_kl_vs_f32", 0.0), "argmax_agreement_vs_f32": accuracy.get("argmax_agreement_vs_f32", 1.0),
+        "max_logits_relative_error_vs_f32": accuracy.get("max_logits_relative_error_vs_f32", 0.0),
+        "greedy_agreement_vs_f32": bench_engine.agreement(base["greedy_tokens"], row["greedy_tokens"]),
+        "prefill_tokens_per_s": speed["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": speed["prefill"]["flops_per_s"] / peak,
+        "decode_ms": {d["batch"]: d["median_step_s"] * 1e3 for d in speed["decode"]},
+        "decode_speedup_vs_f32": {d["batch"]: base_decode[d["batch"]] / d["median_step_s"] for d in speed["decode"]},
+        "decode_mbu": {d["batch"]: d["bytes"] / d["median_step_s"] / bandwidth for d in speed["decode"]},
+    }
+    if "e2e" in row:
+        summary["e2e_output_tokens_per_s"] = row["e2e"]["output_tokens_per_s"]
+        if "e2e" in base:
+            summary["e2e_tokens_vs_f32"] = bench_engine.agreement(base["e2e"]["tokens"], row["e2e"]["tokens"])
+    return summary
+
+
+def summarize(plan: dict, workers: dict, peaks: dict) -> list[dict]:
+    base_worker = workers[REFERENCE]
+    base, base_bytes = base_worker["rows"]["none"], base_worker["memory"]["resident_bytes"]
+    bandwidth, peak = peaks["bandwidth"]["best_bytes_per_s"], peaks["matmul"]["best_flops_per_s"]
+    rows = []
+    for fmt, worker in workers.items():
+        if worker["status"] != "ok":
+            rows.append({"row": fmt, "status": worker["status"], "reason": worker.get("reason") or worker.get("stdout_tail")})
+            continue
+        rows += [summarize_row(fmt, kv, worker, base, base_bytes, bandwidth, peak) for kv in worker["rows"]]
+    return rows
+
+
+def _goal(name: str, measured, met_if) -> dict:
+    what, target = GOALS[name]
+    return {"what": what, "target": target, "measured": measured, "met": None if measured is None else bool(met_if(measured, target))}
+
+
+def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
+    by_name = {r["row"]: r for r in rows if r["status"] == "ok"}
+    field = lambda row, key: by_name[row][key] if row in by_name else None  # noqa: E731
+    change = lambda row: field(row, "perplexity_change_vs_f32")  # noqa: E731
+    within = lambda measured, target: abs(measured) <= target  # noqa: E731
+    gguf_memory = (workers.get("gguf") or {}).get("memory") or {}
+    decode_b1 = (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1)
+    b32 = [(r["decode_speedup_vs_f32"][32], r["row"]) for r in by_name.values() if 32 in r["decode_speedup_vs_f32"] and r["row"] != REFERENCE]
+    slowest = min(b32) if b32 else None
+    one_b_ratio = one_b["resident_vs_file_tensor_bytes"] - 1 if one_b and "resident_vs_file_tensor_bytes" in one_b else None
+    result = {
+        "int8_ppl": _goal("int8_ppl", change("int8"), within),
+        "int4_g32_ppl": _goal("int4_g32_ppl", change("int4_g32"), within),
+        "gguf_ppl_identical": _goal("gguf_ppl_identical", change("gguf"), within),
+        "int8_kv_ppl": _goal("int8_kv_ppl", change(f"{REFERENCE}+kv_int8"), within),
+        "int8_weight_bytes": _goal("int8_weight_bytes", field("int8", "weight_bytes_vs_f32"), lambda m, t: m <= t),
+        "gguf_weight_bytes": _goal("gguf_weight_bytes", gguf_memory["resident_bytes"] / gguf_memory["file_tensor_bytes"] if gguf_memory else None, lambda m, t: m <= t),
+        "int8_decode_b1": _goal("int8_decode_b1", decode_b1, lambda m, t: m >= t),
+        "none_slower_b32": _goal("none_slower_b32", slowest[0] if slowest else None, lambda m, t: m >= t),
+        "1b_gguf_weight_bytes": _goal("1b_gguf_weight_bytes", one_b_ratio, within),
+    }
+    if slowest:
+        result["none_slower_b32"]["slowest_row"] = slowest[1]
+        result["none_slower_b32"]["rows_slower_than_f32"] = sorted(name for speedup, name in b32 if speedup < 1.0)
+    return result
+
+
+def correctness(plan: dict, workers: dict, rows: list[dict]) -> dict:
+    """f32 greedy tokens == HF's fixture tokens (required); gguf logits == f32's within tolerance (required)."""
+    base = workers[REFERENCE]["rows"]["none"]
+    fixture_equal = [a == b for a, b in zip(base["greedy_tokens"], plan["fixture_greedy_tokens"])]
+    gguf = next((r for r in rows if r["row"] == "gguf" and r["status"] == "ok"), None)
+    gguf_error = gguf["max_logits_relative_error_vs_f32"] if gguf else None
+    passed = all(fixture_equal) and (gguf_error is None or gguf_error <= GGUF_LOGITS_TOLERANCE)
+    return {"f32_greedy_equals_hf_fixture": fixture_equal, "gguf_max_logits_relative_error_vs_f32": gguf_error,
+            "gguf_logits_tolerance": GGUF_LOGITS_TOLERANCE, "passed": passed,
+            "greedy_agreement_vs_f32": {r["row"]: r["greedy_agreement_vs_f32"] for r in rows if r["status"] == "ok"}}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _mib(num_bytes) -> str:
+    return f"{num_bytes / 2**20:9.1f}" if num_bytes is not None else "        -"
+
+
+def print_accuracy_table(rows: list[dict], llamacpp: dict | None) -> None:
+    print(f"\n{'row':<18} {'weights MiB':>11} {'x f32':>6} {'KV B/tok':>9} {'peak RSS MiB':>12} {'perplexity':>10} {'change':>8} "
+          f"{'KL nats':>9} {'argmax':>7} {'greedy':>7} {'prefix':>7}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['row']:<18} {r['status']}: {(r.get('reason') or '')[:110]}")
+            continue
+        agree = r["greedy_agreement_vs_f32"]
+        print(f"{r['row']:<18} {_mib(r['weight_bytes']):>11} {r['weight_bytes_vs_f32']:6.3f} {r['kv_bytes_per_token']:9.0f} {_mib(r['peak_rss_bytes']):>12} "
+              f"{r['perplexity']:10.4f} {r['perplexity_change_vs_f32']:+8.3%} {r['mean_kl_vs_f32']:9.2e} {r['argmax_agreement_vs_f32']:7.1%} "
+              f"{agree['exact_requests']:7.0%} {agree['mean_prefix_fraction']:7.0%}")
+    base = next(r["perplexity"] for r in rows if r["row"] == REFERENCE)
+    for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
+        ppl = entry["perplexity"]
+        print(f"{'llama.cpp kv ' + kv:<18} {'':>11} {'':>6} {'':>9} {'':>12} {ppl['perplexity']:10.4f} {ppl['perplexity'] / base - 1:+8.3%} "
+              f"{ppl['mean_kl_vs_f32']:9.2e} {ppl['argmax_agreement_vs_f32']:7.1%}")
+    print("change: perplexity vs f32; KL: mean KL(p_f32 || p_row) per predicted token; argmax: positions whose top token is f32's;\n"
+          "greedy / prefix: greedy generations identical to f32's / mean share of tokens before the first difference.")
+
+
+def print_speed_table(rows: list[dict], llamacpp: dict | None, llamacpp_e2e: dict | None, batch_sizes: list[int]) -> None:
+    decode_head = " ".join(f"{'b' + str(b) + ' ms':>9}" for b in batch_sizes) + " " + " ".join(f"{'x b' + str(b):>7}" for b in batch_sizes)
+    print(f"\n{'row':<18} {'prefill t/s':>11} {'%peak':>6} {decode_head} {'MBU b1':>7} {'e2e t/s':>8}")
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        ms = " ".join(f"{r['decode_ms'].get(b, float('nan')):9.1f}" for b in batch_sizes)
+        speedups = " ".join(f"{r['decode_speedup_vs_f32'].get(b, float('nan')):6.2f}x" for b in batch_sizes)
+        e2e = f"{r['e2e_output_tokens_per_s']:8.1f}" if "e2e_output_tokens_per_s" in r else "       -"
+        print(f"{r['row']:<18} {r['prefill_tokens_per_s']:11.0f} {r['prefill_fraction_of_peak']:6.1%} {ms} {speedups} {r['decode_mbu'].get(1, float('nan')):7.1%} {e2e}")
+    for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
+        steps = {d["batch"]: d["median_step_s"] * 1e3 for d in entry["decode"]}
+        ms = " ".join(f"{steps.get(b, float('nan')):9.1f}" for b in batch_sizes)
+        print(f"{'llama.cpp kv ' + kv:<18} {entry['prefill']['tokens_per_s']:11.0f} {'':>6} {ms}")
+    for mode, entry in ((llamacpp_e2e or {}).get("modes") or {}).items():
+        print(f"{'llama.cpp e2e ' + mode:<32} output tokens/s {entry['output_tokens_per_s']:.1f}")
+    print("x bN: f32's step time / the row's (>1: faster than f32). MBU: (resident weight bytes + K/V read) / step time / read bandwidth.")
+
+
+def print_report(result: dict) -> None:
+    peaks = result["peaks"]
+    print(f"\nmatmul peak {peaks['matmul']['best_flops_per_s'] / 1e9:.1f} GFLOP/s, read bandwidth {peaks['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s "
+          f"(balance {peaks['flops_per_byte']:.1f} FLOP/byte); load average {result['machine']['load_average_start']} -> {result['machine']['load_average_end']}")
+    print(f"held-out text: {result['settings']['heldout_tokens']} tokens, {result['settings']['num_windows']} windows of {WINDOW} "
+          f"({result['settings']['num_predicted']} predicted tokens); correctness passed: {result['correctness']['passed']}")
+    print_accuracy_table(result["rows"], result.get("llamacpp"))
+    print_speed_table(result["rows"], result.get("llamacpp"), result.get("llamacpp_e2e"), result["settings"]["batch_sizes"])
+    one_b = result.get("llama3_1b")
+    if one_b and "memory" in one_b:
+        print(f"\n1B geometry ({GEOMETRY_1B}, random Q4_0, {one_b['num_params']:,} parameters): file tensors {_mib(one_b['file_tensor_bytes']).strip()} MiB, "
+              f"resident {_mib(one_b['memory']['resident_bytes']).strip()} MiB ({one_b['resident_vs_file_tensor_bytes']:.4f}x; dense f32 would be "
+              f"{_mib(one_b['dense_f32_bytes']).strip()} MiB), peak RSS {_mib(one_b['peak_rss_bytes']['all']).strip()} MiB; generated "
+              f"{len(one_b['generated_token_ids'])} tokens {one_b['generated_token_ids']} in {one_b['generate_latency_s']:.1f}s after {one_b['warmup_s']:.0f}s warm-up")
+    elif one_b:
+        print(f"\n1B geometry: {one_b.get('status')}: {str(one_b.get('stdout_tail') or one_b.get('reason'))[:300]}")
+    print("\ngoals:")
+    for name, goal in result["goals"].items():
+        state = "not measured" if goal["met"] is None else ("met" if goal["met"] else "NOT MET")
+        measured = "-" if goal["measured"] is None else f"{goal['measured']:.4g}"
+        print(f"  {state:<12} {goal['what']}: measured {measured} (target {goal['target']:g}){' slowest ' + goal['slowest_row'] if 'slowest_row' in goal else ''}")
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {','.join(QUICK_FORMATS)} (KV variants on {REFERENCE} only), 1 window, "
+                        "8 greedy tokens, batches 1,8, 1 repeat, llama.cpp f16 KV only, no e2e, no 1B")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)} ({REFERENCE} is always run, first)")
+    parser.add_argument("--kv-cache-dtypes", default="none,int8", help="KV pools per format: none (the model's dtype, always run), int8, fp8_e4m3")
+    parser.add_argument("--num-windows", type=int, default=0, help="perplexity windows (0: every full window of the text)")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--context", type=int, default=512, help="keys each decode row attends to")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--greedy-tokens", type=int, default=GREEDY_TOKENS, help=f"greedy tokens per prompt in the correctness check (<= {GREEDY_TOKENS})")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per program (median reported)")
+    parser.add_argument("--e2e-requests", type=int, default=64, help="bench_engine workload requests per row (0: skip the end-to-end runs)")
+    parser.add_argument("--e2e-scale", type=float, default=8.0)
+    parser.add_argument("--e2e-repeats", type=int, default=1)
+    parser.add_argument("--trace", type=pathlib.Path, default=bench_engine.DEFAULT_TRACE)
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peers")
+    parser.add_argument("--llamacpp-kv-types", default="f16,q8_0")
+    parser.add_argument("--skip-1b", action="store_true", help=f"skip the {GEOMETRY_1B} GGUF section")
+    parser.add_argument("--workdir", type=pathlib.Path, default=WORK_DIR)
+    parser.add_argument("--out", type=pathlib.Path, help=f"default: {RESULTS.relative_to(REPO_ROOT)} (--quick: build/bench_quant/bench_quant_quick.json)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one format (or the 1B) in this process
+    args = parser.parse_args()
+    if args.quick:
+        args.num_windows, args.batch_sizes, args.repeats, args.e2e_requests, args.skip_1b = args.num_windows or 1, "1,8", 1, 0, True
+        args.greedy_tokens, args.llamacpp_kv_types = 8, "f16"
+        if "--formats" not in sys.argv:
+            args.formats = ",".join(QUICK_FORMATS)
+    args.out = args.out or (WORK_DIR / "bench_quant_quick.json" if args.quick else RESULTS)
+    args.formats = [f for f in args.formats.split(",") if f]
+    unknown = set(args.formats) - set(FORMATS)
+    if unknown:
+        parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FORMATS)}")
+    args.formats = [REFERENCE] + [f for f in args.formats if f != REFERENCE]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.kv_cache_dtypes = ["none"] + [k for k in args.kv_cache_dtypes.split(",") if k and k != "none"]  # the model-dtype row is the baseline
+    return args
+
+
+def _git(*command: str) -> str:
+    completed = subprocess.run(["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    return completed.stdout.strip()
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "commit": _git("rev-parse", "HEAD"), "uncommitted_jaxinfer_files": _git("status", "--porcelain", "--", "jaxinfer").splitlines(),
+            "kv_cache_dtype_available": KV_OPTION, "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def measure_peaks(repeats: int) -> dict:
+    peaks = {"matmul": bench_forward.measure_matmul_peak(repeats), "bandwidth": bench_forward.measure_bandwidth_peak(repeats)}
+    peaks["flops_per_byte"] = peaks["matmul"]["best_flops_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]
+    return peaks
+
+
+def run_all(args) -> dict:
+    start = time.perf_counter()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    plan = build_plan(args, args.workdir)
+    log(f"plan: {len(plan['windows'])} windows, formats {args.formats}, KV {args.kv_cache_dtypes}, e2e requests {args.e2e_requests}")
+    peaks = measure_peaks(2 * args.repeats)
+    workers = {}
+    for name in args.formats:
+        log(f"worker {name} ...")
+        workers[name] = run_worker_process(name, args.workdir)
+    if workers[REFERENCE]["status"] != "ok":
+        raise SystemExit(f"the {REFERENCE} worker failed: {workers[REFERENCE]}")
+    use_llamacpp = not args.no_llamacpp and bench_engine.REF_PYTHON.exists()
+    llamacpp = run_llamacpp(args, args.workdir, plan) if use_llamacpp else None
+    llamacpp_e2e = run_llamacpp_e2e(plan) if use_llamacpp and args.e2e_requests else None
+    one_b = None if args.skip_1b else run_worker_process(GEOMETRY_1B, args.workdir)
+    rows = summarize(plan, workers, peaks)
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    settings = {k: v for k, v in plan.items() if k not in ("windows", "greedy_prompts", "fixture_greedy_tokens", "prefill_ids")}
+    settings |= {"formats": args.formats, "num_windows": len(plan["windows"]), "num_predicted": len(plan["windows"]) * (WINDOW - 1), "quick": args.quick}
+    return {"question": "accuracy, memory and speed of quantized weights and an int8 KV cache vs f32, and vs llama.cpp on the same GGUF",
+            "model": loading.default_model_path().name, "machine": machine, "settings": settings, "peaks": peaks,
+            "correctness": correctness(plan, workers, rows), "rows": rows, "goals": goals(rows, workers, one_b), "llamacpp": llamacpp,
+            "llamacpp_e2e": llamacpp_e2e, "llama3_1b": one_b, "workers": workers, "runtime_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        result = run_1b_worker(args.workdir) if args.worker == GEOMETRY_1B else run_worker(args.worker, args.workdir)
+        print(json.dumps(result))
+        return
+    result = run_all(args)
+    print_report(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"bench": "quant", "correct": result["correctness"]["passed"],
+                      "perplexity": {r["row"]: r["perplexity"] for r in result["rows"] if r["status"] == "ok"},
+                      "goals": {k: g["measured"] for k, g in result["goals"].items()}, "runtime_s": result["runtime_s"]}))
+    if not result["correctness"]["passed"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
