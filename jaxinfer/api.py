@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxinfer import loading, runloop, tokenizer as tok
+from jaxinfer import loading, runloop, sharding, tokenizer as tok
 from jaxinfer.block_pool import BlockPool
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
@@ -83,6 +83,26 @@ def check_quantization(value, group_size: int | None = None) -> str | None:
     return value
 
 
+def check_tensor_parallel(value, *, attention_impl: str = "auto", num_devices: int | None = None) -> int:
+    """Devices of the one model replica's `model` mesh: a positive integer, at most the devices JAX sees
+    (on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N). Heads, MLP width or
+    vocabulary that do not divide it are replicated (sharding.py), never an error. With more than one
+    device the attention is the jnp one: the Pallas kernel is not run under shard_map yet."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FieldError("tensor_parallel", f"must be a positive integer, got {value!r}")
+    if value == 1:
+        return value
+    if num_devices is None:
+        import jax
+
+        num_devices = len(jax.devices())
+    if value > num_devices:
+        raise FieldError("tensor_parallel", f"({value}) exceeds the {num_devices} available device(s); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={value} simulates them")
+    if attention_impl == "pallas":
+        raise FieldError("tensor_parallel", f"({value}) > 1 runs the jnp attention only (the Pallas kernel is not sharded yet); use attention_impl='reference' or 'auto'")
+    return value
+
+
 def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
     """Cut a prompt that does not fit the context; prompts that fit are never cut.
 
@@ -107,20 +127,28 @@ class LLM:
         own blocks, dequantized one layer at a time inside the step), "int8" (per-channel) or "int4"
         (groups of `group_size` along the input: 32, the default, 64 or 128); see params.weight_format
         for which tensors.
+      tensor_parallel: devices one model replica is sharded over (a `model` mesh, sharding.py): query and
+        kv heads, MLP width and vocabulary split where they divide, replicated where they do not. 1 (the
+        default) is one device with no mesh at all. With more, 'auto' attention is the jnp one.
       engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
-        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+        tensor_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
         check_quantization(quantization, group_size)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
+        check_tensor_parallel(tensor_parallel, attention_impl=engine_config.attention_impl)
+        if tensor_parallel > 1 and engine_config.attention_impl == "auto":
+            engine_config = EngineConfig.with_overrides(engine_config, attention_impl="reference")
         group = {} if group_size is None else {"group_size": group_size}
         self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, **group)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
-        self.engine = Engine(self.model_config, params, engine_config)
+        self.tensor_parallel = tensor_parallel
+        mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
+        self.engine = Engine(self.model_config, params, engine_config, mesh=mesh)
         self.block_pool = BlockPool(self.engine.num_pages)  # outlives each batch: cached prefixes persist
         if warmup:
             self.engine.warmup()

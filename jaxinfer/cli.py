@@ -79,6 +79,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
     group.add_argument("--deterministic", action="store_true", help="bitwise-reproducible logits whatever else is in the batch (fixed program shapes; slower)")
     group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
+    group.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
+        "replicated where not; jnp attention); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
+    )
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
 
 
@@ -126,6 +131,7 @@ _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": 
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
     "attention_impl": "--attention", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
+    "tensor_parallel": "--tensor-parallel",
 }
 
 
@@ -152,9 +158,11 @@ def _sampling_params(args):
 def _engine_config(args):
     """The flags as EngineConfig fields; every other field (the bucket tables) keeps its default, derived
     from these limits exactly as `LLM(**fields)` derives it."""
+    from jaxinfer.api import check_tensor_parallel
     from jaxinfer.config import EngineConfig
 
     try:
+        check_tensor_parallel(args.tensor_parallel, attention_impl=args.attention)
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
@@ -169,7 +177,10 @@ def _make_llm(args, engine_config):
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(args.model, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, engine_config=engine_config)
+        return LLM(
+            args.model, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size,
+            tensor_parallel=args.tensor_parallel, engine_config=engine_config,
+        )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 

@@ -5,6 +5,12 @@
 JAX's persistent compilation cache enabled; afterwards `step(plan)` only looks programs up, so nothing
 compiles after warm-up (calling a compiled program with another shape is an error, not a compile).
 The pool is donated into every step and rebound on the same line. The engine knows nothing about text.
+
+With a `mesh` (tensor parallelism, sharding.py owns the layout) the params are put on it by the logical
+axis rules, the pool is allocated sharded over kv heads, and every program is compiled with explicit
+in/out shardings: params and pool as the rules say, the step's inputs and its tokens/logits replicated,
+the pool out exactly as in so the donation aliases. Without one (the default) nothing changes: one
+device, no shardings given.
 """
 
 import concurrent.futures
@@ -21,7 +27,8 @@ import numpy as np
 
 from jaxinfer import kv_pool as kvp
 from jaxinfer import model, sampling
-from jaxinfer.attention import resolve_impl
+from jaxinfer import sharding as shd
+from jaxinfer.attention import DETERMINISTIC_PALLAS_IMPL, resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
 from jaxinfer.request import FieldError, StepPlan
@@ -97,9 +104,15 @@ def available_bytes(device: jax.Device) -> int:
     return info.get("MemAvailable", info["MemFree"])
 
 
-def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device) -> int:
-    """Pages of the pool: as configured, or a share of free memory; fails if it cannot fit."""
+def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device, *, mesh=None) -> int:
+    """Pages of the pool: as configured, or a share of free memory; fails if it cannot fit.
+
+    On a mesh, a page costs each device its share (all of it when kv heads are replicated); simulated
+    CPU devices share the host's memory, so there a page costs that share on every device."""
     page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
+    if mesh is not None:
+        size = shd.mesh_size(mesh)
+        page_bytes = -(-page_bytes // shd.kv_shards(cfg, size)) * (size if device.platform == "cpu" else 1)
     free = available_bytes(device)
     if engine_cfg.num_pages is None:
         wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
@@ -128,8 +141,9 @@ def enable_compilation_cache(directory: str | None) -> None:
 class Engine:
     """Compiled programs + donated pool. `step(plan)` runs one planned step and returns its tokens."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, *, return_logits: bool = False):
-        """`return_logits`: every step also copies its rows' logits to the host (`last_logits`), for
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, *, mesh: jax.sharding.Mesh | None = None, return_logits: bool = False):
+        """`mesh`: a sharding.make_mesh mesh for tensor parallelism (None: one device, as always).
+        `return_logits`: every step also copies its rows' logits to the host (`last_logits`), for
         tests that compare logits bit for bit; it costs a [R, V] copy per step."""
         if engine_cfg.max_context > cfg.max_context:
             raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
@@ -137,10 +151,25 @@ class Engine:
         # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
         # runs its fixed-split config, and everything else attention_over_page_blocks.
         self.impl = resolve_impl(engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype)
+        if mesh is not None and shd.mesh_size(mesh) > 1 and self.impl in ("pallas", DETERMINISTIC_PALLAS_IMPL):
+            raise FieldError("tensor_parallel", f"> 1 runs the jnp attention only (the Pallas kernel under shard_map is not built yet); use attention_impl='reference', got {engine_cfg.attention_impl!r}")
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
-        self.num_pages = resolve_num_pages(cfg, engine_cfg, jax.devices()[0])
-        self.pool = kvp.init_pool(cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
-        self._jitted = jax.jit(functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits), donate_argnames=("pool",))
+        self.mesh = mesh
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
+        step = functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits)
+        init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
+        if mesh is None:
+            self.pool = init()
+            self._jitted = jax.jit(step, donate_argnames=("pool",))
+        else:
+            self.params = shd.shard_params(params, cfg, mesh)
+            pool_sharding = shd.pool_shardings(jax.eval_shape(init), cfg, mesh)
+            self.pool = jax.jit(init, out_shardings=pool_sharding)()  # allocated in place, never whole on one device
+            rep = shd.replicated(mesh)
+            outs = (rep, rep, pool_sharding) if return_logits else (rep, pool_sharding)
+            in_shardings = (shd.param_shardings(params, cfg, mesh), pool_sharding, rep)
+            self._jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=outs, donate_argnames=("pool",))
         self.return_logits = return_logits
         self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
         self._programs: dict[tuple, jax.stages.Compiled] = {}

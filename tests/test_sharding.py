@@ -1,0 +1,281 @@
+"""Tensor parallelism (sharding.py + Engine(mesh=...)): TP = 1, 2, 3, 4 against one device.
+
+The multi-device checks run in a subprocess with simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=4), so this pytest process, and the rest of the suite,
+keeps its one device. The subprocess is this file run as a script (`_worker`): for each TP it builds an
+engine on a `model` mesh, warms it up, runs greedy requests through the run loop with the step's
+logits copied out, and prints one JSON report; the tests compare every TP to TP = 1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+TINY = HERE / "fixtures" / "tiny_llama"
+DEVICES = 4
+
+
+def _run_worker(model: str, tps: tuple[int, ...], extra: dict | None = None) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
+    args = [sys.executable, str(Path(__file__)), model, ",".join(map(str, tps)), json.dumps(extra or {})]
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_against_one_device(report: dict, tps: tuple[int, ...]) -> None:
+    import numpy as np
+
+    from tolerances import assert_close
+
+    base = report["1"]
+    for tp in tps:
+        got = report[str(tp)]
+        assert got["compiles_after_warmup"] == 0, f"TP={tp}: {got['compiles_after_warmup']} compiles after warm-up"
+        assert got["tokens"] == base["tokens"], f"TP={tp}: greedy tokens differ from one device"
+        assert got["num_steps"] == base["num_steps"]
+        assert_close(np.asarray(got["logits"]), np.asarray(base["logits"]), 1e-5, f"TP={tp} logits vs one device")
+        assert got["max_abs_logit_diff"] <= 1e-3, got["max_abs_logit_diff"]
+        # The pool, as the compiled programs take and return it: sharded over kv heads when they divide.
+        expected = got["expected_pool_spec"]
+        for key, (spec_in, spec_out) in got["pool_shardings"].items():
+            assert spec_in == spec_out == expected, f"TP={tp} {key}: pool in {spec_in}, out {spec_out}, expected {expected}"
+        assert got["pool_donated"], f"TP={tp}: the old pool buffer was not deleted (not donated)"
+        assert got["pool_devices"] == tp
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+    return _run_worker(str(TINY), (1, 2, 3, 4))
+
+
+@pytest.mark.slow
+def test_tiny_llama_tp_1_2_3_4_equal_one_device(tiny_report):
+    _check_against_one_device(tiny_report, (1, 2, 3, 4))
+    # 4 heads, 2 kv heads, MLP 160, vocab 512: TP=2 splits everything; TP=4 the MLP and vocabulary (kv
+    # heads do not divide, so attention is replicated); TP=3 nothing.
+    assert tiny_report["2"]["rules"] == {"q_heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+    assert tiny_report["4"]["rules"] == {"q_heads": None, "kv_heads": None, "mlp": "model", "vocab": "model"}
+    assert tiny_report["3"]["rules"] == {"q_heads": None, "kv_heads": None, "mlp": None, "vocab": None}
+    assert tiny_report["2"]["expected_pool_spec"] == "P(None, 'model', None, None, None)"
+    # The weights really are split: each device holds half of wq (and a quarter at TP = 4).
+    assert tiny_report["2"]["wq_shard_shape"] == [3, 64, 2, 16]
+    assert tiny_report["4"]["wq_shard_shape"] == [3, 64, 4, 16]
+    assert tiny_report["4"]["w_up_shard_shape"] == [3, 64, 40]
+    # One all-reduce of the [R, 1, D] activations per sharded block of the scanned layer (plus one after the
+    # vocabulary-sharded embedding lookup), and no collective ever moves the pool.
+    assert tiny_report["2"]["hlo"]["activation_all_reduces"] == 3
+    assert tiny_report["4"]["hlo"]["activation_all_reduces"] == 2
+    for tp in ("2", "3", "4"):
+        assert tiny_report[tp]["hlo"]["pool_collectives"] == 0, tiny_report[tp]["hlo"]
+
+
+@pytest.mark.slow
+def test_smollm2_tp_1_2_3_4_equal_one_device():
+    report = _run_worker("smollm2", (1, 2, 3, 4), {"llm_tp": 3})
+    _check_against_one_device(report, (1, 2, 3, 4))
+    assert report["llm"]["tokens"] == report["1"]["tokens"] and report["llm"]["mesh_devices"] == 3  # LLM(tensor_parallel=3)
+    # 9 heads, 3 kv heads, MLP 1536, vocab 49152: heads split only at TP = 3; MLP and vocab always.
+    assert report["3"]["rules"] == {"q_heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+    for tp in ("2", "4"):
+        assert report[tp]["rules"] == {"q_heads": None, "kv_heads": None, "mlp": "model", "vocab": "model"}
+        assert report[tp]["hlo"]["activation_all_reduces"] == 2  # embedding + MLP (attention replicated)
+    assert report["3"]["hlo"]["activation_all_reduces"] == 3  # embedding + attention + MLP
+    assert report["3"]["expected_pool_spec"] == "P(None, 'model', None, None, None)"
+    assert all(report[tp]["hlo"]["pool_collectives"] == 0 for tp in ("2", "3", "4"))
+
+
+@pytest.mark.slow
+def test_int8_weights_and_int8_pool_shard_and_match_one_device():
+    """QuantizedTensor params get shardings too (codes and scales), and a quantized pool's scales follow K/V."""
+    report = _run_worker(str(TINY), (1, 2), {"quantization": "int8", "kv_cache_dtype": "int8"})
+    _check_against_one_device(report, (1, 2))
+    assert report["2"]["expected_scale_spec"] == "P(None, 'model', None, None)"
+    assert report["2"]["scale_specs_ok"]
+    # int8 codes of wo and w_down split on their input side: still one all-reduce per block (the
+    # embedding's lookup all-reduces its int8 codes instead of activations), and no pool collective.
+    assert report["2"]["hlo"]["activation_all_reduces"] == 2 and report["2"]["hlo"]["pool_collectives"] == 0
+
+
+def test_rules_replicate_what_does_not_divide(tiny_llama):
+    import dataclasses
+
+    from jaxinfer import sharding
+
+    tiny, params = tiny_llama
+    cfg = dataclasses.replace(tiny, num_heads=9, num_kv_heads=3, ffn_dim=1536, vocab_size=49152)  # SmolLM2's widths
+    assert sharding.rules_for(cfg, 3) == {"q_heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+    assert sharding.rules_for(cfg, 2) == {"q_heads": None, "kv_heads": None, "mlp": "model", "vocab": "model"}
+    assert sharding.rules_for(tiny, 4) == {"q_heads": None, "kv_heads": None, "mlp": "model", "vocab": "model"}  # q split only with kv
+    assert sharding.kv_shards(cfg, 3) == 3 and sharding.kv_shards(cfg, 4) == 1
+    specs = sharding.param_specs(params, cfg, 3)  # dense specs depend on the config's rules only
+    assert tuple(specs.layers.wq) == (None, None, "model", None)
+    assert tuple(specs.layers.wo) == (None, "model", None, None)  # input side: one all-reduce per block
+    assert tuple(specs.layers.w_down) == (None, "model", None)
+    assert tuple(specs.embed) == ("model", None)
+
+
+def test_quantized_specs_split_whole_blocks_only(tiny_llama):
+    import numpy as np
+
+    from jaxinfer import params as params_module
+    from jaxinfer import sharding
+
+    cfg, params = tiny_llama
+    host = {"w_down": np.asarray(params.layers.w_down), "wq": np.asarray(params.layers.wq)}
+    q = params_module.quantize_arrays(host, "int4", group_size=32)
+    rules = sharding.rules_for(cfg, 2)
+    down = sharding._quantized_specs(q["w_down"], sharding.PARAM_AXES["w_down"], rules, 2)  # I = 160: 5 groups
+    assert tuple(down.codes) == (None, None, None) and tuple(down.scales) == (None, None, None)  # 5 groups: no split
+    wq = sharding._quantized_specs(q["wq"], sharding.PARAM_AXES["wq"], rules, 2)  # O = H*K: output side
+    assert tuple(wq.codes) == (None, "model", None)
+    q8 = params_module.quantize_arrays(host, "int8")
+    down8 = sharding._quantized_specs(q8["w_down"], sharding.PARAM_AXES["w_down"], rules, 2)
+    assert tuple(down8.codes) == (None, None, "model") and tuple(down8.scales) == (None, None, None)  # one scale per row
+
+
+def test_cli_tensor_parallel_flag_is_a_one_line_error_before_loading(capsys):
+    from jaxinfer import cli
+
+    for value, needle in (("0", "--tensor-parallel must be a positive integer"), ("2", "--tensor-parallel (2) exceeds the 1 available device")):
+        assert cli.main(["generate", "--prompt", "hi", "--tensor-parallel", value]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "loading" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tensor_parallel_is_checked_at_the_boundary():
+    from jaxinfer.api import check_tensor_parallel
+    from jaxinfer.request import FieldError
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(FieldError) as e:
+            check_tensor_parallel(bad, attention_impl="reference")
+        assert e.value.field == "tensor_parallel"
+    with pytest.raises(FieldError, match="device"):
+        check_tensor_parallel(2, attention_impl="reference")  # this process has one device
+    with pytest.raises(FieldError, match="Pallas"):
+        check_tensor_parallel(2, attention_impl="pallas", num_devices=4)
+    assert check_tensor_parallel(1, attention_impl="pallas") == 1
+
+
+# ---------------------------------------------------------------- the subprocess
+
+
+def _collectives(engine, cfg) -> dict:
+    """Collectives in the compiled decode program's HLO (the scanned layer body appears once): all-reduces
+    of the [R, 1, D] activations, and any collective whose result has the shape of a pool array."""
+    import re
+
+    key = next(k for k in engine._programs if k[0] == "decode")
+    text = engine._programs[key].as_text()
+    ops = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", text)
+    pool_shapes = {",".join(map(str, a.shape)) for a in (engine.pool.k, engine.pool.v)}
+    activation = sorted((key[1], 1, cfg.embed_dim))  # any layout: a quantized weight's dot puts D first
+    dims = lambda shape: sorted(int(d) for d in shape.split(",") if d)  # noqa: E731
+    return dict(
+        activation_all_reduces=sum(1 for dtype, shape, op in ops if op == "all-reduce" and dtype == "f32" and dims(shape) == activation),
+        pool_collectives=sum(1 for _, shape, _ in ops if shape in pool_shapes),
+        total=len(ops),
+    )
+
+
+
+def _worker(model: str, tps: list[int], extra: dict) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxinfer import runloop, sharding
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import CompileCounter, Engine
+    from jaxinfer.loading import load_model
+    from jaxinfer.output import OutputProcessor
+    from jaxinfer.request import Request, SamplingParams
+    from jaxinfer.scheduler import Scheduler
+
+    assert len(jax.devices()) >= max(tps), jax.devices()
+    quantization, kv_cache_dtype = extra.get("quantization"), extra.get("kv_cache_dtype")
+    if model == "smollm2":
+        cfg, params = load_model(None, dtype="float32", max_context=2048, quantization=quantization)
+    else:
+        cfg, params = load_model(model, dtype="float32", quantization=quantization)
+    engine_cfg = EngineConfig(
+        page_size=8, max_context=64, max_num_seqs=4, max_prefill_tokens=16, num_pages=24, prefill_chunk_buckets=(16,),
+        decode_batch_buckets=(4,), decode_page_buckets=(8,), attention_impl="reference", kv_cache_dtype=kv_cache_dtype,
+        compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_tp_xla_"),  # fresh: every TP compiles; LLM below hits it
+    )
+    rng = np.random.default_rng(0)
+    lengths = (5, 13, 21, 9)  # 21: a chunked prefill (16 + 5)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
+    greedy = SamplingParams(temperature=0, max_tokens=6 if model == "smollm2" else 12, ignore_eos=True)  # SmolLM2 steps cost ~0.3 s here
+    report = {}
+    for tp in tps:
+        mesh = None if tp == 1 else sharding.make_mesh(tp)
+        start = time.perf_counter()
+        engine = Engine(cfg, params, engine_cfg, mesh=mesh, return_logits=True)
+        engine.warmup()
+        compile_s = time.perf_counter() - start
+        scheduler = Scheduler(engine_cfg, engine.num_pages)
+        for i, ids in enumerate(prompts):
+            scheduler.add(Request(str(i), ids, greedy, seed=i, arrival_index=i))
+        logits, seconds, old_pool = [], [], engine.pool
+
+        def on_step(plan, tokens, s, engine=engine):
+            logits.append(engine.last_logits[: len(plan.request_ids)])
+            seconds.append(s)
+
+        with CompileCounter() as counter:
+            finished = list(runloop.run(scheduler, engine.step, OutputProcessor(None, None, engine_cfg.max_context), on_step=on_step))
+        assert len(finished) == len(prompts) and not [r.error for r in finished if r.error]
+        all_logits = np.concatenate(logits)
+        rules = sharding.rules_for(cfg, tp)
+        pool_spec = str(sharding.spec_of(sharding.POOL_AXES["k"], rules))
+        shardings = {}
+        for key, compiled in engine._programs.items():
+            pool_in, pool_out = compiled.input_shardings[0][1], compiled.output_shardings[-1]
+            spec = lambda s: str(s.spec) if hasattr(s, "spec") else "P(None, None, None, None, None)"  # noqa: E731
+            shardings[str(key)] = (spec(pool_in.k), spec(pool_out.k))
+        entry = dict(
+            tokens={r.request_id: r.output_ids for r in finished}, num_steps=len(logits), logits=all_logits.tolist(),
+            compiles_after_warmup=counter.count, compile_s=compile_s, step_s=float(np.mean(seconds)),
+            rules=rules if tp > 1 else {}, expected_pool_spec=pool_spec if tp > 1 else "P(None, None, None, None, None)",
+            pool_shardings=shardings, pool_donated=old_pool.k.is_deleted(), pool_devices=len(engine.pool.k.sharding.device_set),
+            wq_shard_shape=list(engine.params.layers.wq.addressable_shards[0].data.shape) if quantization is None else None,
+            w_up_shard_shape=list(engine.params.layers.w_up.addressable_shards[0].data.shape) if quantization is None else None,
+            hlo=_collectives(engine, cfg),
+        )
+        if kv_cache_dtype is not None and tp > 1:
+            expected_scale = str(sharding.spec_of(sharding.POOL_AXES["k_scale"], rules))
+            entry["expected_scale_spec"] = expected_scale
+            entry["scale_specs_ok"] = all(
+                str(c.input_shardings[0][1].k_scale.spec) == str(c.output_shardings[-1].v_scale.spec) == expected_scale for c in engine._programs.values()
+            )
+        report[str(tp)] = entry
+        del engine
+    if extra.get("llm_tp"):  # the public path: LLM(tensor_parallel=N) on the same engine config
+        from jaxinfer.api import LLM
+
+        tp = extra["llm_tp"]
+        llm = LLM(None if model == "smollm2" else model, dtype="float32", tensor_parallel=tp, engine_config=engine_cfg)
+        outs = llm.generate(prompts, greedy, progress=False)
+        report["llm"] = dict(tp=tp, tokens={str(o.index): o.token_ids for o in outs}, mesh_devices=len(llm.engine.pool.k.sharding.device_set))
+    base = np.asarray(report["1"]["logits"])
+    for tp in tps:
+        entry = report[str(tp)]
+        entry["max_abs_logit_diff"] = float(np.abs(np.asarray(entry["logits"]) - base).max())
+    return report
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    result = _worker(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], json.loads(sys.argv[3]))
+    for tp, entry in ((tp, e) for tp, e in result.items() if tp.isdigit()):
+        print(f"TP={tp}: compile {entry['compile_s']:.2f} s, step {entry['step_s'] * 1e3:.1f} ms, max |dlogit| {entry['max_abs_logit_diff']:.2e}", file=sys.stderr)
+    print(json.dumps(result))
