@@ -83,6 +83,50 @@ def check_quantization(value, group_size: int | None = None) -> str | None:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    """What the router knows of one replica when a request arrives."""
+
+    load_tokens: int  # tokens of the work already routed to it: prompt tokens to compute + tokens to generate
+    free_pages: int  # KV pages with no owner (cached ones included)
+    cached_tokens: int = 0  # this prompt's leading tokens whose KV pages it holds or was just sent (prefix cache)
+
+
+def route(replicas: Sequence[ReplicaLoad], prompt_tokens: int, max_tokens: int) -> int:
+    """The replica a request goes to: the one where the work it adds lands on the least load, counting
+    its prompt less what that replica already caches, plus its output (so a shared prefix pulls a
+    request to the replica holding it, unless that replica is busier by more than the saving); ties go
+    to more free KV pages, then to the lower index."""
+    def key(i: int):
+        r = replicas[i]
+        return (r.load_tokens + prompt_tokens - r.cached_tokens + max_tokens, -r.free_pages, i)
+
+    return min(range(len(replicas)), key=key)
+
+
+def check_parallel(tensor_parallel, data_parallel=1, *, attention_impl: str = "auto", num_devices: int | None = None) -> tuple[int, int]:
+    """(tensor_parallel, data_parallel), each a positive integer; together they need tp x dp devices."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise FieldError("data_parallel", f"must be a positive integer, got {data_parallel!r}")
+    check_tensor_parallel(tensor_parallel, attention_impl=attention_impl, num_devices=num_devices)
+    if data_parallel > 1:
+        if num_devices is None:
+            import jax
+
+            num_devices = len(jax.devices())
+        if tensor_parallel * data_parallel > num_devices:
+            raise FieldError("data_parallel", f"({data_parallel}) x tensor_parallel ({tensor_parallel}) needs {tensor_parallel * data_parallel} devices; {num_devices} available")
+    return tensor_parallel, data_parallel
+
+
+@dataclasses.dataclass
+class Replica:
+    """One model replica: an engine on its own devices and the block pool of its KV pool."""
+
+    engine: Engine
+    block_pool: BlockPool
+
+
 def check_tensor_parallel(value, *, attention_impl: str = "auto", num_devices: int | None = None) -> int:
     """Devices of the one model replica's `model` mesh: a positive integer, at most the devices JAX sees
     (on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N). Heads, MLP width or
@@ -130,29 +174,43 @@ class LLM:
       tensor_parallel: devices one model replica is sharded over (a `model` mesh, sharding.py): query and
         kv heads, MLP width and vocabulary split where they divide, replicated where they do not. 1 (the
         default) is one device with no mesh at all. With more, 'auto' attention is the jnp one.
+      data_parallel: model replicas, each on its own `tensor_parallel` devices with its own pool and
+        scheduler; `route` assigns every request at admission by load (and prefix-cache affinity).
+        Replicas step in turn in this one thread (no overlap between them yet).
       engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
-        tensor_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+        tensor_parallel: int = 1, data_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
         check_quantization(quantization, group_size)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        check_tensor_parallel(tensor_parallel, attention_impl=engine_config.attention_impl)
+        check_parallel(tensor_parallel, data_parallel, attention_impl=engine_config.attention_impl)
         if tensor_parallel > 1 and engine_config.attention_impl == "auto":
             engine_config = EngineConfig.with_overrides(engine_config, attention_impl="reference")
         group = {} if group_size is None else {"group_size": group_size}
         self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, **group)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
-        self.tensor_parallel = tensor_parallel
-        mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
-        self.engine = Engine(self.model_config, params, engine_config, mesh=mesh)
-        self.block_pool = BlockPool(self.engine.num_pages)  # outlives each batch: cached prefixes persist
+        self.tensor_parallel, self.data_parallel = tensor_parallel, data_parallel
+        self.replicas: list[Replica] = []
+        for r in range(data_parallel):
+            if tensor_parallel == 1 and data_parallel == 1:
+                mesh = None  # one device, no mesh: the programs of a plain engine
+            else:
+                import jax
+
+                mesh = sharding.make_mesh(tensor_parallel, jax.devices()[r * tensor_parallel : (r + 1) * tensor_parallel])
+            engine = Engine(self.model_config, params, engine_config, mesh=mesh)
+            self.replicas.append(Replica(engine, BlockPool(engine.num_pages)))  # pools outlive each batch: cached prefixes persist
+        self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool
         if warmup:
-            self.engine.warmup()
+            for replica in self.replicas:
+                replica.engine.warmup()
         self.last_stats = None
+        self.replica_stats: list = []  # per replica, of the latest stream
+        self.last_routes: list[int] = []  # replica of each prompt of the latest stream, in input order
 
     # ------------------------------------------------------------ the request boundary
 
@@ -197,6 +255,9 @@ class LLM:
 
         `on_step(plan, tokens, seconds)` is called after every engine step (for timing and counting).
         """
+        if len(self.replicas) > 1:
+            yield from self._stream_replicas(list(prompts), progress=progress, on_step=on_step)
+            return
         scheduler = Scheduler(self.engine_config, self.engine.num_pages, block_pool=self.block_pool)
         processor = OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context)
         submitted = self._submit(scheduler, list(prompts))
@@ -210,6 +271,49 @@ class LLM:
             scheduler.abort_all("the run was stopped before this request finished")
             bar.close()
             self.last_stats = scheduler.stats
+
+    def _stream_replicas(self, prompts: list[Prompt], *, progress, on_step) -> Iterator[RequestOutput]:
+        """stream() over data-parallel replicas: `route` picks each prompt's replica at admission; the
+        replicas' run loops are advanced in turn, each output yielded as it finishes."""
+        from jaxinfer.block_pool import page_hashes
+
+        page_size, caching = self.engine_config.page_size, self.engine_config.enable_prefix_caching
+        schedulers = [Scheduler(self.engine_config, r.engine.num_pages, block_pool=r.block_pool) for r in self.replicas]
+        processors = [OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context) for _ in self.replicas]
+        loads = [0] * len(self.replicas)
+        routed_pages: list[set[bytes]] = [set() for _ in self.replicas]  # prefixes sent to each replica in this batch
+        self.last_routes = []
+        for prompt in prompts:
+            names = page_hashes(prompt.token_ids, page_size, prompt.cache_salt) if caching else []
+            states = []
+            for i, replica in enumerate(self.replicas):
+                cached = len(replica.block_pool.lookup(names))
+                while cached < len(names) and names[cached] in routed_pages[i]:
+                    cached += 1
+                states.append(ReplicaLoad(loads[i], replica.block_pool.num_free, cached * page_size))
+            i = route(states, len(prompt.token_ids), prompt.params.max_tokens)
+            loads[i] += len(prompt.token_ids) - states[i].cached_tokens + prompt.params.max_tokens
+            routed_pages[i].update(names)
+            self._submit(schedulers[i], [prompt])
+            self.last_routes.append(i)
+        show = progress if progress is not None else len(prompts) >= _PROGRESS_MIN_REQUESTS
+        bar = tqdm(total=len(prompts), unit="req", disable=not show)
+        loops = {i: runloop.run(schedulers[i], r.engine.step, processors[i], on_step=on_step) for i, r in enumerate(self.replicas)}
+        try:
+            while loops:
+                for i in list(loops):
+                    request = next(loops[i], None)
+                    if request is None:
+                        del loops[i]
+                        continue
+                    bar.update(1)
+                    yield self._output(request, processors[i].text(request))
+        finally:
+            for scheduler in schedulers:
+                scheduler.abort_all("the run was stopped before this request finished")
+            bar.close()
+            self.replica_stats = [scheduler.stats for scheduler in schedulers]
+            self.last_stats = self.replica_stats[0]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)

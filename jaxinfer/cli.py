@@ -84,6 +84,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
         "replicated where not; jnp attention); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
     )
+    group.add_argument(
+        "--data-parallel", type=int, default=1, metavar="M",
+        help="M model replicas, each on its own --tensor-parallel devices with its own KV pool; requests are routed by load (default: %(default)s)",
+    )
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
 
 
@@ -131,7 +135,7 @@ _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": 
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
     "attention_impl": "--attention", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
-    "tensor_parallel": "--tensor-parallel",
+    "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel",
 }
 
 
@@ -158,11 +162,11 @@ def _sampling_params(args):
 def _engine_config(args):
     """The flags as EngineConfig fields; every other field (the bucket tables) keeps its default, derived
     from these limits exactly as `LLM(**fields)` derives it."""
-    from jaxinfer.api import check_tensor_parallel
+    from jaxinfer.api import check_parallel
     from jaxinfer.config import EngineConfig
 
     try:
-        check_tensor_parallel(args.tensor_parallel, attention_impl=args.attention)
+        check_parallel(args.tensor_parallel, args.data_parallel, attention_impl=args.attention)
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
@@ -179,7 +183,7 @@ def _make_llm(args, engine_config):
     try:
         return LLM(
             args.model, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size,
-            tensor_parallel=args.tensor_parallel, engine_config=engine_config,
+            tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel, engine_config=engine_config,
         )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None

@@ -105,6 +105,44 @@ def test_int8_weights_and_int8_pool_shard_and_match_one_device():
     assert report["2"]["hlo"]["activation_all_reduces"] == 2 and report["2"]["hlo"]["pool_collectives"] == 0
 
 
+@pytest.mark.slow
+def test_data_parallel_outputs_equal_one_replica_in_input_order(tiny_chat_model):
+    report = _run_worker(str(tiny_chat_model), (), {"layouts": [[1, 1], [1, 2], [2, 2]]})
+    base = report["1x1"]
+    assert base["indices"] == list(range(10)) and base["devices"] == [0]
+    for layout, devices in (("1x2", [0, 1]), ("2x2", [0, 1, 2, 3])):
+        got = report[layout]
+        assert got["indices"] == base["indices"] and got["tokens"] == base["tokens"], layout
+        assert got["compiles_after_warmup"] == 0 and got["devices"] == devices
+        assert sorted(set(got["routes"])) == [0, 1], got["routes"]  # both replicas served requests
+        # The two long prompts (0 and 5) go to different replicas.
+        assert got["routes"][0] != got["routes"][5], got["routes"]
+
+
+def test_router_balances_a_skewed_workload_better_than_round_robin():
+    from jaxinfer.api import ReplicaLoad, route
+
+    def balance(assign, lengths, replicas):
+        loads = [0] * replicas
+        for i, n in enumerate(lengths):
+            r = assign(i, n, loads)
+            loads[r] += n + 16
+        return max(loads) / (sum(loads) / replicas)
+
+    rng = __import__("numpy").random.default_rng(0)
+    lengths = [2000] * 4 + [int(n) for n in rng.integers(10, 100, 60)]
+    lengths = [lengths[i] for i in [0, 10, 1, 20, 2, 30, 3, 40] + [i for i in range(4, 64) if i not in (10, 20, 30, 40)]]  # long ones at even slots
+    by_router = lambda i, n, loads: route([ReplicaLoad(l, 100) for l in loads], n, 16)  # noqa: E731
+    round_robin = lambda i, n, loads: i % len(loads)  # noqa: E731
+    router, rr = balance(by_router, lengths, 2), balance(round_robin, lengths, 2)
+    print(f"largest replica load / mean: router {router:.3f}, round-robin {rr:.3f}")
+    assert router <= 1.05 < 1.3 <= rr
+    # Prefix-cache affinity: equal loads, the replica holding the prefix wins; a much busier one does not.
+    assert route([ReplicaLoad(0, 10), ReplicaLoad(0, 10, cached_tokens=32)], 40, 8) == 1
+    assert route([ReplicaLoad(0, 10), ReplicaLoad(500, 10, cached_tokens=32)], 40, 8) == 0
+    assert route([ReplicaLoad(5, 3), ReplicaLoad(5, 9)], 40, 8) == 1  # ties: more free pages
+
+
 def test_rules_replicate_what_does_not_divide(tiny_llama):
     import dataclasses
 
@@ -145,8 +183,14 @@ def test_quantized_specs_split_whole_blocks_only(tiny_llama):
 def test_cli_tensor_parallel_flag_is_a_one_line_error_before_loading(capsys):
     from jaxinfer import cli
 
-    for value, needle in (("0", "--tensor-parallel must be a positive integer"), ("2", "--tensor-parallel (2) exceeds the 1 available device")):
-        assert cli.main(["generate", "--prompt", "hi", "--tensor-parallel", value]) == 2
+    cases = (
+        (["--tensor-parallel", "0"], "--tensor-parallel must be a positive integer"),
+        (["--tensor-parallel", "2"], "--tensor-parallel (2) exceeds the 1 available device"),
+        (["--data-parallel", "0"], "--data-parallel must be a positive integer"),
+        (["--data-parallel", "2"], "--data-parallel (2) x tensor_parallel (1) needs 2 devices"),
+    )
+    for flags, needle in cases:
+        assert cli.main(["generate", "--prompt", "hi", *flags]) == 2
         err = capsys.readouterr().err
         assert needle in err and "loading" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -167,6 +211,36 @@ def test_tensor_parallel_is_checked_at_the_boundary():
 
 
 # ---------------------------------------------------------------- the subprocess
+
+
+def _dp_worker(model: str, extra: dict) -> dict:
+    """LLM(data_parallel=1) vs LLM(data_parallel=2) (and 2 x TP=2) on the same prompts: outputs in input order."""
+    import numpy as np
+
+    from jaxinfer.api import LLM
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import CompileCounter
+    from jaxinfer.request import SamplingParams
+
+    engine_cfg = EngineConfig(
+        page_size=8, max_context=64, max_num_seqs=4, max_prefill_tokens=16, num_pages=24, prefill_chunk_buckets=(16,),
+        decode_batch_buckets=(4,), decode_page_buckets=(8,), attention_impl="reference",
+        compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_dp_xla_"),
+    )
+    rng = np.random.default_rng(1)
+    lengths = [40, 3, 4, 5, 3, 38, 6, 4, 3, 5]  # a few long prompts among short ones
+    prompts = [rng.integers(3, 1000, n).tolist() for n in lengths]
+    greedy = [SamplingParams(temperature=0, max_tokens=4 + i % 3, ignore_eos=True) for i in range(len(prompts))]
+    report = {}
+    for tp, dp in extra["layouts"]:
+        llm = LLM(model, dtype="float32", tensor_parallel=tp, data_parallel=dp, engine_config=engine_cfg)
+        with CompileCounter() as counter:
+            outs = llm.generate(prompts, greedy, progress=False)
+        report[f"{tp}x{dp}"] = dict(
+            indices=[o.index for o in outs], tokens=[o.token_ids for o in outs], routes=llm.last_routes, compiles_after_warmup=counter.count,
+            devices=sorted({d.id for r in llm.replicas for d in r.engine.pool.k.sharding.device_set}),
+        )
+    return report
 
 
 def _collectives(engine, cfg) -> dict:
@@ -275,7 +349,11 @@ def _worker(model: str, tps: list[int], extra: dict) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    result = _worker(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], json.loads(sys.argv[3]))
+    extra = json.loads(sys.argv[3])
+    if "layouts" in extra:
+        print(json.dumps(_dp_worker(sys.argv[1], extra)))
+        sys.exit(0)
+    result = _worker(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], extra)
     for tp, entry in ((tp, e) for tp, e in result.items() if tp.isdigit()):
         print(f"TP={tp}: compile {entry['compile_s']:.2f} s, step {entry['step_s'] * 1e3:.1f} ms, max |dlogit| {entry['max_abs_logit_diff']:.2e}", file=sys.stderr)
     print(json.dumps(result))
