@@ -245,11 +245,13 @@ def _summary_table(summary, llm) -> str:
         ("generated tokens/s", f"{summary.tokens_per_second:.1f}"),
         ("time to first token p50 / p99", f"{summary.ttft_percentile(50):.3f} / {summary.ttft_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
-        ("compilations (all at warm-up)", f"{llm.engine.num_compilations} in {llm.engine.compile_seconds:.1f} s"),
+        ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
         ("prefix cache hit tokens / queried", f"{stats.prefix_cache_hits} / {stats.prefix_cache_queries} ({stats.prefix_cache_hit_rate:.1%})" if stats else "-"),
     ]
+    if len(llm.replicas) > 1:  # the scheduler rows above are replica 0's
+        rows.append(("replicas: requests each (rows above: replica 0)", " / ".join(str(llm.last_routes.count(i)) for i in range(len(llm.replicas)))))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["", "summary", "-" * (width + 20)] + [f"{name:<{width}}  {value}" for name, value in rows])
 
