@@ -195,6 +195,29 @@ def test_cli_tensor_parallel_flag_is_a_one_line_error_before_loading(capsys):
         assert needle in err and "loading" not in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("quantization", ["gguf"])  # the default model as stored: Q4_1 layers, Q8_0 embedding
+def test_every_sharded_axis_of_smollm2_divides_the_mesh(quantization):
+    """No spec would make device_put split an axis unevenly (int4 and int8 specs: test_quantized_specs_...)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from jaxinfer import sharding
+    from jaxinfer.loading import load_model
+
+    cfg, params = load_model(None, dtype="float32", max_context=256, quantization=quantization)
+    leaves = jax.tree.leaves(params)
+    for tp in (2, 3, 4):
+        specs = jax.tree.leaves(sharding.param_specs(params, cfg, tp), is_leaf=lambda x: isinstance(x, PartitionSpec))
+        assert len(specs) == len(leaves)
+        split = 0
+        for leaf, spec in zip(leaves, specs):
+            for size, axis in zip(leaf.shape, tuple(spec)):
+                if axis is not None:
+                    split += 1
+                    assert size % tp == 0, (tp, leaf.shape, spec)
+        assert split >= 3, f"TP={tp}: only {split} axes split"  # at least the MLP's and the vocabulary's
+
+
 def test_tensor_parallel_is_checked_at_the_boundary():
     from jaxinfer.api import check_tensor_parallel
     from jaxinfer.request import FieldError
