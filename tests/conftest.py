@@ -1,10 +1,42 @@
 """Shared fixtures: the real default model and tokenizer are loaded once per session."""
 
+import functools
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+PAD_BUCKETS = (64, 128, 640)  # padded_logits' widths: 3 compiles a model (the HF fixture prompts are 1 to 601 tokens)
+
+
+@functools.cache
+def _jitted_forward_logits():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import forward
+
+    @functools.partial(jax.jit, static_argnames=("cfg",))
+    def logits(params, ids, *, cfg):
+        return forward(params, None, ids, jnp.arange(ids.shape[1], dtype=jnp.int32)[None], cfg=cfg)[0][0]  # [T, V]
+
+    return logits
+
+
+def padded_logits(cfg, params, sequences) -> list:
+    """f32 logits [T, V] of each sequence: one forward each with no cache (no pages, no batch), the
+    sequence right-padded to a PAD_BUCKETS width so that compiles stay few (causal: no position before
+    the pad sees it). One jitted function for every caller, so equal (cfg, width) compile once a session."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    out = []
+    for ids in sequences:
+        width = next((b for b in PAD_BUCKETS if b >= len(ids)), len(ids))
+        padded = np.zeros((1, width), np.int32)
+        padded[0, : len(ids)] = ids
+        out.append(np.asarray(_jitted_forward_logits()(params, jnp.asarray(padded), cfg=cfg))[: len(ids)])
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +45,34 @@ def smollm2():
     from jaxinfer.loading import load_model
 
     return load_model(None, dtype="float32", max_context=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fixture_logits(smollm2) -> list:
+    """f32 logits [T, V] of the HF fixture prompts (smollm2_reference.npz p{i}_ids, in order), computed
+    once a session for test_model_reference (vs HF) and test_quant_model (vs the quantized paths)."""
+    import numpy as np
+
+    reference = np.load(FIXTURES / "smollm2_reference.npz")
+    sequences = [reference[f"p{i}_ids"].astype(np.int32) for i in range(int(reference["num_prompts"]))]
+    return padded_logits(*smollm2, sequences)
+
+
+# A small engine on the default model: 2 prefill programs (1 row of 64 tokens, tables of 4 / 16 pages)
+# and 2 decode programs (4 rows).
+SMOLLM2_SMALL_ENGINE = dict(
+    max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(64,),
+    prefill_seq_buckets=(1,), decode_batch_buckets=(4,), decode_page_buckets=(4, 16),
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(compile_cache):
+    """LLM(None) (the default model, f32) on SMOLLM2_SMALL_ENGINE, warmed once a session: test_api's
+    model and the dense side of test_quant_model's gguf engine check."""
+    from jaxinfer.api import LLM
+
+    return LLM(None, compilation_cache_dir=compile_cache, **SMOLLM2_SMALL_ENGINE)
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def llm(compile_cache):
-    return LLM(
-        None, max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(32, 64),
-        prefill_seq_buckets=(1, 4), decode_batch_buckets=(4,), decode_page_buckets=(4, 16), compilation_cache_dir=compile_cache,
-    )
+def llm(smollm2_llm) -> LLM:
+    return smollm2_llm  # conftest: the default model on a small engine, warmed once a session
 
 
 def test_generate_returns_one_output_per_prompt_in_input_order(llm):

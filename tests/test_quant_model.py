@@ -10,7 +10,6 @@
 """
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, SMOLLM2_SMALL_ENGINE, padded_logits
 from jaxinfer import loading, params as params_lib, quant
 from jaxinfer.generate import generate
 from jaxinfer.model import forward
@@ -29,26 +28,14 @@ from tolerances import LOGITS_VS_FLOAT64, LOGITS_VS_HF_F32, assert_close
 SMOLLM2 = np.load(FIXTURES / "smollm2_reference.npz")
 PROMPTS = range(int(SMOLLM2["num_prompts"]))
 TINY = np.load(FIXTURES / "tiny_llama_reference.npz")
-PAD_BUCKETS = (64, 128, 640)  # prompts are right-padded (causal: earlier logits do not see the pad), 3 compiles a model
 # The KL bound is this many times the KL of the format's own rounding noise (format_noise_params): room
 # for one random draw of the noise and for the real error being not quite uniform.
 NOISE_MODEL_SLACK = 2.0
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _logits(params, ids, *, cfg):
-    return forward(params, None, ids, jnp.arange(ids.shape[1], dtype=jnp.int32)[None], cfg=cfg)[0][0]  # [T, V]
-
-
 def all_logits(cfg, params, sequences: list[np.ndarray]) -> list[np.ndarray]:
     """f32 logits [T, V] of each sequence, one forward each, padded to a bucket so compiles stay few."""
-    out = []
-    for ids in sequences:
-        width = next((b for b in PAD_BUCKETS if b >= len(ids)), len(ids))
-        padded = np.zeros((1, width), np.int32)
-        padded[0, : len(ids)] = ids
-        out.append(np.asarray(_logits(params, jnp.asarray(padded), cfg=cfg))[: len(ids)])
-    return out
+    return padded_logits(cfg, params, sequences)
 
 
 def mean_kl(reference: list[np.ndarray], other: list[np.ndarray]) -> float:
@@ -120,8 +107,8 @@ def smollm2_sequences():
 
 
 @pytest.fixture(scope="module")
-def smollm2_f32_logits(smollm2, smollm2_sequences):
-    return all_logits(*smollm2, smollm2_sequences)
+def smollm2_f32_logits(smollm2_fixture_logits):
+    return smollm2_fixture_logits  # all_logits(*smollm2, smollm2_sequences), computed once a session (conftest)
 
 
 # ---------------------------------------------------------------- the choice of formats and the boundary
@@ -304,20 +291,15 @@ def test_a_systematic_error_breaks_the_noise_model_bound(tiny_llama):
 # ---------------------------------------------------------------- the engine and the CLI
 
 
-ENGINE = dict(
-    max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(32, 64),
-    prefill_seq_buckets=(1,), decode_batch_buckets=(4,), decode_page_buckets=(4, 16),
-)
-
-
 @pytest.mark.slow
-def test_engine_with_gguf_blocks_gives_the_dense_engines_greedy_tokens(compile_cache):
+def test_engine_with_gguf_blocks_gives_the_dense_engines_greedy_tokens(smollm2_llm, compile_cache):
     from jaxinfer.api import LLM
 
     prompts = ["The capital of France is", "def add(a, b):"]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    dense = LLM(None, compilation_cache_dir=compile_cache, **ENGINE).generate(prompts, greedy)
-    kept_llm = LLM(None, quantization="gguf", compilation_cache_dir=compile_cache, **ENGINE)
+    assert smollm2_llm.engine.params.layers.w_up.dtype == jnp.float32  # the session's dense engine (conftest)
+    dense = smollm2_llm.generate(prompts, greedy)
+    kept_llm = LLM(None, quantization="gguf", compilation_cache_dir=compile_cache, **SMOLLM2_SMALL_ENGINE)  # the same engine config
     assert kept_llm.engine.params.layers.w_up.format == "q4_1"
     kept = kept_llm.generate(prompts, greedy)
     assert [o.token_ids for o in kept] == [o.token_ids for o in dense]
