@@ -1,4 +1,9 @@
-"""The JSONL batch CLI: error records for bad lines, resume after SIGKILL without loss or duplicates."""
+"""The JSONL batch CLI: error records for bad lines, resume after SIGKILL without loss or duplicates.
+
+The jobs run on conftest's tiny_chat_model (a random 2-layer Llama with SmolLM2's real tokenizer and chat
+template): what is checked here is the CLI's bookkeeping (records, errors, resume, signals), for which a
+model's quality does not matter and a real one only costs minutes of decoding.
+"""
 
 import json
 import os
@@ -12,17 +17,20 @@ import pytest
 
 from jaxinfer.batch import LineError, parse_line
 
-ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
+ENGINE_FLAGS = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
 QUESTIONS = [
     "What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.",
     "Describe a cat in one sentence.", "What is the boiling point of water?", "Who painted the Mona Lisa?",
-    "Give a synonym for happy.", "What day comes after Monday?",
-]
+    "Give a synonym for happy.", "What day comes after Monday?", "Name a large ocean.", "What colour is the sky?",
+    "How many legs does a spider have?", "Spell the word cat.", "What is 10 minus 3?", "Name a planet.",
+    "What do bees make?", "Which season follows winter?", "Translate yes into French.",
+]  # 18: the tiny model's job then lasts about a second past the first results, time to interrupt it
 
 
 def write_input(path) -> dict[str, str]:
-    """Nine good requests and four bad lines; returns the expected status by id (or line)."""
-    lines = [json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 40}) for i, q in enumerate(QUESTIONS)]
+    """Eighteen good requests and five bad lines; returns the expected status by id (or line)."""
+    # 80 tokens each (a chat prompt is about 40): the tiny model's job lasts long enough to be interrupted
+    lines = [json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 80}) for i, q in enumerate(QUESTIONS)]
     lines.insert(2, '{"id": "broken", "prompt": "unterminated')
     lines.insert(5, json.dumps({"prompt": "no id here"}))
     lines.insert(7, json.dumps({"id": "toolong", "prompt": "word " * 400}))
@@ -34,8 +42,11 @@ def write_input(path) -> dict[str, str]:
     return expected  # by id, or by line for the lines without a valid id
 
 
-def run_cli(input_path, output_path, cache, *extra, wait=True):
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(input_path), "--output", str(output_path), "--compile-cache", cache, *ENGINE_FLAGS, *extra]
+def run_cli(input_path, output_path, cache, model, *extra, wait=True):
+    cmd = [
+        sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(model), "--input", str(input_path), "--output", str(output_path),
+        "--compile-cache", cache, *ENGINE_FLAGS, *extra,
+    ]
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -50,17 +61,18 @@ def key(record: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, compile_cache):
+def full_run(tmp_path_factory, compile_cache, tiny_chat_model):
+    """The uninterrupted job; it also fills the compile cache that the interrupted jobs then read."""
     tmp_path = tmp_path_factory.mktemp("batch")
     input_path = tmp_path / "in.jsonl"
     expected = write_input(input_path)
-    result = run_cli(input_path, tmp_path / "full.jsonl", compile_cache)
-    return input_path, expected, result, records(tmp_path / "full.jsonl")
+    result = run_cli(input_path, tmp_path / "full.jsonl", compile_cache, tiny_chat_model)
+    return input_path, expected, result, records(tmp_path / "full.jsonl"), tiny_chat_model
 
 
 @pytest.mark.slow
 def test_bad_lines_get_error_records_and_the_rest_completes(full_run):
-    _, expected, result, full_records = full_run
+    _, expected, result, full_records, _ = full_run
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert {key(r): r["status"] for r in full_records} == expected
@@ -68,18 +80,18 @@ def test_bad_lines_get_error_records_and_the_rest_completes(full_run):
     errors = {key(r): r["error"] for r in full_records if r["status"] == "error"}
     assert "malformed JSON" in errors["line:3"] and "line 3" in errors["line:3"]
     assert "'id'" in errors["line:6"]
-    assert "context is 256" in errors["toolong"] and "--truncate" in errors["toolong"]
+    assert "context is 128" in errors["toolong"] and "--truncate" in errors["toolong"]
     assert "temperature" in errors["badtemp"]
     assert "timed out" in errors["late"]
-    assert re.search(r"requests ok / error / skipped +9 / 5 / 0\n", result.stderr), result.stderr[-1500:]
+    assert re.search(rf"requests ok / error / skipped +{len(QUESTIONS)} / 5 / 0\n", result.stderr), result.stderr[-1500:]
     assert re.search(r"prefix cache hit tokens / queried +\d+ / \d+", result.stderr)
 
 
 def interrupt_then_resume(full_run, tmp_path, compile_cache, sig):
     """Start the job, send `sig` once two results are written, then --resume; returns (rc, final records)."""
-    input_path, expected, _, full_records = full_run
+    input_path, expected, _, full_records, model = full_run
     partial_path = tmp_path / "partial.jsonl"
-    process = run_cli(input_path, partial_path, compile_cache, wait=False)
+    process = run_cli(input_path, partial_path, compile_cache, model, wait=False)
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if partial_path.exists() and sum(r["status"] == "ok" for r in records(partial_path)) >= 2:
@@ -89,7 +101,7 @@ def interrupt_then_resume(full_run, tmp_path, compile_cache, sig):
     os.kill(process.pid, sig)
     returncode = process.wait(timeout=120)
     assert len(records(partial_path)) < len(expected)
-    resumed = run_cli(input_path, partial_path, compile_cache, "--resume")
+    resumed = run_cli(input_path, partial_path, compile_cache, model, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     final = records(partial_path)
     assert sorted(key(r) for r in final) == sorted(key(r) for r in full_records)  # none missing, none twice
