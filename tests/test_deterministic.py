@@ -22,7 +22,9 @@ def engine_for(tiny_llama, compile_cache, deterministic: bool) -> Engine:
         # pages than the pool holds (run_with_needle): 23 force preemption, 159 let 16 sequences decode.
         page_size=8, max_context=128, max_num_seqs=16, max_prefill_tokens=64, num_pages=160,
         compilation_cache_dir=compile_cache, deterministic=deterministic,
-        **({} if deterministic else dict(prefill_seq_buckets=(1, 2), decode_batch_buckets=(4, 16))),
+        # outside deterministic mode: rows of 1 / 2 (prefill) and 4 / 16 (decode) as batches vary, over the
+        # page tables of deterministic mode (8 / 16 pages): 12 programs
+        **({} if deterministic else dict(prefill_seq_buckets=(1, 2), decode_batch_buckets=(4, 16), decode_page_buckets=(8, 16))),
     )
     engine = Engine(cfg, params, engine_cfg, return_logits=True)
     engine.warmup()
@@ -52,6 +54,11 @@ def run_with_needle(engine: Engine, others: list[list[int]], position: int, para
     return finished[str(position)].output_ids, drawn, scheduler.stats
 
 
+@pytest.fixture(scope="module")
+def deterministic_engine(tiny_llama, compile_cache) -> Engine:
+    return engine_for(tiny_llama, compile_cache, deterministic=True)  # warmed once for both parametrizations
+
+
 def random_others(rng, count: int) -> list[list[int]]:
     others = []
     for _ in range(count):
@@ -67,8 +74,8 @@ def max_difference(alone, crowd) -> float:
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), SamplingParams(temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)], ids=["greedy", "seeded"])
-def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(tiny_llama, compile_cache, params):
-    engine = engine_for(tiny_llama, compile_cache, deterministic=True)
+def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(deterministic_engine, params):
+    engine = deterministic_engine
     tokens, alone, _ = run_with_needle(engine, [], 0, params)
     rng = np.random.default_rng(0)
     hits = preemptions = max_decoding = 0
