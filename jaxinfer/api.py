@@ -104,11 +104,11 @@ def route(replicas: Sequence[ReplicaLoad], prompt_tokens: int, max_tokens: int) 
     return min(range(len(replicas)), key=key)
 
 
-def check_parallel(tensor_parallel, data_parallel=1, *, attention_impl: str = "auto", num_devices: int | None = None) -> tuple[int, int]:
+def check_parallel(tensor_parallel, data_parallel=1, *, num_devices: int | None = None) -> tuple[int, int]:
     """(tensor_parallel, data_parallel), each a positive integer; together they need tp x dp devices."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise FieldError("data_parallel", f"must be a positive integer, got {data_parallel!r}")
-    check_tensor_parallel(tensor_parallel, attention_impl=attention_impl, num_devices=num_devices)
+    check_tensor_parallel(tensor_parallel, num_devices=num_devices)
     if data_parallel > 1:
         if num_devices is None:
             import jax
@@ -127,11 +127,11 @@ class Replica:
     block_pool: BlockPool
 
 
-def check_tensor_parallel(value, *, attention_impl: str = "auto", num_devices: int | None = None) -> int:
+def check_tensor_parallel(value, *, num_devices: int | None = None) -> int:
     """Devices of the one model replica's `model` mesh: a positive integer, at most the devices JAX sees
     (on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N). Heads, MLP width or
-    vocabulary that do not divide it are replicated (sharding.py), never an error. With more than one
-    device the attention is the jnp one: the Pallas kernel is not run under shard_map yet."""
+    vocabulary that do not divide it are replicated (sharding.py), never an error. The Pallas decode
+    kernel runs under shard_map on each device's heads (sharding.on_local_heads)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FieldError("tensor_parallel", f"must be a positive integer, got {value!r}")
     if value == 1:
@@ -142,8 +142,6 @@ def check_tensor_parallel(value, *, attention_impl: str = "auto", num_devices: i
         num_devices = len(jax.devices())
     if value > num_devices:
         raise FieldError("tensor_parallel", f"({value}) exceeds the {num_devices} available device(s); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={value} simulates them")
-    if attention_impl == "pallas":
-        raise FieldError("tensor_parallel", f"({value}) > 1 runs the jnp attention only (the Pallas kernel is not sharded yet); use attention_impl='reference' or 'auto'")
     return value
 
 
@@ -173,7 +171,7 @@ class LLM:
         for which tensors.
       tensor_parallel: devices one model replica is sharded over (a `model` mesh, sharding.py): query and
         kv heads, MLP width and vocabulary split where they divide, replicated where they do not. 1 (the
-        default) is one device with no mesh at all. With more, 'auto' attention is the jnp one.
+        default) is one device with no mesh at all. The Pallas kernel runs on each device's own heads.
       data_parallel: model replicas, each on its own `tensor_parallel` devices with its own pool and
         scheduler; `route` assigns every request at admission by load (and prefix-cache affinity).
         Replicas step in turn in this one thread (no overlap between them yet).
@@ -186,17 +184,16 @@ class LLM:
     ):
         check_quantization(quantization, group_size)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        check_parallel(tensor_parallel, data_parallel, attention_impl=engine_config.attention_impl)
-        if tensor_parallel > 1 and engine_config.attention_impl == "auto":
-            engine_config = EngineConfig.with_overrides(engine_config, attention_impl="reference")
+        check_parallel(tensor_parallel, data_parallel)
         group = {} if group_size is None else {"group_size": group_size}
-        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, **group)
+        on_mesh = tensor_parallel > 1 or data_parallel > 1  # weights go from host memory straight to each device's shards
+        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, on_host=on_mesh, **group)
         self.tokenizer = tok.load_tokenizer(model)
         self.engine_config = engine_config
         self.tensor_parallel, self.data_parallel = tensor_parallel, data_parallel
         self.replicas: list[Replica] = []
         for r in range(data_parallel):
-            if tensor_parallel == 1 and data_parallel == 1:
+            if not on_mesh:
                 mesh = None  # one device, no mesh: the programs of a plain engine
             else:
                 import jax

@@ -182,6 +182,9 @@ def _attend_slots(q, keys, values, positions):
 def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
     """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. In
     deterministic mode the kernel's splits have a fixed size (its tuned split count follows the batch)."""
+    import functools
+
+    from jaxinfer import sharding
     from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
 
     config = None  # the tuned table's, for this batch and page width
@@ -189,7 +192,7 @@ def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
         group_size = q.shape[2] // pool.k.shape[1]  # pool.k: [layers, G, P, K, L]
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
     scales = dict(k_scales=pool.k_scale[layer], v_scales=pool.v_scale[layer]) if pool.quantized else {}
-    out = kernel.paged_attention(
-        q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, config=config, **scales
+    out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
+        functools.partial(kernel.paged_attention, config=config), q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, **scales
     )  # [B, H, K]
     return out[:, None]

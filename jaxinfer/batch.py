@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -70,11 +71,15 @@ class JobSummary:
     ignored_fields: dict[str, int] = dataclasses.field(default_factory=dict)  # unknown field -> lines
     interrupted: bool = False
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, record: dict) -> None:
+        """Count one written record."""
+        if record["status"] != "ok":
+            self.num_errors += 1
+            return
         self.num_ok += 1
-        self.prompt_tokens += output.num_prompt_tokens
-        self.generated_tokens += output.num_generated_tokens
-        self.ttfts.append(output.time_to_first_token)
+        self.prompt_tokens += record["num_prompt_tokens"]
+        self.generated_tokens += record["num_generated_tokens"]
+        self.ttfts.append(record["time_to_first_token_s"])
 
     @property
     def tokens_per_second(self) -> float:
@@ -192,21 +197,95 @@ def check_paths(input_path: Path, output_path: Path, *, resume: bool, overwrite:
         raise ValueError(f"{output_path} exists; pass --resume to continue it or --overwrite to replace it")
 
 
+class LineRunner:
+    """Runs input lines on an LLM: one record per line, ok or error, yielded as each is ready (error
+    records first, then results in the order they finish). The local job and the Ray actors (ray.py)
+    both run lines through it, so a line means the same on one machine as across many."""
+
+    def __init__(self, defaults: SamplingParams, truncate: str = "none"):
+        self.defaults, self.truncate = defaults, truncate
+
+    def records(self, llm: LLM, lines: list[InputLine], *, progress: bool = False) -> Iterator[dict]:
+        index_to_line: dict[int, InputLine] = {}
+        prompts = []
+        for line in lines:
+            try:
+                if line.problem is not None:
+                    raise LineError(line.problem)
+                prompt = self._prepare(llm, line, index=len(prompts))
+            except LineError as e:
+                yield error_record(line, str(e))
+                continue
+            index_to_line[prompt.index] = line
+            prompts.append(prompt)
+        for output in llm.stream(prompts, progress=progress):
+            yield _result_record(index_to_line[output.index], output)
+
+    def _prepare(self, llm: LLM, line: InputLine, *, index: int) -> Prompt:
+        obj = line.obj
+        misspelt, _ = unknown_fields(obj)
+        if misspelt is not None:
+            raise LineError(misspelt)
+        sampling = {name: obj[name] for name in SAMPLING_FIELDS if name in obj}
+        try:
+            params = SamplingParams.from_fields(sampling, self.defaults)
+            chat = "messages" in obj
+            return llm.prepare(
+                obj["messages"] if chat else obj["prompt"], params, index=index, chat=chat, truncate=self.truncate,
+                priority=obj.get("priority", 0), deadline_s=obj.get("deadline_s"), identity=line.key, cache_salt=obj.get("cache_salt"),
+            )
+        except PromptTooLongError as e:
+            raise LineError(f"{e} (--truncate left|right cuts it)") from None
+        except (TypeError, ValueError) as e:
+            raise LineError(str(e)) from None
+
+
+def unknown_fields(obj: dict) -> tuple[str | None, list[str]]:
+    """(the error for a misspelt known field, with its hint, or None; the other unknown fields, ignored)."""
+    ignored = []
+    for name in obj:
+        if name in KNOWN_FIELDS:
+            continue
+        error = unknown_field_error(name, KNOWN_FIELDS)
+        if "did you mean" in str(error):
+            return str(error), ignored
+        ignored.append(name)
+    return None, ignored
+
+
+def error_record(line: InputLine, reason: str) -> dict:
+    return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"}
+
+
+def _result_record(line: InputLine, output: RequestOutput) -> dict:
+    if output.finish_reason == "timeout":
+        return error_record(line, "timed out: its deadline passed before it started")
+    if output.finish_reason == "error":
+        return error_record(line, output.error)
+    return {
+        "id": line.request_id, "line": line.number, "key": line.key,
+        "status": "ok", "text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+        "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": output.num_generated_tokens,
+        "num_cached_tokens": output.num_cached_tokens, "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
+    }
+
+
 class BatchJob:
     """One run over an input file, appending to (or replacing) the output file.
 
     Construction reads the input and, on resume, the output's done keys, so that bad files fail before
-    the model loads. `run(llm)` then writes one record for every line that is not done.
+    the model loads. `run(llm)` then writes one record for every line that is not done; `write(records)`
+    is the one writer, which the Ray path (ray.py) feeds with records from its actors.
     """
 
     def __init__(self, input_path: Path, output: Path, defaults: SamplingParams, *, resume: bool = False, truncate: str = "none"):
-        self.output, self.defaults, self.resume, self.truncate = output, defaults, resume, truncate
+        self.output, self.resume = output, resume
+        self.runner = LineRunner(defaults, truncate)
         self.summary = JobSummary()
         self.lines = read_input(input_path.read_bytes())
         done = read_done(output) if resume else set()
         self.todo = [line for line in self.lines if line.key not in done]
         self.summary.num_skipped = len(self.lines) - len(self.todo)
-        self._index_to_line: dict[int, InputLine] = {}
         self._file = None
 
     def _write(self, record: dict) -> None:
@@ -219,82 +298,35 @@ class BatchJob:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def _error(self, line: InputLine, reason: str) -> None:
-        self.summary.num_errors += 1
-        self._write({"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"})
-
-    def _prepare(self, llm: LLM, line: InputLine) -> Prompt:
-        obj = line.obj
-        self._check_fields(obj)
-        sampling = {name: obj[name] for name in SAMPLING_FIELDS if name in obj}
-        try:
-            params = SamplingParams.from_fields(sampling, self.defaults)
-            chat = "messages" in obj
-            return llm.prepare(
-                obj["messages"] if chat else obj["prompt"], params, index=len(self._index_to_line), chat=chat, truncate=self.truncate,
-                priority=obj.get("priority", 0), deadline_s=obj.get("deadline_s"), identity=line.key, cache_salt=obj.get("cache_salt"),
-            )
-        except PromptTooLongError as e:
-            raise LineError(f"{e} (--truncate left|right cuts it)") from None
-        except (TypeError, ValueError) as e:
-            raise LineError(str(e)) from None
-
-    def _check_fields(self, obj: dict) -> None:
-        """A misspelt known field is an error (with the hint); other unknown fields are ignored, counted."""
-        for name in obj:
-            if name in KNOWN_FIELDS:
-                continue
-            error = unknown_field_error(name, KNOWN_FIELDS)
-            if "did you mean" in str(error):
-                raise LineError(str(error))
-            self.summary.ignored_fields[name] = self.summary.ignored_fields.get(name, 0) + 1
-
-    def _collect(self, llm: LLM) -> list[Prompt]:
-        prompts = []
-        for line in self.todo:
-            try:
-                if line.problem is not None:
-                    raise LineError(line.problem)
-                prompt = self._prepare(llm, line)
-            except LineError as e:
-                self._error(line, str(e))
-                continue
-            self._index_to_line[prompt.index] = line
-            prompts.append(prompt)
-        return prompts
-
-    def _record(self, output: RequestOutput) -> dict:
-        line = self._index_to_line[output.index]
-        head = {"id": line.request_id, "line": line.number, "key": line.key}
-        if output.finish_reason == "timeout":
-            return head | {"status": "error", "error": f"line {line.number}: timed out: its deadline passed before it started"}
-        if output.finish_reason == "error":
-            return head | {"status": "error", "error": f"line {line.number}: {output.error}"}
-        return head | {
-            "status": "ok", "text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
-            "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": output.num_generated_tokens,
-            "num_cached_tokens": output.num_cached_tokens, "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
-        }
-
     def run(self, llm: LLM, *, progress: bool = True) -> JobSummary:
         """Write a record for every line not yet done; Ctrl-C stops cleanly (summary.interrupted)."""
-        start = time.perf_counter()
+        return self.write(self.runner.records(llm, self.todo, progress=progress))
+
+    def write(self, records: Iterable[dict]) -> JobSummary:
+        """Append each record as it comes. A key already written in this run is dropped (a batch that a
+        retry ran twice), so every line gets exactly one record."""
+        start, written = time.perf_counter(), set()
         with open(self.output, "ab" if self.resume else "wb") as self._file:
             try:
-                self._run(llm, progress)
+                for record in records:
+                    if record["key"] in written:
+                        continue
+                    self._write(record)
+                    written.add(record["key"])
+                    self.summary.add(record)
             except KeyboardInterrupt:
                 self.summary.interrupted = True
         self.summary.seconds = time.perf_counter() - start
-        if self.summary.ignored_fields:
-            names = ", ".join(f"{k!r} ({n} lines)" for k, n in sorted(self.summary.ignored_fields.items()))
-            print(f"jaxinfer: warning: ignored unknown fields: {names}", file=sys.stderr)
+        self._warn_ignored_fields()
         return self.summary
 
-    def _run(self, llm: LLM, progress: bool) -> None:
-        for output in llm.stream(self._collect(llm), progress=progress):
-            record = self._record(output)
-            self._write(record)
-            if record["status"] == "ok":
-                self.summary.add(output)
-            else:
-                self.summary.num_errors += 1
+    def _warn_ignored_fields(self) -> None:
+        counts: dict[str, int] = {}
+        for line in self.todo:
+            misspelt, ignored = unknown_fields(line.obj) if line.obj is not None and line.problem is None else (None, [])
+            for name in ignored if misspelt is None else []:
+                counts[name] = counts.get(name, 0) + 1
+        self.summary.ignored_fields = counts
+        if counts:
+            names = ", ".join(f"{k!r} ({n} lines)" for k, n in sorted(counts.items()))
+            print(f"jaxinfer: warning: ignored unknown fields: {names}", file=sys.stderr)

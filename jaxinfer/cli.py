@@ -33,7 +33,14 @@ resume: a line is identified by its id (1 and "1" differ; a repeated id is an er
 examples:
   jaxinfer generate --prompt "What is the capital of France?" --chat --temperature 0
   jaxinfer generate --input prompts.jsonl --output results.jsonl
-  jaxinfer generate --input prompts.jsonl --output results.jsonl --resume   # after a crash or Ctrl-C"""
+  jaxinfer generate --input prompts.jsonl --output results.jsonl --resume   # after a crash or Ctrl-C
+  jaxinfer generate --input prompts.jsonl --output results.jsonl --ray --ray-actors 4   # a local Ray cluster
+  jaxinfer generate --input prompts.jsonl --output results.jsonl --ray auto --ray-actors 8 --ray-gpus-per-actor 1
+
+ray: --ray runs the lines on Ray Data actors, each holding one model (pip install 'jaxinfer[ray]').
+  The output, summary and --resume are the local job's; a killed actor is restarted by Ray and its
+  batch rerun, and a line is still written once. Without ADDRESS, Ray starts a local cluster or joins
+  the one RAY_ADDRESS names; 'auto' joins the cluster `ray start` made on this machine."""
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -82,13 +89,24 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
-        "replicated where not; jnp attention); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
+        "replicated where not); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
     )
     group.add_argument(
         "--data-parallel", type=int, default=1, metavar="M",
         help="M model replicas, each on its own --tensor-parallel devices with its own KV pool; requests are routed by load (default: %(default)s)",
     )
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
+
+
+def _add_ray_args(parser: argparse.ArgumentParser) -> None:
+    from jaxinfer.ray import DEFAULT_BATCH_SIZE
+
+    group = parser.add_argument_group("Ray (jobs across machines; see 'ray' below)")
+    group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run an --input job on a Ray cluster (default address: a local cluster or RAY_ADDRESS)")
+    group.add_argument("--ray-actors", type=int, default=1, metavar="N", help="LLM actors, one model replica each (default: %(default)s)")
+    group.add_argument("--ray-batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B", help="lines per actor call (default: %(default)s)")
+    group.add_argument("--ray-gpus-per-actor", type=float, default=0.0, metavar="G", help="GPUs each actor reserves, 1 on GPU machines (default: %(default)s)")
+    group.add_argument("--ray-cpus-per-actor", type=float, default=1.0, metavar="C", help="CPUs each actor reserves (default: %(default)s)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -118,6 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_sampling_args(gen)
     _add_engine_args(gen)
+    _add_ray_args(gen)
     gen.set_defaults(func=_run_generate)
 
     info = commands.add_parser("info", help="print a model's configuration, parameter count and memory", description="Print a model's configuration, parameter count and memory.")
@@ -166,7 +185,7 @@ def _engine_config(args):
     from jaxinfer.config import EngineConfig
 
     try:
-        check_parallel(args.tensor_parallel, args.data_parallel, attention_impl=args.attention)
+        check_parallel(args.tensor_parallel, args.data_parallel)
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
@@ -176,22 +195,50 @@ def _engine_config(args):
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
 
+def _llm_kwargs(args, engine_config) -> dict:
+    """LLM's keyword arguments from the flags, for this process or for each Ray actor."""
+    return dict(
+        dtype=args.dtype, quantization=args.quantization, group_size=args.group_size,
+        tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel, engine_config=engine_config,
+    )
+
+
 def _make_llm(args, engine_config):
     from jaxinfer.api import LLM
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(
-            args.model, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size,
-            tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel, engine_config=engine_config,
-        )
+        return LLM(args.model, **_llm_kwargs(args, engine_config))
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
+
+
+_RAY_FLAGS = {"num_actors": "--ray-actors", "batch_size": "--ray-batch-size", "num_gpus": "--ray-gpus-per-actor", "num_cpus": "--ray-cpus-per-actor"}
+
+
+def _ray_options(args):
+    """RayOptions from the --ray flags, or None for a job in this process."""
+    from jaxinfer.ray import RayOptions
+
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _RAY_FLAGS.items()}
+    if args.ray is None:
+        defaults = RayOptions()
+        for field, flag in _RAY_FLAGS.items():
+            if values[field] != getattr(defaults, field):
+                raise ValueError(f"{flag} works with --ray")
+        return None
+    if args.input is None:
+        raise ValueError("--ray runs an --input FILE job; --prompt runs in this process")
+    try:
+        return RayOptions(address=args.ray or None, **values)
+    except ValueError as e:
+        raise _with_flag_names(e, _RAY_FLAGS) from None
 
 
 def _run_generate(args) -> int:
     defaults = _sampling_params(args)
     engine_config = _engine_config(args)
+    ray_options = _ray_options(args)
     if args.input is None:
         return _generate_one(args, defaults, engine_config)
     if args.output is None:
@@ -200,8 +247,15 @@ def _run_generate(args) -> int:
 
     check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
     job = BatchJob(args.input, args.output, defaults, resume=args.resume, truncate=args.truncate)
-    llm = _make_llm(args, engine_config)
-    summary = job.run(llm, progress=not args.no_progress)
+    if ray_options is None:
+        llm = _make_llm(args, engine_config)
+        summary = job.run(llm, progress=not args.no_progress)
+    else:
+        from jaxinfer import ray as ray_jobs
+
+        print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
+        llm = None
+        summary = ray_jobs.run_job(job, ray_options, model=args.model, llm_kwargs=_llm_kwargs(args, engine_config), progress=not args.no_progress)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
     print(
@@ -236,7 +290,8 @@ def _generate_one(args, defaults, engine_config) -> int:
 
 
 def _summary_table(summary, llm) -> str:
-    stats = llm.last_stats
+    """The job's figures; the engine's (padding, compiles, KV, ...) when it ran here (llm), '-' on Ray."""
+    stats = llm.last_stats if llm is not None else None
     rows = [
         ("requests ok / error / skipped", f"{summary.num_ok} / {summary.num_errors} / {summary.num_skipped}"),
         ("prompt tokens", f"{summary.prompt_tokens}"),
@@ -245,12 +300,12 @@ def _summary_table(summary, llm) -> str:
         ("generated tokens/s", f"{summary.tokens_per_second:.1f}"),
         ("time to first token p50 / p99", f"{summary.ttft_percentile(50):.3f} / {summary.ttft_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
-        ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s"),
+        ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s" if llm is not None else "- (in each Ray actor)"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
         ("prefix cache hit tokens / queried", f"{stats.prefix_cache_hits} / {stats.prefix_cache_queries} ({stats.prefix_cache_hit_rate:.1%})" if stats else "-"),
     ]
-    if len(llm.replicas) > 1:  # the scheduler rows above are replica 0's
+    if llm is not None and len(llm.replicas) > 1:  # the scheduler rows above are replica 0's
         rows.append(("replicas: requests each (rows above: replica 0)", " / ".join(str(llm.last_routes.count(i)) for i in range(len(llm.replicas)))))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["", "summary", "-" * (width + 20)] + [f"{name:<{width}}  {value}" for name, value in rows])

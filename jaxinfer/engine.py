@@ -14,6 +14,7 @@ device, no shardings given.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,7 +29,7 @@ import numpy as np
 from jaxinfer import kv_pool as kvp
 from jaxinfer import model, sampling
 from jaxinfer import sharding as shd
-from jaxinfer.attention import DETERMINISTIC_PALLAS_IMPL, resolve_impl
+from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
 from jaxinfer.request import FieldError, StepPlan
@@ -151,11 +152,9 @@ class Engine:
         # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
         # runs its fixed-split config, and everything else attention_over_page_blocks.
         self.impl = resolve_impl(engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype)
-        if mesh is not None and shd.mesh_size(mesh) > 1 and self.impl in ("pallas", DETERMINISTIC_PALLAS_IMPL):
-            raise FieldError("tensor_parallel", f"> 1 runs the jnp attention only (the Pallas kernel under shard_map is not built yet); use attention_impl='reference', got {engine_cfg.attention_impl!r}")
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
-        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
         self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
         step = functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits)
         init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
@@ -192,7 +191,8 @@ class Engine:
 
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         start = time.perf_counter()
-        compiled = self._jitted.lower(self.params, self.pool, self._abstract_inputs(key)).compile()
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
+            compiled = self._jitted.lower(self.params, self.pool, self._abstract_inputs(key)).compile()
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:

@@ -94,13 +94,15 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 def load_model(
     model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None,
-    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model.
 
     Args:
       quantization: None, "gguf" (GGUF files only), "int8" or "int4" (module docstring).
       group_size: input elements per int4 scale (32, 64 or 128; it must divide every quantized width).
+      on_host: leave the weights in host memory (numpy leaves), for a caller that puts them on a mesh
+        shard by shard (Engine(mesh=...)), so that no one device ever holds the whole model.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
@@ -108,8 +110,8 @@ def load_model(
     if path.is_dir():
         if quantization == "gguf":
             raise ModelLoadError(f"{path}: quantization='gguf' keeps a GGUF file's blocks, and this is a Hugging Face folder (use 'int8' or 'int4')")
-        return load_hf_folder(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size)
-    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size)
+        return load_hf_folder(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
+    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -259,7 +261,7 @@ def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str,
 
 def load_gguf(
     path: Path, *, dtype: str = "float32", max_context: int | None = None,
-    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
@@ -285,7 +287,7 @@ def load_gguf(
                 name = f"model.layers.{i}.self_attn.{suffix}.weight"
                 if field not in kept:
                     hf[name] = _unpermute_rotary(hf[name], heads)
-    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size)
+    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -293,7 +295,7 @@ def load_gguf(
 
 def load_hf_folder(
     folder: Path, *, dtype: str = "float32", max_context: int | None = None,
-    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     from safetensors.numpy import load_file
 
@@ -315,7 +317,7 @@ def load_hf_folder(
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
     if "lm_head.weight" not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
-    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size)
+    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
 # ---------------------------------------------------------------- shared assembly
@@ -323,7 +325,7 @@ def load_hf_folder(
 
 def _assemble(
     cfg: ModelConfig, hf: dict[str, np.ndarray], *, kept: dict | None = None,
-    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> Params:
     """HF-named [out, in] matrices -> stacked Params in the einsum layout of model.py.
 
@@ -365,6 +367,6 @@ def _assemble(
     if quantization in ("int8", "int4"):
         arrays = quantize_arrays(arrays, quantization, group_size=group_size)
     try:
-        return from_numpy(cfg, arrays)
+        return from_numpy(cfg, arrays, on_host=on_host)
     except ValueError as e:
         raise ModelLoadError(f"weights do not match the config: {e}") from None

@@ -135,6 +135,13 @@ def _to_device(value, dtype) -> Weight:
     return jnp.asarray(value, dtype=dtype)
 
 
+def _to_host(value, dtype) -> Weight:
+    """The weight as host (numpy) leaves, dense ones cast to `dtype` (the same rounding as on a device)."""
+    if isinstance(value, quant.QuantizedTensor):
+        return jax.device_get(value)
+    return np.asarray(jax.device_get(value)).astype(dtype, copy=False)
+
+
 def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     """Resident device bytes per (tensor kind, storage format), e.g. ("attention", "q4_1"); formats are
     a QuantizedTensor's `format` or a dense array's dtype name. Measured with quant.resident_bytes."""
@@ -150,10 +157,11 @@ def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     return totals
 
 
-def from_numpy(cfg: ModelConfig, arrays: dict[str, object]) -> Params:
+def from_numpy(cfg: ModelConfig, arrays: dict[str, object], *, on_host: bool = False) -> Params:
     """Build Params from host arrays keyed by field name (stacked layer fields, `embed`, `final_norm`,
     optional `lm_head`), checking every shape and casting dense ones to `cfg.dtype`. A value may be a
-    QuantizedTensor (host or device leaves) of the expected logical shape; it is put on the device as is."""
+    QuantizedTensor (host or device leaves) of the expected logical shape; it is put on the device as is.
+    `on_host`: keep every leaf in host memory (numpy), for sharding.shard_params to place shard by shard."""
     dtype = jnp.dtype(cfg.dtype)
     expected = dict(layer_shapes(cfg), embed=(cfg.vocab_size, cfg.embed_dim), final_norm=(cfg.embed_dim,))
     if not cfg.tie_embeddings:
@@ -163,7 +171,8 @@ def from_numpy(cfg: ModelConfig, arrays: dict[str, object]) -> Params:
             raise ValueError(f"missing weight {name!r}")
         if tuple(arrays[name].shape) != shape:
             raise ValueError(f"weight {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}")
-    cast = {name: _to_device(arrays[name], dtype) for name in expected}
+    place = _to_host if on_host else _to_device
+    cast = {name: place(arrays[name], dtype) for name in expected}
     layers = LayerParams(**{name: cast[name] for name in layer_shapes(cfg)})
     return Params(cast["embed"], layers, cast["final_norm"], cast.get("lm_head"))
 

@@ -93,9 +93,39 @@ def rules_for(cfg: ModelConfig, size: int) -> dict[str, str | None]:
     """TP_RULES for a `size`-device model axis: a logical axis whose size does not divide is replicated (None)."""
     sizes = logical_sizes(cfg)
     rules = {name: axis if sizes[name] % size == 0 else None for name, axis in TP_RULES.items()}
-    if rules["kv_heads"] is None:  # query heads split only with their kv heads (see the module docstring)
-        rules["q_heads"] = None
+    if not heads_split(cfg.num_kv_heads, size):  # query heads split only with their kv heads (see the module docstring)
+        rules["kv_heads"] = rules["q_heads"] = None
     return rules
+
+
+def heads_split(num_kv_heads: int, size: int) -> bool:
+    """Whether attention heads (kv heads, and query heads with them) split over a `size`-device axis."""
+    return num_kv_heads % size == 0
+
+
+def on_local_heads(kernel, q, k_pages, v_pages, block_tables, lengths, *, k_scales=None, v_scales=None):
+    """`kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=, v_scales=)` (a paged decode attention
+    call, [B, H, K] out) on each device's own heads: a shard_map over the `model` axis of the mesh in
+    context (Engine compiles its programs under `jax.set_mesh`). Query heads, the pool's kv heads and
+    their scales are split as the rules split them, so a device's query heads attend to its own kv
+    heads; block tables and lengths are replicated. Without a mesh of more than one device, it is the
+    kernel call itself. Shapes: q [B, H, K], pages [G, P, ...], scales [G, P, L] (one layer's)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1 if mesh.empty or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
+    if size == 1:
+        return kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales)
+    heads = MODEL_AXIS if heads_split(k_pages.shape[0], size) else None
+    q_spec, pool_spec, rep = PartitionSpec(None, heads, None), PartitionSpec(heads), PartitionSpec()
+    quantized = k_scales is not None
+
+    def local(q, k_pages, v_pages, block_tables, lengths, *scales):
+        k_s, v_s = scales if quantized else (None, None)
+        return kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=k_s, v_scales=v_s)
+
+    scales = (k_scales, v_scales) if quantized else ()
+    in_specs = (q_spec, pool_spec, pool_spec, rep, rep) + (pool_spec,) * len(scales)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
+    return mapped(q, k_pages, v_pages, block_tables, lengths, *scales)
 
 
 def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
@@ -183,8 +213,17 @@ def pool_shardings(pool: KVPool, cfg: ModelConfig, mesh: Mesh) -> KVPool:
 
 
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """Put params on the mesh by the rules."""
-    return jax.device_put(params, param_shardings(params, cfg, mesh))
+    """Put params on the mesh by the rules.
+
+    A host (numpy) leaf is cut on the host and each device receives only its own slices, so no device
+    ever holds a whole split tensor; with several processes (jax.distributed) each process builds the
+    shards of its own devices from its own copy of the file, with no cross-process traffic."""
+    def put(leaf, sharding):
+        if isinstance(leaf, np.ndarray):
+            return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree.map(put, params, param_shardings(params, cfg, mesh))
 
 
 def kv_shards(cfg: ModelConfig, size: int) -> int:

@@ -180,6 +180,26 @@ def test_quantized_specs_split_whole_blocks_only(tiny_llama):
     assert tuple(down8.codes) == (None, None, "model") and tuple(down8.scales) == (None, None, None)  # one scale per row
 
 
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4")])
+def test_weights_for_a_mesh_load_on_the_host_equal_to_the_device_path(dtype, quantization):
+    """LLM(tensor_parallel > 1) loads with on_host=True, so the weights go from host memory straight to
+    each device's shards and no one device holds the whole model; the values are the device path's."""
+    import jax
+    import numpy as np
+
+    from jaxinfer.loading import load_model
+
+    _, on_device = load_model(str(TINY), dtype=dtype, quantization=quantization)
+    _, on_host = load_model(str(TINY), dtype=dtype, quantization=quantization, on_host=True)
+    device_leaves, host_leaves = jax.tree.leaves(on_device), jax.tree.leaves(on_host)
+    assert len(host_leaves) == len(device_leaves) > 0
+    assert all(isinstance(x, np.ndarray) for x in host_leaves), {type(x).__name__ for x in host_leaves}
+    assert all(isinstance(x, jax.Array) for x in device_leaves)
+    for d, h in zip(device_leaves, host_leaves):
+        assert d.dtype == h.dtype and d.shape == h.shape
+        np.testing.assert_array_equal(np.asarray(d), h)
+
+
 def test_cli_tensor_parallel_flag_is_a_one_line_error_before_loading(capsys):
     from jaxinfer import cli
 
@@ -224,16 +244,84 @@ def test_tensor_parallel_is_checked_at_the_boundary():
 
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(FieldError) as e:
-            check_tensor_parallel(bad, attention_impl="reference")
+            check_tensor_parallel(bad)
         assert e.value.field == "tensor_parallel"
     with pytest.raises(FieldError, match="device"):
-        check_tensor_parallel(2, attention_impl="reference")  # this process has one device
-    with pytest.raises(FieldError, match="Pallas"):
-        check_tensor_parallel(2, attention_impl="pallas", num_devices=4)
-    assert check_tensor_parallel(1, attention_impl="pallas") == 1
+        check_tensor_parallel(2)  # this process has one device
+    assert check_tensor_parallel(2, num_devices=4) == 2 and check_tensor_parallel(1) == 1
+
+
+@pytest.mark.slow
+def test_pallas_kernel_call_runs_on_each_devices_heads_under_shard_map():
+    """sharding.on_local_heads (the engine's kernel call under TP) on 2 and 4 simulated devices: kv heads
+    that divide are split (each device's call sees its own heads), heads that do not divide (SmolLM2's
+    3) are replicated, an int8 pool's scales split with it; bitwise equal to one device; and the real
+    kernel under the mesh lowers for CUDA as one program over the mesh's devices (see _kernel_worker)."""
+    report = _run_worker("kernel", ())
+    assert len(report) == 4
+    for name, got in report.items():
+        assert got["local_q_heads"] == got["expected_local_q_heads"], (name, got)
+        assert got["bitwise_equal_one_device"], name
+        assert got["cuda_export_has_kernel"] and got["cuda_export_devices"] == got["out_devices"] > 1, (name, got)
 
 
 # ---------------------------------------------------------------- the subprocess
+
+
+def _kernel_worker() -> dict:
+    """sharding.on_local_heads on 2- and 4-device meshes. The GPU interpreter cannot run the kernel
+    under shard_map on CPU (its per-device barrier state clashes across concurrently running shards:
+    "Barrier remains allocated"), so the wrapper's split is checked with the kernel's jnp reference,
+    which has the kernel's contract (tested against the kernel in test_kernels.py), bit for bit against
+    one device; and the real kernel under the mesh is lowered for CUDA with jax.export."""
+    import jax
+    import numpy as np
+    from jax import export
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxinfer import sharding
+    from kernels_pallas import paged_attention as pa
+    from test_kernels import Case, quantized_arrays
+
+    cases = {
+        "gqa2_split_over_2": (Case(lengths=(70, 3), num_kv_heads=2, group_size=2, head_dim=64, page_size=64, seed=4), None, 2),
+        "gqa4_split_over_4": (Case(lengths=(130, 64, 1), num_kv_heads=4, group_size=2, head_dim=64, page_size=64, seed=6), None, 4),
+        "smollm2_heads_replicated_over_2": (Case(lengths=(90, 5), num_kv_heads=3, group_size=3, head_dim=64, page_size=64, seed=7), None, 2),
+        "int8_split_over_2": (Case(lengths=(100, 20), num_kv_heads=2, group_size=4, head_dim=64, page_size=64, seed=8), "int8", 2),
+    }
+    report = {}
+    for name, (case, kv, size) in cases.items():
+        if kv is None:
+            q, k, v, bt, lens = case.arrays()
+            scales = {}
+        else:
+            q, k, v, bt, lens, k_scales, v_scales, _ = quantized_arrays(case, jax.numpy.int8)
+            scales = {"k_scales": k_scales, "v_scales": v_scales}
+        seen = []
+
+        def recording(q, *args, **kwargs):
+            seen.append(q.shape[1])  # at trace time: the query heads this kernel call sees
+            return pa.paged_attention_reference(q, *args, **kwargs)
+
+        one = jax.jit(pa.paged_attention_reference)(q, k, v, bt, lens, **scales)
+        mesh = sharding.make_mesh(size)
+        heads = "model" if sharding.heads_split(case.num_kv_heads, size) else None
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+        args = (put(q, PartitionSpec(None, heads)), put(k, PartitionSpec(heads)), put(v, PartitionSpec(heads)), put(bt, PartitionSpec()), put(lens, PartitionSpec()))
+        kw = {n: put(x, PartitionSpec(heads)) for n, x in scales.items()}
+        with jax.set_mesh(mesh):
+            out = jax.jit(lambda *a, **k: sharding.on_local_heads(recording, *a, **k))(*args, **kw)
+            # The real kernel under the same mesh, lowered for CUDA.
+            shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in (*args, *kw.values())]
+            kernel = lambda *a: sharding.on_local_heads(pa.paged_attention, *a[:5], **dict(zip(kw, a[5:])))  # noqa: E731
+            exported = export.export(jax.jit(kernel), platforms=("cuda",), disabled_checks=[export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*shapes)
+        report[name] = dict(
+            local_q_heads=seen[-1], expected_local_q_heads=q.shape[1] // (size if heads else 1),
+            bitwise_equal_one_device=bool(np.array_equal(np.asarray(out, np.float32), np.asarray(one, np.float32))),
+            out_devices=len(out.sharding.device_set), cuda_export_devices=exported.nr_devices,
+            cuda_export_has_kernel="mosaic_gpu" in exported.mlir_module(),
+        )
+    return report
 
 
 def _dp_worker(model: str, extra: dict) -> dict:
@@ -373,6 +461,9 @@ def _worker(model: str, tps: list[int], extra: dict) -> dict:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     extra = json.loads(sys.argv[3])
+    if sys.argv[1] == "kernel":
+        print(json.dumps(_kernel_worker()))
+        sys.exit(0)
     if "layouts" in extra:
         print(json.dumps(_dp_worker(sys.argv[1], extra)))
         sys.exit(0)

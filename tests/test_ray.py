@@ -1,0 +1,186 @@
+"""`jaxinfer generate --ray`: JSONL jobs on a real local Ray cluster (Ray Data actors, each an LLM).
+
+The jobs run on conftest's tiny_chat_model (a random 2-layer Llama with SmolLM2's real tokenizer), as
+in test_batch_cli: what is checked is the distributed bookkeeping. Each job is a CLI subprocess that
+starts its own local cluster of 2 CPUs, so this pytest process never imports ray.
+
+- a 40-line job through two actors equals the same job run locally, record for record, bad lines
+  included as error records;
+- killing an actor's process mid-job (SIGKILL) ends with every key exactly once, equal to the local run;
+- killing the driver mid-job and rerunning with --resume ends the same way.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'jaxinfer[ray]' (make test installs it)")
+
+ENGINE_FLAGS = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
+RAY_FLAGS = ["--ray", "--ray-actors", "2", "--ray-batch-size", "4"]
+NUM_GOOD = 36
+BAD_LINES = {  # line number -> the reason its error record must name
+    4: "malformed JSON", 11: "missing or invalid 'id'", 19: "did you mean 'max_tokens'", 27: "temperature must be a finite number",
+}
+
+
+def write_input(path: Path) -> Path:
+    """40 lines: 36 good chat requests, 4 bad lines at BAD_LINES."""
+    good = iter(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: name a number."}], "max_tokens": 48}) for i in range(NUM_GOOD))
+    bad = {4: '{"id": "broken", "prompt": "unterminated', 11: json.dumps({"prompt": "no id"}), 19: json.dumps({"id": "typo", "prompt": "hi", "max_token": 3}),
+           27: '{"id": "nan", "prompt": "hi", "temperature": NaN}'}
+    lines = [bad[n] if n in bad else next(good) for n in range(1, NUM_GOOD + len(bad) + 1)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cli(input_path, output_path, cache, model, *extra) -> list[str]:
+    return [
+        sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(model), "--input", str(input_path), "--output", str(output_path),
+        "--compile-cache", cache, *ENGINE_FLAGS, *extra,
+    ]
+
+
+def run(cmd) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _env() -> dict:
+    return os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "JAX_PLATFORMS": "cpu"}
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip()]
+
+
+def by_key(path: Path) -> dict[str, dict]:
+    out = {}
+    for record in records(path):
+        assert record["key"] not in out, f"{record['key']} written twice"
+        out[record["key"]] = record
+    return out
+
+
+def comparable(record: dict) -> tuple:
+    return record["status"], record["id"], record["line"], record.get("token_ids"), record.get("text"), record.get("error")
+
+
+def actor_pids() -> set[int]:
+    """Processes of live jaxinfer LLM actors (Ray names an actor's process after its class)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"ray::" in title and b"LLMActor" in title:
+                pids.add(int(entry.name))
+    return pids
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, compile_cache, tiny_chat_model):
+    """The 40-line input and its local run (the reference every Ray run must equal)."""
+    tmp = tmp_path_factory.mktemp("ray")
+    input_path = write_input(tmp / "in.jsonl")
+    run(cli(input_path, tmp / "local.jsonl", compile_cache, tiny_chat_model))
+    local = by_key(tmp / "local.jsonl")
+    assert len(local) == 40 and sum(r["status"] == "ok" for r in local.values()) == NUM_GOOD
+    return tmp, input_path, local, compile_cache, tiny_chat_model
+
+
+@pytest.mark.slow
+def test_two_actors_run_the_job_like_the_local_one_with_error_records(job):
+    tmp, input_path, local, cache, model = job
+    result = run(cli(input_path, tmp / "ray.jsonl", cache, model, *RAY_FLAGS))
+    got = by_key(tmp / "ray.jsonl")
+    assert {k: comparable(r) for k, r in got.items()} == {k: comparable(r) for k, r in local.items()}
+    for number, reason in BAD_LINES.items():
+        (record,) = [r for r in got.values() if r["line"] == number]
+        assert record["status"] == "error" and reason in record["error"], record
+    assert "40 requests (36 ok, 4 errors)" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_actor_is_restarted_and_every_line_is_written_once(job):
+    tmp, input_path, local, cache, model = job
+    output = tmp / "killed_actor.jsonl"
+    driver = subprocess.Popen(cli(input_path, output, cache, model, *RAY_FLAGS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        wait_for(lambda: output.exists() and len(records(output)) >= 8, 600, "the first batches' records")
+        victims = actor_pids()
+        assert len(victims) == 2, victims
+        written_at_kill = len(records(output))
+        victim = min(victims)
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = driver.communicate(timeout=900)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert written_at_kill < 40, "the job ended before the kill: nothing was retried"
+    got = by_key(output)
+    assert {k: comparable(r) for k, r in got.items()} == {k: comparable(r) for k, r in local.items()}
+
+
+@pytest.mark.slow
+def test_a_killed_driver_resumes_on_ray_without_loss_or_duplicates(job):
+    tmp, input_path, local, cache, model = job
+    output = tmp / "killed_driver.jsonl"
+    driver = subprocess.Popen(cli(input_path, output, cache, model, *RAY_FLAGS), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    try:
+        wait_for(lambda: output.exists() and len(records(output)) >= 4, 600, "the first batch's records")
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        driver.kill()
+    partial = len(records(output))
+    assert partial < 40, "the job ended before the kill"
+    wait_for(lambda: not actor_pids(), 120, "the killed driver's actors to exit")
+    result = run(cli(input_path, output, cache, model, *RAY_FLAGS, "--resume"))
+    counts = re.search(r"requests ok / error / skipped\s+(\d+) / (\d+) / (\d+)", result.stderr)
+    assert counts and int(counts[3]) == partial, result.stderr[-2000:]  # the resumed run did only the rest
+    got = by_key(output)
+    assert {k: comparable(r) for k, r in got.items()} == {k: comparable(r) for k, r in local.items()}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ray-actors", "2"], "--ray-actors works with --ray"),
+        (["--ray", "--ray-actors", "0"], "--ray-actors must be >= 1"),
+        (["--ray", "--ray-gpus-per-actor", "-1"], "--ray-gpus-per-actor must be a finite number"),
+    ],
+)
+def test_ray_flags_are_checked_before_anything_loads(tmp_path, flags, message):
+    input_path = write_input(tmp_path / "in.jsonl")
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--input", str(input_path), "--output", str(tmp_path / "out.jsonl"), *flags],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_ray_with_one_prompt_is_refused(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", "hi", "--ray"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--ray runs an --input FILE job" in result.stderr, result.stderr
