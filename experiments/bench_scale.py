@@ -14,11 +14,14 @@ TP = 4 on 2 cores runs four quarter-size matmuls plus all-reduces on the same tw
      trace workload in arrival order and on a skewed one (a few long prompts among many short).
   3. ray: the same --ray-requests-line JSONL job (trace prompts as text) run by `jaxinfer generate` locally
      and with --ray through a local Ray cluster with 1 and 2 actors: process wall time (Ray start, actors'
-     load and compile included) and the job's own wall time. Correctness first: records equal the local ones.
+     load and compile included) and the job's own wall time. A first local run fills the persistent compile
+     cache, so the compared runs all load their programs from it. Correctness first: records equal the local ones.
+
+--sections picks what runs; the others are kept from the existing --out file.
 
 Writes experiments/results/bench_scale.json; prints a table per section.
 
-    .venv/bin/python experiments/bench_scale.py [--quick] [--layouts 1x1,2x1,4x1,1x2] [--skip-ray]
+    .venv/bin/python experiments/bench_scale.py [--quick] [--layouts 1x1,2x1,4x1,1x2] [--sections layouts,router,ray]
 """
 
 import argparse
@@ -201,7 +204,9 @@ def measure_ray(workload: dict, args) -> list[dict]:
     job = WORK_DIR / "ray_job.jsonl"
     write_job(workload, job)
     cache = tempfile.mkdtemp(prefix="bench_scale_ray_xla_")  # filled by the local run; the actors then load from it
-    runs = [("local", []), ("ray, 1 actor", ["--ray", "--ray-actors", "1"]), ("ray, 2 actors", ["--ray", "--ray-actors", "2"])]
+    # The first run fills the persistent compile cache (its compile is cold); every later run, local or
+    # an actor's, loads the same programs from it, so they compare like for like.
+    runs = [("local, cold cache", []), ("local", []), ("ray, 1 actor", ["--ray", "--ray-actors", "1"]), ("ray, 2 actors", ["--ray", "--ray-actors", "2"])]
     rows, base = [], None
     for name, extra in runs:
         log(f"ray section: {name} ...")
@@ -212,13 +217,19 @@ def measure_ray(workload: dict, args) -> list[dict]:
         assert {k: r["token_ids"] for k, r in records.items()} == {k: r["token_ids"] for k, r in base.items()}, f"{name}: records differ from the local job's"
         rows.append({"run": name, **got, "records_equal_local": True})
         log(f"  process {got['process_wall_s']:.1f}s, job {got['job_wall_s']:.1f}s")
+    local = next(row for row in rows if row["run"] == "local")
     for row in rows:
-        row["process_vs_local"] = row["process_wall_s"] / rows[0]["process_wall_s"]
-        row["overhead_s"] = row["process_wall_s"] - rows[0]["process_wall_s"]
+        row["process_vs_local"] = row["process_wall_s"] / local["process_wall_s"]
+        row["overhead_s"] = row["process_wall_s"] - local["process_wall_s"]
     return rows
 
 
 # ------------------------------------------------------------------------------------------ main
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def print_tables(result: dict) -> None:
@@ -231,9 +242,9 @@ def print_tables(result: dict) -> None:
     for r in result["router"]:
         print(f"{r['workload']:<36} {r['router']['largest_over_mean']:15.3f} {r['round_robin']['largest_over_mean']:11.3f}")
     if result.get("ray"):
-        print(f"\n{'job (' + str(result['settings']['ray_requests']) + ' requests)':<16} {'process s':>9} {'job s':>7} {'vs local':>8} {'overhead s':>10}")
+        print(f"\n{'job (' + str(result['settings']['ray_requests']) + ' requests)':<20} {'process s':>9} {'job s':>7} {'vs local':>8} {'overhead s':>10}")
         for r in result["ray"]:
-            print(f"{r['run']:<16} {r['process_wall_s']:9.1f} {r['job_wall_s']:7.1f} {r['process_vs_local']:8.2f} {r['overhead_s']:10.1f}")
+            print(f"{r['run']:<20} {r['process_wall_s']:9.1f} {r['job_wall_s']:7.1f} {r['process_vs_local']:8.2f} {r['overhead_s']:10.1f}")
 
 
 def parse_args():
@@ -245,7 +256,7 @@ def parse_args():
     parser.add_argument("--ray-requests", type=int, default=64, help="lines of the Ray job (default: %(default)s)")
     parser.add_argument("--scale", type=float, default=16.0, help="trace lengths divided by this (default: %(default)s)")
     parser.add_argument("--max-context", type=int, default=512, help="(default: %(default)s)")
-    parser.add_argument("--skip-ray", action="store_true")
+    parser.add_argument("--sections", default="layouts,router,ray", help="comma list of layouts, router, ray; the rest is kept from --out (default: %(default)s)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one layout, in a process with simulated devices
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -265,20 +276,23 @@ def main() -> None:
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    workload = trace_workload(args.requests, args.scale, args.max_context)
-    workload_file = WORK_DIR / "workload.json"
-    workload_file.write_text(json.dumps(workload))
-    result = {
+    sections = set(args.sections.split(","))
+    result = json.loads(args.out.read_text()) if args.out.exists() and sections != {"layouts", "router", "ray"} else {}
+    result |= {
         "question": "what do TP, DP, the router and Ray cost on this machine (simulated devices: overheads, not speed-ups)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "out")} | {"out": str(args.out)},
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_average_before": load_before},
-        "layouts": measure_layouts(args, workload_file),
-        "router": measure_router(trace_workload(64, 8.0, 2048), 2),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "commit": _commit(), "load_average_before": load_before},
     }
-    if not args.skip_ray:
+    if "layouts" in sections:
+        workload_file = WORK_DIR / "workload.json"
+        workload_file.write_text(json.dumps(trace_workload(args.requests, args.scale, args.max_context)))
+        result["layouts"] = measure_layouts(args, workload_file)
+        for row in result["layouts"]:
+            row.pop("tokens")
+    if "router" in sections:
+        result["router"] = measure_router(trace_workload(64, 8.0, 2048), 2)
+    if "ray" in sections:
         result["ray"] = measure_ray(trace_workload(args.ray_requests, args.scale, args.max_context), args)
-    for row in result["layouts"]:
-        row.pop("tokens")
     result["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     result["runtime_s"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
