@@ -112,17 +112,15 @@ def on_local_heads(kernel, q, k_pages, v_pages, block_tables, lengths, *, k_scal
     kernel call itself. Shapes: q [B, H, K], pages [G, P, ...], scales [G, P, L] (one layer's)."""
     mesh = jax.sharding.get_abstract_mesh()
     size = 1 if mesh.empty or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
+    scales = () if k_scales is None else (k_scales, v_scales)
+
+    def local(q, k_pages, v_pages, block_tables, lengths, *scales):  # the scales are passed only when given
+        return kernel(q, k_pages, v_pages, block_tables, lengths, **dict(zip(("k_scales", "v_scales"), scales)))
+
     if size == 1:
-        return kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=k_scales, v_scales=v_scales)
+        return local(q, k_pages, v_pages, block_tables, lengths, *scales)
     heads = MODEL_AXIS if heads_split(k_pages.shape[0], size) else None
     q_spec, pool_spec, rep = PartitionSpec(None, heads, None), PartitionSpec(heads), PartitionSpec()
-    quantized = k_scales is not None
-
-    def local(q, k_pages, v_pages, block_tables, lengths, *scales):
-        k_s, v_s = scales if quantized else (None, None)
-        return kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=k_s, v_scales=v_s)
-
-    scales = (k_scales, v_scales) if quantized else ()
     in_specs = (q_spec, pool_spec, pool_spec, rep, rep) + (pool_spec,) * len(scales)
     mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
     return mapped(q, k_pages, v_pages, block_tables, lengths, *scales)
