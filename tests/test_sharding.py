@@ -325,7 +325,8 @@ def _kernel_worker() -> dict:
 
 
 def _dp_worker(model: str, extra: dict) -> dict:
-    """LLM(data_parallel=1) vs LLM(data_parallel=2) (and 2 x TP=2) on the same prompts: outputs in input order."""
+    """LLM(data_parallel=1) vs LLM(data_parallel=2) (and 2 x TP=2) on the same prompts, half of them sampled
+    (temperature 1, top-k 50, no seed): outputs in input order, the same tokens whatever the replica."""
     import numpy as np
 
     from jaxinfer.api import LLM
@@ -341,12 +342,14 @@ def _dp_worker(model: str, extra: dict) -> dict:
     rng = np.random.default_rng(1)
     lengths = [40, 3, 4, 5, 3, 38, 6, 4, 3, 5]  # a few long prompts among short ones
     prompts = [rng.integers(3, 1000, n).tolist() for n in lengths]
-    greedy = [SamplingParams(temperature=0, max_tokens=4 + i % 3, ignore_eos=True) for i in range(len(prompts))]
+    # Greedy and sampled requests: a sampled one without a seed derives it from its identity, so its
+    # tokens must not depend on the replica it is routed to.
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=0 if i % 2 else 50, max_tokens=4 + i % 3, ignore_eos=True) for i in range(len(prompts))]
     report = {}
     for tp, dp in extra["layouts"]:
         llm = LLM(model, dtype="float32", tensor_parallel=tp, data_parallel=dp, engine_config=engine_cfg)
         with CompileCounter() as counter:
-            outs = llm.generate(prompts, greedy, progress=False)
+            outs = llm.generate(prompts, params, progress=False)
         report[f"{tp}x{dp}"] = dict(
             indices=[o.index for o in outs], tokens=[o.token_ids for o in outs], routes=llm.last_routes, compiles_after_warmup=counter.count,
             devices=sorted({d.id for r in llm.replicas for d in r.engine.pool.k.sharding.device_set}),
