@@ -12,9 +12,13 @@ jnp paths become `attention_over_page_blocks`, and the kernel runs its fixed-spl
 A quantized pool (int8 or fp8 codes with per-token scales, kv_pool.py) is dequantized on read by the jnp
 paths; the kernel takes the codes and the scales as they are.
 
-Masking is causal by position: key slot s is visible to a query at position p iff s <= p. Masked scores
-take a large finite negative value, never -inf, so rows with nothing visible stay finite.
+Masking is causal by position: key slot s is visible to a query at position p iff s <= p. A packed row
+(PageMeta with page_positions, page_segments and token_segments) holds several sequences: a key is
+visible iff it belongs to the query's sequence and its position is <= the query's (`key_layout`). Masked
+scores take a large finite negative value, never -inf, so rows with nothing visible stay finite.
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +98,40 @@ def attend(
         return _attend_pallas(q, cache, layer, positions, pages, deterministic=deterministic), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables, dtype=q.dtype)  # dequantized if quantized
     over_pages = attention_over_page_blocks if deterministic else attention_over_pages
-    return over_pages(q, k_pages, v_pages, positions), cache
+    return over_pages(q, k_pages, v_pages, positions, key_layout(pages, cache.page_size)), cache
+
+
+class KeyLayout(NamedTuple):
+    """Position [#B, S] and, in a packed row, sequence [B, S] of every key slot, and each query's
+    sequence [B, T] (None when every row is one sequence)."""
+
+    positions: Int[Array, "#B S"]
+    segments: Int[Array, "B S"] | None = None
+    query_segments: Int[Array, "B T"] | None = None
+
+
+def key_layout(pages: kvp.PageMeta, page_size: int) -> KeyLayout:
+    """Slot p * L + l of a row's table holds position page_positions[p] + l of sequence page_segments[p];
+    without them (one sequence per row) it holds position p * L + l."""
+    b, p = pages.block_tables.shape
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    if pages.page_positions is None:
+        return KeyLayout(jnp.arange(p * page_size, dtype=jnp.int32)[None])
+    positions = (pages.page_positions[:, :, None] + offsets).reshape(b, p * page_size)
+    segments = jnp.repeat(pages.page_segments, page_size, axis=1)  # [B, S]
+    return KeyLayout(positions, segments, pages.token_segments)
+
+
+def _visible(layout: KeyLayout, q_positions: Int[Array, "B T"], start: int | jax.Array = 0, size: int | None = None) -> jax.Array:
+    """bool[B, T, S] (or the slots [start, start + size)): which keys each query sees."""
+    positions, segments = layout.positions, layout.segments
+    if size is not None:
+        positions = jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1)
+        segments = None if segments is None else jax.lax.dynamic_slice_in_dim(segments, start, size, axis=1)
+    visible = positions[:, None, :] <= q_positions[:, :, None]
+    if segments is not None:
+        visible &= segments[:, None, :] == layout.query_segments[:, :, None]
+    return visible
 
 
 def attention_over_pages(
@@ -102,16 +139,18 @@ def attention_over_pages(
     k_pages: Float[Array, "G B P K L"],
     v_pages: Float[Array, "G B P L K"],
     q_positions: Int[Array, "B T"],
+    layout: KeyLayout | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal GQA attention straight over gathered pages in the pool's layout (no transpose copy);
-    slot p * L + l holds position p * L + l. f32 scores and softmax, output in q's dtype."""
+    slot p * L + l holds position p * L + l, or what `layout` says (a packed row). f32 scores and
+    softmax, output in q's dtype."""
     b, t, h, k = q.shape
     g, _, p, _, l = k_pages.shape
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, g, h // g, t, p * l) * (k**-0.5)  # [B, G, Q, T, S]
-    slots = jnp.arange(p * l, dtype=jnp.int32)
-    visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    layout = layout or KeyLayout(jnp.arange(p * l, dtype=jnp.int32)[None])
+    visible = _visible(layout, q_positions)  # [B, T, S]
     probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
     values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
     out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
@@ -126,6 +165,7 @@ def attention_over_page_blocks(
     k_pages: Float[Array, "G B P K L"],
     v_pages: Float[Array, "G B P L K"],
     q_positions: Int[Array, "B T"],
+    layout: KeyLayout | None = None,
 ) -> Float[Array, "B T H K"]:
     """attention_over_pages as an online softmax over fixed blocks of pages, in order (a lax.scan).
 
@@ -140,13 +180,13 @@ def attention_over_page_blocks(
     grouped = q.reshape(b, t, g, h // g, k).astype(jnp.float32) * (k**-0.5)  # [B, T, G, Q, K]
     k_blocks = k_pages.reshape(g, b, p // block, block, k, l).transpose(2, 0, 1, 3, 4, 5)  # [N, G, B, p, K, L]
     v_blocks = v_pages.reshape(g, b, p // block, block, l, k).transpose(2, 0, 1, 3, 4, 5)  # [N, G, B, p, L, K]
+    layout = layout or KeyLayout(jnp.arange(p * l, dtype=jnp.int32)[None])
 
     def step(carry, xs):
         m, denom, acc = carry  # [B, G, Q, T], [B, G, Q, T], [B, G, Q, T, K]
         index, kb, vb = xs
         scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, kb, preferred_element_type=jnp.float32).reshape(b, g, h // g, t, block * l)
-        slots = index * block * l + jnp.arange(block * l, dtype=jnp.int32)
-        visible = slots[None, None, :] <= q_positions[:, :, None]  # [B, T, S_block]
+        visible = _visible(layout, q_positions, index * block * l, block * l)  # [B, T, S_block]
         scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])

@@ -567,3 +567,61 @@ def packing(lengths, token_budget: int) -> BatchMetrics:
         used += remainder
     num_steps += used > 0
     return BatchMetrics(num_steps, int(sizes.sum()), num_steps * token_budget)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Strategies on the engine
+
+STRATEGY_KINDS: dict[str, type] = {
+    cls.name: cls for cls in (PadToMax, PowersOfTwo, Linear, Quantile, MeanKSigma, Fitted)
+}  # the sample-derived strategies, by name (FixedList is given its table directly)
+
+
+def strategy_from_sample(kind: str, lengths, budget: int) -> BucketStrategy:
+    """The strategy `kind` (a key of STRATEGY_KINDS) built from a sample under a program budget."""
+    if kind not in STRATEGY_KINDS:
+        raise ValueError(f"unknown bucket strategy {kind!r}; known: {', '.join(STRATEGY_KINDS)}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"a program budget must be a positive int, got {budget!r}")
+    return STRATEGY_KINDS[kind].from_sample(lengths, budget)
+
+
+def cut_table(buckets: Sequence[int], top: int, *, reach: bool) -> tuple[int, ...]:
+    """A strategy's table for a dimension whose largest size is `top`: buckets above it dropped, and
+    `top` added when the table must reach it (`reach`) or some bucket was over it."""
+    table = _as_buckets(buckets)
+    below = tuple(b for b in table if b < top)
+    return below + (top,) if reach or table[-1] >= top else below
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineBuckets:
+    """A strategy per bucketed dimension of the engine, for `EngineConfig(buckets=...)`.
+
+    chunk: prefill tokens per row; rows: sequences per decode step; pages: pages read per row. A
+    dimension left None keeps EngineConfig's default table. Each strategy's table is cut to the engine's
+    limits (`cut_table`): rows and pages always reach max_num_seqs and max_context / page_size; chunks
+    stop at the strategy's largest bucket (longer prompts are chunked) or at the prefill budget.
+    """
+
+    chunk: BucketStrategy | None = None
+    rows: BucketStrategy | None = None
+    pages: BucketStrategy | None = None
+
+    def __post_init__(self):
+        for name in ("chunk", "rows", "pages"):
+            strategy = getattr(self, name)
+            if strategy is not None and not hasattr(strategy, "buckets"):
+                raise ValueError(f"EngineBuckets.{name} must be a jaxinfer.buckets strategy, got {strategy!r}")
+
+    @classmethod
+    def from_samples(cls, kind: str, budget: int, *, chunk=None, rows=None, pages=None) -> "EngineBuckets":
+        """One strategy kind for every dimension that has a sample (chunk lengths, decode batch sizes,
+        pages per row), each with `budget` buckets."""
+        build = lambda sample: None if sample is None else strategy_from_sample(kind, sample, budget)  # noqa: E731
+        return cls(build(chunk), build(rows), build(pages))
+
+    def describe(self) -> dict[str, str]:
+        """Each dimension's strategy and table in words, for logs and experiment tables."""
+        strategies = {"chunk": self.chunk, "rows": self.rows, "pages": self.pages}
+        return {n: "default" if s is None else f"{s.name} {list(s.buckets)}" for n, s in strategies.items()}

@@ -7,9 +7,12 @@ metadata happens once at the edge (`from_hf_config`, loading.py); the rest of th
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
+from jaxinfer.bucket_tables import BucketTables
+from jaxinfer.buckets import EngineBuckets, cut_table
 from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
@@ -267,9 +270,15 @@ class EngineConfig:
     # bucket because chat prompts typed in notebooks (30-60 tokens) are rarer in that trace than in
     # interactive use; buckets over min(max_prefill_tokens, max_context) are dropped.
     prefill_chunk_buckets: tuple[int, ...] | None = None
-    prefill_seq_buckets: tuple[int, ...] = (1,)  # sequences per prefill step (on CPU one row is fastest)
+    prefill_seq_buckets: tuple[int, ...] = (1,)  # rows of an unpacked prefill step (one sequence each)
     decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 4, 8, 16, 32 cut at max_num_seqs
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
+    # A jaxinfer.buckets.EngineBuckets: a strategy for the chunk, rows and pages tables left at None above.
+    buckets: Any = None
+    # Pack several sequences' prefill chunks into one row (segment-aware causal mask), so a step pads only
+    # its end. None: packed, unless deterministic or prefill_seq_buckets asks for several unpacked rows.
+    prefill_packing: bool | None = None
+    max_prefill_seqs: int = 8  # sequences one packed prefill row holds at most (its logits rows)
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
@@ -309,6 +318,13 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("deterministic", self.deterministic)
+        check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
+        if self.prefill_packing is not None:
+            check_bool("prefill_packing", self.prefill_packing)
+        if self.prefill_packing and self.deterministic:
+            raise FieldError("prefill_packing", "cannot be combined with deterministic mode, whose prefill rows hold one sequence each")
+        if self.buckets is not None and not isinstance(self.buckets, EngineBuckets):
+            raise FieldError("buckets", f"must be a jaxinfer.buckets.EngineBuckets or None, got {self.buckets!r}")
         # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
 
     def _derive_tables(self) -> None:
@@ -316,12 +332,35 @@ class EngineConfig:
         object.__setattr__(self, "_derived", unset)
         if self.deterministic:
             self._derive_deterministic_tables()
+        if self.buckets is not None:
+            self._tables_from_strategies()
         if self.prefill_chunk_buckets is None:
             cap = min(self.max_prefill_tokens, self.max_context)
             object.__setattr__(self, "prefill_chunk_buckets", tuple(b for b in DEFAULT_CHUNK_BUCKETS if b < cap) + (cap,))
         if self.decode_batch_buckets is None:
             below = tuple(b for b in _DEFAULT_DECODE_BATCH_BUCKETS if b < self.max_num_seqs)
             object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
+        if self.decode_page_buckets is None:
+            object.__setattr__(self, "decode_page_buckets", _powers_of_two_to(self.max_pages_per_seq))
+        if self.prefill_packing is None:
+            object.__setattr__(self, "prefill_packing", not self.deterministic and tuple(self.prefill_seq_buckets) == (1,))
+
+    def _tables_from_strategies(self) -> None:
+        """The tables `buckets` gives, each cut to its limit (buckets.cut_table); a table given too is an error."""
+        if self.deterministic:
+            raise FieldError("buckets", "deterministic mode fixes the bucket tables itself; leave buckets unset")
+        dimensions = (
+            ("chunk", "prefill_chunk_buckets", min(self.max_prefill_tokens, self.max_context), False),
+            ("rows", "decode_batch_buckets", self.max_num_seqs, True),
+            ("pages", "decode_page_buckets", self.max_pages_per_seq, True),
+        )
+        for dimension, table, top, reach in dimensions:
+            strategy = getattr(self.buckets, dimension)
+            if strategy is None:
+                continue
+            if table not in self._derived:
+                raise FieldError("buckets", f"sets the {dimension} table, so leave {table} unset (got {getattr(self, table)!r})")
+            object.__setattr__(self, table, cut_table(strategy.buckets, top, reach=reach))
 
     def _derive_deterministic_tables(self) -> None:
         """Fixed row counts and chunk length, because XLA's CPU matmuls round differently for different
@@ -339,8 +378,6 @@ class EngineConfig:
     def _check_tables(self) -> None:
         for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets", "decode_page_buckets"):
             table = getattr(self, name)
-            if table is None and name == "decode_page_buckets":
-                continue
             if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
                 raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
             object.__setattr__(self, name, tuple(table))
@@ -348,7 +385,9 @@ class EngineConfig:
             raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({self.max_num_seqs}); its largest is {self.decode_batch_buckets[-1]}")
         if self.prefill_chunk_buckets[-1] > min(self.max_prefill_tokens, self.max_context):
             raise FieldError("prefill_chunk_buckets", f"must not exceed max_prefill_tokens ({self.max_prefill_tokens}) or max_context ({self.max_context}); its largest is {self.prefill_chunk_buckets[-1]}")
-        if self.decode_page_buckets is not None and self.decode_page_buckets[-1] < self.max_pages_per_seq:
+        if self.prefill_packing and tuple(self.prefill_seq_buckets) != (1,):
+            raise FieldError("prefill_seq_buckets", f"must be (1,) with prefill_packing, whose one row holds several sequences; got {self.prefill_seq_buckets}")
+        if self.decode_page_buckets[-1] < self.max_pages_per_seq:
             raise FieldError("decode_page_buckets", f"must reach max_context / page_size ({self.max_pages_per_seq} pages); its largest is {self.decode_page_buckets[-1]}")
 
     @classmethod
@@ -364,33 +403,23 @@ class EngineConfig:
         fields = {n: None if n in base._derived else getattr(base, n) for n in names} | overrides
         return cls(**fields)
 
-    @property
-    def max_decode_rows(self) -> int:
-        """Rows of the largest decode program; a decode batch with more rows runs as several programs
-        (only in deterministic mode: elsewhere the largest bucket reaches max_num_seqs)."""
-        return self.decode_batch_buckets[-1]
+    @functools.cached_property
+    def tables(self) -> BucketTables:
+        """The bucket geometry of every program (bucket_tables.py): the scheduler's keys and the engine's."""
+        return BucketTables(
+            page_size=self.page_size,
+            chunk_tokens=self.prefill_chunk_buckets,
+            prefill_rows=self.prefill_seq_buckets,
+            decode_rows=self.decode_batch_buckets,
+            pages=self.decode_page_buckets,
+            packed_seqs=self.max_prefill_seqs if self.prefill_packing else 0,
+        )
 
     @property
     def max_pages_per_seq(self) -> int:
         return self.max_context // self.page_size
 
-    def first_chunk_width(self, chunk_tokens: int) -> int:
-        """Narrowest page-table width of a prefill program with `chunk_tokens` tokens per row."""
-        from jaxinfer.buckets import pad_to_bucket
 
-        return pad_to_bucket(-(-chunk_tokens // self.page_size), self.page_buckets)
-
-    def prefill_widths(self, chunk_tokens: int) -> tuple[int, ...]:
-        """Page-table widths a prefill program of this chunk length can have."""
-        return tuple(w for w in self.page_buckets if w >= self.first_chunk_width(chunk_tokens))
-
-    @property
-    def page_buckets(self) -> tuple[int, ...]:
-        """Pages-per-sequence buckets of decode programs (prefill reads the full table width)."""
-        if self.decode_page_buckets is not None:
-            return tuple(self.decode_page_buckets)
-        buckets, width = [], 1
-        while width < self.max_pages_per_seq:
-            buckets.append(width)
-            width *= 2
-        return tuple(buckets) + (self.max_pages_per_seq,)
+def _powers_of_two_to(top: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `top`, then `top`."""
+    return tuple(1 << e for e in range(max(top - 1, 0).bit_length()) if 1 << e < top) + (top,)

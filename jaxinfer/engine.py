@@ -32,7 +32,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
-from jaxinfer.request import FieldError, StepPlan
+from jaxinfer.request import BucketKey, FieldError, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +74,26 @@ class StepInputs:
     token_ids: jax.Array  # i32[R, T]
     positions: jax.Array  # i32[R, T]
     pages: kvp.PageMeta
-    logit_indices: jax.Array  # i32[R]
-    sampling: sampling.SamplingArrays
+    logit_indices: jax.Array  # i32[R, J]; J sequences per row (1 unless the row is packed)
+    sampling: sampling.SamplingArrays  # [R * J] each
 
 
 def inputs_from_plan(plan: StepPlan) -> StepInputs:
-    pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets)
+    pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets, plan.page_positions, plan.page_segments, plan.token_segments)
     arrays = sampling.SamplingArrays(plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps)
     return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays)
 
 
 def _step(params: Params, pool: kvp.KVPool, inputs: StepInputs, *, cfg: ModelConfig, impl: str, return_logits: bool = False):
-    """One prefill or decode step; donates `pool`. Returns (tokens i32[R], pool), or
-    (tokens, logits f32[R, V], pool) with return_logits."""
+    """One prefill or decode step; donates `pool`. Returns (tokens i32[R * J], pool), or
+    (tokens, logits f32[R * J, V], pool) with return_logits."""
     logits, pool = model.forward(
         params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages,
         logit_indices=inputs.logit_indices, attention_impl=impl,
-    )  # logits: [R, 1, V]
-    tokens = sampling.next_tokens(logits[:, 0], inputs.sampling)
-    return (tokens, logits[:, 0].astype(jnp.float32), pool) if return_logits else (tokens, pool)
+    )  # logits: [R, J, V]
+    logits = logits.reshape(-1, logits.shape[-1])  # [R * J, V]
+    tokens = sampling.next_tokens(logits, inputs.sampling)
+    return (tokens, logits.astype(jnp.float32), pool) if return_logits else (tokens, pool)
 
 
 def available_bytes(device: jax.Device) -> int:
@@ -175,19 +176,17 @@ class Engine:
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
-    def bucket_keys(self) -> list[tuple[str, int, int, int]]:
-        """Every (phase, rows, tokens per row, pages per row) a plan can have."""
-        c = self.engine_cfg
-        prefill = [("prefill", r, t, w) for r in c.prefill_seq_buckets for t in c.prefill_chunk_buckets for w in c.prefill_widths(t)]
-        decode = [("decode", r, 1, p) for r in c.decode_batch_buckets for p in c.page_buckets]
-        return prefill + decode
+    def bucket_keys(self) -> list[BucketKey]:
+        """Every key a plan can have (the engine config's BucketTables owns them)."""
+        return self.engine_cfg.tables.all_keys()
 
-    def _abstract_inputs(self, key) -> StepInputs:
-        _, rows, tokens, width = key
+    def _abstract_inputs(self, key: BucketKey) -> StepInputs:
+        rows, tokens, width = key.num_rows, key.num_tokens, key.num_pages
+        samples = rows * self.engine_cfg.tables.samples_per_row(key.phase)
         spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-        pages = kvp.PageMeta(spec(rows, width), spec(rows, tokens), spec(rows, tokens))
-        arrays = sampling.SamplingArrays(spec(rows, dtype=jnp.float32), spec(rows), spec(rows, dtype=jnp.float32), spec(rows), spec(rows))
-        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows), arrays)
+        pages = kvp.PageMeta(spec(rows, width), spec(rows, tokens), spec(rows, tokens), spec(rows, width), spec(rows, width), spec(rows, tokens))
+        arrays = sampling.SamplingArrays(spec(samples, dtype=jnp.float32), spec(samples), spec(samples, dtype=jnp.float32), spec(samples), spec(samples))
+        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows, samples // rows), arrays)
 
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         start = time.perf_counter()
@@ -209,7 +208,8 @@ class Engine:
         self.compile_seconds += time.perf_counter() - start
 
     def step(self, plan: StepPlan) -> np.ndarray:
-        """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R]."""
+        """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R * J]
+        (one per sequence slot of the plan: `plan.request_ids[i]` drew token i)."""
         program = self._programs.get(plan.bucket)
         if program is None:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")

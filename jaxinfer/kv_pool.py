@@ -74,6 +74,11 @@ class PageMeta:
     block_tables: jax.Array  # i32[B, P_max]; unused entries are the null page
     slot_pages: jax.Array  # i32[B, T]; page that token (b, t) is written to; null page for padding
     slot_offsets: jax.Array  # i32[B, T]; offset within that page
+    # A packed row (several sequences back to back, bucket_tables.py) says whose each table entry and token
+    # is, and the position of each entry's first slot. None: one sequence per row, entry p starts at p * L.
+    page_positions: jax.Array | None = None  # i32[B, P_max]; position of the entry's first slot
+    page_segments: jax.Array | None = None  # i32[B, P_max]; sequence of the row the entry belongs to
+    token_segments: jax.Array | None = None  # i32[B, T]; sequence of the row the token belongs to
 
 
 def init_dense_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> DenseKVCache:

@@ -4,7 +4,7 @@ Axis letters used in every einsum, shape comment and jaxtyping annotation (here 
     B batch · T query tokens · S key/value tokens · D embed · H query heads · G kv heads
     Q query heads per kv head · K head dim · F ffn · V vocab · N layers · L page length
     P pages (of the pool, or of one block table) · X heads of either kind, H or G (rope takes both)
-    R rotary frequencies (K/2)
+    R rotary frequencies (K/2) · J logit positions per row (the sequences of a packed prefill row)
 A leading `#` (jaxtyping) means "that size or 1": `forward` returns [B, 1, V] with `logit_indices`.
 
 One `forward` serves the no-cache reference (cache=None), the dense cache of the reference generator
@@ -145,15 +145,16 @@ def forward(
     *,
     cfg: ModelConfig,
     pages: kvp.PageMeta | None = None,
-    logit_indices: Int[Array, "B"] | None = None,
+    logit_indices: Int[Array, "B"] | Int[Array, "B J"] | None = None,
     attention_impl: str = "reference",
-) -> tuple[Float[Array, "B #T V"], kvp.DenseKVCache | kvp.KVPool | None]:
+) -> tuple[Float[Array, "B #T V"] | Float[Array, "B J V"], kvp.DenseKVCache | kvp.KVPool | None]:
     """Run the decoder on `tokens` at `positions`, writing their K/V into `cache`.
 
     Args:
       cache: None (attend within `tokens` only), a DenseKVCache, or a paged KVPool (then `pages` is required).
       logit_indices: if given, logits are computed only at token index logit_indices[b] of each row,
         and the result is [B, 1, V]; this skips the vocabulary projection for the rest of a prefill chunk.
+        Given as [B, J], J token indices per row (a packed row's sequences): the result is [B, J, V].
     Returns:
       (logits in f32, [B, T, V], or [B, 1, V] with `logit_indices`; the updated cache). Callers that
       donate the cache rebind it at once.
@@ -164,5 +165,6 @@ def forward(
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     if logit_indices is not None:
-        x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)  # [B, 1, D]
+        indices = logit_indices if logit_indices.ndim == 2 else logit_indices[:, None]  # [B, J]
+        x = jnp.take_along_axis(x, indices[:, :, None], axis=1)  # [B, J, D]
     return logits_from_hidden(params, x, cfg), cache

@@ -21,7 +21,6 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxinfer.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
-from jaxinfer.buckets import pad_to_bucket
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import BucketKey, Request, RequestStatus, RowChunk, StepPlan
 
@@ -159,16 +158,19 @@ class Scheduler:
         self.waiting.insert(0, request)
 
     def _plan_prefill(self) -> list[tuple[Request, int]]:
-        """(request, chunk length) pairs under the token budget, the sequence limit and free pages."""
-        budget = self.cfg.max_prefill_tokens
-        max_rows = self.cfg.prefill_seq_buckets[-1]
+        """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
+        packed row also under its largest chunk bucket and its widest table (pages summed over its sequences)."""
+        tables = self.cfg.tables
+        budget = min(self.cfg.max_prefill_tokens, tables.max_chunk) if tables.packed else self.cfg.max_prefill_tokens
+        pages_left = tables.max_pages if tables.packed else None
         rows: list[tuple[Request, int]] = []
         partial = [r for r in self.running if not self._in_decode(r)]
         for request in partial + self._waiting_in_order():
-            if budget <= 0 or len(rows) == max_rows:
+            if budget <= 0 or len(rows) == tables.max_prefill_rows:
                 break
             hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
-            chunk = self._fit_chunk(request, budget)
+            limit = budget if pages_left is None else min(budget, pages_left * self.cfg.page_size - request.num_computed_tokens)
+            chunk = self._fit_chunk(request, limit) if limit > 0 else 0
             if chunk == 0:
                 if request.status == RequestStatus.WAITING:
                     self._release(request)
@@ -178,6 +180,8 @@ class Scheduler:
                 self._admit(request, hit)
             rows.append((request, chunk))
             budget -= chunk
+            if pages_left is not None:
+                pages_left -= len(self.block_pool.pages_of(request.request_id))
         return rows
 
     def _waiting_in_order(self) -> list[Request]:
@@ -255,35 +259,36 @@ class Scheduler:
 
     # ------------------------------------------------------------ plan arrays
 
-    def _decode_shape(self, requests: list[Request]) -> tuple[int, int]:
-        """(rows, pages per row) buckets of a decode step over these requests."""
-        rows = pad_to_bucket(len(requests), self.cfg.decode_batch_buckets)
+    def _decode_key(self, requests: list[Request]) -> BucketKey:
+        """The key of a decode step over these requests: rows and pages per row, bucketed."""
         max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r in requests)
-        return rows, pad_to_bucket(max_pages, self.cfg.page_buckets)
+        return self.cfg.tables.decode_key(len(requests), max_pages)
 
     def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
         """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
-        size = self.cfg.max_decode_rows
+        size = self.cfg.tables.max_decode_rows
         return [requests[i : i + size] for i in range(0, len(requests), size)]
 
     def _decode_cost(self, requests: list[Request]) -> float:
         """Modelled cost of decoding a group: per program, a fixed part (weights read once) plus rows x (pages + 2)."""
-        shapes = [self._decode_shape(piece) for piece in self._decode_programs(requests)]
-        return sum(self.cfg.decode_split_overhead + rows * (width + 2) for rows, width in shapes)
+        keys = [self._decode_key(piece) for piece in self._decode_programs(requests)]
+        return sum(self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2) for key in keys)
 
     def _decode_plan(self, requests: list[Request]) -> StepPlan:
-        rows, width = self._decode_shape(requests)
         chunks = [self._chunk(r, r.num_computed_tokens, 1, r.num_computed_tokens == r.num_tokens - 1) for r in requests]
-        return self._build_plan("decode", chunks, BucketKey("decode", rows, 1, width))
+        return self._build_plan("decode", chunks, self._decode_key(requests))
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:
-        rows = pad_to_bucket(len(pairs), self.cfg.prefill_seq_buckets)
-        tokens = pad_to_bucket(max(chunk for _, chunk in pairs), self.cfg.prefill_chunk_buckets)
+        """Rows read only the pages they hold (after this chunk's allocation); a packed row holds every
+        chunk, so its tokens and pages are the sums."""
+        tables = self.cfg.tables
         chunks = [self._chunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens) for r, n in pairs]
-        # Rows read only the pages they hold (after this chunk's allocation), bucketed like decode.
-        max_pages = max(len(c.pages) for c in chunks)
-        width = max(pad_to_bucket(max_pages, self.cfg.page_buckets), self.cfg.first_chunk_width(tokens))
-        return self._build_plan("prefill", chunks, BucketKey("prefill", rows, tokens, width))
+        lengths, pages = [c.length for c in chunks], [len(c.pages) for c in chunks]
+        if tables.packed:
+            key = tables.prefill_key(1, sum(lengths), sum(pages))
+        else:
+            key = tables.prefill_key(len(chunks), max(lengths), max(pages))
+        return self._build_plan("prefill", chunks, key)
 
     def _chunk(self, request: Request, start: int, length: int, sample: bool) -> RowChunk:
         return RowChunk(request, start, length, self.block_pool.pages_of(request.request_id), sample)
@@ -292,7 +297,8 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.real_tokens += sum(c.length for c in chunks)
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
-        return StepPlan.build(phase, chunks, shape, self.cfg.page_size)
+        packed = self.cfg.tables.packed_seqs if phase == "prefill" else 0
+        return StepPlan.build(phase, chunks, shape, self.cfg.page_size, packed=packed)
 
     def _record_utilization(self) -> None:
         used_pages = self.block_pool.num_used

@@ -89,7 +89,7 @@ def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(dete
         assert crowd_tokens == tokens, f"trial {trial}"
         assert len(crowd) == len(alone) and all(np.array_equal(a, b) for a, b in zip(alone, crowd)), f"trial {trial}: max |diff| {max_difference(alone, crowd)}"
     assert hits > 0 and preemptions > 0, "the trials were meant to include cache hits and preemptions"
-    assert max_decoding > engine.engine_cfg.max_decode_rows, "the trials were meant to split a decode batch into programs"
+    assert max_decoding > engine.engine_cfg.tables.max_decode_rows, "the trials were meant to split a decode batch into programs"
 
 
 def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compile_cache, record_property):
@@ -108,8 +108,8 @@ def test_outside_deterministic_mode_the_difference_is_recorded(tiny_llama, compi
 
 def test_deterministic_mode_fixes_the_tables_and_refuses_given_ones():
     cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=8, deterministic=True, compilation_cache_dir=None)
-    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.page_buckets) == ((64,), (1,), (8,), (8, 16))
-    assert EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True).max_decode_rows == 8
+    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.decode_page_buckets) == ((64,), (1,), (8,), (8, 16))
+    assert EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True).tables.max_decode_rows == 8
     with pytest.raises(ValueError, match="deterministic fixes the bucket tables"):
         EngineConfig(deterministic=True, decode_batch_buckets=(4, 32))
 

@@ -12,7 +12,8 @@ from jaxinfer.scheduler import Scheduler
 
 
 def test_a_step_that_raises_fails_only_the_requests_in_its_plan():
-    scheduler = Scheduler(small_config(prefill_seq_buckets=(1,)), num_pages=20)
+    # Unpacked one-row prefill, so each request's first step is its own plan (a packed row would hold all three).
+    scheduler = Scheduler(small_config(prefill_seq_buckets=(1,), prefill_packing=False), num_pages=20)
     engine = FakePagedEngine(20, 4)
     requests = [request(f"r{i}", 5, 3, i) for i in range(3)]
     for r in requests:

@@ -48,13 +48,17 @@ class FakePagedEngine:
     def step(self, plan) -> np.ndarray:
         real = len(plan.request_ids)
         self.slots[plan.slot_pages, plan.slot_offsets] = plan.token_ids  # padding lands on page 0
-        out = np.zeros(plan.token_ids.shape[0], np.int32)
-        for row in range(real):
-            last_position = plan.positions[row, plan.logit_indices[row]]
-            positions = np.arange(last_position + 1)
-            pages = plan.block_tables[row, positions // self.page_size]
+        slots_per_row = plan.logit_indices.shape[1]
+        out = np.zeros(plan.logit_indices.size, np.int32)
+        for index in range(real):
+            row, slot = divmod(index, slots_per_row)
+            last = plan.logit_indices[row, slot]
+            segment = plan.token_segments[row, last]
+            table = plan.block_tables[row, plan.page_segments[row] == segment]  # the sequence's own pages, in order
+            positions = np.arange(plan.positions[row, last] + 1)
+            pages = table[positions // self.page_size]
             assert (pages != 0).all(), "a real token reads the null page"
-            out[row] = context_hash(self.slots[pages, positions % self.page_size])
+            out[index] = context_hash(self.slots[pages, positions % self.page_size])
         return out
 
 
@@ -91,7 +95,7 @@ def test_first_step_prefills_under_token_budget_with_exact_slots():
     assert plan.slot_offsets[0, :6].tolist() == [0, 1, 2, 3, 0, 1]
     assert plan.slot_pages[1].tolist() == [3, 3, 0, 0, 0, 0, 0, 0]
     assert plan.block_tables.tolist() == [[1, 2], [3, 0]]
-    assert plan.logit_indices.tolist() == [5, 1]
+    assert plan.logit_indices.tolist() == [[5], [1]]
 
 
 def test_second_step_decodes_a_and_continues_chunk_of_b():
