@@ -358,9 +358,10 @@ class EngineConfig:
             strategy = getattr(self.buckets, dimension)
             if strategy is None:
                 continue
-            if table not in self._derived:
+            cut = cut_table(strategy.buckets, top, reach=reach)
+            if table not in self._derived and tuple(getattr(self, table)) != cut:  # (dataclasses.replace passes the cut table back)
                 raise FieldError("buckets", f"sets the {dimension} table, so leave {table} unset (got {getattr(self, table)!r})")
-            object.__setattr__(self, table, cut_table(strategy.buckets, top, reach=reach))
+            object.__setattr__(self, table, cut)
 
     def _derive_deterministic_tables(self) -> None:
         """Fixed row counts and chunk length, because XLA's CPU matmuls round differently for different

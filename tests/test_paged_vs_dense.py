@@ -76,3 +76,31 @@ def test_padding_lanes_do_not_touch_real_pages(tiny_llama, tokens):
     _, pool = forward(params, pool, jnp.ones((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32), cfg=cfg, pages=padding)
     np.testing.assert_array_equal(np.asarray(pool.k[:, :, 1:]), before[0])
     np.testing.assert_array_equal(np.asarray(pool.v[:, :, 1:]), before[1])
+
+
+def test_packed_row_gives_each_sequence_its_own_logits(tiny_llama, tokens):
+    """Three sequences in one packed prefill row (StepPlan.build's layout: back-to-back chunks, the row's
+    table the concatenation of their pages), one of them continuing a chunk computed earlier, give each
+    sequence the logits of its own no-cache forward; padding tokens and entries change nothing."""
+    from jaxinfer.engine import inputs_from_plan
+    from jaxinfer.request import BucketKey, Request, RowChunk, SamplingParams, StepPlan
+
+    cfg, params = tiny_llama
+    seqs = {"a": tokens[:13].tolist(), "b": tokens[13:34].tolist(), "c": tokens[34:39].tolist()}
+    pages = {"a": [3, 4], "b": [7, 1, 9], "c": [5]}
+    requests = {k: Request(k, ids, SamplingParams(max_tokens=1), seed=0) for k, ids in seqs.items()}
+    pool = kvp.init_pool(cfg, 16, PAGE)
+    # b's first 11 tokens were computed by an earlier one-sequence step.
+    first = StepPlan.build("prefill", [RowChunk(requests["b"], 0, 11, pages["b"][:2], False)], BucketKey("prefill", 1, 16, 4), PAGE)
+    step = inputs_from_plan(first)
+    _, pool = forward(params, pool, step.token_ids, step.positions, cfg=cfg, pages=step.pages, logit_indices=step.logit_indices)
+    chunks = [RowChunk(requests["a"], 0, 13, pages["a"], True), RowChunk(requests["b"], 11, 10, pages["b"], True), RowChunk(requests["c"], 0, 5, pages["c"], True)]
+    plan = StepPlan.build("prefill", chunks, BucketKey("prefill", 1, 32, 8), PAGE, packed=4)
+    step = inputs_from_plan(plan)
+    logits, _ = forward(params, pool, step.token_ids, step.positions, cfg=cfg, pages=step.pages)  # [1, 32, V]
+    starts = {"a": (0, 0), "b": (13, 11), "c": (23, 0)}  # (index in the row, first position)
+    for name, (index, start) in starts.items():
+        (expected,), _ = forward(params, None, jnp.asarray(seqs[name])[None], jnp.arange(len(seqs[name]))[None], cfg=cfg)
+        length = len(seqs[name]) - start
+        assert_close(np.asarray(logits[0, index : index + length]), np.asarray(expected[start:]), PAGED_VS_DENSE_F32, what=f"packed sequence {name}")
+    assert plan.logit_indices.tolist() == [[12, 22, 27, 0]] and plan.page_segments[0, :7].tolist() == [0, 0, 1, 1, 1, 2, -1]
