@@ -341,6 +341,8 @@ def parse_args():
     parser.add_argument("--page-size", type=int, default=16,
                         help="jaxinfer's tokens per KV page (16: mean decode KV utilization 93%% vs 80%% at 64, same tokens/s)")
     parser.add_argument("--prefill-seqs", default="1", help="jaxinfer's prefill_seq_buckets (comma list)")
+    parser.add_argument("--no-prefill-packing", action="store_true",
+                        help="jaxinfer's prefill steps hold one sequence per row (default: several sequences packed in one row)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
     parser.add_argument("--naive-batch", type=int, default=32)
     parser.add_argument("--llamacpp-parallel", type=int, default=32, help="sequence ids in llama.cpp batched mode (= max_num_seqs)")
@@ -359,13 +361,14 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     """Pages for max_num_seqs sequences of MAX_CONTEXT (the pool never forces a preemption on this workload),
     and no persistent compilation cache, so the warm-up time is a cold compile.
 
-    Tuned: one sequence per prefill step (prefill_seq_buckets=(1,)). Measured on this 2-core CPU, a 4-row
-    prefill step costs about 4 one-row steps (prefill is compute-bound here, so rows do not amortize),
-    and sharing the 512-token budget among 4 rows splits prompts into continuation chunks, which read the
-    full block-table width (MAX_CONTEXT keys per token); with one row, every prompt of this workload
-    (<= 512 tokens) prefills in one first chunk that reads only its own pages."""
+    Tuned: prefill_seq_buckets=(1,), so prefill is packed: up to max_prefill_seqs sequences' chunks back to
+    back in one row of up to 512 tokens, padded only at its end (--no-prefill-packing: one sequence per
+    row, as before). Several unpacked rows (--prefill-seqs 1,4) cost about as many one-row steps on this
+    2-core CPU (prefill is compute-bound), and pad every row to the longest chunk."""
     pages_per_seq = MAX_CONTEXT // args.page_size
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
+    if args.no_prefill_packing:
+        knobs["prefill_packing"] = False
     return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
                         num_pages=args.max_num_seqs * pages_per_seq + 1, compilation_cache_dir=None, **knobs)
 
