@@ -1,0 +1,831 @@
+"""Bucket strategies measured on the real engine: what does each strategy cost and buy at a program budget?
+
+experiments/compare_buckets.py counts padded tokens analytically. This script replays a trace through
+`jaxinfer.api.LLM` once per bucket strategy (jaxinfer.buckets.STRATEGY_KINDS) and total program budget
+(4, 8, 16, 32 programs by default), and reports for each:
+  programs compiled (len(engine.bucket_keys())); warm-up compile seconds cold (a fresh, empty
+  compilation_cache_dir) and warm (a second engine over the same persistent cache dir); JAX's cache
+  events are counted to prove it (cold: every program a miss; warm: every program a hit);
+  padded-token share (SchedulerStats.padding_waste) and the share of padded page-table entries;
+  output tokens per wall second and per CPU second of the worker; time to first token p50/p99
+  (RequestOutput.time_to_first_token, from submission);
+  KV pool: mean and peak utilization (SchedulerStats), internal fragmentation = 1 - utilization
+  (allocated-but-unused slots of held pages), bytes allocated and bytes held at the peak;
+  peak resident bytes (VmHWM, reset before each configuration's warm-ups, and its rise over the RSS
+  before them). VmHWM is process-wide (JAX runtime, weights, compiler memory, the engines of earlier
+  configurations), so it is not the KV memory; the pool bytes are.
+Beside them, as the memory-reuse baseline, two caches are COMPUTED (not run) on the same requests:
+  naive dense: max_num_seqs x max_context slots (bytes from ModelConfig.kv_bytes_per_token);
+  HF growing: static batches of max_num_seqs in arrival order, every row of a batch grows to the
+  batch's longest prompt plus its longest output (left-padded prompts, decoding until the last row ends).
+
+How a budget becomes tables (choose_counts). One strategy kind serves the three bucketed dimensions
+(prefill chunk tokens, decode rows, pages per row), each fitted to its own sample with its own bucket
+count (EngineBuckets of strategy_from_sample): the largest uniform count k whose
+EngineConfig.tables.all_keys() has at most B programs, then any leftover budget spent one table step at
+a time on chunk, rows, pages in turn. If even one bucket per dimension exceeds B, that is run and
+flagged "over budget". A strategy that saturates (pad-to-max) runs the same tables at every budget;
+identical tables run once and are reported under each name.
+The samples come from a dry scheduling pass: the real Scheduler over the same requests with every
+dimension at its finest table (every size a bucket) and a fake step (greedy tokens do not change the
+schedule when EOS is ignored and the prefix cache is off), recording each step's real packed prefill
+tokens, decode rows and pages per row. Prefill is packed (the default).
+
+Process layout: one worker subprocess per trace loads the model once. Phase 1 compiles every
+configuration: a fresh cache dir (jax._src.compilation_cache.reset_cache, private, so JAX reads the new
+dir), an Engine over the loaded params (cold), a second one (warm, then dropped). Phase 2 runs --repeats
+rounds (default 2) of the timed workload over all kept engines in alternating order, each swapped into
+the LLM (use_engine: LLM cannot rebuild its engine itself, and reloading SmolLM2 costs ~17 s a time),
+and reports each configuration's best run: on a shared machine, load from other processes then falls
+on every configuration alike instead of on whichever happened to run during a busy minute.
+
+Traces: a --num-requests sample of the Azure 2023 conversation trace (trace order) and, with
+--traces conversation,synthetic, a synthetic trace (jaxinfer.traces.synthetic_trace, conversation-fitted).
+The default run is the conversation trace only, 12 requests: on a shared 2-core CPU SmolLM2-135M
+compiles a program in 3-4 s, and the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes a
+trace with the timed runs). Lengths are
+divided by --scale; prompts are real text (experiments/data/passages.txt) cut from a random offset, as
+in bench_engine.build_workload, and cut to fit max_context - max_tokens. Greedy, ignore_eos, max_tokens
+from the trace, prefix caching off (repeated prompts would hit it and change the work), the pool sized
+so that nothing is preempted. Offline batch mode only (every request submitted at once): LLM has no
+arrival-time API (stream() submits every prompt at its start), so arrival-time replay is not measured.
+
+Correctness first: in the first configuration of each trace, the greedy tokens of the shortest few
+requests (computed inside the full batch) must equal jaxinfer.generate.generate (the dense reference),
+or the script exits 1 after writing its results. Bucketing should not change greedy tokens on f32: every
+configuration's tokens are compared with the first one's and the agreement share is reported as it is.
+
+Writes experiments/results/buckets_on_engine.json and buckets_on_engine_<plot>.png (throughput vs
+programs, compile time vs programs, padding vs throughput, TTFT p99 vs throughput with the Pareto
+frontier); prints a table; the last stdout line is a JSON summary. --quick: the tiny model (a random
+tiny Llama with SmolLM2's tokenizer), 8 requests, pad-to-max and fitted at budgets 4 and 16.
+
+    nice -n 10 .venv/bin/python experiments/buckets_on_engine.py [--quick] [--model PATH|tiny]
+        [--strategies pad-to-max,fitted] [--budgets 4,8,16,32] [--traces conversation,synthetic]
+        [--num-requests 12] [--scale 16] [--repeats 2] [--out-dir DIR]
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from jaxinfer import runloop
+from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
+from jaxinfer.config import EngineConfig
+from jaxinfer.output import OutputProcessor
+from jaxinfer.request import Request, SamplingParams
+from jaxinfer.scheduler import Scheduler
+from jaxinfer.traces import Trace, load_trace, synthetic_trace
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
+TEXT_FILE = REPO_ROOT / "experiments" / "data" / "passages.txt"
+RESULTS_DIR = REPO_ROOT / "experiments" / "results"
+WORK_DIR = REPO_ROOT / "build" / "buckets_on_engine"  # worker specs, the tiny model (not committed)
+NAME = "buckets_on_engine"
+STRATEGIES = tuple(STRATEGY_KINDS)
+BUDGETS = (4, 8, 16, 32)
+TRACES = ("conversation", "synthetic")
+DEFAULT_TRACES = ("conversation",)  # the default run; both traces take about twice as long (module docstring)
+NUM_REFERENCE_CHECKS = 3  # shortest requests checked against generate.generate
+MAX_BUCKETS_PER_DIMENSION = 64  # k is searched up to this
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The engine limits every configuration shares (EngineConfig fields)."""
+
+    max_context: int = 512  # tokens per sequence; covers --scale 16 of most of the trace (longer prompts are cut)
+    page_size: int = 16  # tokens per KV page (small, so short scaled prompts do not fragment pages badly)
+    max_num_seqs: int = 8  # largest decode batch
+    max_prefill_tokens: int = 256  # prefill tokens per step (the chunk cap)
+
+    @property
+    def num_pages(self) -> int:
+        """Enough pages for max_num_seqs full contexts (+ the null page): nothing is ever preempted."""
+        return self.max_num_seqs * (self.max_context // self.page_size) + 1
+
+    def engine_fields(self) -> dict:
+        return {**dataclasses.asdict(self), "num_pages": self.num_pages, "enable_prefix_caching": False}
+
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]  # token ids, arrival order
+    max_tokens: list[int]
+
+    def summary(self) -> dict:
+        prompts, outputs = np.array([len(p) for p in self.prompts]), np.array(self.max_tokens)
+        return {"name": self.name, "num_requests": len(prompts), "prompt_tokens": int(prompts.sum()), "output_tokens": int(outputs.sum()),
+                "median_prompt": float(np.median(prompts)), "max_prompt": int(prompts.max()),
+                "median_output": float(np.median(outputs)), "max_output": int(outputs.max())}
+
+
+def scaled_workload(name: str, trace: Trace, scale: float, seed: int, text_ids: list[int], max_context: int) -> Workload:
+    """Every request of `trace`, lengths divided by `scale` (at least 1), prompts cut from the text at
+    a random offset (wrapping) and to max_context - max_tokens."""
+    rng = np.random.default_rng(seed)
+    prompts, max_tokens = [], []
+    for context, generated in zip(trace.context_tokens.tolist(), trace.generated_tokens.tolist()):
+        out = min(max(1, round(generated / scale)), max_context // 2)
+        length = min(max(1, round(context / scale)), max_context - out)
+        offset = int(rng.integers(len(text_ids)))
+        prompts.append([text_ids[(offset + i) % len(text_ids)] for i in range(length)])
+        max_tokens.append(out)
+    return Workload(name, prompts, max_tokens)
+
+
+def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, limits: Limits) -> list[Workload]:
+    """The conversation trace (a seeded sample of rows, kept in trace order) and/or a synthetic trace."""
+    text_ids = tokenizer.encode(TEXT_FILE.read_text(), add_bos=False)
+    workloads = []
+    for name in traces:
+        if name == "conversation":
+            full = load_trace(trace_path)
+            trace = full.take(np.sort(np.random.default_rng(seed).choice(full.num_requests, size=num_requests, replace=False)))
+        elif name == "synthetic":
+            trace = synthetic_trace(num_requests, seed=seed)
+        else:
+            raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
+        workloads.append(scaled_workload(name, trace, scale, seed, text_ids, limits.max_context))
+    return workloads
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]:
+    """Real sizes of every step of a dry scheduling pass (module docstring): packed prefill tokens,
+    decode rows, and pages per row of both phases."""
+    finest = EngineConfig(
+        **limits.engine_fields(), prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)),
+        decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)), decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
+    )
+    scheduler = Scheduler(finest, limits.num_pages)
+    for i, (prompt, out) in enumerate(zip(workload.prompts, workload.max_tokens)):
+        scheduler.add(Request(str(i), prompt, greedy(out), seed=i, arrival_index=i))
+    samples = {"chunk": [], "rows": [], "pages": []}
+
+    def record(plan, tokens, seconds):
+        key = plan.bucket  # with every size a bucket, the key is the step's real size
+        if plan.phase == "prefill":
+            samples["chunk"].append(key.num_tokens)
+        else:
+            samples["rows"].append(key.num_rows)
+        samples["pages"].append(key.num_pages)
+
+    fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
+    finished = list(runloop.run(scheduler, fake_step, OutputProcessor(None, None, limits.max_context), on_step=record))
+    assert len(finished) == len(workload.prompts) and all(r.finish_reason == "length" for r in finished), "dry pass lost requests"
+    if not samples["rows"]:  # every request generates one token: no decode step at all
+        samples["rows"] = [1]
+    return samples
+
+
+DIMENSIONS = ("chunk", "rows", "pages")  # EngineBuckets fields, in the order leftover budget is spent on them
+_TABLE_FIELDS = {"chunk": "prefill_chunk_buckets", "rows": "decode_batch_buckets", "pages": "decode_page_buckets"}
+
+
+def engine_buckets(kind: str, counts: dict[str, int], samples: dict) -> EngineBuckets:
+    """One strategy kind per dimension, dimension d with counts[d] buckets fitted to samples[d]."""
+    return EngineBuckets(**{d: strategy_from_sample(kind, samples[d], counts[d]) for d in DIMENSIONS})
+
+
+def engine_config(limits: Limits, kind: str, counts: dict[str, int], samples: dict, **fields) -> EngineConfig:
+    return EngineConfig(**limits.engine_fields(), buckets=engine_buckets(kind, counts, samples), **fields)
+
+
+def tables_of(cfg: EngineConfig) -> dict[str, list[int]]:
+    return {d: list(getattr(cfg, _TABLE_FIELDS[d])) for d in DIMENSIONS}
+
+
+def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict:
+    """Buckets per dimension for a total program budget: the largest uniform count k whose tables
+    compile at most `budget` programs (EngineConfig.tables.all_keys()), then the leftover budget spent
+    one table step at a time on chunk, rows, pages in turn while it still fits.
+
+    Returns {"counts", "programs", "tables", "fits"}; fits is False (counts all 1) when even one bucket
+    per dimension needs more programs than the budget (rows and pages tables always reach the engine's
+    limits, so one bucket can mean two)."""
+    tables = {}  # (dimension, count) -> that dimension's cut table, from an EngineConfig with only it set
+    for d in DIMENSIONS:
+        for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1):
+            cfg = EngineConfig(**limits.engine_fields(), buckets=EngineBuckets(**{d: strategy_from_sample(kind, samples[d], k)}))
+            tables[d, k] = getattr(cfg, _TABLE_FIELDS[d])
+
+    def programs(counts):
+        explicit = {_TABLE_FIELDS[d]: tables[d, counts[d]] for d in DIMENSIONS}
+        return len(EngineConfig(**limits.engine_fields(), **explicit).tables.all_keys())
+
+    uniform = [k for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1) if programs(dict.fromkeys(DIMENSIONS, k)) <= budget]
+    counts = dict.fromkeys(DIMENSIONS, uniform[-1] if uniform else 1)
+    improved = bool(uniform)
+    while improved:
+        improved = False
+        for d in DIMENSIONS:
+            bigger = next((k for k in range(counts[d] + 1, MAX_BUCKETS_PER_DIMENSION + 1) if tables[d, k] != tables[d, counts[d]]), None)
+            if bigger is not None and programs({**counts, d: bigger}) <= budget:
+                counts[d], improved = bigger, True
+    counts = {d: next(k for k in range(1, counts[d] + 1) if tables[d, k] == tables[d, counts[d]]) for d in DIMENSIONS}  # saturated: the least k
+    cfg = engine_config(limits, kind, counts, samples)
+    found = len(cfg.tables.all_keys())
+    return {"counts": counts, "programs": found, "tables": tables_of(cfg), "fits": found <= budget}
+
+
+# ------------------------------------------------------------------------------------------ the configurations of one trace (a subprocess)
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes; VmHWM is its resident high-water mark since the last
+    reset_peak_resident() (process-wide: runtime, weights and compiler included, not only the KV pool)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def reset_peak_resident() -> None:
+    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def fresh_compilation_cache() -> str:
+    """A new, empty persistent-cache directory for the engines built next in this process.
+
+    JAX reads jax_compilation_cache_dir once, at the first compile; `reset_cache` (private, in
+    jax._src.compilation_cache, what JAX's own tests use) makes it read the new one. CacheEvents
+    checks that it took: a cold warm-up must miss on every program."""
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()
+    return tempfile.mkdtemp(prefix="jaxinfer_xla_")
+
+
+class CacheEvents:
+    """Counts JAX persistent-cache hits and misses while active (jax.monitoring events)."""
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+    def _listener(self, event: str, **_) -> None:
+        self.hits += event == "/jax/compilation_cache/cache_hits"
+        self.misses += event == "/jax/compilation_cache/cache_misses"
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_listener(self._listener)
+
+
+class StepRecorder:
+    """The run loop's `on_step` hook: step seconds per phase, padded table entries, peak pages held."""
+
+    def __init__(self, block_pool):
+        self.block_pool = block_pool
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.steps = {"prefill": 0, "decode": 0}
+        self.table_entries = self.real_entries = 0
+        self.peak_pages = 0
+
+    def __call__(self, plan, tokens, seconds: float) -> None:
+        self.seconds[plan.phase] += seconds
+        self.steps[plan.phase] += 1
+        self.table_entries += plan.block_tables.size
+        self.real_entries += int(np.count_nonzero(plan.block_tables))  # page 0 is the null page: padding
+        self.peak_pages = max(self.peak_pages, self.block_pool.num_used)
+
+
+def use_engine(llm, engine) -> None:
+    """Point `llm` at another engine (None: drop its engine, freeing the pool and programs) and a fresh
+    block pool over its KV pool. LLM has no way to build a new engine over the params it has loaded,
+    and loading the default model again costs ~17 s (its Q4_1 GGUF is dequantized, its tokenizer
+    rebuilt), so the experiment swaps engines in."""
+    from jaxinfer.api import Replica
+    from jaxinfer.block_pool import BlockPool
+
+    if engine is None:
+        llm.engine = llm.block_pool = None
+        llm.replicas = []
+        return
+    llm.engine_config, llm.engine, llm.block_pool = engine.engine_cfg, engine, BlockPool(engine.num_pages)
+    llm.replicas = [Replica(engine, llm.block_pool)]
+
+
+def compile_config(llm, params_tree, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
+    """Phase 1 of a configuration: a cold warm-up (an Engine over `params_tree`, the loaded weights,
+    with a fresh cache dir) and a warm one (a second Engine over the same dir, then dropped).
+
+    Returns (the cold engine, kept for the timed runs; its compile measurements). VmHWM is reset first,
+    so peak_resident_bytes is this phase's high-water mark; the engines of earlier configurations are
+    still alive then (resident_bytes_before counts them)."""
+    from jaxinfer.engine import Engine
+
+    cache_dir = fresh_compilation_cache()
+    cfg = engine_config(limits, config["kind"], config["counts"], samples, compilation_cache_dir=cache_dir)
+    if tables_of(cfg) != config["tables"]:
+        raise RuntimeError(f"tables differ from the planned ones: {tables_of(cfg)} != {config['tables']}")
+    gc.collect()
+    reset_peak_resident()
+    before, _ = resident_bytes()
+    engine = Engine(llm.model_config, params_tree, cfg)
+    with CacheEvents() as cold_cache:
+        engine.warmup()
+    programs = len(engine.bucket_keys())
+    assert engine.num_compilations == programs
+    warm_engine = Engine(llm.model_config, params_tree, cfg)  # a second engine over the same cache dir
+    with CacheEvents() as warm_cache:
+        warm_engine.warmup()
+    warm_s = warm_engine.compile_seconds
+    del warm_engine
+    gc.collect()
+    _, peak = resident_bytes()
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return engine, {
+        "programs": programs, "compile_cold_s": engine.compile_seconds, "compile_warm_s": warm_s,
+        "cache_cold": {"hits": cold_cache.hits, "misses": cold_cache.misses}, "cache_warm": {"hits": warm_cache.hits, "misses": warm_cache.misses},
+        "peak_resident_bytes": peak, "resident_bytes_before": before, "attention_impl": engine.impl,
+    }
+
+
+def timed_run(llm, engine, workload: Workload) -> dict:
+    """One offline run of the whole workload on `engine` (swapped into `llm`): wall and CPU seconds,
+    the outputs and the scheduler's stats."""
+    from jaxinfer.engine import CompileCounter
+
+    use_engine(llm, engine)
+    recorder = StepRecorder(llm.block_pool)
+    with CompileCounter() as compiles:
+        wall, cpu = time.perf_counter(), time.process_time()
+        outputs = llm.generate(workload.prompts, [greedy(n) for n in workload.max_tokens], progress=False, on_step=recorder)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {"wall_s": wall, "cpu_s": cpu, "outputs": outputs, "stats": llm.last_stats, "recorder": recorder, "compiles": compiles.count}
+
+
+def summarize_runs(runs: list[dict], engine, llm, workload: Workload, limits: Limits) -> dict:
+    """The best (least wall time) of a configuration's runs, with every run's seconds beside it."""
+    from jaxinfer.kv_pool import pool_bytes
+
+    best = min(runs, key=lambda run: run["wall_s"])
+    outputs, stats, recorder = best["outputs"], best["stats"], best["recorder"]
+    tokens = [o.token_ids for o in outputs]
+    ttft = np.array([o.time_to_first_token for o in outputs])
+    num_output = sum(len(t) for t in tokens)
+    token_bytes = pool_bytes(llm.model_config, 1, 1, engine.engine_cfg.kv_cache_dtype)
+    return {
+        "seconds": best["wall_s"], "seconds_per_repeat": [run["wall_s"] for run in runs], "cpu_seconds_per_repeat": [run["cpu_s"] for run in runs],
+        "compiles_during_runs": sum(run["compiles"] for run in runs),
+        "repeats_identical_tokens": all([o.token_ids for o in run["outputs"]] == tokens for run in runs),
+        "num_output_tokens": num_output, "output_tokens_per_s": num_output / best["wall_s"],
+        "output_tokens_per_cpu_s": num_output / min(run["cpu_s"] for run in runs),
+        "all_lengths_exact": all(len(t) == n for t, n in zip(tokens, workload.max_tokens)),
+        "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "mean_latency_s": float(np.mean([o.latency for o in outputs])),
+        "padding_waste": stats.padding_waste, "table_padding": 1.0 - recorder.real_entries / max(recorder.table_entries, 1),
+        "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions, "steps": recorder.steps, "step_seconds": recorder.seconds,
+        "mean_kv_utilization": stats.mean_kv_utilization, "peak_kv_utilization": stats.peak_kv_utilization,
+        "fragmentation_mean": 1.0 - stats.mean_kv_utilization, "fragmentation_at_peak_utilization": 1.0 - stats.peak_kv_utilization,
+        "pool_pages": engine.num_pages, "pool_bytes_allocated": engine.num_pages * limits.page_size * token_bytes,
+        "pool_peak_pages_held": recorder.peak_pages, "pool_bytes_peak_held": recorder.peak_pages * limits.page_size * token_bytes,
+        "kv_bytes_per_token": llm.model_config.kv_bytes_per_token(), "tokens": tokens,
+    }
+
+
+def reference_check(params_tree, llm, workload: Workload, tokens: list[list[int]]) -> dict:
+    """The shortest requests' greedy tokens (as the engine computed them inside the full batch) against
+    jaxinfer.generate.generate, the dense reference."""
+    from jaxinfer import generate
+
+    chosen = sorted(range(len(tokens)), key=lambda i: len(workload.prompts[i]) + workload.max_tokens[i])[:NUM_REFERENCE_CHECKS]
+    reference = generate.generate(params_tree, llm.model_config, [workload.prompts[i] for i in chosen],
+                                  [greedy(workload.max_tokens[i]) for i in chosen], eos_id=llm.tokenizer.eos_id)
+    equal = [tokens[i] == r.token_ids for i, r in zip(chosen, reference)]
+    return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
+
+
+def run_trace(spec: dict, report=print) -> list[dict]:
+    """Every configuration of one trace in this process, the model loaded once; `report(line)` as each
+    step finishes. Phase 1 compiles every configuration (cold, then warm) and keeps its engine; phase 2
+    times `repeats` rounds of runs over all of them, in alternating order, so that load from other
+    processes on a shared machine falls on every configuration alike (the best run is reported); then
+    the first configuration's tokens are checked against the dense reference."""
+    from jaxinfer.api import LLM
+
+    limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
+    llm = LLM(spec["model"], warmup=False, compilation_cache_dir=None, **limits.engine_fields())
+    params_tree = llm.engine.params
+    use_engine(llm, None)  # the LLM's own (never warmed) engine and pool go
+    results, engines, runs = {}, {}, {}
+    for config in spec["configs"]:
+        try:
+            engines[config["id"]], results[config["id"]] = compile_config(llm, params_tree, config, limits, spec["samples"])
+            runs[config["id"]] = []
+        except Exception as error:  # one failing configuration is reported, the others still run
+            results[config["id"]] = {"error": f"{type(error).__name__}: {error}"}
+        r = results[config["id"]]
+        report(json.dumps({"line": f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s")}))
+    for round_index in range(spec["repeats"]):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for config_id in order:
+            try:
+                runs[config_id].append(timed_run(llm, engines[config_id], workload))
+                line = f"run {round_index + 1} {config_id}: {runs[config_id][-1]['wall_s']:.1f} s"
+            except Exception as error:
+                results[config_id] = {**results[config_id], "error": f"{type(error).__name__}: {error}"}
+                line = f"run {round_index + 1} {config_id}: {results[config_id]['error']}"
+            report(json.dumps({"line": line}))
+    for config_id, engine in engines.items():
+        if "error" not in results[config_id]:
+            results[config_id] |= summarize_runs(runs[config_id], engine, llm, workload, limits)
+    first = spec["configs"][0]["id"]
+    if "tokens" in results[first]:
+        results[first]["reference_check"] = reference_check(params_tree, llm, workload, results[first]["tokens"])
+    return [{"id": c["id"], **results[c["id"]]} for c in spec["configs"]]
+
+
+def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list[dict]:
+    """run_trace(spec) in a fresh Python process (its own JAX, cache and memory high-water mark);
+    `on_line(dict)` is called as each configuration finishes. A crash comes back as errors."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec_file, out_file = work_dir / f"{spec['name']}.spec.json", work_dir / f"{spec['name']}.result.json"
+    spec_file.write_text(json.dumps(spec))
+    out_file.unlink(missing_ok=True)
+    with open(work_dir / f"{spec['name']}.stderr.txt", "w+") as stderr:
+        process = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(spec_file), str(out_file)],
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+        for line in process.stdout:
+            if line.startswith("{"):
+                on_line(json.loads(line))
+        process.wait()
+        stderr.seek(0)
+        tail = stderr.read()[-2000:]
+    if process.returncode or not out_file.exists():
+        return [{"id": c["id"], "error": f"worker exited {process.returncode}: {tail}"} for c in spec["configs"]]
+    return json.loads(out_file.read_text())
+
+
+# ------------------------------------------------------------------------------------------ baselines (computed, not run)
+
+
+def memory_baselines(workload: Workload, limits: Limits, kv_bytes_per_token: int) -> dict:
+    """KV bytes of the naive dense cache and of HF's growing cache on these requests (computed, not run)."""
+    lengths = [(len(p), n) for p, n in zip(workload.prompts, workload.max_tokens)]
+    batches = [lengths[i : i + limits.max_num_seqs] for i in range(0, len(lengths), limits.max_num_seqs)]
+    hf = []
+    for batch in batches:
+        row = max(p for p, _ in batch) + max(n for _, n in batch)
+        hf.append({"rows": len(batch), "row_tokens": row, "bytes": len(batch) * row * kv_bytes_per_token,
+                   "utilization": sum(p + n for p, n in batch) / (len(batch) * row)})
+    peak = max(hf, key=lambda b: b["bytes"])
+    return {
+        "computed_not_run": True, "kv_bytes_per_token": kv_bytes_per_token,
+        "naive_dense": {"slots": limits.max_num_seqs * limits.max_context, "bytes": limits.max_num_seqs * limits.max_context * kv_bytes_per_token,
+                        "what": "max_num_seqs x max_context slots, allocated for the whole run"},
+        "hf_growing": {"peak_bytes": peak["bytes"], "peak_batch_utilization": peak["utilization"],
+                       "mean_bytes": float(np.mean([b["bytes"] for b in hf])), "batches": hf,
+                       "what": "static batches of max_num_seqs in arrival order; each row grows to the batch's longest prompt + longest output"},
+    }
+
+
+# ------------------------------------------------------------------------------------------ analysis
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Exact-match share of requests, and the mean share of each request's tokens before the first difference."""
+    prefix = []
+    for a, b in zip(ours, theirs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(same / max(len(a), 1))
+    return {"exact_requests": float(np.mean([a == b for a, b in zip(ours, theirs)])), "mean_prefix_fraction": float(np.mean(prefix))}
+
+
+def pareto_frontier(rows: list[dict]) -> list[dict]:
+    """Rows not dominated in (higher output tokens/s, lower TTFT p99), by throughput."""
+    ok = [r for r in rows if "error" not in r]
+    frontier = [r for r in ok if not any(
+        o["output_tokens_per_s"] >= r["output_tokens_per_s"] and o["ttft_p99_s"] <= r["ttft_p99_s"]
+        and (o["output_tokens_per_s"] > r["output_tokens_per_s"] or o["ttft_p99_s"] < r["ttft_p99_s"]) for o in ok)]
+    return sorted(frontier, key=lambda r: r["output_tokens_per_s"])
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+TABLE_HEADER = (f"{'strategy':<14}{'B':>3}{'c/r/p':>7}{'progs':>6}{'cold s':>7}{'warm s':>7}{'pad':>7}{'tbl pad':>8}{'tok/s':>7}{'tok/cpu-s':>10}"
+                f"{'ttft p50':>9}{'ttft p99':>9}{'kv mean':>8}{'kv peak':>8}{'frag':>6}{'held MiB':>9}{'rss MiB':>8}{'+MiB':>6}{'agree':>6}")
+
+
+TABLE_LEGEND = ("c/r/p: buckets in the chunk / decode rows / pages tables; pad: padded-token share (SchedulerStats.padding_waste); "
+                "tbl pad: padded page-table entries; tok/s: output tokens per wall second (best run); tok/cpu-s: per CPU second of the "
+                "worker (less sensitive to other load); ttft in s; kv mean/peak: tokens / slots of held pages; frag: 1 - kv mean "
+                "(allocated-but-unused slots); held MiB: KV pool bytes held at the peak; rss MiB: process VmHWM over this "
+                "configuration's warm-ups (process-wide: runtime, weights, compiler, and the engines of the configurations before it); "
+                "+MiB: that peak over the RSS before it; agree: requests with the same greedy tokens as the first row")
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [TABLE_HEADER]
+    for r in rows:
+        sizes = "/".join(str(len(r["tables"][d])) for d in DIMENSIONS)  # buckets in the chunk, rows and pages tables
+        head = f"{r['strategy']:<14}{r['budget']:>3}{sizes:>7}"
+        if "error" in r:
+            lines.append(f"{head}  error: {r['error'][-200:]!r}")
+            continue
+        over = ("" if r["fits"] else " over budget") + ("" if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}" else f" = {r['same_tables_as']}")
+        lines.append(
+            f"{head}{r['programs']:>6}{r['compile_cold_s']:>7.1f}{r['compile_warm_s']:>7.1f}{r['padding_waste']:>7.1%}{r['table_padding']:>8.1%}"
+            f"{r['output_tokens_per_s']:>7.1f}{r['output_tokens_per_cpu_s']:>10.2f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>9.2f}{r['mean_kv_utilization']:>8.1%}"
+            f"{r['peak_kv_utilization']:>8.1%}{r['fragmentation_mean']:>6.1%}{r['pool_bytes_peak_held'] / 2**20:>9.1f}"
+            f"{r['peak_resident_bytes'] / 2**20:>8.0f}{(r['peak_resident_bytes'] - r['resident_bytes_before']) / 2**20:>6.0f}{r['agreement']['exact_requests']:>6.0%}{over}")
+    return "\n".join(lines)
+
+
+def format_baselines(trace: dict) -> str:
+    b, rows = trace["baselines"], [r for r in trace["rows"] if "error" not in r]
+    mib = lambda x: f"{x / 2**20:.2f} MiB"  # noqa: E731
+    held = [r["pool_bytes_peak_held"] for r in rows]
+    lines = ["KV memory on these requests (paged pool measured; dense and HF computed, not run):",
+             f"  naive dense cache, {b['naive_dense']['slots']} slots: {mib(b['naive_dense']['bytes'])}",
+             f"  HF growing cache, peak batch: {mib(b['hf_growing']['peak_bytes'])} ({b['hf_growing']['peak_batch_utilization']:.0%} of its slots hold tokens)"]
+    if held:
+        lines.append(f"  paged pool: held at peak {mib(min(held))} to {mib(max(held))} across configurations, "
+                     f"mean fragmentation {min(r['fragmentation_mean'] for r in rows):.1%} to {max(r['fragmentation_mean'] for r in rows):.1%} "
+                     f"(allocated up front: {mib(rows[0]['pool_bytes_allocated'])}, sized so nothing is preempted)")
+    return "\n".join(lines)
+
+
+def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            out.setdefault(r["strategy"], []).append(r)
+    return out
+
+
+def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") -> dict[str, str]:
+    """Four figures, one panel per trace; returns {plot name: path}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    plots = {
+        "throughput_vs_programs": ("programs", "output_tokens_per_s", "programs compiled", "output tokens/s"),
+        "compile_vs_programs": ("programs", None, "programs compiled", "warm-up compile seconds (solid cold, dashed warm)"),
+        "padding_vs_throughput": ("padding_waste", "output_tokens_per_s", "padded-token share", "output tokens/s"),
+        "pareto_ttft_throughput": ("output_tokens_per_s", "ttft_p99_s", "output tokens/s", "TTFT p99 (s)"),
+    }
+    paths = {}
+    for name, (x, y, xlabel, ylabel) in plots.items():
+        figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
+        axes_list = np.atleast_1d(figure.subplots(1, len(traces)))
+        for axes, trace in zip(axes_list, traces):
+            for strategy, rows in _by_strategy(trace["rows"]).items():
+                rows = sorted(rows, key=lambda r: (r["budget"], r[x]) if name == "pareto_ttft_throughput" else (r[x], r["budget"]))
+                if y is None:
+                    line, = axes.plot([r[x] for r in rows], [r["compile_cold_s"] for r in rows], "o-", label=strategy)
+                    axes.plot([r[x] for r in rows], [r["compile_warm_s"] for r in rows], "s--", color=line.get_color())
+                else:
+                    axes.plot([r[x] for r in rows], [r[y] for r in rows], "o-", label=strategy, alpha=0.8)
+                if name == "pareto_ttft_throughput":
+                    labels: dict[tuple, list[str]] = {}  # identical tables share a point and a label
+                    for r in rows:
+                        labels.setdefault((r[x], r[y]), []).append(str(r["budget"]))
+                    for point, budgets in labels.items():
+                        axes.annotate("B=" + ",".join(budgets), point, textcoords="offset points", xytext=(4, 3), fontsize=7)
+            if name == "pareto_ttft_throughput":
+                frontier = pareto_frontier(trace["rows"])
+                axes.step([r[x] for r in frontier], [r[y] for r in frontier], "k:", where="post", linewidth=2)
+                axes.plot([r[x] for r in frontier], [r[y] for r in frontier], "D", markersize=11, markerfacecolor="none",
+                          markeredgecolor="k", linestyle=":", color="k", label="Pareto frontier")
+            axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{trace['workload']['name']} trace")
+            if x == "padding_waste":
+                axes.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize=8)
+        figure.suptitle(f"bucket strategies on the engine ({model_name})", fontsize=10)
+        path = out_dir / f"{NAME}_{name}.png"
+        figure.savefig(path, dpi=110)
+        paths[name] = str(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ the experiment
+
+
+def tiny_model(folder: pathlib.Path) -> pathlib.Path:
+    """A Hugging Face folder: a random tiny Llama with SmolLM2's tokenizer (tests/conftest.py's idea), for
+    --quick and the notebook: real tokenization and every engine code path, compiled in a fraction of the time."""
+    from safetensors.numpy import save_file
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(None)
+    vocab, d, f, layers, heads, kv_heads, head_dim = tokenizer.vocab_size, 32, 64, 2, 4, 2, 8
+    config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 2048}
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: rng.normal(0, 0.5, shape).astype(np.float32)  # noqa: E731
+    weights = {"model.embed_tokens.weight": normal(vocab, d), "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": np.ones(d, np.float32), p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            p + "self_attn.q_proj.weight": normal(heads * head_dim, d), p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, d),
+            p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, d), p + "self_attn.o_proj.weight": normal(d, heads * head_dim),
+            p + "mlp.gate_proj.weight": normal(f, d), p + "mlp.up_proj.weight": normal(f, d), p + "mlp.down_proj.weight": normal(d, f),
+        }
+    save_file(weights, str(folder / "model.safetensors"))
+    tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+    token = tokenizer.tokenizer.id_to_token
+    (folder / "config.json").write_text(json.dumps(config))  # written last: a complete folder has it
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id), "chat_template": tokenizer.chat_template}))
+    return folder
+
+
+def resolve_model(model: str | None) -> str | None:
+    """None (the default SmolLM2-135M), "tiny" (built under build/), or a path."""
+    return str(tiny_model(WORK_DIR / "tiny_model")) if model == "tiny" else model
+
+
+def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=BUDGETS, traces=DEFAULT_TRACES, num_requests: int = 12,
+                   scale: float = 16.0, seed: int = 0, limits: Limits = Limits(), repeats: int = 2, trace_path=DEFAULT_TRACE,
+                   out_dir: pathlib.Path = RESULTS_DIR, progress: bool = True) -> dict:
+    """The whole experiment: returns the result document (also written to out_dir with the plots)."""
+    from tqdm import tqdm  # text bars (tqdm.auto wants ipywidgets in a notebook)
+
+    from jaxinfer.tokenizer import load_tokenizer
+
+    start_time = time.perf_counter()
+    model = resolve_model(model)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = build_workloads(tuple(traces), pathlib.Path(trace_path), num_requests, scale, seed, load_tokenizer(model), limits)
+    plans = []  # (workload, samples, rows: one per strategy x budget, configs: one per distinct set of tables)
+    for workload in workloads:
+        samples = schedule_samples(workload, limits)
+        rows, configs = [], {}
+        for strategy in strategies:
+            for budget in budgets:
+                fit = choose_counts(strategy, budget, samples, limits)
+                key = json.dumps(fit["tables"])  # identical tables run once
+                if key not in configs:
+                    configs[key] = {"id": f"{strategy} B={budget}", "kind": strategy, "counts": fit["counts"], "tables": fit["tables"]}
+                rows.append({"strategy": strategy, "budget": budget, **fit, "same_tables_as": configs[key]["id"]})
+        plans.append((workload, samples, rows, list(configs.values())))
+    bar = tqdm(total=sum(len(p[3]) for p in plans) * (1 + repeats), unit="step", disable=not progress, desc="compile + timed runs")
+    traces_out = []
+    for workload, samples, rows, configs in plans:
+        spec = {"name": workload.name, "model": model, "limits": dataclasses.asdict(limits), "workload": dataclasses.asdict(workload),
+                "samples": samples, "configs": configs, "repeats": repeats}
+
+        def on_line(line, name=workload.name):
+            bar.update(1)
+            bar.write(f"{name} {line['line']}")
+
+        by_id = {r["id"]: r for r in run_trace_in_subprocess(spec, WORK_DIR / "workers", on_line)}
+        for row in rows:
+            row.update({k: v for k, v in by_id[row["same_tables_as"]].items() if k != "id"})
+        first_tokens = by_id[configs[0]["id"]].get("tokens")
+        ok = [r for r in rows if "error" not in r]
+        for r in ok:
+            r["agreement"] = agreement(r["tokens"], first_tokens) if first_tokens else {"exact_requests": float("nan"), "mean_prefix_fraction": float("nan")}
+        all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
+        distinct = [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
+        traces_out.append({
+            "workload": workload.summary(), "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
+            "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
+            "agreement_all_configurations": {"exact_requests": float(np.mean(all_same)) if all_same else None, "against": configs[0]["id"]},
+            "baselines": memory_baselines(workload, limits, ok[0]["kv_bytes_per_token"]) if ok else None,
+            "pareto_frontier": [{"strategy": r["strategy"], "budget": r["budget"], "programs": r["programs"], "output_tokens_per_s": r["output_tokens_per_s"],
+                                 "ttft_p99_s": r["ttft_p99_s"], "same_tables": [f"{o['strategy']} B={o['budget']}" for o in rows if o["same_tables_as"] == r["same_tables_as"]]}
+                                for r in pareto_frontier(distinct)],
+        })
+    bar.close()
+    model_name = "SmolLM2-135M" if model is None else pathlib.Path(model).name
+    plots = plot_all(traces_out, out_dir, model_name)
+    correct = all(t["reference_check"] is not None and t["reference_check"]["num_equal"] == t["reference_check"]["num_checked"] for t in traces_out)
+    for trace in traces_out:
+        for r in trace["rows"]:
+            r.pop("tokens", None)  # compared above; too bulky to keep
+    return {
+        "question": "what each bucket strategy costs (programs, compile time, memory) and buys (padding, throughput, TTFT) on the real engine at a total program budget",
+        "model": model or "SmolLM2-135M-Instruct (default)", "limits": {**dataclasses.asdict(limits), "num_pages": limits.num_pages},
+        "settings": {"strategies": list(strategies), "budgets": list(budgets), "num_requests": num_requests, "scale": scale, "seed": seed,
+                     "repeats": repeats, "mode": "offline (all requests submitted at once)", "prefill_packing": True, "prefix_caching": False},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "correct": correct, "traces": traces_out, "plots": plots, "runtime_s": time.perf_counter() - start_time,
+    }
+
+
+def summary_line(result: dict) -> dict:
+    """The last stdout line: correctness, agreement, and the best configurations per trace."""
+    per_trace = {}
+    for trace in result["traces"]:
+        ok = [r for r in trace["rows"] if "error" not in r]
+        best = max(ok, key=lambda r: r["output_tokens_per_s"]) if ok else None
+        per_trace[trace["workload"]["name"]] = {
+            "best_throughput": best and {"strategy": best["strategy"], "budget": best["budget"], "programs": best["programs"], "output_tokens_per_s": round(best["output_tokens_per_s"], 1)},
+            "pareto": [f"{p['strategy']} B={p['budget']}" for p in trace["pareto_frontier"]],
+            "agreement_exact_requests": trace["agreement_all_configurations"]["exact_requests"],
+            "errors": len(trace["rows"]) - len(ok),
+        }
+    return {"bench": NAME, "correct": result["correct"], "traces": per_trace, "runtime_s": round(result["runtime_s"], 1)}
+
+
+def print_report(result: dict) -> None:
+    for trace in result["traces"]:
+        w = trace["workload"]
+        print(f"\n{w['name']} trace: {w['num_requests']} requests, prompts median {w['median_prompt']:.0f} / max {w['max_prompt']}, "
+              f"outputs median {w['median_output']:.0f} / max {w['max_output']} tokens ({result['model']})")
+        check = trace["reference_check"]
+        if check:
+            print(f"reference check (dense generate.generate): {check['num_equal']}/{check['num_checked']} requests equal")
+        print(format_table(trace["rows"]))
+        print(TABLE_LEGEND)
+        agree = trace["agreement_all_configurations"]
+        print(f"greedy tokens identical across every configuration: {agree['exact_requests']:.0%} of requests (vs {agree['against']})")
+        if trace["baselines"]:
+            print(format_baselines(trace))
+        print("Pareto frontier (tok/s up, TTFT p99 down): " + ", ".join(
+            f"{p['strategy']} B={p['budget']} ({p['output_tokens_per_s']:.1f} tok/s, {p['ttft_p99_s']:.2f} s)" for p in trace["pareto_frontier"]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or HF folder; 'tiny' builds a random tiny Llama; default SmolLM2-135M")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 8 requests, pad-to-max and fitted at budgets 4 and 16")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    parser.add_argument("--traces", default=",".join(DEFAULT_TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
+    parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="the Azure conversation trace (read in place)")
+    parser.add_argument("--num-requests", type=int, default=12)
+    parser.add_argument("--scale", type=float, default=16.0, help="trace token counts are divided by this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of timed runs over every configuration; the best run of each is reported")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS_DIR)
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.num_requests = args.model or "tiny", min(args.num_requests, 8)
+        args.strategies = args.strategies if args.strategies != ",".join(STRATEGIES) else "pad-to-max,fitted"
+        args.budgets = args.budgets if args.budgets != ",".join(map(str, BUDGETS)) else "4,16"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        spec_file, out_file = args.worker
+        results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), report=lambda line: print(line, flush=True))
+        pathlib.Path(out_file).write_text(json.dumps(results))
+        return
+    strategies = tuple(s for s in args.strategies.split(",") if s)
+    unknown = [s for s in strategies if s not in STRATEGY_KINDS]
+    if unknown:
+        sys.exit(f"unknown strategies {unknown}; known: {', '.join(STRATEGY_KINDS)}")
+    result = run_experiment(model=args.model, strategies=strategies, budgets=tuple(int(b) for b in args.budgets.split(",")),
+                            traces=tuple(args.traces.split(",")), num_requests=args.num_requests, scale=args.scale, seed=args.seed,
+                            repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir)
+    print_report(result)
+    path = args.out_dir / f"{NAME}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path} and {len(result['plots'])} plots")
+    print(json.dumps(summary_line(result)))
+    if not result["correct"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
