@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from exp_common import agreement  # experiments/exp_common.py, beside this script
 from jaxinfer import generate, kv_pool, model
 from jaxinfer.api import LLM
 from jaxinfer.config import EngineConfig
@@ -273,15 +274,6 @@ def run_peer(script: str, workload_file: pathlib.Path, extra: list[str]) -> tupl
     if completed.returncode != 0:
         raise RuntimeError(f"{script} failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
     return json.loads(completed.stdout.strip().splitlines()[-1]), json.loads(tokens_file.read_text())
-
-
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    """Exact-match share of requests, and the mean share of each request's tokens before the first difference."""
-    prefix = []
-    for a, b in zip(ours, theirs):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        prefix.append(same / max(len(a), 1))
-    return {"exact_requests": float(np.mean([a == b for a, b in zip(ours, theirs)])), "mean_prefix_fraction": float(np.mean(prefix))}
 
 
 # ------------------------------------------------------------------------------------------ report

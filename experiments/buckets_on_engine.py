@@ -80,6 +80,7 @@ import time
 
 import numpy as np
 
+from exp_common import agreement  # experiments/exp_common.py, beside this script
 from jaxinfer import runloop
 from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
@@ -517,15 +518,6 @@ def memory_baselines(workload: Workload, limits: Limits, kv_bytes_per_token: int
 # ------------------------------------------------------------------------------------------ analysis
 
 
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    """Exact-match share of requests, and the mean share of each request's tokens before the first difference."""
-    prefix = []
-    for a, b in zip(ours, theirs):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        prefix.append(same / max(len(a), 1))
-    return {"exact_requests": float(np.mean([a == b for a, b in zip(ours, theirs)])), "mean_prefix_fraction": float(np.mean(prefix))}
-
-
 def pareto_frontier(rows: list[dict]) -> list[dict]:
     """Rows not dominated in (higher output tokens/s, lower TTFT p99), by throughput."""
     ok = [r for r in rows if "error" not in r]
@@ -643,37 +635,14 @@ def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") ->
 
 
 def tiny_model(folder: pathlib.Path) -> pathlib.Path:
-    """A Hugging Face folder: a random tiny Llama with SmolLM2's tokenizer (tests/conftest.py's idea), for
+    """A Hugging Face folder: a random tiny Llama with SmolLM2's tokenizer (jaxinfer.tiny_model), for
     --quick and the notebook: real tokenization and every engine code path, compiled in a fraction of the time."""
-    from safetensors.numpy import save_file
-
+    from jaxinfer.tiny_model import save_tiny_llama
     from jaxinfer.tokenizer import load_tokenizer
 
-    if (folder / "model.safetensors").exists():
+    if (folder / "config.json").exists():
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(None)
-    vocab, d, f, layers, heads, kv_heads, head_dim = tokenizer.vocab_size, 32, 64, 2, 4, 2, 8
-    config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 2048}
-    rng = np.random.default_rng(0)
-    normal = lambda *shape: rng.normal(0, 0.5, shape).astype(np.float32)  # noqa: E731
-    weights = {"model.embed_tokens.weight": normal(vocab, d), "model.norm.weight": np.ones(d, np.float32)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights |= {
-            p + "input_layernorm.weight": np.ones(d, np.float32), p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            p + "self_attn.q_proj.weight": normal(heads * head_dim, d), p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, d),
-            p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, d), p + "self_attn.o_proj.weight": normal(d, heads * head_dim),
-            p + "mlp.gate_proj.weight": normal(f, d), p + "mlp.up_proj.weight": normal(f, d), p + "mlp.down_proj.weight": normal(d, f),
-        }
-    save_file(weights, str(folder / "model.safetensors"))
-    tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
-    token = tokenizer.tokenizer.id_to_token
-    (folder / "config.json").write_text(json.dumps(config))  # written last: a complete folder has it
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": token(tokenizer.bos_id), "eos_token": token(tokenizer.eos_id), "chat_template": tokenizer.chat_template}))
-    return folder
+    return save_tiny_llama(folder, load_tokenizer(None), max_position=2048)
 
 
 def resolve_model(model: str | None) -> str | None:

@@ -100,33 +100,6 @@ def compile_cache(tmp_path_factory) -> str:
 def tiny_chat_model(tmp_path_factory, smollm2_tokenizer):
     """A Hugging Face folder: a random tiny Llama with SmolLM2's real vocabulary, tokenizer and chat
     template, so that text jobs (the batch CLI, LLM.generate) run fast on real tokenization."""
-    import json
+    from jaxinfer.tiny_model import save_tiny_llama
 
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    folder = tmp_path_factory.mktemp("tiny_chat_model")
-    vocab, d, f, layers, heads, kv_heads, head_dim = smollm2_tokenizer.vocab_size, 32, 64, 2, 4, 2, 8
-    config = {
-        "model_type": "llama", "vocab_size": vocab, "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 512,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    normal = lambda *shape: rng.normal(0, 0.5, shape).astype(np.float32)  # noqa: E731
-    weights = {"model.embed_tokens.weight": normal(vocab, d), "model.norm.weight": np.ones(d, np.float32)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights |= {
-            p + "input_layernorm.weight": np.ones(d, np.float32), p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            p + "self_attn.q_proj.weight": normal(heads * head_dim, d), p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, d),
-            p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, d), p + "self_attn.o_proj.weight": normal(d, heads * head_dim),
-            p + "mlp.gate_proj.weight": normal(f, d), p + "mlp.up_proj.weight": normal(f, d), p + "mlp.down_proj.weight": normal(d, f),
-        }
-    save_file(weights, str(folder / "model.safetensors"))
-    smollm2_tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
-    token = smollm2_tokenizer.tokenizer.id_to_token
-    tokenizer_config = {"bos_token": token(smollm2_tokenizer.bos_id), "eos_token": token(smollm2_tokenizer.eos_id), "chat_template": smollm2_tokenizer.chat_template}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_chat_model"), smollm2_tokenizer, max_position=512)

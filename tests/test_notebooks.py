@@ -44,3 +44,17 @@ def test_quickstart_notebook_generates_and_chats_with_the_default_model(monkeypa
     assert "134,515,008 parameters" in text
     assert text.count("tokens, ttft") == 3
     assert "Paris" in text and "padding waste" in text
+
+
+def test_buckets_on_engine_notebook_measures_strategies_on_the_engine(monkeypatch, tmp_path):
+    notebook = _execute("buckets_on_engine.ipynb", monkeypatch, JAXINFER_NB_SAMPLE="4", JAXINFER_NB_OUT=str(tmp_path))
+    text = _stream_text(notebook)
+    assert "4 requests, scale 16" in text
+    assert "reference check (dense generate.generate): 3/3 requests equal" in text
+    header = next(line for line in text.splitlines() if line.startswith("strategy"))
+    assert header.split()[:9] == ["strategy", "B", "c/r/p", "progs", "cold", "s", "warm", "s", "pad"] and "ttft p99" in header
+    assert "pad-to-max      4" in text and "fitted          8" in text and "error" not in text
+    assert "greedy tokens identical across every configuration:" in text and "naive dense" in text
+    assert (tmp_path / "buckets_on_engine_pareto_ttft_throughput.png").stat().st_size > 10_000
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2
