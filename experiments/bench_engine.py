@@ -153,6 +153,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
     with CompileCounter() as compiles:
         for _ in range(repeats):
             timer = StepTimer(engine_config.page_size)
+            llm.reset_prefix_cache()  # a repeat must not reuse the prompt pages of the reference check or the repeat before
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, progress=False, on_step=timer)
             runs.append((time.perf_counter() - start, outputs, timer))
@@ -333,6 +334,8 @@ def parse_args():
     parser.add_argument("--page-size", type=int, default=16,
                         help="jaxinfer's tokens per KV page (16: mean decode KV utilization 93%% vs 80%% at 64, same tokens/s)")
     parser.add_argument("--prefill-seqs", default="1", help="jaxinfer's prefill_seq_buckets (comma list)")
+    parser.add_argument("--chunk-buckets", default=None,
+                        help="jaxinfer's prefill_chunk_buckets (comma list; default: EngineConfig's, fitted to packed rows)")
     parser.add_argument("--no-prefill-packing", action="store_true",
                         help="jaxinfer's prefill steps hold one sequence per row (default: several sequences packed in one row)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
@@ -361,6 +364,8 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
     if args.no_prefill_packing:
         knobs["prefill_packing"] = False
+    if args.chunk_buckets and tuned:
+        knobs["prefill_chunk_buckets"] = tuple(int(c) for c in args.chunk_buckets.split(","))
     return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
                         num_pages=args.max_num_seqs * pages_per_seq + 1, compilation_cache_dir=None, **knobs)
 

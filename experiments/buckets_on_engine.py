@@ -84,9 +84,7 @@ from exp_common import agreement  # experiments/exp_common.py, beside this scrip
 from jaxinfer import runloop
 from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
-from jaxinfer.output import OutputProcessor
-from jaxinfer.request import Request, SamplingParams
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.request import SamplingParams
 from jaxinfer.traces import Trace, load_trace, synthetic_trace
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -181,22 +179,14 @@ def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]
         **limits.engine_fields(), prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)),
         decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)), decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
     )
-    scheduler = Scheduler(finest, limits.num_pages)
-    for i, (prompt, out) in enumerate(zip(workload.prompts, workload.max_tokens)):
-        scheduler.add(Request(str(i), prompt, greedy(out), seed=i, arrival_index=i))
+    plans, _ = runloop.dry_run(finest, workload.prompts, workload.max_tokens, limits.num_pages)
     samples = {"chunk": [], "rows": [], "pages": []}
-
-    def record(plan, tokens, seconds):
-        key = plan.bucket  # with every size a bucket, the key is the step's real size
+    for plan in plans:  # with every size a bucket, a plan's key is the step's real size
         if plan.phase == "prefill":
-            samples["chunk"].append(key.num_tokens)
+            samples["chunk"].append(plan.bucket.num_tokens)
         else:
-            samples["rows"].append(key.num_rows)
-        samples["pages"].append(key.num_pages)
-
-    fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
-    finished = list(runloop.run(scheduler, fake_step, OutputProcessor(None, None, limits.max_context), on_step=record))
-    assert len(finished) == len(workload.prompts) and all(r.finish_reason == "length" for r in finished), "dry pass lost requests"
+            samples["rows"].append(plan.bucket.num_rows)
+        samples["pages"].append(plan.bucket.num_pages)
     if not samples["rows"]:  # every request generates one token: no decode step at all
         samples["rows"] = [1]
     return samples

@@ -209,6 +209,15 @@ class LLM:
         self.replica_stats: list = []  # per replica, of the latest stream
         self.last_routes: list[int] = []  # replica of each prompt of the latest stream, in input order
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (each replica gets an empty block pool), as vLLM's
+        `LLM.reset_prefix_cache()`: the next batch computes every prompt page again. Benchmarks call it
+        between timed repeats, so a repeat does not reuse the pages of the one before. Only between
+        batches: the pages of a running batch are never dropped (generate/stream return when done)."""
+        for replica in self.replicas:
+            replica.block_pool = BlockPool(replica.engine.num_pages)
+        self.block_pool = self.replicas[0].block_pool
+
     # ------------------------------------------------------------ the request boundary
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -141,19 +141,29 @@ def attention_over_pages(
     q_positions: Int[Array, "B T"],
     layout: KeyLayout | None = None,
 ) -> Float[Array, "B T H K"]:
-    """Causal GQA attention straight over gathered pages in the pool's layout (no transpose copy);
-    slot p * L + l holds position p * L + l, or what `layout` says (a packed row). f32 scores and
-    softmax, output in q's dtype."""
+    """Causal GQA attention straight over gathered pages in the pool's layout; slot p * L + l holds
+    position p * L + l, or what `layout` says (a packed row). f32 scores and softmax, output in q's dtype.
+
+    The scores of several query tokens (prefill) are kept keys-major, [B, G, S, T, Q], with the softmax
+    over S: that is the layout XLA:CPU's dot (YNNPACK) returns them in, so no [T, S]-sized transpose
+    runs before the mask and softmax (it took ~45% of a packed 512-token step's attention, measured in
+    experiments/profile_steps.py). A single query token (decode) keeps [B, G, Q, T, S], faster there."""
     b, t, h, k = q.shape
     g, _, p, _, l = k_pages.shape
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
-    scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, g, h // g, t, p * l) * (k**-0.5)  # [B, G, Q, T, S]
     layout = layout or KeyLayout(jnp.arange(p * l, dtype=jnp.int32)[None])
     visible = _visible(layout, q_positions)  # [B, T, S]
-    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
     values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
-    out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
+    if t == 1:
+        scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, g, h // g, t, p * l) * (k**-0.5)  # [B, G, Q, T, S]
+        probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
+        out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
+    else:
+        scores = jnp.einsum("gbpkl,btgqk->bgpltq", k_pages, grouped, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, g, p * l, t, h // g) * (k**-0.5)  # [B, G, S, T, Q]
+        probs = jax.nn.softmax(jnp.where(visible.transpose(0, 2, 1)[:, None, :, :, None], scores, MASK_VALUE), axis=2)
+        out = jnp.einsum("bgstq,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
     return out.reshape(b, t, h, k).astype(q.dtype)
 
 

@@ -212,25 +212,32 @@ def _check_hf_unsupported(config: dict[str, Any]) -> None:
         raise ValueError("unsupported attention_bias: true (biases on q/k/v and the output projection)")
 
 
-def fitted_chunk_buckets(max_chunk: int = 512, budget: int = 4, num_requests: int = 10_000) -> tuple[int, ...]:
-    """Prefill chunk buckets fitted (exact DP, buckets.fit_buckets) to the chunk lengths of a synthetic
-    trace whose prompt lengths follow the Azure conversation trace: long prompts split into `max_chunk`
-    chunks plus a remainder. Deterministic (fixed seed); about 20 ms."""
+def fitted_chunk_buckets(budget: int = 6, num_requests: int = 2000, scale: float = 8.0) -> tuple[int, ...]:
+    """Prefill chunk buckets fitted (exact DP, buckets.fit_buckets, multiples of 16) to the real sizes of the
+    packed prefill rows that the default engine's scheduler plans for a synthetic conversation trace
+    (traces.synthetic_trace, seed 0, lengths divided by `scale` as bench_engine scales the Azure trace,
+    prompts cut to the context), found by a dry scheduling pass (runloop.dry_run) with every row size a
+    bucket. Deterministic; about 3 s. The sample is the packed rows, not the prompts: a row holds the
+    chunks of up to max_prefill_seqs sequences, so its size is what a bucket pads."""
     import numpy as np
 
     from jaxinfer.buckets import fit_buckets
+    from jaxinfer.runloop import dry_run
     from jaxinfer.traces import synthetic_trace
 
-    lengths = synthetic_trace(num_requests, seed=0).context_tokens
-    remainders = np.where(lengths % max_chunk == 0, max_chunk, lengths % max_chunk)
-    full_chunks = np.full(int((lengths // max_chunk).sum()), max_chunk)
-    return fit_buckets(np.concatenate([full_chunks, remainders]), budget, multiple_of=16)
+    finest = EngineConfig(prefill_chunk_buckets=tuple(range(1, EngineConfig.max_prefill_tokens + 1)), compilation_cache_dir=None)
+    trace = synthetic_trace(num_requests, seed=0)
+    outputs = np.maximum(1, np.round(trace.generated_tokens / scale)).astype(int)
+    prompts = np.minimum(np.maximum(1, np.round(trace.context_tokens / scale)).astype(int), finest.max_context - outputs)
+    plans, _ = dry_run(finest, [[i + 1] * int(n) for i, n in enumerate(prompts)], outputs.tolist())  # distinct prompts: no prefix hits
+    return fit_buckets([p.bucket.num_tokens for p in plans if p.phase == "prefill"], budget, multiple_of=16)
 
 
-# The default prefill chunk buckets: fitted_chunk_buckets() (tests/test_config_defaults.py checks that the
-# fit still gives them), plus a 32-token bucket for short chat prompts; cut at min(max_prefill_tokens,
-# max_context), which is always added as the largest.
-DEFAULT_CHUNK_BUCKETS = (32, 128, 240, 368, 512)
+# The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (the fitted strategy pads
+# least at every program budget; README "Bucket strategies on the engine"): fitted_chunk_buckets() (tests/
+# test_config_defaults.py checks that the fit still gives them), plus a 32-token bucket for short chat prompts
+# typed alone; cut at min(max_prefill_tokens, max_context), which is always added as the largest.
+DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
 _DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
 _DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxinfer.output import OutputProcessor
-from jaxinfer.request import Request, StepPlan
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.request import Request, SamplingParams, StepPlan
+from jaxinfer.scheduler import Scheduler, SchedulerStats
 
 StepFn = Callable[[StepPlan], np.ndarray]  # plan -> sampled tokens int[R]
 OnStep = Callable[[StepPlan, np.ndarray, float], None]  # (plan, tokens, seconds the step took)
@@ -62,3 +62,22 @@ def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, pla
             scheduler.finish(request, reason)
             finished.append(request)
     return finished
+
+
+def dry_run(engine_cfg, prompts: list[list[int]], max_tokens: list[int], num_pages: int | None = None) -> tuple[list[StepPlan], SchedulerStats]:
+    """The plans the real scheduler makes for these requests (greedy, EOS ignored, each generating exactly
+    its max_tokens) when every step returns token 0: the schedule of an offline batch, host only, in
+    milliseconds. Greedy tokens do not change a schedule whose stops are lengths, so the plans' keys,
+    padding and page use are those of a real run (the prefix cache sees the same prompts). `num_pages`:
+    the pool's pages (None: the engine config's, or enough for max_num_seqs full contexts)."""
+    pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+    scheduler = Scheduler(engine_cfg, pages)
+    for i, (prompt, out) in enumerate(zip(prompts, max_tokens, strict=True)):
+        scheduler.add(Request(str(i), list(prompt), SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), seed=i, arrival_index=i))
+    plans: list[StepPlan] = []
+    fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
+    finished = list(run(scheduler, fake_step, OutputProcessor(None, None, engine_cfg.max_context), on_step=lambda plan, *_: plans.append(plan)))
+    lost = [r.request_id for r in finished if r.finish_reason != "length"]
+    if len(finished) != len(prompts) or lost:
+        raise ValueError(f"the dry run did not finish every request by length (not: {lost[:5]}); the limits are too small for them")
+    return plans, scheduler.stats

@@ -48,3 +48,15 @@ def test_chat_applies_template_and_stops_at_end_of_turn(llm):
 def test_mismatched_sampling_params_list_is_rejected(llm):
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(["a", "b", "c"], [GREEDY, GREEDY])
+
+
+def test_reset_prefix_cache_makes_the_next_batch_compute_every_prompt_page(llm):
+    prompt = list(range(100, 150))  # 50 tokens: 3 full pages of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate([prompt], params, progress=False)[0]
+    again = llm.generate([prompt], params, progress=False)[0]
+    assert again.num_cached_tokens == 48 and again.token_ids == first.token_ids
+    llm.reset_prefix_cache()
+    fresh = llm.generate([prompt], params, progress=False)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.token_ids == first.token_ids
+    assert llm.block_pool.num_cached > 0  # the new pool caches the new batch's pages again
