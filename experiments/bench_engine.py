@@ -134,11 +134,12 @@ class StepTimer:
         }
 
 
-def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> tuple[dict, list[list[int]], LLM]:
-    """Load, warm up (timed apart), check a few requests against the dense reference, then time the run."""
+def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int, quantization: str | None = None) -> tuple[dict, list[list[int]], LLM]:
+    """Load (weights kept as `quantization` says, LLM's argument), warm up (timed apart), check a few
+    requests against the dense reference, then time the run."""
     requests = workload["requests"]
     start = time.perf_counter()
-    llm = LLM(None, engine_config=engine_config, warmup=False)
+    llm = LLM(None, engine_config=engine_config, warmup=False, **({"quantization": quantization} if quantization else {}))
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     llm.engine.warmup()
@@ -167,7 +168,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int) -> t
         "repeats_identical_tokens": all([o.token_ids for o in run[1]] == tokens for run in runs), "num_output_tokens": num_output,
         "output_tokens_per_s": num_output / seconds, "all_lengths_exact": all(len(t) == r["max_tokens"] for t, r in zip(tokens, requests)),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine_config).items()}, "num_pages": llm.engine.num_pages,
-        "attention_impl": llm.engine.impl, "reference_check": reference,
+        "attention_impl": llm.engine.impl, "quantization": quantization, "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
         "time_split": timer.summary(seconds),
         "decode_kv_utilization": timer.kv_utilization(),  # from the plans, over decode steps only
@@ -336,6 +337,9 @@ def parse_args():
     parser.add_argument("--prefill-seqs", default="1", help="jaxinfer's prefill_seq_buckets (comma list)")
     parser.add_argument("--chunk-buckets", default=None,
                         help="jaxinfer's prefill_chunk_buckets (comma list; default: EngineConfig's, fitted to packed rows)")
+    parser.add_argument("--quantization", choices=("gguf", "int8", "int4"), default=None,
+                        help="jaxinfer's weights on the device (LLM's quantization): gguf keeps the file's Q4_1 blocks; default f32")
+    parser.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3"), default=None, help="jaxinfer's KV pool codes (default: f32)")
     parser.add_argument("--no-prefill-packing", action="store_true",
                         help="jaxinfer's prefill steps hold one sequence per row (default: several sequences packed in one row)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
@@ -362,9 +366,11 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     2-core CPU (prefill is compute-bound), and pad every row to the longest chunk."""
     pages_per_seq = MAX_CONTEXT // args.page_size
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
-    if args.no_prefill_packing:
+    if getattr(args, "no_prefill_packing", False):
         knobs["prefill_packing"] = False
-    if args.chunk_buckets and tuned:
+    if getattr(args, "kv_cache_dtype", None):
+        knobs["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "chunk_buckets", None) and tuned:
         knobs["prefill_chunk_buckets"] = tuple(int(c) for c in args.chunk_buckets.split(","))
     return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
                         num_pages=args.max_num_seqs * pages_per_seq + 1, compilation_cache_dir=None, **knobs)
@@ -380,7 +386,7 @@ def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
     results: dict[str, dict] = {}
     jax_tokens, llm = None, None
     if "jaxinfer" in args.runners or "naive" in args.runners:
-        results["jaxinfer"], jax_tokens, llm = run_jaxinfer(workload, engine_config_for(args), args.repeats)
+        results["jaxinfer"], jax_tokens, llm = run_jaxinfer(workload, engine_config_for(args), args.repeats, args.quantization)
         results["jaxinfer"]["load_average_after"] = _load_average()
         print(f"jaxinfer: {results['jaxinfer']['output_tokens_per_s']:.1f} tokens/s", flush=True)
     if "naive" in args.runners:
