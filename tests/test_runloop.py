@@ -4,6 +4,8 @@ never be planned ends as errors instead of a spin."""
 import subprocess
 import sys
 
+import pytest
+
 from test_scheduler import FakePagedEngine, expected_output, request, small_config
 
 from jaxinfer import runloop
@@ -44,3 +46,24 @@ def test_work_that_can_never_be_planned_ends_as_errors_not_a_spin():
 def test_runloop_imports_no_jax():
     code = "import jaxinfer.runloop, jaxinfer.output, jaxinfer.request, sys; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dry_run_plans_the_schedule_of_a_real_run():
+    # The hashing fake engine draws data-dependent tokens; the dry run draws 0s. With length stops the
+    # schedule is the same: same keys, same padding, same pages.
+    cfg = small_config(prefill_seq_buckets=(1,))
+    prompts = [request(f"r{i}", n, m, i) for i, (n, m) in enumerate([(5, 3), (11, 1), (2, 6), (9, 4), (7, 2)])]
+    scheduler = Scheduler(cfg, num_pages=20)
+    for r in prompts:
+        scheduler.add(r)
+    keys = []
+    list(runloop.run(scheduler, FakePagedEngine(20, 4).step, OutputProcessor(None, None, 32), on_step=lambda plan, *_: keys.append(plan.bucket)))
+    plans, stats = runloop.dry_run(cfg, [r.prompt_ids for r in prompts], [r.params.max_tokens for r in prompts], num_pages=20)
+    assert [p.bucket for p in plans] == keys
+    assert (stats.real_tokens, stats.padded_tokens) == (scheduler.stats.real_tokens, scheduler.stats.padded_tokens)
+    assert stats.padded_tokens > stats.real_tokens  # the small tables pad: a test that could see a difference
+
+
+def test_dry_run_names_requests_the_limits_cannot_hold():
+    with pytest.raises(ValueError, match="needs 6 KV pages; the pool has 2"):  # Scheduler.add refuses it by name
+        runloop.dry_run(small_config(), [[1] * 20], [4], num_pages=3)
