@@ -345,8 +345,6 @@ def parse_args():
     parser.add_argument("--quantization", choices=("gguf", "int8", "int4"), default=None,
                         help="jaxinfer's weights on the device (LLM's quantization): gguf keeps the file's Q4_1 blocks; default f32")
     parser.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3"), default=None, help="jaxinfer's KV pool codes (default: f32)")
-    parser.add_argument("--unroll-layers", action="store_true",
-                        help="jaxinfer runs its layers as a Python loop over per-layer weights (EngineConfig.unroll_layers; longer compiles)")
     parser.add_argument("--no-prefill-packing", action="store_true",
                         help="jaxinfer's prefill steps hold one sequence per row (default: several sequences packed in one row)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
@@ -375,8 +373,6 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
     if getattr(args, "no_prefill_packing", False):
         knobs["prefill_packing"] = False
-    if getattr(args, "unroll_layers", False):
-        knobs["unroll_layers"] = True
     if getattr(args, "kv_cache_dtype", None):
         knobs["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "chunk_buckets", None) and tuned:
