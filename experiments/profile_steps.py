@@ -129,12 +129,10 @@ def main() -> None:
     parser.add_argument("--keys", default=DEFAULT_KEYS, help="comma list of phase/rows/tokens/pages bucket keys")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=8, help="ops listed per key")
-    parser.add_argument("--unroll-layers", action="store_true", help="EngineConfig(unroll_layers=True): per-layer weights, no scan")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     keys = [parse_key(k) for k in args.keys.split(",") if k]
-    engine_config = EngineConfig(max_context=2048, max_num_seqs=32, page_size=PAGE_SIZE, num_pages=32 * 2048 // PAGE_SIZE + 1,
-                                 compilation_cache_dir=None, unroll_layers=args.unroll_layers)
+    engine_config = EngineConfig(max_context=2048, max_num_seqs=32, page_size=PAGE_SIZE, num_pages=32 * 2048 // PAGE_SIZE + 1, compilation_cache_dir=None)
     llm = LLM(None, engine_config=engine_config, warmup=False)
     results = []
     for key in keys:
@@ -144,7 +142,7 @@ def main() -> None:
               f"XLA cost analysis {(entry['flops'] or 0) / 1e9:.1f} GFLOP, {(entry['bytes_accessed'] or 0) / 1e6:.0f} MB")
         for op in entry["top_ops"]:
             print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['op']:<30} {op['jax_op'][:80]}")
-    document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32", "unroll_layers": args.unroll_layers,
+    document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32",
                 "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "machine": {"platform": platform.platform(), "jax": jax.__version__},
                 "keys": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

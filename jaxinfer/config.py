@@ -299,10 +299,6 @@ class EngineConfig:
     # rows run as several 8-row programs), blockwise attention, and preempted requests replay generated
     # tokens through decode steps.
     deterministic: bool = False
-    # Run the layers as a Python loop over per-layer weights instead of lax.scan over the stack: XLA:CPU then
-    # reads each layer's weights in place instead of copying the scan's slice every step (faster decode),
-    # at the price of compile time growing with depth. One device only (no tensor parallelism).
-    unroll_layers: bool = False
     _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
 
     def __post_init__(self):
@@ -329,7 +325,6 @@ class EngineConfig:
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("deterministic", self.deterministic)
-        check_bool("unroll_layers", self.unroll_layers)
         check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
         if self.prefill_packing is not None:
             check_bool("prefill_packing", self.prefill_packing)

@@ -31,7 +31,7 @@ from jaxinfer import model, sampling
 from jaxinfer import sharding as shd
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.params import Params, unstack_layers
+from jaxinfer.params import Params
 from jaxinfer.request import BucketKey, FieldError, StepPlan
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,6 @@ class Engine:
         self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
         step = functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits)
         init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
-        if engine_cfg.unroll_layers:
-            if mesh is not None:
-                raise FieldError("unroll_layers", "runs on one device; it cannot be combined with tensor parallelism")
-            self.params = unstack_layers(params)
         if mesh is None:
             self.pool = init()
             self._jitted = jax.jit(step, donate_argnames=("pool",))

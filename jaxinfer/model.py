@@ -9,8 +9,7 @@ A leading `#` (jaxtyping) means "that size or 1": `forward` returns [B, 1, V] wi
 
 One `forward` serves the no-cache reference (cache=None), the dense cache of the reference generator
 and the paged pool of the engine: only the cache argument differs. Layers are stacked and run with
-`lax.scan`, so compile time does not grow with depth; params whose `layers` is a tuple of per-layer
-weights (`params.unstack_layers`, EngineConfig.unroll_layers) run the same layer body as a Python loop. The cache rides in the scan carry and each layer
+`lax.scan`, so compile time does not grow with depth. The cache rides in the scan carry and each layer
 updates its own slice, which XLA does in place when the caller donates the cache.
 
 Family features are ModelConfig fields, each read by one function here: `rope_scaling` by
@@ -163,12 +162,8 @@ def forward(
     x = quant.take(params.embed, tokens, dtype=jnp.dtype(cfg.dtype))  # [B, T, D]
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
-    if isinstance(params.layers, tuple):  # per-layer weights (params.unstack_layers): the same body, unrolled
-        for index, layer in enumerate(params.layers):
-            (x, cache), _ = body((x, cache), (layer, jnp.int32(index)))
-    else:
-        layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
+    layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     if logit_indices is not None:
         indices = logit_indices if logit_indices.ndim == 2 else logit_indices[:, None]  # [B, J]
         x = jnp.take_along_axis(x, indices[:, :, None], axis=1)  # [B, J, D]

@@ -64,19 +64,6 @@ class Params:
     lm_head: Weight | None  # [D, V], None when tied to `embed`
 
 
-def unstack_layers(params: Params) -> Params:
-    """The same weights with `layers` as a tuple of per-layer LayerParams (no leading N axis; quantized
-    tensors split the same way). `model.forward` runs such layers as a Python loop, so XLA:CPU's dots read
-    each layer's weights where they lie, instead of copying the scan's slice of the stack every step
-    (experiments/scan_weight_copy.py, experiments/profile_steps.py). Compile time grows with depth.
-    The copy made here holds the weights a second time until the stacked params are dropped."""
-    if isinstance(params.layers, tuple):
-        return params
-    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda w, i=i: w[i], params.layers) for i in range(num_layers))
-    return dataclasses.replace(params, layers=layers)
-
-
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of each stacked layer weight the config has (biases and q/k norms only with their feature)."""
     n, d, h, g, k, f = cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim

@@ -193,26 +193,3 @@ def test_pool_layout_matches_kernel_layout(tiny_engine, tiny_llama):
     assert (n, g, p, k, l) == (cfg.num_layers, cfg.num_kv_heads, tiny_engine.num_pages, cfg.head_dim, 8)
     assert tiny_engine.pool.v.shape == (n, g, p, l, k)
     assert kvp.pool_bytes(cfg, p, l) == tiny_engine.pool.k.nbytes + tiny_engine.pool.v.nbytes
-
-
-def test_unrolled_layers_give_the_dense_argmax_and_no_compiles_after_warmup(tiny_llama, compile_cache):
-    """EngineConfig(unroll_layers=True): per-layer weights in a Python loop, the same layer body as the scan."""
-    from jaxinfer.params import unstack_layers
-
-    cfg, params = tiny_llama
-    engine = Engine(cfg, params, tiny_engine_config(compile_cache, unroll_layers=True))
-    assert isinstance(engine.params.layers, tuple) and len(engine.params.layers) == cfg.num_layers
-    assert engine.params.layers[1].wq.shape == params.layers.wq.shape[1:]
-    engine.warmup()
-    greedy = [Prompt(i, p.token_ids, SamplingParams(temperature=0.0, max_tokens=p.params.max_tokens, ignore_eos=True)) for i, p in enumerate(random_prompts(12, cfg.vocab_size, seed=5))]
-    with CompileCounter() as compiles:
-        outputs, _, plans = run_engine(engine, greedy)
-    assert compiles.count == 0 and {plan.phase for plan in plans} == {"prefill", "decode"}
-    assert_greedy_is_dense_argmax(cfg, params, greedy, outputs)
-    ids = np.asarray([greedy[0].token_ids[:8]], np.int32)
-    positions = np.arange(8, dtype=np.int32)[None]
-    from jaxinfer import model
-
-    stacked, _ = model.forward(params, None, ids, positions, cfg=cfg)
-    unrolled, _ = model.forward(unstack_layers(params), None, ids, positions, cfg=cfg)
-    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(stacked), rtol=1e-5, atol=1e-5)
