@@ -120,8 +120,12 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     cost = cost[0] if isinstance(cost, list) else cost
     traced = sum(totals.values())
     ops = [{"op": op, "jax_op": names.get(op, ""), "ms": us / 1e3, "share_of_traced": us / traced} for op, us in totals.most_common(top)]
+    by_jax_op = collections.Counter()  # the HLO ops one jax op made, summed
+    for op, us in totals.items():
+        by_jax_op[re.sub(r"^while/body/", "", names.get(op, op))] += us
     return {"key": "/".join(map(str, key)), "compile_s": compile_s, "median_ms": 1e3 * statistics.median(seconds), "traced_op_ms": traced / 1e3,
-            "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"), "top_ops": ops}
+            "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"), "top_ops": ops,
+            "top_jax_ops": [{"jax_op": name, "ms": us / 1e3, "share_of_traced": us / traced} for name, us in by_jax_op.most_common(top)]}
 
 
 def main() -> None:
@@ -142,6 +146,9 @@ def main() -> None:
               f"XLA cost analysis {(entry['flops'] or 0) / 1e9:.1f} GFLOP, {(entry['bytes_accessed'] or 0) / 1e6:.0f} MB")
         for op in entry["top_ops"]:
             print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['op']:<30} {op['jax_op'][:80]}")
+        print("  by jax op:")
+        for op in entry["top_jax_ops"]:
+            print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['jax_op'][:110]}")
     document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32",
                 "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "machine": {"platform": platform.platform(), "jax": jax.__version__},
                 "keys": results}
