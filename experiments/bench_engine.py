@@ -141,6 +141,7 @@ def run_jaxinfer(workload: dict, engine_config: EngineConfig, repeats: int, quan
     requests against the dense reference, then time the run."""
     requests = workload["requests"]
     start = time.perf_counter()
+    # quantization only when given: bench_quant swaps LLM for a partial that already sets it
     llm = LLM(None, engine_config=engine_config, warmup=False, **({"quantization": quantization} if quantization else {}))
     load_s = time.perf_counter() - start
     start = time.perf_counter()

@@ -212,21 +212,14 @@ def _make_llm(args, engine_config):
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        llm = LLM(args.model, **_llm_kwargs(args, engine_config))
+        return LLM(args.model, **_llm_kwargs(args, engine_config))
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
-    if _CTRL_C.is_set():  # pressed while loading, and a library's blanket `except` swallowed the KeyboardInterrupt
-        raise KeyboardInterrupt
-    return llm
-
-
-_CTRL_C = threading.Event()  # set by _on_ctrl_c: main() honours a Ctrl-C even if something swallowed it
 
 
 def _on_ctrl_c(signum, frame):
     """SIGINT: KeyboardInterrupt, except inside a gc callback (jax registers one), where Python would print
     the exception as ignored and drop it: there the signal is sent again a moment later."""
-    _CTRL_C.set()
     if frame is not None and any(frame.f_code is getattr(callback, "__code__", None) for callback in gc.callbacks):
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
         return
@@ -379,7 +372,6 @@ def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: 
 def main(argv: list[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _on_ctrl_c) if in_main_thread else None
-    _CTRL_C.clear()
     try:
         return _main(argv)
     finally:

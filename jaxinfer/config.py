@@ -233,8 +233,8 @@ def fitted_chunk_buckets(budget: int = 6, num_requests: int = 2000, scale: float
     return fit_buckets([p.bucket.num_tokens for p in plans if p.phase == "prefill"], budget, multiple_of=16)
 
 
-# The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (the fitted strategy pads
-# least at every program budget; README "Bucket strategies on the engine"): fitted_chunk_buckets() (tests/
+# The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (fitted and quantile pad least
+# at each program budget; README "Bucket strategies on the engine"): fitted_chunk_buckets() (tests/
 # test_config_defaults.py checks that the fit still gives them), plus a 32-token bucket for short chat prompts
 # typed alone; cut at min(max_prefill_tokens, max_context), which is always added as the largest.
 DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
