@@ -7,14 +7,16 @@ float32):
      prefill ids computed in this run; both must be within MAX_RELATIVE_ERROR (relative error norm);
   2. the machine's ceilings, measured here: f32 matmul FLOP/s (MATMUL_SIZE^3 jnp matmul) and read
      bandwidth (a reduction over BANDWIDTH_BYTES), best of several runs after a warm-up;
-  3. prefill: one sequence of --prefill-tokens real-text tokens through a dense cache, jitted;
-  4. decode: one token per row at each batch size over a dense cache of --context slots, every row at
-     position context - 1 (so every row attends to the full context), jitted, cache donated;
+  3. prefill: one sequence of --prefill-tokens real-text tokens through the engine's paged pool (pages of
+     PAGE_SIZE) with the engine's attention (--attention, resolved as the engine resolves it: on a CPU,
+     the kernels_cpu kernel), jitted, pool donated;
+  4. decode: one token per row at each batch size over the paged pool holding --context tokens per row,
+     every row at position context - 1 (so every row attends to the full context), same attention;
   5. compile time of each of those programs (lower + compile, persistent cache not used);
   6. HF transformers on the same ids and batch sizes, via experiments/peers/hf_forward.py in .venv-ref;
   7. where a decode step's time goes, per batch size: the forward without a cache (layer matmuls, norms,
      rope, LM head), the LM head + argmax alone, and the attention block alone (K/V write + attention,
-     30 layers) over the dense cache and over a paged pool (PAGE_SIZE) holding the same context.
+     30 layers) over a dense cache, over the paged pool with the jnp path, and with --attention.
 
 FLOPs counted (stated in the output): 2 * P_matmul * tokens + 2 * V * D * rows_with_logits
 + 4 * L * H * K * (sum over query tokens of keys attended), P_matmul = the layers' matmul weights.
@@ -29,6 +31,7 @@ the benchmark's (random) prompt ids. Results go to bench_forward_<NAME>.json. Th
 3 x the f32 weight bytes of memory (1B: ~15 GB; 0.5B: ~6 GB).
 
     .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf] [--geometry NAME]
+        [--attention auto|reference|cpu]
 """
 
 import argparse
@@ -48,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import attention, kv_pool, loading, model
-from jaxinfer.config import ModelConfig, from_hf_config
+from jaxinfer.config import ATTENTION_IMPLS, ModelConfig, from_hf_config
 from jaxinfer.tokenizer import load_tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,7 +64,7 @@ MATMUL_SIZE = 2048  # the peak is an f32 [n, n] @ [n, n] matmul
 BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of this size
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
 FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
-PAGE_SIZE = 64  # tokens per page of the paged pool in the breakdown (the engine's default)
+PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default)
 # Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
 GEOMETRIES = {
     "llama3-1b": {
@@ -153,20 +156,33 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 # ------------------------------------------------------------------------------------------ programs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill(params, cache, tokens, *, cfg):
-    """Prefill [B, T] into a dense cache; donates `cache`. Returns (last-position logits [B, V], cache)."""
+def paged_meta(batch: int, context: int, positions: np.ndarray) -> kv_pool.PageMeta:
+    """Row b owns pages b * n + 1 .. (b + 1) * n of a pool of batch * n + 1 pages (n = context / PAGE_SIZE);
+    tokens at `positions` [B, T] are written to their slots."""
+    per_row = -(-context // PAGE_SIZE)
+    tables = np.arange(1, batch * per_row + 1, dtype=np.int32).reshape(batch, per_row)
+    slot_pages = np.take_along_axis(tables, positions // PAGE_SIZE, axis=1)
+    return kv_pool.PageMeta(jnp.asarray(tables), jnp.asarray(slot_pages), jnp.asarray(positions % PAGE_SIZE, dtype=jnp.int32))
+
+
+def paged_pool(cfg: ModelConfig, batch: int, context: int) -> kv_pool.KVPool:
+    return kv_pool.init_pool(cfg, batch * -(-context // PAGE_SIZE) + 1, PAGE_SIZE)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
+def _prefill(params, pool, tokens, pages, *, cfg, impl):
+    """Prefill [B, T] into the paged pool; donates `pool`. Returns (last-position logits [B, V], pool)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     last = jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32)
-    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg, logit_indices=last)
-    return logits[:, 0], cache
+    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
+    return logits[:, 0], pool
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _decode(params, cache, tokens, positions, *, cfg):
-    """One greedy decode step for [B, 1]; donates `cache`. Returns (next tokens [B, 1], cache)."""
-    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg)
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
+def _decode(params, pool, tokens, positions, pages, *, cfg, impl):
+    """One greedy decode step for [B, 1] over the paged pool; donates `pool`. Returns (next tokens [B, 1], pool)."""
+    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl=impl)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], pool
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -215,14 +231,15 @@ def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
 # ------------------------------------------------------------------------------------------ timing
 
 
-def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int) -> dict:
+def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: str) -> dict:
     tokens = jnp.asarray([ids], jnp.int32)
-    cache = kv_pool.init_dense_cache(cfg, 1, len(ids))
-    program, compile_s = _compile(_prefill, params, cache, tokens, cfg=cfg)
-    state = {"cache": cache}
+    pages = paged_meta(1, len(ids), np.arange(len(ids), dtype=np.int32)[None])
+    pool = paged_pool(cfg, 1, len(ids))
+    program, compile_s = _compile(_prefill, params, pool, tokens, pages, cfg=cfg, impl=impl)
+    state = {"pool": pool}
 
     def run():
-        logits, state["cache"] = program(params, state["cache"], tokens)
+        logits, state["pool"] = program(params, state["pool"], tokens, pages)
         state["logits"] = logits.block_until_ready()
 
     times = _time_calls(run, repeats, warmup=1)
@@ -230,21 +247,22 @@ def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int) -> dic
     num_tokens = len(ids)
     flops = forward_flops(cfg, num_tokens, 1, num_tokens * (num_tokens + 1) // 2)
     return {
-        "tokens": num_tokens, "compile_s": compile_s, "times_s": times, "median_s": seconds,
+        "tokens": num_tokens, "attention_impl": impl, "compile_s": compile_s, "times_s": times, "median_s": seconds,
         "tokens_per_s": num_tokens / seconds, "flops": flops, "flops_per_s": flops / seconds,
         "last_logits": np.asarray(state["logits"][0]),
     }
 
 
-def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int) -> dict:
-    cache = kv_pool.init_dense_cache(cfg, batch, context)
+def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int, impl: str) -> dict:
     tokens = jnp.full((batch, 1), token, jnp.int32)
-    positions = jnp.full((batch, 1), context - 1, jnp.int32)  # every row attends to all `context` slots
-    program, compile_s = _compile(_decode, params, cache, tokens, positions, cfg=cfg)
-    state = {"cache": cache}
+    last = np.full((batch, 1), context - 1, np.int32)  # every row attends to all `context` slots
+    positions, pages = jnp.asarray(last), paged_meta(batch, context, last)
+    pool = paged_pool(cfg, batch, context)
+    program, compile_s = _compile(_decode, params, pool, tokens, positions, pages, cfg=cfg, impl=impl)
+    state = {"pool": pool}
 
     def run():
-        next_tokens, state["cache"] = program(params, state["cache"], tokens, positions)
+        next_tokens, state["pool"] = program(params, state["pool"], tokens, positions, pages)
         next_tokens.block_until_ready()
 
     times = _time_calls(run, repeats, warmup=2)
@@ -252,17 +270,17 @@ def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int,
     flops = forward_flops(cfg, batch, batch, batch * context)
     num_bytes = decode_bytes(cfg, batch, context)
     return {
-        "batch": batch, "context": context, "compile_s": compile_s, "times_s": times, "median_step_s": seconds,
+        "batch": batch, "context": context, "attention_impl": impl, "compile_s": compile_s, "times_s": times, "median_step_s": seconds,
         "tokens_per_s": batch / seconds, "flops": flops, "flops_per_s": flops / seconds,
         "bytes": num_bytes, "bytes_per_s": num_bytes / seconds,
     }
 
 
-def _attention_only(cache, q, k, v, positions, pages, *, num_layers: int):
+def _attention_only(cache, q, k, v, positions, pages, *, num_layers: int, impl: str):
     """The attention block of every layer (write this step's K/V, attend); donates `cache`."""
     def body(carry, layer):
         out, cache = carry
-        new_out, cache = attention.attend(cache, layer, q, k, v, positions, pages, "reference")
+        new_out, cache = attention.attend(cache, layer, q, k, v, positions, pages, impl)
         return (out + new_out, cache), None
 
     (out, cache), _ = jax.lax.scan(body, (jnp.zeros_like(q), cache), jnp.arange(num_layers, dtype=jnp.int32))
@@ -280,7 +298,7 @@ def _time_donating(program, cache, *args, repeats: int) -> float:
     return statistics.median(_time_calls(run, repeats, warmup=2))
 
 
-def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats: int) -> dict:
+def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats: int, impl: str) -> dict:
     """Milliseconds of the parts of a decode step at this batch size and context (each jitted alone)."""
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), context - 1, jnp.int32)
@@ -289,18 +307,16 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     lm_head = jax.jit(lambda p, x: jnp.argmax(model.logits_from_hidden(p, x, cfg)[:, -1], axis=-1))
     q = jax.random.normal(jax.random.key(3), (batch, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
     kv = jax.random.normal(jax.random.key(4), (batch, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    attend = jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers), donate_argnums=0)
-    pages_per_row = -(-context // PAGE_SIZE)
-    tables = jnp.arange(1, batch * pages_per_row + 1, dtype=jnp.int32).reshape(batch, pages_per_row)
-    meta = kv_pool.PageMeta(tables, tables[:, -1:], jnp.full((batch, 1), (context - 1) % PAGE_SIZE, jnp.int32))
-    pool = kv_pool.init_pool(cfg, batch * pages_per_row + 1, PAGE_SIZE)
+    attend = {name: jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers, impl=name), donate_argnums=0) for name in ("reference", impl)}
+    meta = paged_meta(batch, context, np.full((batch, 1), context - 1, np.int32))
     seconds = {
         "forward_without_cache": statistics.median(_time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
         "lm_head_argmax": statistics.median(_time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
-        "attention_dense": _time_donating(attend, kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
-        "attention_paged": _time_donating(attend, pool, q, kv, kv, positions, meta, repeats=repeats),
+        "attention_dense": _time_donating(attend["reference"], kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
+        "attention_paged": _time_donating(attend["reference"], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
+        "attention_paged_impl": _time_donating(attend[impl], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
     }
-    return {"batch": batch, "context": context, "page_size": PAGE_SIZE, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
+    return {"batch": batch, "context": context, "page_size": PAGE_SIZE, "attention_impl": impl, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
 
 
 def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path, folder: pathlib.Path | None = None) -> tuple[dict, np.ndarray]:
@@ -344,17 +360,20 @@ def print_table(result: dict) -> None:
         print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
                    entry["flops_per_s"], peak, entry["bytes_per_s"] / bandwidth, hf_step, entry["compile_s"]))
     print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
+    impl = result["attention_impl"]
+    print(f"prefill and decode run through the paged pool (pages of {PAGE_SIZE}) with attention_impl={impl!r}, as the engine does.")
     print("\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
-    print(f"{'batch':>5} {'full step':>10} {'no-cache fwd':>13} {'LM head+argmax':>15} {'attn dense':>11} {'attn paged':>11}")
+    print(f"{'batch':>5} {'full step':>10} {'no-cache fwd':>13} {'LM head+argmax':>15} {'attn dense':>11} {'paged jnp':>10} {'paged ' + impl:>12}")
     for entry, parts in zip(result["decode"], result["decode_breakdown"]):
         print(f"{parts['batch']:>5} {entry['median_step_s'] * 1e3:10.1f} {parts['forward_without_cache_ms']:13.1f} "
-              f"{parts['lm_head_argmax_ms']:15.1f} {parts['attention_dense_ms']:11.1f} {parts['attention_paged_ms']:11.1f}")
+              f"{parts['lm_head_argmax_ms']:15.1f} {parts['attention_dense_ms']:11.1f} {parts['attention_paged_ms']:10.1f} {parts['attention_paged_impl_ms']:12.1f}")
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--context", type=int, default=512, help="dense cache slots of the decode programs")
+    parser.add_argument("--context", type=int, default=512, help="tokens each decode row attends to")
+    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto", help="attention_impl, resolved as the engine does (default: %(default)s)")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per program")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
@@ -418,7 +437,7 @@ def assemble(cfg: ModelConfig, parts: dict) -> dict:
         "peaks": peaks,
         "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
         "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / bandwidth} for d in decode],
-        "decode_breakdown": parts["breakdown"], "hf": hf, "runtime_s": parts["runtime_s"],
+        "attention_impl": parts["attention_impl"], "decode_breakdown": parts["breakdown"], "hf": hf, "runtime_s": parts["runtime_s"],
     }
     if hf:
         result["ratios_vs_hf"] = {
@@ -458,10 +477,11 @@ def main() -> None:
 
 def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
     parts["peaks"] = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
-    parts["prefill"] = bench_prefill(params, cfg, ids, args.repeats)
+    impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype)
+    parts["prefill"] = bench_prefill(params, cfg, ids, args.repeats, impl)
     ours_logits = parts["prefill"].pop("last_logits")
-    parts["decode"] = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats) for b in args.batch_sizes]
-    parts["breakdown"] = [decode_breakdown(params, cfg, b, args.context, args.repeats) for b in args.batch_sizes]
+    parts["decode"] = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats, impl) for b in args.batch_sizes]
+    parts["breakdown"] = [decode_breakdown(params, cfg, b, args.context, args.repeats, impl) for b in args.batch_sizes]
     print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
     parts["hf"] = None if args.no_hf else hf_comparison(ids, ours_logits, args, folder)
     parts["runtime_s"] = time.perf_counter() - total_start

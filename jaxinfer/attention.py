@@ -3,7 +3,8 @@
 `attend` writes this step's keys and values into the cache (dense slab, paged pool, or none) and
 attends over everything the sequence has so far. The math is `attention_reference`, pure jnp in f32;
 on a GPU, single-token 16-bit decode over the paged pool goes to the Pallas Mosaic GPU kernel in
-kernels_pallas/ instead. The model never imports a kernel directly.
+kernels_pallas/ instead, and on a CPU every paged step (prefill, packed rows, decode) of an f32 model goes
+to the C++ kernel in kernels_cpu/, which reads the pages in place. The model never imports a kernel directly.
 
 Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deterministic=True)`)
 keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
@@ -26,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ATTENTION_IMPLS
+from kernels_cpu import paged_attention as cpu_kernel
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -33,23 +35,46 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 DETERMINISTIC_IMPL = "deterministic"  # deterministic mode, jnp only: attention_over_page_blocks
 DETERMINISTIC_PALLAS_IMPL = "deterministic_pallas"  # ... with the kernel's deterministic config in decode
 _KERNEL_IMPLS = ("pallas", DETERMINISTIC_PALLAS_IMPL)
+CPU_IMPL = "cpu"  # kernels_cpu/paged_attention: every step on a CPU, prefill and decode
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def resolve_impl(impl: str, *, deterministic: bool = False, dtype=None) -> str:
-    """The impl `attend` runs for an EngineConfig.attention_impl: 'reference' or 'pallas', or in
+def resolve_impl(impl: str, *, deterministic: bool = False, dtype=None, kv_cache_dtype: str | None = None, tensor_parallel: int = 1) -> str:
+    """The impl `attend` runs for an EngineConfig.attention_impl: 'reference', 'pallas' or 'cpu', or in
     deterministic mode DETERMINISTIC_IMPL or DETERMINISTIC_PALLAS_IMPL.
 
-    'auto' picks the Pallas kernel on a GPU, unless `dtype` (the model's, if known) is not 16-bit,
-    and the jnp reference elsewhere."""
+    'auto' picks the Pallas kernel on a GPU unless `dtype` (the model's, if known) is not 16-bit; on a CPU,
+    the CPU kernel for an f32 model over an unquantized pool on one device, if it builds; else the jnp
+    reference. An explicit 'cpu' that cannot run raises, naming why. Deterministic mode keeps its jnp path
+    on a CPU (the kernels' results do not depend on the batch either, but that is only tested for Pallas)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
         kernel_dtype = dtype is None or jnp.dtype(dtype) in _KERNEL_DTYPES
-        impl = "pallas" if jax.default_backend() == "gpu" and kernel_dtype else "reference"
+        if jax.default_backend() == "gpu":
+            impl = "pallas" if kernel_dtype else "reference"
+        else:
+            impl = CPU_IMPL if not deterministic and not _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel) else "reference"
+    elif impl == CPU_IMPL and (obstacle := _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel)):
+        raise ValueError(f"attention_impl='cpu' {obstacle}; use attention_impl='auto' or 'reference'")
     if deterministic:
         return DETERMINISTIC_PALLAS_IMPL if impl == "pallas" else DETERMINISTIC_IMPL
     return impl
+
+
+def _cpu_kernel_obstacle(dtype, kv_cache_dtype: str | None, tensor_parallel: int) -> str | None:
+    """Why the CPU kernel cannot serve this engine, or None if it can."""
+    if jax.default_backend() != "cpu":
+        return f"runs on the CPU backend only, not {jax.default_backend()!r}"
+    if dtype is not None and jnp.dtype(dtype) != jnp.float32:
+        return f"needs a float32 model, got {jnp.dtype(dtype)}"
+    if kv_cache_dtype is not None:
+        return f"reads an unquantized pool, got kv_cache_dtype={kv_cache_dtype!r}"
+    if tensor_parallel != 1:
+        return f"runs on one device, got tensor_parallel={tensor_parallel}"
+    if not cpu_kernel.available():
+        return "could not be built (no C++ compiler?)"
+    return None
 
 
 def attention_reference(
@@ -94,6 +119,8 @@ def attend(
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
     deterministic = impl in (DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL)
+    if impl == CPU_IMPL:
+        return _attend_cpu(q, cache, layer, positions, pages), cache
     if _use_kernel(impl, q):
         return _attend_pallas(q, cache, layer, positions, pages, deterministic=deterministic), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables, dtype=q.dtype)  # dequantized if quantized
@@ -227,6 +254,14 @@ def _attend_slots(q, keys, values, positions):
     """Attention over slabs whose slot index equals the token position."""
     slots = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
     return attention_reference(q, keys, values, positions, slots)
+
+
+def _attend_cpu(q, pool, layer, positions, pages):
+    """Any step through the CPU kernel, which reads the pool in place (packed rows too)."""
+    out = cpu_kernel.paged_attention(
+        q, pool.k, pool.v, layer, pages.block_tables, positions, pages.page_positions, pages.page_segments, pages.token_segments
+    )
+    return out.astype(q.dtype)
 
 
 def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):

@@ -15,7 +15,7 @@ from jaxinfer.bucket_tables import BucketTables
 from jaxinfer.buckets import EngineBuckets, cut_table
 from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (quant.KV_CODE_FORMATS); None keeps the model dtype
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -287,7 +287,7 @@ class EngineConfig:
     prefill_packing: bool | None = None
     max_prefill_seqs: int = 8  # sequences one packed prefill row holds at most (its logits rows)
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
-    attention_impl: str = "auto"  # auto | reference | pallas
+    attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); attention.resolve_impl
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.
     kv_cache_dtype: str | None = None

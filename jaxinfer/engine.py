@@ -152,7 +152,10 @@ class Engine:
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
         # runs its fixed-split config, and everything else attention_over_page_blocks.
-        self.impl = resolve_impl(engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype)
+        self.impl = resolve_impl(
+            engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
+            tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
+        )
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's

@@ -1,0 +1,217 @@
+// Paged attention on the CPU, as an XLA FFI custom call: jaxinfer's CPU twin of kernels_pallas/.
+//
+// It reads each row's pages straight from the pool, in the pool's own layout (kv_pool.py), and keeps an
+// online softmax per query, so no page is copied or transposed: the jnp path gathers every page of the
+// step into a new array and transposes it for the dot, several passes over memory for one read.
+//
+//   q        f32[B, T, H, K]     this step's queries (T = 1 in decode)
+//   k_pool   f32[N, G, P, K, L]  every layer's keys, K transposed per page
+//   v_pool   f32[N, G, P, L, K]
+//   layer    s32[]               which layer of the pool
+//   tables   s32[B, M]           each row's pages
+//   page_pos s32[B, M]           position of entry m's first slot
+//   page_seg s32[B, M]           sequence of the row that entry m belongs to
+//   q_pos    s32[B, T]           each query's position
+//   q_seg    s32[B, T]           each query's sequence within its row
+//   out      f32[B, T, H, K]
+//
+// Slot l of entry m is visible to query t iff page_seg[m] == q_seg[t] and page_pos[m] + l <= q_pos[t]:
+// causal by position, and in a packed row (several sequences back to back) block-diagonal by sequence, so
+// a query skips other sequences' pages entirely. A query that sees nothing (a padding lane) gets zeros.
+//
+// Work is split into tasks of (row, kv head, tile of queries) and run on XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // queries per task: a page is read once per tile (it stays in L1)
+
+struct Geometry {
+  int64_t B, T, H, K, G, P, L, M, N;
+  int64_t group() const { return H / G; }
+};
+
+struct Inputs {
+  const float* q;
+  const float* k_pool;
+  const float* v_pool;
+  int64_t layer;
+  const int32_t* tables;
+  const int32_t* page_pos;
+  const int32_t* page_seg;
+  const int32_t* q_pos;
+  const int32_t* q_seg;
+  float* out;
+};
+
+// Scores of `group` query heads against one page's keys: s[h][l] = sum_k q[h][k] * kp[k][l].
+// LT and KT are the page size and head dim when known at compile time (0: use g.L, g.K).
+template <int LT, int KT>
+inline void page_scores(const float* __restrict q, const float* __restrict kp, float* __restrict s, int64_t group, const Geometry& g) {
+  const int64_t L = LT ? LT : g.L, K = KT ? KT : g.K;
+  for (int64_t h = 0; h < group; ++h) {
+    float* __restrict sh = s + h * L;
+    const float* __restrict qh = q + h * K;
+    for (int64_t l = 0; l < L; ++l) sh[l] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float qk = qh[k];
+      const float* __restrict row = kp + k * L;
+      for (int64_t l = 0; l < L; ++l) sh[l] += qk * row[l];
+    }
+  }
+}
+
+// Fold the first `n` slots of a page into one query's running softmax (max m, sum d, output acc).
+template <int LT, int KT>
+inline void page_update(const float* __restrict s, const float* __restrict vp, int64_t n, float* __restrict m, float* __restrict d,
+                        float* __restrict acc, int64_t group, const Geometry& g) {
+  const int64_t L = LT ? LT : g.L, K = KT ? KT : g.K;
+  float e[LT ? LT : 256];
+  for (int64_t h = 0; h < group; ++h) {
+    const float* sh = s + h * L;
+    float top = m[h];
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, sh[l]);
+    const float rescale = std::exp(m[h] - top);
+    float sum = 0.0f;
+    for (int64_t l = 0; l < n; ++l) {
+      e[l] = std::exp(sh[l] - top);
+      sum += e[l];
+    }
+    m[h] = top;
+    d[h] = d[h] * rescale + sum;
+    float* __restrict ah = acc + h * K;
+    for (int64_t k = 0; k < K; ++k) ah[k] *= rescale;
+    for (int64_t l = 0; l < n; ++l) {
+      const float el = e[l];
+      const float* __restrict row = vp + l * K;
+      for (int64_t k = 0; k < K; ++k) ah[k] += el * row[k];
+    }
+  }
+}
+
+// One task: row b, kv head kv, queries [t0, t1).
+template <int LT, int KT>
+void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_t t0, int64_t t1) {
+  const int64_t L = LT ? LT : g.L, K = KT ? KT : g.K, group = g.group(), tiles = t1 - t0;
+  const float neg = -0.5f * 3.0e38f;  // finite: a query that sees nothing keeps m here and d = 0
+  std::vector<float> qs(tiles * group * K), acc(tiles * group * K, 0.0f), m(tiles * group, neg), d(tiles * group, 0.0f), s(group * L);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(K));
+  int32_t last = -1;  // the latest position among the tile's queries
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* src = in.q + (((b * g.T + t0 + t) * g.H) + kv * group) * K;
+    for (int64_t i = 0; i < group * K; ++i) qs[t * group * K + i] = src[i] * scale;
+    last = std::max(last, in.q_pos[b * g.T + t0 + t]);
+  }
+  const int64_t head_pages = (in.layer * g.G + kv) * g.P;
+  for (int64_t e = 0; e < g.M; ++e) {
+    const int32_t first = in.page_pos[b * g.M + e], seg = in.page_seg[b * g.M + e];
+    if (first > last) continue;
+    const int64_t page = in.tables[b * g.M + e];
+    const float* kp = in.k_pool + (head_pages + page) * K * L;  // [K, L]
+    const float* vp = in.v_pool + (head_pages + page) * L * K;  // [L, K]
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t qi = b * g.T + t0 + t;
+      const int64_t n = std::min<int64_t>(L, static_cast<int64_t>(in.q_pos[qi]) - first + 1);
+      if (in.q_seg[qi] != seg || n <= 0) continue;
+      page_scores<LT, KT>(&qs[t * group * K], kp, s.data(), group, g);
+      page_update<LT, KT>(s.data(), vp, n, &m[t * group], &d[t * group], &acc[t * group * K], group, g);
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* dst = in.out + (((b * g.T + t0 + t) * g.H) + kv * group) * K;
+    for (int64_t h = 0; h < group; ++h) {
+      const float inv = d[t * group + h] > 0.0f ? 1.0f / d[t * group + h] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) dst[h * K + k] = acc[(t * group + h) * K + k] * inv;
+    }
+  }
+}
+
+// Runs fn(0 .. total-1) on the calling thread and on the pool's other threads. Tasks are claimed from a
+// shared counter; the caller waits for every task to finish, not for every helper to start, so a busy
+// pool costs parallelism, never progress. The state is shared so that a helper starting late is safe.
+void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t total;
+    std::function<void(int64_t)> fn;
+  };
+  auto state = std::make_shared<State>();
+  state->total = total;
+  state->fn = std::move(fn);
+  auto worker = [state]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < state->total;) {
+      state->fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));  // Schedule takes its task by value
+  worker();
+  while (state->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+template <int LT, int KT>
+void run_all(ffi::ThreadPool& pool, const Inputs& in, const Geometry& g) {
+  const int64_t tiles = (g.T + kQueryTile - 1) / kQueryTile, tasks = g.B * g.G * tiles;
+  parallel_for(pool, tasks, [&in, &g, tiles](int64_t i) {
+    const int64_t tile = i % tiles, kv = (i / tiles) % g.G, b = i / (tiles * g.G);
+    run_task<LT, KT>(in, g, b, kv, tile * kQueryTile, std::min(g.T, (tile + 1) * kQueryTile));
+  });
+}
+
+ffi::Error check(bool ok, const char* what) {
+  return ok ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kInvalidArgument, what);
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> page_pos,
+                              ffi::Buffer<ffi::S32> page_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
+  if (auto e = check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,M]"); e.failure()) return e;
+  const Geometry g{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[4], td[1], kd[0]};
+  if (auto e = check(kd[3] == g.K && td[0] == g.B && g.H % g.G == 0, "paged_attention_cpu: head dims, batch or head groups disagree"); e.failure()) return e;
+  if (auto e = check(g.L <= 256, "paged_attention_cpu: page_size above 256"); e.failure()) return e;
+  const int64_t index = layer.typed_data()[0];
+  if (auto e = check(0 <= index && index < g.N, "paged_attention_cpu: layer out of range"); e.failure()) return e;
+  const Inputs in{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), index, tables.typed_data(), page_pos.typed_data(),
+                  page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), out->typed_data()};
+  if (g.L == 64 && g.K == 64) {
+    run_all<64, 64>(pool, in, g);
+  } else if (g.L == 16 && g.K == 64) {
+    run_all<16, 64>(pool, in, g);
+  } else if (g.L == 64 && g.K == 128) {
+    run_all<64, 128>(pool, in, g);
+  } else {
+    run_all<0, 0>(pool, in, g);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionF32, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+                                  .Ret<ffi::Buffer<ffi::F32>>());
