@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from jaxinfer.config import KV_CACHE_DTYPES
+from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES
 
 _GENERATE_EPILOG = """\
 input JSONL, one object a line:
@@ -81,7 +81,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=_engine_default("max_num_seqs"), help="sequences decoded together at most (default: %(default)s)")
     group.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: a share of free memory)")
     group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
-    group.add_argument("--attention", default="auto", choices=("auto", "reference", "pallas"), help="attention back end (default: %(default)s)")
+    group.add_argument(
+        "--attention", default="auto", choices=ATTENTION_IMPLS,
+        help="attention back end: auto (the Pallas kernel on a GPU for 16-bit models, the C++ CPU kernel for f32 "
+        "models on a CPU, else reference), reference (pure jnp), pallas, cpu (default: %(default)s)",
+    )
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
         help="store the KV cache quantized: int8 or fp8_e4m3 codes with one f32 scale per token and kv head, "
