@@ -1,5 +1,5 @@
 """attention.py's back ends against each other: the Pallas decode kernel (GPU interpreter on CPU) and
-the jnp reference inside the real model forward over the paged pool; the impl rule (`resolve_impl`) and
+the jnp reference inside the real model forward over the paged pool, and so is the CPU kernel; the impl rule (`resolve_impl`) and
 deterministic mode's dispatch (kernel in decode, blockwise jnp in prefill); and the two jnp references,
 the engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
 
@@ -19,6 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward
 from jaxinfer.params import init_random
 from kernel_interpret import gpu_interpreter, races_found
+from kernels_cpu import paged_attention as cpu_kernel
 from kernels_pallas.paged_attention import paged_attention_reference
 from tolerances import KERNEL_BF16, KERNEL_F32, assert_close
 
@@ -27,19 +28,19 @@ PAGE = 64
 CFG = ModelConfig(vocab_size=256, num_layers=2, embed_dim=192, ffn_dim=256, num_heads=9, num_kv_heads=3, head_dim=64, dtype="bfloat16", max_context=256)
 
 
-def prefill_then_decode(impl: str, params, prompt_lengths, prefill_impl: str = "reference"):
+def prefill_then_decode(impl: str, params, prompt_lengths, prefill_impl: str = "reference", cfg: ModelConfig = CFG):
     """Prefill two sequences with `prefill_impl`, then one decode step with `impl`."""
-    pool = kvp.init_pool(CFG, 8, PAGE)
+    pool = kvp.init_pool(cfg, 8, PAGE)
     tables = np.array([[3, 5, 0, 0], [6, 1, 2, 0]], np.int32)  # shuffled pages, null-padded
     rng = np.random.default_rng(0)
     for row, length in enumerate(prompt_lengths):
         positions = np.arange(length, dtype=np.int32)[None]
         meta = kvp.PageMeta(tables[row : row + 1], tables[row][positions // PAGE], positions % PAGE)
-        tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (1, length)), jnp.int32)
-        _, pool = forward(params, pool, tokens, jnp.asarray(positions), cfg=CFG, pages=meta, attention_impl=prefill_impl)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, length)), jnp.int32)
+        _, pool = forward(params, pool, tokens, jnp.asarray(positions), cfg=cfg, pages=meta, attention_impl=prefill_impl)
     positions = np.array([[n] for n in prompt_lengths], np.int32)
     meta = kvp.PageMeta(tables, np.take_along_axis(tables, positions // PAGE, 1), positions % PAGE)
-    logits, _ = forward(params, pool, jnp.array([[7], [9]], jnp.int32), jnp.asarray(positions), cfg=CFG, pages=meta, attention_impl=impl)
+    logits, _ = forward(params, pool, jnp.array([[7], [9]], jnp.int32), jnp.asarray(positions), cfg=cfg, pages=meta, attention_impl=impl)
     return np.asarray(logits[:, 0], np.float32)
 
 
@@ -52,6 +53,36 @@ def test_pallas_decode_matches_reference_inside_model_forward():
             kernel = prefill_then_decode("pallas", params, (70, 129))
         assert not races_found()
     assert_close(kernel, reference, KERNEL_BF16, "pallas vs reference decode logits")
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler to build the CPU kernel")
+def test_cpu_kernel_matches_reference_inside_model_forward():
+    """Chunked prefill across pages and a decode step, both through the CPU kernel, against the jnp path."""
+    cfg = dataclasses.replace(CFG, dtype="float32")
+    params = init_random(jax.random.key(0), cfg, scale=0.3)
+    reference = prefill_then_decode("reference", params, (70, 129), cfg=cfg)
+    kernel = prefill_then_decode("cpu", params, (70, 129), prefill_impl="cpu", cfg=cfg)
+    assert_close(kernel, reference, KERNEL_F32, "cpu kernel vs reference logits")
+
+
+def test_resolve_impl_on_a_cpu_picks_the_cpu_kernel_only_where_it_can_run(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(cpu_kernel, "available", lambda: True)
+    assert resolve_impl("auto", dtype="float32") == "cpu"
+    assert resolve_impl("auto", dtype="float32", deterministic=True) == DETERMINISTIC_IMPL
+    for kwargs in (dict(dtype="bfloat16"), dict(dtype="float32", kv_cache_dtype="int8"), dict(dtype="float32", tensor_parallel=2)):
+        assert resolve_impl("auto", **kwargs) == "reference", kwargs
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        resolve_impl("cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        resolve_impl("cpu", dtype="float32", kv_cache_dtype="int8")
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    assert resolve_impl("auto", dtype="float32") == "reference"
+    with pytest.raises(ValueError, match="could not be built"):
+        resolve_impl("cpu", dtype="float32")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="CPU backend only"):
+        resolve_impl("cpu", dtype="float32")
 
 
 def test_explicit_pallas_refuses_float32():
