@@ -20,8 +20,12 @@ Every weight matmul goes through `quant.qeinsum` and the embedding lookup throug
 forward serves dense and quantized params alike: on a dense array they are exactly `jnp.einsum` and
 `w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most one layer's
 weights are expanded at a time. The tied head multiplies by the embedding in whatever format it is kept.
+With the CPU kernels (attention_impl "cpu"), the scan runs over the layer index alone and the dense f32
+matrices stay stacked: qeinsum reads each layer's slice in place (kernels_cpu/layer_matmul) where XLA
+would copy it out first.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -33,6 +37,7 @@ from jaxinfer import attention, quant
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.params import LayerParams, Params
+from kernels_cpu import layer_matmul as cpu_layer_matmul
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
@@ -128,6 +133,22 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
     return (x, cache), None
 
 
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
+    """Layer `index` of the stack: dense f32 matrices as quant.StackedWeight (read in place by qeinsum),
+    everything else (norms, biases, quantized matrices) sliced as the scan would."""
+    def pick(name, value):
+        if value is None:
+            return None
+        if name in _MATRICES and isinstance(value, jax.Array) and value.dtype == jnp.float32:
+            return quant.StackedWeight(value, index)
+        return jax.tree.map(lambda leaf: leaf[index], value)
+
+    return dataclasses.replace(layers, **{f.name: pick(f.name, getattr(layers, f.name)) for f in dataclasses.fields(layers)})
+
+
 def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfig) -> Float[Array, "B T V"]:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     # A tied head is the embedding in its kept format (params.weight_format owns that choice): quantized,
@@ -163,7 +184,14 @@ def forward(
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
+    if attention_impl == attention.CPU_IMPL and cpu_layer_matmul.available():
+        # The CPU kernels: dense f32 matrices stay stacked and each layer's matmuls read them in place.
+        def body_in_place(carry, index):
+            return body(carry, (_layer_in_place(params.layers, index), index))
+
+        (x, cache), _ = jax.lax.scan(body_in_place, (x, cache), layer_index)
+    else:
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     if logit_indices is not None:
         indices = logit_indices if logit_indices.ndim == 2 else logit_indices[:, None]  # [B, J]
         x = jnp.take_along_axis(x, indices[:, :, None], axis=1)  # [B, J, D]

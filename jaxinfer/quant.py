@@ -30,7 +30,7 @@ dynamic slice), so XLA may fuse it into the consuming dot.
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -244,13 +244,24 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32) -> Float[Array, "..."]:
     return values.astype(dtype)
 
 
-def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor, *, preferred_element_type=None) -> Float[Array, "..."]:
-    """`jnp.einsum(spec, x, w)` where `w` is a dense array or a QuantizedTensor in its logical layout.
+class StackedWeight(NamedTuple):
+    """Layer `index` of a stacked dense f32 weight `stack` [N, *w], left in place: `qeinsum` reads it
+    with the CPU layer-matmul kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
+
+    stack: jax.Array
+    index: jax.Array
+
+
+def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
+    """`jnp.einsum(spec, x, w)` where `w` is a dense array, a QuantizedTensor in its logical layout, or a
+    StackedWeight.
 
     A quantized `w` is dequantized in jnp to `x.dtype` in its storage orientation and the spec's `w`
     subscripts are reordered to match, so the dot consumes the dequantization directly (no transpose),
     which XLA may fuse into it. `spec` must be explicit ("x_subs,w_subs->out", no ellipsis).
     """
+    if isinstance(w, StackedWeight):
+        return _stacked_einsum(spec, x, w, preferred_element_type)
     if not isinstance(w, QuantizedTensor):
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     inputs, arrow, output = spec.replace(" ", "").partition("->")
@@ -265,6 +276,25 @@ def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | Quantize
     if lead_subs:
         return jnp.einsum(f"{x_subs},{lead_subs}{logical}->{output}", x, dense, preferred_element_type=preferred_element_type)
     return _weight_first_dot(dense, logical, x, x_subs, output, preferred_element_type)
+
+
+def _stacked_einsum(spec: str, x, w: StackedWeight, preferred_element_type):
+    """`einsum(spec, x, w.stack[w.index])` through the CPU layer-matmul kernel when the spec is a plain
+    "rows @ matrix" (w's leading subscripts contracted against x's trailing ones, the output x's other
+    subscripts then w's) of few enough f32 rows; otherwise the slice and jnp.einsum."""
+    from kernels_cpu import layer_matmul  # noqa: PLC0415  (CPU only; keeps this module's imports light)
+
+    inputs, _, output = spec.replace(" ", "").partition("->")
+    x_subs, _, w_subs = inputs.partition(",")
+    contracted = (len(x_subs) + len(w_subs) - len(output)) // 2  # letters shared by x and w
+    batch, kept = x_subs[: len(x_subs) - contracted], w_subs[contracted:]
+    rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
+    plain = contracted > 0 and x_subs[len(batch):] == w_subs[:contracted] and output == batch + kept
+    if not plain or rows > layer_matmul.MAX_ROWS or x.dtype != jnp.float32 or preferred_element_type not in (None, jnp.float32):
+        return jnp.einsum(spec, x, w.stack[w.index], preferred_element_type=preferred_element_type)
+    stack = w.stack.reshape(w.stack.shape[0], depth, -1)  # [N, K, F]
+    out = layer_matmul.layer_matmul(x.reshape(rows, depth), stack, w.index)
+    return out.reshape(*x.shape[: len(batch)], *w.stack.shape[1 + contracted:])
 
 
 def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred_element_type):

@@ -22,14 +22,11 @@
 // Work is split into tasks of (row, kv head, tile of queries) and run on XLA's intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -138,41 +135,13 @@ void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_
   }
 }
 
-// Runs fn(0 .. total-1) on the calling thread and on the pool's other threads. Tasks are claimed from a
-// shared counter; the caller waits for every task to finish, not for every helper to start, so a busy
-// pool costs parallelism, never progress. The state is shared so that a helper starting late is safe.
-void parallel_for(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    int64_t total;
-    std::function<void(int64_t)> fn;
-  };
-  auto state = std::make_shared<State>();
-  state->total = total;
-  state->fn = std::move(fn);
-  auto worker = [state]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < state->total;) {
-      state->fn(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));  // Schedule takes its task by value
-  worker();
-  while (state->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-}
-
 template <int LT, int KT>
 void run_all(ffi::ThreadPool& pool, const Inputs& in, const Geometry& g) {
   const int64_t tiles = (g.T + kQueryTile - 1) / kQueryTile, tasks = g.B * g.G * tiles;
-  parallel_for(pool, tasks, [&in, &g, tiles](int64_t i) {
+  jaxinfer::parallel_for(pool, tasks, [&in, &g, tiles](int64_t i) {
     const int64_t tile = i % tiles, kv = (i / tiles) % g.G, b = i / (tiles * g.G);
     run_task<LT, KT>(in, g, b, kv, tile * kQueryTile, std::min(g.T, (tile + 1) * kQueryTile));
   });
-}
-
-ffi::Error check(bool ok, const char* what) {
-  return ok ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kInvalidArgument, what);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
@@ -180,12 +149,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> page_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
-  if (auto e = check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,M]"); e.failure()) return e;
+  if (auto e = jaxinfer::check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,M]"); e.failure()) return e;
   const Geometry g{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[4], td[1], kd[0]};
-  if (auto e = check(kd[3] == g.K && td[0] == g.B && g.H % g.G == 0, "paged_attention_cpu: head dims, batch or head groups disagree"); e.failure()) return e;
-  if (auto e = check(g.L <= 256, "paged_attention_cpu: page_size above 256"); e.failure()) return e;
+  if (auto e = jaxinfer::check(kd[3] == g.K && td[0] == g.B && g.H % g.G == 0, "paged_attention_cpu: head dims, batch or head groups disagree"); e.failure()) return e;
+  if (auto e = jaxinfer::check(g.L <= 256, "paged_attention_cpu: page_size above 256"); e.failure()) return e;
   const int64_t index = layer.typed_data()[0];
-  if (auto e = check(0 <= index && index < g.N, "paged_attention_cpu: layer out of range"); e.failure()) return e;
+  if (auto e = jaxinfer::check(0 <= index && index < g.N, "paged_attention_cpu: layer out of range"); e.failure()) return e;
   const Inputs in{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), index, tables.typed_data(), page_pos.typed_data(),
                   page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), out->typed_data()};
   if (g.L == 64 && g.K == 64) {

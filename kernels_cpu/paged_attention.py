@@ -5,80 +5,23 @@ XLA:CPU's dot; this kernel reads the pages where they lie, in the pool's layout,
 per query, and skips the pages a query cannot see (later positions, other sequences of a packed row).
 The math is jaxinfer.attention.attention_over_pages, which stays the reference.
 
-The source is compiled on first use with the machine's C++ compiler (`-O3 -march=native`), into a cache
-keyed by the source, the flags, jaxlib's version and this CPU, so a home directory shared by different
-machines never loads code built for another. Without a compiler, `available()` is False and the engine
+Built on first use (kernels_cpu/build.py). Without a compiler, `available()` is False and the engine
 keeps the jnp path.
 """
 
-import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-import jaxlib
 from jaxtyping import Array, Float, Int
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
+from kernels_cpu import build
+
+SOURCE = "paged_attention.cc"
 TARGET = "jaxinfer_paged_attention_cpu_f32"
-# -ffast-math only when compiling: linked with it, the library would set flush-to-zero for the whole process.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
-LINK_FLAGS = ("-shared",)
-CACHE_ENV = "JAXINFER_KERNEL_CACHE"  # where built kernels go; default ~/.cache/jaxinfer/kernels
 
 
-def _cpu_identity() -> str:
-    """The CPU model and feature flags, which -march=native compiles for."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    keep = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(keep))
-
-
-def _library_path() -> Path:
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(), jaxlib.__version__.encode(), _cpu_identity().encode()):
-        digest.update(part)
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxinfer" / "kernels")
-    return cache / f"paged_attention_cpu-{digest.hexdigest()[:16]}.so"
-
-
-def _compile(out: Path) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build beside the target, then rename: atomic
-        built, obj = Path(tmp) / out.name, Path(tmp) / "kernel.o"
-        for cmd in ([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", str(obj)], [compiler, *LINK_FLAGS, str(obj), "-o", str(built)]):
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        os.replace(built, out)
-
-
-@functools.cache
 def available() -> bool:
     """Build (once per machine and source) and register the kernel; False, with a warning, if it cannot."""
-    path = _library_path()
-    try:
-        if not path.exists():
-            _compile(path)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxinferPagedAttentionF32), platform="cpu")
-    except (OSError, RuntimeError) as err:
-        warnings.warn(f"the CPU paged-attention kernel is unavailable, using the jnp path: {err}", stacklevel=2)
-        return False
-    return True
+    return build.load(SOURCE, ((TARGET, "JaxinferPagedAttentionF32"),))
 
 
 def paged_attention(

@@ -1,0 +1,30 @@
+"""One layer's matmul read in place from the stacked weights: a C++ XLA FFI kernel (layer_matmul.cc).
+
+Inside the model's layer scan, XLA:CPU copies each layer's slice of every stacked weight out before the
+dot that reads it; in a decode step of a few rows those copies cost more than the dots (see
+experiments/profile_steps.py). `layer_matmul(x, w, layer)` computes `x @ w[layer]` reading the slice
+where it lies. The reference is `x @ w[layer]` in jnp.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kernels_cpu import build
+
+SOURCE = "layer_matmul.cc"
+TARGET = "jaxinfer_layer_matmul_cpu_f32"
+MAX_ROWS = 64  # above this many rows XLA's own dot (YNNPACK) is as fast or faster, and the copy is amortized
+
+
+def available() -> bool:
+    """Build (once per machine and source) and register the kernel; False, with a warning, if it cannot."""
+    return build.load(SOURCE, ((TARGET, "JaxinferLayerMatmulF32"),))
+
+
+def layer_matmul(x: Float[Array, "M K"], w: Float[Array, "N K F"], layer: Int[Array, ""]) -> Float[Array, "M F"]:
+    """`x @ w[layer]` in f32, reading `w[layer]` in place."""
+    if not available():
+        raise RuntimeError("the CPU layer-matmul kernel could not be built; see the warning above")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))
