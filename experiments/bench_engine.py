@@ -45,7 +45,7 @@ import numpy as np
 from exp_common import agreement  # experiments/exp_common.py, beside this script
 from jaxinfer import generate, kv_pool, model
 from jaxinfer.api import LLM
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import ATTENTION_IMPLS, EngineConfig
 from jaxinfer.engine import CompileCounter
 from jaxinfer.request import SamplingParams
 from jaxinfer.tokenizer import load_tokenizer
@@ -346,6 +346,8 @@ def parse_args():
     parser.add_argument("--quantization", choices=("gguf", "int8", "int4"), default=None,
                         help="jaxinfer's weights on the device (LLM's quantization): gguf keeps the file's Q4_1 blocks; default f32")
     parser.add_argument("--kv-cache-dtype", choices=("int8", "fp8_e4m3"), default=None, help="jaxinfer's KV pool codes (default: f32)")
+    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
+                        help="jaxinfer's attention_impl (default: %(default)s; 'reference' measures the engine without the CPU kernels)")
     parser.add_argument("--no-prefill-packing", action="store_true",
                         help="jaxinfer's prefill steps hold one sequence per row (default: several sequences packed in one row)")
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
@@ -376,6 +378,8 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
         knobs["prefill_packing"] = False
     if getattr(args, "kv_cache_dtype", None):
         knobs["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "attention", "auto") != "auto":
+        knobs["attention_impl"] = args.attention
     if getattr(args, "chunk_buckets", None) and tuned:
         knobs["prefill_chunk_buckets"] = tuple(int(c) for c in args.chunk_buckets.split(","))
     return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
