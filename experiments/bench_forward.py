@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, kv_pool, loading, model
+from jaxinfer import attention, kv_pool, loading, model, sampling
 from jaxinfer.config import ATTENTION_IMPLS, ModelConfig, from_hf_config
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -182,7 +182,7 @@ def _prefill(params, pool, tokens, pages, *, cfg, impl):
 def _decode(params, pool, tokens, positions, pages, *, cfg, impl):
     """One greedy decode step for [B, 1] over the paged pool; donates `pool`. Returns (next tokens [B, 1], pool)."""
     logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl=impl)
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], pool
+    return sampling.argmax(logits[:, -1])[:, None], pool  # the engine's greedy argmax
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -302,9 +302,9 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     """Milliseconds of the parts of a decode step at this batch size and context (each jitted alone)."""
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), context - 1, jnp.int32)
-    no_cache = jax.jit(lambda p, t, pos: jnp.argmax(model.forward(p, None, t, pos, cfg=cfg)[0][:, -1], axis=-1))
+    no_cache = jax.jit(lambda p, t, pos: sampling.argmax(model.forward(p, None, t, pos, cfg=cfg)[0][:, -1]))
     hidden = jax.random.normal(jax.random.key(2), (batch, 1, cfg.embed_dim), jnp.float32)
-    lm_head = jax.jit(lambda p, x: jnp.argmax(model.logits_from_hidden(p, x, cfg)[:, -1], axis=-1))
+    lm_head = jax.jit(lambda p, x: sampling.argmax(model.logits_from_hidden(p, x, cfg)[:, -1]))
     q = jax.random.normal(jax.random.key(3), (batch, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
     kv = jax.random.normal(jax.random.key(4), (batch, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     attend = {name: jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers, impl=name), donate_argnums=0) for name in ("reference", impl)}

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxinfer import sampling
 from jaxinfer.request import SamplingParams
@@ -63,3 +65,13 @@ def test_same_seed_same_token_whatever_the_other_rows():
 def test_invalid_sampling_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]), min_size=1, max_size=9), min_size=1, max_size=4))
+def test_argmax_is_numpys_first_maximum_with_ties_infinities_and_nans(rows):
+    """sampling.argmax (a max and a min, faster on XLA:CPU) picks what numpy's argmax picks: the first
+    maximum, or the first NaN of a row that has one."""
+    width = max(len(r) for r in rows)
+    x = np.array([r + [float("-inf")] * (width - len(r)) for r in rows], np.float32)
+    assert np.asarray(sampling.argmax(jnp.asarray(x))).tolist() == np.argmax(x, axis=-1).tolist()
