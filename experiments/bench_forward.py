@@ -9,7 +9,8 @@ float32):
      bandwidth (a reduction over BANDWIDTH_BYTES), best of several runs after a warm-up;
   3. prefill: one sequence of --prefill-tokens real-text tokens through the engine's paged pool (pages of
      PAGE_SIZE) with the engine's attention (--attention, resolved as the engine resolves it: on a CPU,
-     the kernels_cpu kernel), jitted, pool donated;
+     the kernels_cpu kernels, with the weights packed into panels as the engine packs them), jitted,
+     pool donated;
   4. decode: one token per row at each batch size over the paged pool holding --context tokens per row,
      every row at position context - 1 (so every row attends to the full context), same attention;
   5. compile time of each of those programs (lower + compile, persistent cache not used);
@@ -478,9 +479,11 @@ def main() -> None:
 def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
     parts["peaks"] = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
     impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype)
-    parts["prefill"] = bench_prefill(params, cfg, ids, args.repeats, impl)
+    engine_params = model.pack_panels(params) if impl == attention.CPU_IMPL else params  # as Engine does
+    parts["prefill"] = bench_prefill(engine_params, cfg, ids, args.repeats, impl)
     ours_logits = parts["prefill"].pop("last_logits")
-    parts["decode"] = [bench_decode(params, cfg, b, args.context, ids[-1], args.repeats, impl) for b in args.batch_sizes]
+    parts["decode"] = [bench_decode(engine_params, cfg, b, args.context, ids[-1], args.repeats, impl) for b in args.batch_sizes]
+    del engine_params
     parts["breakdown"] = [decode_breakdown(params, cfg, b, args.context, args.repeats, impl) for b in args.batch_sizes]
     print(f"jaxinfer timed in {time.perf_counter() - total_start:.0f}s so far", flush=True)
     parts["hf"] = None if args.no_hf else hf_comparison(ids, ours_logits, args, folder)

@@ -29,7 +29,7 @@ import numpy as np
 from jaxinfer import kv_pool as kvp
 from jaxinfer import model, sampling
 from jaxinfer import sharding as shd
-from jaxinfer.attention import resolve_impl
+from jaxinfer.attention import CPU_IMPL, resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
 from jaxinfer.request import BucketKey, FieldError, StepPlan
@@ -156,6 +156,8 @@ class Engine:
             engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
             tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
         )
+        if self.impl == CPU_IMPL:  # the CPU kernels read the matrices in their own panel layout
+            self.params = params = model.pack_panels(params)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's

@@ -133,16 +133,34 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
     return (x, cache), None
 
 
-_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_MATRIX_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}  # as the einsums above read them
+
+
+def _dense_f32(value) -> bool:
+    return isinstance(value, jax.Array) and value.dtype == jnp.float32
+
+
+def pack_panels(params: Params) -> Params:
+    """The engine's params for the CPU kernels: every dense f32 layer matrix and the LM head as a
+    quant.PanelTensor (the layer-matmul kernel's layout). A tied head gets its own [D, V] panels (the
+    embedding stays for the lookup), so it costs one more copy of the table. Quantized weights stay."""
+    layers = {name: quant.to_panels(getattr(params.layers, name), 1, axes)
+              for name, axes in _MATRIX_INPUT_AXES.items() if _dense_f32(getattr(params.layers, name))}
+    head = params.lm_head
+    if head is None and _dense_f32(params.embed):
+        head = quant.to_panels(params.embed.T, 0, 1)  # [D, V]
+    elif _dense_f32(head):
+        head = quant.to_panels(head, 0, 1)
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
 
 
 def _layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
-    """Layer `index` of the stack: dense f32 matrices as quant.StackedWeight (read in place by qeinsum),
-    everything else (norms, biases, quantized matrices) sliced as the scan would."""
+    """Layer `index` of the stack: dense f32 and panel matrices as quant.StackedWeight (read in place by
+    qeinsum), everything else (norms, biases, quantized matrices) sliced as the scan would."""
     def pick(name, value):
         if value is None:
             return None
-        if name in _MATRICES and isinstance(value, jax.Array) and value.dtype == jnp.float32:
+        if name in _MATRIX_INPUT_AXES and (_dense_f32(value) or isinstance(value, quant.PanelTensor)):
             return quant.StackedWeight(value, index)
         return jax.tree.map(lambda leaf: leaf[index], value)
 

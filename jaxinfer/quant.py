@@ -244,22 +244,55 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32) -> Float[Array, "..."]:
     return values.astype(dtype)
 
 
-class StackedWeight(NamedTuple):
-    """Layer `index` of a stacked dense f32 weight `stack` [N, *w], left in place: `qeinsum` reads it
-    with the CPU layer-matmul kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
+PANEL_WIDTH = 64  # output columns per panel of a PanelTensor (kPanel in kernels_cpu/layer_matmul.cc)
 
-    stack: jax.Array
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PanelTensor:
+    """A dense f32 matrix (or stack) `[*lead, *in_shape, *out_shape]` in the CPU layer-matmul kernel's
+    layout: `panels [*lead, P, I, PANEL_WIDTH]`, the output axes flattened and cut into panels of
+    PANEL_WIDTH columns (zero-padded), so each panel is one contiguous run of memory. Packed once by the
+    engine when it runs the CPU kernels (model.pack_panels); only `qeinsum` reads it, through the kernel."""
+
+    panels: Array
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.panels.shape[:-3]) + self.in_shape + self.out_shape
+
+
+def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor:
+    """Pack dense `w` [*lead, *in, *out] (num_lead leading axes, num_in input axes) into a PanelTensor."""
+    lead, in_shape, out_shape = w.shape[:num_lead], w.shape[num_lead : num_lead + num_in], w.shape[num_lead + num_in :]
+    rows, cols = math.prod(in_shape), math.prod(out_shape)
+    padded = -(-cols // PANEL_WIDTH) * PANEL_WIDTH
+    flat = jnp.pad(w.reshape(*lead, rows, cols).astype(jnp.float32), [(0, 0)] * num_lead + [(0, 0), (0, padded - cols)])
+    panels = flat.reshape(*lead, rows, padded // PANEL_WIDTH, PANEL_WIDTH)
+    return PanelTensor(panels=jnp.moveaxis(panels, -2, -3), in_shape=tuple(in_shape), out_shape=tuple(out_shape))
+
+
+class StackedWeight(NamedTuple):
+    """Layer `index` of a stacked dense f32 weight `stack` [N, *w] (or a PanelTensor of one), left in
+    place: `qeinsum` reads it with the CPU layer-matmul kernel (kernels_cpu/layer_matmul) instead of
+    slicing a copy out."""
+
+    stack: jax.Array | PanelTensor
     index: jax.Array
 
 
-def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
-    """`jnp.einsum(spec, x, w)` where `w` is a dense array, a QuantizedTensor in its logical layout, or a
-    StackedWeight.
+def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor | PanelTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
+    """`jnp.einsum(spec, x, w)` where `w` is a dense array, a QuantizedTensor in its logical layout, a
+    PanelTensor, or a StackedWeight.
 
     A quantized `w` is dequantized in jnp to `x.dtype` in its storage orientation and the spec's `w`
     subscripts are reordered to match, so the dot consumes the dequantization directly (no transpose),
     which XLA may fuse into it. `spec` must be explicit ("x_subs,w_subs->out", no ellipsis).
     """
+    if isinstance(w, PanelTensor):  # one matrix, or a layer's slice the scan took
+        w = StackedWeight(dataclasses.replace(w, panels=w.panels[None]), jnp.int32(0))
     if isinstance(w, StackedWeight):
         return _stacked_einsum(spec, x, w, preferred_element_type)
     if not isinstance(w, QuantizedTensor):
@@ -279,9 +312,11 @@ def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | Quantize
 
 
 def _stacked_einsum(spec: str, x, w: StackedWeight, preferred_element_type):
-    """`einsum(spec, x, w.stack[w.index])` through the CPU layer-matmul kernel when the spec is a plain
-    "rows @ matrix" (w's leading subscripts contracted against x's trailing ones, the output x's other
-    subscripts then w's) of few enough f32 rows; otherwise the slice and jnp.einsum."""
+    """`einsum(spec, x, layer w.index of w.stack)` through the CPU layer-matmul kernel when the spec is a
+    plain "rows @ matrix" (w's input subscripts contracted against x's trailing ones; the output is x's
+    other subscripts, then w's). A dense stack of more than MAX_ROWS rows, or an unusual spec or dtype,
+    takes the slice and jnp.einsum instead; a PanelTensor always goes to the kernel (its layout is the
+    kernel's)."""
     from kernels_cpu import layer_matmul  # noqa: PLC0415  (CPU only; keeps this module's imports light)
 
     inputs, _, output = spec.replace(" ", "").partition("->")
@@ -290,7 +325,14 @@ def _stacked_einsum(spec: str, x, w: StackedWeight, preferred_element_type):
     batch, kept = x_subs[: len(x_subs) - contracted], w_subs[contracted:]
     rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
     plain = contracted > 0 and x_subs[len(batch):] == w_subs[:contracted] and output == batch + kept
-    if not plain or rows > layer_matmul.MAX_ROWS or x.dtype != jnp.float32 or preferred_element_type not in (None, jnp.float32):
+    out_type_ok = preferred_element_type in (None, jnp.float32)
+    if isinstance(w.stack, PanelTensor):
+        if not (plain and out_type_ok and len(w.stack.in_shape) == contracted):
+            raise ValueError(f"a PanelTensor {w.stack.shape} is read only by the CPU kernel, as rows @ matrix; got {spec!r}")
+        out = layer_matmul.layer_matmul(x.reshape(rows, depth).astype(jnp.float32), w.stack.panels, w.index)
+        cols = math.prod(w.stack.out_shape)
+        return out[:, :cols].reshape(*x.shape[: len(batch)], *w.stack.out_shape)
+    if not plain or rows > layer_matmul.MAX_ROWS or x.dtype != jnp.float32 or not out_type_ok:
         return jnp.einsum(spec, x, w.stack[w.index], preferred_element_type=preferred_element_type)
     stack = w.stack.reshape(w.stack.shape[0], depth, -1)  # [N, K, F]
     out = layer_matmul.layer_matmul(x.reshape(rows, depth), stack, w.index)

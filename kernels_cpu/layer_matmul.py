@@ -8,6 +8,7 @@ where it lies. The reference is `x @ w[layer]` in jnp.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels_cpu import build
@@ -22,9 +23,12 @@ def available() -> bool:
     return build.load(SOURCE, ((TARGET, "JaxinferLayerMatmulF32"),))
 
 
-def layer_matmul(x: Float[Array, "M K"], w: Float[Array, "N K F"], layer: Int[Array, ""]) -> Float[Array, "M F"]:
-    """`x @ w[layer]` in f32, reading `w[layer]` in place."""
+def layer_matmul(x: Float[Array, "M K"], w: Float[Array, "N K F"] | Float[Array, "N P K C"], layer: Int[Array, ""]) -> Float[Array, "M F"]:
+    """`x @ w[layer]` in f32, reading `w[layer]` in place. `w` is [N, K, F], or [N, P, K, 64]: panels of 64
+    columns (quant.PanelTensor's layout), giving F = 64 P output columns."""
     if not available():
         raise RuntimeError("the CPU layer-matmul kernel could not be built; see the warning above")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32))
+    panel = w.ndim == 4
+    cols = w.shape[1] * w.shape[3] if panel else w.shape[2]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], cols), jnp.float32))
+    return call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32), panel=np.int32(panel))

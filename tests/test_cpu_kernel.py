@@ -150,3 +150,24 @@ def test_stacked_weight_leaves_many_rows_to_xla():
     lower = lambda x: jax.jit(lambda x: quant.qeinsum("btd,df->btf", x, quant.StackedWeight(stack, jnp.int32(1)))).lower(x).as_text()  # noqa: E731
     assert layer_matmul.TARGET not in lower(x)
     assert layer_matmul.TARGET in lower(x[:, :4])
+
+
+@pytest.mark.parametrize("spec,num_in,x_shape,w_shape", [
+    ("btd,dhk->bthk", 1, (4, 1, 32), (32, 3, 8)),  # wq: 24 columns, one padded panel
+    ("bthk,hkd->btd", 2, (2, 5, 3, 8), (3, 8, 130)),  # wo-like: 130 columns, three panels
+    ("btd,dv->btv", 1, (1, 70, 16), (16, 64)),  # a head over more rows than MAX_ROWS: panels take any count
+])
+def test_panel_tensor_einsum_equals_the_dense_matrix(spec, num_in, x_shape, w_shape):
+    """quant.to_panels packs a stack into the kernel's panel layout; qeinsum on a layer of it (as the
+    in-place scan passes it) and on one slice (as a plain scan passes it) equals einsum on the matrix."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32))
+    stack = rng.standard_normal((3, *w_shape)).astype(np.float32)
+    panels = quant.to_panels(jnp.asarray(stack), 1, num_in)
+    assert panels.shape == stack.shape and panels.panels.shape[-1] == quant.PANEL_WIDTH
+    expected = np.einsum(spec, np.asarray(x, np.float64), stack[1].astype(np.float64))
+    in_place = quant.qeinsum(spec, x, quant.StackedWeight(panels, jnp.int32(1)))
+    one = quant.qeinsum(spec, x, jax.tree.map(lambda leaf: leaf[1], panels))
+    for out in (in_place, one):
+        assert out.shape == expected.shape
+        assert_close(np.asarray(out), expected, KERNEL_F32, f"PanelTensor {spec}")
