@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ATTENTION_IMPLS
+from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -72,7 +73,7 @@ def _cpu_kernel_obstacle(dtype, kv_cache_dtype: str | None, tensor_parallel: int
         return f"reads an unquantized pool, got kv_cache_dtype={kv_cache_dtype!r}"
     if tensor_parallel != 1:
         return f"runs on one device, got tensor_parallel={tensor_parallel}"
-    if not cpu_kernel.available():
+    if not (cpu_kernel.available() and cpu_layer_matmul.available()):  # the engine packs weights for the second
         return "could not be built (no C++ compiler?)"
     return None
 

@@ -19,6 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.model import forward
 from jaxinfer.params import init_random
 from kernel_interpret import gpu_interpreter, races_found
+from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
 from kernels_pallas.paged_attention import paged_attention_reference
 from tolerances import KERNEL_BF16, KERNEL_F32, assert_close
@@ -68,6 +69,7 @@ def test_cpu_kernel_matches_reference_inside_model_forward():
 def test_resolve_impl_on_a_cpu_picks_the_cpu_kernel_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(cpu_kernel, "available", lambda: True)
+    monkeypatch.setattr(cpu_layer_matmul, "available", lambda: True)
     assert resolve_impl("auto", dtype="float32") == "cpu"
     assert resolve_impl("auto", dtype="float32", deterministic=True) == DETERMINISTIC_IMPL
     for kwargs in (dict(dtype="bfloat16"), dict(dtype="float32", kv_cache_dtype="int8"), dict(dtype="float32", tensor_parallel=2)):
@@ -76,6 +78,9 @@ def test_resolve_impl_on_a_cpu_picks_the_cpu_kernel_only_where_it_can_run(monkey
         resolve_impl("cpu", dtype="bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         resolve_impl("cpu", dtype="float32", kv_cache_dtype="int8")
+    monkeypatch.setattr(cpu_layer_matmul, "available", lambda: False)  # either kernel missing: no CPU kernels
+    assert resolve_impl("auto", dtype="float32") == "reference"
+    monkeypatch.setattr(cpu_layer_matmul, "available", lambda: True)
     monkeypatch.setattr(cpu_kernel, "available", lambda: False)
     assert resolve_impl("auto", dtype="float32") == "reference"
     with pytest.raises(ValueError, match="could not be built"):
