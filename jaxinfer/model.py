@@ -20,9 +20,9 @@ Every weight matmul goes through `quant.qeinsum` and the embedding lookup throug
 forward serves dense and quantized params alike: on a dense array they are exactly `jnp.einsum` and
 `w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most one layer's
 weights are expanded at a time. The tied head multiplies by the embedding in whatever format it is kept.
-With the CPU kernels (attention_impl "cpu"), the scan runs over the layer index alone and the dense f32
-matrices stay stacked: qeinsum reads each layer's slice in place (kernels_cpu/layer_matmul) where XLA
-would copy it out first.
+With the CPU kernels the engine packs the dense f32 matrices into quant.PanelTensor (`pack_panels`); then
+the scan runs over the layer index alone and qeinsum reads each layer's slice in place
+(kernels_cpu/layer_matmul) where XLA would copy it out first.
 """
 
 import dataclasses
@@ -37,7 +37,6 @@ from jaxinfer import attention, quant
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.params import LayerParams, Params
-from kernels_cpu import layer_matmul as cpu_layer_matmul
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
@@ -155,16 +154,14 @@ def pack_panels(params: Params) -> Params:
 
 
 def _layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
-    """Layer `index` of the stack: dense f32 and panel matrices as quant.StackedWeight (read in place by
-    qeinsum), everything else (norms, biases, quantized matrices) sliced as the scan would."""
-    def pick(name, value):
-        if value is None:
-            return None
-        if name in _MATRIX_INPUT_AXES and (_dense_f32(value) or isinstance(value, quant.PanelTensor)):
+    """Layer `index` of the stack: panel matrices as quant.StackedWeight (read in place by qeinsum),
+    everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
+    def pick(value):
+        if isinstance(value, quant.PanelTensor):
             return quant.StackedWeight(value, index)
-        return jax.tree.map(lambda leaf: leaf[index], value)
+        return None if value is None else jax.tree.map(lambda leaf: leaf[index], value)
 
-    return dataclasses.replace(layers, **{f.name: pick(f.name, getattr(layers, f.name)) for f in dataclasses.fields(layers)})
+    return dataclasses.replace(layers, **{f.name: pick(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
 
 
 def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfig) -> Float[Array, "B T V"]:
@@ -202,8 +199,8 @@ def forward(
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if attention_impl == attention.CPU_IMPL and cpu_layer_matmul.available():
-        # The CPU kernels: dense f32 matrices stay stacked and each layer's matmuls read them in place.
+    if any(isinstance(getattr(params.layers, name), quant.PanelTensor) for name in _MATRIX_INPUT_AXES):
+        # Packed for the CPU kernels: the matrices stay stacked and each layer's matmuls read them in place.
         def body_in_place(carry, index):
             return body(carry, (_layer_in_place(params.layers, index), index))
 

@@ -275,11 +275,10 @@ def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor
 
 
 class StackedWeight(NamedTuple):
-    """Layer `index` of a stacked dense f32 weight `stack` [N, *w] (or a PanelTensor of one), left in
-    place: `qeinsum` reads it with the CPU layer-matmul kernel (kernels_cpu/layer_matmul) instead of
-    slicing a copy out."""
+    """Layer `index` of a stacked PanelTensor, left in place: `qeinsum` reads it with the CPU layer-matmul
+    kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
 
-    stack: jax.Array | PanelTensor
+    stack: PanelTensor
     index: jax.Array
 
 
@@ -312,31 +311,20 @@ def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | Quantize
 
 
 def _stacked_einsum(spec: str, x, w: StackedWeight, preferred_element_type):
-    """`einsum(spec, x, layer w.index of w.stack)` through the CPU layer-matmul kernel when the spec is a
-    plain "rows @ matrix" (w's input subscripts contracted against x's trailing ones; the output is x's
-    other subscripts, then w's). A dense stack of more than MAX_ROWS rows, or an unusual spec or dtype,
-    takes the slice and jnp.einsum instead; a PanelTensor always goes to the kernel (its layout is the
-    kernel's)."""
+    """`einsum(spec, x, layer w.index of w.stack)` through the CPU layer-matmul kernel, for a plain
+    "rows @ matrix" spec: w's input subscripts contracted against x's trailing ones, the output x's other
+    subscripts, then w's."""
     from kernels_cpu import layer_matmul  # noqa: PLC0415  (CPU only; keeps this module's imports light)
 
     inputs, _, output = spec.replace(" ", "").partition("->")
     x_subs, _, w_subs = inputs.partition(",")
-    contracted = (len(x_subs) + len(w_subs) - len(output)) // 2  # letters shared by x and w
+    contracted = len(w.stack.in_shape)
     batch, kept = x_subs[: len(x_subs) - contracted], w_subs[contracted:]
+    if x_subs[len(batch):] != w_subs[:contracted] or output != batch + kept or preferred_element_type not in (None, jnp.float32):
+        raise ValueError(f"a PanelTensor {w.stack.shape} is read only by the CPU kernel, as rows @ matrix in f32; got {spec!r}")
     rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
-    plain = contracted > 0 and x_subs[len(batch):] == w_subs[:contracted] and output == batch + kept
-    out_type_ok = preferred_element_type in (None, jnp.float32)
-    if isinstance(w.stack, PanelTensor):
-        if not (plain and out_type_ok and len(w.stack.in_shape) == contracted):
-            raise ValueError(f"a PanelTensor {w.stack.shape} is read only by the CPU kernel, as rows @ matrix; got {spec!r}")
-        out = layer_matmul.layer_matmul(x.reshape(rows, depth).astype(jnp.float32), w.stack.panels, w.index)
-        cols = math.prod(w.stack.out_shape)
-        return out[:, :cols].reshape(*x.shape[: len(batch)], *w.stack.out_shape)
-    if not plain or rows > layer_matmul.MAX_ROWS or x.dtype != jnp.float32 or not out_type_ok:
-        return jnp.einsum(spec, x, w.stack[w.index], preferred_element_type=preferred_element_type)
-    stack = w.stack.reshape(w.stack.shape[0], depth, -1)  # [N, K, F]
-    out = layer_matmul.layer_matmul(x.reshape(rows, depth), stack, w.index)
-    return out.reshape(*x.shape[: len(batch)], *w.stack.shape[1 + contracted:])
+    out = layer_matmul.layer_matmul(x.reshape(rows, depth), w.stack.panels, w.index)
+    return out[:, : math.prod(w.stack.out_shape)].reshape(*x.shape[: len(batch)], *w.stack.out_shape)
 
 
 def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred_element_type):

@@ -16,7 +16,7 @@ from jaxtyping import jaxtyped
 from jaxinfer import kv_pool as kvp
 from jaxinfer.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages, resolve_impl
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import forward
+from jaxinfer.model import forward, pack_panels
 from jaxinfer.params import init_random
 from kernel_interpret import gpu_interpreter, races_found
 from kernels_cpu import layer_matmul as cpu_layer_matmul
@@ -58,11 +58,12 @@ def test_pallas_decode_matches_reference_inside_model_forward():
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler to build the CPU kernel")
 def test_cpu_kernel_matches_reference_inside_model_forward():
-    """Chunked prefill across pages and a decode step, both through the CPU kernel, against the jnp path."""
+    """Chunked prefill across pages and a decode step, both through the CPU kernels (attention, and the
+    layer matmuls over the packed weights), against the jnp path."""
     cfg = dataclasses.replace(CFG, dtype="float32")
     params = init_random(jax.random.key(0), cfg, scale=0.3)
     reference = prefill_then_decode("reference", params, (70, 129), cfg=cfg)
-    kernel = prefill_then_decode("cpu", params, (70, 129), prefill_impl="cpu", cfg=cfg)
+    kernel = prefill_then_decode("cpu", pack_panels(params), (70, 129), prefill_impl="cpu", cfg=cfg)  # as the Engine packs them
     assert_close(kernel, reference, KERNEL_F32, "cpu kernel vs reference logits")
 
 

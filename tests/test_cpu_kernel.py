@@ -1,7 +1,7 @@
 """The CPU kernels (kernels_cpu/). Paged attention against a float64 numpy reference written from the
 visibility rule, and against the jnp path it replaces: decode, chunked prefill and packed rows, on the
 compiled-in geometries and the generic one. The layer matmul against float64 numpy, directly and through
-quant.qeinsum's StackedWeight on the model's einsum specs."""
+quant.qeinsum's PanelTensor on the model's einsum specs."""
 
 import sys
 
@@ -120,42 +120,19 @@ def test_rejects_a_layer_outside_the_pool():
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 40), depth=st.sampled_from([1, 7, 64, 576]), width=st.sampled_from([1, 63, 64, 130, 192]))
 def test_layer_matmul_matches_float64(seed, rows, depth, width):
-    """Row counts around the register tile (6 or 3) and widths around the column block (64 or 32)."""
+    """Row counts around the register tile (6 or 3) and widths around the panel (64, zero-padded)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     w = rng.standard_normal((3, depth, width)).astype(np.float32)
-    out = layer_matmul.layer_matmul(jnp.asarray(x), jnp.asarray(w), jnp.int32(2))
-    assert_close(np.asarray(out), x.astype(np.float64) @ w[2].astype(np.float64), KERNEL_F32, "layer_matmul vs float64")
-
-
-@pytest.mark.parametrize("spec,x_shape,w_shape", [
-    ("btd,dhk->bthk", (4, 1, 32), (32, 3, 8)),  # wq
-    ("bthk,hkd->btd", (4, 1, 3, 8), (3, 8, 32)),  # wo
-    ("btf,fd->btd", (2, 3, 48), (48, 32)),  # w_down
-])
-def test_stacked_weight_einsum_equals_the_slice(spec, x_shape, w_shape):
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32))
-    stack = jnp.asarray(rng.standard_normal((5, *w_shape)).astype(np.float32))
-    out = quant.qeinsum(spec, x, quant.StackedWeight(stack, jnp.int32(4)))
-    expected = np.einsum(spec, np.asarray(x, np.float64), np.asarray(stack[4], np.float64))
-    assert out.shape == expected.shape
-    assert_close(np.asarray(out), expected, KERNEL_F32, f"StackedWeight {spec}")
-
-
-def test_stacked_weight_leaves_many_rows_to_xla():
-    """Above MAX_ROWS rows (a prefill chunk), the slice goes to jnp.einsum: no custom call in the program."""
-    x = jnp.ones((1, layer_matmul.MAX_ROWS + 1, 16), jnp.float32)
-    stack = jnp.ones((2, 16, 8), jnp.float32)
-    lower = lambda x: jax.jit(lambda x: quant.qeinsum("btd,df->btf", x, quant.StackedWeight(stack, jnp.int32(1)))).lower(x).as_text()  # noqa: E731
-    assert layer_matmul.TARGET not in lower(x)
-    assert layer_matmul.TARGET in lower(x[:, :4])
+    out = layer_matmul.layer_matmul(jnp.asarray(x), quant.to_panels(jnp.asarray(w), 1, 1).panels, jnp.int32(2))
+    assert_close(np.asarray(out)[:, :width], x.astype(np.float64) @ w[2].astype(np.float64), KERNEL_F32, "layer_matmul vs float64")
 
 
 @pytest.mark.parametrize("spec,num_in,x_shape,w_shape", [
     ("btd,dhk->bthk", 1, (4, 1, 32), (32, 3, 8)),  # wq: 24 columns, one padded panel
     ("bthk,hkd->btd", 2, (2, 5, 3, 8), (3, 8, 130)),  # wo-like: 130 columns, three panels
-    ("btd,dv->btv", 1, (1, 70, 16), (16, 64)),  # a head over more rows than MAX_ROWS: panels take any count
+    ("btd,dv->btv", 1, (1, 70, 16), (16, 64)),  # a head, over a prefill chunk's worth of rows
+    ("btf,fd->btd", 1, (2, 3, 48), (48, 32)),  # w_down
 ])
 def test_panel_tensor_einsum_equals_the_dense_matrix(spec, num_in, x_shape, w_shape):
     """quant.to_panels packs a stack into the kernel's panel layout; qeinsum on a layer of it (as the
