@@ -11,6 +11,7 @@ collects them back into input order.
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -18,10 +19,10 @@ from tqdm.auto import tqdm
 
 from jaxinfer import loading, runloop, sharding, tokenizer as tok
 from jaxinfer.block_pool import BlockPool
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
 from jaxinfer.output import OutputProcessor
-from jaxinfer.params import QUANTIZATIONS
+from jaxinfer.params import QUANTIZATIONS, Params
 from jaxinfer.quant import INT4_GROUP_SIZES
 from jaxinfer.request import FieldError, Request, SamplingParams, check_int, check_number, check_text, check_token_ids, derive_seed
 from jaxinfer.scheduler import Scheduler, check_request
@@ -176,31 +177,44 @@ class LLM:
         scheduler; `route` assigns every request at admission by load (and prefix-cache affinity).
         Replicas step in turn in this one thread (no overlap between them yet).
       engine_config: an EngineConfig; keyword overrides of its fields may be passed instead or as well.
+      parse_special: whether control-token text written in the input (e.g. "<|im_start|>") becomes the
+        control token. None (the default): yes in plain prompts (as llama.cpp's `special=True`), never
+        in chat message content, so a message cannot inject a role; False: never; True: in both.
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
-        tensor_parallel: int = 1, data_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+        tensor_parallel: int = 1, data_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True,
+        parse_special: bool | None = None, **engine_overrides,
     ):
         check_quantization(quantization, group_size)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
         check_parallel(tensor_parallel, data_parallel)
         group = {} if group_size is None else {"group_size": group_size}
         on_mesh = tensor_parallel > 1 or data_parallel > 1  # weights go from host memory straight to each device's shards
-        self.model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, on_host=on_mesh, **group)
-        self.tokenizer = tok.load_tokenizer(model)
-        self.engine_config = engine_config
-        self.tensor_parallel, self.data_parallel = tensor_parallel, data_parallel
-        self.replicas: list[Replica] = []
-        for r in range(data_parallel):
-            if not on_mesh:
-                mesh = None  # one device, no mesh: the programs of a plain engine
-            else:
-                import jax
+        model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, on_host=on_mesh, **group)
+        self._start(model_config, params, tok.load_tokenizer(model), engine_config, tensor_parallel, data_parallel, warmup=warmup, parse_special=parse_special)
 
-                mesh = sharding.make_mesh(tensor_parallel, jax.devices()[r * tensor_parallel : (r + 1) * tensor_parallel])
-            engine = Engine(self.model_config, params, engine_config, mesh=mesh)
-            self.replicas.append(Replica(engine, BlockPool(engine.num_pages)))  # pools outlive each batch: cached prefixes persist
+    @classmethod
+    def from_params(
+        cls, model_config: ModelConfig, params: Params, tokenizer: tok.TextTokenizer, *, tensor_parallel: int = 1, data_parallel: int = 1,
+        engine_config: EngineConfig | None = None, warmup: bool = True, parse_special: bool | None = None, **engine_overrides,
+    ) -> "LLM":
+        """An LLM over a model already in memory (for experiments that build or transform params
+        themselves); the same engines, checks and run loop as `LLM(path)`."""
+        engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
+        check_parallel(tensor_parallel, data_parallel)
+        llm = cls.__new__(cls)
+        llm._start(model_config, params, tokenizer, engine_config, tensor_parallel, data_parallel, warmup=warmup, parse_special=parse_special)
+        return llm
+
+    def _start(self, model_config, params, tokenizer, engine_config, tensor_parallel, data_parallel, *, warmup, parse_special) -> None:
+        if parse_special not in (None, True, False):
+            raise FieldError("parse_special", f"must be None, True or False, got {parse_special!r}")
+        self.model_config, self.tokenizer, self.engine_config = model_config, tokenizer, engine_config
+        self.parse_special = parse_special
+        self.tensor_parallel, self.data_parallel = tensor_parallel, data_parallel
+        self.replicas: list[Replica] = [self._replica(r, params) for r in range(data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool
         if warmup:
             for replica in self.replicas:
@@ -208,6 +222,17 @@ class LLM:
         self.last_stats = None
         self.replica_stats: list = []  # per replica, of the latest stream
         self.last_routes: list[int] = []  # replica of each prompt of the latest stream, in input order
+        self._running = threading.Lock()  # one stream at a time: the replicas' pools are not shared safely
+
+    def _replica(self, index: int, params: Params) -> Replica:
+        mesh = None  # one device, no mesh: the programs of a plain engine
+        if self.tensor_parallel > 1 or self.data_parallel > 1:
+            import jax
+
+            tp = self.tensor_parallel
+            mesh = sharding.make_mesh(tp, jax.devices()[index * tp : (index + 1) * tp])
+        engine = Engine(self.model_config, params, self.engine_config, mesh=mesh)
+        return Replica(engine, BlockPool(engine.num_pages))  # pools outlive each batch: cached prefixes persist
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (each replica gets an empty block pool), as vLLM's
@@ -225,7 +250,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise FieldError("prompt", "is empty")
-            return self.tokenizer.encode(check_text("prompt", prompt))
+            return self.tokenizer.encode(check_text("prompt", prompt), parse_special=self.parse_special is not False)
         if not isinstance(prompt, Sequence):
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
@@ -234,7 +259,7 @@ class LLM:
         tok.check_messages(messages)
         for i, message in enumerate(messages):
             check_text(f"messages[{i}].content", message["content"])
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        return self.tokenizer.encode_chat(messages, parse_special_content=bool(self.parse_special))
 
     def prepare(self, prompt, params: SamplingParams, *, index: int, chat: bool = False, truncate: str = "none", **request_fields) -> Prompt:
         """Validate one request and turn it into a Prompt; raises ValueError naming what is wrong.
@@ -260,7 +285,17 @@ class LLM:
         """Run prepared prompts through the engine, yielding each output as soon as it finishes.
 
         `on_step(plan, tokens, seconds)` is called after every engine step (for timing and counting).
+        One stream runs at a time: a second one, from another thread or while an earlier stream is
+        left unfinished, raises RuntimeError at once.
         """
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("this LLM is already generating (in another thread, or an unfinished stream(): finish or close() it first)")
+        try:
+            yield from self._stream_one(prompts, progress=progress, on_step=on_step)
+        finally:
+            self._running.release()
+
+    def _stream_one(self, prompts, *, progress, on_step) -> Iterator[RequestOutput]:
         if len(self.replicas) > 1:
             yield from self._stream_replicas(list(prompts), progress=progress, on_step=on_step)
             return

@@ -8,11 +8,23 @@ record naming its line and reason; the job goes on.
 The resume contract (also in the README):
 
 - Lines are split on b"\\n" only and decoded one by one, so a bad byte spoils only its own line. A UTF-8
-  BOM at the start of the file is ignored. Blank lines get no record.
+  BOM at the start of the file is ignored. Blank lines get no record. A file every line of which would
+  fail alike (UTF-16, CR-only line ends, a BOM in the middle) is refused whole, before the model loads.
+- Each line is its own: whatever parsing or validating it raises (a 5000-digit number, a repeated key,
+  nesting too deep) becomes that line's error record, with its id when its first JSON object has one.
 - A line's identity is its `key`: `id:<the id as JSON>` (so 1 and "1" differ) for a line with a valid
   id, else `sha256:<hash of the line's bytes>`. The n-th repeat of a key (n >= 2) gets `#n` appended.
-- A line is done when the output holds a record with its key. `resume=True` first drops a torn last
-  record (from a kill), then runs exactly the lines that are not done, appending their records.
+- A line is done when the output holds a record with its key. `resume=True` first checks the whole
+  output: every line must be a record, else nothing is changed and the resume is refused. Only then is
+  a torn last record (from a kill) cut off, or the lost newline of a whole last record restored. It
+  then runs exactly the lines that are not done, appending their records.
+- One job at a time per output: `<output>.lock` (flock) is held for the whole job; a second job fails
+  at once, naming the first one's pid.
+- `<output>.meta.json` records the settings that decide the tokens (model identity, dtype,
+  quantization, seeds, sampling defaults, ...); a resume under other settings is refused with the
+  differences listed (the CLI's --force-settings overrides).
+- The input may be a pipe or /dev/stdin; a resume reads the input again, so it needs the same lines
+  again (a regular file). The output must be a regular file.
 - A repeated id is an error record for each repeat (key `...#2`, `#3`, ...); the first one runs.
 - Edited inputs: a line whose key is already in the output is skipped, whatever else changed in it;
   records whose key is no longer in the input are left alone.
@@ -24,7 +36,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,10 +46,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer.api import LLM, Prompt, RequestOutput
+from jaxinfer.batch_output import ResumeError  # noqa: F401 (re-exported: the job raises it)
+from jaxinfer.batch_output import OutputLock, check_settings, repair_output, scan_output, write_settings
 from jaxinfer.request import SAMPLING_FIELDS, SamplingParams, check_text, unknown_field_error
 from jaxinfer.scheduler import PromptTooLongError
 
 _BOM = b"\xef\xbb\xbf"
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
+_MIN_FREE_BYTES = 1 << 20  # an output directory with less free space is refused before the model loads
 _REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s", "cache_salt"})
 KNOWN_FIELDS = _REQUEST_FIELDS | SAMPLING_FIELDS
 
@@ -44,8 +62,8 @@ class LineError(ValueError):
     """A line that cannot run; the message is the reason recorded in its error record."""
 
 
-class ResumeError(ValueError):
-    """The existing output cannot be resumed (not a jaxinfer result file, or damaged in the middle)."""
+class InputFileError(ValueError):
+    """The input file as a whole cannot be read as JSONL (an encoding or line-end problem)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +117,75 @@ def split_lines(data: bytes) -> list[tuple[int, bytes]]:
     return [(i, raw) for i, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
 
 
-def parse_line(text: str) -> dict:
-    """A line's JSON object with a valid id and exactly one of prompt / messages; LineError otherwise."""
+def check_encoding(data: bytes) -> None:
+    """Refuse, with one error for the whole file, inputs whose every line would fail the same way:
+    UTF-16 or UTF-32, CR-only line ends, and a byte-order mark in the middle (files concatenated)."""
+    for bom, name in _WIDE_BOMS:
+        if data.startswith(bom):
+            raise InputFileError(f"the input is {name}, not UTF-8; convert it first (iconv -f {name} -t UTF-8)")
+    if _looks_like_utf16(data[:8]):
+        raise InputFileError("the input alternates NUL bytes and ASCII: it looks like UTF-16 without a byte-order mark; convert it to UTF-8")
+    if b"\n" not in data and data.count(b"\r") > 1:
+        raise InputFileError("the input's lines end in CR only (old Mac line ends); convert them to LF (tr '\\r' '\\n')")
+    middle = data.find(b"\n" + _BOM + b"{")
+    if middle >= 0:
+        number = data[: middle + 1].count(b"\n") + 1
+        raise InputFileError(f"line {number} starts with a UTF-8 byte-order mark (files concatenated?); remove it (sed -i 's/^\\xEF\\xBB\\xBF//')")
+
+
+def _looks_like_utf16(head: bytes) -> bool:
+    """Eight bytes of ASCII text in UTF-16 (either byte order): every other byte NUL, the rest printable."""
+    if len(head) < 8:
+        return False
+    for text, zeros in ((head[0::2], head[1::2]), (head[1::2], head[0::2])):
+        if zeros == b"\x00" * 4 and all(32 <= byte < 127 for byte in text):
+            return True
+    return False
+
+
+_MAX_INT_DIGITS = 4300  # Python's int-string limit (sys.get_int_max_str_digits); a longer literal is a line error
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = {}
+    for name, value in pairs:
+        if name in obj:
+            raise _DuplicateKey(name)
+        obj[name] = value
+    return obj
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > _MAX_INT_DIGITS:
+        raise LineError(f"an integer of {len(digits.lstrip('-'))} digits is too long (at most {_MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _loads(text: str):
+    """json.loads, refusing repeated keys and over-long integers; every failure is a LineError."""
     try:
-        obj = json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise LineError("malformed JSON: nested too deeply") from None
+    except _DuplicateKey as e:
+        raise LineError(f"duplicate key {e.name!r} in one object (which value is meant is ambiguous)") from None
+    except LineError:
+        raise
+    except Exception as e:  # whatever else the decoder can raise stays this line's problem
+        raise LineError(f"malformed JSON: {e}") from None
+
+
+def parse_line(text: str) -> dict:
+    """A line's JSON object with a valid id and exactly one of prompt / messages; LineError otherwise
+    (and nothing else: a fuzz test holds it to that)."""
+    obj = _loads(text)
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
     if not _valid_id(obj.get("id")):
@@ -127,11 +206,17 @@ def _valid_id(value) -> bool:
         return False
 
 
+_NO_ID = object()  # an integer too long to be an id
+
+
 def _id_of(text: str | None) -> str | int | None:
-    """The line's id if it has a valid one, even when the rest of the line is bad."""
+    """The line's id if its first JSON object has a valid one, even when the rest of the line is bad
+    (a bad field, trailing garbage, an over-long number elsewhere)."""
+    if text is None:
+        return None
     try:
-        obj = json.loads(text) if text is not None else None
-    except (json.JSONDecodeError, RecursionError):
+        obj, _ = json.JSONDecoder(parse_int=lambda s: int(s) if len(s) <= _MAX_INT_DIGITS else _NO_ID).raw_decode(text.lstrip())
+    except Exception:  # noqa: BLE001 -- any failure only means the line has no id to keep
         return None
     return obj["id"] if isinstance(obj, dict) and _valid_id(obj.get("id")) else None
 
@@ -161,40 +246,49 @@ def read_input(data: bytes) -> list[InputLine]:
 
 
 def read_done(path: Path) -> set[str]:
-    """Keys already written to the output; a torn last line from a kill is cut off first."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-        data = data[: data.rfind(b"\n") + 1]
-    return {_record_key(path, number, raw) for number, raw in split_lines(data)}
-
-
-def _record_key(path: Path, number: int, raw: bytes) -> str:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ResumeError(f"cannot resume: {path} line {number} is not a JSON record; fix or remove that line, or use --overwrite") from None
-    if isinstance(record, dict) and isinstance(record.get("key"), str):
-        return record["key"]
-    raise ResumeError(f"cannot resume: {path} line {number} has no 'key' (it is not a jaxinfer result record); use --overwrite to start over")
+    """Keys already written to the output. The whole file is checked first; only then is a torn last
+    record (from a kill) cut off, or a whole last record's lost newline restored."""
+    scan = scan_output(path, split_lines)
+    repair_output(path, scan)
+    return scan.keys
 
 
 # ---------------------------------------------------------------- the job
 
 
 def check_paths(input_path: Path, output_path: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse, before any model is loaded, a job whose files cannot work."""
-    if not input_path.is_file():
+    """Refuse, before any model is loaded, a job whose files cannot work. The input may be anything
+    readable (a file, a pipe, /dev/stdin); the output must be a regular file, or not exist yet."""
+    if not input_path.exists():
         raise ValueError(f"input file not found: {input_path}")
+    if input_path.is_dir():
+        raise ValueError(f"input {input_path} is a directory; pass a JSONL file")
+    if not os.access(input_path, os.R_OK):
+        raise ValueError(f"input {input_path} cannot be read (permission denied)")
     if not output_path.parent.is_dir():
         raise ValueError(f"output directory does not exist: {output_path.parent}")
     if output_path.exists() and os.path.samefile(input_path, output_path) or output_path.resolve() == input_path.resolve():
         raise ValueError(f"--output {output_path} is the input file; write the results to another file")
+    if output_path.exists() and not output_path.is_file():
+        kind = "a directory" if output_path.is_dir() else "not a regular file"
+        raise ValueError(f"--output {output_path} is {kind}; results (and --resume) need a regular file")
     if output_path.exists() and not (resume or overwrite):
         raise ValueError(f"{output_path} exists; pass --resume to continue it or --overwrite to replace it")
+    _check_writable(output_path)
+
+
+def _check_writable(output_path: Path) -> None:
+    """Try it: append nothing to an existing output, or create and drop a temporary file beside a new one."""
+    try:
+        if output_path.exists():
+            open(output_path, "ab").close()
+        else:
+            tempfile.TemporaryFile(dir=output_path.parent).close()
+    except OSError as e:
+        raise ValueError(f"--output {output_path} cannot be written: {e.strerror}") from None
+    free = shutil.disk_usage(output_path.parent).free
+    if free < _MIN_FREE_BYTES:
+        raise ValueError(f"--output {output_path}: only {free} bytes free on its disk; free some space first")
 
 
 class LineRunner:
@@ -238,6 +332,8 @@ class LineRunner:
             raise LineError(f"{e} (--truncate left|right cuts it)") from None
         except (TypeError, ValueError) as e:
             raise LineError(str(e)) from None
+        except (OverflowError, RecursionError, KeyError, AttributeError) as e:  # one odd value never stops the job
+            raise LineError(f"{type(e).__name__}: {e}") from None
 
 
 def unknown_fields(obj: dict) -> tuple[str | None, list[str]]:
@@ -273,20 +369,57 @@ def _result_record(line: InputLine, output: RequestOutput) -> dict:
 class BatchJob:
     """One run over an input file, appending to (or replacing) the output file.
 
-    Construction reads the input and, on resume, the output's done keys, so that bad files fail before
-    the model loads. `run(llm)` then writes one record for every line that is not done; `write(records)`
-    is the one writer, which the Ray path (ray.py) feeds with records from its actors.
+    Construction takes the output's lock (a second job on it fails at once), reads the input and, on
+    resume, checks the whole output and its recorded settings, so that bad files fail before the model
+    loads and before a byte of the output changes. `run(llm)` then writes one record for every line
+    that is not done; `write(records)` is the one writer, which the Ray path (ray.py) feeds with
+    records from its actors. The lock is released when `write` ends, or by `close()`.
+
+    `settings` are what decide a line's tokens besides the line itself (the CLI passes the model's
+    identity and the engine's numerics); the sampling defaults and `truncate` are always included.
+    A resume under other settings raises ResumeError listing them, unless `force_settings`.
     """
 
-    def __init__(self, input_path: Path, output: Path, defaults: SamplingParams, *, resume: bool = False, truncate: str = "none"):
+    def __init__(
+        self, input_path: Path, output: Path, defaults: SamplingParams, *, resume: bool = False, truncate: str = "none",
+        settings: dict | None = None, force_settings: bool = False,
+    ):
         self.output, self.resume = output, resume
         self.runner = LineRunner(defaults, truncate)
         self.summary = JobSummary()
-        self.lines = read_input(input_path.read_bytes())
-        done = read_done(output) if resume else set()
+        settings = {"sampling": dataclasses.asdict(defaults), "truncate": truncate} | (settings or {})
+        self.settings = json.loads(json.dumps(settings))  # as the settings file will hold them (tuples as lists)
+        self._lock = OutputLock(output)
+        self._file = None
+        try:
+            self._read(input_path, force_settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, input_path: Path, force_settings: bool) -> None:
+        with open(input_path, "rb") as f:  # a pipe or /dev/stdin too: read once
+            data = f.read()
+        check_encoding(data)
+        self.lines = read_input(data)
+        scan = scan_output(self.output, split_lines) if self.resume else None
+        if scan is not None and not force_settings:
+            check_settings(self.output, self.settings, has_records=bool(scan.keys))
+        if scan is not None:
+            repair_output(self.output, scan)
+        done = scan.keys if scan is not None else set()
         self.todo = [line for line in self.lines if line.key not in done]
         self.summary.num_skipped = len(self.lines) - len(self.todo)
-        self._file = None
+
+    def close(self) -> None:
+        """Release the output's lock (idempotent)."""
+        self._lock.release()
+
+    def __enter__(self) -> "BatchJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _write(self, record: dict) -> None:
         text = json.dumps(record, ensure_ascii=False)
@@ -306,16 +439,20 @@ class BatchJob:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a
         retry ran twice), so every line gets exactly one record."""
         start, written = time.perf_counter(), set()
-        with open(self.output, "ab" if self.resume else "wb") as self._file:
-            try:
-                for record in records:
-                    if record["key"] in written:
-                        continue
-                    self._write(record)
-                    written.add(record["key"])
-                    self.summary.add(record)
-            except KeyboardInterrupt:
-                self.summary.interrupted = True
+        try:
+            write_settings(self.output, self.settings)
+            with open(self.output, "ab" if self.resume else "wb") as self._file:
+                try:
+                    for record in records:
+                        if record["key"] in written:
+                            continue
+                        self._write(record)
+                        written.add(record["key"])
+                        self.summary.add(record)
+                except KeyboardInterrupt:
+                    self.summary.interrupted = True
+        finally:
+            self.close()
         self.summary.seconds = time.perf_counter() - start
         self._warn_ignored_fields()
         return self.summary

@@ -30,9 +30,14 @@ output JSONL: exactly one line per input line, written as each finishes:
 
 resume: a line is identified by its id (1 and "1" differ; a repeated id is an error record
   for each repeat) or, without a valid id, by its bytes; it is done once --output holds a record
-  with its "key". --resume drops a torn last record and runs exactly the lines not done, so the
+  with its "key". --resume first checks that every line of --output is a record (else it refuses
+  and changes nothing), drops a torn last record and runs exactly the lines not done, so the
   output ends with one record per non-blank input line. Unseeded requests derive their seed from
-  the key, so a resumed job equals an uninterrupted one.
+  the key, so a resumed job equals an uninterrupted one. FILE.meta.json holds the settings that
+  decide the tokens (model, dtype, quantization, seeds, sampling defaults, ...); a resume under
+  other settings is refused with the differences listed (--force-settings overrides). FILE.lock
+  keeps a second job off the same --output while one runs. --input may be a pipe; a resume
+  reads it again, so keep the input in a regular file.
 
 examples:
   jaxinfer generate --prompt "What is the capital of France?" --chat --temperature 0
@@ -140,6 +145,14 @@ def _build_parser() -> argparse.ArgumentParser:
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="append only the lines not yet in --output (see 'resume' below)")
     mode.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    gen.add_argument(
+        "--force-settings", action="store_true",
+        help="with --resume: continue even though the settings differ from those in --output's .meta.json (records made under both then mix)",
+    )
+    gen.add_argument(
+        "--no-parse-special", action="store_true",
+        help="treat control-token text in prompts (e.g. '<|im_start|>') as plain text; chat message content is always plain text",
+    )
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_args(gen)
     _add_sampling_args(gen)
@@ -206,7 +219,7 @@ def _engine_config(args):
 def _llm_kwargs(args, engine_config) -> dict:
     """LLM's keyword arguments from the flags, for this process or for each Ray actor."""
     return dict(
-        dtype=args.dtype, quantization=args.quantization, group_size=args.group_size,
+        dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, parse_special=False if args.no_parse_special else None,
         tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel, engine_config=engine_config,
     )
 
@@ -260,19 +273,15 @@ def _run_generate(args) -> int:
         return _generate_one(args, defaults, engine_config)
     if args.output is None:
         raise ValueError("--output FILE is required with --input")
+    if args.force_settings and not args.resume:
+        raise ValueError("--force-settings works with --resume")
     from jaxinfer.batch import BatchJob, check_paths
 
     check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
-    job = BatchJob(args.input, args.output, defaults, resume=args.resume, truncate=args.truncate)
-    if ray_options is None:
-        llm = _make_llm(args, engine_config)
-        summary = job.run(llm, progress=not args.no_progress)
-    else:
-        from jaxinfer import ray as ray_jobs
-
-        print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
-        llm = None
-        summary = ray_jobs.run_job(job, ray_options, model=args.model, llm_kwargs=_llm_kwargs(args, engine_config), progress=not args.no_progress)
+    with BatchJob(
+        args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,
+    ) as job:
+        summary, llm = _run_job(job, args, engine_config, ray_options)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
     print(
@@ -285,19 +294,47 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _run_job(job, args, engine_config, ray_options):
+    """(summary, the LLM or None): the job's lines run here or on Ray; nothing loads when none is left."""
+    if not job.todo:
+        print(f"nothing to do: every line of {args.input} has its record in {args.output}", file=sys.stderr)
+        return job.write([]), None
+    if ray_options is None:
+        llm = _make_llm(args, engine_config)
+        return job.run(llm, progress=not args.no_progress), llm
+    from jaxinfer import ray as ray_jobs
+
+    print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
+    return ray_jobs.run_job(job, ray_options, model=args.model, llm_kwargs=_llm_kwargs(args, engine_config), progress=not args.no_progress), None
+
+
+# The flags that decide a line's tokens besides the line itself; a resume must keep them (--force-settings).
+_TOKEN_SETTINGS = ("dtype", "quantization", "group_size", "kv_cache_dtype", "engine_seed", "max_context", "deterministic", "no_parse_special")
+
+
+def _job_settings(args) -> dict:
+    from jaxinfer.batch_output import model_identity
+    from jaxinfer.loading import resolve_model_path
+
+    return {"model": model_identity(resolve_model_path(args.model))} | {name: getattr(args, name) for name in _TOKEN_SETTINGS}
+
+
 def _generate_one(args, defaults, engine_config) -> int:
-    for flag, value in (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite)):
+    for flag, value in (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings)):
         if value:
             raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")
     if not args.prompt:
         raise ValueError("empty prompt: --prompt needs some text")
     llm = _make_llm(args, engine_config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    from jaxinfer.scheduler import PromptTooLongError
+
     try:
         work = llm.prepare(prompt, defaults, index=0, chat=args.chat, truncate=args.truncate)
+    except PromptTooLongError as e:
+        raise ValueError(f"--prompt: {e} (--truncate left|right cuts it)") from None
     except ValueError as e:
-        hint = " (--truncate left|right cuts it)" if "context is" in str(e) else ""
-        raise ValueError(f"--prompt: {e}{hint}") from None
+        raise ValueError(f"--prompt: {e}") from None
     (output,) = llm.stream([work], progress=False)
     if output.finish_reason == "error":
         raise ValueError(f"--prompt failed: {output.error}")

@@ -106,8 +106,19 @@ def available_bytes(device: jax.Device) -> int:
     return info.get("MemAvailable", info["MemFree"])
 
 
+def pages_on_ladder(fitted: int) -> int:
+    """The largest page count <= `fitted` of the form m * 2**e with m in {4, 5, 6, 7}: a pool sized from
+    free memory keeps one shape (and so hits the persistent compile cache) while free memory moves by up
+    to a fifth, and never gives up more than a fifth of what fits. Counts under 4 stay as they are."""
+    if fitted < 4:
+        return fitted
+    exponent = fitted.bit_length() - 3  # fitted = m * 2**exponent + rest, with 4 <= m < 8
+    return (fitted >> exponent) << exponent
+
+
 def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device, *, mesh=None) -> int:
-    """Pages of the pool: as configured, or a share of free memory; fails if it cannot fit.
+    """Pages of the pool: as configured, or a share of free memory rounded down to a fixed ladder (so
+    program shapes do not follow free memory from run to run); fails if it cannot fit.
 
     On a mesh, a page costs each device its share (all of it when kv heads are replicated); simulated
     CPU devices share the host's memory, so there a page costs that share on every device."""
@@ -118,7 +129,8 @@ def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.De
     free = available_bytes(device)
     if engine_cfg.num_pages is None:
         wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-        num_pages = min(wanted, int(free * engine_cfg.kv_memory_fraction) // page_bytes)
+        fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
+        num_pages = wanted if fitted >= wanted else pages_on_ladder(fitted)
     else:
         num_pages = engine_cfg.num_pages
     needed = num_pages * page_bytes

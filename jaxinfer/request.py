@@ -47,12 +47,12 @@ def check_number(field: str, value, *, low: float, high: float, low_open: bool =
     """`value` as a finite float in [low, high] (or (low, high] with low_open); NaN and inf are refused."""
     if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
         raise FieldError(field, f"must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+    number = float(value)
+    if not math.isfinite(number) or number > high or number < low or (low_open and number == low):
         bracket = "(" if low_open else "["
-        interval = f"{bracket}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        interval = f"{bracket}{low:g}, {high:g}]" if math.isfinite(high) else f"{'>' if low_open else '>='} {low:g}"
         raise FieldError(field, f"must be a finite number {'in ' if math.isfinite(high) else ''}{interval}, got {value!r}")
-    return value
+    return number
 
 
 def check_bool(field: str, value) -> bool:

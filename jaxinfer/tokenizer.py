@@ -14,6 +14,7 @@ sandbox with the globals transformers provides. The engine never sees text: it t
 import dataclasses
 import datetime
 import json
+import secrets
 from pathlib import Path
 
 import jinja2
@@ -90,6 +91,40 @@ class TextTokenizer:
             eos_token=self._token_text(self.eos_id),
             **variables,
         )
+
+    def encode_chat(self, messages: list[dict], *, parse_special_content: bool = False, **variables) -> list[int]:
+        """Token ids of the rendered chat. The template's own control tokens are always special; control-
+        token text inside a message's content is plain text unless `parse_special_content`, so content
+        cannot open a new role. Where no content holds control-token text this is exactly
+        `encode(apply_chat_template(messages))`."""
+        text = self.apply_chat_template(messages, **variables)
+        if parse_special_content or not any(self._control_text_in(m["content"]) for m in messages):
+            return self.encode(text)
+        pieces = self._split_at_contents(messages, **variables)
+        ids = self.encode(pieces[0])
+        for i, piece in enumerate(pieces[1:], start=1):  # pieces[1::2] are contents, the rest template text
+            ids += self.encode(piece, add_bos=False, parse_special=i % 2 == 0)
+        return ids
+
+    def _control_text_in(self, text: str) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special and t.content in text]
+
+    def _split_at_contents(self, messages: list[dict], **variables) -> list[str]:
+        """The rendered chat cut into template text and content text, alternately: the template is
+        rendered with a marker in place of each content (keeping its outer whitespace, so templates that
+        trim content trim it alike), and the marker must come out whole and in order."""
+        markers = [f"\x1ejaxinfer-content-{i}-{secrets.token_hex(8)}\x1e" for i in range(len(messages))]
+        cores = [m["content"].strip() for m in messages]
+        stand_ins = [{**m, "content": m["content"].replace(core, marker, 1) if core else marker} for m, core, marker in zip(messages, cores, markers)]
+        text = self.apply_chat_template(stand_ins, **variables)
+        pieces = []
+        for i, (marker, core) in enumerate(zip(markers, cores)):
+            before, found, text = text.partition(marker)
+            if not found or marker in text:
+                control = ", ".join(self._control_text_in(messages[i]["content"]))
+                raise ValueError(f"messages[{i}].content holds control-token text ({control}) and this chat template changes content, so it cannot be kept as plain text; remove it")
+            pieces += [before, core]
+        return pieces + [text]
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.tokenizer.id_to_token(token_id) or "")

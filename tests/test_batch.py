@@ -225,7 +225,7 @@ _LINES = st.one_of(
     st.builds(lambda s: json.dumps({"id": s, "prompt": s}), _ODD_TEXT),  # odd unicode, in ids too
     st.builds(lambda s: json.dumps({"prompt": s}), _ODD_TEXT),  # id-less
     st.sampled_from([v if isinstance(v, (str, bytes)) else json.dumps(v) for v in POISON.values()]),
-    st.binary(max_size=12).filter(lambda b: b"\n" not in b),  # random bytes
+    st.binary(max_size=12).filter(lambda b: b"\n" not in b and not b.startswith(b"\xef\xbb\xbf{")),  # random bytes (a BOM line mid-file is refused whole)
     st.just(""),  # blank
 )
 
