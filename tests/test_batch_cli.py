@@ -209,3 +209,74 @@ def test_ctrl_c_during_load_exits_130_with_one_line(tmp_path, compile_cache):
 def test_parse_line_names_the_problem(text, reason):
     with pytest.raises(LineError, match=reason):
         parse_line(text)
+
+
+# ------------------------------------------------------------------ hardening, round two (issue 27)
+
+
+def copy_output(full_run, tmp_path):
+    """A copy of the full run's output and its settings file, to resume without touching the original."""
+    source = full_run[0].parent / "full.jsonl"
+    target = tmp_path / "out.jsonl"
+    for suffix in ("", ".meta.json"):
+        (tmp_path / f"out.jsonl{suffix}").write_bytes(source.with_name(source.name + suffix).read_bytes())
+    return target
+
+
+@pytest.mark.slow
+def test_resume_with_nothing_left_to_do_loads_no_model(full_run, tmp_path, compile_cache):
+    input_path, _, _, full_records, model = full_run
+    out = copy_output(full_run, tmp_path)
+    start = time.perf_counter()
+    result = run_cli(input_path, out, compile_cache, model, "--resume")
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0 and "nothing to do" in result.stderr and "loading" not in result.stderr, result.stderr[-1500:]
+    assert seconds < 20 and records(out) == full_records
+
+
+@pytest.mark.slow
+def test_resume_under_changed_settings_is_refused_listing_them(full_run, tmp_path, compile_cache):
+    input_path, _, _, full_records, model = full_run
+    out = copy_output(full_run, tmp_path)
+    result = run_cli(input_path, out, compile_cache, model, "--resume", "--temperature", "0.7", "--engine-seed", "5")
+    assert one_line_error(result, "other settings", "temperature", "engine_seed: 0 -> 5", "--force-settings"), result.stderr[-1500:]
+    assert records(out) == full_records
+    forced = run_cli(input_path, out, compile_cache, model, "--resume", "--temperature", "0.7", "--force-settings")
+    assert forced.returncode == 0 and records(out) == full_records, forced.stderr[-1500:]
+
+
+def test_swapped_input_and_output_under_resume_leave_the_prompt_file_untouched(tmp_path):
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    prompts.write_bytes(b'{"id":"p1","prompt":"Hello"}\n{"id":"p2","prompt":"World"}')
+    results.write_text('{"id": "p1", "key": "id:\\"p1\\"", "status": "ok"}\n')
+    before = prompts.read_bytes()
+    assert one_line_error(run_fast("--input", results, "--output", prompts, "--resume"), "has no 'key'")
+    assert prompts.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_a_huge_integer_line_is_an_error_record_and_the_job_exits_0(tmp_path, compile_cache, tiny_chat_model):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id":"ok","prompt":"Hello"}\n{"id":"x","prompt":"x","max_tokens":' + "9" * 5000 + "}\n")
+    result = run_cli(inp, tmp_path / "out.jsonl", compile_cache, tiny_chat_model)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert {r["id"]: r["status"] for r in records(tmp_path / "out.jsonl")} == {"ok": "ok", "x": "error"}
+
+
+@pytest.mark.slow
+def test_a_second_job_on_one_output_is_refused_at_once_naming_the_first(full_run, tmp_path, compile_cache):
+    input_path, expected, _, _, model = full_run
+    out = tmp_path / "out.jsonl"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(model), "--input", str(input_path), "--output", str(out), "--compile-cache", compile_cache, *ENGINE_FLAGS],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    lock = tmp_path / "out.jsonl.lock"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (lock.exists() and lock.read_text().strip()):
+        time.sleep(0.02)
+    for mode in ("--resume", "--overwrite"):
+        second = run_fast("--model", model, "--input", input_path, "--output", out, mode, "--compile-cache", compile_cache)
+        assert one_line_error(second, "in use by another jaxinfer job", f"pid {first.pid}"), second.stderr
+    assert first.wait(timeout=600) == 0
+    assert sorted(key(r) for r in records(out)) == sorted(expected) and not lock.exists()
