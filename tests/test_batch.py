@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.api import LLM
-from jaxinfer.batch import BatchJob, ResumeError, check_paths, read_done, read_input, split_lines
+from jaxinfer.batch import BatchJob, ResumeError, check_paths, read_done, read_input
 from jaxinfer.request import SamplingParams
+from job_records import by_key, records
 
 DEFAULTS = SamplingParams(temperature=0, max_tokens=6)
 
@@ -45,10 +46,6 @@ def write(path: Path, lines: list) -> Path:
     return path
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(raw) for _, raw in split_lines(path.read_bytes())]
-
-
 def run_job(llm, input_path, output_path, *, resume=False, kill_after=None, **kwargs):
     if kill_after is None:
         job = BatchJob(input_path, output_path, DEFAULTS, resume=resume, **kwargs)
@@ -58,14 +55,6 @@ def run_job(llm, input_path, output_path, *, resume=False, kill_after=None, **kw
         return job.run(llm, progress=False)
     except Killed:
         return None
-
-
-def by_key(path: Path) -> dict[str, dict]:
-    out = {}
-    for r in records(path):
-        assert r["key"] not in out, f"duplicate record {r['key']}"
-        out[r["key"]] = r
-    return out
 
 
 def comparable(record: dict) -> tuple:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from jaxinfer.batch import LineError, parse_line
+from job_records import records
 
 ENGINE_FLAGS = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
 QUESTIONS = [
@@ -50,10 +51,6 @@ def run_cli(input_path, output_path, cache, model, *extra, wait=True):
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip()]
 
 
 def key(record: dict) -> str:

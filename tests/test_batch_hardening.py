@@ -21,6 +21,7 @@ from jaxinfer.batch import BatchJob, InputFileError, LineError, check_paths, par
 from jaxinfer.batch_output import OutputBusyError, ResumeError, lock_path, meta_path
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import FieldError, SamplingParams
+from job_records import records
 
 DEFAULTS = SamplingParams(temperature=0, max_tokens=4)
 HUGE = "9" * 5000
@@ -34,10 +35,6 @@ def llm(tiny_chat_model, compile_cache):
 def write_lines(path: Path, lines: list[str], *, final_newline: bool = True) -> Path:
     path.write_text("\n".join(lines) + ("\n" if final_newline else ""), "utf-8")
     return path
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(raw) for raw in path.read_bytes().split(b"\n") if raw.strip()]
 
 
 def run(llm, inp: Path, out: Path, **kwargs):

@@ -133,25 +133,25 @@ def test_pool_matches_lru_model_under_random_operations(num_pages, ops):
     """The pool against a hand-written model: a queue of free pages, taken from the head on allocate,
     each freed table appended last page first. Page ids, free order, ref counts and tables must agree."""
     pool = BlockPool(num_pages)
-    free_stack = list(range(1, num_pages))  # head first
+    free_queue = list(range(1, num_pages))  # head first
     owned: dict[str, list[int]] = {}
     for op, request, count in ops:
         rid = f"r{request}"
         if op == "alloc":
-            if count > len(free_stack):
+            if count > len(free_queue):
                 with pytest.raises(OutOfPagesError):
                     pool.allocate(rid, count)
             else:
-                expected = [free_stack.pop(0) for _ in range(count)]
+                expected = [free_queue.pop(0) for _ in range(count)]
                 assert pool.allocate(rid, count) == expected
                 owned.setdefault(rid, []).extend(expected)
         else:
             released = owned.pop(rid, [])[::-1]
             assert pool.free(rid) == released
-            free_stack.extend(released)
-        assert NULL_PAGE not in free_stack and pool.free_order() == free_stack
+            free_queue.extend(released)
+        assert NULL_PAGE not in free_queue and pool.free_order() == free_queue
         pool.check_invariants()
-        assert (pool.num_free, pool.num_used) == (len(free_stack), num_pages - 1 - len(free_stack))
+        assert (pool.num_free, pool.num_used) == (len(free_queue), num_pages - 1 - len(free_queue))
         assert {r: pool.pages_of(r) for r in owned} == owned
         owners = [p for pages in owned.values() for p in pages]
         assert _ref_counts(pool) == [owners.count(page) for page in range(num_pages)]

@@ -13,7 +13,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.output import OutputProcessor
 from jaxinfer.request import BucketKey, FieldError, Request, SamplingParams
 from jaxinfer.scheduler import Scheduler
-from test_scheduler import FakePagedEngine, expected_output
+
+from fakes import FakePagedEngine, expected_output
 
 KINDS = sorted(STRATEGY_KINDS)
 

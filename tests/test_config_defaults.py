@@ -1,8 +1,11 @@
 """The engine's default bucket tables are literals in config.py; the fit they came from still gives them."""
 
+import pytest
+
 from jaxinfer.config import DEFAULT_CHUNK_BUCKETS, EngineConfig, fitted_chunk_buckets
 
 
+@pytest.mark.slow  # the fit dry-runs 2000 requests through the scheduler
 def test_default_chunk_buckets_are_the_fit_plus_the_chat_bucket():
     assert DEFAULT_CHUNK_BUCKETS == (32,) + fitted_chunk_buckets()
 

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler import FakePagedEngine, expected_output, run_to_completion, small_config
 
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import Scheduler
+
+from fakes import FakePagedEngine, expected_output, run_to_completion, small_config
 
 
 def shared_request(rid: str, prefix: list[int], suffix_len: int, max_tokens: int, index: int = 0, salt=None) -> Request:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from job_records import by_key, records
+
 pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'jaxinfer[ray]' (make test installs it)")
 
 ENGINE_FLAGS = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
@@ -56,18 +58,6 @@ def run(cmd) -> subprocess.CompletedProcess:
 
 def _env() -> dict:
     return os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "JAX_PLATFORMS": "cpu"}
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip()]
-
-
-def by_key(path: Path) -> dict[str, dict]:
-    out = {}
-    for record in records(path):
-        assert record["key"] not in out, f"{record['key']} written twice"
-        out[record["key"]] = record
-    return out
 
 
 def comparable(record: dict) -> tuple:

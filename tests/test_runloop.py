@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from test_scheduler import FakePagedEngine, expected_output, request, small_config
-
 from jaxinfer import runloop
 from jaxinfer.output import OutputProcessor
 from jaxinfer.scheduler import Scheduler
+
+from fakes import FakePagedEngine, expected_output, request, small_config
 
 
 def test_a_step_that_raises_fails_only_the_requests_in_its_plan():
