@@ -3,8 +3,11 @@
 `attend` writes this step's keys and values into the cache (dense slab, paged pool, or none) and
 attends over everything the sequence has so far. The math is `attention_reference`, pure jnp in f32;
 on a GPU, single-token 16-bit decode over the paged pool goes to the Pallas Mosaic GPU kernel in
-kernels_pallas/ instead, and on a CPU every paged step (prefill, packed rows, decode) of an f32 model goes
-to the C++ kernel in kernels_cpu/, which reads the pages in place. The model never imports a kernel directly.
+kernels_pallas/ instead (where that module's `supports` says it serves the geometry), and on a CPU every
+paged step (prefill, packed rows, decode) of an f32 model goes to the C++ kernel in kernels_cpu/. Both
+kernels take the whole pool and the layer index and read the layer's pages in place (the Pallas kernel on
+one device; under tensor parallelism it still gets the layer's slice). The model never imports a kernel
+directly.
 
 Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deterministic=True)`)
 keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxinfer import kv_pool as kvp
+from jaxinfer import quant
 from jaxinfer.config import ATTENTION_IMPLS
 from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
@@ -40,27 +44,53 @@ CPU_IMPL = "cpu"  # kernels_cpu/paged_attention: every step on a CPU, prefill an
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def resolve_impl(impl: str, *, deterministic: bool = False, dtype=None, kv_cache_dtype: str | None = None, tensor_parallel: int = 1) -> str:
+def resolve_impl(
+    impl: str,
+    *,
+    deterministic: bool = False,
+    dtype=None,
+    kv_cache_dtype: str | None = None,
+    tensor_parallel: int = 1,
+    page_size: int | None = None,
+    head_dim: int | None = None,
+    group_size: int = 1,
+) -> str:
     """The impl `attend` runs for an EngineConfig.attention_impl: 'reference', 'pallas' or 'cpu', or in
     deterministic mode DETERMINISTIC_IMPL or DETERMINISTIC_PALLAS_IMPL.
 
-    'auto' picks the Pallas kernel on a GPU unless `dtype` (the model's, if known) is not 16-bit; on a CPU,
-    the CPU kernel for an f32 model over an unquantized pool on one device, if it builds; else the jnp
-    reference. An explicit 'cpu' that cannot run raises, naming why. Deterministic mode keeps its jnp path
-    on a CPU (the kernels' results do not depend on the batch either, but that is only tested for Pallas)."""
+    'auto' picks the Pallas kernel on a GPU where the kernel module says it serves the geometry
+    (`kernels_pallas.paged_attention.supports`: page_size, head_dim, group_size = query heads per kv
+    head, dtype = the model's if known, and the pool's kv_cache_dtype); on a CPU, the CPU kernel for an
+    f32 model over an unquantized pool on one device, if it builds; else the jnp reference. An explicit
+    'pallas' or 'cpu' that cannot run raises here, naming why, before anything compiles. The kernel
+    needs the geometry to be asked: without page_size and head_dim, 'pallas' (and 'auto' on a GPU)
+    raises. Deterministic mode keeps its jnp path on a CPU (the kernels' results do not depend on the
+    batch either, but that is only tested for Pallas)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    geometry = dict(page_size=page_size, head_dim=head_dim, group_size=group_size)
     if impl == "auto":
-        kernel_dtype = dtype is None or jnp.dtype(dtype) in _KERNEL_DTYPES
         if jax.default_backend() == "gpu":
-            impl = "pallas" if kernel_dtype else "reference"
+            impl = "pallas" if _pallas_kernel_obstacle(dtype, kv_cache_dtype, **geometry) is None else "reference"
         else:
             impl = CPU_IMPL if not deterministic and not _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel) else "reference"
+    elif impl == "pallas" and (obstacle := _pallas_kernel_obstacle(dtype, kv_cache_dtype, **geometry)):
+        raise ValueError(f"attention_impl='pallas': the kernel {obstacle}; use attention_impl='auto' or 'reference'")
     elif impl == CPU_IMPL and (obstacle := _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel)):
         raise ValueError(f"attention_impl='cpu' {obstacle}; use attention_impl='auto' or 'reference'")
     if deterministic:
         return DETERMINISTIC_PALLAS_IMPL if impl == "pallas" else DETERMINISTIC_IMPL
     return impl
+
+
+def _pallas_kernel_obstacle(dtype, kv_cache_dtype: str | None, *, page_size: int | None, head_dim: int | None, group_size: int) -> str | None:
+    """Why the Pallas kernel cannot serve this engine, or None if it can: the kernel module owns the rule."""
+    if page_size is None or head_dim is None:
+        raise ValueError("resolve_impl needs page_size and head_dim to ask the Pallas kernel whether it serves them")
+    from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
+
+    kv_dtype = None if kv_cache_dtype is None else quant.KV_CODE_FORMATS[kv_cache_dtype][0]
+    return kernel.supports(head_dim, page_size, group_size, dtype=dtype, kv_dtype=kv_dtype)
 
 
 def _cpu_kernel_obstacle(dtype, kv_cache_dtype: str | None, tensor_parallel: int) -> str | None:
@@ -240,10 +270,9 @@ def attention_over_page_blocks(
 
 def _use_kernel(impl: str, q: jax.Array) -> bool:
     """The kernel serves single-token decode in 16-bit dtypes (in deterministic mode too: prefill stays
-    on attention_over_page_blocks); 'auto' falls back to the reference for f32 (the kernel's tensor-core
-    matmuls would round f32 to tf32), a resolved 'pallas' refuses."""
-    if impl == "auto":
-        impl = resolve_impl(impl, dtype=q.dtype)
+    on attention_over_page_blocks). `impl` is resolved already (resolve_impl refuses f32 for 'pallas'
+    when it knows the dtype; the kernel's tensor-core matmuls would round f32 to tf32); a 'pallas' that
+    reaches an f32 model here refuses too."""
     if impl not in _KERNEL_IMPLS or q.shape[1] != 1:
         return False
     if q.dtype not in _KERNEL_DTYPES:
@@ -266,8 +295,12 @@ def _attend_cpu(q, pool, layer, positions, pages):
 
 
 def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
-    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. In
-    deterministic mode the kernel's splits have a fixed size (its tuned split count follows the batch)."""
+    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. On one
+    device the kernel gets the whole pool and the layer index and reads the layer's pages in place, as
+    the CPU kernel does (a `pool.k[layer]` slice may be copied every layer of every step). Under tensor
+    parallelism it still gets the layer's slice: `sharding.on_local_heads` splits axis 0 of the pages as
+    their kv-head axis. In deterministic mode the kernel's splits have a fixed size (its tuned split
+    count follows the batch)."""
     import functools
 
     from jaxinfer import sharding
@@ -277,8 +310,19 @@ def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
     if deterministic:
         group_size = q.shape[2] // pool.k.shape[1]  # pool.k: [layers, G, P, K, L]
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
-    scales = dict(k_scales=pool.k_scale[layer], v_scales=pool.v_scale[layer]) if pool.quantized else {}
+    whole_pool = _model_axis_size() == 1
+    pick = (lambda x: x) if whole_pool else (lambda x: x[layer])  # noqa: E731
+    scales = dict(k_scales=pick(pool.k_scale), v_scales=pick(pool.v_scale)) if pool.quantized else {}
+    call = functools.partial(kernel.paged_attention, config=config, layer=layer if whole_pool else None)
     out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
-        functools.partial(kernel.paged_attention, config=config), q[:, 0], pool.k[layer], pool.v[layer], pages.block_tables, positions[:, 0] + 1, **scales
+        call, q[:, 0], pick(pool.k), pick(pool.v), pages.block_tables, positions[:, 0] + 1, **scales
     )  # [B, H, K]
     return out[:, None]
+
+
+def _model_axis_size() -> int:
+    """Devices the kv heads may be split over: the `model` axis of the mesh in context (1 without one)."""
+    from jaxinfer import sharding
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or sharding.MODEL_AXIS not in mesh.axis_names else int(mesh.shape[sharding.MODEL_AXIS])

@@ -167,6 +167,7 @@ class Engine:
         self.impl = resolve_impl(
             engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
             tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
+            page_size=engine_cfg.page_size, head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads,
         )
         if self.impl == CPU_IMPL:  # the CPU kernels read the matrices in their own panel layout
             self.params = params = model.pack_panels(params)

@@ -1,9 +1,9 @@
 """Paged-attention decode on the Pallas Mosaic GPU backend (Hopper), beside its jnp reference.
 
 Owns the decode kernel (one query token per sequence over a paged KV cache), its config and
-tuned-config table, the host-side block-table check, and `paged_attention_reference`, the kernel's
-f32 oracle. The engine's CPU path is jaxinfer.attention.attention_over_pages, not this reference;
-the two are proven equal in decode (lengths >= 1, finite pools) by tests/test_attention_dispatch.py.
+tuned-config table, the one rule of which geometries it serves (`supports`), the host-side
+block-table check, and `paged_attention_reference`, the kernel's f32 oracle. The engine's CPU
+path is jaxinfer.attention.attention_over_pages, not this reference; the two are proven equal in decode (lengths >= 1, finite pools) by tests/test_attention_dispatch.py.
 Must not import jaxinfer: experiments/device_check.py runs this file from a bare source tree (jax,
 numpy, absl-py only).
 
@@ -11,7 +11,8 @@ Layout (axis letters as in model.py: B batch, H query heads, G kv heads, K head 
 L page length; M is the block-table width, max pages per sequence):
   q             [B, H, K]     query head h reads kv head h // group_size (HF/Llama GQA)
   k_pages       [G, P, K, L]  K transposed per page: the QK^T operand needs no transpose
-  v_pages       [G, P, L, K]
+  v_pages       [G, P, L, K]  (either pool may be the whole [N, G, P, ...] with a `layer` index:
+                              the kernel then reads that layer's pages in place, as TMA boxes)
   block_tables  [B, M] int32  padded with page 0, the null page
   lengths       [B] int32     valid tokens; 0 marks a padding row, whose output is zeros
   k_scales, v_scales [G, P, L] f32, only with quantized pages (int8 / float8_e4m3fn codes):
@@ -73,22 +74,23 @@ _SWIZZLE_8BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def _paged_attention_kernel(
-    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, k_scales_ref, v_scales_ref,  # GMEM in
+    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, layer_ref, k_scales_ref, v_scales_ref,  # in
     out_ref, lse_ref,  # outputs, GMEM
     q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers, dequant,  # scratch
     *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale,
 ):
     """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
 
-    q_ref [B, G, Gp, K] · k_ref [G, P, K, L] · v_ref [G, P, L, K] · block_tables_ref [B, M]
-    lengths_ref [B] · out_ref [B, G, S, group, K] (f32; q.dtype when lse_ref is None) · lse_ref
-    [B, G, S, R] f32 (None: one split, not deterministic) · q_smem [R, K] · v_smem [depth, N, K]
+    q_ref [B, G, Gp, K] · k_ref [layers, G, P, K, L] · v_ref [layers, G, P, L, K] (the whole pool,
+    read in place at layer layer_ref[0], int32 [1]) · block_tables_ref [B, M] · lengths_ref [B] · out_ref
+    [B, G, S, group, K] (f32; q.dtype when lse_ref is None) · lse_ref [B, G, S, R] f32 (None: one
+    split, not deterministic) · q_smem [R, K] · v_smem [depth, N, K]
     · p_smem [R, N], with N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L],
     (o_smem [R, K], lse_smem [R])): the output buffers reuse the K ring, which is dead once the
     loop has ended.
 
     Quantized pages (int8 / fp8 codes; the rings hold codes): k_scales_ref, v_scales_ref
-    [G, P, L] f32 and dequant = (k_scale_smem [depth, ppb, L], v_scale_smem [depth, N] f32, both
+    [layers, G, P, L] f32 and dequant = (k_scale_smem [depth, ppb, L], v_scale_smem [depth, N] f32, both
     filled with the K pages on the K barrier; k_mma [ppb, K, L], v_mma [N, K]: the block
     converted to q.dtype, the wgmma operands, one slot each). Otherwise the three are None.
     """
@@ -98,6 +100,7 @@ def _paged_attention_kernel(
     max_pages = block_tables_ref.shape[1]
     dtype = q_smem.dtype
     kv_head, seq, split = (lax.axis_index(n) for n in ("kv_head", "seq", "split"))
+    layer = layer_ref[0]
 
     length = jnp.minimum(lengths_ref[seq], max_pages * page_size)
     seq_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
@@ -115,13 +118,15 @@ def _paged_attention_kernel(
     def fetch(pages, slot):
         for j, page in enumerate(pages):
             rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, j], k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, kv_head, page], k_smem.at[slot, j],
+                                    k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, kv_head, page], v_smem.at[slot, rows],
+                                    v_barriers.at[slot])
             if dequant is not None:  # both scale rows ride on the K barrier: p needs v's early
                 k_scale_smem, v_scale_smem, _, _ = dequant
-                plgpu.copy_gmem_to_smem(k_scales_ref.at[kv_head, page], k_scale_smem.at[slot, j],
-                                        k_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(v_scales_ref.at[kv_head, page],
+                plgpu.copy_gmem_to_smem(k_scales_ref.at[layer, kv_head, page],
+                                        k_scale_smem.at[slot, j], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(v_scales_ref.at[layer, kv_head, page],
                                         v_scale_smem.at[slot, rows], k_barriers.at[slot])
 
     @pl.when(num_blocks > 0)  # empty splits exit early: no loads, zeros out
@@ -363,7 +368,7 @@ def config_for(batch: int, max_pages: int, num_kv_heads: int, group_size: int, h
     Raises:
       ValueError: if the sizes are unsupported by the kernel.
     """
-    _check_sizes(head_dim, page_size)
+    _check_sizes(head_dim, page_size, group_size)
     rows, context = batch * num_kv_heads, max_pages * page_size
     entry = next(e for e in TUNED_TABLE if (e.head_dim, e.page_size) == (head_dim, page_size)
                  and rows <= e.max_rows and context <= e.max_context)
@@ -385,18 +390,51 @@ def deterministic_config(head_dim: int, page_size: int, group_size: int) -> Page
     Raises:
       ValueError: if the sizes are unsupported by the kernel.
     """
-    _check_sizes(head_dim, page_size)
+    _check_sizes(head_dim, page_size, group_size)
+    return _deterministic_config(head_dim, page_size)
+
+
+def _deterministic_config(head_dim: int, page_size: int) -> PagedAttentionConfig:
+    """deterministic_config, unchecked (`supports` checks it)."""
     pages_per_block, depth = _BLOCKING[(head_dim, page_size)]
-    config = PagedAttentionConfig(pages_per_block=pages_per_block, pipeline_depth=depth,
-                                  pages_per_split=DETERMINISTIC_SPLIT_TOKENS // page_size)
-    config.check_shapes(head_dim, page_size, group_size)
-    return config
+    return PagedAttentionConfig(pages_per_block=pages_per_block, pipeline_depth=depth,
+                                pages_per_split=DETERMINISTIC_SPLIT_TOKENS // page_size)
 
 
-def _check_sizes(head_dim: int, page_size: int) -> None:
+def supports(head_dim: int, page_size: int, group_size: int = 1, *, dtype=None, kv_dtype=None
+             ) -> str | None:
+    """Why the kernel cannot serve this geometry, or None if it can: the one rule that
+    `config_for`, `deterministic_config` and `paged_attention` enforce, and that jaxinfer's
+    `attention.resolve_impl` asks before it picks the kernel. All arguments are static.
+
+    Args:
+      head_dim: K. page_size: L, tokens per page. group_size: query heads per kv head.
+      dtype: q's dtype (None: not checked). kv_dtype: the stored pages' dtype, q's (None) or
+        int8 / float8_e4m3fn codes.
+    """
+    if dtype is not None and jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        return (f"needs bfloat16 or float16, got {jnp.dtype(dtype)} (an f32 wgmma would run in "
+                "tf32; f32 is served by the jnp reference)")
     if head_dim not in SUPPORTED_HEAD_DIMS or page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
-                         f"{SUPPORTED_PAGE_SIZES}")
+        return (f"{head_dim=} must be in {SUPPORTED_HEAD_DIMS} and {page_size=} in "
+                f"{SUPPORTED_PAGE_SIZES}")
+    if kv_dtype is not None and jnp.dtype(kv_dtype) not in QUANTIZED_DTYPES + SUPPORTED_DTYPES:
+        return (f"stores pages as q's dtype or as {[d.name for d in QUANTIZED_DTYPES]}, "
+                f"got {jnp.dtype(kv_dtype)}")
+    kv_itemsize = None if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
+    configs = [e.config for e in TUNED_TABLE if (e.head_dim, e.page_size) == (head_dim, page_size)]
+    for config in (*configs, _deterministic_config(head_dim, page_size)):
+        try:
+            config.check_shapes(head_dim, page_size, group_size, kv_itemsize=kv_itemsize)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def _check_sizes(head_dim: int, page_size: int, group_size: int = 1, *, dtype=None) -> None:
+    """Raises ValueError with `supports`' reason."""
+    if (reason := supports(head_dim, page_size, group_size, dtype=dtype)) is not None:
+        raise ValueError(reason)
 
 
 def validate_block_tables(block_tables, num_pages: int, lengths=None, page_size: int | None = None
@@ -426,12 +464,37 @@ def validate_block_tables(block_tables, num_pages: int, lengths=None, page_size:
                              f"(max_pages={table.shape[1]} * {page_size=})")
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None
-                  ) -> tuple[int, int]:
-    """Validates static shapes and dtypes; returns (num_kv_heads, group_size)."""
-    if q.ndim != 3 or k_pages.ndim != 4 or v_pages.ndim != 4:
-        raise ValueError(f"expected q [B, H, K], pages 4-D; got {q.shape=}, {k_pages.shape=}, "
+def _one_layer(k_pages, v_pages, k_scales, v_scales, layer) -> tuple:
+    """Checks that the pages are one layer's [G, P, ...] without `layer` and the whole pool
+    [N, G, P, ...] with it (a concrete layer in [0, N)); returns one layer's (k, v, k_scales,
+    v_scales) shapes, to check the rest on."""
+    expected = 4 if layer is None else 5
+    if k_pages.ndim != expected or v_pages.ndim != expected:
+        what = ("one layer's [G, P, ...], or the whole pool (5-D) with a layer" if layer is None
+                else "the whole pool [N, G, P, ...] when a layer is given")
+        raise ValueError(f"pages must be {expected}-D, {what}; got {k_pages.shape=}, "
                          f"{v_pages.shape=}")
+    if layer is None:
+        return k_pages, v_pages, k_scales, v_scales
+    if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    if not isinstance(layer, jax.core.Tracer) and not 0 <= int(layer) < k_pages.shape[0]:
+        raise ValueError(f"layer={int(layer)} is out of range for a pool of {k_pages.shape[0]} "
+                         "layers")
+
+    def drop_layer_axis(x):
+        return None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+    return tuple(map(drop_layer_axis, (k_pages, v_pages, k_scales, v_scales)))
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None,
+                  layer=None) -> tuple[int, int]:
+    """Validates static shapes and dtypes (of one layer's pages: a whole pool's layer axis is
+    checked, then dropped); returns (num_kv_heads, group_size)."""
+    if q.ndim != 3:
+        raise ValueError(f"expected q [B, H, K]; got {q.shape=}")
+    k_pages, v_pages, k_scales, v_scales = _one_layer(k_pages, v_pages, k_scales, v_scales, layer)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, _, page_size = k_pages.shape
     if k_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
@@ -467,7 +530,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_s
 def _bind_refs(body, *, quantized: bool, with_lse: bool):
     """Adapts `_paged_attention_kernel` to the refs a kernel really has: None stands for the
     scale inputs and dequant scratch of unquantized pages, and for lse with one split."""
-    num_inputs, num_outputs = (7 if quantized else 5), (2 if with_lse else 1)
+    num_inputs, num_outputs = (8 if quantized else 6), (2 if with_lse else 1)
 
     def bound(*refs):
         inputs, refs = list(refs[:num_inputs]), refs[num_inputs:]
@@ -480,14 +543,16 @@ def _bind_refs(body, *, quantized: bool, with_lse: bool):
     return bound
 
 
-def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scales=None,
+def _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, layer, k_scales=None,
                               v_scales=None, *, sm_scale, config, interpret):
-    """Runs the kernel. Returns (out [B, G, S, group, K], lse [B, G, S, R] in log2 units | None);
-    out is f32 normalized per split when there is an lse, and the final q.dtype output when not:
-    one split outside deterministic mode (which always merges, so that one split and several
-    take the same path). k_scales / v_scales: f32 [G, P, L] with quantized pages, else None."""
+    """Runs the kernel over layer `layer` (int32 [1]) of the whole pool, k_pool [N, G, P, K, L] and
+    v_pool [N, G, P, L, K], read in place. Returns (out [B, G, S, group, K], lse [B, G, S, R] in
+    log2 units | None); out is f32 normalized per split when there is an lse, and the final q.dtype
+    output when not: one split outside deterministic mode (which always merges, so that one split
+    and several take the same path). k_scales / v_scales: f32 [N, G, P, L] with quantized pages,
+    else None."""
     batch, _, head_dim = q.shape
-    num_kv_heads, _, _, page_size = k_pages.shape
+    _, num_kv_heads, _, _, page_size = k_pool.shape
     group_size = q.shape[1] // num_kv_heads
     pages_per_block, depth = config.pages_per_block, config.pipeline_depth
     num_splits, pages_per_split = config.split_layout(block_tables.shape[1])
@@ -504,7 +569,7 @@ def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scal
         out_type.append(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, num_rows), jnp.float32))
     smem = functools.partial(plgpu.SMEM, dtype=q.dtype, transforms=_SWIZZLE)
     # The rings hold the pages as stored: codes (64-byte rows of 1-byte codes) when quantized.
-    ring = (functools.partial(plgpu.SMEM, dtype=k_pages.dtype, transforms=_SWIZZLE_8BIT)
+    ring = (functools.partial(plgpu.SMEM, dtype=k_pool.dtype, transforms=_SWIZZLE_8BIT)
             if quantized else smem)
     # K and V each arrive as one TMA per page; with quantized pages the K barrier also counts
     # the two scale rows of each page.
@@ -536,7 +601,7 @@ def _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scal
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None)
     scale_inputs = (k_scales, v_scales) if quantized else ()
-    outs = kernel(q_packed, k_pages, v_pages, block_tables, lengths, *scale_inputs)
+    outs = kernel(q_packed, k_pool, v_pool, block_tables, lengths, layer, *scale_inputs)
     return outs[0], (outs[1] if with_lse else None)
 
 
@@ -574,11 +639,24 @@ def _merge_splits_in_order(out, lse):
     return total / weight_sum[..., None]
 
 
+def _as_pool(pages, layer):
+    """A page array as a whole pool plus its layer: one layer's pages [G, ...] become a pool of
+    one, [1, G, ...] (a free reshape under jit), at layer 0. Returns (pool, int32 [1]) or
+    (None, layer) for absent scales."""
+    if pages is None:
+        return None, layer
+    if layer is None:
+        return pages[None], jnp.zeros((1,), jnp.int32)
+    return pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, *,
                          sm_scale, config, interpret):
     batch, num_q_heads, head_dim = q.shape
-    out, lse = _paged_attention_partials(q, k_pages, v_pages, block_tables, lengths, k_scales,
+    (k_pool, index), (v_pool, _) = _as_pool(k_pages, layer), _as_pool(v_pages, layer)
+    (k_scales, _), (v_scales, _) = _as_pool(k_scales, layer), _as_pool(v_scales, layer)
+    out, lse = _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, index, k_scales,
                                          v_scales, sm_scale=sm_scale, config=config,
                                          interpret=interpret)
     if lse is None:
@@ -589,13 +667,14 @@ def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v
 
 def paged_attention(
     q: Float[Array, "B H K"],
-    k_pages: Num[Array, "G P K L"],
-    v_pages: Num[Array, "G P L K"],
+    k_pages: Num[Array, "*N G P K L"],
+    v_pages: Num[Array, "*N G P L K"],
     block_tables: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
-    k_scales: Float[Array, "G P L"] | None = None,
-    v_scales: Float[Array, "G P L"] | None = None,
+    layer: Int[Array, ""] | int | None = None,
+    k_scales: Float[Array, "*N G P L"] | None = None,
+    v_scales: Float[Array, "*N G P L"] | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -606,11 +685,14 @@ def paged_attention(
       q: queries; head h attends with kv head h // (H // G). bf16 or f16.
       k_pages: K pool, transposed per page. v_pages: V pool. Either q's dtype, or int8 /
         float8_e4m3fn codes (both the same), dequantized per token slot with the scales below.
+        Either one layer's pages [G, P, ...], or the whole pool [N, G, P, ...] with `layer`.
       block_tables: int32 page ids per sequence, padded with page 0 (the null page).
       lengths: int32 valid tokens per sequence, in [0, M * L]; 0 gives a zero output row.
-      k_scales, v_scales: f32 [G, P, L], given exactly when the pages are quantized: the key of
-        slot l of page p, kv head g is `k_pages[g, p, :, l] * k_scales[g, p, l]` and its value
-        `v_pages[g, p, l, :] * v_scales[g, p, l]`.
+      layer: with a whole pool, the layer to attend over (an int32 scalar, traced or not): the
+        kernel reads that layer's pages in place, so no [G, P, ...] slice of the pool is made.
+      k_scales, v_scales: f32 [(N,) G, P, L] (as the pages), given exactly when the pages are
+        quantized: the key of slot l of page p, kv head g is `k_pages[g, p, :, l] *
+        k_scales[g, p, l]` and its value `v_pages[g, p, l, :] * v_scales[g, p, l]`.
       sm_scale: static softmax scale; default 1 / sqrt(K).
       config: static kernel knobs; default `config_for(...)` of these shapes. Pass
         `deterministic_config(...)` for a result independent of the batch and the table width.
@@ -620,42 +702,39 @@ def paged_attention(
       [B, H, K] in q.dtype. Accumulation and softmax statistics are f32.
 
     Raises:
-      ValueError: bad shapes, dtypes, scales or config, or (for concrete inputs) an out-of-range
-        page id or length. Under an outer jit the ids are traced, so the caller must run
-        `validate_block_tables` on the host first.
+      ValueError: bad shapes, dtypes, scales, layer or config, or (for concrete inputs) an
+        out-of-range page id, length or layer. Under an outer jit the ids are traced, so the
+        caller must run `validate_block_tables` on the host first.
     """
     num_kv_heads, group_size = _check_inputs(q, k_pages, v_pages, block_tables, lengths,
-                                             k_scales, v_scales)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{q.dtype=} unsupported: the kernel takes bf16 or f16 (an f32 wgmma "
-                         "would run in tf32); use paged_attention_reference for f32")
+                                             k_scales, v_scales, layer)
     batch, _, head_dim = q.shape
-    _, num_pages, _, page_size = k_pages.shape
+    num_pages, page_size = k_pages.shape[-3], k_pages.shape[-1]
+    _check_sizes(head_dim, page_size, dtype=q.dtype)
     if not isinstance(block_tables, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):
         validate_block_tables(block_tables, num_pages, lengths, page_size)
     if config is None:
         config = config_for(batch, block_tables.shape[1], num_kv_heads, group_size, head_dim,
                             page_size)
-    else:
-        _check_sizes(head_dim, page_size)
     config.check_shapes(head_dim, page_size, group_size, kv_itemsize=k_pages.dtype.itemsize)
     config.split_layout(block_tables.shape[1])  # raises if a fixed split size needs too many splits
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                                sm_scale=sm_scale, config=config, interpret=interpret)
+    return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales,
+                                v_scales, sm_scale=sm_scale, config=config, interpret=interpret)
 
 
 def paged_attention_reference(
     q: Float[Array, "B H K"],
-    k_pages: Num[Array, "G P K L"],
-    v_pages: Num[Array, "G P L K"],
+    k_pages: Num[Array, "*N G P K L"],
+    v_pages: Num[Array, "*N G P L K"],
     block_tables: Int[Array, "B M"],
     lengths: Int[Array, "B"],
     *,
-    k_scales: Float[Array, "G P L"] | None = None,
-    v_scales: Float[Array, "G P L"] | None = None,
+    layer: Int[Array, ""] | int | None = None,
+    k_scales: Float[Array, "*N G P L"] | None = None,
+    v_scales: Float[Array, "*N G P L"] | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -663,20 +742,25 @@ def paged_attention_reference(
     """Pure-jnp paged decode attention in f32; the same contract as `paged_attention`.
 
     Gathers each sequence's pages (and, for quantized pages, their scale rows) through its block
-    table, dequantizes on read in f32, and masks positions >= length (scores with MASK_VALUE, V
-    with zeros, so stale pages and scales may hold anything). Any float q dtype; `config` and
-    `interpret` are accepted for signature parity and ignored. Out-of-range page ids are clamped
-    by the gather: validate on the host first.
+    table, from layer `layer` of a whole pool, dequantizes on read in f32, and masks positions
+    >= length (scores with MASK_VALUE, V with zeros, so stale pages and scales may hold anything).
+    Any float q dtype; `config` and `interpret` are accepted for signature parity and ignored.
+    Out-of-range page ids are clamped by the gather: validate on the host first.
     """
     del config, interpret
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, layer)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return _reference_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+    return _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales,
                           sm_scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _reference_jit(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale):
+def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, *,
+                   sm_scale):
+    if layer is not None:  # the oracle may slice: one layer of the pool [N, G, ...]
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        if k_scales is not None:
+            k_scales, v_scales = k_scales[layer], v_scales[layer]
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, group_size = k_pages.shape[0], num_q_heads // k_pages.shape[0]
     max_pages, page_size = block_tables.shape[1], k_pages.shape[-1]

@@ -1,12 +1,35 @@
-"""Shared fixtures: the real default model and tokenizer are loaded once per session."""
+"""Shared fixtures: the real default model and tokenizer are loaded once per session; the CPU kernels'
+build, which skips the tests that need them where no compiler is found, and fails them under CI=true."""
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PAD_BUCKETS = (64, 128, 640)  # padded_logits' widths: 3 compiles a model (the HF fixture prompts are 1 to 601 tokens)
+
+
+def require_cpu_kernels() -> None:
+    """Skips the calling test when the CPU kernels (kernels_cpu: paged attention and the layer matmul,
+    which the engine needs together) cannot be built here, for want of a C++ compiler; fails it instead
+    under CI=true, where a missing kernel would otherwise leave every engine test on the jnp path unseen."""
+    from kernels_cpu import layer_matmul, paged_attention
+
+    missing = [module.__name__ for module in (paged_attention, layer_matmul) if not module.available()]
+    if not missing:
+        return
+    reason = f"the CPU kernels {missing} could not be built (no C++ compiler?)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def cpu_kernels() -> None:
+    """`require_cpu_kernels` for a test (or a module's pytestmark usefixtures)."""
+    require_cpu_kernels()
 
 
 @functools.cache

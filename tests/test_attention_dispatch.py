@@ -4,6 +4,7 @@ deterministic mode's dispatch (kernel in decode, blockwise jnp in prefill); and 
 the engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 from beartype import beartype
 from jaxtyping import jaxtyped
 
+from jaxinfer import attention
 from jaxinfer import kv_pool as kvp
 from jaxinfer.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages, resolve_impl
 from jaxinfer.config import ModelConfig
@@ -56,7 +58,7 @@ def test_pallas_decode_matches_reference_inside_model_forward():
     assert_close(kernel, reference, KERNEL_BF16, "pallas vs reference decode logits")
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler to build the CPU kernel")
+@pytest.mark.usefixtures("cpu_kernels")  # skipped without a compiler; under CI=true, failed
 def test_cpu_kernel_matches_reference_inside_model_forward():
     """Chunked prefill across pages and a decode step, both through the CPU kernels (attention, and the
     layer matmuls over the packed weights), against the jnp path."""
@@ -91,6 +93,21 @@ def test_resolve_impl_on_a_cpu_picks_the_cpu_kernel_only_where_it_can_run(monkey
         resolve_impl("cpu", dtype="float32")
 
 
+def test_missing_cpu_kernels_skip_the_tests_that_need_them_but_fail_them_under_ci(monkeypatch):
+    from conftest import require_cpu_kernels
+
+    monkeypatch.setattr(cpu_layer_matmul, "available", lambda: False)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="could not be built"):
+        require_cpu_kernels()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: .*layer_matmul.* could not be built"):
+        require_cpu_kernels()
+    monkeypatch.setattr(cpu_layer_matmul, "available", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "available", lambda: True)
+    require_cpu_kernels()  # both built: the test runs, in CI too
+
+
 def test_explicit_pallas_refuses_float32():
     cfg = dataclasses.replace(CFG, dtype="float32")
     params = init_random(jax.random.key(0), cfg)
@@ -100,18 +117,53 @@ def test_explicit_pallas_refuses_float32():
         forward(params, pool, jnp.ones((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cfg=cfg, pages=meta, attention_impl="pallas")
 
 
-def test_resolve_impl_picks_the_kernel_for_16_bit_on_a_gpu_in_both_modes(monkeypatch):
+GEOMETRY = dict(page_size=PAGE, head_dim=CFG.head_dim, group_size=3)  # CFG's, on pages the kernel serves
+
+
+def test_resolve_impl_picks_the_kernel_for_16_bit_on_a_gpu_in_both_modes_where_it_serves_the_geometry(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    expected = {  # (attention_impl, dtype) -> (normal mode, deterministic mode)
-        ("auto", "bfloat16"): ("pallas", DETERMINISTIC_PALLAS_IMPL),
-        ("auto", "float32"): ("reference", DETERMINISTIC_IMPL),
-        ("pallas", "float16"): ("pallas", DETERMINISTIC_PALLAS_IMPL),
-        ("reference", "bfloat16"): ("reference", DETERMINISTIC_IMPL),
+    expected = {  # (attention_impl, dtype, page_size) -> (normal mode, deterministic mode)
+        ("auto", "bfloat16", PAGE): ("pallas", DETERMINISTIC_PALLAS_IMPL),
+        ("auto", "bfloat16", 16): ("reference", DETERMINISTIC_IMPL),  # the kernel takes pages of 64 or 128
+        ("auto", "float32", PAGE): ("reference", DETERMINISTIC_IMPL),
+        ("pallas", "float16", PAGE): ("pallas", DETERMINISTIC_PALLAS_IMPL),
+        ("reference", "bfloat16", PAGE): ("reference", DETERMINISTIC_IMPL),
+        ("reference", "bfloat16", 16): ("reference", DETERMINISTIC_IMPL),
     }
-    for (impl, dtype), modes in expected.items():
-        assert tuple(resolve_impl(impl, deterministic=d, dtype=dtype) for d in (False, True)) == modes, (impl, dtype)
+    for (impl, dtype, page_size), modes in expected.items():
+        geometry = GEOMETRY | dict(page_size=page_size)
+        assert tuple(resolve_impl(impl, deterministic=d, dtype=dtype, **geometry) for d in (False, True)) == modes, (impl, dtype, page_size)
+    for geometry in (dict(head_dim=96), dict(group_size=65)):  # the kernel's other limits: head_dim, wgmma rows
+        assert resolve_impl("auto", dtype="bfloat16", **(GEOMETRY | geometry)) == "reference", geometry
+    assert resolve_impl("auto", dtype="bfloat16", kv_cache_dtype="int8", **GEOMETRY) == "pallas"  # codes are served
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert resolve_impl("auto", deterministic=True, dtype="bfloat16") == DETERMINISTIC_IMPL
+    assert resolve_impl("auto", deterministic=True, dtype="bfloat16", **GEOMETRY) == DETERMINISTIC_IMPL
+
+
+@pytest.mark.parametrize(("geometry", "reason"), [
+    (dict(page_size=16), "page_size=16"), (dict(head_dim=96), "head_dim=96"), (dict(group_size=65), "group_size=65"),
+])
+def test_explicit_pallas_fails_at_config_time_naming_what_the_kernel_does_not_serve(monkeypatch, geometry, reason):
+    for backend in ("gpu", "cpu"):  # the rule is the kernel's geometry, whatever the backend (the interpreter runs on a CPU)
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        for deterministic in (False, True):
+            with pytest.raises(ValueError, match=f"attention_impl='pallas'.*{reason}"):
+                resolve_impl("pallas", deterministic=deterministic, dtype="bfloat16", **(GEOMETRY | geometry))
+    with pytest.raises(ValueError, match="needs bfloat16 or float16"):
+        resolve_impl("pallas", dtype="float32", **GEOMETRY)
+    with pytest.raises(ValueError, match="needs page_size and head_dim"):  # the kernel cannot be asked without them
+        resolve_impl("pallas", dtype="bfloat16")
+
+
+def test_engine_with_explicit_pallas_on_pages_of_16_fails_when_built():
+    """At construction (resolve_impl is its first step), not at warm-up's first kernel trace."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine import Engine
+
+    params = init_random(jax.random.key(0), CFG)
+    engine_cfg = EngineConfig(page_size=16, max_context=128, num_pages=9, attention_impl="pallas", compilation_cache_dir=None)
+    with pytest.raises(ValueError, match="page_size=16"):
+        Engine(CFG, params, engine_cfg)
 
 
 def test_deterministic_pallas_sends_decode_to_the_fixed_split_kernel_and_keeps_prefill_blockwise(monkeypatch):
@@ -122,9 +174,9 @@ def test_deterministic_pallas_sends_decode_to_the_fixed_split_kernel_and_keeps_p
 
     calls = []
 
-    def spy(q, k_pages, v_pages, block_tables, lengths, *, config=None):
+    def spy(q, k_pages, v_pages, block_tables, lengths, *, layer=None, config=None):
         calls.append((q.shape, config))
-        return pa.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths)
+        return pa.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, layer=layer)
 
     params = init_random(jax.random.key(0), CFG, scale=0.3)
     jnp_only = prefill_then_decode(DETERMINISTIC_IMPL, params, (70, 129), prefill_impl=DETERMINISTIC_IMPL)
@@ -132,6 +184,60 @@ def test_deterministic_pallas_sends_decode_to_the_fixed_split_kernel_and_keeps_p
     with_kernel = prefill_then_decode(DETERMINISTIC_PALLAS_IMPL, params, (70, 129), prefill_impl=DETERMINISTIC_PALLAS_IMPL)
     assert calls == [((2, CFG.num_heads, CFG.head_dim), pa.deterministic_config(CFG.head_dim, PAGE, 3))]
     assert_close(with_kernel, jnp_only, KERNEL_BF16, "deterministic decode: kernel (its reference) vs blockwise jnp")
+
+
+# ---------------------------------------------------------------- the kernel reads the pool in place
+
+def _lowered_decode_step(num_pages: int = 9, batch: int = 4, max_pages: int = 4) -> tuple[str, kvp.KVPool]:
+    """The StableHLO text of one decode step of the engine's model forward (pallas, pool donated) lowered
+    for CUDA on abstract shapes, and the abstract pool."""
+    from jax import export
+
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_random(jax.random.key(0), CFG))
+    pool = jax.eval_shape(lambda: kvp.init_pool(CFG, num_pages, PAGE))
+    rows = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    meta = kvp.PageMeta(jax.ShapeDtypeStruct((batch, max_pages), jnp.int32), rows, rows)
+
+    def decode(params, pool, tokens, positions, pages):
+        return forward(params, pool, tokens, positions, cfg=CFG, pages=pages, attention_impl="pallas")
+
+    exported = export.export(jax.jit(decode, donate_argnames=("pool",)), platforms=("cuda",), disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(params, pool, rows, rows, meta)
+    return exported.mlir_module(), pool
+
+
+def _pool_copies(module: str, pool: kvp.KVPool) -> list[str]:
+    """What in the lowered module shows a copy of a layer of the pool on its way to the kernel: any value of
+    one layer's shape ([G, P, K, L] or [1, G, P, K, L], made by a dynamic_slice, a reshape or a copy), or a
+    kernel call (custom_call @mosaic_gpu_v2) whose operands are not the whole pools k and v."""
+    element = {"bfloat16": "bf16", "float16": "f16"}[pool.k.dtype.name]
+
+    def mlir_type(shape):
+        return f"tensor<{'x'.join(map(str, shape))}x{element}>"
+
+    layer_types = {mlir_type(x.shape[1:]) for x in (pool.k, pool.v)} | {mlir_type((1, *x.shape[1:])) for x in (pool.k, pool.v)}
+    problems = [f"a value of one layer's shape {t}" for t in sorted(layer_types) if t in module]
+    calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu_v2" in line]
+    if not calls:
+        problems.append("no kernel call")
+    for call in calls:
+        operands = re.findall(r"\}\s*:\s*\(([^()]*)\)\s*->", call)[-1].split(", ")
+        if sum(operand in {mlir_type(pool.k.shape), mlir_type(pool.v.shape)} for operand in operands) != 2:  # k and v
+            problems.append(f"a kernel call on {operands}, not on the whole pools {mlir_type(pool.k.shape)}")
+    return problems
+
+
+def test_lowered_decode_step_passes_the_whole_pool_to_the_kernel_with_no_copy_of_a_layer(monkeypatch):
+    """The kernel gets the pool [N, G, P, ...] and the layer index and reads the layer's pages in place, so
+    the CUDA lowering of a decode step holds no [G, P, ...] slice of it (XLA may copy a dynamic slice fed to a
+    custom call every layer of every step). The control lowers the slicing interface (the tensor-parallel
+    path: `pool.k[layer]`, one layer's pages) and must be caught."""
+    module, pool = _lowered_decode_step()
+    assert _pool_copies(module, pool) == []
+    monkeypatch.setattr(attention, "_model_axis_size", lambda: 2)  # the slicing interface, on one device
+    sliced, _ = _lowered_decode_step()
+    problems = _pool_copies(sliced, pool)
+    assert any("one layer's shape" in p for p in problems) and any("not on the whole pools" in p for p in problems), problems
 
 
 def _h100_mesh():

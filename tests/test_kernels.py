@@ -67,6 +67,14 @@ class Case:
                 jnp.asarray(tables), jnp.asarray(np.asarray(self.lengths, np.int32)))
 
 
+def in_pool(*pages, layer: int = 1):
+    """Each page array [G, P, ...] as layer `layer` of a 2-layer pool [2, G, P, ...] whose other layer
+    holds the same pages in reverse order, so a kernel that read the wrong layer would show; and the
+    layer as `_paged_attention_partials` takes it (int32 [1])."""
+    pools = tuple(jnp.stack([x, jnp.flip(x, 1)][:: 1 if layer == 0 else -1]) for x in pages)
+    return pools, jnp.full((1,), layer, jnp.int32)
+
+
 def dense_attention_f64(q, k_pages, v_pages, tables, lengths, sm_scale):
     """Independent float64 numpy: un-page K/V per sequence, then plain softmax attention."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
@@ -201,10 +209,11 @@ def _num_splits_run(config, batch, max_pages, head_dim=64, page_size=64, group_s
     num_kv_heads = 2
     shapes = (
         jax.ShapeDtypeStruct((batch, num_kv_heads * group_size, head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_kv_heads, 8, head_dim, page_size), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_kv_heads, 8, page_size, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, num_kv_heads, 8, head_dim, page_size), jnp.bfloat16),  # a pool of one layer
+        jax.ShapeDtypeStruct((1, num_kv_heads, 8, page_size, head_dim), jnp.bfloat16),
         jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),  # the layer
     )
     out, lse = jax.eval_shape(functools.partial(
         pa._paged_attention_partials, sm_scale=0.1, config=config, interpret=False), *shapes)
@@ -273,8 +282,10 @@ def test_kernel_matches_reference_in_interpreter(name):
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     partials = jax.jit(pa._paged_attention_partials, static_argnames=(
         "sm_scale", "config", "interpret"))
+    (k_pool, v_pool), layer = in_pool(k, v)  # the kernel reads one layer of a pool in place
     with kernel_interpret.gpu_interpreter() as params:
-        out, lse = partials(q, k, v, bt, lens, sm_scale=sm_scale, config=config, interpret=params)
+        out, lse = partials(q, k_pool, v_pool, bt, lens, layer, sm_scale=sm_scale, config=config,
+                            interpret=params)
         out, lse = jax.block_until_ready((out, lse))
         assert not kernel_interpret.races_found(), "race detector fired"
     # Outputs start as NaN in the interpreter, so finiteness means every element was written.
@@ -457,16 +468,19 @@ def test_quantized_kernel_matches_reference_in_interpreter(name):
     sm_scale = 1.0 / math.sqrt(case.head_dim)
     partials = jax.jit(pa._paged_attention_partials, static_argnames=(
         "sm_scale", "config", "interpret"))
+    # The kernel reads one layer of a pool in place (codes and scales alike).
+    (k_pool, v_pool, k_scale_pool, v_scale_pool), layer = in_pool(k, v, k_scales, v_scales)
     with kernel_interpret.gpu_interpreter() as params:
         if public:  # one split: the wrapper returns the kernel's own (NaN-initialized) output
             assert config.split_layout(bt.shape[1])[0] == 1 and not config.deterministic
-            out = pa.paged_attention(q, k, v, bt, lens, k_scales=k_scales, v_scales=v_scales,
+            out = pa.paged_attention(q, k_pool, v_pool, bt, lens, layer=layer[0],
+                                     k_scales=k_scale_pool, v_scales=v_scale_pool,
                                      sm_scale=sm_scale, config=config, interpret=params)
             out, lse = jax.block_until_ready(out), None
             assert out.dtype == q.dtype
         else:
-            out, lse = partials(q, k, v, bt, lens, k_scales, v_scales, sm_scale=sm_scale,
-                                config=config, interpret=params)
+            out, lse = partials(q, k_pool, v_pool, bt, lens, layer, k_scale_pool, v_scale_pool,
+                                sm_scale=sm_scale, config=config, interpret=params)
             out, lse = jax.block_until_ready((out, lse))
         assert not kernel_interpret.races_found(), "race detector fired"
     # Outputs start as NaN in the interpreter; stale slots hold NaN scales.
@@ -648,6 +662,109 @@ def test_lowering_sweep_for_cuda(monkeypatch):
     assert not failures, "\n".join(failures)
     assert quantized == {(head_dim, page_size, dtype) for head_dim in pa.SUPPORTED_HEAD_DIMS
                          for page_size in pa.SUPPORTED_PAGE_SIZES for dtype in pa.QUANTIZED_DTYPES}
+
+
+# ---------------------------------------------------------------- the one geometry rule; the whole pool
+
+
+@pytest.mark.parametrize(("geometry", "reason"), [
+    (dict(head_dim=64, page_size=16), "page_size=16"),
+    (dict(head_dim=96, page_size=64), "head_dim=96"),
+    (dict(head_dim=64, page_size=64, group_size=65), "group_size=65"),
+])
+def test_supports_is_the_rule_config_for_and_deterministic_config_enforce(geometry, reason):
+    """One owner: the reason `supports` gives is the error both config builders raise."""
+    got = pa.supports(**geometry)
+    assert got is not None and reason in got
+    sizes = dict(group_size=1) | geometry
+    with pytest.raises(ValueError, match=reason) as tuned:
+        pa.config_for(batch=2, max_pages=4, num_kv_heads=2, **sizes)
+    with pytest.raises(ValueError, match=reason) as deterministic:
+        pa.deterministic_config(**sizes)
+    assert str(tuned.value) == str(deterministic.value) == got
+
+
+def test_supports_every_tuned_geometry_and_names_dtypes_it_does_not_take():
+    for head_dim in pa.SUPPORTED_HEAD_DIMS:
+        for page_size in pa.SUPPORTED_PAGE_SIZES:
+            for kv_dtype in (None, *pa.QUANTIZED_DTYPES):
+                assert pa.supports(head_dim, page_size, 8, dtype=jnp.bfloat16, kv_dtype=kv_dtype) is None
+    assert "needs bfloat16 or float16" in pa.supports(64, 64, dtype=jnp.float32)
+    assert "int16" in pa.supports(64, 64, dtype=jnp.bfloat16, kv_dtype=jnp.int16)
+
+
+def test_whole_pool_argument_errors():
+    q, k, v, bt, lens = Case(lengths=(70, 3), num_kv_heads=2, group_size=2, head_dim=64,
+                             page_size=64).arrays()
+    (k_pool, v_pool), _ = in_pool(k, v)
+    with pytest.raises(ValueError, match="must be 4-D.*or the whole pool"):  # a pool needs its layer
+        pa.paged_attention(q, k_pool, v_pool, bt, lens)
+    with pytest.raises(ValueError, match="must be 5-D.*when a layer is given"):  # one layer's: none
+        pa.paged_attention(q, k, v, bt, lens, layer=0)
+    with pytest.raises(ValueError, match="out of range"):
+        pa.paged_attention(q, k_pool, v_pool, bt, lens, layer=2)
+    with pytest.raises(ValueError, match="integer scalar"):
+        pa.paged_attention(q, k_pool, v_pool, bt, lens, layer=jnp.zeros((1,), jnp.int32))
+
+
+def test_reference_over_a_whole_pool_reads_the_layer():
+    q, k, v, bt, lens = Case(lengths=(70, 3, 130), num_kv_heads=2, group_size=2, head_dim=64,
+                             page_size=64, dtype=jnp.float32).arrays()
+    for layer in (0, 1):
+        (k_pool, v_pool), _ = in_pool(k, v, layer=layer)
+        got = jax.jit(pa.paged_attention_reference)(q, k_pool, v_pool, bt, lens, layer=jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(pa.paged_attention_reference(q, k, v, bt, lens)))
+    other = pa.paged_attention_reference(q, k_pool, v_pool, bt, lens, layer=0)
+    assert not np.allclose(np.asarray(other), np.asarray(got)), "the pool's two layers must differ"
+
+
+def test_public_wrapper_reads_a_traced_layer_of_the_whole_pool_in_interpreter():
+    """The layer index traced (as in the model's layer scan): each layer's output matches float64 over
+    that layer's pages, and the two differ (the kernel does read the layer it is given)."""
+    case = Case(lengths=(70, 3), num_kv_heads=2, group_size=2, head_dim=64, page_size=64, seed=5)
+    q, k, v, bt, lens = case.arrays()
+    (k_pool, v_pool), _ = in_pool(k, v)  # layer 1 holds k, v; layer 0 their pages reversed
+    config = pa.PagedAttentionConfig(num_splits=2)
+    with kernel_interpret.gpu_interpreter() as params:
+        attend = jax.jit(lambda layer: pa.paged_attention(q, k_pool, v_pool, bt, lens, layer=layer,
+                                                          config=config, interpret=params))
+        outs = [jax.block_until_ready(attend(jnp.int32(layer))) for layer in (0, 1)]
+        assert not kernel_interpret.races_found()
+    for layer, out in enumerate(outs):
+        expected = dense_attention_f64(q, k_pool[layer], v_pool[layer], bt, lens, 1 / math.sqrt(64))
+        assert_close(out, expected, REL_ERR[jnp.bfloat16], f"layer {layer} vs f64")
+    assert not np.allclose(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+
+
+@pytest.mark.parametrize("kv", [None, "int8"])
+def test_whole_pool_with_a_traced_layer_lowers_for_cuda(kv):
+    """The kernel's operands are the whole pools (and scales), not a layer's slice of them."""
+    batch, max_pages, num_layers, num_pages, num_kv_heads, head_dim, page = 3, 8, 4, 25, 2, 128, 64
+    kv_dtype = jnp.bfloat16 if kv is None else QUANTIZED[kv]
+    shapes = [
+        jax.ShapeDtypeStruct((batch, num_kv_heads * 4, head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_pages, head_dim, page), kv_dtype),
+        jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_pages, page, head_dim), kv_dtype),
+        jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    ]
+    if kv is not None:
+        shapes += [jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_pages, page), jnp.float32)] * 2
+
+    def attend(q, k, v, bt, lens, layer, *scales):
+        return pa.paged_attention(q, k, v, bt, lens, layer=layer,
+                                  **dict(zip(("k_scales", "v_scales"), scales)))
+
+    module = export.export(jax.jit(attend), platforms=("cuda",), disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*shapes).mlir_module()
+    call = next(line for line in module.splitlines() if "custom_call @mosaic_gpu_v2" in line)
+    element = "bf16" if kv is None else "i8"
+    whole = f"tensor<{num_layers}x{num_kv_heads}x{num_pages}x"
+    operands = call.rsplit("->", 1)[0]
+    assert operands.count(f"{whole}{head_dim}x{page}x{element}>") == 1, operands[-400:]
+    assert operands.count(f"{whole}{page}x{head_dim}x{element}>") == 1, operands[-400:]
+    assert operands.count(f"{whole}{page}xf32>") == (0 if kv is None else 2), operands[-400:]
 
 
 # ---------------------------------------------------------------- harness and device check
