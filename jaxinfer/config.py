@@ -7,12 +7,11 @@ metadata happens once at the edge (`from_hf_config`, loading.py); the rest of th
 """
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-from jaxinfer.bucket_tables import BucketTables
-from jaxinfer.buckets import EngineBuckets, cut_table
+from jaxinfer.bucket_tables import TABLE_FIELDS, BucketTables, TableLimits
+from jaxinfer.buckets import EngineBuckets
 from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
@@ -212,52 +211,6 @@ def _check_hf_unsupported(config: dict[str, Any]) -> None:
         raise ValueError("unsupported attention_bias: true (biases on q/k/v and the output projection)")
 
 
-def fitted_chunk_buckets(budget: int = 6, num_requests: int = 2000, scale: float = 8.0) -> tuple[int, ...]:
-    """Prefill chunk buckets fitted (exact DP, buckets.fit_buckets, multiples of 16) to the real sizes of the
-    packed prefill rows that the default engine's scheduler plans for a synthetic conversation trace
-    (traces.synthetic_trace, seed 0, lengths divided by `scale` as bench_engine scales the Azure trace,
-    prompts cut to the context), found by a dry scheduling pass (runloop.dry_run) with every row size a
-    bucket. Deterministic; about 3 s. The sample is the packed rows, not the prompts: a row holds the
-    chunks of up to max_prefill_seqs sequences, so its size is what a bucket pads."""
-    import numpy as np
-
-    from jaxinfer.buckets import fit_buckets
-    from jaxinfer.runloop import dry_run
-    from jaxinfer.traces import synthetic_trace
-
-    finest = EngineConfig(prefill_chunk_buckets=tuple(range(1, EngineConfig.max_prefill_tokens + 1)), compilation_cache_dir=None)
-    trace = synthetic_trace(num_requests, seed=0)
-    outputs = np.maximum(1, np.round(trace.generated_tokens / scale)).astype(int)
-    prompts = np.minimum(np.maximum(1, np.round(trace.context_tokens / scale)).astype(int), finest.max_context - outputs)
-    plans, _ = dry_run(finest, [[i + 1] * int(n) for i, n in enumerate(prompts)], outputs.tolist())  # distinct prompts: no prefix hits
-    return fit_buckets([p.bucket.num_tokens for p in plans if p.phase == "prefill"], budget, multiple_of=16)
-
-
-# The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (fitted and quantile pad least
-# at each program budget; README "Bucket strategies on the engine"): fitted_chunk_buckets() (tests/
-# test_config_defaults.py checks that the fit still gives them), plus a 32-token bucket for short chat prompts
-# typed alone; cut at min(max_prefill_tokens, max_context), which is always added as the largest.
-DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
-_DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
-_DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
-_DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
-_DETERMINISTIC_ROWS = 8  # rows of every decode program in deterministic mode; more rows run as more programs
-
-
-def _block_multiples(max_pages: int) -> tuple[int, ...]:
-    """Page widths for deterministic mode: powers of two times the attention block, up to max_pages
-    (which must be a multiple of the block, or smaller than it)."""
-    if max_pages <= _DETERMINISTIC_BLOCK:
-        return (max_pages,)
-    if max_pages % _DETERMINISTIC_BLOCK:
-        raise FieldError("deterministic", f"needs max_context / page_size ({max_pages} pages) to be a multiple of {_DETERMINISTIC_BLOCK}")
-    widths, width = [], _DETERMINISTIC_BLOCK
-    while width < max_pages:
-        widths.append(width)
-        width *= 2
-    return tuple(w for w in widths if max_pages % w == 0) + (max_pages,)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Host-side knobs of the paged engine: pool size, budgets and the bucket tables of every program.
@@ -300,11 +253,11 @@ class EngineConfig:
     # tokens through decode steps.
     deterministic: bool = False
     _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
+    _tables: BucketTables | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check_limits()
         self._derive_tables()
-        self._check_tables()
 
     def _check_limits(self) -> None:
         check_int("page_size", self.page_size, low=1)
@@ -335,68 +288,23 @@ class EngineConfig:
         # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
 
     def _derive_tables(self) -> None:
-        unset = tuple(n for n in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, n) is None)
-        object.__setattr__(self, "_derived", unset)
-        if self.deterministic:
-            self._derive_deterministic_tables()
-        if self.buckets is not None:
-            self._tables_from_strategies()
-        if self.prefill_chunk_buckets is None:
-            cap = min(self.max_prefill_tokens, self.max_context)
-            object.__setattr__(self, "prefill_chunk_buckets", tuple(b for b in DEFAULT_CHUNK_BUCKETS if b < cap) + (cap,))
-        if self.decode_batch_buckets is None:
-            below = tuple(b for b in _DEFAULT_DECODE_BATCH_BUCKETS if b < self.max_num_seqs)
-            object.__setattr__(self, "decode_batch_buckets", below + (self.max_num_seqs,))
-        if self.decode_page_buckets is None:
-            object.__setattr__(self, "decode_page_buckets", _powers_of_two_to(self.max_pages_per_seq))
-        if self.prefill_packing is None:
-            object.__setattr__(self, "prefill_packing", not self.deterministic and tuple(self.prefill_seq_buckets) == (1,))
-
-    def _tables_from_strategies(self) -> None:
-        """The tables `buckets` gives, each cut to its limit (buckets.cut_table); a table given too is an error."""
-        if self.deterministic:
-            raise FieldError("buckets", "deterministic mode fixes the bucket tables itself; leave buckets unset")
-        dimensions = (
-            ("chunk", "prefill_chunk_buckets", min(self.max_prefill_tokens, self.max_context), False),
-            ("rows", "decode_batch_buckets", self.max_num_seqs, True),
-            ("pages", "decode_page_buckets", self.max_pages_per_seq, True),
+        """Fill the tables left at None from the limits (BucketTables.from_limits owns the rules)."""
+        object.__setattr__(self, "_derived", tuple(n for n in TABLE_FIELDS if getattr(self, n) is None))
+        limits = TableLimits(
+            page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_prefill_tokens=self.max_prefill_tokens,
+            max_context=self.max_context, max_prefill_seqs=self.max_prefill_seqs,
         )
-        for dimension, table, top, reach in dimensions:
-            strategy = getattr(self.buckets, dimension)
-            if strategy is None:
-                continue
-            cut = cut_table(strategy.buckets, top, reach=reach)
-            if table not in self._derived and tuple(getattr(self, table)) != cut:  # (dataclasses.replace passes the cut table back)
-                raise FieldError("buckets", f"sets the {dimension} table, so leave {table} unset (got {getattr(self, table)!r})")
-            object.__setattr__(self, table, cut)
-
-    def _derive_deterministic_tables(self) -> None:
-        """Fixed row counts and chunk length, because XLA's CPU matmuls round differently for different
-        row counts (measured); page widths stay bucketed (multiples of the attention block), because
-        attention_over_page_blocks is exact under extra masked blocks. Decode programs have one row count,
-        _DETERMINISTIC_ROWS (or max_num_seqs if smaller); the scheduler runs a larger decode batch as
-        several of them, so a padded 32-row program never runs for a few rows."""
-        given = {name: getattr(self, name) for name in ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets") if getattr(self, name) is not None}
-        if given or self.prefill_seq_buckets != (1,):
-            raise FieldError("deterministic", f"fixes the bucket tables itself; leave them unset (got {sorted(given) or ['prefill_seq_buckets']})")
-        object.__setattr__(self, "prefill_chunk_buckets", (min(_DETERMINISTIC_CHUNK, self.max_prefill_tokens, self.max_context),))
-        object.__setattr__(self, "decode_batch_buckets", (min(_DETERMINISTIC_ROWS, self.max_num_seqs),))
-        object.__setattr__(self, "decode_page_buckets", _block_multiples(self.max_context // self.page_size))
-
-    def _check_tables(self) -> None:
-        for name in ("prefill_chunk_buckets", "prefill_seq_buckets", "decode_batch_buckets", "decode_page_buckets"):
-            table = getattr(self, name)
-            if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
-                raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
-            object.__setattr__(self, name, tuple(table))
-        if self.decode_batch_buckets[-1] < self.max_num_seqs and not self.deterministic:
-            raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({self.max_num_seqs}); its largest is {self.decode_batch_buckets[-1]}")
-        if self.prefill_chunk_buckets[-1] > min(self.max_prefill_tokens, self.max_context):
-            raise FieldError("prefill_chunk_buckets", f"must not exceed max_prefill_tokens ({self.max_prefill_tokens}) or max_context ({self.max_context}); its largest is {self.prefill_chunk_buckets[-1]}")
-        if self.prefill_packing and tuple(self.prefill_seq_buckets) != (1,):
-            raise FieldError("prefill_seq_buckets", f"must be (1,) with prefill_packing, whose one row holds several sequences; got {self.prefill_seq_buckets}")
-        if self.decode_page_buckets[-1] < self.max_pages_per_seq:
-            raise FieldError("decode_page_buckets", f"must reach max_context / page_size ({self.max_pages_per_seq} pages); its largest is {self.decode_page_buckets[-1]}")
+        tables = BucketTables.from_limits(
+            limits, prefill_chunk_buckets=self.prefill_chunk_buckets, prefill_seq_buckets=self.prefill_seq_buckets,
+            decode_batch_buckets=self.decode_batch_buckets, decode_page_buckets=self.decode_page_buckets,
+            prefill_packing=self.prefill_packing, buckets=self.buckets, deterministic=self.deterministic,
+        )
+        derived = {
+            "prefill_chunk_buckets": tables.chunk_tokens, "prefill_seq_buckets": tables.prefill_rows, "decode_batch_buckets": tables.decode_rows,
+            "decode_page_buckets": tables.pages, "prefill_packing": tables.packed, "_tables": tables,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def with_overrides(cls, base: "EngineConfig | None" = None, **overrides) -> "EngineConfig":
@@ -411,23 +319,11 @@ class EngineConfig:
         fields = {n: None if n in base._derived else getattr(base, n) for n in names} | overrides
         return cls(**fields)
 
-    @functools.cached_property
+    @property
     def tables(self) -> BucketTables:
         """The bucket geometry of every program (bucket_tables.py): the scheduler's keys and the engine's."""
-        return BucketTables(
-            page_size=self.page_size,
-            chunk_tokens=self.prefill_chunk_buckets,
-            prefill_rows=self.prefill_seq_buckets,
-            decode_rows=self.decode_batch_buckets,
-            pages=self.decode_page_buckets,
-            packed_seqs=self.max_prefill_seqs if self.prefill_packing else 0,
-        )
+        return self._tables
 
     @property
     def max_pages_per_seq(self) -> int:
         return self.max_context // self.page_size
-
-
-def _powers_of_two_to(top: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below `top`, then `top`."""
-    return tuple(1 << e for e in range(max(top - 1, 0).bit_length()) if 1 << e < top) + (top,)
