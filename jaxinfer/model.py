@@ -132,9 +132,6 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
     return (x, cache), None
 
 
-_MATRIX_INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}  # as the einsums above read them
-
-
 def _dense_f32(value) -> bool:
     return isinstance(value, jax.Array) and value.dtype == jnp.float32
 
@@ -143,8 +140,9 @@ def pack_panels(params: Params) -> Params:
     """The engine's params for the CPU kernels: every dense f32 layer matrix and the LM head as a
     quant.PanelTensor (the layer-matmul kernel's layout). A tied head gets its own [D, V] panels (the
     embedding stays for the lookup), so it costs one more copy of the table. Quantized weights stay."""
-    layers = {name: quant.to_panels(getattr(params.layers, name), 1, axes)
-              for name, axes in _MATRIX_INPUT_AXES.items() if _dense_f32(getattr(params.layers, name))}
+    matrices = [spec for spec in params.specs if spec.stacked and spec.num_in]  # the weight table's layer matmuls
+    layers = {spec.name: quant.to_panels(getattr(params.layers, spec.name), 1, spec.num_in)
+              for spec in matrices if _dense_f32(getattr(params.layers, spec.name))}
     head = params.lm_head
     if head is None and _dense_f32(params.embed):
         head = quant.to_panels(params.embed.T, 0, 1)  # [D, V]
@@ -199,7 +197,7 @@ def forward(
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if any(isinstance(getattr(params.layers, name), quant.PanelTensor) for name in _MATRIX_INPUT_AXES):
+    if any(isinstance(getattr(params.layers, f.name), quant.PanelTensor) for f in dataclasses.fields(params.layers)):
         # Packed for the CPU kernels: the matrices stay stacked and each layer's matmuls read them in place.
         def body_in_place(carry, index):
             return body(carry, (_layer_in_place(params.layers, index), index))

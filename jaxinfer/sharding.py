@@ -1,10 +1,11 @@
 """Device layout, in one place: the mesh, logical axis names, the rules that map them onto the mesh,
 and the shardings of the params and the KV pool (tensor parallelism inside one model replica).
 
-Every Params field and every KV pool array names its axes with logical names (`PARAM_AXES`,
-`POOL_AXES`), as jax-llm-examples and MaxText do. A rules table maps logical names to mesh axes; the
-mesh has one axis, `model` (tensor parallelism). `rules_for(cfg, size)` keeps only the rules whose
-dimension divides the mesh size, so what does not divide is replicated:
+Every Params field and every KV pool array names its axes with logical names (the `axes` of the
+field's entry in the weight table, params.WEIGHTS, and `POOL_AXES`), as jax-llm-examples and MaxText
+do. A rules table maps logical names to mesh axes; the mesh has one axis, `model` (tensor parallelism).
+`rules_for(cfg, size)` keeps only the rules whose dimension divides the mesh size, so what does not
+divide is replicated:
 
     q_heads  -> model   query heads (wq, bq) and attention's output projection wo on its input side
     kv_heads -> model   kv heads (wk, wv, bk, bv) and the pool's G axis (k, v, k_scale, v_scale)
@@ -42,33 +43,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxinfer import params as params_lib
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_pool import KVPool
-from jaxinfer.params import LayerParams, Params
+from jaxinfer.params import Params
 
 MODEL_AXIS = "model"
-
-# Params field -> logical axis names, in the Params layout (layer fields stacked: leading "layers").
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("embed",),
-    "attn_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "q_heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "wo": ("layers", "q_heads", "head_dim", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-    "bq": ("layers", "q_heads", "head_dim"),
-    "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"),
-    "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"),
-}
 
 # KVPool field -> logical axis names (kv_pool.py's layout).
 POOL_AXES: dict[str, tuple[str, ...]] = {
@@ -85,13 +66,9 @@ TP_RULES: dict[str, str] = {"q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS, "mlp"
 _GGUF_BLOCK = {name: block for name, block, _ in quant.GGUF_KEPT_TYPES.values()}
 
 
-def logical_sizes(cfg: ModelConfig) -> dict[str, int]:
-    return {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size}
-
-
 def rules_for(cfg: ModelConfig, size: int) -> dict[str, str | None]:
     """TP_RULES for a `size`-device model axis: a logical axis whose size does not divide is replicated (None)."""
-    sizes = logical_sizes(cfg)
+    sizes = params_lib.axis_sizes(cfg)
     rules = {name: axis if sizes[name] % size == 0 else None for name, axis in TP_RULES.items()}
     if not heads_split(cfg.num_kv_heads, size):  # query heads split only with their kv heads (see the module docstring)
         rules["kv_heads"] = rules["q_heads"] = None
@@ -147,11 +124,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def describe(cfg: ModelConfig, mesh: Mesh) -> dict[str, str]:
-    """Logical axis -> 'sharded' or 'replicated' on this mesh (for logs and errors)."""
-    return {name: "sharded" if axis else "replicated" for name, axis in rules_for(cfg, mesh_size(mesh)).items()}
-
-
 def _quantized_specs(q: quant.QuantizedTensor, axes: tuple[str, ...], rules: dict[str, str | None], size: int) -> quant.QuantizedTensor:
     """PartitionSpecs for every array field of a QuantizedTensor (a pytree of the same structure)."""
     num_lead = q.codes.ndim - 2
@@ -177,22 +149,19 @@ def _quantized_specs(q: quant.QuantizedTensor, axes: tuple[str, ...], rules: dic
     return dataclasses.replace(q, **specs)
 
 
-def _weight_spec(value, field: str, rules: dict[str, str | None], size: int):
-    axes = PARAM_AXES[field]
+def _weight_spec(value, axes: tuple[str, ...], rules: dict[str, str | None], size: int):
     if isinstance(value, quant.QuantizedTensor):
         return _quantized_specs(value, axes, rules, size)
     return spec_of(axes, rules)
 
 
 def param_specs(params: Params, cfg: ModelConfig, size: int) -> Params:
-    """A Params-shaped pytree of PartitionSpecs (QuantizedTensor leaves get one spec per array field)."""
+    """A Params-shaped pytree of PartitionSpecs (QuantizedTensor leaves get one spec per array field),
+    from each field's logical axes in the params' own table (`params.specs`)."""
     rules = rules_for(cfg, size)
-    layer_fields = {}
-    for f in dataclasses.fields(LayerParams):
-        value = getattr(params.layers, f.name)
-        layer_fields[f.name] = None if value is None else _weight_spec(value, f.name, rules, size)
-    lm_head = None if params.lm_head is None else _weight_spec(params.lm_head, "lm_head", rules, size)
-    return Params(_weight_spec(params.embed, "embed", rules, size), LayerParams(**layer_fields), spec_of(PARAM_AXES["final_norm"], rules), lm_head)
+    specs = {name: _weight_spec(value, params_lib.weight_spec(name, params.specs).axes, rules, size)
+             for name, value in params_lib.fields_of(params).items()}
+    return params_lib.build(specs, params.specs)
 
 
 def _named(mesh: Mesh, specs):

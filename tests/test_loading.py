@@ -1,4 +1,4 @@
-"""Loaders: GGUF written here from the tiny HF Llama (F32 and Q8_0), and clear errors on bad input."""
+"""Loaders: GGUF written by gguf_convert from the tiny HF Llama (F32, Q8_0, F16), and clear errors on bad input."""
 
 import json
 import subprocess
@@ -8,59 +8,15 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
+import gguf_convert
 from conftest import FIXTURES
 from jaxinfer.loading import ModelLoadError, load_model
 from jaxinfer.model import forward
 from tolerances import assert_close, relative_error
 
 TINY = np.load(FIXTURES / "tiny_llama_reference.npz")
-
-
-def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """The Q/K row order llama.cpp's converter writes (adjacent rotary pairs)."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
-    config = json.loads((FIXTURES / "tiny_llama" / "config.json").read_text())
-    weights = load_file(FIXTURES / "tiny_llama" / "model.safetensors")
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    suffixes = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }
-    for name, value in weights.items():
-        value = np.asarray(value, np.float32)
-        if name.startswith("model.layers."):
-            index, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
-            gguf_name = f"blk.{index}.{suffixes[rest]}.weight"
-            if rest == "self_attn.q_proj":
-                value = llama_cpp_permute(value, config["num_attention_heads"])
-            if rest == "self_attn.k_proj":
-                value = llama_cpp_permute(value, config["num_key_value_heads"])
-        else:
-            gguf_name = names[name]
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+TINY_LLAMA = FIXTURES / "tiny_llama"  # written as a GGUF by gguf_convert, as llama.cpp's converter would
 
 
 def logits_of(model_path, ids):
@@ -70,13 +26,13 @@ def logits_of(model_path, ids):
 
 
 def test_f32_gguf_of_tiny_llama_matches_hf_logits(tmp_path):
-    path = write_tiny_gguf(tmp_path / "tiny-f32.gguf")
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny-f32.gguf")
     assert_close(logits_of(path, TINY["s1_ids"]), TINY["s1_logits"], 1e-4, "F32 GGUF vs HF")
 
 
 @pytest.mark.parametrize("qtype, tolerance", [(gguf.GGMLQuantizationType.Q8_0, 0.02), (gguf.GGMLQuantizationType.F16, 2e-3)])
 def test_quantized_gguf_of_tiny_llama_is_close_to_hf_logits(tmp_path, qtype, tolerance):
-    path = write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", qtype)
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / f"tiny-{qtype.name}.gguf", qtype)
     error = relative_error(logits_of(path, TINY["s1_ids"]), TINY["s1_logits"])
     assert 0 < error <= tolerance, f"{qtype.name}: relative error {error:.3g}"
 
@@ -87,7 +43,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_truncated_gguf_is_reported(tmp_path):
-    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny.gguf")
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="truncated"):
@@ -101,7 +57,7 @@ def test_non_gguf_file_is_reported(tmp_path):
 
 
 def test_corrupt_gguf_header_is_reported(tmp_path):
-    data = bytearray(write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes())
+    data = bytearray(gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny.gguf").read_bytes())
     data[8:24] = b"\xff" * 16  # tensor and key-value counts
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="corrupt or truncated"):
@@ -109,7 +65,7 @@ def test_corrupt_gguf_header_is_reported(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
         load_model(path)
 

@@ -22,7 +22,8 @@ from conftest import FIXTURES, SMOLLM2_SMALL_ENGINE, padded_logits
 from jaxinfer import loading, params as params_lib, quant
 from jaxinfer.generate import generate
 from jaxinfer.model import forward
-from jaxinfer.request import FieldError, SamplingParams
+from jaxinfer.request import SamplingParams
+from jaxinfer.validation import FieldError
 from tolerances import LOGITS_VS_FLOAT64, LOGITS_VS_HF_F32, assert_close
 
 SMOLLM2 = np.load(FIXTURES / "smollm2_reference.npz")
@@ -56,7 +57,7 @@ def _rounding_steps(field: str, w: np.ndarray, fmt: str, group_size: int) -> np.
     if field == "embed":  # [V, D]: rows are output channels already
         rows = w
     else:
-        num_in = params_lib.MATMUL_INPUT_AXES[field]
+        num_in = params_lib.weight_spec(field).num_in
         in_size = math.prod(w.shape[lead : lead + num_in])
         rows = np.swapaxes(w.reshape(*w.shape[:lead], in_size, -1), -1, -2)  # [*lead, O, I]
     width = rows.shape[-1] if fmt == "int8" else group_size
@@ -190,10 +191,9 @@ def test_gguf_kept_greedy_tokens_equal_the_f32_path(smollm2_gguf):
 def test_gguf_kept_tiny_llama_q8_0_undoes_the_rotary_permutation(tmp_path, tiny_llama):
     """llama.cpp permutes Q/K rows; kept blocks must be un-permuted like the dense path (4 heads, 2 kv)."""
     import gguf
-    from test_loading import write_tiny_gguf
+    import gguf_convert
 
-    path = tmp_path / "tiny_q8_0.gguf"
-    write_tiny_gguf(str(path), gguf.GGMLQuantizationType.Q8_0)
+    path = gguf_convert.convert(FIXTURES / "tiny_llama", tmp_path / "tiny_q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
     dense_cfg, dense = loading.load_model(path)
     cfg, kept = loading.load_model(path, quantization="gguf")
     assert kept.layers.wq.format == "q8_0" and kept.lm_head.format == "q8_0" and kept.lm_head.shape == (64, 512)
@@ -207,8 +207,8 @@ def test_gguf_kept_tiny_llama_q8_0_undoes_the_rotary_permutation(tmp_path, tiny_
 
 def _f32_stack_bytes(cfg) -> tuple[int, int]:
     """(bytes of one layer's matmul weights in f32, of all layers') from the config's shapes."""
-    shapes = params_lib.layer_shapes(cfg)
-    one = 4 * sum(math.prod(shapes[f][1:]) for f in params_lib.MATMUL_INPUT_AXES if f in shapes)
+    matrices = [spec for spec in params_lib.present(cfg) if spec.stacked and spec.num_in]
+    one = 4 * sum(math.prod(spec.layer_shape(cfg)) for spec in matrices)
     return one, one * cfg.num_layers
 
 
@@ -226,7 +226,7 @@ def test_compiled_gguf_forward_never_holds_every_layers_f32_weights(smollm2_gguf
     ids = jnp.zeros((1, 16), jnp.int32)
     positions = jnp.arange(16, dtype=jnp.int32)[None]
     one_layer, all_layers = _f32_stack_bytes(cfg)
-    smallest = min(math.prod(s[1:]) for f, s in params_lib.layer_shapes(cfg).items() if f in params_lib.MATMUL_INPUT_AXES)
+    smallest = min(math.prod(spec.layer_shape(cfg)) for spec in params_lib.present(cfg) if spec.stacked and spec.num_in)
 
     def scanned(p, t, pos):
         return forward(p, None, t, pos, cfg=cfg)[0]

@@ -171,12 +171,12 @@ def test_quantized_specs_split_whole_blocks_only(tiny_llama):
     host = {"w_down": np.asarray(params.layers.w_down), "wq": np.asarray(params.layers.wq)}
     q = params_module.quantize_arrays(host, "int4", group_size=32)
     rules = sharding.rules_for(cfg, 2)
-    down = sharding._quantized_specs(q["w_down"], sharding.PARAM_AXES["w_down"], rules, 2)  # I = 160: 5 groups
+    down = sharding._quantized_specs(q["w_down"], params_module.weight_spec("w_down").axes, rules, 2)  # I = 160: 5 groups
     assert tuple(down.codes) == (None, None, None) and tuple(down.scales) == (None, None, None)  # 5 groups: no split
-    wq = sharding._quantized_specs(q["wq"], sharding.PARAM_AXES["wq"], rules, 2)  # O = H*K: output side
+    wq = sharding._quantized_specs(q["wq"], params_module.weight_spec("wq").axes, rules, 2)  # O = H*K: output side
     assert tuple(wq.codes) == (None, "model", None)
     q8 = params_module.quantize_arrays(host, "int8")
-    down8 = sharding._quantized_specs(q8["w_down"], sharding.PARAM_AXES["w_down"], rules, 2)
+    down8 = sharding._quantized_specs(q8["w_down"], params_module.weight_spec("w_down").axes, rules, 2)
     assert tuple(down8.codes) == (None, None, "model") and tuple(down8.scales) == (None, None, None)  # one scale per row
 
 
@@ -240,7 +240,7 @@ def test_every_sharded_axis_of_smollm2_divides_the_mesh(quantization):
 
 def test_tensor_parallel_is_checked_at_the_boundary():
     from jaxinfer.api import check_tensor_parallel
-    from jaxinfer.request import FieldError
+    from jaxinfer.validation import FieldError
 
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(FieldError) as e:
