@@ -24,7 +24,8 @@ from jaxinfer.engine import Engine
 from jaxinfer.output import OutputProcessor
 from jaxinfer.params import QUANTIZATIONS, Params
 from jaxinfer.quant import INT4_GROUP_SIZES
-from jaxinfer.request import FieldError, Request, SamplingParams, check_int, check_number, check_text, check_token_ids, derive_seed
+from jaxinfer.request import Request, SamplingParams, derive_seed
+from jaxinfer.validation import FieldError, check_int, check_number, check_text, check_token_ids
 from jaxinfer.scheduler import Scheduler, check_request
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large

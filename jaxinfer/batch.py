@@ -48,7 +48,8 @@ import numpy as np
 from jaxinfer.api import LLM, Prompt, RequestOutput
 from jaxinfer.batch_output import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch_output import OutputLock, check_settings, repair_output, scan_output, write_settings
-from jaxinfer.request import SAMPLING_FIELDS, SamplingParams, check_text, unknown_field_error
+from jaxinfer.request import SAMPLING_FIELDS, SamplingParams
+from jaxinfer.validation import check_text, unknown_field_error
 from jaxinfer.scheduler import PromptTooLongError
 
 _BOM = b"\xef\xbb\xbf"

@@ -19,7 +19,8 @@ import dataclasses
 import functools
 
 from jaxinfer.buckets import EngineBuckets, cut_table, pad_to_bucket
-from jaxinfer.request import BucketKey, FieldError
+from jaxinfer.plan import BucketKey
+from jaxinfer.validation import FieldError
 
 # The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (fitted and quantile pad least
 # at each program budget; README "Bucket strategies on the engine"): the fit of tests/test_config_defaults.py

@@ -180,7 +180,7 @@ _ENGINE_FLAGS = {
 
 
 def _with_flag_names(error: ValueError, flags: dict[str, str]) -> ValueError:
-    from jaxinfer.request import FieldError
+    from jaxinfer.validation import FieldError
 
     if isinstance(error, FieldError) and error.field in flags:
         return ValueError(f"{flags[error.field]} {error.problem}")

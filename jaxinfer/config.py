@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxinfer.bucket_tables import TABLE_FIELDS, BucketTables, TableLimits
 from jaxinfer.buckets import EngineBuckets
-from jaxinfer.request import FieldError, check_bool, check_int, check_number, unknown_field_error
+from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (quant.KV_CODE_FORMATS); None keeps the model dtype

@@ -32,7 +32,8 @@ from jaxinfer import sharding as shd
 from jaxinfer.attention import CPU_IMPL, resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
-from jaxinfer.request import BucketKey, FieldError, StepPlan
+from jaxinfer.plan import BucketKey, StepPlan
+from jaxinfer.validation import FieldError
 
 log = logging.getLogger(__name__)
 

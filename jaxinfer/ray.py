@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.request import SamplingParams, check_int, check_number
+from jaxinfer.request import SamplingParams
+
+from jaxinfer.validation import check_int, check_number
 
 if TYPE_CHECKING:  # batch.py (and through it jax) is imported where it is used: the CLI's --help stays fast
     from jaxinfer.batch import BatchJob, InputLine, JobSummary

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxinfer.output import OutputProcessor
-from jaxinfer.request import Request, SamplingParams, StepPlan
+from jaxinfer.plan import StepPlan
+from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerStats
 
 StepFn = Callable[[StepPlan], np.ndarray]  # plan -> sampled tokens int[R]

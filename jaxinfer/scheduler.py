@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxinfer.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import BucketKey, Request, RequestStatus, RowChunk, StepPlan
+from jaxinfer.plan import BucketKey, RowChunk, StepPlan
+from jaxinfer.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

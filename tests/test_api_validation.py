@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from jaxinfer.api import LLM, truncate_prompt
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import FieldError, SamplingParams
+from jaxinfer.request import SamplingParams
+from jaxinfer.validation import FieldError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 

@@ -20,7 +20,8 @@ from jaxinfer.api import LLM
 from jaxinfer.batch import BatchJob, InputFileError, LineError, check_paths, parse_line, read_input
 from jaxinfer.batch_output import OutputBusyError, ResumeError, lock_path, meta_path
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import FieldError, SamplingParams
+from jaxinfer.request import SamplingParams
+from jaxinfer.validation import FieldError
 from job_records import records
 
 DEFAULTS = SamplingParams(temperature=0, max_tokens=4)

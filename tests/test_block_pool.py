@@ -157,7 +157,7 @@ def test_pool_matches_lru_model_under_random_operations(num_pages, ops):
         assert _ref_counts(pool) == [owners.count(page) for page in range(num_pages)]
 
 
-@pytest.mark.parametrize("module", ["jaxinfer.block_pool", "jaxinfer.scheduler", "jaxinfer.request", "jaxinfer.buckets"])
+@pytest.mark.parametrize("module", ["jaxinfer.block_pool", "jaxinfer.scheduler", "jaxinfer.request", "jaxinfer.plan", "jaxinfer.validation", "jaxinfer.buckets"])
 def test_host_modules_do_not_import_jax(module):
     code = f"import {module}, sys; bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,7 +11,9 @@ from jaxinfer import runloop
 from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, FixedList, PowersOfTwo, cut_table
 from jaxinfer.config import EngineConfig
 from jaxinfer.output import OutputProcessor
-from jaxinfer.request import BucketKey, FieldError, Request, SamplingParams
+from jaxinfer.plan import BucketKey
+from jaxinfer.request import Request, SamplingParams
+from jaxinfer.validation import FieldError
 from jaxinfer.scheduler import Scheduler
 
 from fakes import FakePagedEngine, expected_output

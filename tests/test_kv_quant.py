@@ -14,7 +14,8 @@ from jaxinfer import quant, runloop
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine, PoolTooLargeError, resolve_num_pages
 from jaxinfer.output import OutputProcessor
-from jaxinfer.request import FieldError, Request, SamplingParams
+from jaxinfer.request import Request, SamplingParams
+from jaxinfer.validation import FieldError
 from jaxinfer.scheduler import Scheduler
 
 SMOLLM2 = np.load(FIXTURES / "smollm2_reference.npz")

@@ -83,7 +83,8 @@ def test_packed_row_gives_each_sequence_its_own_logits(tiny_llama, tokens):
     table the concatenation of their pages), one of them continuing a chunk computed earlier, give each
     sequence the logits of its own no-cache forward; padding tokens and entries change nothing."""
     from jaxinfer.engine import inputs_from_plan
-    from jaxinfer.request import BucketKey, Request, RowChunk, SamplingParams, StepPlan
+    from jaxinfer.plan import BucketKey, RowChunk, StepPlan
+    from jaxinfer.request import Request, SamplingParams
 
     cfg, params = tiny_llama
     seqs = {"a": tokens[:13].tolist(), "b": tokens[13:34].tolist(), "c": tokens[34:39].tolist()}
