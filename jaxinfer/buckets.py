@@ -225,7 +225,8 @@ class PowersOfTwo(_TableLookup):
 
 @dataclasses.dataclass(frozen=True)
 class FixedList(_TableLookup):
-    """A table given by the user, e.g. (64, 128, 256, 512, 1024, 2048)."""
+    """A table given by the user, e.g. (64, 128, 256, 512, 1024, 2048). Quantile and Fitted are FixedLists
+    too, differing only in how `from_sample` picks the table (and in their names, for reports)."""
 
     name: ClassVar[str] = "fixed"
     buckets: tuple[int, ...]
@@ -256,15 +257,10 @@ class Linear(_TableLookup):
         return cls(-(-max_length // budget), max_length)
 
 
-@dataclasses.dataclass(frozen=True)
-class Quantile(_TableLookup):
-    """Boundaries at the 1/K, 2/K, ..., 1 quantiles of a sample (duplicates merged)."""
+class Quantile(FixedList):
+    """A FixedList whose boundaries are the 1/K, 2/K, ..., 1 quantiles of a sample (duplicates merged)."""
 
     name: ClassVar[str] = "quantile"
-    buckets: tuple[int, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "buckets", _as_buckets(self.buckets))
 
     @classmethod
     def from_sample(cls, lengths, budget: int) -> "Quantile":
@@ -335,15 +331,10 @@ class MeanKSigma(_TableLookup):
         return f"cap {self.cap}: {num_above} of {sizes.size} lengths ({num_above / sizes.size:.1%}) {action}"
 
 
-@dataclasses.dataclass(frozen=True)
-class Fitted(_TableLookup):
-    """The K buckets that minimise the expected padded cost on a sample (see `fit_buckets`)."""
+class Fitted(FixedList):
+    """A FixedList of the K buckets that minimise the expected padded cost on a sample (see `fit_buckets`)."""
 
     name: ClassVar[str] = "fitted"
-    buckets: tuple[int, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "buckets", _as_buckets(self.buckets))
 
     @classmethod
     def from_sample(cls, lengths, budget: int, cost: CostFunction = TOKENS, multiple_of: int = 1) -> "Fitted":
