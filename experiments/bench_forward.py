@@ -38,11 +38,8 @@ the benchmark's (random) prompt ids. Results go to bench_forward_<NAME>.json. Th
 import argparse
 import functools
 import json
-import os
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,101 +48,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import harness
+from harness import GEOMETRIES, MATMUL_SIZE, REPO_ROOT, forward_flops, matmul_params, relative_error, time_calls
 from jaxinfer import attention, kv_pool, loading, model, sampling
 from jaxinfer.config import ATTENTION_IMPLS, ModelConfig, from_hf_config
 from jaxinfer.tokenizer import load_tokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIXTURES = REPO_ROOT / "tests" / "fixtures" / "smollm2_reference.npz"
-TEXT_FILE = REPO_ROOT / "experiments" / "data" / "passages.txt"
-RESULTS = REPO_ROOT / "experiments" / "results" / "bench_forward.json"
-REF_PYTHON = REPO_ROOT / ".venv-ref" / "bin" / "python"
-HF_PEER = REPO_ROOT / "experiments" / "peers" / "hf_forward.py"
-MATMUL_SIZE = 2048  # the peak is an f32 [n, n] @ [n, n] matmul
-BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of this size
+RESULTS = harness.RESULTS_DIR / "bench_forward.json"
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
 FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
 PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default)
-# Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
-GEOMETRIES = {
-    "llama3-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    },
-    "qwen2.5-0.5b": {
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False, "architectures": ["Qwen2ForCausalLM"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-}
-# Runs hf_forward.py's timing on a HF folder instead of the embedded GGUF (its load_model swapped out).
-_HF_FOLDER_PEER = """
-import sys, time, torch
-sys.path.insert(0, {peers!r})
-import hf_forward
-from transformers import AutoModelForCausalLM
-def load_model(threads):
-    import transformers
-    torch.set_num_threads(threads)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
-    return model.eval(), time.perf_counter() - start, transformers.__version__
-hf_forward.load_model = load_model
-sys.argv = ["hf_forward.py"] + {argv!r}
-hf_forward.main()
-"""
-
-
-def _time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
-    """Wall seconds of each of `repeats` calls of fn() (which blocks), after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def measure_matmul_peak(repeats: int) -> dict:
-    """f32 matmul FLOP/s of this machine: best and median of `repeats` timed runs."""
-    a = jax.random.normal(jax.random.key(0), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
-    times = _time_calls(lambda: matmul(a, b).block_until_ready(), repeats, warmup=2)
-    flops = 2 * MATMUL_SIZE**3
-    return {"size": MATMUL_SIZE, "best_flops_per_s": flops / min(times), "median_flops_per_s": flops / statistics.median(times)}
-
-
-def measure_bandwidth_peak(repeats: int) -> dict:
-    """Read bandwidth: bytes/s of a jitted sum over a BANDWIDTH_BYTES f32 array."""
-    x = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    times = _time_calls(lambda: total(x).block_until_ready(), repeats, warmup=2)
-    return {"bytes": BANDWIDTH_BYTES, "best_bytes_per_s": BANDWIDTH_BYTES / min(times), "median_bytes_per_s": BANDWIDTH_BYTES / statistics.median(times)}
 
 
 # ------------------------------------------------------------------------------------------ cost model
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token, excluding the LM head (embedding lookups are free)."""
-    d, k = cfg.embed_dim, cfg.head_dim
-    per_layer = d * k * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.ffn_dim
-    return cfg.num_layers * per_layer
-
-
-def forward_flops(cfg: ModelConfig, num_tokens: int, num_logit_rows: int, num_keys_attended: int) -> int:
-    """Useful FLOPs of a forward: layer matmuls, the LM head for rows with logits, and attention
-    (QK^T and PV: 4 * K per query head per key, over `num_keys_attended` (query, key) pairs per layer)."""
-    lm_head = 2 * cfg.vocab_size * cfg.embed_dim * num_logit_rows
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_keys_attended
-    return 2 * matmul_params(cfg) * num_tokens + lm_head + attention
 
 
 def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
@@ -160,54 +75,16 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 def paged_meta(batch: int, context: int, positions: np.ndarray) -> kv_pool.PageMeta:
     """Row b owns pages b * n + 1 .. (b + 1) * n of a pool of batch * n + 1 pages (n = context / PAGE_SIZE);
     tokens at `positions` [B, T] are written to their slots."""
-    per_row = -(-context // PAGE_SIZE)
-    tables = np.arange(1, batch * per_row + 1, dtype=np.int32).reshape(batch, per_row)
-    slot_pages = np.take_along_axis(tables, positions // PAGE_SIZE, axis=1)
-    return kv_pool.PageMeta(jnp.asarray(tables), jnp.asarray(slot_pages), jnp.asarray(positions % PAGE_SIZE, dtype=jnp.int32))
+    return harness.page_meta(harness.row_tables(batch, -(-context // PAGE_SIZE)), positions, PAGE_SIZE)
 
 
 def paged_pool(cfg: ModelConfig, batch: int, context: int) -> kv_pool.KVPool:
     return kv_pool.init_pool(cfg, batch * -(-context // PAGE_SIZE) + 1, PAGE_SIZE)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
-def _prefill(params, pool, tokens, pages, *, cfg, impl):
-    """Prefill [B, T] into the paged pool; donates `pool`. Returns (last-position logits [B, V], pool)."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    last = jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32)
-    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
-    return logits[:, 0], pool
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
-def _decode(params, pool, tokens, positions, pages, *, cfg, impl):
-    """One greedy decode step for [B, 1] over the paged pool; donates `pool`. Returns (next tokens [B, 1], pool)."""
-    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl=impl)
-    return sampling.argmax(logits[:, -1])[:, None], pool  # the engine's greedy argmax
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _last_logits_no_cache(params, tokens, last, *, cfg):
-    """Logits at index last[b] of each row of [B, T], no cache (the fixture check)."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _ = model.forward(params, None, tokens, positions, cfg=cfg, logit_indices=last)
-    return logits[:, 0]
-
-
-def _compile(jitted, *args, **kwargs):
-    start = time.perf_counter()
-    compiled = jitted.lower(*args, **kwargs).compile()
-    return compiled, time.perf_counter() - start
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
 def check_fixtures(params, cfg: ModelConfig) -> dict:
     """Relative error of our last-position logits vs the committed HF fixtures, per prompt."""
-    with np.load(FIXTURES) as fixtures:
+    with np.load(harness.FIXTURES) as fixtures:
         count = int(fixtures["num_prompts"])
         ids = [fixtures[f"p{i}_ids"] for i in range(count)]
         expected = [fixtures[f"p{i}_last_logits"] for i in range(count)]
@@ -215,58 +92,34 @@ def check_fixtures(params, cfg: ModelConfig) -> dict:
     for row, prompt in enumerate(ids):
         tokens[row, : len(prompt)] = prompt
     last = np.array([len(p) - 1 for p in ids], np.int32)
-    logits = np.asarray(_last_logits_no_cache(params, tokens, last, cfg=cfg))
+    positions = np.broadcast_to(np.arange(FIXTURE_PAD, dtype=np.int32), tokens.shape)
+    logits, _ = harness.forward_program()(params, None, tokens, positions, None, last, cfg=cfg, impl="reference", output="last_logits")
+    logits = np.asarray(logits)  # [prompts, V]: at each prompt's last token, no cache
     errors = [relative_error(logits[i], expected[i]) for i in range(count)]
     argmax_equal = [int(np.argmax(logits[i]) == np.argmax(expected[i])) for i in range(count)]
     return {"num_prompts": count, "max_relative_error": max(errors), "relative_errors": errors, "argmax_equal": sum(argmax_equal)}
-
-
-def prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    """The first `num_tokens` tokens of the real-text passages (repeated if the file is shorter)."""
-    ids = tokenizer.encode(TEXT_FILE.read_text(), add_bos=False)
-    while len(ids) < num_tokens:
-        ids = ids + ids
-    return ids[:num_tokens]
 
 
 # ------------------------------------------------------------------------------------------ timing
 
 
 def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: str) -> dict:
-    tokens = jnp.asarray([ids], jnp.int32)
-    pages = paged_meta(1, len(ids), np.arange(len(ids), dtype=np.int32)[None])
-    pool = paged_pool(cfg, 1, len(ids))
-    program, compile_s = _compile(_prefill, params, pool, tokens, pages, cfg=cfg, impl=impl)
-    state = {"pool": pool}
-
-    def run():
-        logits, state["pool"] = program(params, state["pool"], tokens, pages)
-        state["logits"] = logits.block_until_ready()
-
-    times = _time_calls(run, repeats, warmup=1)
-    seconds = statistics.median(times)
     num_tokens = len(ids)
+    positions = np.arange(num_tokens, dtype=np.int32)[None]
+    args = (jnp.asarray([ids], jnp.int32), positions, paged_meta(1, num_tokens, positions), np.array([num_tokens - 1], np.int32))
+    times, compile_s, logits = harness.time_forward(params, cfg, paged_pool(cfg, 1, num_tokens), args, impl=impl, output="last_logits", repeats=repeats, warmup=1)
+    seconds = statistics.median(times)
     flops = forward_flops(cfg, num_tokens, 1, num_tokens * (num_tokens + 1) // 2)
     return {
         "tokens": num_tokens, "attention_impl": impl, "compile_s": compile_s, "times_s": times, "median_s": seconds,
-        "tokens_per_s": num_tokens / seconds, "flops": flops, "flops_per_s": flops / seconds,
-        "last_logits": np.asarray(state["logits"][0]),
+        "tokens_per_s": num_tokens / seconds, "flops": flops, "flops_per_s": flops / seconds, "last_logits": np.asarray(logits[0]),
     }
 
 
 def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int, impl: str) -> dict:
-    tokens = jnp.full((batch, 1), token, jnp.int32)
-    last = np.full((batch, 1), context - 1, np.int32)  # every row attends to all `context` slots
-    positions, pages = jnp.asarray(last), paged_meta(batch, context, last)
-    pool = paged_pool(cfg, batch, context)
-    program, compile_s = _compile(_decode, params, pool, tokens, positions, pages, cfg=cfg, impl=impl)
-    state = {"pool": pool}
-
-    def run():
-        next_tokens, state["pool"] = program(params, state["pool"], tokens, positions, pages)
-        next_tokens.block_until_ready()
-
-    times = _time_calls(run, repeats, warmup=2)
+    positions = np.full((batch, 1), context - 1, np.int32)  # every row attends to all `context` slots
+    args = (jnp.full((batch, 1), token, jnp.int32), positions, paged_meta(batch, context, positions), np.zeros(batch, np.int32))
+    times, compile_s, _ = harness.time_forward(params, cfg, paged_pool(cfg, batch, context), args, impl=impl, output="greedy", repeats=repeats, warmup=2)
     seconds = statistics.median(times)
     flops = forward_flops(cfg, batch, batch, batch * context)
     num_bytes = decode_bytes(cfg, batch, context)
@@ -288,17 +141,6 @@ def _attention_only(cache, q, k, v, positions, pages, *, num_layers: int, impl: 
     return out, cache
 
 
-def _time_donating(program, cache, *args, repeats: int) -> float:
-    """Median seconds of program(cache, *args) -> (out, cache), rebinding the donated cache each call."""
-    state = {"cache": cache}
-
-    def run():
-        out, state["cache"] = program(state["cache"], *args)
-        out.block_until_ready()
-
-    return statistics.median(_time_calls(run, repeats, warmup=2))
-
-
 def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats: int, impl: str) -> dict:
     """Milliseconds of the parts of a decode step at this batch size and context (each jitted alone)."""
     tokens = jnp.zeros((batch, 1), jnp.int32)
@@ -311,11 +153,11 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     attend = {name: jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers, impl=name), donate_argnums=0) for name in ("reference", impl)}
     meta = paged_meta(batch, context, np.full((batch, 1), context - 1, np.int32))
     seconds = {
-        "forward_without_cache": statistics.median(_time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
-        "lm_head_argmax": statistics.median(_time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
-        "attention_dense": _time_donating(attend["reference"], kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
-        "attention_paged": _time_donating(attend["reference"], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
-        "attention_paged_impl": _time_donating(attend[impl], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
+        "forward_without_cache": statistics.median(time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
+        "lm_head_argmax": statistics.median(time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
+        "attention_dense": harness.time_donating(attend["reference"], kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
+        "attention_paged": harness.time_donating(attend["reference"], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
+        "attention_paged_impl": harness.time_donating(attend[impl], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
     }
     return {"batch": batch, "context": context, "page_size": PAGE_SIZE, "attention_impl": impl, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
 
@@ -326,13 +168,7 @@ def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pat
     ids_file, logits_file = workdir / "ids.json", workdir / "hf_logits.npy"
     ids_file.write_text(json.dumps(ids))
     argv = ["--ids", str(ids_file), "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(steps), "--logits-out", str(logits_file)]
-    command = [str(REF_PYTHON), str(HF_PEER), *argv]
-    if folder is not None:
-        command = [str(REF_PYTHON), "-c", _HF_FOLDER_PEER.format(peers=str(HF_PEER.parent), folder=str(folder), argv=argv)]
-    completed = subprocess.run(command, capture_output=True, text=True, check=False)
-    if completed.returncode != 0:
-        raise RuntimeError(f"HF peer failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
-    return json.loads(completed.stdout.strip().splitlines()[-1]), np.load(logits_file)
+    return harness.run_peer("hf_forward.py", *argv, *(["--folder", str(folder)] if folder else [])), np.load(logits_file)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -347,15 +183,16 @@ def _row(name, seconds, tokens_per_s, flops_per_s, peak, mbu, hf_seconds, compil
 
 
 def print_table(result: dict) -> None:
-    peak = result["peaks"]["matmul"]["best_flops_per_s"]
+    peaks = result["machine"]["peaks"]
+    peak = peaks["matmul"]["best_flops_per_s"]
     hf = result.get("hf") or {}
     print(f"\nmatmul peak {peak / 1e9:.1f} GFLOP/s (f32 {MATMUL_SIZE}^3), read bandwidth "
-          f"{result['peaks']['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s; load avg {result['load_average']}")
+          f"{peaks['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s; load avg {result['load_average']}")
     print(f"{'program':<18} {'ms':>9} {'tokens/s':>10} {'GFLOP/s':>8} {'%peak':>7} {'MBU':>6} {'compile':>8} {'HF ms':>9} {'jax/HF':>7}")
     prefill = result["prefill"]
     print(_row(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], peak,
                None, hf.get("prefill_median_s"), prefill["compile_s"]))
-    bandwidth = result["peaks"]["bandwidth"]["best_bytes_per_s"]
+    bandwidth = peaks["bandwidth"]["best_bytes_per_s"]
     for entry in result["decode"]:
         hf_step = (hf.get("decode_median_step_s") or {}).get(str(entry["batch"]))
         print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
@@ -432,10 +269,9 @@ def assemble(cfg: ModelConfig, parts: dict) -> dict:
         "model": parts.get("model") or loading.default_model_path().name, "features": cfg.features(), "dtype": cfg.dtype, "num_params": cfg.num_params(), "matmul_params": matmul_params(cfg),
         "flops_formula": "2*P_matmul*tokens + 2*V*D*rows_with_logits + 4*L*H*K*(query,key) pairs; decode: rows attend to `context` keys; prefill: causal T(T+1)/2",
         "bytes_formula": "decode: 4*(P_matmul + V*D) + B*context*kv_bytes_per_token(f32)",
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()},
-        "load_average": [round(x, 2) for x in os.getloadavg()], "load_s": parts["load_s"],
+        "load_average": harness.load_average(), "load_s": parts["load_s"],
         "correctness": {"max_relative_error_allowed": MAX_RELATIVE_ERROR, "fixtures": fixtures, "hf_prefill_relative_error": hf_error, "passed": correct},
-        "peaks": peaks,
+        "machine": {"peaks": peaks},  # the rest of the block is the harness's (write_result)
         "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
         "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / bandwidth} for d in decode],
         "attention_impl": parts["attention_impl"], "decode_breakdown": parts["breakdown"], "hf": hf, "runtime_s": parts["runtime_s"],
@@ -458,7 +294,7 @@ def _load(args, workdir: pathlib.Path) -> tuple:
         fixtures = parts["fixtures"] = check_fixtures(params, cfg)
         print(f"loaded in {parts['load_s']:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
               f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
-        return cfg, params, prompt_ids(load_tokenizer(None), args.prefill_tokens), parts, None
+        return cfg, params, harness.prefix_ids(load_tokenizer(None), args.prefill_tokens), parts, None
     folder = workdir / args.geometry
     write_random_folder(GEOMETRIES[args.geometry], folder)
     cfg, params = loading.load_model(folder, max_context=max(args.context, args.prefill_tokens))
@@ -477,9 +313,10 @@ def main() -> None:
 
 
 def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
-    parts["peaks"] = {"matmul": measure_matmul_peak(args.repeats * 2), "bandwidth": measure_bandwidth_peak(args.repeats * 2)}
-    impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype)
-    engine_params = model.pack_panels(params) if impl == attention.CPU_IMPL else params  # as Engine does
+    parts["peaks"] = {"matmul": harness.measure_matmul_peak(args.repeats * 2), "bandwidth": harness.measure_bandwidth_peak(args.repeats * 2)}
+    geometry = {"page_size": PAGE_SIZE, "head_dim": cfg.head_dim, "group_size": cfg.num_heads // cfg.num_kv_heads}  # as Engine asks
+    impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype, **geometry)
+    engine_params = harness.engine_params(params, impl)
     parts["prefill"] = bench_prefill(engine_params, cfg, ids, args.repeats, impl)
     ours_logits = parts["prefill"].pop("last_logits")
     parts["decode"] = [bench_decode(engine_params, cfg, b, args.context, ids[-1], args.repeats, impl) for b in args.batch_sizes]
@@ -491,9 +328,8 @@ def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
 
     result = assemble(cfg, parts)
     print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    peak = result["peaks"]["matmul"]["best_flops_per_s"]
+    harness.write_result(args.out, result)
+    peak = result["machine"]["peaks"]["matmul"]["best_flops_per_s"]
     print(json.dumps({
         "bench": "forward", "correct": result["correctness"]["passed"], "matmul_peak_gflops": peak / 1e9,
         "prefill_tokens_per_s": result["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],

@@ -18,31 +18,20 @@ Writes experiments/results/bench_prefix.json; the last stdout line is one JSON d
 """
 
 import argparse
-import dataclasses
 import json
-import os
 import pathlib
-import platform
-import subprocess
-import sys
 import time
 
-import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_engine  # noqa: E402  (workload builder and paths shared with the engine benchmark)
+import harness
+from harness import REPO_ROOT, greedy
+from jaxinfer.api import LLM
+from jaxinfer.tokenizer import load_tokenizer
 
-from jaxinfer.api import LLM  # noqa: E402
-from jaxinfer.block_pool import BlockPool  # noqa: E402
-from jaxinfer.config import EngineConfig  # noqa: E402
-from jaxinfer.request import SamplingParams  # noqa: E402
-from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
-
-REPO_ROOT = bench_engine.REPO_ROOT
-RESULTS = REPO_ROOT / "experiments" / "results" / "bench_prefix.json"
+RESULTS = harness.RESULTS_DIR / "bench_prefix.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_prefix"
-MAX_CONTEXT = bench_engine.MAX_CONTEXT
+MAX_CONTEXT = harness.WORKLOAD_MAX_CONTEXT
 SYSTEM_TOKENS = 400
 GOALS = {"a_speedup": 2.0, "a_ttft_p50_reduction": 3.0, "c_within": 0.03, "deterministic_cost_c": 0.15}
 
@@ -50,44 +39,37 @@ GOALS = {"a_speedup": 2.0, "a_ttft_p50_reduction": 3.0, "c_within": 0.03, "deter
 # ------------------------------------------------------------------------------------------ workloads
 
 
-def _text_ids(tokenizer) -> list[int]:
-    return tokenizer.encode(bench_engine.TEXT_FILE.read_text(), add_bos=False)
-
-
 def shared_system_workload(args, tokenizer) -> list[dict]:
     """(a): one 400-token system prompt in front of each trace request's own prompt."""
-    system = _text_ids(tokenizer)[:SYSTEM_TOKENS]
-    turns = bench_engine.build_workload(args.trace, args.num_requests, args.scale, 1, tokenizer)["requests"]
+    system = harness.text_ids(tokenizer)[:SYSTEM_TOKENS]
+    turns = _workload(args, args.num_requests, 1, tokenizer)
     return [{"prompt_ids": (system + r["prompt_ids"])[: MAX_CONTEXT - r["max_tokens"]], "max_tokens": r["max_tokens"]} for r in turns]
 
 
 def conversation_turns(args, tokenizer) -> list[list[dict]]:
     """(b): user turns and reply lengths of 16 conversations x 4 turns (history is added at run time)."""
-    turns = bench_engine.build_workload(args.trace, 16 * 4, args.scale, 2, tokenizer)["requests"]
+    turns = _workload(args, 16 * 4, 2, tokenizer)
     return [[{"user_ids": t["prompt_ids"][:120], "max_tokens": min(t["max_tokens"], 48)} for t in turns[c::16]] for c in range(16)]
 
 
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def _workload(args, num_requests: int, seed: int, tokenizer) -> list[dict]:
+    """bench_engine.py's workload: the harness's scaled trace sample at this seed."""
+    return harness.build_workload(args.trace, num_requests, args.scale, seed, tokenizer, max_context=MAX_CONTEXT)["requests"]
 
 
 # ------------------------------------------------------------------------------------------ jaxinfer
 
 
 def make_llm(args, **fields) -> LLM:
-    pages = args.max_num_seqs * (MAX_CONTEXT // args.page_size) + 1
-    cfg = EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=args.max_num_seqs, page_size=args.page_size, num_pages=pages,
-                       compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
-    start = time.perf_counter()
-    llm = LLM(None, engine_config=cfg)
-    print(f"jaxinfer {fields}: loaded and compiled {llm.engine.num_compilations} programs in {time.perf_counter() - start:.1f}s", flush=True)
+    """The harness's workload engine with these EngineConfig fields (compile cache under WORK_DIR), warmed up."""
+    cfg = harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size, compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
+    llm, seconds = harness.timed(LLM, None, engine_config=cfg)
+    print(f"jaxinfer {fields}: loaded and compiled {llm.engine.num_compilations} programs in {seconds:.1f}s", flush=True)
     return llm
 
 
 def _timed_generate(llm: LLM, requests: list[dict]) -> tuple[list, float]:
-    start = time.perf_counter()
-    outputs = llm.generate([r["prompt_ids"] for r in requests], [_greedy(r["max_tokens"]) for r in requests], progress=False)
-    return outputs, time.perf_counter() - start
+    return harness.timed(llm.generate, [r["prompt_ids"] for r in requests], [greedy(r["max_tokens"]) for r in requests], progress=False)
 
 
 def _summary(outputs: list, seconds: float, stats: list) -> dict:
@@ -102,14 +84,14 @@ def _summary(outputs: list, seconds: float, stats: list) -> dict:
 
 def run_single(llm: LLM, requests: list[dict]) -> tuple[dict, list[list[int]]]:
     """One batch from an empty cache."""
-    llm.block_pool = BlockPool(llm.engine.num_pages)
+    llm.reset_prefix_cache()
     outputs, seconds = _timed_generate(llm, requests)
     return _summary(outputs, seconds, [llm.last_stats]), [o.token_ids for o in outputs]
 
 
 def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, list[list[int]]]:
     """Turn after turn, each resending the history (its replies as generated), from an empty cache."""
-    llm.block_pool = BlockPool(llm.engine.num_pages)
+    llm.reset_prefix_cache()
     histories, all_outputs, stats, seconds = [[] for _ in conversations], [], [], 0.0
     for turn in range(len(conversations[0])):
         requests = [{"prompt_ids": h + c[turn]["user_ids"], "max_tokens": c[turn]["max_tokens"]} for h, c in zip(histories, conversations)]
@@ -127,16 +109,11 @@ def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, lis
 def run_llamacpp(requests: list[dict], name: str, extra: list[str]) -> dict:
     path = WORK_DIR / f"{name}.json"
     path.write_text(json.dumps({"requests": requests}))
-    command = [str(bench_engine.REF_PYTHON), str(bench_engine.PEERS_DIR / "llamacpp_generate.py"), "--workload", str(path),
-               "--out", str(WORK_DIR / f"{name}_tokens.json"), "--parallel", "32", *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"error": done.stderr[-1500:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])["modes"]
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b)) / len(a)
+    try:
+        raw = harness.run_peer("llamacpp_generate.py", "--workload", str(path), "--out", str(WORK_DIR / f"{name}_tokens.json"), "--parallel", "32", *extra)
+    except RuntimeError as error:
+        return {"error": str(error)[-1500:]}
+    return raw["modes"]
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -146,7 +123,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--scale", type=float, default=8.0)
-    parser.add_argument("--trace", type=pathlib.Path, default=bench_engine.DEFAULT_TRACE)
+    parser.add_argument("--trace", type=pathlib.Path, default=harness.DEFAULT_TRACE)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="runs per runner on (c), interleaved; the best counts")
@@ -187,7 +164,7 @@ def run_jaxinfer(args, workloads: dict) -> tuple[dict, dict]:
 
 
 def run_peers(args, workloads: dict) -> dict:
-    if args.no_llamacpp or not bench_engine.REF_PYTHON.exists():
+    if args.no_llamacpp or not harness.REF_PYTHON.exists():
         return {}
     results = {}
     for workload, extra in (("shared_system", ["--modes", "batched,batched_prefix", "--shared-prefix", str(SYSTEM_TOKENS)]), ("no_sharing", ["--modes", "batched"])):
@@ -216,15 +193,15 @@ def main() -> None:
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(None)
     workloads = {"shared_system": shared_system_workload(args, tokenizer), "multi_turn": conversation_turns(args, tokenizer),
-                 "no_sharing": bench_engine.build_workload(args.trace, args.num_requests, args.scale, 0, tokenizer)["requests"]}
+                 "no_sharing": _workload(args, args.num_requests, 0, tokenizer)}
     start = time.perf_counter()
     results, tokens = run_jaxinfer(args, workloads)
-    correctness = {w: agreement(tokens[(w, "cache")], tokens[(w, "no_cache")]) for w in workloads}
-    correctness["no_sharing_deterministic"] = agreement(tokens[("no_sharing", "deterministic")], tokens[("no_sharing", "no_cache")])
+    exact = lambda a, b: harness.agreement(a, b)["exact_requests"]  # noqa: E731  (share of requests with identical tokens)
+    correctness = {w: exact(tokens[(w, "cache")], tokens[(w, "no_cache")]) for w in workloads}
+    correctness["no_sharing_deterministic"] = exact(tokens[("no_sharing", "deterministic")], tokens[("no_sharing", "no_cache")])
     results |= run_peers(args, workloads)
     result = {
         "question": "prefix caching's gain on shared prompts and cost without sharing; deterministic mode's cost",
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "load_average_at_end": list(os.getloadavg())},
         "settings": {k: str(v) for k, v in vars(args).items()},
         "greedy_agreement_cache_vs_no_cache": correctness, "results": results, "goals": goals(results),
         "runtime_s": time.perf_counter() - start,
@@ -236,8 +213,7 @@ def main() -> None:
     print(f"greedy agreement, cache vs no cache: {correctness}")
     for k, g in result["goals"].items():
         print(f"goal {k}: {g['measured']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result = harness.write_result(args.out, result)
     print(json.dumps({"bench": "prefix", "agreement": correctness, "goals": {k: g["measured"] for k, g in result["goals"].items()}}))
 
 

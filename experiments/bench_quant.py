@@ -4,8 +4,7 @@ Issue 8's benchmark. Every weight format in one run, on the embedded SmolLM2-135
 f32, bf16 (dense in that dtype), int8 (per channel), int4 in groups of 32, 64 and 128 (128 does not
 divide SmolLM2's width 576: reported as not available, with the loader's reason), and gguf (the file's
 Q4_1 / Q8_0 blocks kept); each also with the paged pool's int8 KV cache (EngineConfig(kv_cache_dtype=
-"int8")), or reported "not available" where this checkout's EngineConfig has no such field. Each format
-runs in its own subprocess (--worker), so its peak resident set (VmHWM, reset between phases) is its own:
+"int8")). Each format runs in its own subprocess (--worker), so its peak resident set (VmHWM, reset between phases) is its own:
   1. correctness first: greedy tokens of 4 fixture prompts (GREEDY_TOKENS each) through the paged pool;
      f32 must equal HF's fixture tokens, every other row reports its agreement with f32;
   2. memory: resident weight bytes (quant.resident_bytes, per kind as `jaxinfer info` prints them), KV
@@ -15,15 +14,15 @@ runs in its own subprocess (--worker), so its peak resident set (VmHWM, reset be
      codes are what attention reads); perplexity over every next token of each window, the change vs
      f32, the mean KL(p_f32 || p_format) per predicted position, argmax agreement, and for gguf the
      relative error norm of the logits vs f32 (GGUF_LOGITS_TOLERANCE);
-  4. speed, through the paged pool (pages of bench_forward.PAGE_SIZE): prefill of --prefill-tokens real
-     tokens, decode ms/step at --batch-sizes with every row attending to --context keys (bench_forward's
+  4. speed, through the paged pool (pages of PAGE_SIZE): prefill of --prefill-tokens real
+     tokens, decode ms/step at --batch-sizes with every row attending to --context keys (the harness's
      timing helpers, median of --repeats after 2 untimed calls); MBU against the measured bandwidth with
      the format's resident weight bytes + the K/V read;
-  5. end to end: bench_engine.py's workload and jaxinfer runner (--e2e-requests requests at --e2e-scale),
+  5. end to end: bench_engine.py's workload and engine run (the harness's) (--e2e-requests requests at --e2e-scale),
      one run per row, the format passed to the LLM it builds.
 Beside them, llama.cpp on the same GGUF and our token ids (experiments/peers/llamacpp_perplexity.py: the
 same windows, KL vs our f32 logits, prefill/decode timing; f16 and q8_0 KV caches; and bench_engine's
-llama.cpp runner on the same workload), and a Llama-3.2-1B-shaped model (bench_forward's llama3-1b
+llama.cpp peer on the same workload), and a Llama-3.2-1B-shaped model (the harness's llama3-1b
 geometry with plain rope, random Q4_0 blocks, SmolLM2's tokenizer padded to the vocabulary) written as
 a GGUF one tensor at a time, loaded with quantization='gguf', generating a few tokens (--skip-1b).
 Goals (GOALS) are printed as met / not met with their figures. Writes experiments/results/bench_quant.json
@@ -34,38 +33,29 @@ Goals (GOALS) are printed as met / not met with their figures. Writes experiment
 
 import argparse
 import contextlib
-import dataclasses
-import functools
 import gc
 import json
 import math
-import os
 import pathlib
-import platform
+import statistics
 import subprocess
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_engine  # noqa: E402  (the end-to-end workload, its jaxinfer runner and peer runner)
-import bench_forward  # noqa: E402  (timing helpers, cost model, the machine's measured peaks, geometries)
+import harness
+from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
+from jaxinfer import kv_pool, loading, params as params_lib, quant
+from jaxinfer.api import LLM
+from jaxinfer.config import EngineConfig, from_hf_config
+from jaxinfer.engine import Engine
+from jaxinfer.tokenizer import load_tokenizer
 
-from jaxinfer import kv_pool, loading, model, params as params_lib, quant  # noqa: E402
-from jaxinfer.api import LLM  # noqa: E402
-from jaxinfer.config import EngineConfig, from_hf_config  # noqa: E402
-from jaxinfer.engine import Engine  # noqa: E402
-from jaxinfer.request import SamplingParams  # noqa: E402
-from jaxinfer.tokenizer import load_tokenizer  # noqa: E402
-
-REPO_ROOT = bench_forward.REPO_ROOT
 HELDOUT_TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
-RESULTS = REPO_ROOT / "experiments" / "results" / "bench_quant.json"
+RESULTS = harness.RESULTS_DIR / "bench_quant.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_quant"  # plan, reference logits, the 1B GGUF (git-ignored)
-LLAMACPP_PEER = bench_engine.PEERS_DIR / "llamacpp_perplexity.py"
 FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
     "f32": ("float32", None, None),
     "bf16": ("bfloat16", None, None),
@@ -77,11 +67,9 @@ FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
 }
 REFERENCE = "f32"  # the baseline every other row is compared with; always run, and first
 QUICK_FORMATS = ("f32", "int8", "gguf")
-# False before EngineConfig(kv_cache_dtype=...) (commit af7174b): the KV rows then say "not available".
-KV_OPTION = "kv_cache_dtype" in {f.name for f in dataclasses.fields(EngineConfig)}
 WINDOW = 512  # tokens per perplexity window
-MAX_CONTEXT = bench_engine.MAX_CONTEXT  # context the model is loaded with (the e2e engine needs 2048)
-PAGE_SIZE = bench_forward.PAGE_SIZE
+MAX_CONTEXT = harness.WORKLOAD_MAX_CONTEXT  # context the model is loaded with (the e2e engine needs 2048)
+PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default, as bench_forward.py)
 GREEDY_PROMPTS = (0, 1, 3, 7)  # fixture prompts of 46-59 tokens (padded to GREEDY_PAD)
 GREEDY_PAD, GREEDY_TOKENS = 64, 32  # the fixture holds HF's first 32 greedy tokens (--quick: 8)
 GGUF_LOGITS_TOLERANCE = 1e-5  # gguf-kept vs f32 logits: tests/tolerances.py LOGITS_VS_FLOAT64 (same weights, other sum order)
@@ -110,22 +98,6 @@ def log(message: str) -> None:
 # ------------------------------------------------------------------------------------------ memory
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set since the last reset_peak_rss (VmHWM)."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-
-def reset_peak_rss() -> bool:
-    """Start a new peak (Linux >= 4.0: writing 5 to clear_refs resets VmHWM); False where refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def weight_memory(params) -> dict:
     """Resident bytes of the weights, in total and per (kind, storage format) as `jaxinfer info` prints."""
     by_kind = params_lib.weight_bytes(params)
@@ -149,30 +121,12 @@ def make_pool(cfg, params, num_pages: int, kv_cache_dtype: str | None) -> tuple[
 
 
 def page_meta(block_tables: np.ndarray, positions: np.ndarray, valid: np.ndarray | None = None) -> kv_pool.PageMeta:
-    """Where tokens at `positions` [B, T] go in rows with `block_tables` [B, W]; invalid (padding) tokens
-    write to the null page 0."""
-    pages = np.take_along_axis(block_tables, positions // PAGE_SIZE, axis=1)
-    if valid is not None:
-        pages = np.where(valid, pages, 0)
-    return kv_pool.PageMeta(jnp.asarray(block_tables, jnp.int32), jnp.asarray(pages, jnp.int32), jnp.asarray(positions % PAGE_SIZE, jnp.int32))
+    return harness.page_meta(block_tables, positions, PAGE_SIZE, valid)
 
 
-def row_tables(num_rows: int, pages_per_row: int) -> np.ndarray:
-    """Distinct pages 1.. for each row: int32 [num_rows, pages_per_row]."""
-    return (1 + np.arange(num_rows * pages_per_row, dtype=np.int32)).reshape(num_rows, pages_per_row)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
-def _paged_greedy(params, pool, tokens, positions, pages, last, *, cfg, impl):
-    """Forward [B, T] through the paged pool; donates `pool`. Returns (argmax at index last[b] [B], pool)."""
-    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
-    return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), pool
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("pool",))
-def _paged_logits(params, pool, tokens, positions, pages, *, cfg, impl):
-    """Forward [B, T] through the paged pool; donates `pool`. Returns (f32 logits [B, T, V], pool)."""
-    return model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl=impl)
+def _paged(output: str, params, pool, *args, cfg, impl):
+    """The harness's paged forward; donates `pool`. Returns (output: "greedy" [B] or "logits" [B, T, V], pool)."""
+    return harness.forward_program()(params, pool, *args, cfg=cfg, impl=impl, output=output)
 
 
 # ------------------------------------------------------------------------------------------ correctness and accuracy
@@ -182,18 +136,18 @@ def greedy_tokens(cfg, params, kv: str | None, prompts: list[list[int]], num_tok
     """num_tokens greedy tokens per prompt, all prompts as rows of one batch through the paged pool."""
     rows, pages_per_row = len(prompts), -(-(GREEDY_PAD + num_tokens) // PAGE_SIZE)
     pool, impl = make_pool(cfg, params, rows * pages_per_row + 1, kv)
-    tables = row_tables(rows, pages_per_row)
+    tables = harness.row_tables(rows, pages_per_row)
     lengths = np.array([len(p) for p in prompts], np.int32)
     tokens = np.zeros((rows, GREEDY_PAD), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = prompt
     positions = np.broadcast_to(np.arange(GREEDY_PAD, dtype=np.int32), tokens.shape)
     meta = page_meta(tables, positions, valid=positions < lengths[:, None])
-    token, pool = _paged_greedy(params, pool, tokens, positions, meta, lengths - 1, cfg=cfg, impl=impl)
+    token, pool = _paged("greedy", params, pool, tokens, positions, meta, lengths - 1, cfg=cfg, impl=impl)
     generated = [np.asarray(token)]
     for step in range(1, num_tokens):
         positions = (lengths + step - 1)[:, None]
-        token, pool = _paged_greedy(params, pool, token[:, None], positions, page_meta(tables, positions), np.zeros(rows, np.int32), cfg=cfg, impl=impl)
+        token, pool = _paged("greedy", params, pool, token[:, None], positions, page_meta(tables, positions), np.zeros(rows, np.int32), cfg=cfg, impl=impl)
         generated.append(np.asarray(token))
     return np.stack(generated, axis=1).tolist()
 
@@ -214,7 +168,7 @@ def score_window(logits: np.ndarray, window: list[int], reference: np.ndarray | 
         ref_log_probs = log_softmax(reference[:-1])
         scores |= {"kl_sum": float((np.exp(ref_log_probs) * (ref_log_probs - log_probs)).sum()),
                    "argmax_equal": int((logits[:-1].argmax(-1) == reference[:-1].argmax(-1)).sum()),
-                   "logits_relative_error": bench_forward.relative_error(logits, reference)}
+                   "logits_relative_error": harness.relative_error(logits, reference)}
     return scores
 
 
@@ -236,10 +190,10 @@ def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_
     pages = WINDOW // PAGE_SIZE
     pool, impl = make_pool(cfg, params, pages + 1, kv)
     positions = np.arange(WINDOW, dtype=np.int32)[None]
-    meta = page_meta(row_tables(1, pages), positions)
+    meta = page_meta(harness.row_tables(1, pages), positions)
     start, per_window = time.perf_counter(), []
     for i, window in enumerate(windows):
-        logits, pool = _paged_logits(params, pool, jnp.asarray([window], jnp.int32), positions, meta, cfg=cfg, impl=impl)
+        logits, pool = _paged("logits", params, pool, jnp.asarray([window], jnp.int32), positions, meta, None, cfg=cfg, impl=impl)
         logits = np.asarray(logits[0], np.float32)  # [T, V]
         if write_reference:
             np.save(reference_dir / f"w{i}.npy", logits)
@@ -258,20 +212,19 @@ def score_llamacpp(windows: list[list[int]], workdir: pathlib.Path, kv_type: str
 
 
 def _timed_program(cfg, params, kv, num_pages: int, args: tuple, repeats: int) -> dict:
-    """Compile _paged_greedy for these inputs over a fresh pool, then the median of `repeats` calls."""
+    """Compile the greedy paged forward for these inputs over a fresh pool, then the median of `repeats` calls."""
     pool, impl = make_pool(cfg, params, num_pages, kv)
     kv_bytes_per_token = quant.resident_bytes(pool) / (num_pages * PAGE_SIZE)
-    program, compile_s = bench_forward._compile(_paged_greedy, params, pool, *args, cfg=cfg, impl=impl)
-    seconds = bench_forward._time_donating(lambda p, *a: program(params, p, *a), pool, *args, repeats=repeats)
-    return {"compile_s": compile_s, "median_s": seconds, "kv_bytes_per_token": kv_bytes_per_token}
+    times, compile_s, _ = harness.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
+    return {"compile_s": compile_s, "median_s": statistics.median(times), "kv_bytes_per_token": kv_bytes_per_token}
 
 
 def time_prefill(cfg, params, kv, ids: list[int], repeats: int) -> dict:
     pages = -(-len(ids) // PAGE_SIZE)
     positions = np.arange(len(ids), dtype=np.int32)[None]
-    args = (jnp.asarray([ids], jnp.int32), positions, page_meta(row_tables(1, pages), positions), np.array([len(ids) - 1], np.int32))
+    args = (jnp.asarray([ids], jnp.int32), positions, page_meta(harness.row_tables(1, pages), positions), np.array([len(ids) - 1], np.int32))
     timed = _timed_program(cfg, params, kv, pages + 1, args, repeats)
-    flops = bench_forward.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
+    flops = harness.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
     return {"tokens": len(ids), **timed, "tokens_per_s": len(ids) / timed["median_s"], "flops_per_s": flops / timed["median_s"]}
 
 
@@ -279,7 +232,7 @@ def time_decode(cfg, params, kv, batch: int, context: int, token: int, repeats: 
     """One token per row, every row at position context - 1 of its own pages (attends to `context` keys)."""
     pages_per_row = -(-context // PAGE_SIZE)
     positions = np.full((batch, 1), context - 1, np.int32)
-    meta = page_meta(row_tables(batch, pages_per_row), positions)
+    meta = page_meta(harness.row_tables(batch, pages_per_row), positions)
     args = (jnp.full((batch, 1), token, jnp.int32), positions, meta, np.zeros(batch, np.int32))
     timed = _timed_program(cfg, params, kv, batch * pages_per_row + 1, args, repeats)
     seconds = timed.pop("median_s")
@@ -300,22 +253,8 @@ def _kv_key(kv: str | None) -> str:
     return kv or "none"
 
 
-@contextlib.contextmanager
-def engine_runner_as(name: str):
-    """bench_engine.run_jaxinfer builds `LLM(None, engine_config=..., warmup=False)`; inside this block its
-    LLM is this format's (dtype, quantization and group_size passed through LLM's own arguments)."""
-    original = bench_engine.LLM
-    bench_engine.LLM = functools.partial(LLM, **_load_kwargs(name))
-    try:
-        yield
-    finally:
-        bench_engine.LLM = original
-
-
 def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pathlib.Path, weight_bytes: int) -> dict:
     """Correctness, accuracy and speed of one (format, KV cache) row."""
-    if kv is not None and not KV_OPTION:
-        return {"status": "not available", "reason": "this checkout's EngineConfig has no kv_cache_dtype field"}
     label = f"{name} kv={kv or cfg.dtype}"
     tokens = greedy_tokens(cfg, params, kv, plan["greedy_prompts"], plan["greedy_tokens"])
     log(f"{label}: greedy tokens done")
@@ -329,13 +268,12 @@ def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pat
 
 
 def run_e2e(name: str, kv: str | None, plan: dict) -> dict:
-    """bench_engine's jaxinfer runner (its EngineConfig, page size 16, 32 sequences) on its workload."""
-    engine_config = bench_engine.engine_config_for(argparse.Namespace(page_size=16, max_num_seqs=32, prefill_seqs="1"))
-    if kv is not None:
-        engine_config = EngineConfig.with_overrides(engine_config, kv_cache_dtype=kv)
+    """The harness's engine run (bench_engine.py's: page size 16, 32 sequences, packed prefill) on its workload,
+    the LLM loaded in this format (dtype, quantization and group_size passed through LLM's own arguments)."""
+    engine_config = harness.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **({"kv_cache_dtype": kv} if kv else {}))
     workload = json.loads(pathlib.Path(plan["e2e_workload"]).read_text())
-    with engine_runner_as(name), contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
-        result, tokens, llm = bench_engine.run_jaxinfer(workload, engine_config, plan["e2e_repeats"])
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
+        result, tokens, llm = harness.run_engine(workload, engine_config, plan["e2e_repeats"], **_load_kwargs(name))
     del llm
     keep = ("load_s", "warmup_s", "num_compilations", "compiles_during_timed_run", "seconds", "seconds_per_repeat", "num_output_tokens",
             "output_tokens_per_s", "all_lengths_exact", "reference_check", "time_split")
@@ -412,7 +350,7 @@ def _copy_tokenizer(writer, reader, vocab_size: int) -> None:
 
 
 def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader) -> None:
-    """bench_forward's geometry as a GGUF, written one tensor at a time: every matrix (embedding included)
+    """The harness's geometry as a GGUF, written one tensor at a time: every matrix (embedding included)
     random Q4_0 blocks, norms 1, the geometry's rope base without its llama3 scaling (which changes no
     byte of the weights), SmolLM2's tokenizer."""
     import gguf
@@ -445,7 +383,7 @@ def run_1b_worker(workdir: pathlib.Path) -> dict:
     """Write the 1B GGUF, load it with quantization='gguf' through LLM, greedy-generate a few tokens."""
     path = workdir.resolve() / f"{GEOMETRY_1B}-random-q4_0.gguf"
     start = time.perf_counter()
-    write_random_q4_0_gguf(path, bench_forward.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
+    write_random_q4_0_gguf(path, harness.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
     result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": time.perf_counter() - start, "file_bytes": path.stat().st_size,
               "file_tensor_bytes": gguf_tensor_bytes(path), "peak_rss_reset_works": reset_peak_rss()}
     log(f"1B: wrote {result['file_bytes'] / 2**20:.0f} MiB in {result['write_s']:.0f}s")
@@ -459,7 +397,7 @@ def run_1b_worker(workdir: pathlib.Path) -> dict:
     start = time.perf_counter()
     llm.engine.warmup()
     result["warmup_s"] = time.perf_counter() - start
-    output = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=GENERATE_1B_TOKENS, ignore_eos=True), progress=False)[0]
+    output = llm.generate(["The capital of France is"], harness.greedy(GENERATE_1B_TOKENS), progress=False)[0]
     result |= {"generated_token_ids": output.token_ids, "generate_latency_s": output.latency, "time_to_first_token_s": output.time_to_first_token,
                "peak_rss_bytes": result["peak_rss_bytes"] | {"all": peak_rss_bytes()}}
     result["resident_vs_file_tensor_bytes"] = result["memory"]["resident_bytes"] / result["file_tensor_bytes"]
@@ -477,29 +415,29 @@ def run_worker_process(name: str, workdir: pathlib.Path) -> dict:
     completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # stderr: progress, passed through
     if completed.returncode != 0:
         return {"format": name, "status": "failed", "returncode": completed.returncode, "stdout_tail": completed.stdout[-2000:]}
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return harness.last_json(completed.stdout)
 
 
 def run_llamacpp(args, workdir: pathlib.Path, plan: dict) -> dict:
     """experiments/peers/llamacpp_perplexity.py on the same windows, reference logits and prefill ids."""
     (workdir / "llamacpp").mkdir(exist_ok=True)
-    command = [str(bench_engine.REF_PYTHON), str(LLAMACPP_PEER), "--windows", str(workdir / "windows.json"), "--logits-dir", str(workdir / "llamacpp"),
-               "--prefill-ids", str(workdir / "prefill_ids.json"), "--kv-types", args.llamacpp_kv_types, "--batch-sizes", ",".join(map(str, plan["batch_sizes"])),
-               "--context", str(plan["context"]), "--repeats", str(plan["repeats"])]
-    completed = subprocess.run(command, capture_output=True, text=True, check=False)
-    if completed.returncode != 0:
-        return {"status": "failed", "error": completed.stderr[-3000:]}
-    result = {"status": "ok", **json.loads(completed.stdout.strip().splitlines()[-1])}
+    try:
+        raw = harness.run_peer("llamacpp_perplexity.py", "--windows", str(workdir / "windows.json"), "--logits-dir", str(workdir / "llamacpp"),
+                               "--prefill-ids", str(workdir / "prefill_ids.json"), "--kv-types", args.llamacpp_kv_types,
+                               "--batch-sizes", ",".join(map(str, plan["batch_sizes"])), "--context", str(plan["context"]), "--repeats", str(plan["repeats"]))
+    except RuntimeError as error:
+        return {"status": "failed", "error": str(error)}
+    result = {"status": "ok", **raw}
     for kv_type, entry in result["kv_types"].items():
         entry["perplexity"] = score_llamacpp(plan["windows"], workdir, kv_type)
     return result
 
 
 def run_llamacpp_e2e(plan: dict) -> dict:
-    """bench_engine's llama.cpp runner (sequential and batched over 32 sequence ids) on the same workload."""
-    bench_engine.WORK_DIR.mkdir(parents=True, exist_ok=True)
+    """bench_engine.py's llama.cpp peer (sequential and batched over 32 sequence ids) on the same workload."""
     try:
-        raw, _ = bench_engine.run_peer("llamacpp_generate.py", pathlib.Path(plan["e2e_workload"]), ["--parallel", "32", "--repeats", str(plan["e2e_repeats"])])
+        raw = harness.run_peer("llamacpp_generate.py", "--workload", plan["e2e_workload"], "--out", str(WORK_DIR / "llamacpp_generate_tokens.json"),
+                               "--parallel", "32", "--repeats", str(plan["e2e_repeats"]))
     except (RuntimeError, json.JSONDecodeError, FileNotFoundError) as error:
         return {"status": "failed", "error": str(error)[-3000:]}
     return {"status": "ok", **raw}
@@ -513,21 +451,21 @@ def build_plan(args, workdir: pathlib.Path) -> dict:
     tokenizer = load_tokenizer(None)
     ids = tokenizer.encode(HELDOUT_TEXT.read_text(), add_bos=False)
     num_windows = len(ids) // WINDOW if not args.num_windows else min(args.num_windows, len(ids) // WINDOW)
-    with np.load(bench_forward.FIXTURES) as fixtures:
+    with np.load(harness.FIXTURES) as fixtures:
         prompts = [fixtures[f"p{i}_ids"].tolist() for i in GREEDY_PROMPTS]
         fixture_tokens = [fixtures[f"p{i}_greedy_ids"][: args.greedy_tokens].tolist() for i in GREEDY_PROMPTS]
     plan = {"heldout_text": str(HELDOUT_TEXT.relative_to(REPO_ROOT)), "heldout_tokens": len(ids), "window": WINDOW,
             "windows": [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(num_windows)], "greedy_prompt_indices": list(GREEDY_PROMPTS),
             "greedy_prompts": prompts, "greedy_tokens": args.greedy_tokens, "fixture_greedy_tokens": fixture_tokens, "quick": args.quick,
-            "prefill_ids": bench_forward.prompt_ids(tokenizer, args.prefill_tokens),
+            "prefill_ids": harness.prefix_ids(tokenizer, args.prefill_tokens),
             "batch_sizes": args.batch_sizes, "context": args.context, "repeats": args.repeats, "page_size": PAGE_SIZE,
             "kv_cache_dtypes": [None if k == "none" else k for k in args.kv_cache_dtypes], "e2e_requests": args.e2e_requests,
             "e2e_scale": args.e2e_scale, "e2e_repeats": args.e2e_repeats, "e2e_workload": None}
     if args.e2e_requests:
-        workload = bench_engine.build_workload(args.trace, args.e2e_requests, args.e2e_scale, 0, tokenizer)
+        workload = harness.build_workload(args.trace, args.e2e_requests, args.e2e_scale, 0, tokenizer, max_context=MAX_CONTEXT)
         plan["e2e_workload"] = str(workdir / "workload.json")
         pathlib.Path(plan["e2e_workload"]).write_text(json.dumps(workload))
-        plan["e2e_summary"] = bench_engine.workload_summary(workload)
+        plan["e2e_summary"] = harness.workload_summary(workload["requests"])
     (workdir / "reference").mkdir(parents=True, exist_ok=True)
     for stale in (workdir / "reference").glob("w*.npy"):
         stale.unlink()
@@ -555,7 +493,7 @@ def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, 
         "perplexity": accuracy["perplexity"], "perplexity_change_vs_f32": accuracy["perplexity"] / base["accuracy"]["perplexity"] - 1,
         "mean_kl_vs_f32": accuracy.get("mean_kl_vs_f32", 0.0), "argmax_agreement_vs_f32": accuracy.get("argmax_agreement_vs_f32", 1.0),
         "max_logits_relative_error_vs_f32": accuracy.get("max_logits_relative_error_vs_f32", 0.0),
-        "greedy_agreement_vs_f32": bench_engine.agreement(base["greedy_tokens"], row["greedy_tokens"]),
+        "greedy_agreement_vs_f32": harness.agreement(base["greedy_tokens"], row["greedy_tokens"]),
         "prefill_tokens_per_s": speed["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": speed["prefill"]["flops_per_s"] / peak,
         "decode_ms": {d["batch"]: d["median_step_s"] * 1e3 for d in speed["decode"]},
         "decode_speedup_vs_f32": {d["batch"]: base_decode[d["batch"]] / d["median_step_s"] for d in speed["decode"]},
@@ -564,7 +502,7 @@ def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, 
     if "e2e" in row:
         summary["e2e_output_tokens_per_s"] = row["e2e"]["output_tokens_per_s"]
         if "e2e" in base:
-            summary["e2e_tokens_vs_f32"] = bench_engine.agreement(base["e2e"]["tokens"], row["e2e"]["tokens"])
+            summary["e2e_tokens_vs_f32"] = harness.agreement(base["e2e"]["tokens"], row["e2e"]["tokens"])
     return summary
 
 
@@ -672,7 +610,7 @@ def print_speed_table(rows: list[dict], llamacpp: dict | None, llamacpp_e2e: dic
 
 
 def print_report(result: dict) -> None:
-    peaks = result["peaks"]
+    peaks = result["machine"]["peaks"]
     print(f"\nmatmul peak {peaks['matmul']['best_flops_per_s'] / 1e9:.1f} GFLOP/s, read bandwidth {peaks['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s "
           f"(balance {peaks['flops_per_byte']:.1f} FLOP/byte); load average {result['machine']['load_average_start']} -> {result['machine']['load_average_end']}")
     print(f"held-out text: {result['settings']['heldout_tokens']} tokens, {result['settings']['num_windows']} windows of {WINDOW} "
@@ -712,7 +650,7 @@ def parse_args():
     parser.add_argument("--e2e-requests", type=int, default=64, help="bench_engine workload requests per row (0: skip the end-to-end runs)")
     parser.add_argument("--e2e-scale", type=float, default=8.0)
     parser.add_argument("--e2e-repeats", type=int, default=1)
-    parser.add_argument("--trace", type=pathlib.Path, default=bench_engine.DEFAULT_TRACE)
+    parser.add_argument("--trace", type=pathlib.Path, default=harness.DEFAULT_TRACE)
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peers")
     parser.add_argument("--llamacpp-kv-types", default="f16,q8_0")
     parser.add_argument("--skip-1b", action="store_true", help=f"skip the {GEOMETRY_1B} GGUF section")
@@ -736,19 +674,8 @@ def parse_args():
     return args
 
 
-def _git(*command: str) -> str:
-    completed = subprocess.run(["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-    return completed.stdout.strip()
-
-
-def machine_info() -> dict:
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "commit": _git("rev-parse", "HEAD"), "uncommitted_jaxinfer_files": _git("status", "--porcelain", "--", "jaxinfer").splitlines(),
-            "kv_cache_dtype_available": KV_OPTION, "load_average_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 def measure_peaks(repeats: int) -> dict:
-    peaks = {"matmul": bench_forward.measure_matmul_peak(repeats), "bandwidth": bench_forward.measure_bandwidth_peak(repeats)}
+    peaks = {"matmul": harness.measure_matmul_peak(repeats), "bandwidth": harness.measure_bandwidth_peak(repeats)}
     peaks["flops_per_byte"] = peaks["matmul"]["best_flops_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]
     return peaks
 
@@ -756,7 +683,7 @@ def measure_peaks(repeats: int) -> dict:
 def run_all(args) -> dict:
     start = time.perf_counter()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
+    machine = {"load_average_start": harness.load_average()}  # the rest of the block is the harness's (write_result)
     plan = build_plan(args, args.workdir)
     log(f"plan: {len(plan['windows'])} windows, formats {args.formats}, KV {args.kv_cache_dtypes}, e2e requests {args.e2e_requests}")
     peaks = measure_peaks(2 * args.repeats)
@@ -766,16 +693,16 @@ def run_all(args) -> dict:
         workers[name] = run_worker_process(name, args.workdir)
     if workers[REFERENCE]["status"] != "ok":
         raise SystemExit(f"the {REFERENCE} worker failed: {workers[REFERENCE]}")
-    use_llamacpp = not args.no_llamacpp and bench_engine.REF_PYTHON.exists()
+    use_llamacpp = not args.no_llamacpp and harness.REF_PYTHON.exists()
     llamacpp = run_llamacpp(args, args.workdir, plan) if use_llamacpp else None
     llamacpp_e2e = run_llamacpp_e2e(plan) if use_llamacpp and args.e2e_requests else None
     one_b = None if args.skip_1b else run_worker_process(GEOMETRY_1B, args.workdir)
     rows = summarize(plan, workers, peaks)
-    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    machine |= {"load_average_end": harness.load_average(), "peaks": peaks}
     settings = {k: v for k, v in plan.items() if k not in ("windows", "greedy_prompts", "fixture_greedy_tokens", "prefill_ids")}
     settings |= {"formats": args.formats, "num_windows": len(plan["windows"]), "num_predicted": len(plan["windows"]) * (WINDOW - 1), "quick": args.quick}
     return {"question": "accuracy, memory and speed of quantized weights and an int8 KV cache vs f32, and vs llama.cpp on the same GGUF",
-            "model": loading.default_model_path().name, "machine": machine, "settings": settings, "peaks": peaks,
+            "model": loading.default_model_path().name, "machine": machine, "settings": settings,
             "correctness": correctness(plan, workers, rows), "rows": rows, "goals": goals(rows, workers, one_b), "llamacpp": llamacpp,
             "llamacpp_e2e": llamacpp_e2e, "llama3_1b": one_b, "workers": workers, "runtime_s": time.perf_counter() - start}
 
@@ -788,8 +715,7 @@ def main() -> None:
         return
     result = run_all(args)
     print_report(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_result(args.out, result, indent=1)
     print(json.dumps({"bench": "quant", "correct": result["correctness"]["passed"],
                       "perplexity": {r["row"]: r["perplexity"] for r in result["rows"] if r["status"] == "ok"},
                       "goals": {k: g["measured"] for k, g in result["goals"].items()}, "runtime_s": result["runtime_s"]}))

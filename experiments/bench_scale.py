@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import re
 import subprocess
 import sys
@@ -37,11 +36,11 @@ import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "experiments"))
-RESULTS = REPO_ROOT / "experiments" / "results" / "bench_scale.json"
+import harness
+from harness import REPO_ROOT
+
+RESULTS = harness.RESULTS_DIR / "bench_scale.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_scale"
-TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
 
 
 def log(message: str) -> None:
@@ -56,15 +55,10 @@ def engine_config(max_context: int, cache_dir: str):
 
 
 def trace_workload(num_requests: int, scale: float, max_context: int) -> dict:
-    import bench_engine
-
+    """The harness's scaled trace sample (seed 0), outputs capped at a quarter of the benchmark's context."""
     from jaxinfer.tokenizer import load_tokenizer
 
-    workload = bench_engine.build_workload(TRACE, num_requests, scale, 0, load_tokenizer(None))
-    for r in workload["requests"]:  # fit the benchmark's context
-        r["max_tokens"] = min(r["max_tokens"], max_context // 4)
-        r["prompt_ids"] = r["prompt_ids"][: max_context - r["max_tokens"]]
-    return workload
+    return harness.build_workload(harness.DEFAULT_TRACE, num_requests, scale, 0, load_tokenizer(None), max_context=max_context, max_output=max_context // 4)
 
 
 # ------------------------------------------------------------------------------------------ 1. layouts (subprocess)
@@ -74,7 +68,6 @@ def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
     """One layout in this process (which has the simulated devices)."""
     from jaxinfer.api import LLM
     from jaxinfer.engine import CompileCounter
-    from jaxinfer.request import SamplingParams
 
     start = time.perf_counter()
     llm = LLM(None, tensor_parallel=tp, data_parallel=dp, engine_config=engine_config(max_context, tempfile.mkdtemp(prefix="bench_scale_xla_")), warmup=False)
@@ -84,12 +77,11 @@ def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
         replica.engine.warmup()
     warmup_s = time.perf_counter() - start
     prompts = [r["prompt_ids"] for r in workload["requests"]]
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in workload["requests"]]
-    steps: dict[str, list[float]] = {"prefill": [], "decode": []}
+    params = [harness.greedy(r["max_tokens"]) for r in workload["requests"]]
+    recorder = harness.StepRecorder(llm.engine_config.page_size)
     with CompileCounter() as compiles:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, progress=False, on_step=lambda plan, tokens, s: steps[plan.phase].append(s))
-        seconds = time.perf_counter() - start
+        outputs, seconds = harness.timed(llm.generate, prompts, params, progress=False, on_step=recorder)
+    steps = {phase: recorder.phase_seconds(phase) for phase in ("prefill", "decode")}
     num_output = sum(o.num_generated_tokens for o in outputs)
     return {
         "tensor_parallel": tp, "data_parallel": dp, "load_s": load_s, "warmup_compile_s": warmup_s,
@@ -124,12 +116,10 @@ def measure_layouts(args, workload_file: pathlib.Path) -> list[dict]:
         rows.append(row)
     base = rows[0]
     assert (base["tensor_parallel"], base["data_parallel"]) == (1, 1), "the first layout must be 1x1, the reference"
-    import bench_engine
-
     for row in rows:
         name = f"{row['tensor_parallel']}x{row['data_parallel']}"
         assert row["compiles_after_warmup"] == 0, f"{name}: {row['compiles_after_warmup']} compiles after warm-up"
-        row["agreement_with_1x1"] = bench_engine.agreement(base["tokens"], row["tokens"])
+        row["agreement_with_1x1"] = harness.agreement(base["tokens"], row["tokens"])
         # Sharded sums add in another order: a near-tie may flip late in a long greedy run, so the share is
         # reported; a layout that is wrong (not reordered) disagrees from the first tokens on.
         assert row["agreement_with_1x1"]["mean_prefix_fraction"] >= 0.9, f"{name}: greedy tokens diverge from one device: {row['agreement_with_1x1']}"
@@ -227,11 +217,6 @@ def measure_ray(workload: dict, args) -> list[dict]:
 # ------------------------------------------------------------------------------------------ main
 
 
-def _commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
-    return done.stdout.strip()
-
-
 def print_tables(result: dict) -> None:
     print(f"\n{'TP x DP':<8} {'compile s':>9} {'programs':>8} {'run s':>7} {'tok/s':>7} {'decode ms':>9} {'prefill ms':>10} {'run/1x1':>8} {'decode/1x1':>10} {'compile/1x1':>11} {'same tokens':>11}")
     for r in result["layouts"]:
@@ -275,13 +260,13 @@ def main() -> None:
         return
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    load_before = harness.load_average()
     sections = set(args.sections.split(","))
     result = json.loads(args.out.read_text()) if args.out.exists() and sections != {"layouts", "router", "ray"} else {}
     result |= {
         "question": "what do TP, DP, the router and Ray cost on this machine (simulated devices: overheads, not speed-ups)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "out")} | {"out": str(args.out)},
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "commit": _commit(), "load_average_before": load_before},
+        "machine": {"load_average_before": load_before},  # the rest of the block is the harness's (write_result)
     }
     if "layouts" in sections:
         workload_file = WORK_DIR / "workload.json"
@@ -293,10 +278,9 @@ def main() -> None:
         result["router"] = measure_router(trace_workload(64, 8.0, 2048), 2)
     if "ray" in sections:
         result["ray"] = measure_ray(trace_workload(args.ray_requests, args.scale, args.max_context), args)
-    result["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["machine"]["load_average_after"] = harness.load_average()
     result["runtime_s"] = time.perf_counter() - start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    result = harness.write_result(args.out, result, indent=1)
     print_tables(result)
     print(f"\nwrote {args.out}")
 

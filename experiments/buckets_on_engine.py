@@ -33,10 +33,10 @@ tokens, decode rows and pages per row. Prefill is packed (the default).
 
 Process layout: one worker subprocess per trace loads the model once. Phase 1 compiles every
 configuration: a fresh cache dir (jax._src.compilation_cache.reset_cache, private, so JAX reads the new
-dir), an Engine over the loaded params (cold), a second one (warm, then dropped). Phase 2 runs --repeats
-rounds (default 2) of the timed workload over all kept engines in alternating order, each swapped into
-the LLM (use_engine: LLM cannot rebuild its engine itself, and reloading SmolLM2 costs ~17 s a time),
-and reports each configuration's best run: on a shared machine, load from other processes then falls
+dir), an LLM over the loaded params (LLM.from_params: reloading SmolLM2 costs ~17 s a time), warmed up
+cold, and a second Engine (warm, then dropped). Phase 2 runs --repeats rounds (default 2) of the timed
+workload over all kept LLMs in alternating order, each from an empty block pool, and reports each
+configuration's best run: on a shared machine, load from other processes then falls
 on every configuration alike instead of on whichever happened to run during a busy minute.
 
 Traces: a --num-requests sample of the Azure 2023 conversation trace (trace order) and, with
@@ -69,9 +69,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import pathlib
-import platform
 import subprocess
 import sys
 import shutil
@@ -80,17 +78,13 @@ import time
 
 import numpy as np
 
-from exp_common import agreement  # experiments/exp_common.py, beside this script
+import harness
+from harness import DEFAULT_TRACE, REPO_ROOT, RESULTS_DIR, agreement, greedy
 from jaxinfer import runloop
 from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import SamplingParams
 from jaxinfer.traces import Trace, load_trace, synthetic_trace
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
-TEXT_FILE = REPO_ROOT / "experiments" / "data" / "passages.txt"
-RESULTS_DIR = REPO_ROOT / "experiments" / "results"
 WORK_DIR = REPO_ROOT / "build" / "buckets_on_engine"  # worker specs, the tiny model (not committed)
 NAME = "buckets_on_engine"
 STRATEGIES = tuple(STRATEGY_KINDS)
@@ -136,37 +130,26 @@ class Workload:
 
 
 def scaled_workload(name: str, trace: Trace, scale: float, seed: int, text_ids: list[int], max_context: int) -> Workload:
-    """Every request of `trace`, lengths divided by `scale` (at least 1), prompts cut from the text at
-    a random offset (wrapping) and to max_context - max_tokens."""
-    rng = np.random.default_rng(seed)
-    prompts, max_tokens = [], []
-    for context, generated in zip(trace.context_tokens.tolist(), trace.generated_tokens.tolist()):
-        out = min(max(1, round(generated / scale)), max_context // 2)
-        length = min(max(1, round(context / scale)), max_context - out)
-        offset = int(rng.integers(len(text_ids)))
-        prompts.append([text_ids[(offset + i) % len(text_ids)] for i in range(length)])
-        max_tokens.append(out)
-    return Workload(name, prompts, max_tokens)
+    """Every request of `trace` scaled by the harness (harness.scaled_requests), outputs capped at half
+    the context; the prompt offsets come from a generator of their own, seeded with `seed`."""
+    requests = harness.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=max_context, max_output=max_context // 2)
+    return Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests])
 
 
 def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, limits: Limits) -> list[Workload]:
     """The conversation trace (a seeded sample of rows, kept in trace order) and/or a synthetic trace."""
-    text_ids = tokenizer.encode(TEXT_FILE.read_text(), add_bos=False)
+    text_ids = harness.text_ids(tokenizer)
     workloads = []
     for name in traces:
         if name == "conversation":
             full = load_trace(trace_path)
-            trace = full.take(np.sort(np.random.default_rng(seed).choice(full.num_requests, size=num_requests, replace=False)))
+            trace = full.take(harness.sample_rows(full.num_requests, num_requests, np.random.default_rng(seed)))
         elif name == "synthetic":
             trace = synthetic_trace(num_requests, seed=seed)
         else:
             raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
         workloads.append(scaled_workload(name, trace, scale, seed, text_ids, limits.max_context))
     return workloads
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -245,23 +228,6 @@ def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict
 # ------------------------------------------------------------------------------------------ the configurations of one trace (a subprocess)
 
 
-def resident_bytes() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes; VmHWM is its resident high-water mark since the last
-    reset_peak_resident() (process-wide: runtime, weights and compiler included, not only the KV pool)."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return fields["VmRSS"], fields["VmHWM"]
-
-
-def reset_peak_resident() -> None:
-    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def fresh_compilation_cache() -> str:
     """A new, empty persistent-cache directory for the engines built next in this process.
 
@@ -296,47 +262,14 @@ class CacheEvents:
         jax.monitoring.unregister_event_listener(self._listener)
 
 
-class StepRecorder:
-    """The run loop's `on_step` hook: step seconds per phase, padded table entries, peak pages held."""
+def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
+    """Phase 1 of a configuration: a cold warm-up (an LLM over the loaded `model` (model_cfg, params,
+    tokenizer), with a fresh cache dir) and a warm one (a second Engine over the same dir, then dropped).
 
-    def __init__(self, block_pool):
-        self.block_pool = block_pool
-        self.seconds = {"prefill": 0.0, "decode": 0.0}
-        self.steps = {"prefill": 0, "decode": 0}
-        self.table_entries = self.real_entries = 0
-        self.peak_pages = 0
-
-    def __call__(self, plan, tokens, seconds: float) -> None:
-        self.seconds[plan.phase] += seconds
-        self.steps[plan.phase] += 1
-        self.table_entries += plan.block_tables.size
-        self.real_entries += int(np.count_nonzero(plan.block_tables))  # page 0 is the null page: padding
-        self.peak_pages = max(self.peak_pages, self.block_pool.num_used)
-
-
-def use_engine(llm, engine) -> None:
-    """Point `llm` at another engine (None: drop its engine, freeing the pool and programs) and a fresh
-    block pool over its KV pool. LLM has no way to build a new engine over the params it has loaded,
-    and loading the default model again costs ~17 s (its Q4_1 GGUF is dequantized, its tokenizer
-    rebuilt), so the experiment swaps engines in."""
-    from jaxinfer.api import Replica
-    from jaxinfer.block_pool import BlockPool
-
-    if engine is None:
-        llm.engine = llm.block_pool = None
-        llm.replicas = []
-        return
-    llm.engine_config, llm.engine, llm.block_pool = engine.engine_cfg, engine, BlockPool(engine.num_pages)
-    llm.replicas = [Replica(engine, llm.block_pool)]
-
-
-def compile_config(llm, params_tree, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
-    """Phase 1 of a configuration: a cold warm-up (an Engine over `params_tree`, the loaded weights,
-    with a fresh cache dir) and a warm one (a second Engine over the same dir, then dropped).
-
-    Returns (the cold engine, kept for the timed runs; its compile measurements). VmHWM is reset first,
+    Returns (the cold LLM, kept for the timed runs; its compile measurements). VmHWM is reset first,
     so peak_resident_bytes is this phase's high-water mark; the engines of earlier configurations are
     still alive then (resident_bytes_before counts them)."""
+    from jaxinfer.api import LLM
     from jaxinfer.engine import Engine
 
     cache_dir = fresh_compilation_cache()
@@ -344,35 +277,35 @@ def compile_config(llm, params_tree, config: dict, limits: Limits, samples: dict
     if tables_of(cfg) != config["tables"]:
         raise RuntimeError(f"tables differ from the planned ones: {tables_of(cfg)} != {config['tables']}")
     gc.collect()
-    reset_peak_resident()
-    before, _ = resident_bytes()
-    engine = Engine(llm.model_config, params_tree, cfg)
+    harness.reset_peak_rss()
+    before, _ = harness.rss_bytes()
+    llm = LLM.from_params(*model, engine_config=cfg, warmup=False)
     with CacheEvents() as cold_cache:
-        engine.warmup()
-    programs = len(engine.bucket_keys())
-    assert engine.num_compilations == programs
-    warm_engine = Engine(llm.model_config, params_tree, cfg)  # a second engine over the same cache dir
+        llm.engine.warmup()
+    programs = len(llm.engine.bucket_keys())
+    assert llm.engine.num_compilations == programs
+    warm_engine = Engine(llm.model_config, llm.engine.params, cfg)  # a second engine over the same cache dir
     with CacheEvents() as warm_cache:
         warm_engine.warmup()
     warm_s = warm_engine.compile_seconds
     del warm_engine
     gc.collect()
-    _, peak = resident_bytes()
+    _, peak = harness.rss_bytes()
     shutil.rmtree(cache_dir, ignore_errors=True)
-    return engine, {
-        "programs": programs, "compile_cold_s": engine.compile_seconds, "compile_warm_s": warm_s,
+    return llm, {
+        "programs": programs, "compile_cold_s": llm.engine.compile_seconds, "compile_warm_s": warm_s,
         "cache_cold": {"hits": cold_cache.hits, "misses": cold_cache.misses}, "cache_warm": {"hits": warm_cache.hits, "misses": warm_cache.misses},
-        "peak_resident_bytes": peak, "resident_bytes_before": before, "attention_impl": engine.impl,
+        "peak_resident_bytes": peak, "resident_bytes_before": before, "attention_impl": llm.engine.impl,
     }
 
 
-def timed_run(llm, engine, workload: Workload) -> dict:
-    """One offline run of the whole workload on `engine` (swapped into `llm`): wall and CPU seconds,
+def timed_run(llm, workload: Workload) -> dict:
+    """One offline run of the whole workload on `llm`, from an empty block pool: wall and CPU seconds,
     the outputs and the scheduler's stats."""
     from jaxinfer.engine import CompileCounter
 
-    use_engine(llm, engine)
-    recorder = StepRecorder(llm.block_pool)
+    llm.reset_prefix_cache()
+    recorder = harness.StepRecorder(llm.engine_config.page_size, llm.block_pool)
     with CompileCounter() as compiles:
         wall, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(workload.prompts, [greedy(n) for n in workload.max_tokens], progress=False, on_step=recorder)
@@ -380,12 +313,12 @@ def timed_run(llm, engine, workload: Workload) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "outputs": outputs, "stats": llm.last_stats, "recorder": recorder, "compiles": compiles.count}
 
 
-def summarize_runs(runs: list[dict], engine, llm, workload: Workload, limits: Limits) -> dict:
+def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) -> dict:
     """The best (least wall time) of a configuration's runs, with every run's seconds beside it."""
     from jaxinfer.kv_pool import pool_bytes
 
     best = min(runs, key=lambda run: run["wall_s"])
-    outputs, stats, recorder = best["outputs"], best["stats"], best["recorder"]
+    outputs, stats, recorder, engine = best["outputs"], best["stats"], best["recorder"], llm.engine
     tokens = [o.token_ids for o in outputs]
     ttft = np.array([o.time_to_first_token for o in outputs])
     num_output = sum(len(t) for t in tokens)
@@ -399,8 +332,10 @@ def summarize_runs(runs: list[dict], engine, llm, workload: Workload, limits: Li
         "all_lengths_exact": all(len(t) == n for t, n in zip(tokens, workload.max_tokens)),
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
         "mean_latency_s": float(np.mean([o.latency for o in outputs])),
-        "padding_waste": stats.padding_waste, "table_padding": 1.0 - recorder.real_entries / max(recorder.table_entries, 1),
-        "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions, "steps": recorder.steps, "step_seconds": recorder.seconds,
+        "padding_waste": stats.padding_waste, "table_padding": recorder.table_padding(),
+        "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions,
+        "steps": {phase: len(recorder.phase_seconds(phase)) for phase in ("prefill", "decode")},
+        "step_seconds": {phase: sum(recorder.phase_seconds(phase)) for phase in ("prefill", "decode")},
         "mean_kv_utilization": stats.mean_kv_utilization, "peak_kv_utilization": stats.peak_kv_utilization,
         "fragmentation_mean": 1.0 - stats.mean_kv_utilization, "fragmentation_at_peak_utilization": 1.0 - stats.peak_kv_utilization,
         "pool_pages": engine.num_pages, "pool_bytes_allocated": engine.num_pages * limits.page_size * token_bytes,
@@ -409,55 +344,64 @@ def summarize_runs(runs: list[dict], engine, llm, workload: Workload, limits: Li
     }
 
 
-def reference_check(params_tree, llm, workload: Workload, tokens: list[list[int]]) -> dict:
+def reference_check(model: tuple, workload: Workload, tokens: list[list[int]]) -> dict:
     """The shortest requests' greedy tokens (as the engine computed them inside the full batch) against
-    jaxinfer.generate.generate, the dense reference."""
+    jaxinfer.generate.generate, the dense reference, over the engine's params (`model`: cfg, params, tokenizer)."""
     from jaxinfer import generate
 
+    model_cfg, params, tokenizer = model
     chosen = sorted(range(len(tokens)), key=lambda i: len(workload.prompts[i]) + workload.max_tokens[i])[:NUM_REFERENCE_CHECKS]
-    reference = generate.generate(params_tree, llm.model_config, [workload.prompts[i] for i in chosen],
-                                  [greedy(workload.max_tokens[i]) for i in chosen], eos_id=llm.tokenizer.eos_id)
+    reference = generate.generate(params, model_cfg, [workload.prompts[i] for i in chosen],
+                                  [greedy(workload.max_tokens[i]) for i in chosen], eos_id=tokenizer.eos_id)
     equal = [tokens[i] == r.token_ids for i, r in zip(chosen, reference)]
     return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
 
 
-def run_trace(spec: dict, report=print) -> list[dict]:
-    """Every configuration of one trace in this process, the model loaded once; `report(line)` as each
-    step finishes. Phase 1 compiles every configuration (cold, then warm) and keeps its engine; phase 2
-    times `repeats` rounds of runs over all of them, in alternating order, so that load from other
-    processes on a shared machine falls on every configuration alike (the best run is reported); then
-    the first configuration's tokens are checked against the dense reference."""
-    from jaxinfer.api import LLM
+def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]:
+    """Phase 1 over every configuration: ({id: its LLM}, {id: its measurements or error}, the model as
+    the engines hold it). The model is loaded once (as LLM loads it); after the first engine, every
+    LLM is built over that engine's params, so all engines share one tree (packed once for the CPU kernels)."""
+    from jaxinfer import loading
+    from jaxinfer.tokenizer import load_tokenizer
 
-    limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
-    llm = LLM(spec["model"], warmup=False, compilation_cache_dir=None, **limits.engine_fields())
-    params_tree = llm.engine.params
-    use_engine(llm, None)  # the LLM's own (never warmed) engine and pool go
-    results, engines, runs = {}, {}, {}
+    model_cfg, params = loading.load_model(spec["model"])
+    model = (model_cfg, params, load_tokenizer(spec["model"]))
+    llms, results = {}, {}
     for config in spec["configs"]:
         try:
-            engines[config["id"]], results[config["id"]] = compile_config(llm, params_tree, config, limits, spec["samples"])
-            runs[config["id"]] = []
+            llms[config["id"]], results[config["id"]] = compile_config(model, config, limits, spec["samples"])
+            model = (model_cfg, llms[config["id"]].engine.params, model[2])
         except Exception as error:  # one failing configuration is reported, the others still run
             results[config["id"]] = {"error": f"{type(error).__name__}: {error}"}
         r = results[config["id"]]
         report(json.dumps({"line": f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s")}))
+    return llms, results, model
+
+
+def run_trace(spec: dict, report=print) -> list[dict]:
+    """Every configuration of one trace in this process, the model loaded once; `report(line)` as each
+    step finishes. Phase 1 compiles every configuration (cold, then warm) and keeps its LLM; phase 2
+    times `repeats` rounds of runs over all of them, in alternating order, so that load from other
+    processes on a shared machine falls on every configuration alike (the best run is reported); then
+    the first configuration's tokens are checked against the dense reference."""
+    limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
+    llms, results, model = _compile_all(spec, limits, report)
+    runs = {config_id: [] for config_id in llms}
     for round_index in range(spec["repeats"]):
-        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
-        for config_id in order:
+        for config_id in list(llms) if round_index % 2 == 0 else list(reversed(llms)):
             try:
-                runs[config_id].append(timed_run(llm, engines[config_id], workload))
+                runs[config_id].append(timed_run(llms[config_id], workload))
                 line = f"run {round_index + 1} {config_id}: {runs[config_id][-1]['wall_s']:.1f} s"
             except Exception as error:
                 results[config_id] = {**results[config_id], "error": f"{type(error).__name__}: {error}"}
                 line = f"run {round_index + 1} {config_id}: {results[config_id]['error']}"
             report(json.dumps({"line": line}))
-    for config_id, engine in engines.items():
+    for config_id, llm in llms.items():
         if "error" not in results[config_id]:
-            results[config_id] |= summarize_runs(runs[config_id], engine, llm, workload, limits)
+            results[config_id] |= summarize_runs(runs[config_id], llm, workload, limits)
     first = spec["configs"][0]["id"]
     if "tokens" in results[first]:
-        results[first]["reference_check"] = reference_check(params_tree, llm, workload, results[first]["tokens"])
+        results[first]["reference_check"] = reference_check(model, workload, results[first]["tokens"])
     return [{"id": c["id"], **results[c["id"]]} for c in spec["configs"]]
 
 
@@ -640,6 +584,42 @@ def resolve_model(model: str | None) -> str | None:
     return str(tiny_model(WORK_DIR / "tiny_model")) if model == "tiny" else model
 
 
+def plan_trace(workload: Workload, strategies, budgets, limits: Limits) -> tuple[dict, list[dict], list[dict]]:
+    """(step-size samples, rows: one per strategy x budget, configs: one per distinct set of tables)."""
+    samples = schedule_samples(workload, limits)
+    rows, configs = [], {}
+    for strategy in strategies:
+        for budget in budgets:
+            fit = choose_counts(strategy, budget, samples, limits)
+            key = json.dumps(fit["tables"])  # identical tables run once
+            if key not in configs:
+                configs[key] = {"id": f"{strategy} B={budget}", "kind": strategy, "counts": fit["counts"], "tables": fit["tables"]}
+            rows.append({"strategy": strategy, "budget": budget, **fit, "same_tables_as": configs[key]["id"]})
+    return samples, rows, list(configs.values())
+
+
+def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: list[dict], by_id: dict, limits: Limits) -> dict:
+    """One trace's document: its rows filled from the worker's results (`by_id`), agreement with the first
+    configuration, the computed memory baselines and the Pareto frontier."""
+    for row in rows:
+        row.update({k: v for k, v in by_id[row["same_tables_as"]].items() if k != "id"})
+    first_tokens = by_id[configs[0]["id"]].get("tokens")
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        r["agreement"] = agreement(r["tokens"], first_tokens) if first_tokens else {"exact_requests": float("nan"), "mean_prefix_fraction": float("nan")}
+    all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
+    distinct = [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
+    return {
+        "workload": workload.summary(), "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
+        "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
+        "agreement_all_configurations": {"exact_requests": float(np.mean(all_same)) if all_same else None, "against": configs[0]["id"]},
+        "baselines": memory_baselines(workload, limits, ok[0]["kv_bytes_per_token"]) if ok else None,
+        "pareto_frontier": [{"strategy": r["strategy"], "budget": r["budget"], "programs": r["programs"], "output_tokens_per_s": r["output_tokens_per_s"],
+                             "ttft_p99_s": r["ttft_p99_s"], "same_tables": [f"{o['strategy']} B={o['budget']}" for o in rows if o["same_tables_as"] == r["same_tables_as"]]}
+                            for r in pareto_frontier(distinct)],
+    }
+
+
 def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=BUDGETS, traces=DEFAULT_TRACES, num_requests: int = 12,
                    scale: float = 16.0, seed: int = 0, limits: Limits = Limits(), repeats: int = 2, trace_path=DEFAULT_TRACE,
                    out_dir: pathlib.Path = RESULTS_DIR, progress: bool = True) -> dict:
@@ -654,18 +634,7 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(tuple(traces), pathlib.Path(trace_path), num_requests, scale, seed, load_tokenizer(model), limits)
-    plans = []  # (workload, samples, rows: one per strategy x budget, configs: one per distinct set of tables)
-    for workload in workloads:
-        samples = schedule_samples(workload, limits)
-        rows, configs = [], {}
-        for strategy in strategies:
-            for budget in budgets:
-                fit = choose_counts(strategy, budget, samples, limits)
-                key = json.dumps(fit["tables"])  # identical tables run once
-                if key not in configs:
-                    configs[key] = {"id": f"{strategy} B={budget}", "kind": strategy, "counts": fit["counts"], "tables": fit["tables"]}
-                rows.append({"strategy": strategy, "budget": budget, **fit, "same_tables_as": configs[key]["id"]})
-        plans.append((workload, samples, rows, list(configs.values())))
+    plans = [(workload, *plan_trace(workload, strategies, budgets, limits)) for workload in workloads]
     bar = tqdm(total=sum(len(p[3]) for p in plans) * (1 + repeats), unit="step", disable=not progress, desc="compile + timed runs")
     traces_out = []
     for workload, samples, rows, configs in plans:
@@ -677,23 +646,7 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
             bar.write(f"{name} {line['line']}")
 
         by_id = {r["id"]: r for r in run_trace_in_subprocess(spec, WORK_DIR / "workers", on_line)}
-        for row in rows:
-            row.update({k: v for k, v in by_id[row["same_tables_as"]].items() if k != "id"})
-        first_tokens = by_id[configs[0]["id"]].get("tokens")
-        ok = [r for r in rows if "error" not in r]
-        for r in ok:
-            r["agreement"] = agreement(r["tokens"], first_tokens) if first_tokens else {"exact_requests": float("nan"), "mean_prefix_fraction": float("nan")}
-        all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
-        distinct = [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
-        traces_out.append({
-            "workload": workload.summary(), "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
-            "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
-            "agreement_all_configurations": {"exact_requests": float(np.mean(all_same)) if all_same else None, "against": configs[0]["id"]},
-            "baselines": memory_baselines(workload, limits, ok[0]["kv_bytes_per_token"]) if ok else None,
-            "pareto_frontier": [{"strategy": r["strategy"], "budget": r["budget"], "programs": r["programs"], "output_tokens_per_s": r["output_tokens_per_s"],
-                                 "ttft_p99_s": r["ttft_p99_s"], "same_tables": [f"{o['strategy']} B={o['budget']}" for o in rows if o["same_tables_as"] == r["same_tables_as"]]}
-                                for r in pareto_frontier(distinct)],
-        })
+        traces_out.append(trace_result(workload, samples, rows, configs, by_id, limits))
     bar.close()
     plots = plot_all(traces_out, out_dir, label)
     correct = all(t["reference_check"] is not None and t["reference_check"]["num_equal"] == t["reference_check"]["num_checked"] for t in traces_out)
@@ -705,7 +658,6 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
         "model": label, "model_path": model, "limits": {**dataclasses.asdict(limits), "num_pages": limits.num_pages},
         "settings": {"strategies": list(strategies), "budgets": list(budgets), "num_requests": num_requests, "scale": scale, "seed": seed,
                      "repeats": repeats, "mode": "offline (all requests submitted at once)", "prefill_packing": True, "prefix_caching": False},
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
         "correct": correct, "traces": traces_out, "plots": plots, "runtime_s": time.perf_counter() - start_time,
     }
 
@@ -781,7 +733,7 @@ def main(argv=None) -> None:
                             repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir)
     print_report(result)
     path = args.out_dir / f"{NAME}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_result(path, result)
     print(f"\nwrote {path} and {len(result['plots'])} plots")
     print(json.dumps(summary_line(result)))
     if not result["correct"]:

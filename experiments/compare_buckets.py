@@ -18,17 +18,16 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import numpy as np
 from matplotlib.figure import Figure
 
+import harness
+from harness import DEFAULT_TRACE, REPO_ROOT
 from jaxinfer.buckets import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
 from jaxinfer.cli_buckets import compare_strategies, plot_length_cdf, plot_waste_curves
 from jaxinfer.traces import TraceError, load_trace, synthetic_trace
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
 BUDGETS = (4, 8, 12, 16, 32)
 COSTS = {"tokens": TOKENS, "prefill": PREFILL}
 BATCH_SIZE = 32  # sequences per batch in the batch-level views
@@ -95,12 +94,8 @@ def _batching_rows(name: str, trace) -> dict:
 
 
 def _time_fit(lengths: np.ndarray, budget: int, repeats: int) -> float:
-    best = np.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fit_buckets(lengths, budget)
-        best = min(best, time.perf_counter() - start)
-    return best
+    """The least seconds of `repeats` exact fits."""
+    return min(harness.time_calls(lambda: fit_buckets(lengths, budget), repeats, warmup=0))
 
 
 def _fit_timings() -> list[dict]:
@@ -229,7 +224,7 @@ def _write_plots(out: pathlib.Path, traces: dict, rows: list[dict]) -> list[path
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="Azure-format trace CSV")
-    parser.add_argument("--out", type=pathlib.Path, default=REPO_ROOT / "experiments/results", help="output folder")
+    parser.add_argument("--out", type=pathlib.Path, default=harness.RESULTS_DIR, help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     args = parser.parse_args(argv)
     try:
@@ -249,7 +244,7 @@ def main(argv=None) -> int:
     targets = _targets(rows, batching, timings)
     results = {"trace": os.path.relpath(args.trace, REPO_ROOT), "synthetic_seed": args.seed, "budgets": list(BUDGETS),
                "rows": rows, "batching": batching, "fit_timings": timings, "targets": targets}  # fmt: skip
-    (args.out / "compare_buckets.json").write_text(json.dumps(results, indent=1) + "\n")
+    harness.write_result(args.out / "compare_buckets.json", results, indent=1)
     summary = {k: v for k, v in targets.items() if k != "fitted_out_of_sample"}  # the details are in the file
     summary["fitted_stale_fit_regret_at_12"] = targets["fitted_out_of_sample"]["conversation"]["12"]["stale_fit_regret"]
     print(json.dumps({"experiment": "compare_buckets", "targets": summary, "plots": [p.name for p in plots]}))

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import sys
 import threading
 import time
@@ -34,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import paged_attention as pa
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # harness.py, also under runpy
+import harness  # noqa: E402  (stdlib + numpy at import: no jaxinfer needed)
+from kernels_pallas import paged_attention as pa  # noqa: E402
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = harness.REPO_ROOT
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192)
 MILESTONE = (64, 4096)  # (batch, context tokens)
@@ -187,11 +188,6 @@ def awkward_lengths(shape: Shape, config: pa.PagedAttentionConfig, rng) -> np.nd
     return np.concatenate([picks, extra])[: shape.batch].astype(np.int32)
 
 
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dict:
     rng = np.random.default_rng(seed)
     lengths = awkward_lengths(shape, config, rng)
@@ -199,7 +195,7 @@ def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dic
     pa.validate_block_tables(np.asarray(bt), k.shape[1], np.asarray(lens), shape.page_size)
     out = pa.paged_attention(q, k, v, bt, lens, **scales, config=config, interpret=interpret)
     ref = pa.paged_attention_reference(q, k, v, bt, lens, **scales)
-    err = rel_err(out, ref)
+    err = harness.relative_error(out, ref)
     finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
     return dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
 
@@ -358,25 +354,18 @@ def _reset_interpreter() -> None:
         pass
 
 
-def device_info() -> dict:
-    devices = jax.devices()
-    return dict(backend=jax.default_backend(), count=len(devices),
-                kind=devices[0].device_kind if devices else None, jax=jax.__version__,
-                python=platform.python_version())
-
-
-def write_doc(doc: dict, out_dir: str, dry_run: bool) -> None:
-    path = pathlib.Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
+def write_doc(doc: dict, out_dir: str, dry_run: bool) -> dict:
+    """Write the document with the harness's metadata block ("machine": commit, CPU, device and its peak
+    bytes in use); the measured peaks stay under "ceilings"."""
     name = "device_check_dry_run.json" if dry_run else "device_check.json"
-    (path / name).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return harness.write_result(pathlib.Path(out_dir) / name, doc, indent=1)
 
 
 def finish(doc: dict, budget: Budget, args) -> int:
     doc["elapsed_s"] = budget.seconds - budget.left()
     doc["ok"] = not doc["errors"] and all(r.get("ok", True) for r in doc.get("correctness", []))
     try:
-        write_doc(doc, args.out, args.dry_run)
+        doc = write_doc(doc, args.out, args.dry_run)
     except Exception as e:
         doc["errors"].append(f"write: {_error(e)}")
     print(json.dumps(doc, default=str), flush=True)
@@ -406,7 +395,7 @@ def main(argv=None) -> int:
                ceilings={}, correctness=[], timing=[], tuning=[])
     start_watchdog(doc, budget, args)
     try:
-        doc["device"] = device_info()
+        doc["device"] = harness.device_info()
     except Exception as e:
         doc["errors"].append(f"device: {_error(e)}")
     if doc.get("device", {}).get("backend") != "gpu" and not args.dry_run:

@@ -19,25 +19,23 @@ import glob
 import gzip
 import json
 import pathlib
-import platform
 import re
 import shutil
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 
+import harness
 from jaxinfer import kv_pool as kvp
 from jaxinfer import sampling
 from jaxinfer.api import LLM
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import StepInputs
-from jaxinfer.request import BucketKey
+from jaxinfer.plan import BucketKey
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "experiments" / "results" / "profile_steps.json"
+RESULTS = harness.RESULTS_DIR / "profile_steps.json"
 DEFAULT_KEYS = "prefill/1/512/64,prefill/1/512/32,prefill/1/160/16,decode/32/1/16,decode/8/1/16"
 PAGE_SIZE = 16  # bench_engine's
 PACKED_SEQS = 8  # sequences of a profiled packed prefill row
@@ -107,13 +105,7 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
         tokens, engine.pool = program(engine.params, engine.pool, inputs)  # donates the pool; rebound at once
         np.asarray(tokens)
 
-    for _ in range(2):
-        run()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
+    seconds = harness.time_calls(run, repeats, warmup=2)
     totals = profile_call(run)
     names = op_names(program.as_text())
     cost = (program.cost_analysis() or {}) if hasattr(program, "cost_analysis") else {}
@@ -150,10 +142,8 @@ def main() -> None:
         for op in entry["top_jax_ops"]:
             print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['jax_op'][:110]}")
     document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32",
-                "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "machine": {"platform": platform.platform(), "jax": jax.__version__},
-                "keys": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2))
+                "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "keys": results}
+    harness.write_result(args.out, document)
     print(json.dumps({"profile_steps": {r["key"]: round(r["median_ms"], 1) for r in results}}))
 
 

@@ -16,18 +16,16 @@ Writes experiments/results/scan_weight_copy.json.
 
 import argparse
 import functools
-import json
-import os
 import pathlib
-import platform
 import re
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "scan_weight_copy.json"
+import harness
+
+RESULTS = harness.RESULTS_DIR / "scan_weight_copy.json"
 
 
 def _body(h, weights):
@@ -48,20 +46,8 @@ VARIANTS = {
 
 
 def best_seconds(fn, *args, repeats: int = 7) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Best bytes/s of a full reduction over a 1 GiB f32 array."""
-    data = jnp.ones((num_bytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return num_bytes / best_seconds(total, data)
+    """The least wall seconds of `repeats` calls of fn(*args), after one untimed call."""
+    return min(harness.time_calls(lambda: fn(*args).block_until_ready(), repeats, warmup=1))
 
 
 def main() -> None:
@@ -77,7 +63,8 @@ def main() -> None:
     ups, downs = [up[i] for i in range(args.layers)], [down[i] for i in range(args.layers)]
     x = jnp.asarray(rng.standard_normal((1, args.width), np.float32))  # [1, D]
     weight_bytes = up.nbytes + down.nbytes
-    bandwidth = read_bandwidth()
+    peaks = {"bandwidth": harness.measure_bandwidth_peak(7, num_bytes=1 << 30, warmup=1)}  # a full reduction over 1 GiB of f32
+    bandwidth = peaks["bandwidth"]["best_bytes_per_s"]
 
     rows, outputs = [], {}
     for name, fn in VARIANTS.items():
@@ -99,12 +86,9 @@ def main() -> None:
     speedup = rows[0]["ms"] / rows[-1]["ms"]
     print(f"separate arrays vs scan over the stack: {speedup:.2f}x")
     result = {"question": "cost of lax.scan's per-layer weight slice on the CPU backend at batch 1",
-              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-                          "load_average": [round(v, 2) for v in os.getloadavg()]},
               "settings": vars(args) | {"out": str(args.out)}, "correct": correct, "read_bandwidth_bytes_per_s": bandwidth,
               "weight_bytes": weight_bytes, "rows": rows, "separate_vs_scan_speedup": speedup}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_result(args.out, result, peaks=peaks)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,8 @@ half hour. Children inherit the environment, so PYTHONPATH can point them at ano
 import argparse
 import collections
 import dataclasses
-import importlib.metadata
 import json
-import os
 import pathlib
-import platform
 import random
 import shutil
 import signal
@@ -38,8 +35,9 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "experiments" / "results" / "soak_batch.json"
+import harness
+
+RESULTS = harness.RESULTS_DIR / "soak_batch.json"
 MAX_CONTEXT = 256  # tokens per sequence; the 400-word prompt is well over it
 ENGINE_FLAGS = ("--no-progress", "--max-context", str(MAX_CONTEXT), "--max-num-seqs", "16", "--page-size", "16")
 NUM_OVER_CONTEXT_WORDS = 400
@@ -607,16 +605,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _machine() -> dict:
-    try:
-        jax_version = importlib.metadata.version("jax")
-    except importlib.metadata.PackageNotFoundError:
-        jax_version = None
-    return {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "jax": jax_version,
-            "jax_platforms_env": os.environ.get("JAX_PLATFORMS")}
-
-
 def _prepare_paths(args) -> dict:
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_batch_"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -668,13 +656,12 @@ def main() -> int:
     _print_checks(checks, coverage, goal_met)
     params = {key: str(value) if isinstance(value, pathlib.Path) else value for key, value in vars(args).items()}
     result = {
-        "bench": "soak_batch", "goal_met": goal_met, "checks": checks, "coverage": coverage, "machine": _machine(),
+        "bench": "soak_batch", "goal_met": goal_met, "checks": checks, "coverage": coverage,
         "parameters": {**params, "workdir": str(paths["workdir"]), "engine_flags": list(ENGINE_FLAGS)},
         "wall_s": round(time.perf_counter() - start, 3), "reference": ref, "soak": soak, "comparison": comparison,
         "line_kinds": kinds, "invocations": [dataclasses.asdict(inv) for inv in invocations],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result = harness.write_result(args.out, result)
     if goal_met and args.workdir is None:
         shutil.rmtree(paths["workdir"], ignore_errors=True)
     print(json.dumps(result))

@@ -1,4 +1,4 @@
-"""Shared by the HF peer scripts (run in .venv-ref): locate the embedded GGUF and load it in float32."""
+"""Shared by the HF peer scripts (run in .venv-ref): load the embedded GGUF (or a HF folder) in float32."""
 
 import importlib.util
 import os
@@ -17,8 +17,9 @@ def gguf_folder() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def load_model(threads: int):
-    """(model in eval mode, load seconds, transformers version); offline, quiet, `threads` torch threads."""
+def load_model(threads: int, folder: str | None = None):
+    """(model in eval mode, load seconds, transformers version) of the embedded GGUF, or of a Hugging Face
+    `folder` if given; offline, quiet, `threads` torch threads."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)
     import transformers
@@ -27,5 +28,6 @@ def load_model(threads: int):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder(), gguf_file=GGUF_NAME, dtype=torch.float32)
+    gguf = {} if folder else {"gguf_file": GGUF_NAME}
+    model = AutoModelForCausalLM.from_pretrained(folder or gguf_folder(), **gguf, dtype=torch.float32)
     return model.eval(), time.perf_counter() - start, transformers.__version__

@@ -1,8 +1,8 @@
 """HF transformers peer of experiments/bench_forward.py: prefill and decode-step times on the same GGUF.
 
 Runs only in the reference env (.venv-ref: CPU torch + transformers); bench_forward.py starts it as a
-subprocess. Loads SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32 (the weights jaxinfer uses),
-then, on the prompt ids it is given:
+subprocess. Loads SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32 (the weights jaxinfer uses), or
+the Hugging Face --folder given (bench_forward's random-weight geometries), then, on the prompt ids it is given:
   - last-position logits of one forward over all ids (written to --logits-out, for the correctness check);
   - prefill: that forward timed, best of --repeats;
   - decode: one token per row at batch B with a KV cache of (len(ids) - 1) tokens, copied from the B=1
@@ -75,11 +75,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--logits-out", help="write the last-position logits (float32 .npy) here")
+    parser.add_argument("--folder", help="a Hugging Face folder to load instead of the embedded GGUF")
     args = parser.parse_args()
 
     with open(args.ids) as file:
         ids = [int(t) for t in json.load(file)]
-    model, load_s, version = load_model(args.threads)
+    model, load_s, version = load_model(args.threads, args.folder)
     logits, prefill_times = time_prefill(model, ids, args.repeats)
     if args.logits_out:
         np.save(args.logits_out, logits.astype(np.float32))

@@ -79,9 +79,10 @@ def gguf_path() -> str:
 
 class Context:
     """A llama.cpp context with room for `parallel` sequences of MAX_CONTEXT tokens; `unified`: one KV buffer
-    for all sequence ids (kv_unified), else llama.cpp's default of one stream per sequence id."""
+    for all sequence ids (kv_unified), else llama.cpp's default of one stream per sequence id. `fields`:
+    further llama_context_params fields (a KV cache type, flash attention)."""
 
-    def __init__(self, model, parallel: int, threads: int, unified: bool = False):
+    def __init__(self, model, parallel: int, threads: int, unified: bool = False, **fields):
         parallel += 1  # a spare sequence id holds a shared prefix (batched_prefix)
         params = lc.llama_context_default_params()
         params.n_ctx = parallel * MAX_CONTEXT
@@ -89,6 +90,8 @@ class Context:
         params.n_seq_max = parallel
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = unified
+        for name, value in fields.items():
+            setattr(params, name, value)
         self.ctx = lc.llama_init_from_model(model, params)
         if not self.ctx:
             raise RuntimeError("llama_init_from_model failed")

@@ -24,7 +24,6 @@ stdout line.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -39,32 +38,13 @@ from llamacpp_generate import N_BATCH, Context, gguf_path
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
 
-@contextlib.contextmanager
-def _context_defaults(**fields):
-    """lc.llama_context_default_params() returns params with `fields` set, inside this block only: Context
-    builds its context from those defaults and has no KV type or flash attention argument."""
-    default = lc.llama_context_default_params
-
-    def with_fields():
-        params = default()
-        for name, value in fields.items():
-            setattr(params, name, value)
-        return params
-
-    lc.llama_context_default_params = with_fields
-    try:
-        yield
-    finally:
-        lc.llama_context_default_params = default
-
-
 class KVTypeContext(Context):
     """llamacpp_generate.Context with a chosen KV cache type and flash attention on, `n_seq_max` sequence
     ids in one unified KV buffer (MAX_CONTEXT cells each, Context's sizing)."""
 
     def __init__(self, model, kv_type: int, n_seq_max: int, threads: int):
-        with _context_defaults(type_k=kv_type, type_v=kv_type, flash_attn_type=lc.LLAMA_FLASH_ATTN_TYPE_ENABLED):
-            super().__init__(model, n_seq_max - 1, threads, unified=True)  # Context adds one sequence id
+        super().__init__(model, n_seq_max - 1, threads, unified=True,  # Context adds one sequence id
+                         type_k=kv_type, type_v=kv_type, flash_attn_type=lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
 
     def all_logits(self, num_rows: int) -> np.ndarray:
         """float32 [num_rows, V]: the logits of the last decode's rows that asked for them, in batch order."""

@@ -1,0 +1,515 @@
+"""The experiments' shared harness: every script imports it, and no script imports another. It owns:
+  workloads    the one trace -> workload scaler (lengths / scale, real-text prompts, caps), greedy params,
+               and the agreement of two runs' greedy tokens;
+  timing       wall-time repeats, donated-state and paged-forward timing, lower + compile timing, the
+               machine's matmul and read-bandwidth peaks; memory: the resident set and its VmHWM;
+  programs     the one jitted paged (or dense, or cache-free) forward, its page tables and PageMeta, the
+               FLOP count of a forward, and the random-weight geometries;
+  engine runs  the engine config for a scaled-trace workload and the timed LLM run over it;
+  step hook    StepRecorder, the run loop's `on_step` for step times, KV use and padded table entries;
+  peers        running a script in .venv-ref and reading its last-line JSON;
+  metadata     the "machine" block of every result JSON (commit, CPU model and flags, device, peak
+               figures), attached by write_result.
+Importing it needs only the stdlib and numpy (a parent that only spawns workers, or device_check.py on
+the GPU box, stays light): jax and jaxinfer are imported inside the functions that use them.
+"""
+
+import collections
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO_ROOT / "../shared/data/azure_llm_trace_2023_conv.csv"
+TEXT_FILE = REPO_ROOT / "experiments" / "data" / "passages.txt"
+RESULTS_DIR = REPO_ROOT / "experiments" / "results"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "smollm2_reference.npz"
+REF_PYTHON = REPO_ROOT / ".venv-ref" / "bin" / "python"
+PEERS_DIR = REPO_ROOT / "experiments" / "peers"
+MATMUL_SIZE = 2048  # the matmul peak is an f32 [n, n] @ [n, n] matmul
+BANDWIDTH_BYTES = 512 * 2**20  # the read-bandwidth probe sums an f32 array of this size
+
+
+# ------------------------------------------------------------------------------------------ workloads
+
+
+def text_ids(tokenizer, path: pathlib.Path = TEXT_FILE) -> list[int]:
+    """The real-text passages as token ids (no BOS)."""
+    return tokenizer.encode(path.read_text(), add_bos=False)
+
+
+def prefix_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the passages (repeated if the file is shorter)."""
+    ids = text_ids(tokenizer)
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    return ids[:num_tokens]
+
+
+def sample_rows(num_rows: int, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+    """`num_requests` distinct rows of a trace, drawn from `rng` and kept in arrival order."""
+    return np.sort(rng.choice(num_rows, size=num_requests, replace=False))
+
+
+def scaled_requests(trace, scale: float, rng: np.random.Generator, text: list[int], *, max_context: int,
+                    max_output: int | None = None) -> list[dict]:
+    """Every request of `trace` with its lengths divided by `scale` (at least 1): the output capped at
+    `max_output`, the prompt at max_context - output, cut from `text` at an offset drawn from `rng`
+    (wrapping). Each request is {"prompt_ids", "max_tokens"}."""
+    requests = []
+    for context, generated in zip(trace.context_tokens.tolist(), trace.generated_tokens.tolist()):
+        max_tokens = max(1, round(generated / scale))
+        max_tokens = max_tokens if max_output is None else min(max_tokens, max_output)
+        num_prompt = min(max(1, round(context / scale)), max_context - max_tokens)
+        offset = int(rng.integers(len(text)))
+        requests.append({"prompt_ids": [text[(offset + i) % len(text)] for i in range(num_prompt)], "max_tokens": max_tokens})
+    return requests
+
+
+def build_workload(trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, *,
+                   max_context: int = 2048, max_output: int | None = None) -> dict:
+    """A seeded sample of the trace's requests (arrival order) scaled by scaled_requests; the rows and
+    the seed's one generator draw the sample first, then the prompt offsets."""
+    from jaxinfer import load_trace
+
+    trace = load_trace(trace_path)
+    rng = np.random.default_rng(seed)
+    rows = sample_rows(trace.num_requests, num_requests, rng)
+    scaled = scaled_requests(trace.take(rows), scale, rng, text_ids(tokenizer), max_context=max_context, max_output=max_output)
+    requests = [{"trace_row": int(row), "trace_context_tokens": int(trace.context_tokens[row]),
+                 "trace_generated_tokens": int(trace.generated_tokens[row]), **request} for row, request in zip(rows, scaled)]
+    return {"trace": os.path.basename(trace_path), "seed": seed, "scale": scale, "text": TEXT_FILE.name, "requests": requests}
+
+
+def workload_summary(requests: list[dict]) -> dict:
+    """Request count, token totals, and the largest and median prompt and output."""
+    prompts = np.array([len(r["prompt_ids"]) for r in requests])
+    outputs = np.array([r["max_tokens"] for r in requests])
+    return {"num_requests": len(prompts), "prompt_tokens": int(prompts.sum()), "output_tokens": int(outputs.sum()),
+            "max_prompt": int(prompts.max()), "median_prompt": float(np.median(prompts)),
+            "max_output": int(outputs.max()), "median_output": float(np.median(outputs))}
+
+
+def greedy(max_tokens: int):
+    """Greedy sampling of exactly `max_tokens` tokens (EOS ignored)."""
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Exact-match share of requests, and the mean share of each request's tokens before the first difference."""
+    prefix = []
+    for a, b in zip(ours, theirs):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(same / max(len(a), 1))
+    return {"exact_requests": float(np.mean([a == b for a, b in zip(ours, theirs)])), "mean_prefix_fraction": float(np.mean(prefix))}
+
+
+def relative_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected||, in float64."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def timed(fn, *args, **kwargs) -> tuple:
+    """(fn(*args, **kwargs), its wall seconds)."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of `repeats` calls of fn() (which blocks), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return [timed(fn)[1] for _ in range(repeats)]
+
+
+def time_donating(program, state, *args, repeats: int) -> float:
+    """Median seconds of program(state, *args) -> (out, state) after 2 untimed calls, the donated
+    state rebound after every call."""
+    holder = {"state": state}
+
+    def run():
+        out, holder["state"] = program(holder["state"], *args)
+        out.block_until_ready()
+
+    return statistics.median(time_calls(run, repeats, warmup=2))
+
+
+def compile_timed(jitted, *args, **kwargs):
+    """(jitted lowered and compiled for these arguments, the seconds that took)."""
+    return timed(lambda: jitted.lower(*args, **kwargs).compile())
+
+
+def measure_matmul_peak(repeats: int) -> dict:
+    """f32 matmul FLOP/s of this machine: best and median of `repeats` timed runs after 2 untimed."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    times = time_calls(lambda: matmul(a, b).block_until_ready(), repeats, warmup=2)
+    flops = 2 * MATMUL_SIZE**3
+    return {"size": MATMUL_SIZE, "best_flops_per_s": flops / min(times), "median_flops_per_s": flops / statistics.median(times)}
+
+
+def measure_bandwidth_peak(repeats: int, num_bytes: int = BANDWIDTH_BYTES, warmup: int = 2) -> dict:
+    """Read bandwidth: bytes/s of a jitted sum over an f32 array of `num_bytes`."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    times = time_calls(lambda: total(x).block_until_ready(), repeats, warmup=warmup)
+    return {"bytes": num_bytes, "best_bytes_per_s": num_bytes / min(times), "median_bytes_per_s": num_bytes / statistics.median(times)}
+
+
+def load_average() -> list[float]:
+    """The 1/5/15-minute load averages (a shared machine: well above the core count inflates timings)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes. VmHWM is the resident high-water mark since the last
+    reset_peak_rss(), process-wide: runtime, weights and compiler included."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def peak_rss_bytes() -> int:
+    return rss_bytes()[1]
+
+
+def reset_peak_rss() -> bool:
+    """Start a new VmHWM at the current RSS (Linux >= 4.0: writing 5 to clear_refs); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ paged forward programs
+
+
+def row_tables(num_rows: int, pages_per_row: int) -> np.ndarray:
+    """Distinct pages 1.. for each row (page 0 is the null page): int32 [num_rows, pages_per_row]."""
+    return (1 + np.arange(num_rows * pages_per_row, dtype=np.int32)).reshape(num_rows, pages_per_row)
+
+
+def page_meta(block_tables: np.ndarray, positions: np.ndarray, page_size: int, valid: np.ndarray | None = None):
+    """kv_pool.PageMeta for one sequence per row: tokens at `positions` [B, T] go to their slots of the
+    rows' `block_tables` [B, W]; tokens not `valid` (padding) write to the null page 0."""
+    import jax.numpy as jnp
+
+    from jaxinfer import kv_pool
+
+    pages = np.take_along_axis(block_tables, positions // page_size, axis=1)
+    if valid is not None:
+        pages = np.where(valid, pages, 0)
+    return kv_pool.PageMeta(jnp.asarray(block_tables, jnp.int32), jnp.asarray(pages, jnp.int32), jnp.asarray(positions % page_size, jnp.int32))
+
+
+def _forward(params, pool, tokens, positions, pages, last, *, cfg, impl: str, output: str):
+    """model.forward of [B, T] tokens into `pool` (a paged KVPool with `pages`, a dense cache, or None).
+
+    output "greedy": the argmax token at index last[b] [B]; "last_logits": the logits there [B, V];
+    "logits": every position's [B, T, V] (last is None). Returns (output, pool)."""
+    from jaxinfer import model, sampling
+
+    logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
+    if output == "logits":
+        return logits, pool
+    return (sampling.argmax(logits[:, 0]) if output == "greedy" else logits[:, 0]), pool  # the engine's greedy argmax
+
+
+@functools.cache
+def forward_program():
+    """The jitted _forward (cfg, impl and output static; donates `pool`), built on first use."""
+    import jax
+
+    return jax.jit(_forward, static_argnames=("cfg", "impl", "output"), donate_argnames=("pool",))
+
+
+def time_forward(params, cfg, pool, args: tuple, *, impl: str, output: str, repeats: int, warmup: int) -> tuple:
+    """forward_program compiled for (params, pool, *args), then `repeats` timed calls after `warmup`, the
+    donated pool rebound each call. Returns (seconds per call, compile seconds, the last call's output)."""
+    program, compile_s = compile_timed(forward_program(), params, pool, *args, cfg=cfg, impl=impl, output=output)
+    state = {"pool": pool}
+
+    def run():
+        out, state["pool"] = program(params, state["pool"], *args)
+        state["out"] = out.block_until_ready()
+
+    return time_calls(run, repeats, warmup), compile_s, state["out"]
+
+
+def engine_params(params, impl: str):
+    """The params as the engine holds them for `impl`: packed into panels for the CPU kernels."""
+    from jaxinfer import attention, model
+
+    return model.pack_panels(params) if impl == attention.CPU_IMPL else params
+
+
+def matmul_params(cfg) -> int:
+    """Weights that take part in a matmul per token, excluding the LM head (embedding lookups are free)."""
+    d, k = cfg.embed_dim, cfg.head_dim
+    per_layer = d * k * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.ffn_dim
+    return cfg.num_layers * per_layer
+
+
+def forward_flops(cfg, num_tokens: int, num_logit_rows: int, num_keys_attended: int) -> int:
+    """Useful FLOPs of a forward: layer matmuls, the LM head for rows with logits, and attention
+    (QK^T and PV: 4 * K per query head per key, over `num_keys_attended` (query, key) pairs per layer)."""
+    lm_head = 2 * cfg.vocab_size * cfg.embed_dim * num_logit_rows
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_keys_attended
+    return 2 * matmul_params(cfg) * num_tokens + lm_head + attention
+
+
+# Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
+GEOMETRIES = {
+    "llama3-1b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False, "architectures": ["Qwen2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+
+
+# ------------------------------------------------------------------------------------------ the run loop's step hook
+
+
+class StepRecorder:
+    """The run loop's `on_step(plan, tokens, seconds)` hook: step seconds by bucket key, each decode step's
+    KV use, padded page-table entries, and (given the block pool) the most pages held at once."""
+
+    def __init__(self, page_size: int, block_pool=None):
+        self.page_size, self.block_pool = page_size, block_pool
+        self.seconds: dict[tuple, list[float]] = collections.defaultdict(list)
+        self.decode_kv: list[tuple[int, int]] = []  # (tokens in the pool, slots of their pages) per decode step
+        self.table_entries = self.real_entries = self.peak_pages = 0
+
+    def __call__(self, plan, tokens, seconds: float) -> None:
+        self.seconds[plan.bucket].append(seconds)
+        rows = len(plan.request_ids)  # real rows come first; pages of a row are its non-null entries
+        self.table_entries += plan.block_tables.size
+        self.real_entries += int(np.count_nonzero(plan.block_tables))  # page 0 is the null page: padding
+        if plan.phase == "decode":
+            num_tokens = int((plan.positions[:rows, 0] + 1).sum())
+            self.decode_kv.append((num_tokens, int(np.count_nonzero(plan.block_tables[:rows])) * self.page_size))
+        if self.block_pool is not None:
+            self.peak_pages = max(self.peak_pages, self.block_pool.num_used)
+
+    def phase_seconds(self, phase: str) -> list[float]:
+        return [t for key, ts in self.seconds.items() if key[0] == phase for t in ts]
+
+    def table_padding(self) -> float:
+        return 1.0 - self.real_entries / max(self.table_entries, 1)
+
+    def kv_utilization(self) -> dict:
+        """Decoding sequences' tokens / slots of their pages: mean over decode steps, and over all of them."""
+        if not self.decode_kv:
+            return {}
+        return {"mean_over_decode_steps": float(np.mean([t / s for t, s in self.decode_kv])),
+                "all_decode_steps": sum(t for t, _ in self.decode_kv) / sum(s for _, s in self.decode_kv)}
+
+    def summary(self, total_seconds: float) -> dict:
+        """Steps and seconds per phase, host time (the rest of `total_seconds`), and per bucket key."""
+        in_steps = sum(sum(ts) for ts in self.seconds.values())
+        prefill, decode = self.phase_seconds("prefill"), self.phase_seconds("decode")
+        return {
+            "prefill_steps": len(prefill), "prefill_s": sum(prefill), "decode_steps": len(decode), "decode_s": sum(decode),
+            "host_s": total_seconds - in_steps,
+            "by_bucket": {"/".join(map(str, key)): {"steps": len(ts), "median_ms": 1e3 * float(np.median(ts)), "total_s": sum(ts)}
+                          for key, ts in sorted(self.seconds.items())},
+        }
+
+
+# ------------------------------------------------------------------------------------------ the engine on a workload
+
+WORKLOAD_MAX_CONTEXT = 2048  # covers the trace scaled by 8: its longest prompt + generation (14050/8 + 1000/8 = 1882)
+NUM_REFERENCE_CHECKS = 3  # requests checked against generate.generate before timing
+
+
+def workload_engine_config(*, max_num_seqs: int = 32, page_size: int = 16, compilation_cache_dir: str | None = None, **knobs):
+    """Pages for max_num_seqs sequences of WORKLOAD_MAX_CONTEXT (the pool never forces a preemption on
+    a scaled-trace workload); by default no persistent compilation cache, so a warm-up is a cold compile."""
+    from jaxinfer import EngineConfig
+
+    return EngineConfig(max_context=WORKLOAD_MAX_CONTEXT, max_num_seqs=max_num_seqs, page_size=page_size, compilation_cache_dir=compilation_cache_dir,
+                        num_pages=max_num_seqs * (WORKLOAD_MAX_CONTEXT // page_size) + 1, **knobs)
+
+
+def check_against_reference(llm, requests: list[dict]) -> dict:
+    """The NUM_REFERENCE_CHECKS shortest requests: engine greedy tokens == generate.generate's (dense)."""
+    from jaxinfer import generate
+
+    chosen = sorted(range(len(requests)), key=lambda i: len(requests[i]["prompt_ids"]) + requests[i]["max_tokens"])[:NUM_REFERENCE_CHECKS]
+    prompts = [requests[i]["prompt_ids"] for i in chosen]
+    params = [greedy(requests[i]["max_tokens"]) for i in chosen]
+    engine_tokens = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
+    reference = generate.generate(llm.engine.params, llm.model_config, prompts, params, eos_id=llm.tokenizer.eos_id)
+    equal = [e == r.token_ids for e, r in zip(engine_tokens, reference)]
+    return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
+
+
+def _timed_repeats(llm, requests: list[dict], page_size: int, repeats: int) -> tuple[list, int]:
+    """`repeats` runs of the requests, each from an empty prefix cache: [(seconds, outputs, recorder)], compiles."""
+    from jaxinfer.engine import CompileCounter
+
+    prompts, params = [r["prompt_ids"] for r in requests], [greedy(r["max_tokens"]) for r in requests]
+    runs = []
+    with CompileCounter() as compiles:
+        for _ in range(repeats):
+            recorder = StepRecorder(page_size)
+            llm.reset_prefix_cache()  # a repeat must not reuse the prompt pages of the reference check or the repeat before
+            outputs, seconds = timed(llm.generate, prompts, params, progress=False, on_step=recorder)
+            runs.append((seconds, outputs, recorder))
+    return runs, compiles.count
+
+
+def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) -> tuple[dict, list[list[int]], object]:
+    """LLM(model, **load) over `engine_config`: load, warm up (timed apart), check a few requests against
+    the dense reference, then time `repeats` runs and report the best. Returns (result, tokens, llm)."""
+    from jaxinfer import LLM
+
+    requests = workload["requests"]
+    llm, load_s = timed(LLM, model, engine_config=engine_config, warmup=False, **load)
+    _, warmup_s = timed(llm.engine.warmup)
+    reference = check_against_reference(llm, requests)
+    print(f"jaxinfer: loaded {load_s:.1f}s, warm-up {warmup_s:.1f}s ({llm.engine.num_compilations} programs); "
+          f"reference check {reference['num_equal']}/{reference['num_checked']} equal", flush=True)
+    runs, num_compiles = _timed_repeats(llm, requests, engine_config.page_size, repeats)
+    seconds, outputs, recorder = min(runs, key=lambda run: run[0])
+    stats = llm.last_stats  # the scheduler is deterministic: every repeat has the same stats
+    tokens = [o.token_ids for o in outputs]
+    num_output = sum(len(t) for t in tokens)
+    return {
+        "load_s": load_s, "warmup_s": warmup_s, "num_compilations": llm.engine.num_compilations,
+        "compiles_during_timed_run": num_compiles, "seconds": seconds, "seconds_per_repeat": [run[0] for run in runs],
+        "repeats_identical_tokens": all([o.token_ids for o in run[1]] == tokens for run in runs), "num_output_tokens": num_output,
+        "output_tokens_per_s": num_output / seconds, "all_lengths_exact": all(len(t) == r["max_tokens"] for t, r in zip(tokens, requests)),
+        "engine_config": dataclasses.asdict(engine_config), "num_pages": llm.engine.num_pages,
+        "attention_impl": llm.engine.impl, "quantization": load.get("quantization"), "reference_check": reference,
+        "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
+        "time_split": recorder.summary(seconds),
+        "decode_kv_utilization": recorder.kv_utilization(),  # from the plans, over decode steps only
+        "mean_latency_s": float(np.mean([o.latency for o in outputs])),
+        "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs])),
+    }, tokens, llm
+
+
+# ------------------------------------------------------------------------------------------ subprocesses and peers
+
+
+def last_json(stdout: str) -> dict:
+    """The JSON document on the last line of a script's stdout."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_json(command: list[str], what: str, **kwargs) -> dict:
+    """Run `command` and return its last-line JSON; RuntimeError (with its stderr's tail) if it fails."""
+    completed = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{what} failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
+    return last_json(completed.stdout)
+
+
+def run_peer(script: str, *argv: str) -> dict:
+    """experiments/peers/`script` in .venv-ref; its last-line JSON."""
+    return run_json([str(REF_PYTHON), str(PEERS_DIR / script), *argv], script)
+
+
+# ------------------------------------------------------------------------------------------ metadata
+
+
+def _git(*command: str) -> str | None:
+    try:
+        completed = subprocess.run(["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    except OSError:  # no git on this machine (the GPU box)
+        return None
+    return completed.stdout.rstrip() if completed.returncode == 0 else None  # porcelain lines may start with a space
+
+
+def cpu_info() -> dict:
+    """Model name and feature flags of the first CPU (/proc/cpuinfo), the core count and usable cores."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return {"model": fields.get("model name") or platform.processor() or None, "flags": fields.get("flags"),
+            "count": os.cpu_count(), "usable": len(os.sched_getaffinity(0))}
+
+
+def device_info() -> dict:
+    """JAX's backend and devices, and the first device's peak bytes in use where it reports them. Only
+    in a process that has imported jax (a parent that only spawns workers stays without it)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return {"backend": None, "note": "jax not imported in this process", "jax_platforms_env": os.environ.get("JAX_PLATFORMS")}
+    devices = jax.devices()
+    stats = (devices[0].memory_stats() or {}) if devices and hasattr(devices[0], "memory_stats") else {}
+    return {"backend": jax.default_backend(), "kind": devices[0].device_kind if devices else None, "count": len(devices),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def metadata(peaks: dict | None = None) -> dict:
+    """The block every result JSON carries: commit (and uncommitted source files), platform, CPU model and
+    flags, device, load average, and peak figures: this process's VmHWM and the measured `peaks`."""
+    dirty = _git("status", "--porcelain", "--", "jaxinfer", "kernels_cpu", "kernels_pallas")
+    return {"commit": _git("rev-parse", "HEAD"), "uncommitted_source_files": None if dirty is None else dirty.splitlines(),
+            "platform": platform.platform(), "python": platform.python_version(), "jax": _version("jax"), "cpu": cpu_info(), "device": device_info(),
+            "load_average": load_average(), "peak_rss_bytes": peak_rss_bytes(), "peaks": peaks or {}}
+
+
+def write_result(path: pathlib.Path, doc: dict, *, indent: int | None = 2, peaks: dict | None = None) -> dict:
+    """Write `doc` to `path` as JSON, its "machine" block the harness's metadata (plus any keys the
+    script put there itself); returns the document written."""
+    doc = {**doc, "machine": {**metadata(peaks), **doc.get("machine", {})}}
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
+    return doc
