@@ -138,7 +138,7 @@ def balance(loads: list[int]) -> float:
 
 def route_loads(sizes: list[tuple[int, int]], replicas: int, policy: str) -> list[int]:
     """Token load per replica (prompt + output) after assigning each request in order."""
-    from jaxinfer.api import ReplicaLoad, route
+    from jaxinfer.replicas import ReplicaLoad, route
 
     loads = [0] * replicas
     for i, (prompt, output) in enumerate(sizes):

@@ -11,7 +11,10 @@ holds a random number of records, spread over the job) plus --load-kills SIGKILL
 (before the invocation writes a record), resuming with --resume after each and once more at the end.
 Every invocation gets a timeout; a crash is recorded, never raised. Reports lines in, records out,
 statuses, duplicate keys, lost lines, exit codes, tracebacks and whether soak equals ref per key
-(status, token_ids, text, error). Goal: N in, N out, 0 lost, 0 duplicated, identical, clean exits.
+(status, token_ids, text, error). Two probes must be refused at once, leaving the output alone: a second
+job started on the soak output while the first soak invocation runs (it must name that job's pid), and a
+resume under a changed --temperature and --engine-seed after it. Goal: N in, N out, 0 lost,
+0 duplicated, identical, clean exits, both probes refused.
 Prints tables, writes --out (JSON) and prints the same JSON document as its last stdout line.
 Exit status 0 when the goal is met, 1 when not (2 for a bad flag). Needs no accelerator; on 2 CPU cores
 each invocation spends about 20 s loading (warm compile cache), and the default run takes an estimated
@@ -92,6 +95,25 @@ class Invocation:
     seconds: float = 0.0
     seconds_to_first_record: float | None = None
     stderr_tail: list[str] = dataclasses.field(default_factory=list)
+    probe_second_job: bool = False  # start a second job on the same output once this one writes (it must be refused)
+    probe: dict | None = None  # what that second job did
+
+
+@dataclasses.dataclass
+class Probe:
+    """A CLI call that must be refused at once without touching the output: a second job on an output in
+    use, or a resume under changed settings."""
+
+    name: str
+    returncode: int | None = None
+    seconds: float = 0.0
+    stderr: str = ""
+    output_unchanged: bool = False  # the bytes of the output before == after (settings probe); or only grew (second job)
+    expected_text: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return self.returncode == 2 and self.expected_text in self.stderr and self.output_unchanged
 
 
 # ---------------------------------------------------------------------------------------------- input
@@ -309,7 +331,35 @@ def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr
             proc.kill()
         elif _should_signal(inv, num_records, None if load_start is None else elapsed - load_start):
             _send_signal(proc, inv, num_records, args.sigint_grace_s)
+        elif inv.probe_second_job and inv.probe is None and num_records > inv.records_before:
+            inv.probe = dataclasses.asdict(second_job_probe(proc.pid, output, args.paths))
         time.sleep(POLL_S)
+
+
+def _run_probe(probe: Probe, command: list[str], workdir: pathlib.Path) -> Probe:
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    probe.returncode, probe.stderr, probe.seconds = result.returncode, result.stderr.strip()[-600:], round(time.perf_counter() - start, 3)
+    return probe
+
+
+def second_job_probe(first_pid: int, output: pathlib.Path, paths: dict) -> Probe:
+    """While a job runs, a second one on the same output must fail at once naming the first's pid and
+    leave every record to the first (the output only grows, by the first job's appends)."""
+    before = output.read_bytes()
+    probe = _run_probe(Probe("second_job", expected_text=f"in use by another jaxinfer job (pid {first_pid})"), _command(paths, output, "--resume"), paths["workdir"])
+    probe.output_unchanged = output.read_bytes().startswith(before)
+    return probe
+
+
+def settings_probe(output: pathlib.Path, paths: dict) -> Probe:
+    """A resume under another --temperature and --engine-seed must be refused, listing them, byte for byte
+    leaving the output as it was."""
+    before = output.read_bytes() if output.exists() else b""
+    command = _command(paths, output, "--resume") + ["--temperature", "0.5", "--engine-seed", "7"]
+    probe = _run_probe(Probe("changed_settings", expected_text="other settings"), command, paths["workdir"])
+    probe.output_unchanged = (output.read_bytes() if output.exists() else b"") == before
+    return probe
 
 
 def _command(paths: dict, output: pathlib.Path, mode: str) -> list[str]:
@@ -572,6 +622,13 @@ def _print_kinds(kinds: dict, ref: dict, comparison: dict) -> None:
         print(f"  {difference['key']}: {', '.join(difference['fields'])} {difference.get('ref', '')} vs {difference.get('soak', '')}")
 
 
+def _print_probes(probes: list[Probe]) -> None:
+    print("\nprobes (each must be refused at once, the output untouched)")
+    for p in probes:
+        last = p.stderr.splitlines()[-1] if p.stderr else ""
+        print(f"  {p.name:<17} rc={p.returncode} {p.seconds:6.1f}s refused={p.refused}  {last[:110]}")
+
+
 def _print_checks(checks: dict, coverage: dict, goal_met: bool) -> None:
     print()
     for name, passed in checks.items():
@@ -626,11 +683,17 @@ def run_all(args, paths: dict, lines: list[InputLine]) -> list[Invocation]:
     rng = random.Random(args.seed + 1)
     num_expected = sum(line.expect != "none" for line in lines)
     print(f"workdir {paths['workdir']}: {len(lines)} lines, {num_expected} non-blank", file=sys.stderr, flush=True)
+    args.paths = paths
     ref = run_invocation(Invocation("ref", 0, "--overwrite", "none"), paths["ref"], paths, args)
     soak = plan_soak(args, num_expected, rng)
+    probed = next(inv for inv in soak if inv.event != "load_kill")  # one that writes records
+    probed.probe_second_job = True  # once it writes, a second job tries the same output
+    probes = []
     for inv in soak:
         run_invocation(inv, paths["soak"], paths, args)
-    return [ref] + soak
+        if inv is probed:  # the output now holds records (and a torn tail, if a kill tore one)
+            probes.append(settings_probe(paths["soak"], paths))
+    return [ref] + soak, probes
 
 
 def main() -> int:
@@ -643,11 +706,16 @@ def main() -> int:
         return 2
     paths = _prepare_paths(args)
     _write_input(paths, lines)
-    invocations = run_all(args, paths, lines)
+    invocations, probes = run_all(args, paths, lines)
+    del args.paths
+    probes = [Probe(**inv.probe) for inv in invocations if inv.probe] + probes
     ref, ref_records, ref_by_line = summarize_output(paths["ref"], lines)
     soak, soak_records, _ = summarize_output(paths["soak"], lines)
     comparison = compare_outputs(ref_records, soak_records)
     checks = goal_checks(ref, soak, comparison, invocations)
+    checks["second_job_refused"] = any(p.name == "second_job" and p.refused for p in probes)
+    checks["changed_settings_refused"] = any(p.name == "changed_settings" and p.refused for p in probes)
+    _print_probes(probes)
     goal_met, coverage = all(checks.values()), coverage_checks(invocations)
     kinds = _kind_table(lines, ref_by_line)
     _print_accounting(ref, soak)
@@ -660,6 +728,7 @@ def main() -> int:
         "parameters": {**params, "workdir": str(paths["workdir"]), "engine_flags": list(ENGINE_FLAGS)},
         "wall_s": round(time.perf_counter() - start, 3), "reference": ref, "soak": soak, "comparison": comparison,
         "line_kinds": kinds, "invocations": [dataclasses.asdict(inv) for inv in invocations],
+        "probes": [dataclasses.asdict(p) | {"refused": p.refused} for p in probes],
     }
     result = harness.write_result(args.out, result)
     if goal_met and args.workdir is None:

@@ -18,18 +18,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from jaxinfer import loading, runloop, sharding, tokenizer as tok
-from jaxinfer.block_pool import BlockPool
+from jaxinfer.block_pool import BlockPool, page_hashes
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
+from jaxinfer.options import LoadOptions
 from jaxinfer.output import OutputProcessor
-from jaxinfer.params import QUANTIZATIONS, Params
-from jaxinfer.quant import INT4_GROUP_SIZES
-from jaxinfer.request import Request, SamplingParams, derive_seed
+from jaxinfer.params import Params
+from jaxinfer.replicas import Replica, ReplicaLoad, route
+from jaxinfer.request import TRUNCATE_SIDES, Request, SamplingParams, derive_seed
 from jaxinfer.validation import FieldError, check_int, check_number, check_text, check_token_ids
 from jaxinfer.scheduler import Scheduler, check_request
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
-TRUNCATE_SIDES = ("none", "left", "right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,80 +73,6 @@ class Prompt:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
 
 
-def check_quantization(value, group_size: int | None = None) -> str | None:
-    """The weight quantization and its int4 group size (None: the default, DEFAULT_INT4_GROUP_SIZE)."""
-    if value is not None and (not isinstance(value, str) or value not in QUANTIZATIONS):
-        raise FieldError("quantization", f"must be None or one of {QUANTIZATIONS}, got {value!r}")
-    if group_size is not None:
-        if value != "int4":
-            raise FieldError("group_size", f"applies to quantization='int4' only, got quantization={value!r}")
-        if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
-            raise FieldError("group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaLoad:
-    """What the router knows of one replica when a request arrives."""
-
-    load_tokens: int  # tokens of the work already routed to it: prompt tokens to compute + tokens to generate
-    free_pages: int  # KV pages with no owner (cached ones included)
-    cached_tokens: int = 0  # this prompt's leading tokens whose KV pages it holds or was just sent (prefix cache)
-
-
-def route(replicas: Sequence[ReplicaLoad], prompt_tokens: int, max_tokens: int) -> int:
-    """The replica a request goes to: the one where the work it adds lands on the least load, counting
-    its prompt less what that replica already caches, plus its output (so a shared prefix pulls a
-    request to the replica holding it, unless that replica is busier by more than the saving); ties go
-    to more free KV pages, then to the lower index."""
-    def key(i: int):
-        r = replicas[i]
-        return (r.load_tokens + prompt_tokens - r.cached_tokens + max_tokens, -r.free_pages, i)
-
-    return min(range(len(replicas)), key=key)
-
-
-def check_parallel(tensor_parallel, data_parallel=1, *, num_devices: int | None = None) -> tuple[int, int]:
-    """(tensor_parallel, data_parallel), each a positive integer; together they need tp x dp devices."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise FieldError("data_parallel", f"must be a positive integer, got {data_parallel!r}")
-    check_tensor_parallel(tensor_parallel, num_devices=num_devices)
-    if data_parallel > 1:
-        if num_devices is None:
-            import jax
-
-            num_devices = len(jax.devices())
-        if tensor_parallel * data_parallel > num_devices:
-            raise FieldError("data_parallel", f"({data_parallel}) x tensor_parallel ({tensor_parallel}) needs {tensor_parallel * data_parallel} devices; {num_devices} available")
-    return tensor_parallel, data_parallel
-
-
-@dataclasses.dataclass
-class Replica:
-    """One model replica: an engine on its own devices and the block pool of its KV pool."""
-
-    engine: Engine
-    block_pool: BlockPool
-
-
-def check_tensor_parallel(value, *, num_devices: int | None = None) -> int:
-    """Devices of the one model replica's `model` mesh: a positive integer, at most the devices JAX sees
-    (on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N). Heads, MLP width or
-    vocabulary that do not divide it are replicated (sharding.py), never an error. The Pallas decode
-    kernel runs under shard_map on each device's heads (sharding.on_local_heads)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FieldError("tensor_parallel", f"must be a positive integer, got {value!r}")
-    if value == 1:
-        return value
-    if num_devices is None:
-        import jax
-
-        num_devices = len(jax.devices())
-    if value > num_devices:
-        raise FieldError("tensor_parallel", f"({value}) exceeds the {num_devices} available device(s); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={value} simulates them")
-    return value
-
-
 def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
     """Cut a prompt that does not fit the context; prompts that fit are never cut.
 
@@ -181,41 +107,37 @@ class LLM:
       parse_special: whether control-token text written in the input (e.g. "<|im_start|>") becomes the
         control token. None (the default): yes in plain prompts (as llama.cpp's `special=True`), never
         in chat message content, so a message cannot inject a role; False: never; True: in both.
+      options: the fields above as one validated `LoadOptions` (what the CLI and the Ray actors pass).
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
-        tensor_parallel: int = 1, data_parallel: int = 1, engine_config: EngineConfig | None = None, warmup: bool = True,
-        parse_special: bool | None = None, **engine_overrides,
+        tensor_parallel: int = 1, data_parallel: int = 1, parse_special: bool | None = None, options: LoadOptions | None = None,
+        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
-        check_quantization(quantization, group_size)
+        fields = dict(dtype=dtype, quantization=quantization, group_size=group_size, tensor_parallel=tensor_parallel, data_parallel=data_parallel, parse_special=parse_special)
+        if options is not None and fields != dataclasses.asdict(LoadOptions()):
+            raise FieldError("options", "replaces dtype, quantization, group_size, tensor_parallel, data_parallel and parse_special; pass one or the other")
+        options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        check_parallel(tensor_parallel, data_parallel)
-        group = {} if group_size is None else {"group_size": group_size}
-        on_mesh = tensor_parallel > 1 or data_parallel > 1  # weights go from host memory straight to each device's shards
-        model_config, params = loading.load_model(model, dtype=dtype, quantization=quantization, on_host=on_mesh, **group)
-        self._start(model_config, params, tok.load_tokenizer(model), engine_config, tensor_parallel, data_parallel, warmup=warmup, parse_special=parse_special)
+        model_config, params = loading.load_model(model, **options.load_kwargs)
+        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup)
 
     @classmethod
     def from_params(
-        cls, model_config: ModelConfig, params: Params, tokenizer: tok.TextTokenizer, *, tensor_parallel: int = 1, data_parallel: int = 1,
-        engine_config: EngineConfig | None = None, warmup: bool = True, parse_special: bool | None = None, **engine_overrides,
+        cls, model_config: ModelConfig, params: Params, tokenizer: tok.TextTokenizer, *, options: LoadOptions | None = None,
+        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ) -> "LLM":
         """An LLM over a model already in memory (for experiments that build or transform params
-        themselves); the same engines, checks and run loop as `LLM(path)`."""
-        engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        check_parallel(tensor_parallel, data_parallel)
+        themselves); the same engines, checks and run loop as `LLM(path)`. `options` gives the
+        parallel layout and parse_special (its dtype and quantization are the params' own)."""
         llm = cls.__new__(cls)
-        llm._start(model_config, params, tokenizer, engine_config, tensor_parallel, data_parallel, warmup=warmup, parse_special=parse_special)
+        llm._start(model_config, params, tokenizer, EngineConfig.with_overrides(engine_config, **engine_overrides), options or LoadOptions(), warmup=warmup)
         return llm
 
-    def _start(self, model_config, params, tokenizer, engine_config, tensor_parallel, data_parallel, *, warmup, parse_special) -> None:
-        if parse_special not in (None, True, False):
-            raise FieldError("parse_special", f"must be None, True or False, got {parse_special!r}")
-        self.model_config, self.tokenizer, self.engine_config = model_config, tokenizer, engine_config
-        self.parse_special = parse_special
-        self.tensor_parallel, self.data_parallel = tensor_parallel, data_parallel
-        self.replicas: list[Replica] = [self._replica(r, params) for r in range(data_parallel)]
+    def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool) -> None:
+        self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
+        self.replicas: list[Replica] = [self._replica(r, params) for r in range(options.data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool
         if warmup:
             for replica in self.replicas:
@@ -227,10 +149,10 @@ class LLM:
 
     def _replica(self, index: int, params: Params) -> Replica:
         mesh = None  # one device, no mesh: the programs of a plain engine
-        if self.tensor_parallel > 1 or self.data_parallel > 1:
+        if self.options.on_mesh:
             import jax
 
-            tp = self.tensor_parallel
+            tp = self.options.tensor_parallel
             mesh = sharding.make_mesh(tp, jax.devices()[index * tp : (index + 1) * tp])
         engine = Engine(self.model_config, params, self.engine_config, mesh=mesh)
         return Replica(engine, BlockPool(engine.num_pages))  # pools outlive each batch: cached prefixes persist
@@ -251,7 +173,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise FieldError("prompt", "is empty")
-            return self.tokenizer.encode(check_text("prompt", prompt), parse_special=self.parse_special is not False)
+            return self.tokenizer.encode(check_text("prompt", prompt), parse_special=self.options.parse_special is not False)
         if not isinstance(prompt, Sequence):
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
@@ -260,7 +182,7 @@ class LLM:
         tok.check_messages(messages)
         for i, message in enumerate(messages):
             check_text(f"messages[{i}].content", message["content"])
-        return self.tokenizer.encode_chat(messages, parse_special_content=bool(self.parse_special))
+        return self.tokenizer.encode_chat(messages, parse_special_content=bool(self.options.parse_special))
 
     def prepare(self, prompt, params: SamplingParams, *, index: int, chat: bool = False, truncate: str = "none", **request_fields) -> Prompt:
         """Validate one request and turn it into a Prompt; raises ValueError naming what is wrong.
@@ -292,52 +214,18 @@ class LLM:
         if not self._running.acquire(blocking=False):
             raise RuntimeError("this LLM is already generating (in another thread, or an unfinished stream(): finish or close() it first)")
         try:
-            yield from self._stream_one(prompts, progress=progress, on_step=on_step)
+            yield from self._stream(list(prompts), progress=progress, on_step=on_step)
         finally:
             self._running.release()
 
-    def _stream_one(self, prompts, *, progress, on_step) -> Iterator[RequestOutput]:
-        if len(self.replicas) > 1:
-            yield from self._stream_replicas(list(prompts), progress=progress, on_step=on_step)
-            return
-        scheduler = Scheduler(self.engine_config, self.engine.num_pages, block_pool=self.block_pool)
-        processor = OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context)
-        submitted = self._submit(scheduler, list(prompts))
-        show = progress if progress is not None else len(submitted) >= _PROGRESS_MIN_REQUESTS
-        bar = tqdm(total=len(submitted), unit="req", disable=not show)
-        try:
-            for request in runloop.run(scheduler, self.engine.step, processor, on_step=on_step):
-                bar.update(1)
-                yield self._output(request, processor.text(request))
-        finally:  # an interrupted or abandoned stream gives its pages back (cached ones stay named)
-            scheduler.abort_all("the run was stopped before this request finished")
-            bar.close()
-            self.last_stats = scheduler.stats
-
-    def _stream_replicas(self, prompts: list[Prompt], *, progress, on_step) -> Iterator[RequestOutput]:
-        """stream() over data-parallel replicas: `route` picks each prompt's replica at admission; the
-        replicas' run loops are advanced in turn, each output yielded as it finishes."""
-        from jaxinfer.block_pool import page_hashes
-
-        page_size, caching = self.engine_config.page_size, self.engine_config.enable_prefix_caching
+    def _stream(self, prompts: list[Prompt], *, progress, on_step) -> Iterator[RequestOutput]:
+        """Each prompt goes to the replica `_route` picks at admission (the one replica, without data
+        parallelism); the replicas' run loops are advanced in turn, each output yielded as it finishes."""
         schedulers = [Scheduler(self.engine_config, r.engine.num_pages, block_pool=r.block_pool) for r in self.replicas]
         processors = [OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context) for _ in self.replicas]
-        loads = [0] * len(self.replicas)
-        routed_pages: list[set[bytes]] = [set() for _ in self.replicas]  # prefixes sent to each replica in this batch
-        self.last_routes = []
-        for prompt in prompts:
-            names = page_hashes(prompt.token_ids, page_size, prompt.cache_salt) if caching else []
-            states = []
-            for i, replica in enumerate(self.replicas):
-                cached = len(replica.block_pool.lookup(names))
-                while cached < len(names) and names[cached] in routed_pages[i]:
-                    cached += 1
-                states.append(ReplicaLoad(loads[i], replica.block_pool.num_free, cached * page_size))
-            i = route(states, len(prompt.token_ids), prompt.params.max_tokens)
-            loads[i] += len(prompt.token_ids) - states[i].cached_tokens + prompt.params.max_tokens
-            routed_pages[i].update(names)
+        self.last_routes = self._route(prompts)
+        for prompt, i in zip(prompts, self.last_routes):
             self._submit(schedulers[i], [prompt])
-            self.last_routes.append(i)
         show = progress if progress is not None else len(prompts) >= _PROGRESS_MIN_REQUESTS
         bar = tqdm(total=len(prompts), unit="req", disable=not show)
         loops = {i: runloop.run(schedulers[i], r.engine.step, processors[i], on_step=on_step) for i, r in enumerate(self.replicas)}
@@ -350,12 +238,35 @@ class LLM:
                         continue
                     bar.update(1)
                     yield self._output(request, processors[i].text(request))
-        finally:
+        finally:  # an interrupted or abandoned stream gives its pages back (cached ones stay named)
             for scheduler in schedulers:
                 scheduler.abort_all("the run was stopped before this request finished")
             bar.close()
             self.replica_stats = [scheduler.stats for scheduler in schedulers]
             self.last_stats = self.replica_stats[0]
+
+    def _route(self, prompts: list[Prompt]) -> list[int]:
+        """The replica of each prompt, by `replicas.route`: load plus what each replica caches of its
+        prefix, counting the prefixes routed earlier in this batch."""
+        if len(self.replicas) == 1:
+            return [0] * len(prompts)
+        page_size, caching = self.engine_config.page_size, self.engine_config.enable_prefix_caching
+        loads = [0] * len(self.replicas)
+        routed_pages: list[set[bytes]] = [set() for _ in self.replicas]  # prefixes sent to each replica in this batch
+        routes = []
+        for prompt in prompts:
+            names = page_hashes(prompt.token_ids, page_size, prompt.cache_salt) if caching else []
+            states = []
+            for i, replica in enumerate(self.replicas):
+                cached = len(replica.block_pool.lookup(names))
+                while cached < len(names) and names[cached] in routed_pages[i]:
+                    cached += 1
+                states.append(ReplicaLoad(loads[i], replica.block_pool.num_free, cached * page_size))
+            i = route(states, len(prompt.token_ids), prompt.params.max_tokens)
+            loads[i] += len(prompt.token_ids) - states[i].cached_tokens + prompt.params.max_tokens
+            routed_pages[i].update(names)
+            routes.append(i)
+        return routes
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)

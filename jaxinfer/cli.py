@@ -15,7 +15,12 @@ import sys
 import threading
 from pathlib import Path
 
-from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES
+from jaxinfer.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES
+from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
+from jaxinfer.request import TRUNCATE_SIDES, SamplingParams
+from jaxinfer.validation import FieldError
+
+_LOAD_DEFAULTS, _SAMPLING_DEFAULTS = LoadOptions(), SamplingParams()
 
 _GENERATE_EPILOG = """\
 input JSONL, one object a line:
@@ -54,22 +59,25 @@ ray: --ray runs the lines on Ray Data actors, each holding one model (pip instal
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default=_LOAD_DEFAULTS.dtype, choices=DTYPES, help="compute dtype (default: %(default)s)")
     parser.add_argument(
-        "--quantization", default=None, choices=("gguf", "int8", "int4"),
+        "--quantization", default=_LOAD_DEFAULTS.quantization, choices=QUANTIZATIONS,
         help="weights held quantized on the device: gguf keeps a GGUF file's own blocks, int8 is per output channel, "
         "int4 groups of --group-size (embedding and head int8); default: dense in --dtype",
     )
-    parser.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128), help="input elements per int4 scale, with --quantization int4 (default: 32)")
+    parser.add_argument(
+        "--group-size", type=int, default=_LOAD_DEFAULTS.group_size, choices=INT4_GROUP_SIZES,
+        help=f"input elements per int4 scale, with --quantization int4 (default: {DEFAULT_INT4_GROUP_SIZE})",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (defaults for every request; JSONL lines may override)")
-    group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)")
-    group.add_argument("--seed", type=int, default=None, help="seed of every request (default: derived per request from --engine-seed)")
-    group.add_argument("--max-tokens", type=int, default=128, help="generated tokens at most (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=_SAMPLING_DEFAULTS.temperature, help="0 = greedy (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=_SAMPLING_DEFAULTS.top_k, help="keep the k most likely tokens, 0 = off (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=_SAMPLING_DEFAULTS.top_p, help="nucleus sampling mass, 1 = off (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=_SAMPLING_DEFAULTS.seed, help="seed of every request (default: derived per request from --engine-seed)")
+    group.add_argument("--max-tokens", type=int, default=_SAMPLING_DEFAULTS.max_tokens, help="generated tokens at most (default: %(default)s)")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -100,12 +108,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--deterministic", action="store_true", help="bitwise-reproducible logits whatever else is in the batch (fixed program shapes; slower)")
     group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
     group.add_argument(
-        "--tensor-parallel", type=int, default=1, metavar="N",
+        "--tensor-parallel", type=int, default=_LOAD_DEFAULTS.tensor_parallel, metavar="N",
         help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
         "replicated where not); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
     )
     group.add_argument(
-        "--data-parallel", type=int, default=1, metavar="M",
+        "--data-parallel", type=int, default=_LOAD_DEFAULTS.data_parallel, metavar="M",
         help="M model replicas, each on its own --tensor-parallel devices with its own KV pool; requests are routed by load (default: %(default)s)",
     )
     group.add_argument("--engine-seed", type=int, default=_engine_default("seed"), help="base seed for requests without their own (default: %(default)s)")
@@ -138,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", type=Path, metavar="FILE", help="JSONL results (required with --input)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user message")
     gen.add_argument(
-        "--truncate", default="none", choices=("none", "left", "right"),
+        "--truncate", default=TRUNCATE_SIDES[0], choices=TRUNCATE_SIDES,
         help="cut prompts that do not fit --max-context (prompts that fit are never cut), keeping room for --max-tokens "
         "but at least half the context: left keeps the end, right the start (default: none, an error record)",
     )
@@ -175,21 +183,17 @@ _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": 
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
     "attention_impl": "--attention", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
-    "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel",
+    "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel", "dtype": "--dtype", "parse_special": "--no-parse-special",
 }
 
 
 def _with_flag_names(error: ValueError, flags: dict[str, str]) -> ValueError:
-    from jaxinfer.validation import FieldError
-
     if isinstance(error, FieldError) and error.field in flags:
         return ValueError(f"{flags[error.field]} {error.problem}")
     return error
 
 
 def _sampling_params(args):
-    from jaxinfer.request import SamplingParams
-
     try:
         return SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -202,11 +206,9 @@ def _sampling_params(args):
 def _engine_config(args):
     """The flags as EngineConfig fields; every other field (the bucket tables) keeps its default, derived
     from these limits exactly as `LLM(**fields)` derives it."""
-    from jaxinfer.api import check_parallel
     from jaxinfer.config import EngineConfig
 
     try:
-        check_parallel(args.tensor_parallel, args.data_parallel)
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
@@ -216,20 +218,23 @@ def _engine_config(args):
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
 
-def _llm_kwargs(args, engine_config) -> dict:
-    """LLM's keyword arguments from the flags, for this process or for each Ray actor."""
-    return dict(
-        dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, parse_special=False if args.no_parse_special else None,
-        tensor_parallel=args.tensor_parallel, data_parallel=args.data_parallel, engine_config=engine_config,
-    )
+def _load_options(args) -> LoadOptions:
+    """The model flags as one validated LoadOptions, for this process or for each Ray actor."""
+    try:
+        return LoadOptions(
+            dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, tensor_parallel=getattr(args, "tensor_parallel", 1),
+            data_parallel=getattr(args, "data_parallel", 1), parse_special=False if getattr(args, "no_parse_special", False) else None,
+        )
+    except ValueError as e:
+        raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
 
-def _make_llm(args, engine_config):
+def _make_llm(args, load_options: LoadOptions, engine_config):
     from jaxinfer.api import LLM
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(args.model, **_llm_kwargs(args, engine_config))
+        return LLM(args.model, options=load_options, engine_config=engine_config)
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
@@ -267,10 +272,10 @@ def _ray_options(args):
 
 def _run_generate(args) -> int:
     defaults = _sampling_params(args)
-    engine_config = _engine_config(args)
+    load_options, engine_config = _load_options(args), _engine_config(args)
     ray_options = _ray_options(args)
     if args.input is None:
-        return _generate_one(args, defaults, engine_config)
+        return _generate_one(args, defaults, load_options, engine_config)
     if args.output is None:
         raise ValueError("--output FILE is required with --input")
     if args.force_settings and not args.resume:
@@ -281,7 +286,7 @@ def _run_generate(args) -> int:
     with BatchJob(
         args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,
     ) as job:
-        summary, llm = _run_job(job, args, engine_config, ray_options)
+        summary, llm = _run_job(job, args, load_options, engine_config, ray_options)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
     print(
@@ -294,18 +299,19 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _run_job(job, args, engine_config, ray_options):
+def _run_job(job, args, load_options, engine_config, ray_options):
     """(summary, the LLM or None): the job's lines run here or on Ray; nothing loads when none is left."""
     if not job.todo:
         print(f"nothing to do: every line of {args.input} has its record in {args.output}", file=sys.stderr)
         return job.write([]), None
     if ray_options is None:
-        llm = _make_llm(args, engine_config)
+        llm = _make_llm(args, load_options, engine_config)
         return job.run(llm, progress=not args.no_progress), llm
     from jaxinfer import ray as ray_jobs
 
     print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
-    return ray_jobs.run_job(job, ray_options, model=args.model, llm_kwargs=_llm_kwargs(args, engine_config), progress=not args.no_progress), None
+    summary = ray_jobs.run_job(job, ray_options, model=args.model, load_options=load_options, engine_config=engine_config, progress=not args.no_progress)
+    return summary, None
 
 
 # The flags that decide a line's tokens besides the line itself; a resume must keep them (--force-settings).
@@ -319,13 +325,13 @@ def _job_settings(args) -> dict:
     return {"model": model_identity(resolve_model_path(args.model))} | {name: getattr(args, name) for name in _TOKEN_SETTINGS}
 
 
-def _generate_one(args, defaults, engine_config) -> int:
+def _generate_one(args, defaults, load_options, engine_config) -> int:
     for flag, value in (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings)):
         if value:
             raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")
     if not args.prompt:
         raise ValueError("empty prompt: --prompt needs some text")
-    llm = _make_llm(args, engine_config)
+    llm = _make_llm(args, load_options, engine_config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     from jaxinfer.scheduler import PromptTooLongError
 
@@ -371,14 +377,7 @@ def _run_info(args) -> int:
     from jaxinfer.tokenizer import describe_tokenizer
 
     path = loading.resolve_model_path(args.model)
-    from jaxinfer.api import check_quantization
-
-    try:
-        check_quantization(args.quantization, args.group_size)
-    except ValueError as e:
-        raise _with_flag_names(e, _ENGINE_FLAGS) from None
-    group = {} if args.group_size is None else {"group_size": args.group_size}
-    cfg, params = loading.load_model(path, dtype=args.dtype, quantization=args.quantization, **group)
+    cfg, params = loading.load_model(path, **_load_options(args).load_kwargs)
     print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
     print(f"{'family':<17} {cfg.architecture}")
     for feature, value in cfg.features().items():

@@ -17,7 +17,7 @@ from jaxinfer.validation import FieldError, check_bool, check_int, check_number,
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (quant.KV_CODE_FORMATS); None keeps the model dtype
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes (LoadOptions.dtype, --dtype)
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type / GGUF general.architecture families
@@ -88,8 +88,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} not divisible by {self.num_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim=}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         scaling = self.rope_scaling

@@ -27,7 +27,8 @@ import numpy as np
 from jaxinfer import params as params_lib
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
-from jaxinfer.params import DEFAULT_INT4_GROUP_SIZE, QUANTIZATIONS, WEIGHTS, Params, Table, from_numpy, quantize_arrays, weight_format, weight_spec
+from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from jaxinfer.params import WEIGHTS, Params, Table, from_numpy, quantize_arrays, weight_format, weight_spec
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ def load_model(
       on_host: leave the weights in host memory (numpy leaves), for a caller that puts them on a mesh
         shard by shard (Engine(mesh=...)), so that no one device ever holds the whole model.
     """
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    check_quantization(quantization)
     path = resolve_model_path(model)
     if path.is_dir():
         if quantization == "gguf":

@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 
-QUANTIZATIONS = ("gguf", "int8", "int4")  # besides None: dense weights in cfg.dtype
-DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not 128
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
 Weight = jax.Array | quant.QuantizedTensor
 

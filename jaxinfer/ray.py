@@ -9,8 +9,8 @@ contract. Each actor holds one `LLM` and runs its batch through `batch.LineRunne
 its own error record and the rest of its batch runs. A request without its own seed derives one from its
 line's key, so which actor runs it does not change its tokens.
 
-When an actor dies, Ray Data restarts it and runs its unfinished batch again (actors are created with
-`max_restarts=-1, max_task_retries=-1`); a record whose key was already written is dropped by the
+When an actor dies, Ray Data restarts it and runs its unfinished batch again (the actors are created
+with `max_restarts=-1, max_task_retries=-1`, pinned here in `ray_remote_args`); a record whose key was already written is dropped by the
 writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
 
 Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
@@ -30,6 +30,8 @@ from jaxinfer.validation import check_int, check_number
 
 if TYPE_CHECKING:  # batch.py (and through it jax) is imported where it is used: the CLI's --help stays fast
     from jaxinfer.batch import BatchJob, InputLine, JobSummary
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.options import LoadOptions
 
 DEFAULT_BATCH_SIZE = 16  # lines per actor call: enough for continuous batching inside each actor
 
@@ -66,11 +68,11 @@ class LLMActor:
     (the line's record as JSON), one row per line, ok or error.
     """
 
-    def __init__(self, model=None, llm_kwargs: dict | None = None, defaults: SamplingParams | None = None, truncate: str = "none"):
+    def __init__(self, model=None, load_options: "LoadOptions | None" = None, engine_config: "EngineConfig | None" = None, defaults: SamplingParams | None = None, truncate: str = "none"):
         from jaxinfer.api import LLM
         from jaxinfer.batch import LineRunner
 
-        self.llm = LLM(model, **(llm_kwargs or {}))
+        self.llm = LLM(model, options=load_options, engine_config=engine_config)
         self.runner = LineRunner(defaults or SamplingParams(), truncate)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
@@ -89,16 +91,19 @@ def line_from_json(text: str) -> "InputLine":
     return InputLine(**json.loads(text))
 
 
-def run_job(job: "BatchJob", options: RayOptions, *, model=None, llm_kwargs: dict | None = None, progress: bool = True) -> "JobSummary":
+def run_job(
+    job: "BatchJob", options: RayOptions, *, model=None, load_options: "LoadOptions | None" = None, engine_config: "EngineConfig | None" = None, progress: bool = True,
+) -> "JobSummary":
     """Run a BatchJob's remaining lines on a Ray cluster; the records land in the job's output."""
     ray = _import_ray()
     if not ray.is_initialized():
         ray.init(address=options.address, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = progress
-    return job.write(_records(ray, job, options, model, llm_kwargs))
+    actor_kwargs = {"model": None if model is None else str(model), "load_options": load_options, "engine_config": engine_config}
+    return job.write(_records(ray, job, options, actor_kwargs))
 
 
-def _records(ray, job: "BatchJob", options: RayOptions, model, llm_kwargs) -> Iterator[dict]:
+def _records(ray, job: "BatchJob", options: RayOptions, actor_kwargs: dict) -> Iterator[dict]:
     if not job.todo:
         return
     items = [{"line": line_to_json(line)} for line in job.todo]
@@ -106,7 +111,8 @@ def _records(ray, job: "BatchJob", options: RayOptions, model, llm_kwargs) -> It
     ds = ds.map_batches(
         LLMActor, batch_size=options.batch_size, batch_format="numpy", concurrency=options.num_actors,
         num_cpus=options.num_cpus, num_gpus=options.num_gpus or None,
-        fn_constructor_kwargs={"model": None if model is None else str(model), "llm_kwargs": llm_kwargs, "defaults": job.runner.defaults, "truncate": job.runner.truncate},
+        fn_constructor_kwargs=actor_kwargs | {"defaults": job.runner.defaults, "truncate": job.runner.truncate},
+        ray_remote_args={"max_restarts": -1, "max_task_retries": -1},
     )
     for row in ds.iter_rows():
         yield json.loads(row["record"])

@@ -14,6 +14,7 @@ import math
 
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, check_stop_strings, check_stop_token_ids, unknown_field_error
 
+TRUNCATE_SIDES = ("none", "left", "right")  # what a prompt over the context does: an error, or cut (api.truncate_prompt)
 MAX_SEED = 2**31  # seeds are int32 on the device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device
 

@@ -20,6 +20,7 @@ from jaxinfer.api import LLM
 from jaxinfer.batch import BatchJob, InputFileError, LineError, check_paths, parse_line, read_input
 from jaxinfer.batch_output import OutputBusyError, ResumeError, lock_path, meta_path
 from jaxinfer.config import EngineConfig
+from jaxinfer.options import LoadOptions
 from jaxinfer.request import SamplingParams
 from jaxinfer.validation import FieldError
 from job_records import records
@@ -274,9 +275,9 @@ def test_control_token_text_in_chat_content_stays_plain_text(smollm2_tokenizer):
 
 
 def test_parse_special_false_keeps_control_text_in_plain_prompts_literal(llm):
-    literal = LLM.from_params(llm.model_config, llm.engine.params, llm.tokenizer, engine_config=llm.engine_config, warmup=False, parse_special=False)
+    literal = LLM.from_params(llm.model_config, llm.engine.params, llm.tokenizer, engine_config=llm.engine_config, warmup=False, options=LoadOptions(parse_special=False))
     im_start = llm.tokenizer.tokenizer.token_to_id("<|im_start|>")
     assert im_start in llm.encode("<|im_start|>user")
     assert im_start not in literal.encode("<|im_start|>user")
     with pytest.raises(FieldError, match="parse_special"):
-        LLM.from_params(llm.model_config, llm.engine.params, llm.tokenizer, engine_config=llm.engine_config, warmup=False, parse_special="no")
+        LoadOptions(parse_special="no")

@@ -120,7 +120,7 @@ def test_data_parallel_outputs_equal_one_replica_in_input_order(tiny_chat_model)
 
 
 def test_router_balances_a_skewed_workload_better_than_round_robin():
-    from jaxinfer.api import ReplicaLoad, route
+    from jaxinfer.replicas import ReplicaLoad, route
 
     def balance(assign, lengths, replicas):
         loads = [0] * replicas
@@ -239,7 +239,7 @@ def test_every_sharded_axis_of_smollm2_divides_the_mesh(quantization):
 
 
 def test_tensor_parallel_is_checked_at_the_boundary():
-    from jaxinfer.api import check_tensor_parallel
+    from jaxinfer.options import check_tensor_parallel
     from jaxinfer.validation import FieldError
 
     for bad in (0, -1, 1.5, True, "2"):
