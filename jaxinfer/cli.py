@@ -396,7 +396,7 @@ def _run_info(args) -> int:
 
 def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: str | None, *, tied: bool) -> str:
     """Resident weight bytes, one row per tensor kind, one column per storage format, with totals."""
-    kinds = ("embedding", "attention", "mlp", "head")
+    from jaxinfer.params import KINDS as kinds
     formats = sorted({fmt for _, fmt in by_kind_and_format})
     cell = lambda n: f"{n / 2**20:.2f} MiB" if n else "-"  # noqa: E731
     lines = [f"{'weights in memory':<17} quantization: {quantization or 'none (dense)'}", f"  {'kind':<11}" + "".join(f"{f:>13}" for f in formats) + f"{'total':>13}"]
