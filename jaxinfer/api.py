@@ -33,6 +33,32 @@ _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 
 
 @dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Where a request's time went, in seconds from its submission. queue + prefill + decode is its
+    latency exactly: queue until a step first computed its tokens, prefill from there to its first
+    token, decode from there to its end. A request that never ran spends it all queued."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    time_per_output_token_s: float  # decode_s per token after the first (0.0 with one token or none)
+    num_steps: int  # engine steps that computed its tokens
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> "RequestMetrics":
+        arrival, finish = request.arrival_time, request.finish_time
+        scheduled = request.first_scheduled_time or finish
+        first_token = request.first_token_time or finish
+        decode = finish - first_token
+        per_token = decode / (len(request.output_ids) - 1) if len(request.output_ids) > 1 else 0.0
+        return cls(scheduled - arrival, first_token - scheduled, decode, per_token, request.num_steps, request.num_preemptions)
+
+    def as_record(self) -> dict:
+        return {name: round(value, 6) if isinstance(value, float) else value for name, value in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     index: int  # position in the input
     text: str
@@ -45,6 +71,7 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None  # why it failed, when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics | None = None  # where its latency went
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +326,7 @@ class LLM:
             num_preemptions=request.num_preemptions,
             error=request.error,
             num_cached_tokens=request.num_cached_tokens,
+            metrics=RequestMetrics.of(request),
         )
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None, on_step: runloop.OnStep | None = None) -> list[RequestOutput]:

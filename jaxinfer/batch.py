@@ -87,6 +87,8 @@ class JobSummary:
     generated_tokens: int = 0
     seconds: float = 0.0
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    tpots: list[float] = dataclasses.field(default_factory=list)  # time per output token of each ok record
+    queue_times: list[float] = dataclasses.field(default_factory=list)
     ignored_fields: dict[str, int] = dataclasses.field(default_factory=dict)  # unknown field -> lines
     interrupted: bool = False
 
@@ -99,13 +101,25 @@ class JobSummary:
         self.prompt_tokens += record["num_prompt_tokens"]
         self.generated_tokens += record["num_generated_tokens"]
         self.ttfts.append(record["time_to_first_token_s"])
+        self.tpots.append(record["metrics"]["time_per_output_token_s"])
+        self.queue_times.append(record["metrics"]["queue_s"])
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
     def ttft_percentile(self, q: float) -> float:
-        return float(np.percentile(self.ttfts, q)) if self.ttfts else float("nan")
+        return _percentile(self.ttfts, q)
+
+    def tpot_percentile(self, q: float) -> float:
+        return _percentile(self.tpots, q)
+
+    def queue_percentile(self, q: float) -> float:
+        return _percentile(self.queue_times, q)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # ---------------------------------------------------------------- reading lines
@@ -364,6 +378,7 @@ def _result_record(line: InputLine, output: RequestOutput) -> dict:
         "status": "ok", "text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason,
         "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": output.num_generated_tokens,
         "num_cached_tokens": output.num_cached_tokens, "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
+        "metrics": output.metrics.as_record(),
     }
 
 

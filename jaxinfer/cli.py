@@ -359,6 +359,8 @@ def _summary_table(summary, llm) -> str:
         ("wall time", f"{summary.seconds:.2f} s"),
         ("generated tokens/s", f"{summary.tokens_per_second:.1f}"),
         ("time to first token p50 / p99", f"{summary.ttft_percentile(50):.3f} / {summary.ttft_percentile(99):.3f} s"),
+        ("time per output token p50 / p99", f"{summary.tpot_percentile(50) * 1e3:.1f} / {summary.tpot_percentile(99) * 1e3:.1f} ms"),
+        ("queue time p50 / p99", f"{summary.queue_percentile(50):.3f} / {summary.queue_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
         ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s" if llm is not None else "- (in each Ray actor)"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),

@@ -94,6 +94,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
     admit_index: int = -1  # order of the latest admission; preemption takes the largest first
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # when a step first computed any of its tokens (runloop)
+    num_steps: int = 0  # engine steps that computed its tokens
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -46,6 +46,7 @@ def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_st
 def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, plan: StepPlan, on_step: OnStep | None = None) -> list[Request]:
     """Run one plan and apply its tokens; returns the requests it finished."""
     start = time.perf_counter()
+    _count_step(scheduler, plan, start)
     try:
         tokens = step(plan)
     except Exception as e:  # one bad step fails its own rows, not the job
@@ -63,6 +64,15 @@ def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, pla
             scheduler.finish(request, reason)
             finished.append(request)
     return finished
+
+
+def _count_step(scheduler: Scheduler, plan: StepPlan, now: float) -> None:
+    """Per-request timing: the first step that computes a request's tokens, and how many steps do."""
+    planned = set(plan.request_ids)
+    for request in scheduler.running:
+        if request.request_id in planned:
+            request.num_steps += 1
+            request.first_scheduled_time = request.first_scheduled_time or now
 
 
 def dry_run(engine_cfg, prompts: list[list[int]], max_tokens: list[int], num_pages: int | None = None) -> tuple[list[StepPlan], SchedulerStats]:
