@@ -329,10 +329,10 @@ def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr
         if elapsed > args.timeout_s:
             inv.timed_out = True
             proc.kill()
+        elif inv.probe_second_job and inv.probe is None and num_records > inv.records_before:  # before its signal
+            inv.probe = dataclasses.asdict(second_job_probe(proc.pid, output, args.paths))
         elif _should_signal(inv, num_records, None if load_start is None else elapsed - load_start):
             _send_signal(proc, inv, num_records, args.sigint_grace_s)
-        elif inv.probe_second_job and inv.probe is None and num_records > inv.records_before:
-            inv.probe = dataclasses.asdict(second_job_probe(proc.pid, output, args.paths))
         time.sleep(POLL_S)
 
 
