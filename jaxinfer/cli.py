@@ -302,7 +302,8 @@ def _run_generate(args) -> int:
 def _run_job(job, args, load_options, engine_config, ray_options):
     """(summary, the LLM or None): the job's lines run here or on Ray; nothing loads when none is left."""
     if not job.todo:
-        print(f"nothing to do: every line of {args.input} has its record in {args.output}", file=sys.stderr)
+        why = f"{args.input} has no lines" if not job.lines else f"every line of {args.input} has its record in {args.output}"
+        print(f"nothing to do: {why}", file=sys.stderr)
         return job.write([]), None
     if ray_options is None:
         llm = _make_llm(args, load_options, engine_config)
