@@ -10,7 +10,8 @@ its own error record and the rest of its batch runs. A request without its own s
 line's key, so which actor runs it does not change its tokens.
 
 When an actor dies, Ray Data restarts it and runs its unfinished batch again (the actors are created
-with `max_restarts=-1, max_task_retries=-1`, pinned here in `ray_remote_args`); a record whose key was already written is dropped by the
+with `max_restarts=-1, max_task_retries=-1`, pinned in `map_batches`' remote args); a record whose
+key was already written is dropped by the
 writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
 
 Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
@@ -112,7 +113,7 @@ def _records(ray, job: "BatchJob", options: RayOptions, actor_kwargs: dict) -> I
         LLMActor, batch_size=options.batch_size, batch_format="numpy", concurrency=options.num_actors,
         num_cpus=options.num_cpus, num_gpus=options.num_gpus or None,
         fn_constructor_kwargs=actor_kwargs | {"defaults": job.runner.defaults, "truncate": job.runner.truncate},
-        ray_remote_args={"max_restarts": -1, "max_task_retries": -1},
+        max_restarts=-1, max_task_retries=-1,  # Ray Data passes extra keywords to the actors as their remote args
     )
     for row in ds.iter_rows():
         yield json.loads(row["record"])
