@@ -11,8 +11,7 @@ line's key, so which actor runs it does not change its tokens.
 
 When an actor dies, Ray Data restarts it and runs its unfinished batch again (the actors are created
 with `max_restarts=-1, max_task_retries=-1`, pinned in `map_batches`' remote args); a record whose
-key was already written is dropped by the
-writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
+key was already written is dropped by the writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
 
 Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
 """
