@@ -1,35 +1,23 @@
 """Does jaxinfer's paged engine beat HF generate, llama.cpp and a naive static batcher on a real trace?
 
-Issue 4's benchmark. The workload: --num-requests requests sampled (fixed seed, kept in trace order)
-from the Azure 2023 conversation trace, context and generated lengths divided by --scale (at least 1);
-prompts are real English (experiments/data/passages.txt) tokenized by jaxinfer's tokenizer and cut or
-repeated from a random offset to each prompt length; each request asks for exactly its generated
-length (EOS ignored). The workload is written once as JSON (ids + max_tokens) and every runner reads
-it. Runners, one after the other in this run (never concurrently):
-  jaxinfer  harness.run_engine: LLM(...) with token-id prompts, greedy, ignore_eos; warm-up (compiles) timed apart; the
-            EngineConfig knobs chosen here (engine_config_for); every timed repeat starts with an empty
-            prefix cache (LLM.reset_prefix_cache), so only prefixes shared within the workload are reused;
-  jaxinfer_defaults  the same with EngineConfig's default prefill/decode bucket tables, for contrast;
-  naive     jaxinfer's model.forward over a dense cache in static batches (arrival order) padded to the
-            workload's longest prompt, every row decoded to the longest generation;
-  hf        transformers batched generate (experiments/peers/hf_generate.py, .venv-ref);
-  llamacpp  llama-cpp-python on the same GGUF, sequential and batched (experiments/peers/llamacpp_generate.py).
-Every runner times the whole workload --repeats times and reports its best run (the machine is shared;
-the best run is the least disturbed one), with every run's seconds alongside.
-Correctness first: a few requests through the engine must equal jaxinfer.generate.generate (the dense
-reference); agreement of every runner's greedy tokens with jaxinfer's is reported, not enforced
-(quantized and differently-ordered arithmetic diverges late). Useful output = the requested tokens.
-Writes experiments/results/bench_engine.json; the last stdout line is one JSON document.
+Issue 4's benchmark (README "Engine on a real trace"). The workload is the harness's (build_workload:
+--num-requests requests of the Azure conversation trace, lengths / --scale, real-text prompts, each asking
+for exactly its generated length), written once as JSON that every runner reads. Runners, one after the
+other: jaxinfer (harness.run_engine, with the knobs of engine_config_for), jaxinfer_defaults (EngineConfig's
+default bucket tables), naive (model.forward over a dense cache in static batches padded to the workload's
+longest prompt and generation), hf (peers/hf_generate.py) and llamacpp (peers/llamacpp_generate.py, one
+stream and batched) on the same GGUF. Each times the workload --repeats times and reports its best run.
+Correctness first: a few requests must equal the dense reference; every runner's agreement with jaxinfer's
+greedy tokens is reported, not enforced (quantized and reordered arithmetic diverges late). Writes
+experiments/results/bench_engine.json; the last stdout line is one JSON document.
 
     .venv/bin/python experiments/bench_engine.py [--num-requests 64] [--scale 8] [--peers jaxinfer,naive,hf,llamacpp] [--quick]
 """
 
-import argparse
 import gc
 import hashlib
 import json
 import pathlib
-import sys
 import time
 
 import jax.numpy as jnp
@@ -97,11 +85,8 @@ def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[
 
 def _naive_batch(prefill, decode, params, cache, batch, batch_size, padded_prompt, max_new):
     """One static batch: chunked prefill of the padded prompts, then max_new decode steps for all rows."""
-    lengths = np.ones((batch_size,), np.int32)  # padding rows: a 1-token prompt of id 0
-    tokens = np.zeros((batch_size, padded_prompt), np.int32)
-    for row, request in enumerate(batch):
-        lengths[row] = len(request["prompt_ids"])
-        tokens[row, : lengths[row]] = request["prompt_ids"]
+    padding = [[0]] * (batch_size - len(batch))  # padding rows: a 1-token prompt of id 0
+    tokens, lengths = harness.pad_rows([r["prompt_ids"] for r in batch] + padding, padded_prompt)
     first_token = np.zeros((batch_size,), np.int32)
     for chunk_start in range(0, padded_prompt, NAIVE_PREFILL_CHUNK):
         positions = np.broadcast_to(np.arange(chunk_start, chunk_start + NAIVE_PREFILL_CHUNK, dtype=np.int32), (batch_size, NAIVE_PREFILL_CHUNK))
@@ -135,19 +120,16 @@ def run_peer(script: str, workload_file: pathlib.Path, extra: list[str]) -> tupl
 
 
 def print_table(results: dict, base: float | None) -> None:
-    print(f"\n{'runner':<24} {'out tok/s':>10} {'run s':>8} {'load s':>7} {'warm-up s':>9} {'jaxinfer/x':>10} {'exact':>6} {'prefix':>7}")
+    columns = [("runner", "<24"), ("out tok/s", "10.1f"), ("run s", "8.1f"), ("load s", "7.1f"), ("warm-up s", "9.1f"), ("jaxinfer/x", "9.2f"),
+               ("exact", "6.0%"), ("prefix", "7.0%")]
+    table = []
     for name, entry in results.items():
-        if "output_tokens_per_s" not in entry:
-            print(f"{name:<24} {'not run: ' + entry.get('error', '?')[:60]}")
-            continue
-        rate = entry["output_tokens_per_s"]
-        ratio = f"{base / rate:9.2f}x" if base else "         -"
         agree = entry.get("agreement_with_jaxinfer") or {}
-        exact = f"{agree['exact_requests']:6.0%}" if agree else "     -"
-        prefix = f"{agree['mean_prefix_fraction']:7.0%}" if agree else "      -"
-        load = entry.get("load_s", 0.0)
-        warmup = entry.get("warmup_s", entry.get("compile_s", 0.0))
-        print(f"{name:<24} {rate:10.1f} {entry['seconds']:8.1f} {load:7.1f} {warmup:9.1f} {ratio} {exact} {prefix}")
+        rate = entry.get("output_tokens_per_s")
+        table.append([name, "not run: " + entry.get("error", "?")[:60]] if rate is None else [
+            name, rate, entry["seconds"], entry.get("load_s", 0.0), entry.get("warmup_s", entry.get("compile_s", 0.0)), base and base / rate,
+            agree.get("exact_requests"), agree.get("mean_prefix_fraction")])
+    print("\n" + harness.format_table(columns, table))
     print("jaxinfer/x = jaxinfer output tokens/s / runner's; exact / prefix = agreement of greedy tokens with jaxinfer's\n"
           "(share of requests identical / mean share of tokens before the first difference). Warm-up: compiles\n"
           "(jaxinfer: every bucket program, cold; naive: its 2 programs) or an untimed first call (peers).")
@@ -179,11 +161,10 @@ def goals(results: dict) -> dict:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--scale", type=float, default=8.0, help="trace lengths are divided by this")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trace", type=pathlib.Path, default=harness.DEFAULT_TRACE)
     parser.add_argument("--peers", default=",".join(ALL_RUNNERS), help=f"comma list of {ALL_RUNNERS}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests at scale 32, one repeat")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of the workload per runner; the best is reported")
@@ -203,14 +184,10 @@ def parse_args():
     parser.add_argument("--hf-batch", type=int, default=16, help="HF static batch (8: 31.6, 16: 37.8, 32: 33.5 tokens/s measured)")
     parser.add_argument("--naive-batch", type=int, default=32)
     parser.add_argument("--llamacpp-parallel", type=int, default=32, help="sequence ids in llama.cpp batched mode (= max_num_seqs)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.scale, args.repeats = 6, 32.0, 1
-    args.runners = [p for p in args.peers.split(",") if p]
-    unknown = set(args.runners) - set(ALL_RUNNERS)
-    if unknown:
-        parser.error(f"unknown runners {sorted(unknown)}; choose from {ALL_RUNNERS}")
+    args.runners = harness.comma_list(parser, args.peers, ALL_RUNNERS, "runners")
     return args
 
 
@@ -234,29 +211,30 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     return harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size, **knobs)
 
 
+def _record(results: dict, name: str, entry: dict, tokens=None, jax_tokens=None) -> None:
+    """results[name] = entry, with the 1/5/15-minute load averages after it ran (this machine is shared: a
+    load well above the core count means the timings are inflated) and its agreement with jaxinfer's tokens."""
+    results[name] = entry | {"load_average_after": load_average()}
+    if tokens is not None and jax_tokens is not None:
+        results[name]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
+    print(f"{name}: {entry['output_tokens_per_s']:.1f} tokens/s", flush=True)
+
+
 def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
-    """Every selected runner in turn; each result records the 1/5/15-minute load averages after it ran
-    (this machine is shared: a load well above the core count means the timings are inflated)."""
+    """Every selected runner in turn."""
     results: dict[str, dict] = {}
     jax_tokens, llm = None, None
     if "jaxinfer" in args.runners or "naive" in args.runners:
         load = {"quantization": args.quantization} if args.quantization else {}  # LLM's own default otherwise
-        results["jaxinfer"], jax_tokens, llm = harness.run_engine(workload, engine_config_for(args), args.repeats, **load)
-        results["jaxinfer"]["load_average_after"] = load_average()
-        print(f"jaxinfer: {results['jaxinfer']['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        entry, jax_tokens, llm = harness.run_engine(workload, engine_config_for(args), args.repeats, **load)
+        _record(results, "jaxinfer", entry)
     if "naive" in args.runners:
-        results["naive"], tokens = run_naive(llm, workload, args.naive_batch, args.repeats)
-        results["naive"]["load_average_after"] = load_average()
-        results["naive"]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
-        print(f"naive: {results['naive']['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        _record(results, "naive", *run_naive(llm, workload, args.naive_batch, args.repeats), jax_tokens)
     del llm  # frees its KV pool before the next runner
     gc.collect()
     if "jaxinfer_defaults" in args.runners:
-        results["jaxinfer_defaults"], tokens, _ = harness.run_engine(workload, engine_config_for(args, tuned=False), args.repeats)
-        results["jaxinfer_defaults"]["load_average_after"] = load_average()
-        if jax_tokens is not None:
-            results["jaxinfer_defaults"]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
-        print(f"jaxinfer_defaults: {results['jaxinfer_defaults']['output_tokens_per_s']:.1f} tokens/s", flush=True)
+        entry, tokens, _ = harness.run_engine(workload, engine_config_for(args, tuned=False), args.repeats)
+        _record(results, "jaxinfer_defaults", entry, tokens, jax_tokens)
         gc.collect()
     return results | run_peers(args, workload_file, jax_tokens)
 
@@ -276,11 +254,8 @@ def run_peers(args, workload_file: pathlib.Path, jax_tokens: list[list[int]] | N
             print(f"{name}: failed: {str(error)[-500:]}", flush=True)
             continue
         for mode, entry in (raw.pop("modes") if "modes" in raw else {None: raw}).items():
-            key = name if mode is None else f"{name}_{mode}"
-            results[key] = {**entry, "load_s": raw["load_s"], "load_average_after": load_average(), **({"peer": raw} if mode else {})}
-            if jax_tokens is not None:
-                results[key]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens[mode] if mode else tokens)
-            print(f"{key}: {results[key]['output_tokens_per_s']:.1f} tokens/s", flush=True)
+            _record(results, name if mode is None else f"{name}_{mode}", {**entry, "load_s": raw["load_s"], **({"peer": raw} if mode else {})},
+                    tokens[mode] if mode else tokens, jax_tokens)
     return results
 
 
@@ -308,14 +283,11 @@ def main() -> None:
         "goals": goals(results),
         "runtime_s": time.perf_counter() - total_start,
     }
-    harness.write_result(args.out, result)
     jaxinfer = results.get("jaxinfer", {})
-    last = {"bench": "engine", "correct": correct, "output_tokens_per_s": {k: v.get("output_tokens_per_s") for k, v in results.items()},
-            "goals": {k: v["measured"] for k, v in result["goals"].items()}, "num_compilations": jaxinfer.get("num_compilations"),
-            "padding_waste": jaxinfer.get("stats", {}).get("padding_waste"), "runtime_s": result["runtime_s"]}
-    print(json.dumps(last))
-    if not correct:
-        sys.exit(1)
+    harness.finish(args.out, result, {
+        "bench": "engine", "correct": correct, "output_tokens_per_s": {k: v.get("output_tokens_per_s") for k, v in results.items()},
+        "goals": {k: v["measured"] for k, v in result["goals"].items()}, "num_compilations": jaxinfer.get("num_compilations"),
+        "padding_waste": jaxinfer.get("stats", {}).get("padding_waste"), "runtime_s": result["runtime_s"]}, correct=correct)
 
 
 if __name__ == "__main__":

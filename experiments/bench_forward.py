@@ -1,46 +1,25 @@
 """How fast is jaxinfer's forward on this machine, as a fraction of its measured matmul peak, and vs HF?
 
-Issue 2's benchmark. In one run, on the default model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to
-float32):
-  1. correctness first: last-position logits of `model.forward` vs the committed HF fixtures
-     (tests/fixtures/smollm2_reference.npz, every prompt), and vs HF's logits on the benchmark's own
-     prefill ids computed in this run; both must be within MAX_RELATIVE_ERROR (relative error norm);
-  2. the machine's ceilings, measured here: f32 matmul FLOP/s (MATMUL_SIZE^3 jnp matmul) and read
-     bandwidth (a reduction over BANDWIDTH_BYTES), best of several runs after a warm-up;
-  3. prefill: one sequence of --prefill-tokens real-text tokens through the engine's paged pool (pages of
-     PAGE_SIZE) with the engine's attention (--attention, resolved as the engine resolves it: on a CPU,
-     the kernels_cpu kernels, with the weights packed into panels as the engine packs them), jitted,
-     pool donated;
-  4. decode: one token per row at each batch size over the paged pool holding --context tokens per row,
-     every row at position context - 1 (so every row attends to the full context), same attention;
-  5. compile time of each of those programs (lower + compile, persistent cache not used);
-  6. HF transformers on the same ids and batch sizes, via experiments/peers/hf_forward.py in .venv-ref;
-  7. where a decode step's time goes, per batch size: the forward without a cache (layer matmuls, norms,
-     rope, LM head), the LM head + argmax alone, and the attention block alone (K/V write + attention,
-     30 layers) over a dense cache, over the paged pool with the jnp path, and with --attention.
-
-FLOPs counted (stated in the output): 2 * P_matmul * tokens + 2 * V * D * rows_with_logits
-+ 4 * L * H * K * (sum over query tokens of keys attended), P_matmul = the layers' matmul weights.
-Bytes counted for decode MBU: f32 weights read once (layers + embedding as LM head) + the K/V read.
-Writes experiments/results/bench_forward.json; the last stdout line is one JSON document.
-
-With --geometry NAME (llama3-1b: Llama 3.2 1B's shape with llama3 rope scaling; qwen2.5-0.5b: Qwen2.5
-0.5B's shape with q/k/v biases), the same measurements run on random weights of that geometry instead:
-they are written as a Hugging Face folder (config.json + safetensors), jaxinfer loads it with its HF
-loader, HF transformers loads the same folder, and correctness is our last-position logits vs HF's on
-the benchmark's (random) prompt ids. Results go to bench_forward_<NAME>.json. Those runs need about
-3 x the f32 weight bytes of memory (1B: ~15 GB; 0.5B: ~6 GB).
+Issue 2's benchmark (README "Forward pass"), on SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to f32) or,
+with --geometry, on random weights of a real shape written as a HF folder that jaxinfer and HF both load
+(such a run needs about 3x the f32 weight bytes of memory: 1B ~15 GB, 0.5B ~6 GB). Correctness first:
+last-position logits vs the committed HF fixtures (SmolLM2) and vs HF's on the benchmark's own prefill
+ids, within MAX_RELATIVE_ERROR. Then, in one run: the machine's f32 matmul and read-bandwidth peaks;
+prefill of --prefill-tokens and one-token decode at each batch size over --context keys, through the
+engine's paged pool (pages of PAGE_SIZE) with the attention the Engine resolves for --attention (pool
+donated); each program's compile time; HF transformers on the same ids (peers/hf_forward.py); and the
+parts of a decode step, each jitted alone (decode_breakdown). The FLOP and byte counts are stated in the
+output (flops_formula, bytes_formula). Writes experiments/results/bench_forward[_<geometry>].json; the
+last stdout line is one JSON document.
 
     .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf] [--geometry NAME]
         [--attention auto|reference|cpu]
 """
 
-import argparse
 import functools
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 
@@ -72,28 +51,15 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 # ------------------------------------------------------------------------------------------ programs
 
 
-def paged_meta(batch: int, context: int, positions: np.ndarray) -> kv_pool.PageMeta:
-    """Row b owns pages b * n + 1 .. (b + 1) * n of a pool of batch * n + 1 pages (n = context / PAGE_SIZE);
-    tokens at `positions` [B, T] are written to their slots."""
-    return harness.page_meta(harness.row_tables(batch, -(-context // PAGE_SIZE)), positions, PAGE_SIZE)
-
-
-def paged_pool(cfg: ModelConfig, batch: int, context: int) -> kv_pool.KVPool:
-    return kv_pool.init_pool(cfg, batch * -(-context // PAGE_SIZE) + 1, PAGE_SIZE)
-
-
 def check_fixtures(params, cfg: ModelConfig) -> dict:
     """Relative error of our last-position logits vs the committed HF fixtures, per prompt."""
     with np.load(harness.FIXTURES) as fixtures:
         count = int(fixtures["num_prompts"])
         ids = [fixtures[f"p{i}_ids"] for i in range(count)]
         expected = [fixtures[f"p{i}_last_logits"] for i in range(count)]
-    tokens = np.zeros((count, FIXTURE_PAD), np.int32)
-    for row, prompt in enumerate(ids):
-        tokens[row, : len(prompt)] = prompt
-    last = np.array([len(p) - 1 for p in ids], np.int32)
+    tokens, lengths = harness.pad_rows(ids, FIXTURE_PAD)
     positions = np.broadcast_to(np.arange(FIXTURE_PAD, dtype=np.int32), tokens.shape)
-    logits, _ = harness.forward_program()(params, None, tokens, positions, None, last, cfg=cfg, impl="reference", output="last_logits")
+    logits, _ = harness.forward_program()(params, None, tokens, positions, None, lengths - 1, cfg=cfg, impl="reference", output="last_logits")
     logits = np.asarray(logits)  # [prompts, V]: at each prompt's last token, no cache
     errors = [relative_error(logits[i], expected[i]) for i in range(count)]
     argmax_equal = [int(np.argmax(logits[i]) == np.argmax(expected[i])) for i in range(count)]
@@ -105,9 +71,9 @@ def check_fixtures(params, cfg: ModelConfig) -> dict:
 
 def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: str) -> dict:
     num_tokens = len(ids)
-    positions = np.arange(num_tokens, dtype=np.int32)[None]
-    args = (jnp.asarray([ids], jnp.int32), positions, paged_meta(1, num_tokens, positions), np.array([num_tokens - 1], np.int32))
-    times, compile_s, logits = harness.time_forward(params, cfg, paged_pool(cfg, 1, num_tokens), args, impl=impl, output="last_logits", repeats=repeats, warmup=1)
+    args, num_pages = harness.prefill_args(ids, PAGE_SIZE)
+    pool = kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)
+    times, compile_s, logits = harness.time_forward(params, cfg, pool, args, impl=impl, output="last_logits", repeats=repeats, warmup=1)
     seconds = statistics.median(times)
     flops = forward_flops(cfg, num_tokens, 1, num_tokens * (num_tokens + 1) // 2)
     return {
@@ -117,9 +83,9 @@ def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: 
 
 
 def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int, impl: str) -> dict:
-    positions = np.full((batch, 1), context - 1, np.int32)  # every row attends to all `context` slots
-    args = (jnp.full((batch, 1), token, jnp.int32), positions, paged_meta(batch, context, positions), np.zeros(batch, np.int32))
-    times, compile_s, _ = harness.time_forward(params, cfg, paged_pool(cfg, batch, context), args, impl=impl, output="greedy", repeats=repeats, warmup=2)
+    args, num_pages = harness.decode_args(batch, context, token, PAGE_SIZE)  # every row attends to all `context` slots
+    pool = kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)
+    times, compile_s, _ = harness.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
     seconds = statistics.median(times)
     flops = forward_flops(cfg, batch, batch, batch * context)
     num_bytes = decode_bytes(cfg, batch, context)
@@ -151,13 +117,15 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     q = jax.random.normal(jax.random.key(3), (batch, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
     kv = jax.random.normal(jax.random.key(4), (batch, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     attend = {name: jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers, impl=name), donate_argnums=0) for name in ("reference", impl)}
-    meta = paged_meta(batch, context, np.full((batch, 1), context - 1, np.int32))
+    (_, _, meta, _), num_pages = harness.decode_args(batch, context, 0, PAGE_SIZE)
+    paged_pool = lambda: kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)  # noqa: E731
+    donating = lambda program, state, pages: statistics.median(harness.time_donating(program, state, q, kv, kv, positions, pages, repeats=repeats)[0])  # noqa: E731
     seconds = {
         "forward_without_cache": statistics.median(time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
         "lm_head_argmax": statistics.median(time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
-        "attention_dense": harness.time_donating(attend["reference"], kv_pool.init_dense_cache(cfg, batch, context), q, kv, kv, positions, None, repeats=repeats),
-        "attention_paged": harness.time_donating(attend["reference"], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
-        "attention_paged_impl": harness.time_donating(attend[impl], paged_pool(cfg, batch, context), q, kv, kv, positions, meta, repeats=repeats),
+        "attention_dense": donating(attend["reference"], kv_pool.init_dense_cache(cfg, batch, context), None),
+        "attention_paged": donating(attend["reference"], paged_pool(), meta),
+        "attention_paged_impl": donating(attend[impl], paged_pool(), meta),
     }
     return {"batch": batch, "context": context, "page_size": PAGE_SIZE, "attention_impl": impl, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
 
@@ -174,41 +142,30 @@ def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pat
 # ------------------------------------------------------------------------------------------ report
 
 
-def _row(name, seconds, tokens_per_s, flops_per_s, peak, mbu, hf_seconds, compile_s):
-    ratio = f"{hf_seconds / seconds:6.2f}x" if hf_seconds else "     -"
-    hf = f"{hf_seconds * 1e3:9.1f}" if hf_seconds else "        -"
-    mbu_text = f"{mbu:6.1%}" if mbu is not None else "     -"
-    return (f"{name:<18} {seconds * 1e3:9.1f} {tokens_per_s:10.1f} {flops_per_s / 1e9:8.2f} {flops_per_s / peak:7.1%} "
-            f"{mbu_text} {compile_s:8.2f} {hf} {ratio}")
-
-
 def print_table(result: dict) -> None:
-    peaks = result["machine"]["peaks"]
-    peak = peaks["matmul"]["best_flops_per_s"]
-    hf = result.get("hf") or {}
-    print(f"\nmatmul peak {peak / 1e9:.1f} GFLOP/s (f32 {MATMUL_SIZE}^3), read bandwidth "
-          f"{peaks['bandwidth']['best_bytes_per_s'] / 1e9:.1f} GB/s; load avg {result['load_average']}")
-    print(f"{'program':<18} {'ms':>9} {'tokens/s':>10} {'GFLOP/s':>8} {'%peak':>7} {'MBU':>6} {'compile':>8} {'HF ms':>9} {'jax/HF':>7}")
+    peaks, hf, impl = result["machine"]["peaks"], result.get("hf") or {}, result["attention_impl"]
+    peak, bandwidth = peaks["matmul"]["best_flops_per_s"], peaks["bandwidth"]["best_bytes_per_s"]
+    print(f"\nmatmul peak {peak / 1e9:.1f} GFLOP/s (f32 {MATMUL_SIZE}^3), read bandwidth {bandwidth / 1e9:.1f} GB/s; load avg {result['load_average']}")
     prefill = result["prefill"]
-    print(_row(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], peak,
-               None, hf.get("prefill_median_s"), prefill["compile_s"]))
-    bandwidth = peaks["bandwidth"]["best_bytes_per_s"]
-    for entry in result["decode"]:
-        hf_step = (hf.get("decode_median_step_s") or {}).get(str(entry["batch"]))
-        print(_row(f"decode B={entry['batch']} S={entry['context']}", entry["median_step_s"], entry["tokens_per_s"],
-                   entry["flops_per_s"], peak, entry["bytes_per_s"] / bandwidth, hf_step, entry["compile_s"]))
+    programs = [(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], None,
+                 hf.get("prefill_median_s"), prefill["compile_s"])]
+    programs += [(f"decode B={d['batch']} S={d['context']}", d["median_step_s"], d["tokens_per_s"], d["flops_per_s"], d["bytes_per_s"] / bandwidth,
+                  (hf.get("decode_median_step_s") or {}).get(str(d["batch"])), d["compile_s"]) for d in result["decode"]]
+    columns = [("program", "<18"), ("ms", "9.1f"), ("tokens/s", "10.1f"), ("GFLOP/s", "8.2f"), ("%peak", "7.1%"), ("MBU", "6.1%"),
+               ("compile", "8.2f"), ("HF ms", "9.1f"), ("jax/HF", "6.2f")]
+    print(harness.format_table(columns, [[name, s * 1e3, rate, flops / 1e9, flops / peak, mbu, compile_s, hf_s and hf_s * 1e3, hf_s and hf_s / s]
+                                         for name, s, rate, flops, mbu, hf_s, compile_s in programs]))
     print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
-    impl = result["attention_impl"]
     print(f"prefill and decode run through the paged pool (pages of {PAGE_SIZE}) with attention_impl={impl!r}, as the engine does.")
     print("\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
-    print(f"{'batch':>5} {'full step':>10} {'no-cache fwd':>13} {'LM head+argmax':>15} {'attn dense':>11} {'paged jnp':>10} {'paged ' + impl:>12}")
-    for entry, parts in zip(result["decode"], result["decode_breakdown"]):
-        print(f"{parts['batch']:>5} {entry['median_step_s'] * 1e3:10.1f} {parts['forward_without_cache_ms']:13.1f} "
-              f"{parts['lm_head_argmax_ms']:15.1f} {parts['attention_dense_ms']:11.1f} {parts['attention_paged_ms']:10.1f} {parts['attention_paged_impl_ms']:12.1f}")
+    columns = [("batch", "5d"), ("full step", "10.1f"), ("no-cache fwd", "13.1f"), ("LM head+argmax", "15.1f"), ("attn dense", "11.1f"),
+               ("paged jnp", "10.1f"), ("paged " + impl, "12.1f")]
+    print(harness.format_table(columns, [[p["batch"], d["median_step_s"] * 1e3, p["forward_without_cache_ms"], p["lm_head_argmax_ms"], p["attention_dense_ms"],
+                                          p["attention_paged_ms"], p["attention_paged_impl_ms"]] for d, p in zip(result["decode"], result["decode_breakdown"])]))
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__)
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--context", type=int, default=512, help="tokens each decode row attends to")
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto", help="attention_impl, resolved as the engine does (default: %(default)s)")
@@ -227,17 +184,8 @@ def write_random_folder(config: dict, folder: pathlib.Path) -> None:
     """A HF folder of `config` with seeded random weights: matrices and biases ~ N(0, 0.02), norms 1."""
     from safetensors.numpy import save_file
 
-    cfg = from_hf_config(config)
     rng = np.random.default_rng(0)
-    d, q_width, kv_width = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    for i in range(cfg.num_layers):
-        layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,), "self_attn.q_proj.weight": (q_width, d),
-                 "self_attn.k_proj.weight": (kv_width, d), "self_attn.v_proj.weight": (kv_width, d), "self_attn.o_proj.weight": (d, q_width),
-                 "mlp.gate_proj.weight": (cfg.ffn_dim, d), "mlp.up_proj.weight": (cfg.ffn_dim, d), "mlp.down_proj.weight": (d, cfg.ffn_dim)}
-        if cfg.attention_bias:
-            layer |= {"self_attn.q_proj.bias": (q_width,), "self_attn.k_proj.bias": (kv_width,), "self_attn.v_proj.bias": (kv_width,)}
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    shapes = harness.file_tensor_shapes(from_hf_config(config), "hf")
     weights = {name: np.ones(shape, np.float32) if name.endswith("norm.weight") else (rng.standard_normal(shape, np.float32) * 0.02)
                for name, shape in shapes.items()}
     folder.mkdir(parents=True, exist_ok=True)
@@ -313,7 +261,7 @@ def main() -> None:
 
 
 def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
-    parts["peaks"] = {"matmul": harness.measure_matmul_peak(args.repeats * 2), "bandwidth": harness.measure_bandwidth_peak(args.repeats * 2)}
+    parts["peaks"] = harness.measure_peaks(args.repeats * 2)
     geometry = {"page_size": PAGE_SIZE, "head_dim": cfg.head_dim, "group_size": cfg.num_heads // cfg.num_kv_heads}  # as Engine asks
     impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype, **geometry)
     engine_params = harness.engine_params(params, impl)
@@ -328,17 +276,13 @@ def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
 
     result = assemble(cfg, parts)
     print_table(result)
-    harness.write_result(args.out, result)
-    peak = result["machine"]["peaks"]["matmul"]["best_flops_per_s"]
-    print(json.dumps({
-        "bench": "forward", "correct": result["correctness"]["passed"], "matmul_peak_gflops": peak / 1e9,
+    harness.finish(args.out, result, {
+        "bench": "forward", "correct": result["correctness"]["passed"], "matmul_peak_gflops": result["machine"]["peaks"]["matmul"]["best_flops_per_s"] / 1e9,
         "prefill_tokens_per_s": result["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],
         **{f"decode_b{d['batch']}_ms": d["median_step_s"] * 1e3 for d in result["decode"]},
         **{f"decode_b{d['batch']}_fraction_of_peak": d["fraction_of_peak"] for d in result["decode"]},
         **(result.get("ratios_vs_hf") or {}), "runtime_s": result["runtime_s"],
-    }))
-    if not result["correctness"]["passed"]:
-        sys.exit(1)
+    }, correct=result["correctness"]["passed"])
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ Writes experiments/results/bench_prefix.json; the last stdout line is one JSON d
     .venv/bin/python experiments/bench_prefix.py [--num-requests 64] [--scale 8] [--repeats 2] [--quick]
 """
 
-import argparse
 import json
-import pathlib
 import time
 
 import numpy as np
@@ -120,16 +118,14 @@ def run_llamacpp(requests: list[dict], name: str, extra: list[str]) -> dict:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--scale", type=float, default=8.0)
-    parser.add_argument("--trace", type=pathlib.Path, default=harness.DEFAULT_TRACE)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="runs per runner on (c), interleaved; the best counts")
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 requests at scale 32, no llama.cpp")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.scale, args.no_llamacpp, args.repeats = 8, 32.0, True, 1
@@ -206,10 +202,9 @@ def main() -> None:
         "greedy_agreement_cache_vs_no_cache": correctness, "results": results, "goals": goals(results),
         "runtime_s": time.perf_counter() - start,
     }
-    print(f"\n{'workload/runner':<42} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'hit rate':>9} {'saved':>7}")
-    for key, r in results.items():
-        if "output_tokens_per_s" in r:
-            print(f"{key:<42} {r['output_tokens_per_s']:8.1f} {r.get('ttft_p50_s', float('nan')):9.2f} {r.get('ttft_p99_s', float('nan')):9.2f} {r.get('hit_rate', float('nan')):9.1%} {r.get('prefill_tokens_saved', 0):7}")
+    columns = [("workload/runner", "<42"), ("tok/s", "8.1f"), ("TTFT p50", "9.2f"), ("TTFT p99", "9.2f"), ("hit rate", "9.1%"), ("saved", "7d")]
+    print("\n" + harness.format_table(columns, [[key, r["output_tokens_per_s"], r.get("ttft_p50_s"), r.get("ttft_p99_s"), r.get("hit_rate"),
+                                                 r.get("prefill_tokens_saved", 0)] for key, r in results.items() if "output_tokens_per_s" in r]))
     print(f"greedy agreement, cache vs no cache: {correctness}")
     for k, g in result["goals"].items():
         print(f"goal {k}: {g['measured']:.3f} (goal {g['goal']}) {'met' if g['met'] else 'NOT met'}")

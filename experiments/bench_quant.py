@@ -1,38 +1,26 @@
 """What do quantized weights and an int8 KV cache cost in accuracy, and what do they save in memory and time?
 
-Issue 8's benchmark. Every weight format in one run, on the embedded SmolLM2-135M-Instruct (Q4_1 GGUF):
-f32, bf16 (dense in that dtype), int8 (per channel), int4 in groups of 32, 64 and 128 (128 does not
-divide SmolLM2's width 576: reported as not available, with the loader's reason), and gguf (the file's
-Q4_1 / Q8_0 blocks kept); each also with the paged pool's int8 KV cache (EngineConfig(kv_cache_dtype=
-"int8")). Each format runs in its own subprocess (--worker), so its peak resident set (VmHWM, reset between phases) is its own:
-  1. correctness first: greedy tokens of 4 fixture prompts (GREEDY_TOKENS each) through the paged pool;
-     f32 must equal HF's fixture tokens, every other row reports its agreement with f32;
-  2. memory: resident weight bytes (quant.resident_bytes, per kind as `jaxinfer info` prints them), KV
-     bytes per token, peak RSS of loading and of each row;
-  3. accuracy: the held-out text (experiments/data/heldout_python_docs.txt, see its .md) in
-     non-overlapping WINDOW-token windows, each one forward through the paged pool (so an int8 pool's
-     codes are what attention reads); perplexity over every next token of each window, the change vs
-     f32, the mean KL(p_f32 || p_format) per predicted position, argmax agreement, and for gguf the
-     relative error norm of the logits vs f32 (GGUF_LOGITS_TOLERANCE);
-  4. speed, through the paged pool (pages of PAGE_SIZE): prefill of --prefill-tokens real
-     tokens, decode ms/step at --batch-sizes with every row attending to --context keys (the harness's
-     timing helpers, median of --repeats after 2 untimed calls); MBU against the measured bandwidth with
-     the format's resident weight bytes + the K/V read;
-  5. end to end: bench_engine.py's workload and engine run (the harness's) (--e2e-requests requests at --e2e-scale),
-     one run per row, the format passed to the LLM it builds.
-Beside them, llama.cpp on the same GGUF and our token ids (experiments/peers/llamacpp_perplexity.py: the
-same windows, KL vs our f32 logits, prefill/decode timing; f16 and q8_0 KV caches; and bench_engine's
-llama.cpp peer on the same workload), and a Llama-3.2-1B-shaped model (the harness's llama3-1b
-geometry with plain rope, random Q4_0 blocks, SmolLM2's tokenizer padded to the vocabulary) written as
-a GGUF one tensor at a time, loaded with quantization='gguf', generating a few tokens (--skip-1b).
-Goals (GOALS) are printed as met / not met with their figures. Writes experiments/results/bench_quant.json
-(--out); the last stdout line is one JSON document; progress goes to stderr.
+Issue 8's benchmark (README "Quantization benchmark"), on the embedded SmolLM2-135M-Instruct: every format of
+FORMATS (int4 g128 does not divide SmolLM2's width 576: reported as not available, with the loader's reason),
+each also with the paged pool's int8 KV cache. Each format runs in its own subprocess (--worker), so its peak
+resident set (VmHWM, reset between phases) is its own. Per row (measure_row): greedy tokens of 4 fixture
+prompts (f32 must equal HF's fixture tokens; gguf's logits must equal f32's within GGUF_LOGITS_TOLERANCE);
+resident weight bytes per kind and KV bytes per token; perplexity, mean KL(p_f32 || p_row) and argmax
+agreement over non-overlapping WINDOW-token windows of the held-out text, each one forward through the paged
+pool (so an int8 pool's codes are what attention reads); prefill and decode speed through the paged pool,
+MBU with the format's resident weight bytes + the K/V read; and (--e2e-requests) the harness's engine run on
+bench_engine's workload. Beside them: llama.cpp on the same GGUF, windows and workload
+(peers/llamacpp_perplexity.py, peers/llamacpp_generate.py), and a Llama-3.2-1B-shaped random Q4_0 GGUF
+(plain rope, SmolLM2's tokenizer padded to its vocabulary) written one tensor at a time, loaded with
+quantization='gguf' and generating a few tokens (--skip-1b). GOALS print as met / not met. Writes
+experiments/results/bench_quant.json (--out); the last stdout line is one JSON document; progress goes to stderr.
 
     .venv/bin/python experiments/bench_quant.py [--quick] [--formats f32,int8,gguf] [--kv-cache-dtypes none,int8] [--skip-1b]
 """
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -74,16 +62,16 @@ GREEDY_PROMPTS = (0, 1, 3, 7)  # fixture prompts of 46-59 tokens (padded to GREE
 GREEDY_PAD, GREEDY_TOKENS = 64, 32  # the fixture holds HF's first 32 greedy tokens (--quick: 8)
 GGUF_LOGITS_TOLERANCE = 1e-5  # gguf-kept vs f32 logits: tests/tolerances.py LOGITS_VS_FLOAT64 (same weights, other sum order)
 GGUF_PPL_TOLERANCE = 1e-4  # "identical perplexity": |ppl_gguf / ppl_f32 - 1| at most this
-GOALS = {  # name: (what, target)
-    "int8_ppl": ("int8 perplexity within 0.5% of f32", 0.005),
-    "int4_g32_ppl": ("int4 g32 perplexity within 3% of f32", 0.03),
-    "gguf_ppl_identical": (f"gguf perplexity identical to f32 (|change| <= {GGUF_PPL_TOLERANCE:g})", GGUF_PPL_TOLERANCE),
-    "int8_kv_ppl": ("f32 weights + int8 KV cache perplexity within 0.5% of f32", 0.005),
-    "int8_weight_bytes": ("int8 resident weight bytes <= 0.3x f32's", 0.3),
-    "gguf_weight_bytes": ("gguf resident weight bytes <= 1.15x the file's tensor bytes", 1.15),
-    "int8_decode_b1": ("int8 decode at batch 1 >= 1.5x faster than f32", 1.5),
-    "none_slower_b32": ("no row slower than f32 at batch 32 decode", 1.0),
-    "1b_gguf_weight_bytes": ("1B Q4_0 gguf resident weight bytes within 15% of the file's tensor bytes", 0.15),
+GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t, m <= t or m >= t)
+    "int8_ppl": ("int8 perplexity within 0.5% of f32", 0.005, "within"),
+    "int4_g32_ppl": ("int4 g32 perplexity within 3% of f32", 0.03, "within"),
+    "gguf_ppl_identical": (f"gguf perplexity identical to f32 (|change| <= {GGUF_PPL_TOLERANCE:g})", GGUF_PPL_TOLERANCE, "within"),
+    "int8_kv_ppl": ("f32 weights + int8 KV cache perplexity within 0.5% of f32", 0.005, "within"),
+    "int8_weight_bytes": ("int8 resident weight bytes <= 0.3x f32's", 0.3, "at_most"),
+    "gguf_weight_bytes": ("gguf resident weight bytes <= 1.15x the file's tensor bytes", 1.15, "at_most"),
+    "int8_decode_b1": ("int8 decode at batch 1 >= 1.5x faster than f32", 1.5, "at_least"),
+    "none_slower_b32": ("no row slower than f32 at batch 32 decode", 1.0, "at_least"),
+    "1b_gguf_weight_bytes": ("1B Q4_0 gguf resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
 }
 GEOMETRY_1B = "llama3-1b"
 GENERATE_1B_TOKENS = 4
@@ -91,8 +79,7 @@ Q4_0_BLOCK_BYTES, Q4_0_BLOCK = 18, 32  # fp16 scale + 16 bytes of nibbles per 32
 _CONTROL_TOKEN = 3  # llama.cpp token type of the padding tokens added to the 1B's vocabulary
 
 
-def log(message: str) -> None:
-    print(f"[bench_quant {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = functools.partial(harness.log, "bench_quant")
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -120,15 +107,6 @@ def make_pool(cfg, params, num_pages: int, kv_cache_dtype: str | None) -> tuple[
     return engine.pool, engine.impl
 
 
-def page_meta(block_tables: np.ndarray, positions: np.ndarray, valid: np.ndarray | None = None) -> kv_pool.PageMeta:
-    return harness.page_meta(block_tables, positions, PAGE_SIZE, valid)
-
-
-def _paged(output: str, params, pool, *args, cfg, impl):
-    """The harness's paged forward; donates `pool`. Returns (output: "greedy" [B] or "logits" [B, T, V], pool)."""
-    return harness.forward_program()(params, pool, *args, cfg=cfg, impl=impl, output=output)
-
-
 # ------------------------------------------------------------------------------------------ correctness and accuracy
 
 
@@ -136,18 +114,15 @@ def greedy_tokens(cfg, params, kv: str | None, prompts: list[list[int]], num_tok
     """num_tokens greedy tokens per prompt, all prompts as rows of one batch through the paged pool."""
     rows, pages_per_row = len(prompts), -(-(GREEDY_PAD + num_tokens) // PAGE_SIZE)
     pool, impl = make_pool(cfg, params, rows * pages_per_row + 1, kv)
-    tables = harness.row_tables(rows, pages_per_row)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((rows, GREEDY_PAD), np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = prompt
+    tables, forward = harness.row_tables(rows, pages_per_row), functools.partial(harness.forward_program(), cfg=cfg, impl=impl, output="greedy")
+    tokens, lengths = harness.pad_rows(prompts, GREEDY_PAD)
     positions = np.broadcast_to(np.arange(GREEDY_PAD, dtype=np.int32), tokens.shape)
-    meta = page_meta(tables, positions, valid=positions < lengths[:, None])
-    token, pool = _paged("greedy", params, pool, tokens, positions, meta, lengths - 1, cfg=cfg, impl=impl)
+    meta = harness.page_meta(tables, positions, PAGE_SIZE, valid=positions < lengths[:, None])
+    token, pool = forward(params, pool, tokens, positions, meta, lengths - 1)  # donates the pool
     generated = [np.asarray(token)]
     for step in range(1, num_tokens):
         positions = (lengths + step - 1)[:, None]
-        token, pool = _paged("greedy", params, pool, token[:, None], positions, page_meta(tables, positions), np.zeros(rows, np.int32), cfg=cfg, impl=impl)
+        token, pool = forward(params, pool, token[:, None], positions, harness.page_meta(tables, positions, PAGE_SIZE), np.zeros(rows, np.int32))
         generated.append(np.asarray(token))
     return np.stack(generated, axis=1).tolist()
 
@@ -190,10 +165,10 @@ def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_
     pages = WINDOW // PAGE_SIZE
     pool, impl = make_pool(cfg, params, pages + 1, kv)
     positions = np.arange(WINDOW, dtype=np.int32)[None]
-    meta = page_meta(harness.row_tables(1, pages), positions)
+    meta = harness.page_meta(harness.row_tables(1, pages), positions, PAGE_SIZE)
     start, per_window = time.perf_counter(), []
     for i, window in enumerate(windows):
-        logits, pool = _paged("logits", params, pool, jnp.asarray([window], jnp.int32), positions, meta, None, cfg=cfg, impl=impl)
+        logits, pool = harness.forward_program()(params, pool, jnp.asarray([window], jnp.int32), positions, meta, None, cfg=cfg, impl=impl, output="logits")
         logits = np.asarray(logits[0], np.float32)  # [T, V]
         if write_reference:
             np.save(reference_dir / f"w{i}.npy", logits)
@@ -211,8 +186,9 @@ def score_llamacpp(windows: list[list[int]], workdir: pathlib.Path, kv_type: str
 # ------------------------------------------------------------------------------------------ speed
 
 
-def _timed_program(cfg, params, kv, num_pages: int, args: tuple, repeats: int) -> dict:
-    """Compile the greedy paged forward for these inputs over a fresh pool, then the median of `repeats` calls."""
+def _timed_program(cfg, params, kv, paged_args: tuple[tuple, int], repeats: int) -> dict:
+    """Compile the greedy paged forward for (arguments, num_pages) over a fresh pool, then the median of `repeats` calls."""
+    args, num_pages = paged_args
     pool, impl = make_pool(cfg, params, num_pages, kv)
     kv_bytes_per_token = quant.resident_bytes(pool) / (num_pages * PAGE_SIZE)
     times, compile_s, _ = harness.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
@@ -220,21 +196,14 @@ def _timed_program(cfg, params, kv, num_pages: int, args: tuple, repeats: int) -
 
 
 def time_prefill(cfg, params, kv, ids: list[int], repeats: int) -> dict:
-    pages = -(-len(ids) // PAGE_SIZE)
-    positions = np.arange(len(ids), dtype=np.int32)[None]
-    args = (jnp.asarray([ids], jnp.int32), positions, page_meta(harness.row_tables(1, pages), positions), np.array([len(ids) - 1], np.int32))
-    timed = _timed_program(cfg, params, kv, pages + 1, args, repeats)
+    timed = _timed_program(cfg, params, kv, harness.prefill_args(ids, PAGE_SIZE), repeats)
     flops = harness.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
     return {"tokens": len(ids), **timed, "tokens_per_s": len(ids) / timed["median_s"], "flops_per_s": flops / timed["median_s"]}
 
 
 def time_decode(cfg, params, kv, batch: int, context: int, token: int, repeats: int, weight_bytes: int) -> dict:
     """One token per row, every row at position context - 1 of its own pages (attends to `context` keys)."""
-    pages_per_row = -(-context // PAGE_SIZE)
-    positions = np.full((batch, 1), context - 1, np.int32)
-    meta = page_meta(harness.row_tables(batch, pages_per_row), positions)
-    args = (jnp.full((batch, 1), token, jnp.int32), positions, meta, np.zeros(batch, np.int32))
-    timed = _timed_program(cfg, params, kv, batch * pages_per_row + 1, args, repeats)
+    timed = _timed_program(cfg, params, kv, harness.decode_args(batch, context, token, PAGE_SIZE), repeats)
     seconds = timed.pop("median_s")
     num_bytes = weight_bytes + batch * context * timed["kv_bytes_per_token"]  # weights once + the K/V read
     return {"batch": batch, "context": context, **timed, "median_step_s": seconds, "tokens_per_s": batch / seconds, "bytes": num_bytes}
@@ -247,10 +216,6 @@ def _load_kwargs(name: str) -> dict:
     """load_model's keyword arguments for a format (group_size only where it has one)."""
     dtype, quantization, group_size = FORMATS[name]
     return {"dtype": dtype, "quantization": quantization, **({"group_size": group_size} if group_size else {})}
-
-
-def _kv_key(kv: str | None) -> str:
-    return kv or "none"
 
 
 def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pathlib.Path, weight_bytes: int) -> dict:
@@ -285,20 +250,19 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
     plan = json.loads((workdir / "plan.json").read_text())
     result = {"format": name, "dtype": FORMATS[name][0], "quantization": FORMATS[name][1], "group_size": FORMATS[name][2],
               "peak_rss_reset_works": reset_peak_rss()}
-    start = time.perf_counter()
     try:
-        cfg, params = loading.load_model(None, max_context=MAX_CONTEXT, **_load_kwargs(name))
+        (cfg, params), load_s = harness.timed(loading.load_model, None, max_context=MAX_CONTEXT, **_load_kwargs(name))
     except ValueError as error:  # an int4 group that does not divide a width
         return result | {"status": "not available", "reason": str(error)}
-    result |= {"status": "ok", "load_s": time.perf_counter() - start, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
+    result |= {"status": "ok", "load_s": load_s, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
     if name == "gguf":
         result["memory"]["file_tensor_bytes"] = gguf_tensor_bytes(loading.default_model_path())
     log(f"{name}: loaded in {result['load_s']:.1f}s, {result['memory']['resident_bytes'] / 2**20:.1f} MiB of weights")
     rows = {}
     for kv in plan["kv_cache_dtypes"] if name == REFERENCE or not plan["quick"] else [None]:  # --quick: KV variants on f32 only
         reset_peak_rss()
-        rows[_kv_key(kv)] = measure_row(name, cfg, params, kv, plan, workdir, result["memory"]["resident_bytes"])
-        result["peak_rss_bytes"][f"row_kv_{_kv_key(kv)}"] = peak_rss_bytes()
+        rows[kv or "none"] = measure_row(name, cfg, params, kv, plan, workdir, result["memory"]["resident_bytes"])
+        result["peak_rss_bytes"][f"row_kv_{kv or 'none'}"] = peak_rss_bytes()
     del params
     gc.collect()
     if plan["e2e_requests"]:
@@ -313,18 +277,6 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the 1B-class geometry (subprocess)
-
-
-def _shapes_1b(cfg) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> numpy shape ([out, in] for matrices) of a tied Llama of this config."""
-    d, q_width, kv_width, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
-    shapes = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
-    for i in range(cfg.num_layers):
-        layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q_width, d), "attn_k.weight": (kv_width, d),
-                 "attn_v.weight": (kv_width, d), "attn_output.weight": (d, q_width), "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d),
-                 "ffn_down.weight": (d, f)}
-        shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
 
 
 def _random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -363,7 +315,7 @@ def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader
                        (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_rope_freq_base, cfg.rope_theta), (writer.add_vocab_size, cfg.vocab_size)):
         add(value)
     _copy_tokenizer(writer, tokenizer_reader, cfg.vocab_size)
-    shapes = _shapes_1b(cfg)
+    shapes = harness.file_tensor_shapes(cfg, "gguf")
     for name, shape in shapes.items():
         if len(shape) == 1:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
@@ -382,21 +334,16 @@ def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader
 def run_1b_worker(workdir: pathlib.Path) -> dict:
     """Write the 1B GGUF, load it with quantization='gguf' through LLM, greedy-generate a few tokens."""
     path = workdir.resolve() / f"{GEOMETRY_1B}-random-q4_0.gguf"
-    start = time.perf_counter()
-    write_random_q4_0_gguf(path, harness.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
-    result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": time.perf_counter() - start, "file_bytes": path.stat().st_size,
+    _, write_s = harness.timed(write_random_q4_0_gguf, path, harness.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
+    result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": write_s, "file_bytes": path.stat().st_size,
               "file_tensor_bytes": gguf_tensor_bytes(path), "peak_rss_reset_works": reset_peak_rss()}
     log(f"1B: wrote {result['file_bytes'] / 2**20:.0f} MiB in {result['write_s']:.0f}s")
     engine_config = EngineConfig(max_context=64, page_size=16, num_pages=5, max_num_seqs=1, max_prefill_tokens=32, prefill_chunk_buckets=(32,),
                                  decode_batch_buckets=(1,), decode_page_buckets=(4,), compilation_cache_dir=None)
-    start = time.perf_counter()
-    llm = LLM(path, quantization="gguf", engine_config=engine_config, warmup=False)
-    result |= {"load_s": time.perf_counter() - start, "memory": weight_memory(llm.engine.params), "peak_rss_bytes": {"load": peak_rss_bytes()},
+    llm, load_s = harness.timed(LLM, path, quantization="gguf", engine_config=engine_config, warmup=False)
+    result |= {"load_s": load_s, "memory": weight_memory(llm.engine.params), "peak_rss_bytes": {"load": peak_rss_bytes()},
                "num_params": llm.model_config.num_params(), "features": llm.model_config.features()}
-    result["dense_f32_bytes"] = 4 * result["num_params"]
-    start = time.perf_counter()
-    llm.engine.warmup()
-    result["warmup_s"] = time.perf_counter() - start
+    result |= {"dense_f32_bytes": 4 * result["num_params"], "warmup_s": harness.timed(llm.engine.warmup)[1]}
     output = llm.generate(["The capital of France is"], harness.greedy(GENERATE_1B_TOKENS), progress=False)[0]
     result |= {"generated_token_ids": output.token_ids, "generate_latency_s": output.latency, "time_to_first_token_s": output.time_to_first_token,
                "peak_rss_bytes": result["peak_rss_bytes"] | {"all": peak_rss_bytes()}}
@@ -519,35 +466,29 @@ def summarize(plan: dict, workers: dict, peaks: dict) -> list[dict]:
     return rows
 
 
-def _goal(name: str, measured, met_if) -> dict:
-    what, target = GOALS[name]
-    return {"what": what, "target": target, "measured": measured, "met": None if measured is None else bool(met_if(measured, target))}
+def _goal(name: str, measured) -> dict:
+    what, target, how = GOALS[name]
+    met = None if measured is None else bool({"within": abs(measured) <= target, "at_most": measured <= target, "at_least": measured >= target}[how])
+    return {"what": what, "target": target, "measured": measured, "met": met}
 
 
 def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
     by_name = {r["row"]: r for r in rows if r["status"] == "ok"}
     field = lambda row, key: by_name[row][key] if row in by_name else None  # noqa: E731
-    change = lambda row: field(row, "perplexity_change_vs_f32")  # noqa: E731
-    within = lambda measured, target: abs(measured) <= target  # noqa: E731
     gguf_memory = (workers.get("gguf") or {}).get("memory") or {}
-    decode_b1 = (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1)
     b32 = [(r["decode_speedup_vs_f32"][32], r["row"]) for r in by_name.values() if 32 in r["decode_speedup_vs_f32"] and r["row"] != REFERENCE]
     slowest = min(b32) if b32 else None
-    one_b_ratio = one_b["resident_vs_file_tensor_bytes"] - 1 if one_b and "resident_vs_file_tensor_bytes" in one_b else None
-    result = {
-        "int8_ppl": _goal("int8_ppl", change("int8"), within),
-        "int4_g32_ppl": _goal("int4_g32_ppl", change("int4_g32"), within),
-        "gguf_ppl_identical": _goal("gguf_ppl_identical", change("gguf"), within),
-        "int8_kv_ppl": _goal("int8_kv_ppl", change(f"{REFERENCE}+kv_int8"), within),
-        "int8_weight_bytes": _goal("int8_weight_bytes", field("int8", "weight_bytes_vs_f32"), lambda m, t: m <= t),
-        "gguf_weight_bytes": _goal("gguf_weight_bytes", gguf_memory["resident_bytes"] / gguf_memory["file_tensor_bytes"] if gguf_memory else None, lambda m, t: m <= t),
-        "int8_decode_b1": _goal("int8_decode_b1", decode_b1, lambda m, t: m >= t),
-        "none_slower_b32": _goal("none_slower_b32", slowest[0] if slowest else None, lambda m, t: m >= t),
-        "1b_gguf_weight_bytes": _goal("1b_gguf_weight_bytes", one_b_ratio, within),
+    measured = {name: field(row, "perplexity_change_vs_f32") for name, row in (
+        ("int8_ppl", "int8"), ("int4_g32_ppl", "int4_g32"), ("gguf_ppl_identical", "gguf"), ("int8_kv_ppl", f"{REFERENCE}+kv_int8"))}
+    measured |= {
+        "int8_weight_bytes": field("int8", "weight_bytes_vs_f32"),
+        "gguf_weight_bytes": gguf_memory["resident_bytes"] / gguf_memory["file_tensor_bytes"] if gguf_memory else None,
+        "int8_decode_b1": (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1), "none_slower_b32": slowest[0] if slowest else None,
+        "1b_gguf_weight_bytes": one_b["resident_vs_file_tensor_bytes"] - 1 if one_b and "resident_vs_file_tensor_bytes" in one_b else None,
     }
+    result = {name: _goal(name, value) for name, value in measured.items()}
     if slowest:
-        result["none_slower_b32"]["slowest_row"] = slowest[1]
-        result["none_slower_b32"]["rows_slower_than_f32"] = sorted(name for speedup, name in b32 if speedup < 1.0)
+        result["none_slower_b32"] |= {"slowest_row": slowest[1], "rows_slower_than_f32": sorted(name for speedup, name in b32 if speedup < 1.0)}
     return result
 
 
@@ -571,39 +512,32 @@ def _mib(num_bytes) -> str:
 
 
 def print_accuracy_table(rows: list[dict], llamacpp: dict | None) -> None:
-    print(f"\n{'row':<18} {'weights MiB':>11} {'x f32':>6} {'KV B/tok':>9} {'peak RSS MiB':>12} {'perplexity':>10} {'change':>8} "
-          f"{'KL nats':>9} {'argmax':>7} {'greedy':>7} {'prefix':>7}")
+    columns = [("row", "<18"), ("weights MiB", "11.1f"), ("x f32", "6.3f"), ("KV B/tok", "9.0f"), ("peak RSS MiB", "12.1f"), ("perplexity", "10.4f"),
+               ("change", "+8.3%"), ("KL nats", "9.2e"), ("argmax", "7.1%"), ("greedy", "7.0%"), ("prefix", "7.0%")]
+    table = []
     for r in rows:
-        if r["status"] != "ok":
-            print(f"{r['row']:<18} {r['status']}: {(r.get('reason') or '')[:110]}")
-            continue
-        agree = r["greedy_agreement_vs_f32"]
-        print(f"{r['row']:<18} {_mib(r['weight_bytes']):>11} {r['weight_bytes_vs_f32']:6.3f} {r['kv_bytes_per_token']:9.0f} {_mib(r['peak_rss_bytes']):>12} "
-              f"{r['perplexity']:10.4f} {r['perplexity_change_vs_f32']:+8.3%} {r['mean_kl_vs_f32']:9.2e} {r['argmax_agreement_vs_f32']:7.1%} "
-              f"{agree['exact_requests']:7.0%} {agree['mean_prefix_fraction']:7.0%}")
+        agree = r.get("greedy_agreement_vs_f32") or {}
+        table.append([r["row"], f"{r['status']}: {(r.get('reason') or '')[:110]}"] if r["status"] != "ok" else [
+            r["row"], r["weight_bytes"] / 2**20, r["weight_bytes_vs_f32"], r["kv_bytes_per_token"], r["peak_rss_bytes"] / 2**20, r["perplexity"],
+            r["perplexity_change_vs_f32"], r["mean_kl_vs_f32"], r["argmax_agreement_vs_f32"], agree["exact_requests"], agree["mean_prefix_fraction"]])
     base = next(r["perplexity"] for r in rows if r["row"] == REFERENCE)
     for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
         ppl = entry["perplexity"]
-        print(f"{'llama.cpp kv ' + kv:<18} {'':>11} {'':>6} {'':>9} {'':>12} {ppl['perplexity']:10.4f} {ppl['perplexity'] / base - 1:+8.3%} "
-              f"{ppl['mean_kl_vs_f32']:9.2e} {ppl['argmax_agreement_vs_f32']:7.1%}")
+        table.append(["llama.cpp kv " + kv, "", "", "", "", ppl["perplexity"], ppl["perplexity"] / base - 1, ppl["mean_kl_vs_f32"], ppl["argmax_agreement_vs_f32"]])
+    print("\n" + harness.format_table(columns, table))
     print("change: perplexity vs f32; KL: mean KL(p_f32 || p_row) per predicted token; argmax: positions whose top token is f32's;\n"
           "greedy / prefix: greedy generations identical to f32's / mean share of tokens before the first difference.")
 
 
 def print_speed_table(rows: list[dict], llamacpp: dict | None, llamacpp_e2e: dict | None, batch_sizes: list[int]) -> None:
-    decode_head = " ".join(f"{'b' + str(b) + ' ms':>9}" for b in batch_sizes) + " " + " ".join(f"{'x b' + str(b):>7}" for b in batch_sizes)
-    print(f"\n{'row':<18} {'prefill t/s':>11} {'%peak':>6} {decode_head} {'MBU b1':>7} {'e2e t/s':>8}")
-    for r in rows:
-        if r["status"] != "ok":
-            continue
-        ms = " ".join(f"{r['decode_ms'].get(b, float('nan')):9.1f}" for b in batch_sizes)
-        speedups = " ".join(f"{r['decode_speedup_vs_f32'].get(b, float('nan')):6.2f}x" for b in batch_sizes)
-        e2e = f"{r['e2e_output_tokens_per_s']:8.1f}" if "e2e_output_tokens_per_s" in r else "       -"
-        print(f"{r['row']:<18} {r['prefill_tokens_per_s']:11.0f} {r['prefill_fraction_of_peak']:6.1%} {ms} {speedups} {r['decode_mbu'].get(1, float('nan')):7.1%} {e2e}")
+    columns = [("row", "<18"), ("prefill t/s", "11.0f"), ("%peak", "6.1%"), *((f"b{b} ms", "9.1f") for b in batch_sizes),
+               *((f"x b{b}", "6.2f") for b in batch_sizes), ("MBU b1", "7.1%"), ("e2e t/s", "8.1f")]
+    table = [[r["row"], r["prefill_tokens_per_s"], r["prefill_fraction_of_peak"], *(r["decode_ms"].get(b) for b in batch_sizes),
+              *(r["decode_speedup_vs_f32"].get(b) for b in batch_sizes), r["decode_mbu"].get(1), r.get("e2e_output_tokens_per_s")] for r in rows if r["status"] == "ok"]
     for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
         steps = {d["batch"]: d["median_step_s"] * 1e3 for d in entry["decode"]}
-        ms = " ".join(f"{steps.get(b, float('nan')):9.1f}" for b in batch_sizes)
-        print(f"{'llama.cpp kv ' + kv:<18} {entry['prefill']['tokens_per_s']:11.0f} {'':>6} {ms}")
+        table.append(["llama.cpp kv " + kv, entry["prefill"]["tokens_per_s"], "", *(steps.get(b) for b in batch_sizes)])
+    print("\n" + harness.format_table(columns, table))
     for mode, entry in ((llamacpp_e2e or {}).get("modes") or {}).items():
         print(f"{'llama.cpp e2e ' + mode:<32} output tokens/s {entry['output_tokens_per_s']:.1f}")
     print("x bN: f32's step time / the row's (>1: faster than f32). MBU: (resident weight bytes + K/V read) / step time / read bandwidth.")
@@ -636,7 +570,7 @@ def print_report(result: dict) -> None:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, trace=True)
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {','.join(QUICK_FORMATS)} (KV variants on {REFERENCE} only), 1 window, "
                         "8 greedy tokens, batches 1,8, 1 repeat, llama.cpp f16 KV only, no e2e, no 1B")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)} ({REFERENCE} is always run, first)")
@@ -650,7 +584,6 @@ def parse_args():
     parser.add_argument("--e2e-requests", type=int, default=64, help="bench_engine workload requests per row (0: skip the end-to-end runs)")
     parser.add_argument("--e2e-scale", type=float, default=8.0)
     parser.add_argument("--e2e-repeats", type=int, default=1)
-    parser.add_argument("--trace", type=pathlib.Path, default=harness.DEFAULT_TRACE)
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peers")
     parser.add_argument("--llamacpp-kv-types", default="f16,q8_0")
     parser.add_argument("--skip-1b", action="store_true", help=f"skip the {GEOMETRY_1B} GGUF section")
@@ -664,20 +597,10 @@ def parse_args():
         if "--formats" not in sys.argv:
             args.formats = ",".join(QUICK_FORMATS)
     args.out = args.out or (WORK_DIR / "bench_quant_quick.json" if args.quick else RESULTS)
-    args.formats = [f for f in args.formats.split(",") if f]
-    unknown = set(args.formats) - set(FORMATS)
-    if unknown:
-        parser.error(f"unknown formats {sorted(unknown)}; choose from {', '.join(FORMATS)}")
-    args.formats = [REFERENCE] + [f for f in args.formats if f != REFERENCE]
+    args.formats = [REFERENCE] + [f for f in harness.comma_list(parser, args.formats, FORMATS, "formats") if f != REFERENCE]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.kv_cache_dtypes = ["none"] + [k for k in args.kv_cache_dtypes.split(",") if k and k != "none"]  # the model-dtype row is the baseline
     return args
-
-
-def measure_peaks(repeats: int) -> dict:
-    peaks = {"matmul": harness.measure_matmul_peak(repeats), "bandwidth": harness.measure_bandwidth_peak(repeats)}
-    peaks["flops_per_byte"] = peaks["matmul"]["best_flops_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]
-    return peaks
 
 
 def run_all(args) -> dict:
@@ -686,7 +609,7 @@ def run_all(args) -> dict:
     machine = {"load_average_start": harness.load_average()}  # the rest of the block is the harness's (write_result)
     plan = build_plan(args, args.workdir)
     log(f"plan: {len(plan['windows'])} windows, formats {args.formats}, KV {args.kv_cache_dtypes}, e2e requests {args.e2e_requests}")
-    peaks = measure_peaks(2 * args.repeats)
+    peaks = harness.measure_peaks(2 * args.repeats)
     workers = {}
     for name in args.formats:
         log(f"worker {name} ...")
@@ -715,12 +638,10 @@ def main() -> None:
         return
     result = run_all(args)
     print_report(result)
-    harness.write_result(args.out, result, indent=1)
-    print(json.dumps({"bench": "quant", "correct": result["correctness"]["passed"],
-                      "perplexity": {r["row"]: r["perplexity"] for r in result["rows"] if r["status"] == "ok"},
-                      "goals": {k: g["measured"] for k, g in result["goals"].items()}, "runtime_s": result["runtime_s"]}))
-    if not result["correctness"]["passed"]:
-        sys.exit(1)
+    harness.finish(args.out, result, {"bench": "quant", "correct": result["correctness"]["passed"],
+                                      "perplexity": {r["row"]: r["perplexity"] for r in result["rows"] if r["status"] == "ok"},
+                                      "goals": {k: g["measured"] for k, g in result["goals"].items()}, "runtime_s": result["runtime_s"]},
+                   correct=result["correctness"]["passed"], indent=1)
 
 
 if __name__ == "__main__":

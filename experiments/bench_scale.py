@@ -25,6 +25,7 @@ Writes experiments/results/bench_scale.json; prints a table per section.
 """
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -43,8 +44,7 @@ RESULTS = harness.RESULTS_DIR / "bench_scale.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_scale"
 
 
-def log(message: str) -> None:
-    print(f"[bench_scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = functools.partial(harness.log, "bench_scale")
 
 
 def engine_config(max_context: int, cache_dir: str):
@@ -69,13 +69,9 @@ def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
     from jaxinfer.api import LLM
     from jaxinfer.engine import CompileCounter
 
-    start = time.perf_counter()
-    llm = LLM(None, tensor_parallel=tp, data_parallel=dp, engine_config=engine_config(max_context, tempfile.mkdtemp(prefix="bench_scale_xla_")), warmup=False)
-    load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for replica in llm.replicas:
-        replica.engine.warmup()
-    warmup_s = time.perf_counter() - start
+    cfg = engine_config(max_context, tempfile.mkdtemp(prefix="bench_scale_xla_"))
+    llm, load_s = harness.timed(LLM, None, tensor_parallel=tp, data_parallel=dp, engine_config=cfg, warmup=False)
+    _, warmup_s = harness.timed(lambda: [replica.engine.warmup() for replica in llm.replicas])
     prompts = [r["prompt_ids"] for r in workload["requests"]]
     params = [harness.greedy(r["max_tokens"]) for r in workload["requests"]]
     recorder = harness.StepRecorder(llm.engine_config.page_size)
@@ -108,10 +104,7 @@ def measure_layouts(args, workload_file: pathlib.Path) -> list[dict]:
     for layout in args.layouts.split(","):
         log(f"layout TP x DP = {layout} ...")
         cmd = [sys.executable, __file__, "--worker", layout, "--workload", str(workload_file), "--max-context", str(args.max_context)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"layout {layout} failed:\n{done.stderr[-3000:]}")
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = harness.run_json(cmd, f"layout {layout}", env=env, timeout=1800)
         log(f"  compile {row['warmup_compile_s']:.1f}s ({row['programs']} programs), run {row['seconds']:.1f}s, decode step {row['median_decode_step_ms']:.0f} ms")
         rows.append(row)
     base = rows[0]
@@ -218,22 +211,26 @@ def measure_ray(workload: dict, args) -> list[dict]:
 
 
 def print_tables(result: dict) -> None:
-    print(f"\n{'TP x DP':<8} {'compile s':>9} {'programs':>8} {'run s':>7} {'tok/s':>7} {'decode ms':>9} {'prefill ms':>10} {'run/1x1':>8} {'decode/1x1':>10} {'compile/1x1':>11} {'same tokens':>11}")
-    for r in result["layouts"]:
-        print(f"{r['tensor_parallel']}x{r['data_parallel']:<6} {r['warmup_compile_s']:9.1f} {r['programs']:8d} {r['seconds']:7.1f} {r['output_tokens_per_s']:7.1f} "
-              f"{r['median_decode_step_ms']:9.0f} {r['median_prefill_step_ms']:10.0f} {r['seconds_vs_1x1']:8.2f} {r['decode_step_vs_1x1']:10.2f} {r['compile_vs_1x1']:11.2f} "
-              f"{r['agreement_with_1x1']['mean_prefix_fraction']:11.1%}")
-    print(f"\n{'workload':<36} {'router max/mean':>15} {'round-robin':>11}")
-    for r in result["router"]:
-        print(f"{r['workload']:<36} {r['router']['largest_over_mean']:15.3f} {r['round_robin']['largest_over_mean']:11.3f}")
+    if result.get("layouts"):
+        columns = [("TP x DP", "<8"), ("compile s", "9.1f"), ("programs", "8d"), ("run s", "7.1f"), ("tok/s", "7.1f"), ("decode ms", "9.0f"),
+                   ("prefill ms", "10.0f"), ("run/1x1", "8.2f"), ("decode/1x1", "10.2f"), ("compile/1x1", "11.2f"), ("same tokens", "11.1%")]
+        print("\n" + harness.format_table(columns, [[f"{r['tensor_parallel']}x{r['data_parallel']}", r["warmup_compile_s"], r["programs"], r["seconds"],
+                                                     r["output_tokens_per_s"], r["median_decode_step_ms"], r["median_prefill_step_ms"], r["seconds_vs_1x1"],
+                                                     r["decode_step_vs_1x1"], r["compile_vs_1x1"], r["agreement_with_1x1"]["mean_prefix_fraction"]]
+                                                    for r in result["layouts"]]))
+    if result.get("router"):
+        columns = [("workload", "<36"), ("router max/mean", "15.3f"), ("round-robin", "11.3f")]
+        print("\n" + harness.format_table(columns, [[r["workload"], r["router"]["largest_over_mean"], r["round_robin"]["largest_over_mean"]]
+                                                    for r in result["router"]]))
     if result.get("ray"):
-        print(f"\n{'job (' + str(result['settings']['ray_requests']) + ' requests)':<20} {'process s':>9} {'job s':>7} {'vs local':>8} {'overhead s':>10}")
-        for r in result["ray"]:
-            print(f"{r['run']:<20} {r['process_wall_s']:9.1f} {r['job_wall_s']:7.1f} {r['process_vs_local']:8.2f} {r['overhead_s']:10.1f}")
+        columns = [(f"job ({result['settings']['ray_requests']} requests)", "<20"), ("process s", "9.1f"), ("job s", "7.1f"), ("vs local", "8.2f"),
+                   ("overhead s", "10.1f")]
+        print("\n" + harness.format_table(columns, [[r["run"], r["process_wall_s"], r["job_wall_s"], r["process_vs_local"], r["overhead_s"]]
+                                                    for r in result["ray"]]))
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: layouts 1x1,2x1,1x2, 4 requests, 8 Ray requests, 1 and 2 actors")
     parser.add_argument("--layouts", default="1x1,2x1,4x1,1x2", help="TP x DP layouts; the first must be 1x1 (default: %(default)s)")
     parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices (default: %(default)s)")
@@ -242,7 +239,6 @@ def parse_args():
     parser.add_argument("--scale", type=float, default=16.0, help="trace lengths divided by this (default: %(default)s)")
     parser.add_argument("--max-context", type=int, default=512, help="(default: %(default)s)")
     parser.add_argument("--sections", default="layouts,router,ray", help="comma list of layouts, router, ray; the rest is kept from --out (default: %(default)s)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one layout, in a process with simulated devices
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()

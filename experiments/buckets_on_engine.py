@@ -1,64 +1,16 @@
 """Bucket strategies measured on the real engine: what does each strategy cost and buy at a program budget?
 
-experiments/compare_buckets.py counts padded tokens analytically. This script replays a trace through
-`jaxinfer.api.LLM` once per bucket strategy (jaxinfer.buckets.STRATEGY_KINDS) and total program budget
-(4, 8, 16, 32 programs by default), and reports for each:
-  programs compiled (len(engine.bucket_keys())); warm-up compile seconds cold (a fresh, empty
-  compilation_cache_dir) and warm (a second engine over the same persistent cache dir); JAX's cache
-  events are counted to prove it (cold: every program a miss; warm: every program a hit);
-  padded-token share (SchedulerStats.padding_waste) and the share of padded page-table entries;
-  output tokens per wall second and per CPU second of the worker; time to first token p50/p99
-  (RequestOutput.time_to_first_token, from submission);
-  KV pool: mean and peak utilization (SchedulerStats), internal fragmentation = 1 - utilization
-  (allocated-but-unused slots of held pages), bytes allocated and bytes held at the peak;
-  peak resident bytes (VmHWM, reset before each configuration's warm-ups, and its rise over the RSS
-  before them). VmHWM is process-wide (JAX runtime, weights, compiler memory, the engines of earlier
-  configurations), so it is not the KV memory; the pool bytes are.
-Beside them, as the memory-reuse baseline, two caches are COMPUTED (not run) on the same requests:
-  naive dense: max_num_seqs x max_context slots (bytes from ModelConfig.kv_bytes_per_token);
-  HF growing: static batches of max_num_seqs in arrival order, every row of a batch grows to the
-  batch's longest prompt plus its longest output (left-padded prompts, decoding until the last row ends).
-
-How a budget becomes tables (choose_counts). One strategy kind serves the three bucketed dimensions
-(prefill chunk tokens, decode rows, pages per row), each fitted to its own sample with its own bucket
-count (EngineBuckets of strategy_from_sample): the largest uniform count k whose
-EngineConfig.tables.all_keys() has at most B programs, then any leftover budget spent one table step at
-a time on chunk, rows, pages in turn. If even one bucket per dimension exceeds B, that is run and
-flagged "over budget". A strategy that saturates (pad-to-max) runs the same tables at every budget;
-identical tables run once and are reported under each name.
-The samples come from a dry scheduling pass: the real Scheduler over the same requests with every
-dimension at its finest table (every size a bucket) and a fake step (greedy tokens do not change the
-schedule when EOS is ignored and the prefix cache is off), recording each step's real packed prefill
-tokens, decode rows and pages per row. Prefill is packed (the default).
-
-Process layout: one worker subprocess per trace loads the model once. Phase 1 compiles every
-configuration: a fresh cache dir (jax._src.compilation_cache.reset_cache, private, so JAX reads the new
-dir), an LLM over the loaded params (LLM.from_params: reloading SmolLM2 costs ~17 s a time), warmed up
-cold, and a second Engine (warm, then dropped). Phase 2 runs --repeats rounds (default 2) of the timed
-workload over all kept LLMs in alternating order, each from an empty block pool, and reports each
-configuration's best run: on a shared machine, load from other processes then falls
-on every configuration alike instead of on whichever happened to run during a busy minute.
-
-Traces: a --num-requests sample of the Azure 2023 conversation trace (trace order) and, with
---traces conversation,synthetic, a synthetic trace (jaxinfer.traces.synthetic_trace, conversation-fitted).
-The default run is the conversation trace only, 12 requests: on a shared 2-core CPU SmolLM2-135M
-compiles a program in 3-4 s, and the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes a
-trace with the timed runs). Lengths are
-divided by --scale; prompts are real text (experiments/data/passages.txt) cut from a random offset, as
-in bench_engine.build_workload, and cut to fit max_context - max_tokens. Greedy, ignore_eos, max_tokens
-from the trace, prefix caching off (repeated prompts would hit it and change the work), the pool sized
-so that nothing is preempted. Offline batch mode only (every request submitted at once): LLM has no
-arrival-time API (stream() submits every prompt at its start), so arrival-time replay is not measured.
-
-Correctness first: in the first configuration of each trace, the greedy tokens of the shortest few
-requests (computed inside the full batch) must equal jaxinfer.generate.generate (the dense reference),
-or the script exits 1 after writing its results. Bucketing should not change greedy tokens on f32: every
-configuration's tokens are compared with the first one's and the agreement share is reported as it is.
-
-Writes experiments/results/buckets_on_engine.json and buckets_on_engine_<plot>.png (throughput vs
-programs, compile time vs programs, padding vs throughput, TTFT p99 vs throughput with the Pareto
-frontier); prints a table; the last stdout line is a JSON summary. --quick: the tiny model (a random
-tiny Llama with SmolLM2's tokenizer), 8 requests, pad-to-max and fitted at budgets 4 and 16.
+What is reported, and the committed run, are in the README ("Bucket strategies on the engine"). A trace is
+replayed through `LLM` once per strategy of jaxinfer.buckets and total program budget; choose_counts turns a
+budget into tables fitted to the step sizes of a dry scheduling pass (schedule_samples), and identical
+tables run once. One worker subprocess per trace loads the model once, compiles every configuration, then
+times --repeats rounds over all of them in alternating order and keeps each one's best run (run_trace).
+Greedy, ignore_eos, prefix caching off, a pool sized so that nothing is preempted, offline only (every
+request submitted at once: LLM has no arrival-time API). Correctness first: the first configuration's
+shortest requests must equal the dense reference, or the script exits 1 after writing its results; every
+configuration's tokens are compared with the first one's. The default is the conversation trace with 12
+requests: on a shared 2-core CPU the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes). Writes
+experiments/results/buckets_on_engine.json and buckets_on_engine_<plot>.png; the last stdout line is JSON.
 
     nice -n 10 .venv/bin/python experiments/buckets_on_engine.py [--quick] [--model PATH|tiny]
         [--strategies pad-to-max,fitted] [--budgets 4,8,16,32] [--traces conversation,synthetic]
@@ -66,6 +18,7 @@ tiny Llama with SmolLM2's tokenizer), 8 requests, pad-to-max and fitted at budge
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -91,7 +44,6 @@ STRATEGIES = tuple(STRATEGY_KINDS)
 BUDGETS = (4, 8, 16, 32)
 TRACES = ("conversation", "synthetic")
 DEFAULT_TRACES = ("conversation",)  # the default run; both traces take about twice as long (module docstring)
-NUM_REFERENCE_CHECKS = 3  # shortest requests checked against generate.generate
 MAX_BUCKETS_PER_DIMENSION = 64  # k is searched up to this
 
 
@@ -122,11 +74,12 @@ class Workload:
     prompts: list[list[int]]  # token ids, arrival order
     max_tokens: list[int]
 
+    @property
+    def requests(self) -> list[dict]:
+        return [{"prompt_ids": p, "max_tokens": n} for p, n in zip(self.prompts, self.max_tokens)]
+
     def summary(self) -> dict:
-        prompts, outputs = np.array([len(p) for p in self.prompts]), np.array(self.max_tokens)
-        return {"name": self.name, "num_requests": len(prompts), "prompt_tokens": int(prompts.sum()), "output_tokens": int(outputs.sum()),
-                "median_prompt": float(np.median(prompts)), "max_prompt": int(prompts.max()),
-                "median_output": float(np.median(outputs)), "max_output": int(outputs.max())}
+        return {"name": self.name, **harness.workload_summary(self.requests)}
 
 
 def scaled_workload(name: str, trace: Trace, scale: float, seed: int, text_ids: list[int], max_context: int) -> Workload:
@@ -156,8 +109,10 @@ def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_reque
 
 
 def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]:
-    """Real sizes of every step of a dry scheduling pass (module docstring): packed prefill tokens,
-    decode rows, and pages per row of both phases."""
+    """Real sizes of every step of a dry scheduling pass: packed prefill tokens, decode rows, and pages
+    per row of both phases. It is the real Scheduler over the same requests with every dimension at its
+    finest table (every size a bucket) and a fake step: greedy tokens do not change the schedule when
+    EOS is ignored and the prefix cache is off."""
     finest = EngineConfig(
         **limits.engine_fields(), prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)),
         decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)), decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
@@ -240,26 +195,22 @@ def fresh_compilation_cache() -> str:
     return tempfile.mkdtemp(prefix="jaxinfer_xla_")
 
 
-class CacheEvents:
-    """Counts JAX persistent-cache hits and misses while active (jax.monitoring events)."""
+@contextlib.contextmanager
+def cache_events():
+    """{"hits", "misses"}: JAX persistent-cache events counted while active (jax.monitoring)."""
+    import jax
 
-    def __init__(self):
-        self.hits = self.misses = 0
+    counts = {"hits": 0, "misses": 0}
 
-    def _listener(self, event: str, **_) -> None:
-        self.hits += event == "/jax/compilation_cache/cache_hits"
-        self.misses += event == "/jax/compilation_cache/cache_misses"
+    def listener(event: str, **_) -> None:
+        for name in counts:
+            counts[name] += event == f"/jax/compilation_cache/cache_{name}"
 
-    def __enter__(self):
-        import jax
-
-        jax.monitoring.register_event_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc):
-        import jax
-
-        jax.monitoring.unregister_event_listener(self._listener)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
 
 
 def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
@@ -280,12 +231,12 @@ def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[
     harness.reset_peak_rss()
     before, _ = harness.rss_bytes()
     llm = LLM.from_params(*model, engine_config=cfg, warmup=False)
-    with CacheEvents() as cold_cache:
+    with cache_events() as cold_cache:
         llm.engine.warmup()
     programs = len(llm.engine.bucket_keys())
     assert llm.engine.num_compilations == programs
     warm_engine = Engine(llm.model_config, llm.engine.params, cfg)  # a second engine over the same cache dir
-    with CacheEvents() as warm_cache:
+    with cache_events() as warm_cache:
         warm_engine.warmup()
     warm_s = warm_engine.compile_seconds
     del warm_engine
@@ -294,7 +245,7 @@ def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[
     shutil.rmtree(cache_dir, ignore_errors=True)
     return llm, {
         "programs": programs, "compile_cold_s": llm.engine.compile_seconds, "compile_warm_s": warm_s,
-        "cache_cold": {"hits": cold_cache.hits, "misses": cold_cache.misses}, "cache_warm": {"hits": warm_cache.hits, "misses": warm_cache.misses},
+        "cache_cold": cold_cache, "cache_warm": warm_cache,
         "peak_resident_bytes": peak, "resident_bytes_before": before, "attention_impl": llm.engine.impl,
     }
 
@@ -319,19 +270,13 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
 
     best = min(runs, key=lambda run: run["wall_s"])
     outputs, stats, recorder, engine = best["outputs"], best["stats"], best["recorder"], llm.engine
-    tokens = [o.token_ids for o in outputs]
+    summary = harness.best_run([(run["wall_s"], run["outputs"]) for run in runs], workload.max_tokens)
     ttft = np.array([o.time_to_first_token for o in outputs])
-    num_output = sum(len(t) for t in tokens)
     token_bytes = pool_bytes(llm.model_config, 1, 1, engine.engine_cfg.kv_cache_dtype)
     return {
-        "seconds": best["wall_s"], "seconds_per_repeat": [run["wall_s"] for run in runs], "cpu_seconds_per_repeat": [run["cpu_s"] for run in runs],
-        "compiles_during_runs": sum(run["compiles"] for run in runs),
-        "repeats_identical_tokens": all([o.token_ids for o in run["outputs"]] == tokens for run in runs),
-        "num_output_tokens": num_output, "output_tokens_per_s": num_output / best["wall_s"],
-        "output_tokens_per_cpu_s": num_output / min(run["cpu_s"] for run in runs),
-        "all_lengths_exact": all(len(t) == n for t, n in zip(tokens, workload.max_tokens)),
+        **summary, "cpu_seconds_per_repeat": [run["cpu_s"] for run in runs], "compiles_during_runs": sum(run["compiles"] for run in runs),
+        "output_tokens_per_cpu_s": summary["num_output_tokens"] / min(run["cpu_s"] for run in runs),
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "mean_latency_s": float(np.mean([o.latency for o in outputs])),
         "padding_waste": stats.padding_waste, "table_padding": recorder.table_padding(),
         "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions,
         "steps": {phase: len(recorder.phase_seconds(phase)) for phase in ("prefill", "decode")},
@@ -340,21 +285,8 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
         "fragmentation_mean": 1.0 - stats.mean_kv_utilization, "fragmentation_at_peak_utilization": 1.0 - stats.peak_kv_utilization,
         "pool_pages": engine.num_pages, "pool_bytes_allocated": engine.num_pages * limits.page_size * token_bytes,
         "pool_peak_pages_held": recorder.peak_pages, "pool_bytes_peak_held": recorder.peak_pages * limits.page_size * token_bytes,
-        "kv_bytes_per_token": llm.model_config.kv_bytes_per_token(), "tokens": tokens,
+        "kv_bytes_per_token": llm.model_config.kv_bytes_per_token(), "tokens": [o.token_ids for o in outputs],
     }
-
-
-def reference_check(model: tuple, workload: Workload, tokens: list[list[int]]) -> dict:
-    """The shortest requests' greedy tokens (as the engine computed them inside the full batch) against
-    jaxinfer.generate.generate, the dense reference, over the engine's params (`model`: cfg, params, tokenizer)."""
-    from jaxinfer import generate
-
-    model_cfg, params, tokenizer = model
-    chosen = sorted(range(len(tokens)), key=lambda i: len(workload.prompts[i]) + workload.max_tokens[i])[:NUM_REFERENCE_CHECKS]
-    reference = generate.generate(params, model_cfg, [workload.prompts[i] for i in chosen],
-                                  [greedy(workload.max_tokens[i]) for i in chosen], eos_id=tokenizer.eos_id)
-    equal = [tokens[i] == r.token_ids for i, r in zip(chosen, reference)]
-    return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
 
 
 def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]:
@@ -401,7 +333,9 @@ def run_trace(spec: dict, report=print) -> list[dict]:
             results[config_id] |= summarize_runs(runs[config_id], llm, workload, limits)
     first = spec["configs"][0]["id"]
     if "tokens" in results[first]:
-        results[first]["reference_check"] = reference_check(model, workload, results[first]["tokens"])
+        model_cfg, params, tokenizer = model  # the shortest requests' tokens as the engine computed them inside the full batch
+        results[first]["reference_check"] = harness.reference_check(params, model_cfg, tokenizer.eos_id, workload.requests,
+                                                                    lambda chosen: [results[first]["tokens"][i] for i in chosen])
     return [{"id": c["id"], **results[c["id"]]} for c in spec["configs"]]
 
 
@@ -464,10 +398,9 @@ def pareto_frontier(rows: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ report
 
 
-TABLE_HEADER = (f"{'strategy':<14}{'B':>3}{'c/r/p':>7}{'progs':>6}{'cold s':>7}{'warm s':>7}{'pad':>7}{'tbl pad':>8}{'tok/s':>7}{'tok/cpu-s':>10}"
-                f"{'ttft p50':>9}{'ttft p99':>9}{'kv mean':>8}{'kv peak':>8}{'frag':>6}{'held MiB':>9}{'rss MiB':>8}{'+MiB':>6}{'agree':>6}")
-
-
+TABLE_COLUMNS = [("strategy", "<14"), ("B", "2d"), ("c/r/p", "6"), ("progs", "5d"), ("cold s", "6.1f"), ("warm s", "6.1f"), ("pad", "6.1%"),
+                 ("tbl pad", "7.1%"), ("tok/s", "6.1f"), ("tok/cpu-s", "9.2f"), ("ttft p50", "8.2f"), ("ttft p99", "8.2f"), ("kv mean", "7.1%"),
+                 ("kv peak", "7.1%"), ("frag", "5.1%"), ("held MiB", "8.1f"), ("rss MiB", "7.0f"), ("+MiB", "5.0f"), ("agree", "5.0%"), ("", "<")]
 TABLE_LEGEND = ("c/r/p: buckets in the chunk / decode rows / pages tables; pad: padded-token share (SchedulerStats.padding_waste); "
                 "tbl pad: padded page-table entries; tok/s: output tokens per wall second (best run); tok/cpu-s: per CPU second of the "
                 "worker (less sensitive to other load); ttft in s; kv mean/peak: tokens / slots of held pages; frag: 1 - kv mean "
@@ -477,20 +410,16 @@ TABLE_LEGEND = ("c/r/p: buckets in the chunk / decode rows / pages tables; pad: 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [TABLE_HEADER]
+    table = []
     for r in rows:
-        sizes = "/".join(str(len(r["tables"][d])) for d in DIMENSIONS)  # buckets in the chunk, rows and pages tables
-        head = f"{r['strategy']:<14}{r['budget']:>3}{sizes:>7}"
-        if "error" in r:
-            lines.append(f"{head}  error: {r['error'][-200:]!r}")
-            continue
-        over = ("" if r["fits"] else " over budget") + ("" if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}" else f" = {r['same_tables_as']}")
-        lines.append(
-            f"{head}{r['programs']:>6}{r['compile_cold_s']:>7.1f}{r['compile_warm_s']:>7.1f}{r['padding_waste']:>7.1%}{r['table_padding']:>8.1%}"
-            f"{r['output_tokens_per_s']:>7.1f}{r['output_tokens_per_cpu_s']:>10.2f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>9.2f}{r['mean_kv_utilization']:>8.1%}"
-            f"{r['peak_kv_utilization']:>8.1%}{r['fragmentation_mean']:>6.1%}{r['pool_bytes_peak_held'] / 2**20:>9.1f}"
-            f"{r['peak_resident_bytes'] / 2**20:>8.0f}{(r['peak_resident_bytes'] - r['resident_bytes_before']) / 2**20:>6.0f}{r['agreement']['exact_requests']:>6.0%}{over}")
-    return "\n".join(lines)
+        head = [r["strategy"], r["budget"], "/".join(str(len(r["tables"][d])) for d in DIMENSIONS)]  # buckets in the chunk, rows and pages tables
+        note = ("" if r.get("fits", True) else "over budget ") + ("" if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}" else f"= {r['same_tables_as']}")
+        table.append(head + [f"error: {r['error'][-200:]!r}"] if "error" in r else head + [
+            r["programs"], r["compile_cold_s"], r["compile_warm_s"], r["padding_waste"], r["table_padding"], r["output_tokens_per_s"],
+            r["output_tokens_per_cpu_s"], r["ttft_p50_s"], r["ttft_p99_s"], r["mean_kv_utilization"], r["peak_kv_utilization"], r["fragmentation_mean"],
+            r["pool_bytes_peak_held"] / 2**20, r["peak_resident_bytes"] / 2**20, (r["peak_resident_bytes"] - r["resident_bytes_before"]) / 2**20,
+            r["agreement"]["exact_requests"], note])
+    return harness.format_table(TABLE_COLUMNS, table)
 
 
 def format_baselines(trace: dict) -> str:
@@ -515,73 +444,71 @@ def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+PLOTS = {  # name: (x, y (solid), dashed y or None, x label, y label)
+    "throughput_vs_programs": ("programs", "output_tokens_per_s", "output_tokens_per_cpu_s", "programs compiled",
+                               "output tokens/s (solid per wall s, dashed per CPU s)"),  # CPU seconds: less sensitive to other load
+    "compile_vs_programs": ("programs", "compile_cold_s", "compile_warm_s", "programs compiled", "warm-up compile seconds (solid cold, dashed warm)"),
+    "padding_vs_throughput": ("padding_waste", "output_tokens_per_s", None, "padded-token share", "output tokens/s"),
+    "pareto_ttft_throughput": ("output_tokens_per_s", "ttft_p99_s", None, "output tokens/s", "TTFT p99 (s)"),
+}
+
+
+def _plot_panel(axes, trace: dict, x: str, y: str, dashed: str | None, pareto: bool) -> None:
+    """One trace: a line per strategy; on the Pareto plot each point's budgets and the frontier."""
+    for strategy, rows in _by_strategy(trace["rows"]).items():
+        rows = sorted(rows, key=lambda r: (r["budget"], r[x]) if pareto else (r[x], r["budget"]))
+        line, = axes.plot([r[x] for r in rows], [r[y] for r in rows], "o-", label=strategy, alpha=0.8)
+        if dashed:
+            axes.plot([r[x] for r in rows], [r[dashed] for r in rows], "s--", color=line.get_color(), alpha=0.6)
+        labels: dict[tuple, list[str]] = {}  # identical tables share a point and a label
+        for r in rows if pareto else []:
+            labels.setdefault((r[x], r[y]), []).append(str(r["budget"]))
+        for point, budgets in labels.items():
+            axes.annotate("B=" + ",".join(budgets), point, textcoords="offset points", xytext=(4, 3), fontsize=7)
+    if pareto:
+        frontier = pareto_frontier(trace["rows"])
+        axes.step([r[x] for r in frontier], [r[y] for r in frontier], "k:", where="post", linewidth=2)
+        axes.plot([r[x] for r in frontier], [r[y] for r in frontier], "D", markersize=11, markerfacecolor="none",
+                  markeredgecolor="k", linestyle=":", color="k", label="Pareto frontier")
+
+
 def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") -> dict[str, str]:
-    """Four figures, one panel per trace; returns {plot name: path}."""
+    """The PLOTS, one panel per trace; returns {plot name: path}."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    plots = {
-        "throughput_vs_programs": ("programs", "output_tokens_per_s", "programs compiled", "output tokens/s (solid per wall s, dashed per CPU s)"),
-        "compile_vs_programs": ("programs", None, "programs compiled", "warm-up compile seconds (solid cold, dashed warm)"),
-        "padding_vs_throughput": ("padding_waste", "output_tokens_per_s", "padded-token share", "output tokens/s"),
-        "pareto_ttft_throughput": ("output_tokens_per_s", "ttft_p99_s", "output tokens/s", "TTFT p99 (s)"),
-    }
     paths = {}
-    for name, (x, y, xlabel, ylabel) in plots.items():
+    for name, (x, y, dashed, xlabel, ylabel) in PLOTS.items():
         figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
-        axes_list = np.atleast_1d(figure.subplots(1, len(traces)))
-        for axes, trace in zip(axes_list, traces):
-            for strategy, rows in _by_strategy(trace["rows"]).items():
-                rows = sorted(rows, key=lambda r: (r["budget"], r[x]) if name == "pareto_ttft_throughput" else (r[x], r["budget"]))
-                if y is None:
-                    line, = axes.plot([r[x] for r in rows], [r["compile_cold_s"] for r in rows], "o-", label=strategy)
-                    axes.plot([r[x] for r in rows], [r["compile_warm_s"] for r in rows], "s--", color=line.get_color())
-                else:
-                    line, = axes.plot([r[x] for r in rows], [r[y] for r in rows], "o-", label=strategy, alpha=0.8)
-                    if name == "throughput_vs_programs":  # CPU seconds: less sensitive to other processes' load
-                        axes.plot([r[x] for r in rows], [r["output_tokens_per_cpu_s"] for r in rows], "s--", color=line.get_color(), alpha=0.6)
-                if name == "pareto_ttft_throughput":
-                    labels: dict[tuple, list[str]] = {}  # identical tables share a point and a label
-                    for r in rows:
-                        labels.setdefault((r[x], r[y]), []).append(str(r["budget"]))
-                    for point, budgets in labels.items():
-                        axes.annotate("B=" + ",".join(budgets), point, textcoords="offset points", xytext=(4, 3), fontsize=7)
-            if name == "pareto_ttft_throughput":
-                frontier = pareto_frontier(trace["rows"])
-                axes.step([r[x] for r in frontier], [r[y] for r in frontier], "k:", where="post", linewidth=2)
-                axes.plot([r[x] for r in frontier], [r[y] for r in frontier], "D", markersize=11, markerfacecolor="none",
-                          markeredgecolor="k", linestyle=":", color="k", label="Pareto frontier")
+        for axes, trace in zip(np.atleast_1d(figure.subplots(1, len(traces))), traces):
+            _plot_panel(axes, trace, x, y, dashed, pareto=name == "pareto_ttft_throughput")
             axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{trace['workload']['name']} trace")
             if x == "padding_waste":
                 axes.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
             axes.grid(alpha=0.3)
             axes.legend(fontsize=8)
         figure.suptitle(f"bucket strategies on the engine ({model_name})", fontsize=10)
-        path = out_dir / f"{NAME}_{name}.png"
-        figure.savefig(path, dpi=110)
-        paths[name] = str(path)
+        paths[name] = str(out_dir / f"{NAME}_{name}.png")
+        figure.savefig(paths[name], dpi=110)
     return paths
 
 
 # ------------------------------------------------------------------------------------------ the experiment
 
 
-def tiny_model(folder: pathlib.Path) -> pathlib.Path:
-    """A Hugging Face folder: a random tiny Llama with SmolLM2's tokenizer (jaxinfer.tiny_model), for
-    --quick and the notebook: real tokenization and every engine code path, compiled in a fraction of the time."""
+def resolve_model(model: str | None) -> str | None:
+    """None (the default SmolLM2-135M), a path, or "tiny": a HF folder under build/ of a random tiny Llama
+    with SmolLM2's tokenizer (jaxinfer.tiny_model), for --quick and the notebook: real tokenization and
+    every engine code path, compiled in a fraction of the time."""
     from jaxinfer.tiny_model import save_tiny_llama
     from jaxinfer.tokenizer import load_tokenizer
 
-    if (folder / "config.json").exists():
-        return folder
-    return save_tiny_llama(folder, load_tokenizer(None), max_position=2048)
-
-
-def resolve_model(model: str | None) -> str | None:
-    """None (the default SmolLM2-135M), "tiny" (built under build/), or a path."""
-    return str(tiny_model(WORK_DIR / "tiny_model")) if model == "tiny" else model
+    folder = WORK_DIR / "tiny_model"
+    if model == "tiny" and not (folder / "config.json").exists():
+        save_tiny_llama(folder, load_tokenizer(None), max_position=2048)
+    return str(folder) if model == "tiny" else model
 
 
 def plan_trace(workload: Workload, strategies, budgets, limits: Limits) -> tuple[dict, list[dict], list[dict]]:
@@ -696,13 +623,12 @@ def print_report(result: dict) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, trace=True)
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder; 'tiny' builds a random tiny Llama; default SmolLM2-135M")
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 requests, pad-to-max and fitted at budgets 4 and 16")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     parser.add_argument("--traces", default=",".join(DEFAULT_TRACES), help=f"comma-separated, of {', '.join(TRACES)}")
-    parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="the Azure conversation trace (read in place)")
     parser.add_argument("--num-requests", type=int, default=12)
     parser.add_argument("--scale", type=float, default=16.0, help="trace token counts are divided by this")
     parser.add_argument("--seed", type=int, default=0)
@@ -714,6 +640,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.model, args.num_requests = args.model or "tiny", min(args.num_requests, 8)
         args.strategies = args.strategies if args.strategies != ",".join(STRATEGIES) else "pad-to-max,fitted"
         args.budgets = args.budgets if args.budgets != ",".join(map(str, BUDGETS)) else "4,16"
+    args.strategies = harness.comma_list(parser, args.strategies, STRATEGY_KINDS, "strategies")
+    args.traces = harness.comma_list(parser, args.traces, TRACES, "traces")
     return args
 
 
@@ -724,20 +652,12 @@ def main(argv=None) -> None:
         results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), report=lambda line: print(line, flush=True))
         pathlib.Path(out_file).write_text(json.dumps(results))
         return
-    strategies = tuple(s for s in args.strategies.split(",") if s)
-    unknown = [s for s in strategies if s not in STRATEGY_KINDS]
-    if unknown:
-        sys.exit(f"unknown strategies {unknown}; known: {', '.join(STRATEGY_KINDS)}")
-    result = run_experiment(model=args.model, strategies=strategies, budgets=tuple(int(b) for b in args.budgets.split(",")),
-                            traces=tuple(args.traces.split(",")), num_requests=args.num_requests, scale=args.scale, seed=args.seed,
+    result = run_experiment(model=args.model, strategies=tuple(args.strategies), budgets=tuple(int(b) for b in args.budgets.split(",")),
+                            traces=tuple(args.traces), num_requests=args.num_requests, scale=args.scale, seed=args.seed,
                             repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir)
     print_report(result)
-    path = args.out_dir / f"{NAME}.json"
-    harness.write_result(path, result)
-    print(f"\nwrote {path} and {len(result['plots'])} plots")
-    print(json.dumps(summary_line(result)))
-    if not result["correct"]:
-        sys.exit(1)
+    print(f"\nresults: {args.out_dir / f'{NAME}.json'} and {len(result['plots'])} plots")
+    harness.finish(args.out_dir / f"{NAME}.json", result, summary_line(result), correct=result["correct"])
 
 
 if __name__ == "__main__":

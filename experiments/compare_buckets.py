@@ -13,7 +13,6 @@ document (the targets and their measured values) as its last stdout line. Host o
     .venv/bin/python experiments/compare_buckets.py [--trace PATH] [--out DIR]
 """
 
-import argparse
 import json
 import os
 import pathlib
@@ -23,7 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import harness
-from harness import DEFAULT_TRACE, REPO_ROOT
+from harness import REPO_ROOT
 from jaxinfer.buckets import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
 from jaxinfer.cli_buckets import compare_strategies, plot_length_cdf, plot_waste_curves
 from jaxinfer.traces import TraceError, load_trace, synthetic_trace
@@ -93,43 +92,30 @@ def _batching_rows(name: str, trace) -> dict:
     return {view: {"waste": m.waste, "steps": m.num_steps} for view, m in views.items()} | {"trace": name}
 
 
-def _time_fit(lengths: np.ndarray, budget: int, repeats: int) -> float:
-    """The least seconds of `repeats` exact fits."""
-    return min(harness.time_calls(lambda: fit_buckets(lengths, budget), repeats, warmup=0))
-
-
 def _fit_timings() -> list[dict]:
-    """Fit time at K = 32 on synthetic prompt lengths of growing size, and on all-distinct lengths."""
-    rows = []
-    for size in TIMING_SIZES:
-        lengths = synthetic_trace(size, seed=1).context_tokens
-        rows.append({"lengths": size, "distinct": int(np.unique(lengths).size), "kind": "synthetic",
-                     "seconds": _time_fit(lengths, TIMING_BUDGET, repeats=3)})  # fmt: skip
-    all_distinct = np.random.default_rng(1).permutation(100_000) + 1
-    rows.append({"lengths": 100_000, "distinct": 100_000, "kind": "all distinct (worst case)",
-                 "seconds": _time_fit(all_distinct, TIMING_BUDGET, repeats=1)})  # fmt: skip
-    return rows
+    """The least seconds of exact fits at K = 32 on synthetic prompt lengths of growing size (3 fits), and
+    on all-distinct lengths (1 fit)."""
+    samples = [(synthetic_trace(size, seed=1).context_tokens, "synthetic", 3) for size in TIMING_SIZES]
+    samples.append((np.random.default_rng(1).permutation(100_000) + 1, "all distinct (worst case)", 1))
+    return [{"lengths": lengths.size, "distinct": int(np.unique(lengths).size), "kind": kind,
+             "seconds": min(harness.time_calls(lambda: fit_buckets(lengths, TIMING_BUDGET), repeats, warmup=0))}
+            for lengths, kind, repeats in samples]  # fmt: skip
 
 
-def _print_waste_table(rows: list[dict], trace: str, cost: str) -> None:
+def _print_tables(rows: list[dict], trace: str, cost: str) -> None:
+    """Waste (programs used) of strategies fitted to the whole trace, then the out-of-sample views."""
     selected = [r for r in rows if r["trace"] == trace and r["cost"] == cost]
+    by_strategy = {name: [r for r in selected if r["strategy"] == name] for name in dict.fromkeys(r["strategy"] for r in selected)}
     field = "token_waste" if cost == "tokens" else "cost_waste"
     print(f"\n{trace} trace, {cost} waste (programs used), strategies fitted to the whole trace")
     print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>14}" for b in BUDGETS) + f"{'over top':>10}")
-    for strategy in dict.fromkeys(r["strategy"] for r in selected):
-        cells = [r for r in selected if r["strategy"] == strategy]
-        line = "".join(f"{r[field]:>9.1%} ({r['programs']:>2})" for r in cells)
-        print(f"{strategy:<14}{line}{max(r['over_top'] for r in cells):>10}")
-
-
-def _print_out_of_sample_table(rows: list[dict], trace: str, cost: str) -> None:
-    selected = [r for r in rows if r["trace"] == trace and r["cost"] == cost]
+    for strategy, cells in by_strategy.items():
+        print(f"{strategy:<14}" + "".join(f"{r[field]:>9.1%} ({r['programs']:>2})" for r in cells) + f"{max(r['over_top'] for r in cells):>10}")
     print(f"\n{trace} trace, {cost} waste, built from the first half in time: in sample / out of sample"
           " (second half) / oracle (built from the second half); random halves: in / out")  # fmt: skip
     print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>22}" for b in BUDGETS) + f"{'random K=12':>16}")
-    for strategy in dict.fromkeys(r["strategy"] for r in selected):
-        cells = [r for r in selected if r["strategy"] == strategy]
-        views = ("in_sample_waste", "out_of_sample_waste", "oracle_second_half_waste")
+    views = ("in_sample_waste", "out_of_sample_waste", "oracle_second_half_waste")
+    for strategy, cells in by_strategy.items():
         line = "".join(f"{'/'.join(f'{100 * r[v]:.1f}' for v in views):>22}" for r in cells)
         control = next(r for r in cells if r["budget"] == TARGET_BUDGET)
         print(f"{strategy:<14}{line}{control['random_split_in_waste']:>9.1%}/{control['random_split_out_waste']:.1%}")
@@ -195,12 +181,6 @@ def _targets(rows: list[dict], batching: list[dict], timings: list[dict]) -> dic
     }  # fmt: skip
 
 
-def _load_traces(args) -> dict:
-    conversation = load_trace(args.trace)
-    synthetic = synthetic_trace(conversation.num_requests, seed=args.seed)
-    return {"conversation": conversation, "synthetic": synthetic}
-
-
 def _print_batching_and_timings(batching: list[dict], timings: list[dict]) -> None:
     print(f"\nbatch-level token waste (batches of {BATCH_SIZE}; packing into {PACKING_TOKEN_BUDGET}-token steps)")
     for entry in batching:
@@ -222,23 +202,21 @@ def _write_plots(out: pathlib.Path, traces: dict, rows: list[dict]) -> list[path
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="Azure-format trace CSV")
-    parser.add_argument("--out", type=pathlib.Path, default=harness.RESULTS_DIR, help="output folder")
+    parser = harness.arg_parser(__doc__, out=harness.RESULTS_DIR, trace=True)  # --out: a folder
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     args = parser.parse_args(argv)
     try:
-        traces = _load_traces(args)
+        conversation = load_trace(args.trace)
     except (TraceError, OSError) as error:
         print(f"compare_buckets: {error}", file=sys.stderr)
         return 2
+    traces = {"conversation": conversation, "synthetic": synthetic_trace(conversation.num_requests, seed=args.seed)}
     rows = [r for name, trace in traces.items() for cost in COSTS for r in _strategy_rows(name, trace, cost, args.seed)]
     batching = [_batching_rows(name, trace) for name, trace in traces.items()]
     timings = _fit_timings()
     for name in traces:
         for cost in COSTS:
-            _print_waste_table(rows, name, cost)
-            _print_out_of_sample_table(rows, name, cost)
+            _print_tables(rows, name, cost)
     _print_batching_and_timings(batching, timings)
     plots = _write_plots(args.out, traces, rows)
     targets = _targets(rows, batching, timings)

@@ -61,9 +61,7 @@ def _error(e: BaseException) -> str:
 
 
 def _wall(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
+    return harness.timed(lambda: jax.block_until_ready(fn(*args)))[1]
 
 
 def time_chained(fn, args, *, calls: int = 8) -> float:
@@ -355,10 +353,8 @@ def _reset_interpreter() -> None:
 
 
 def write_doc(doc: dict, out_dir: str, dry_run: bool) -> dict:
-    """Write the document with the harness's metadata block ("machine": commit, CPU, device and its peak
-    bytes in use); the measured peaks stay under "ceilings"."""
-    name = "device_check_dry_run.json" if dry_run else "device_check.json"
-    return harness.write_result(pathlib.Path(out_dir) / name, doc, indent=1)
+    """With the harness's "machine" block (commit, CPU, device and its peak bytes); the measured peaks stay under "ceilings"."""
+    return harness.write_result(pathlib.Path(out_dir) / f"device_check{'_dry_run' if dry_run else ''}.json", doc, indent=1)
 
 
 def finish(doc: dict, budget: Budget, args) -> int:

@@ -8,20 +8,23 @@
   engine runs  the engine config for a scaled-trace workload and the timed LLM run over it;
   step hook    StepRecorder, the run loop's `on_step` for step times, KV use and padded table entries;
   peers        running a script in .venv-ref and reading its last-line JSON;
-  metadata     the "machine" block of every result JSON (commit, CPU model and flags, device, peak
-               figures), attached by write_result.
+  reporting    the common options, progress lines, a table printer, and the "machine" block of every
+               result JSON (commit, CPU model and flags, device, peak figures) that write_result attaches.
 Importing it needs only the stdlib and numpy (a parent that only spawns workers, or device_check.py on
 the GPU box, stays light): jax and jaxinfer are imported inside the functions that use them.
 """
 
+import argparse
 import collections
 import dataclasses
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -93,8 +96,7 @@ def build_workload(trace_path: pathlib.Path, num_requests: int, scale: float, se
 
 def workload_summary(requests: list[dict]) -> dict:
     """Request count, token totals, and the largest and median prompt and output."""
-    prompts = np.array([len(r["prompt_ids"]) for r in requests])
-    outputs = np.array([r["max_tokens"] for r in requests])
+    prompts, outputs = np.array([len(r["prompt_ids"]) for r in requests]), np.array([r["max_tokens"] for r in requests])
     return {"num_requests": len(prompts), "prompt_tokens": int(prompts.sum()), "output_tokens": int(outputs.sum()),
             "max_prompt": int(prompts.max()), "median_prompt": float(np.median(prompts)),
             "max_output": int(outputs.max()), "median_output": float(np.median(outputs))}
@@ -139,16 +141,16 @@ def time_calls(fn, repeats: int, warmup: int = 1) -> list[float]:
     return [timed(fn)[1] for _ in range(repeats)]
 
 
-def time_donating(program, state, *args, repeats: int) -> float:
-    """Median seconds of program(state, *args) -> (out, state) after 2 untimed calls, the donated
-    state rebound after every call."""
+def time_donating(program, state, *args, repeats: int, warmup: int = 2) -> tuple[list[float], object]:
+    """Seconds of each of `repeats` calls of program(state, *args) -> (out, state) after `warmup` untimed
+    ones, the donated state rebound after every call; and the last call's output."""
     holder = {"state": state}
 
     def run():
         out, holder["state"] = program(holder["state"], *args)
-        out.block_until_ready()
+        holder["out"] = out.block_until_ready()
 
-    return statistics.median(time_calls(run, repeats, warmup=2))
+    return time_calls(run, repeats, warmup), holder["out"]
 
 
 def compile_timed(jitted, *args, **kwargs):
@@ -178,6 +180,12 @@ def measure_bandwidth_peak(repeats: int, num_bytes: int = BANDWIDTH_BYTES, warmu
     total = jax.jit(jnp.sum)
     times = time_calls(lambda: total(x).block_until_ready(), repeats, warmup=warmup)
     return {"bytes": num_bytes, "best_bytes_per_s": num_bytes / min(times), "median_bytes_per_s": num_bytes / statistics.median(times)}
+
+
+def measure_peaks(repeats: int) -> dict:
+    """The matmul and read-bandwidth peaks, and their balance (FLOP per byte)."""
+    peaks = {"matmul": measure_matmul_peak(repeats), "bandwidth": measure_bandwidth_peak(repeats)}
+    return peaks | {"flops_per_byte": peaks["matmul"]["best_flops_per_s"] / peaks["bandwidth"]["best_bytes_per_s"]}
 
 
 def load_average() -> list[float]:
@@ -216,6 +224,14 @@ def reset_peak_rss() -> bool:
 # ------------------------------------------------------------------------------------------ paged forward programs
 
 
+def pad_rows(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids int32 [B, width], right-padded with 0; lengths int32 [B])."""
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = prompt
+    return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
 def row_tables(num_rows: int, pages_per_row: int) -> np.ndarray:
     """Distinct pages 1.. for each row (page 0 is the null page): int32 [num_rows, pages_per_row]."""
     return (1 + np.arange(num_rows * pages_per_row, dtype=np.int32)).reshape(num_rows, pages_per_row)
@@ -232,6 +248,22 @@ def page_meta(block_tables: np.ndarray, positions: np.ndarray, page_size: int, v
     if valid is not None:
         pages = np.where(valid, pages, 0)
     return kv_pool.PageMeta(jnp.asarray(block_tables, jnp.int32), jnp.asarray(pages, jnp.int32), jnp.asarray(positions % page_size, jnp.int32))
+
+
+def prefill_args(ids: list[int], page_size: int) -> tuple[tuple, int]:
+    """forward_program's (tokens, positions, pages, last) for one sequence of `ids` on its own pages,
+    and the pool's page count (the null page included)."""
+    pages, positions = -(-len(ids) // page_size), np.arange(len(ids), dtype=np.int32)[None]
+    meta = page_meta(row_tables(1, pages), positions, page_size)
+    return (np.asarray([ids], np.int32), positions, meta, np.array([len(ids) - 1], np.int32)), pages + 1
+
+
+def decode_args(batch: int, context: int, token: int, page_size: int) -> tuple[tuple, int]:
+    """forward_program's arguments for one `token` per row, every row at position context - 1 of its own
+    pages (so it attends to `context` keys), and the pool's page count."""
+    pages, positions = -(-context // page_size), np.full((batch, 1), context - 1, np.int32)
+    meta = page_meta(row_tables(batch, pages), positions, page_size)
+    return (np.full((batch, 1), token, np.int32), positions, meta, np.zeros(batch, np.int32)), batch * pages + 1
 
 
 def _forward(params, pool, tokens, positions, pages, last, *, cfg, impl: str, output: str):
@@ -259,13 +291,8 @@ def time_forward(params, cfg, pool, args: tuple, *, impl: str, output: str, repe
     """forward_program compiled for (params, pool, *args), then `repeats` timed calls after `warmup`, the
     donated pool rebound each call. Returns (seconds per call, compile seconds, the last call's output)."""
     program, compile_s = compile_timed(forward_program(), params, pool, *args, cfg=cfg, impl=impl, output=output)
-    state = {"pool": pool}
-
-    def run():
-        out, state["pool"] = program(params, state["pool"], *args)
-        state["out"] = out.block_until_ready()
-
-    return time_calls(run, repeats, warmup), compile_s, state["out"]
+    times, out = time_donating(lambda pool, *rest: program(params, pool, *rest), pool, *args, repeats=repeats, warmup=warmup)
+    return times, compile_s, out
 
 
 def engine_params(params, impl: str):
@@ -288,6 +315,20 @@ def forward_flops(cfg, num_tokens: int, num_logit_rows: int, num_keys_attended: 
     lm_head = 2 * cfg.vocab_size * cfg.embed_dim * num_logit_rows
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_keys_attended
     return 2 * matmul_params(cfg) * num_tokens + lm_head + attention
+
+
+def file_tensor_shapes(cfg, fmt: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in a "hf" or "gguf" file of the weights `cfg` has (jaxinfer.params.WEIGHTS):
+    [out, in] for matmul weights, flat vectors otherwise."""
+    from jaxinfer import params
+
+    sizes = params.axis_sizes(cfg)
+    size = lambda axes: math.prod(sizes[a] for a in axes)  # noqa: E731
+    shapes = {}
+    for spec in params.present(cfg):
+        shape = (size(spec.out_axes), size(spec.in_axes)) if spec.num_in else (math.prod(spec.layer_shape(cfg)),)
+        shapes |= dict.fromkeys(spec.file_names(cfg, fmt), shape)
+    return shapes
 
 
 # Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
@@ -372,17 +413,37 @@ def workload_engine_config(*, max_num_seqs: int = 32, page_size: int = 16, compi
                         num_pages=max_num_seqs * (WORKLOAD_MAX_CONTEXT // page_size) + 1, **knobs)
 
 
-def check_against_reference(llm, requests: list[dict]) -> dict:
-    """The NUM_REFERENCE_CHECKS shortest requests: engine greedy tokens == generate.generate's (dense)."""
+def reference_check(params, cfg, eos_id: int, requests: list[dict], engine_tokens) -> dict:
+    """The NUM_REFERENCE_CHECKS shortest requests: the engine's greedy tokens (`engine_tokens(chosen
+    indices)`) == generate.generate's, the dense reference, over the engine's `params`."""
     from jaxinfer import generate
 
     chosen = sorted(range(len(requests)), key=lambda i: len(requests[i]["prompt_ids"]) + requests[i]["max_tokens"])[:NUM_REFERENCE_CHECKS]
-    prompts = [requests[i]["prompt_ids"] for i in chosen]
-    params = [greedy(requests[i]["max_tokens"]) for i in chosen]
-    engine_tokens = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
-    reference = generate.generate(llm.engine.params, llm.model_config, prompts, params, eos_id=llm.tokenizer.eos_id)
-    equal = [e == r.token_ids for e, r in zip(engine_tokens, reference)]
+    reference = generate.generate(params, cfg, [requests[i]["prompt_ids"] for i in chosen],
+                                  [greedy(requests[i]["max_tokens"]) for i in chosen], eos_id=eos_id)
+    equal = [e == r.token_ids for e, r in zip(engine_tokens(chosen), reference)]
     return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
+
+
+def check_against_reference(llm, requests: list[dict]) -> dict:
+    """reference_check of `llm`, the chosen requests generated on their own."""
+    def engine_tokens(chosen):
+        batch = [requests[i] for i in chosen]
+        return [o.token_ids for o in llm.generate([r["prompt_ids"] for r in batch], [greedy(r["max_tokens"]) for r in batch], progress=False)]
+
+    return reference_check(llm.engine.params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens)
+
+
+def best_run(runs: list[tuple], max_tokens: list[int]) -> dict:
+    """The fastest of `runs` of one workload, each (seconds, outputs, ...), with every run's seconds beside it."""
+    seconds, outputs = min(runs, key=lambda run: run[0])[:2]
+    tokens = [o.token_ids for o in outputs]
+    num_output = sum(len(t) for t in tokens)
+    return {"seconds": seconds, "seconds_per_repeat": [run[0] for run in runs],
+            "repeats_identical_tokens": all([o.token_ids for o in run[1]] == tokens for run in runs), "num_output_tokens": num_output,
+            "output_tokens_per_s": num_output / seconds, "all_lengths_exact": all(len(t) == n for t, n in zip(tokens, max_tokens)),
+            "mean_latency_s": float(np.mean([o.latency for o in outputs])),
+            "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs]))}
 
 
 def _timed_repeats(llm, requests: list[dict], page_size: int, repeats: int) -> tuple[list, int]:
@@ -414,21 +475,15 @@ def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) 
     runs, num_compiles = _timed_repeats(llm, requests, engine_config.page_size, repeats)
     seconds, outputs, recorder = min(runs, key=lambda run: run[0])
     stats = llm.last_stats  # the scheduler is deterministic: every repeat has the same stats
-    tokens = [o.token_ids for o in outputs]
-    num_output = sum(len(t) for t in tokens)
     return {
-        "load_s": load_s, "warmup_s": warmup_s, "num_compilations": llm.engine.num_compilations,
-        "compiles_during_timed_run": num_compiles, "seconds": seconds, "seconds_per_repeat": [run[0] for run in runs],
-        "repeats_identical_tokens": all([o.token_ids for o in run[1]] == tokens for run in runs), "num_output_tokens": num_output,
-        "output_tokens_per_s": num_output / seconds, "all_lengths_exact": all(len(t) == r["max_tokens"] for t, r in zip(tokens, requests)),
+        "load_s": load_s, "warmup_s": warmup_s, "num_compilations": llm.engine.num_compilations, "compiles_during_timed_run": num_compiles,
+        **best_run(runs, [r["max_tokens"] for r in requests]),
         "engine_config": dataclasses.asdict(engine_config), "num_pages": llm.engine.num_pages,
         "attention_impl": llm.engine.impl, "quantization": load.get("quantization"), "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
         "time_split": recorder.summary(seconds),
         "decode_kv_utilization": recorder.kv_utilization(),  # from the plans, over decode steps only
-        "mean_latency_s": float(np.mean([o.latency for o in outputs])),
-        "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs])),
-    }, tokens, llm
+    }, [o.token_ids for o in outputs], llm
 
 
 # ------------------------------------------------------------------------------------------ subprocesses and peers
@@ -450,6 +505,54 @@ def run_json(command: list[str], what: str, **kwargs) -> dict:
 def run_peer(script: str, *argv: str) -> dict:
     """experiments/peers/`script` in .venv-ref; its last-line JSON."""
     return run_json([str(REF_PYTHON), str(PEERS_DIR / script), *argv], script)
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+
+def arg_parser(doc: str, *, out: pathlib.Path | None = None, trace: bool = False) -> argparse.ArgumentParser:
+    """A parser described by the first line of `doc`, with the common --out (default `out`) and --trace."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    if out is not None:
+        parser.add_argument("--out", type=pathlib.Path, default=out)
+    if trace:
+        parser.add_argument("--trace", type=pathlib.Path, default=DEFAULT_TRACE, help="an Azure-format trace CSV")
+    return parser
+
+
+def comma_list(parser: argparse.ArgumentParser, text: str, choices, what: str) -> list[str]:
+    """The non-empty items of a comma list; a usage error naming `what` if one is not in `choices`."""
+    items = [item for item in text.split(",") if item]
+    unknown = sorted(set(items) - set(choices))
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+    return items
+
+
+def log(script: str, message: str) -> None:
+    """A timestamped progress line on stderr (stdout ends with the result JSON)."""
+    print(f"[{script} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def format_table(columns: list[tuple[str, str]], rows: list[list]) -> str:
+    """Columns of (header, format spec: "<14", ">8.1f", "7.1%", aligned right unless "<"); a header
+    aligns as its cells, and a cell that is a string or None ("-") prints as text at the column's width."""
+    def cell(value, spec: str) -> str:
+        align, width = spec[0] if spec[0] in "<>" else ">", re.match(r"[<>]?[+ -]?(\d*)", spec)[1]
+        if value is None or isinstance(value, str):
+            return f"{'-' if value is None else value:{align}{width}}"
+        return f"{value:{align}{spec.lstrip('<>')}}"
+
+    return "\n".join(" ".join(cell(v, spec) for v, (_, spec) in zip(row, columns)) for row in [[h for h, _ in columns], *rows])
+
+
+def finish(path: pathlib.Path, doc: dict, summary: dict, *, correct: bool = True, **write) -> dict:
+    """write_result(path, doc, **write), then `summary` as the last stdout line; exit 1 if not `correct`."""
+    doc = write_result(path, doc, **write)
+    print(json.dumps(summary))
+    if not correct:
+        sys.exit(1)
+    return doc
 
 
 # ------------------------------------------------------------------------------------------ metadata

@@ -13,12 +13,10 @@ Prints a table per key; writes experiments/results/profile_steps.json (the top o
     .venv/bin/python experiments/profile_steps.py [--keys prefill/1/512/64,decode/32/1/16] [--repeats 5]
 """
 
-import argparse
 import collections
 import glob
 import gzip
 import json
-import pathlib
 import re
 import shutil
 import statistics
@@ -121,11 +119,10 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--keys", default=DEFAULT_KEYS, help="comma list of phase/rows/tokens/pages bucket keys")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=8, help="ops listed per key")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     keys = [parse_key(k) for k in args.keys.split(",") if k]
     engine_config = EngineConfig(max_context=2048, max_num_seqs=32, page_size=PAGE_SIZE, num_pages=32 * 2048 // PAGE_SIZE + 1, compilation_cache_dir=None)

@@ -14,9 +14,7 @@ Writes experiments/results/scan_weight_copy.json.
     .venv/bin/python experiments/scan_weight_copy.py [--layers 8] [--width 2048] [--ffn 8192]
 """
 
-import argparse
 import functools
-import pathlib
 import re
 
 import jax
@@ -45,17 +43,11 @@ VARIANTS = {
 }
 
 
-def best_seconds(fn, *args, repeats: int = 7) -> float:
-    """The least wall seconds of `repeats` calls of fn(*args), after one untimed call."""
-    return min(harness.time_calls(lambda: fn(*args).block_until_ready(), repeats, warmup=1))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     up = jnp.asarray(rng.standard_normal((args.layers, args.width, args.ffn), np.float32) * 0.01)  # [N, D, F]
@@ -71,7 +63,7 @@ def main() -> None:
         jitted = jax.jit(fn)
         hlo = jitted.lower(x, up, down, ups, downs).compile().as_text()
         outputs[name] = np.asarray(jitted(x, up, down, ups, downs))
-        seconds = best_seconds(jitted, x, up, down, ups, downs)
+        seconds = min(harness.time_calls(lambda: jitted(x, up, down, ups, downs).block_until_ready(), 7, warmup=1))  # the least of 7
         rows.append({"variant": name, "ms": seconds * 1e3, "weight_gb_per_s": weight_bytes / seconds / 1e9,
                      "share_of_bandwidth": weight_bytes / seconds / bandwidth,
                      "slice_fusions_in_hlo": len(re.findall(r"slice[\w.-]*fusion[\w.]* = ", hlo))})
@@ -80,9 +72,8 @@ def main() -> None:
 
     print(f"{args.layers} layers of [{args.width}, {args.ffn}] + [{args.ffn}, {args.width}] f32 ({weight_bytes / 1e9:.2f} GB), batch 1; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; outputs agree: {correct}")
-    print(f"{'variant':<44} {'ms':>8} {'GB/s':>6} {'share':>6} {'slice fusions':>14}")
-    for r in rows:
-        print(f"{r['variant']:<44} {r['ms']:8.1f} {r['weight_gb_per_s']:6.1f} {r['share_of_bandwidth']:6.1%} {r['slice_fusions_in_hlo']:14d}")
+    columns = [("variant", "<44"), ("ms", "8.1f"), ("GB/s", "6.1f"), ("share", "6.1%"), ("slice fusions", "14d")]
+    print(harness.format_table(columns, [[r["variant"], r["ms"], r["weight_gb_per_s"], r["share_of_bandwidth"], r["slice_fusions_in_hlo"]] for r in rows]))
     speedup = rows[0]["ms"] / rows[-1]["ms"]
     print(f"separate arrays vs scan over the stack: {speedup:.2f}x")
     result = {"question": "cost of lax.scan's per-layer weight slice on the CPU backend at batch 1",

@@ -1,10 +1,9 @@
-"""Shared by the HF peer scripts (run in .venv-ref): load the embedded GGUF (or a HF folder) in float32."""
+"""Shared by the peer scripts (run in .venv-ref): the embedded GGUF's path, and HF's model of it (or of a HF
+folder) in float32. torch is imported only by load_model (the llama.cpp peers do not need it)."""
 
 import importlib.util
 import os
 import time
-
-import torch
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -17,17 +16,30 @@ def gguf_folder() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
+def gguf_path() -> str:
+    return os.path.join(gguf_folder(), GGUF_NAME)
+
+
 def load_model(threads: int, folder: str | None = None):
     """(model in eval mode, load seconds, transformers version) of the embedded GGUF, or of a Hugging Face
     `folder` if given; offline, quiet, `threads` torch threads."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: it reads it then
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
     gguf = {} if folder else {"gguf_file": GGUF_NAME}
     model = AutoModelForCausalLM.from_pretrained(folder or gguf_folder(), **gguf, dtype=torch.float32)
     return model.eval(), time.perf_counter() - start, transformers.__version__
+
+
+def describe(model, version: str) -> dict:
+    """The fields every HF peer's JSON starts with: versions, torch threads and the attention implementation."""
+    import torch
+
+    return {"transformers_version": version, "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+            "attn_implementation": model.config._attn_implementation}

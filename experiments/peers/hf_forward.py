@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from hf_common import load_model  # noqa: E402  (the script's folder is on sys.path)
+from hf_common import describe, load_model  # noqa: E402  (the script's folder is on sys.path)
 
 
 def _cache_of(output):
@@ -85,17 +85,8 @@ def main() -> None:
     if args.logits_out:
         np.save(args.logits_out, logits.astype(np.float32))
     decode = time_decode(model, ids, [int(b) for b in args.batch_sizes.split(",")], args.warmup, args.steps)
-    print(json.dumps({
-        "peer": "hf_transformers",
-        "transformers_version": version,
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "attn_implementation": model.config._attn_implementation,
-        "load_s": load_s,
-        "prefill_tokens": len(ids),
-        "prefill_s": prefill_times,
-        "decode": decode,
-    }))
+    print(json.dumps({"peer": "hf_transformers", **describe(model, version), "load_s": load_s, "prefill_tokens": len(ids),
+                      "prefill_s": prefill_times, "decode": decode}))
 
 
 if __name__ == "__main__":

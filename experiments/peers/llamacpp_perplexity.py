@@ -1,23 +1,14 @@
 """llama.cpp peer of experiments/bench_quant.py: logits for perplexity, and forward speed, on our token ids.
 
 Runs only in the reference env (.venv-ref, llama-cpp-python from `make setup-bench`); bench_quant.py starts
-it as a subprocess. Same Q4_1 GGUF as jaxinfer (found as llamacpp_generate.py finds it), computed the
-llama.cpp way (quantized weights, activations rounded to q8_1 for the dot products), with a KV cache of
-each --kv-types entry (f16: llama.cpp's default; q8_0: its 8-bit cache, one scale per 32 values). Flash
-attention is on for every type (llama.cpp needs it for a quantized V cache), so the cache type is the
-only difference between them.
-
-  logits      each window of --windows (token ids, no BOS added) is one llama_decode in a fresh sequence
-              with logits at every position, saved to --logits-dir as {kv type}_w{i}.npy (float32 [T, V]);
-              bench_quant.py scores them (perplexity, KL and argmax agreement vs its f32 logits) with the
-              code that scores jaxinfer;
-  speed       prefill: the --prefill-ids sequence as one llama_decode (logits at the last position only);
-              decode at each --batch-sizes B: B sequences at position --context - 1 over a shared prefix
-              of context - 1 cells (decoded once, given to every sequence by seq_cp in one unified KV
-              buffer, so each row attends to `context` keys as in bench_forward.py's decode), one token per
-              sequence per llama_decode; after each timed step those cells are removed again.
-Each timing is the median of --repeats calls after 2 untimed ones. Prints one JSON document as its last
-stdout line.
+it as a subprocess. Same Q4_1 GGUF as jaxinfer, computed the llama.cpp way (quantized weights, activations
+rounded to q8_1 for the dot products), with a KV cache of each --kv-types entry (f16: llama.cpp's default;
+q8_0: its 8-bit cache, one scale per 32 values). Flash attention is on for every type (llama.cpp needs it
+for a quantized V cache), so the cache type is the only difference between them. Per type: every window's
+logits at every position, saved for bench_quant.py to score with the code that scores jaxinfer
+(dump_logits); prefill of --prefill-ids as one llama_decode; decode at each --batch-sizes over --context
+keys, as in bench_forward.py's decode (time_decode). Each timing is the median of --repeats calls after 2
+untimed ones. Prints one JSON document as its last stdout line.
 
     .venv-ref/bin/python experiments/peers/llamacpp_perplexity.py --windows W.json --logits-dir D \
         --prefill-ids P.json [--kv-types f16,q8_0] [--batch-sizes 1,8,32] [--context 512] [--repeats 5]
@@ -33,7 +24,7 @@ import time
 import llama_cpp as lc
 import numpy as np
 
-from llamacpp_generate import N_BATCH, Context, gguf_path
+from llamacpp_generate import Context, _decode_prefix, gguf_path
 
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
@@ -83,11 +74,12 @@ def time_prefill(context: KVTypeContext, ids: list[int], repeats: int) -> dict:
 
 
 def time_decode(model, kv_type: int, batch: int, prefix: list[int], threads: int, repeats: int) -> dict:
-    """B rows at position len(prefix) over the shared prefix; the step's cells are removed after each call."""
+    """B rows at position len(prefix) over a shared prefix of context - 1 cells (decoded once, given to every
+    sequence by seq_cp in one unified KV buffer), one token per sequence per llama_decode; the step's cells
+    are removed after each call."""
     context = KVTypeContext(model, kv_type, batch, threads)
     try:
-        for start in range(0, len(prefix), N_BATCH):
-            context.decode([(t, start + i, 0, False) for i, t in enumerate(prefix[start:start + N_BATCH])])
+        _decode_prefix(context, prefix, 0)
         for seq in range(1, batch):
             context.copy_prefix(0, seq)
         position = len(prefix)
