@@ -297,9 +297,9 @@ def time_forward(params, cfg, pool, args: tuple, *, impl: str, output: str, repe
 
 def engine_params(params, impl: str):
     """The params as the engine holds them for `impl`: packed into panels for the CPU kernels."""
-    from jaxinfer import attention, model
+    from jaxinfer import attention, panels
 
-    return model.pack_panels(params) if impl == attention.CPU_IMPL else params
+    return panels.pack_panels(params) if impl == attention.CPU_IMPL else params
 
 
 def matmul_params(cfg) -> int:

@@ -100,7 +100,7 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     inputs = step_inputs(key, engine.num_pages, engine.engine_cfg.tables.samples_per_row(key.phase))
 
     def run():
-        tokens, engine.pool = program(engine.params, engine.pool, inputs)  # donates the pool; rebound at once
+        tokens, engine.pool = program(engine.step_params, engine.pool, inputs)  # donates the pool; rebound at once
         np.asarray(tokens)
 
     seconds = harness.time_calls(run, repeats, warmup=2)

@@ -5,9 +5,8 @@ attends over everything the sequence has so far. The math is `attention_referenc
 on a GPU, single-token 16-bit decode over the paged pool goes to the Pallas Mosaic GPU kernel in
 kernels_pallas/ instead (where that module's `supports` says it serves the geometry), and on a CPU every
 paged step (prefill, packed rows, decode) of an f32 model goes to the C++ kernel in kernels_cpu/. Both
-kernels take the whole pool and the layer index and read the layer's pages in place (the Pallas kernel on
-one device; under tensor parallelism it still gets the layer's slice). The model never imports a kernel
-directly.
+kernels take the whole pool and the layer index and read the layer's pages in place (under tensor
+parallelism too, on each device's own kv heads). The model never imports a kernel directly.
 
 Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deterministic=True)`)
 keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
@@ -22,6 +21,7 @@ visible iff it belongs to the query's sequence and its position is <= the query'
 scores take a large finite negative value, never -inf, so rows with nothing visible stay finite.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxinfer import kv_pool as kvp
-from jaxinfer import quant
 from jaxinfer.config import ATTENTION_IMPLS
 from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
@@ -89,7 +88,7 @@ def _pallas_kernel_obstacle(dtype, kv_cache_dtype: str | None, *, page_size: int
         raise ValueError("resolve_impl needs page_size and head_dim to ask the Pallas kernel whether it serves them")
     from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
 
-    kv_dtype = None if kv_cache_dtype is None else quant.KV_CODE_FORMATS[kv_cache_dtype][0]
+    kv_dtype = None if kv_cache_dtype is None else kvp.KV_CODE_FORMATS[kv_cache_dtype][0]
     return kernel.supports(head_dim, page_size, group_size, dtype=dtype, kv_dtype=kv_dtype)
 
 
@@ -295,14 +294,11 @@ def _attend_cpu(q, pool, layer, positions, pages):
 
 
 def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
-    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. On one
-    device the kernel gets the whole pool and the layer index and reads the layer's pages in place, as
-    the CPU kernel does (a `pool.k[layer]` slice may be copied every layer of every step). Under tensor
-    parallelism it still gets the layer's slice: `sharding.on_local_heads` splits axis 0 of the pages as
-    their kv-head axis. In deterministic mode the kernel's splits have a fixed size (its tuned split
-    count follows the batch)."""
-    import functools
-
+    """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. The kernel
+    gets the whole pool and the layer index and reads the layer's pages in place, as the CPU kernel does
+    (a `pool.k[layer]` slice may be copied every layer of every step); under tensor parallelism
+    `sharding.on_local_heads` hands each device its own kv heads of the whole pool, in place too. In
+    deterministic mode the kernel's splits have a fixed size (its tuned split count follows the batch)."""
     from jaxinfer import sharding
     from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
 
@@ -310,19 +306,9 @@ def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
     if deterministic:
         group_size = q.shape[2] // pool.k.shape[1]  # pool.k: [layers, G, P, K, L]
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
-    whole_pool = _model_axis_size() == 1
-    pick = (lambda x: x) if whole_pool else (lambda x: x[layer])  # noqa: E731
-    scales = dict(k_scales=pick(pool.k_scale), v_scales=pick(pool.v_scale)) if pool.quantized else {}
-    call = functools.partial(kernel.paged_attention, config=config, layer=layer if whole_pool else None)
+    scales = dict(k_scales=pool.k_scale, v_scales=pool.v_scale) if pool.quantized else {}
     out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
-        call, q[:, 0], pick(pool.k), pick(pool.v), pages.block_tables, positions[:, 0] + 1, **scales
+        functools.partial(kernel.paged_attention, config=config), q[:, 0], pool.k, pool.v, pages.block_tables,
+        positions[:, 0] + 1, layer=layer, **scales,
     )  # [B, H, K]
     return out[:, None]
-
-
-def _model_axis_size() -> int:
-    """Devices the kv heads may be split over: the `model` axis of the mesh in context (1 without one)."""
-    from jaxinfer import sharding
-
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or sharding.MODEL_AXIS not in mesh.axis_names else int(mesh.shape[sharding.MODEL_AXIS])

@@ -15,7 +15,7 @@ from jaxinfer.buckets import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
-KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (quant.KV_CODE_FORMATS); None keeps the model dtype
+KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (kv_pool.KV_CODE_FORMATS); None keeps the model dtype
 
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes (LoadOptions.dtype, --dtype)
 

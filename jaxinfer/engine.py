@@ -6,6 +6,10 @@ JAX's persistent compilation cache enabled; afterwards `step(plan)` only looks p
 compiles after warm-up (calling a compiled program with another shape is an error, not a compile).
 The pool is donated into every step and rebound on the same line. The engine knows nothing about text.
 
+`params` is the model as it was loaded (on the mesh, with one); the compiled programs run over
+`step_params`, which for the CPU kernels holds the layer matrices repacked into panels (panels.py) and is
+`params` itself otherwise. References (generate.py) run over `params`, so they stay independent of the kernels.
+
 With a `mesh` (tensor parallelism, sharding.py owns the layout) the params are put on it by the logical
 axis rules, the pool is allocated sharded over kv heads, and every program is compiled with explicit
 in/out shardings: params and pool as the rules say, the step's inputs and its tokens/logits replicated,
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import kv_pool as kvp
-from jaxinfer import model, sampling
+from jaxinfer import model, panels, sampling
 from jaxinfer import sharding as shd
 from jaxinfer.attention import CPU_IMPL, resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -170,8 +174,9 @@ class Engine:
             tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
             page_size=engine_cfg.page_size, head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads,
         )
-        if self.impl == CPU_IMPL:  # the CPU kernels read the matrices in their own panel layout
-            self.params = params = model.pack_panels(params)
+        # The CPU kernels read the matrices in their own panel layout (one device only, so never with a mesh);
+        # the loaded params stay as they are. Packed before the pool is sized, so free memory counts the panels.
+        self.step_params = panels.pack_panels(params) if self.impl == CPU_IMPL else params
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
@@ -182,7 +187,7 @@ class Engine:
             self.pool = init()
             self._jitted = jax.jit(step, donate_argnames=("pool",))
         else:
-            self.params = shd.shard_params(params, cfg, mesh)
+            self.params = self.step_params = params = shd.shard_params(params, cfg, mesh)
             pool_sharding = shd.pool_shardings(jax.eval_shape(init), cfg, mesh)
             self.pool = jax.jit(init, out_shardings=pool_sharding)()  # allocated in place, never whole on one device
             rep = shd.replicated(mesh)
@@ -210,7 +215,7 @@ class Engine:
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         start = time.perf_counter()
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
-            compiled = self._jitted.lower(self.params, self.pool, self._abstract_inputs(key)).compile()
+            compiled = self._jitted.lower(self.step_params, self.pool, self._abstract_inputs(key)).compile()
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:
@@ -234,10 +239,10 @@ class Engine:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
         _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
         if self.return_logits:
-            tokens, logits, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
+            tokens, logits, self.pool = program(self.step_params, self.pool, inputs_from_plan(plan))
             self.last_logits = np.asarray(logits)
         else:
-            tokens, self.pool = program(self.params, self.pool, inputs_from_plan(plan))
+            tokens, self.pool = program(self.step_params, self.pool, inputs_from_plan(plan))
         return np.asarray(tokens)
 
 

@@ -1,6 +1,6 @@
 """KV caches as pytrees: the paged pool used by the engine and the dense cache of the reference path.
 
-Owns the device arrays and their byte accounting; the host-side allocation of pages lives in
+Owns the device arrays, their byte accounting and the per-token codes of a quantized pool; the host-side allocation of pages lives in
 block_pool.py. Layout of the paged pool (see shared notes/pallas_gpu.md), so the GPU kernel reads it as is:
 
     k: [N, G, P, K, L]   K transposed per page
@@ -17,16 +17,37 @@ scales as one row of L:
     k_scale, v_scale: [N, G, P, L]
 
 The scales are pool arrays: allocated, donated and counted with K and V. A token is quantized when it is
-written (quant.quantize_per_token) and its page dequantized when it is read.
+written (`quantize_per_token`, the one owner of the KV codes: `KV_CODE_FORMATS`) and its page
+dequantized when it is read.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
-from jaxinfer import quant
 from jaxinfer.config import ModelConfig
+
+# kv_cache_dtype name -> (code dtype, largest code magnitude). One scale per token and kv head, taken when
+# the token is written (dynamic: no calibration): scale = max|x| over the head dim / largest code.
+KV_CODE_FORMATS = {"int8": (jnp.int8, 127.0), "fp8_e4m3": (jnp.float8_e4m3fn, 448.0)}
+KV_SCALE_DTYPE = jnp.float32
+
+
+def quantize_per_token(x: Float[Array, "*lead K"], kv_cache_dtype: str) -> tuple[Array, Float[Array, "*lead"]]:
+    """Codes [*lead, K] (int8 or float8_e4m3fn) and scales f32 [*lead], so that codes * scale ≈ x.
+
+    int8 rounds to nearest, so |x - codes * scale| <= scale / 2; fp8 e4m3 keeps 3 mantissa bits, a
+    relative error of at most 2^-4 for normal codes. An all-zero vector gets scale 1 and zero codes."""
+    code_dtype, largest = KV_CODE_FORMATS[kv_cache_dtype]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.abs(x32).max(axis=-1)  # [*lead]
+    scale = jnp.where(amax > 0, amax / largest, 1.0).astype(KV_SCALE_DTYPE)
+    scaled = x32 / scale[..., None]
+    if jnp.issubdtype(code_dtype, jnp.integer):
+        scaled = jnp.clip(jnp.round(scaled), -largest, largest)
+    return scaled.astype(code_dtype), scale
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +76,7 @@ class KVPool:
         """The kv_cache_dtype name of the codes, None for an unquantized pool."""
         if not self.quantized:
             return None
-        return next(name for name, (dtype, _) in quant.KV_CODE_FORMATS.items() if jnp.dtype(dtype) == self.k.dtype)
+        return next(name for name, (dtype, _) in KV_CODE_FORMATS.items() if jnp.dtype(dtype) == self.k.dtype)
 
     @property
     def num_pages(self) -> int:
@@ -90,8 +111,8 @@ def token_bytes(cfg: ModelConfig, kv_cache_dtype: str | None = None) -> int:
     """Pool bytes one token occupies across all layers: K and V, and their scales when quantized."""
     if kv_cache_dtype is None:
         return cfg.kv_bytes_per_token(jnp.dtype(cfg.dtype).itemsize)
-    code_dtype, _ = quant.KV_CODE_FORMATS[kv_cache_dtype]
-    scale_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * jnp.dtype(quant.KV_SCALE_DTYPE).itemsize
+    code_dtype, _ = KV_CODE_FORMATS[kv_cache_dtype]
+    scale_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * jnp.dtype(KV_SCALE_DTYPE).itemsize
     return cfg.kv_bytes_per_token(jnp.dtype(code_dtype).itemsize) + scale_bytes
 
 
@@ -103,12 +124,12 @@ def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, kv_cache_dtype:
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_cache_dtype: str | None = None) -> KVPool:
     """Allocate the pool once (zeros, so the null page holds finite values; scales of 1 when quantized)."""
     n, g, k = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    dtype = cfg.dtype if kv_cache_dtype is None else quant.KV_CODE_FORMATS[kv_cache_dtype][0]
+    dtype = cfg.dtype if kv_cache_dtype is None else KV_CODE_FORMATS[kv_cache_dtype][0]
     k_pages = jnp.zeros((n, g, num_pages, k, page_size), dtype)
     v_pages = jnp.zeros((n, g, num_pages, page_size, k), dtype)
     if kv_cache_dtype is None:
         return KVPool(k_pages, v_pages)
-    scales = lambda: jnp.ones((n, g, num_pages, page_size), quant.KV_SCALE_DTYPE)  # noqa: E731
+    scales = lambda: jnp.ones((n, g, num_pages, page_size), KV_SCALE_DTYPE)  # noqa: E731
     return KVPool(k_pages, v_pages, scales(), scales())
 
 
@@ -126,7 +147,7 @@ def write_paged(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, meta
     if not pool.quantized:
         return KVPool(pool.k.at[layer, :, pages, :, offsets].set(k), pool.v.at[layer, :, pages, offsets, :].set(v))
     name = pool.kv_cache_dtype
-    (k_codes, k_scale), (v_codes, v_scale) = quant.quantize_per_token(k, name), quant.quantize_per_token(v, name)
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_per_token(k, name), quantize_per_token(v, name)
     return KVPool(
         pool.k.at[layer, :, pages, :, offsets].set(k_codes), pool.v.at[layer, :, pages, offsets, :].set(v_codes),
         pool.k_scale.at[layer, :, pages, offsets].set(k_scale), pool.v_scale.at[layer, :, pages, offsets].set(v_scale),

@@ -16,16 +16,14 @@ Family features are ModelConfig fields, each read by one function here: `rope_sc
 `rotary_frequencies`, `attention_bias` and `qk_norm` by `attention_inputs`. Nothing branches on the
 architecture's name.
 
-Every weight matmul goes through `quant.qeinsum` and the embedding lookup through `quant.take`, so one
-forward serves dense and quantized params alike: on a dense array they are exactly `jnp.einsum` and
-`w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most one layer's
-weights are expanded at a time. The tied head multiplies by the embedding in whatever format it is kept.
-With the CPU kernels the engine packs the dense f32 matrices into quant.PanelTensor (`pack_panels`); then
-the scan runs over the layer index alone and qeinsum reads each layer's slice in place
-(kernels_cpu/layer_matmul) where XLA would copy it out first.
+Every weight matmul goes through `_matmul` (`quant.qeinsum`) and the embedding lookup through
+`quant.take`, so one forward serves dense and quantized params alike: on a dense array they are exactly
+`jnp.einsum` and `w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most
+one layer's weights are expanded at a time. The tied head multiplies by the embedding in whatever format
+it is kept. The engine's step params for the CPU kernels hold panels instead (panels.py owns that
+layout): `_matmul` hands them to `panels.einsum`, and the layers scan in place (`panels.scan_in_place`).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -33,10 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxinfer import attention, quant
+from jaxinfer import attention, panels, quant
 from jaxinfer import kv_pool as kvp
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.params import LayerParams, Params
+
+
+def _matmul(spec: str, x: Float[Array, "..."], w, *, preferred_element_type=None) -> Float[Array, "..."]:
+    """One weight matmul, `einsum(spec, x, w)`: panels through the CPU kernel, anything else (dense or
+    quantized) through quant.qeinsum."""
+    einsum = panels.einsum if panels.is_panel(w) else quant.qeinsum
+    return einsum(spec, x, w, preferred_element_type=preferred_element_type)
 
 
 def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
@@ -103,9 +108,9 @@ def attention_inputs(
 ) -> tuple[Float[Array, "B T H K"], Float[Array, "B T G K"], Float[Array, "B T G K"]]:
     """q, k, v of one layer: projections, + biases (`attention_bias`), per-head RMSNorm of q and k
     (`qk_norm`, before rope, as Qwen3 does), then rope on q and k."""
-    q = quant.qeinsum("btd,dhk->bthk", h, layer.wq)  # [B, T, H, K]
-    k = quant.qeinsum("btd,dgk->btgk", h, layer.wk)  # [B, T, G, K]
-    v = quant.qeinsum("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
+    q = _matmul("btd,dhk->bthk", h, layer.wq)  # [B, T, H, K]
+    k = _matmul("btd,dgk->btgk", h, layer.wk)  # [B, T, G, K]
+    v = _matmul("btd,dgk->btgk", h, layer.wv)  # [B, T, G, K]
     if cfg.attention_bias:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if cfg.qk_norm:
@@ -114,9 +119,9 @@ def attention_inputs(
 
 
 def mlp(x: Float[Array, "B T D"], layer: LayerParams) -> Float[Array, "B T D"]:
-    gate = quant.qeinsum("btd,df->btf", x, layer.w_gate)
-    up = quant.qeinsum("btd,df->btf", x, layer.w_up)
-    return quant.qeinsum("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
+    gate = _matmul("btd,df->btf", x, layer.w_gate)
+    up = _matmul("btd,df->btf", x, layer.w_up)
+    return _matmul("btf,fd->btd", jax.nn.silu(gate) * up, layer.w_down)
 
 
 def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConfig, impl: str):
@@ -126,40 +131,10 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q, k, v = attention_inputs(h, layer, positions, inv_freq, cfg)
         out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl)
-        x = x + quant.qeinsum("bthk,hkd->btd", out, layer.wo)
+        x = x + _matmul("bthk,hkd->btd", out, layer.wo)
     with jax.named_scope("mlp"):
         x = x + mlp(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer)
     return (x, cache), None
-
-
-def _dense_f32(value) -> bool:
-    return isinstance(value, jax.Array) and value.dtype == jnp.float32
-
-
-def pack_panels(params: Params) -> Params:
-    """The engine's params for the CPU kernels: every dense f32 layer matrix and the LM head as a
-    quant.PanelTensor (the layer-matmul kernel's layout). A tied head gets its own [D, V] panels (the
-    embedding stays for the lookup), so it costs one more copy of the table. Quantized weights stay."""
-    matrices = [spec for spec in params.specs if spec.stacked and spec.num_in]  # the weight table's layer matmuls
-    layers = {spec.name: quant.to_panels(getattr(params.layers, spec.name), 1, spec.num_in)
-              for spec in matrices if _dense_f32(getattr(params.layers, spec.name))}
-    head = params.lm_head
-    if head is None and _dense_f32(params.embed):
-        head = quant.to_panels(params.embed.T, 0, 1)  # [D, V]
-    elif _dense_f32(head):
-        head = quant.to_panels(head, 0, 1)
-    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
-
-
-def _layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
-    """Layer `index` of the stack: panel matrices as quant.StackedWeight (read in place by qeinsum),
-    everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
-    def pick(value):
-        if isinstance(value, quant.PanelTensor):
-            return quant.StackedWeight(value, index)
-        return None if value is None else jax.tree.map(lambda leaf: leaf[index], value)
-
-    return dataclasses.replace(layers, **{f.name: pick(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
 
 
 def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfig) -> Float[Array, "B T V"]:
@@ -167,8 +142,8 @@ def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfi
     # A tied head is the embedding in its kept format (params.weight_format owns that choice): quantized,
     # the head is dequantized once per step, [V, D] at a time, outside the layer scan.
     if params.lm_head is None:
-        return quant.qeinsum("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
-    return quant.qeinsum("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
+        return _matmul("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
+    return _matmul("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(
@@ -197,12 +172,8 @@ def forward(
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if any(isinstance(getattr(params.layers, f.name), quant.PanelTensor) for f in dataclasses.fields(params.layers)):
-        # Packed for the CPU kernels: the matrices stay stacked and each layer's matmuls read them in place.
-        def body_in_place(carry, index):
-            return body(carry, (_layer_in_place(params.layers, index), index))
-
-        (x, cache), _ = jax.lax.scan(body_in_place, (x, cache), layer_index)
+    if panels.is_packed(params.layers):  # the CPU kernels' step params: each layer's matmuls read the stacks in place
+        (x, cache), _ = panels.scan_in_place(body, (x, cache), params.layers, layer_index)
     else:
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     if logit_indices is not None:

@@ -1,9 +1,10 @@
-"""Quantized weights that stay quantized on the device: the one owner of quantized formats.
+"""Quantized weights that stay quantized on the device: the one owner of quantized weight formats.
 
 Owns `QuantizedTensor` (a pytree: integer codes and per-group scales as arrays, the format and the
 logical shape as static metadata), the host converters into it (GGUF blocks kept as they are, and the
-int8 / int4 quantizers), `dequantize` in plain jnp, and the quant-aware matmul `qeinsum` / lookup `take`.
-Imports only jax and numpy (not gguf, not the rest of jaxinfer).
+int8 / int4 quantizers), `dequantize` in plain jnp, the quant-aware matmul `qeinsum` / lookup `take`, and
+device-byte accounting (`resident_bytes`). Imports only jax and numpy (not gguf, not the rest of
+jaxinfer). The CPU kernels' panel layout lives in panels.py, the KV pool's per-token codes in kv_pool.py.
 
 Orientation. Every matrix is stored as GGUF and Hugging Face store it: rows are output channels (O),
 and the groups that share a scale run along the input (contraction) axis I. Every array field is
@@ -12,13 +13,6 @@ weight, and `permute_out` / `stack` work on every field alike. The *logical* sha
 returns, is static metadata: `layout="in_out"` gives `[*lead, *in_shape, *out_shape]` (the Params layout
 of model.py: wq [D, H, K], wo [H, K, D], w_down [F, D]); `layout="out_in"` gives `[*lead, *out_shape,
 *in_shape]` (the embedding [V, D], whose rows `take` gathers).
-
-Integration (loading.py / params.py / model.py, done elsewhere):
-    q = from_gguf(t.data, t.tensor_type, out_shape=(H, K), layout="in_out")  # GGUF attn_q -> "wq" [D, H, K]
-    q = permute_out(q, rows)                # llama.cpp's rotary row permutation, undone on the codes
-    stacked = jax.device_put(stack(per_layer))                                  # [N, ...] like any weight
-    y = qeinsum("btd,dhk->bthk", h, layer.wq)    # same spec as today; w may be an array or quantized
-    x = take(params.embed, tokens)               # embed lookup without dequantizing the whole table
 
 Numerics. `dequantize` of a kept GGUF tensor is bit-identical to `gguf.quants.dequantize` on every
 backend, FMA contraction or not: scales are fp16 (11 significant bits), sub-block scales <= 7 bits and
@@ -30,12 +24,14 @@ dynamic slice), so XLA may fuse it into the consuming dot.
 import dataclasses
 import functools
 import math
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, UInt8
+
+from jaxinfer.options import INT4_GROUP_SIZES
 
 # ggml type id -> (format name, elements per block, bytes per block); the ids are llama.cpp's (stable).
 GGUF_KEPT_TYPES = {
@@ -49,7 +45,6 @@ GGUF_KEPT_TYPES = {
     14: ("q6_k", 256, 210),
 }
 _BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "int8": 8, "int4": 4}
-INT4_GROUP_SIZES = (32, 64, 128)
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +92,8 @@ class QuantizedTensor:
         return lead + (self.in_shape + self.out_shape if self.layout == "in_out" else self.out_shape + self.in_shape)
 
 
-def _array_fields(q: QuantizedTensor) -> dict[str, object]:
+def array_fields(q: QuantizedTensor) -> dict[str, object]:
+    """The array fields that are present, by name (every one is `[*lead, O, per_row]`)."""
     names = ("codes", "scales", "mins", "zero_points", "high_bits", "super_scales", "super_mins")
     return {name: getattr(q, name) for name in names if getattr(q, name) is not None}
 
@@ -244,56 +240,13 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32) -> Float[Array, "..."]:
     return values.astype(dtype)
 
 
-PANEL_WIDTH = 64  # output columns per panel of a PanelTensor (kPanel in kernels_cpu/layer_matmul.cc)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PanelTensor:
-    """A dense f32 matrix (or stack) `[*lead, *in_shape, *out_shape]` in the CPU layer-matmul kernel's
-    layout: `panels [*lead, P, I, PANEL_WIDTH]`, the output axes flattened and cut into panels of
-    PANEL_WIDTH columns (zero-padded), so each panel is one contiguous run of memory. Packed once by the
-    engine when it runs the CPU kernels (model.pack_panels); only `qeinsum` reads it, through the kernel."""
-
-    panels: Array
-    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.panels.shape[:-3]) + self.in_shape + self.out_shape
-
-
-def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor:
-    """Pack dense `w` [*lead, *in, *out] (num_lead leading axes, num_in input axes) into a PanelTensor."""
-    lead, in_shape, out_shape = w.shape[:num_lead], w.shape[num_lead : num_lead + num_in], w.shape[num_lead + num_in :]
-    rows, cols = math.prod(in_shape), math.prod(out_shape)
-    padded = -(-cols // PANEL_WIDTH) * PANEL_WIDTH
-    flat = jnp.pad(w.reshape(*lead, rows, cols).astype(jnp.float32), [(0, 0)] * num_lead + [(0, 0), (0, padded - cols)])
-    panels = flat.reshape(*lead, rows, padded // PANEL_WIDTH, PANEL_WIDTH)
-    return PanelTensor(panels=jnp.moveaxis(panels, -2, -3), in_shape=tuple(in_shape), out_shape=tuple(out_shape))
-
-
-class StackedWeight(NamedTuple):
-    """Layer `index` of a stacked PanelTensor, left in place: `qeinsum` reads it with the CPU layer-matmul
-    kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
-
-    stack: PanelTensor
-    index: jax.Array
-
-
-def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor | PanelTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
-    """`jnp.einsum(spec, x, w)` where `w` is a dense array, a QuantizedTensor in its logical layout, a
-    PanelTensor, or a StackedWeight.
+def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | QuantizedTensor, *, preferred_element_type=None) -> Float[Array, "..."]:
+    """`jnp.einsum(spec, x, w)` where `w` is a dense array or a QuantizedTensor in its logical layout.
 
     A quantized `w` is dequantized in jnp to `x.dtype` in its storage orientation and the spec's `w`
     subscripts are reordered to match, so the dot consumes the dequantization directly (no transpose),
     which XLA may fuse into it. `spec` must be explicit ("x_subs,w_subs->out", no ellipsis).
     """
-    if isinstance(w, PanelTensor):  # one matrix, or a layer's slice the scan took
-        w = StackedWeight(dataclasses.replace(w, panels=w.panels[None]), jnp.int32(0))
-    if isinstance(w, StackedWeight):
-        return _stacked_einsum(spec, x, w, preferred_element_type)
     if not isinstance(w, QuantizedTensor):
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     inputs, arrow, output = spec.replace(" ", "").partition("->")
@@ -308,23 +261,6 @@ def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | Quantize
     if lead_subs:
         return jnp.einsum(f"{x_subs},{lead_subs}{logical}->{output}", x, dense, preferred_element_type=preferred_element_type)
     return _weight_first_dot(dense, logical, x, x_subs, output, preferred_element_type)
-
-
-def _stacked_einsum(spec: str, x, w: StackedWeight, preferred_element_type):
-    """`einsum(spec, x, layer w.index of w.stack)` through the CPU layer-matmul kernel, for a plain
-    "rows @ matrix" spec: w's input subscripts contracted against x's trailing ones, the output x's other
-    subscripts, then w's."""
-    from kernels_cpu import layer_matmul  # noqa: PLC0415  (CPU only; keeps this module's imports light)
-
-    inputs, _, output = spec.replace(" ", "").partition("->")
-    x_subs, _, w_subs = inputs.partition(",")
-    contracted = len(w.stack.in_shape)
-    batch, kept = x_subs[: len(x_subs) - contracted], w_subs[contracted:]
-    if x_subs[len(batch):] != w_subs[:contracted] or output != batch + kept or preferred_element_type not in (None, jnp.float32):
-        raise ValueError(f"a PanelTensor {w.stack.shape} is read only by the CPU kernel, as rows @ matrix in f32; got {spec!r}")
-    rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
-    out = layer_matmul.layer_matmul(x.reshape(rows, depth), w.stack.panels, w.index)
-    return out[:, : math.prod(w.stack.out_shape)].reshape(*x.shape[: len(batch)], *w.stack.out_shape)
 
 
 def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred_element_type):
@@ -349,7 +285,7 @@ def take(w: Float[Array, "O ..."] | QuantizedTensor, indices: Int[Array, "..."],
     if w.layout != "out_in" or len(w.out_shape) != 1 or w.codes.ndim != 2:
         raise ValueError(f"take needs an unstacked out_in matrix; got {w.layout=}, {w.out_shape=}, {w.codes.shape=}")
     flat = jnp.reshape(indices, (-1,))
-    rows = {name: jnp.take(jnp.asarray(field), flat, axis=0, mode="clip") for name, field in _array_fields(w).items()}
+    rows = {name: jnp.take(jnp.asarray(field), flat, axis=0, mode="clip") for name, field in array_fields(w).items()}
     picked = dataclasses.replace(w, **rows, out_shape=(flat.shape[0],))
     return _dequantize_rows(picked).reshape(*jnp.shape(indices), *w.in_shape).astype(dtype)
 
@@ -515,7 +451,7 @@ def quantize_int4(
 
 def permute_out(q: QuantizedTensor, order: Int[np.ndarray, "O"]) -> QuantizedTensor:
     """Reorder the output channels (rows) of every field: row i of the result is row order[i]."""
-    return dataclasses.replace(q, **{name: np.take(np.asarray(field), order, axis=-2) for name, field in _array_fields(q).items()})
+    return dataclasses.replace(q, **{name: np.take(np.asarray(field), order, axis=-2) for name, field in array_fields(q).items()})
 
 
 def stack(tensors: list[QuantizedTensor]) -> QuantizedTensor:
@@ -541,25 +477,3 @@ def resident_bytes(tree) -> int:
                 seen.add(key)
                 total += shard.data.on_device_size_in_bytes()
     return total
-
-
-# ------------------------------------------------------------------ per-token KV-cache quantization
-# kv_cache_dtype name -> (code dtype, largest code magnitude). One scale per token and kv head, taken when
-# the token is written (dynamic: no calibration): scale = max|x| over the head dim / largest code.
-KV_CODE_FORMATS = {"int8": (jnp.int8, 127.0), "fp8_e4m3": (jnp.float8_e4m3fn, 448.0)}
-KV_SCALE_DTYPE = jnp.float32
-
-
-def quantize_per_token(x: Float[Array, "*lead K"], kv_cache_dtype: str) -> tuple[Array, Float[Array, "*lead"]]:
-    """Codes [*lead, K] (int8 or float8_e4m3fn) and scales f32 [*lead], so that codes * scale ≈ x.
-
-    int8 rounds to nearest, so |x - codes * scale| <= scale / 2; fp8 e4m3 keeps 3 mantissa bits, a
-    relative error of at most 2^-4 for normal codes. An all-zero vector gets scale 1 and zero codes."""
-    code_dtype, largest = KV_CODE_FORMATS[kv_cache_dtype]
-    x32 = x.astype(jnp.float32)
-    amax = jnp.abs(x32).max(axis=-1)  # [*lead]
-    scale = jnp.where(amax > 0, amax / largest, 1.0).astype(KV_SCALE_DTYPE)
-    scaled = x32 / scale[..., None]
-    if jnp.issubdtype(code_dtype, jnp.integer):
-        scaled = jnp.clip(jnp.round(scaled), -largest, largest)
-    return scaled.astype(code_dtype), scale

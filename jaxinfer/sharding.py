@@ -80,27 +80,32 @@ def heads_split(num_kv_heads: int, size: int) -> bool:
     return num_kv_heads % size == 0
 
 
-def on_local_heads(kernel, q, k_pages, v_pages, block_tables, lengths, *, k_scales=None, v_scales=None):
-    """`kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=, v_scales=)` (a paged decode attention
-    call, [B, H, K] out) on each device's own heads: a shard_map over the `model` axis of the mesh in
-    context (Engine compiles its programs under `jax.set_mesh`). Query heads, the pool's kv heads and
-    their scales are split as the rules split them, so a device's query heads attend to its own kv
-    heads; block tables and lengths are replicated. Without a mesh of more than one device, it is the
-    kernel call itself. Shapes: q [B, H, K], pages [G, P, ...], scales [G, P, L] (one layer's)."""
+def on_local_heads(kernel, q, k_pages, v_pages, block_tables, lengths, *, k_scales=None, v_scales=None, layer=None):
+    """`kernel(q, k_pages, v_pages, block_tables, lengths, k_scales=, v_scales=, layer=)` (a paged decode
+    attention call, [B, H, K] out) on each device's own heads: a shard_map over the `model` axis of the
+    mesh in context (Engine compiles its programs under `jax.set_mesh`). Query heads, the pool's kv heads
+    and their scales are split as the rules split them, so a device's query heads attend to its own kv
+    heads; block tables, lengths and the layer index are replicated. Without a mesh of more than one
+    device, it is the kernel call itself. Shapes: q [B, H, K]; one layer's pages [G, P, ...] and scales
+    [G, P, L], or with `layer` the whole pool [N, G, P, ...] and [N, G, P, L], which each device then
+    reads in place (its own shard of every layer)."""
     mesh = jax.sharding.get_abstract_mesh()
     size = 1 if mesh.empty or MODEL_AXIS not in mesh.axis_names else mesh.shape[MODEL_AXIS]
     scales = () if k_scales is None else (k_scales, v_scales)
+    extras = dict(zip(("k_scales", "v_scales"), scales)) | ({} if layer is None else {"layer": layer})
 
-    def local(q, k_pages, v_pages, block_tables, lengths, *scales):  # the scales are passed only when given
-        return kernel(q, k_pages, v_pages, block_tables, lengths, **dict(zip(("k_scales", "v_scales"), scales)))
+    def local(q, k_pages, v_pages, block_tables, lengths, *rest):  # the scales and layer only when given
+        return kernel(q, k_pages, v_pages, block_tables, lengths, **dict(zip(extras, rest)))
 
     if size == 1:
-        return local(q, k_pages, v_pages, block_tables, lengths, *scales)
-    heads = MODEL_AXIS if heads_split(k_pages.shape[0], size) else None
-    q_spec, pool_spec, rep = PartitionSpec(None, heads, None), PartitionSpec(heads), PartitionSpec()
-    in_specs = (q_spec, pool_spec, pool_spec, rep, rep) + (pool_spec,) * len(scales)
+        return local(q, k_pages, v_pages, block_tables, lengths, *extras.values())
+    head_axis = k_pages.ndim - 4  # [N?, G, P, K, L]: 1 for a whole pool, 0 for one layer's pages
+    heads = MODEL_AXIS if heads_split(k_pages.shape[head_axis], size) else None
+    q_spec, rep = PartitionSpec(None, heads, None), PartitionSpec()
+    pool_spec = PartitionSpec(*([None] * head_axis), heads)  # the scales [N?, G, P, L] share the head axis
+    in_specs = (q_spec, pool_spec, pool_spec, rep, rep) + (pool_spec,) * len(scales) + (rep,) * (layer is not None)
     mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-    return mapped(q, k_pages, v_pages, block_tables, lengths, *scales)
+    return mapped(q, k_pages, v_pages, block_tables, lengths, *extras.values())
 
 
 def make_mesh(tensor_parallel: int, devices=None) -> Mesh:
@@ -141,7 +146,7 @@ def _quantized_specs(q: quant.QuantizedTensor, axes: tuple[str, ...], rules: dic
         block = 1
     blocks_per_row = math.prod(q.in_shape) // block
     specs = {}
-    for name, field in quant._array_fields(q).items():
+    for name, field in quant.array_fields(q).items():
         last = None
         if in_mesh is not None and blocks_per_row % size == 0 and field.shape[-1] % blocks_per_row == 0:
             last = in_mesh

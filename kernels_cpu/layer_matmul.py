@@ -3,7 +3,7 @@
 Inside the model's layer scan, XLA:CPU copies each layer's slice of every stacked weight out before the
 dot that reads it; in a decode step of a few rows those copies cost more than the dots (see
 experiments/profile_steps.py). `layer_matmul(x, w, layer)` computes `x @ w[layer]` reading the slice
-where it lies, from the panel layout the engine packs the weights into once (quant.PanelTensor). The
+where it lies, from the panel layout the engine packs the weights into once (panels.PanelTensor). The
 reference is `x @ w[layer]` in jnp on the unpacked matrix.
 """
 
@@ -24,7 +24,7 @@ def available() -> bool:
 
 def layer_matmul(x: Float[Array, "M K"], w: Float[Array, "N P K C"], layer: Int[Array, ""]) -> Float[Array, "M F"]:
     """`x @ w[layer]` in f32, reading `w[layer]` in place. `w` holds panels of C = 64 output columns
-    (quant.PanelTensor's layout), giving F = 64 P output columns."""
+    (panels.PanelTensor's layout), giving F = 64 P output columns."""
     if not available():
         raise RuntimeError("the CPU layer-matmul kernel could not be built; see the warning above")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1] * w.shape[3]), jnp.float32))

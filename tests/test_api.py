@@ -1,7 +1,9 @@
 """LLM.generate / chat on the real default model: input order, counts, stop strings, chat template."""
 
+import jax
 import pytest
 
+from jaxinfer import panels
 from jaxinfer.api import LLM
 from jaxinfer.generate import generate
 from jaxinfer.request import SamplingParams
@@ -27,9 +29,12 @@ def test_generate_returns_one_output_per_prompt_in_input_order(llm):
 
 
 def test_greedy_output_equals_reference_generate(llm):
+    """The reference runs over the params as loaded (`engine.params`, no panels: the jnp path), not the
+    engine's `step_params`, so it is independent of the CPU kernels the engine may run."""
     ids = llm.tokenizer.encode("A short story about a robot:")
     (out,) = llm.generate([ids], GREEDY)
     cfg, params = llm.model_config, llm.engine.params
+    assert not any(panels.is_panel(leaf) for leaf in jax.tree.leaves(params, is_leaf=panels.is_panel))
     (ref,) = generate(params, cfg, [ids], GREEDY, eos_id=llm.tokenizer.eos_id)
     assert out.token_ids == ref.token_ids
 

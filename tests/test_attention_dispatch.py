@@ -3,6 +3,7 @@ the jnp reference inside the real model forward over the paged pool, and so is t
 deterministic mode's dispatch (kernel in decode, blockwise jnp in prefill); and the two jnp references,
 the engine's `attention_over_pages` and the kernel's `paged_attention_reference`, on the same paged pools."""
 
+import contextlib
 import dataclasses
 import re
 
@@ -14,11 +15,12 @@ import pytest
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-from jaxinfer import attention
+from jaxinfer import sharding
 from jaxinfer import kv_pool as kvp
 from jaxinfer.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages, resolve_impl
 from jaxinfer.config import ModelConfig
-from jaxinfer.model import forward, pack_panels
+from jaxinfer.model import forward
+from jaxinfer.panels import pack_panels
 from jaxinfer.params import init_random
 from kernel_interpret import gpu_interpreter, races_found
 from kernels_cpu import layer_matmul as cpu_layer_matmul
@@ -188,62 +190,101 @@ def test_deterministic_pallas_sends_decode_to_the_fixed_split_kernel_and_keeps_p
 
 # ---------------------------------------------------------------- the kernel reads the pool in place
 
-def _lowered_decode_step(num_pages: int = 9, batch: int = 4, max_pages: int = 4) -> tuple[str, kvp.KVPool]:
+def _lowered_decode_step(cfg: ModelConfig = CFG, mesh=None, num_pages: int = 9, batch: int = 4, max_pages: int = 4) -> tuple[str, kvp.KVPool]:
     """The StableHLO text of one decode step of the engine's model forward (pallas, pool donated) lowered
-    for CUDA on abstract shapes, and the abstract pool."""
+    for CUDA on abstract shapes, under `mesh` if given (an abstract one: no devices needed), and the
+    abstract pool."""
     from jax import export
 
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_random(jax.random.key(0), CFG))
-    pool = jax.eval_shape(lambda: kvp.init_pool(CFG, num_pages, PAGE))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_random(jax.random.key(0), cfg))
+    pool = jax.eval_shape(lambda: kvp.init_pool(cfg, num_pages, PAGE))
     rows = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     meta = kvp.PageMeta(jax.ShapeDtypeStruct((batch, max_pages), jnp.int32), rows, rows)
 
     def decode(params, pool, tokens, positions, pages):
-        return forward(params, pool, tokens, positions, cfg=CFG, pages=pages, attention_impl="pallas")
+        return forward(params, pool, tokens, positions, cfg=cfg, pages=pages, attention_impl="pallas")
 
-    exported = export.export(jax.jit(decode, donate_argnames=("pool",)), platforms=("cuda",), disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(params, pool, rows, rows, meta)
+    with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(jax.jit(decode, donate_argnames=("pool",)), platforms=("cuda",), disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(params, pool, rows, rows, meta)
     return exported.mlir_module(), pool
 
 
-def _pool_copies(module: str, pool: kvp.KVPool) -> list[str]:
+def _pool_copies(module: str, pool: kvp.KVPool, num_shards: int = 1) -> list[str]:
     """What in the lowered module shows a copy of a layer of the pool on its way to the kernel: any value of
-    one layer's shape ([G, P, K, L] or [1, G, P, K, L], made by a dynamic_slice, a reshape or a copy), or a
-    kernel call (custom_call @mosaic_gpu_v2) whose operands are not the whole pools k and v."""
+    one layer's shape ([G, P, K, L] or [1, G, P, K, L], made by a dynamic_slice, a reshape or a copy; whole
+    or one device's G / num_shards heads), or a kernel call (custom_call @mosaic_gpu_v2) whose operands are
+    not the whole pools k and v (each device's [N, G / num_shards, P, ...] under a head-split mesh)."""
     element = {"bfloat16": "bf16", "float16": "f16"}[pool.k.dtype.name]
 
     def mlir_type(shape):
         return f"tensor<{'x'.join(map(str, shape))}x{element}>"
 
-    layer_types = {mlir_type(x.shape[1:]) for x in (pool.k, pool.v)} | {mlir_type((1, *x.shape[1:])) for x in (pool.k, pool.v)}
+    def local(shape):  # one device's share: the kv-head axis (1) split num_shards ways
+        return (shape[0], shape[1] // num_shards, *shape[2:])
+
+    shapes = {x.shape for x in (pool.k, pool.v)} | {local(x.shape) for x in (pool.k, pool.v)}
+    layer_types = {mlir_type(shape[1:]) for shape in shapes} | {mlir_type((1, *shape[1:])) for shape in shapes}
     problems = [f"a value of one layer's shape {t}" for t in sorted(layer_types) if t in module]
     calls = [line for line in module.splitlines() if "stablehlo.custom_call @mosaic_gpu_v2" in line]
     if not calls:
         problems.append("no kernel call")
+    whole = {mlir_type(local(pool.k.shape)), mlir_type(local(pool.v.shape))}
     for call in calls:
         operands = re.findall(r"\}\s*:\s*\(([^()]*)\)\s*->", call)[-1].split(", ")
-        if sum(operand in {mlir_type(pool.k.shape), mlir_type(pool.v.shape)} for operand in operands) != 2:  # k and v
-            problems.append(f"a kernel call on {operands}, not on the whole pools {mlir_type(pool.k.shape)}")
+        if sum(operand in whole for operand in operands) != 2:  # k and v
+            problems.append(f"a kernel call on {operands}, not on the whole pools {sorted(whole)}")
     return problems
 
 
-def test_lowered_decode_step_passes_the_whole_pool_to_the_kernel_with_no_copy_of_a_layer(monkeypatch):
+def _slicing_kernel(monkeypatch):
+    """The control: the kernel called through the slicing interface (`pool.k[layer]`, one layer's pages,
+    no layer index), which the checks must catch."""
+    from kernels_pallas import paged_attention as pa
+
+    real = pa.paged_attention
+
+    def sliced(q, k_pages, v_pages, block_tables, lengths, *, layer=None, k_scales=None, v_scales=None, **knobs):
+        pick = lambda x: None if x is None else x[layer]  # noqa: E731
+        return real(q, pick(k_pages), pick(v_pages), block_tables, lengths, k_scales=pick(k_scales), v_scales=pick(v_scales), **knobs)
+
+    monkeypatch.setattr(pa, "paged_attention", sliced)
+
+
+# name -> (config, mesh size or None, kv-head shards per device): SmolLM2's 3 kv heads do not divide 2 devices
+# (replicated: each device reads the whole pool); 2 kv heads do (each device reads its own head of every layer).
+NO_COPY_CASES = {
+    "one_device": (CFG, None, 1),
+    "kv_heads_replicated_over_2": (CFG, 2, 1),
+    "kv_heads_split_over_2": (dataclasses.replace(CFG, num_heads=8, num_kv_heads=2), 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_COPY_CASES))
+def test_lowered_decode_step_passes_the_whole_pool_to_the_kernel_with_no_copy_of_a_layer(monkeypatch, name):
     """The kernel gets the pool [N, G, P, ...] and the layer index and reads the layer's pages in place, so
     the CUDA lowering of a decode step holds no [G, P, ...] slice of it (XLA may copy a dynamic slice fed to a
-    custom call every layer of every step). The control lowers the slicing interface (the tensor-parallel
-    path: `pool.k[layer]`, one layer's pages) and must be caught."""
-    module, pool = _lowered_decode_step()
-    assert _pool_copies(module, pool) == []
-    monkeypatch.setattr(attention, "_model_axis_size", lambda: 2)  # the slicing interface, on one device
-    sliced, _ = _lowered_decode_step()
-    problems = _pool_copies(sliced, pool)
+    custom call every layer of every step); under tensor parallelism (a 2-device mesh, sharding.on_local_heads'
+    shard_map) each device's call gets its whole share of the pool. The control lowers the slicing interface
+    (`pool.k[layer]`, one layer's pages) and must be caught."""
+    cfg, size, num_shards = NO_COPY_CASES[name]
+    mesh = None if size is None else _h100_mesh(size)
+    module, pool = _lowered_decode_step(cfg, mesh)
+    assert _pool_copies(module, pool, num_shards) == []
+    _slicing_kernel(monkeypatch)
+    sliced, _ = _lowered_decode_step(cfg, mesh)
+    problems = _pool_copies(sliced, pool, num_shards)
     assert any("one layer's shape" in p for p in problems) and any("not on the whole pools" in p for p in problems), problems
 
 
-def _h100_mesh():
-    from jax.sharding import AbstractDevice, AbstractMesh
+def _h100_mesh(size: int | None = None):
+    """An abstract H100 mesh: no axes, or a `size`-device `model` axis in Auto mode (as sharding.make_mesh's)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=8))
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=8)
+    if size is None:
+        return AbstractMesh((), (), abstract_device=device)
+    return AbstractMesh((size,), (sharding.MODEL_AXIS,), axis_types=(AxisType.Auto,), abstract_device=device)
 
 
 def _force_interpret(params):

@@ -1,7 +1,7 @@
 """The CPU kernels (kernels_cpu/). Paged attention against a float64 numpy reference written from the
 visibility rule, and against the jnp path it replaces: decode, chunked prefill and packed rows, on the
 compiled-in geometries and the generic one. The layer matmul against float64 numpy, directly and through
-quant.qeinsum's PanelTensor on the model's einsum specs."""
+panels.einsum on the model's einsum specs."""
 
 import sys
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxinfer import attention
 from jaxinfer import kv_pool as kvp
-from jaxinfer import quant
+from jaxinfer import panels
 from kernels_cpu import layer_matmul
 from kernels_cpu import paged_attention as cpu
 from tolerances import KERNEL_F32, assert_close
@@ -124,7 +124,7 @@ def test_layer_matmul_matches_float64(seed, rows, depth, width):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     w = rng.standard_normal((3, depth, width)).astype(np.float32)
-    out = layer_matmul.layer_matmul(jnp.asarray(x), quant.to_panels(jnp.asarray(w), 1, 1).panels, jnp.int32(2))
+    out = layer_matmul.layer_matmul(jnp.asarray(x), panels.to_panels(jnp.asarray(w), 1, 1).panels, jnp.int32(2))
     assert_close(np.asarray(out)[:, :width], x.astype(np.float64) @ w[2].astype(np.float64), KERNEL_F32, "layer_matmul vs float64")
 
 
@@ -135,16 +135,16 @@ def test_layer_matmul_matches_float64(seed, rows, depth, width):
     ("btf,fd->btd", 1, (2, 3, 48), (48, 32)),  # w_down
 ])
 def test_panel_tensor_einsum_equals_the_dense_matrix(spec, num_in, x_shape, w_shape):
-    """quant.to_panels packs a stack into the kernel's panel layout; qeinsum on a layer of it (as the
+    """panels.to_panels packs a stack into the kernel's panel layout; panels.einsum on a layer of it (as the
     in-place scan passes it) and on one slice (as a plain scan passes it) equals einsum on the matrix."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32))
     stack = rng.standard_normal((3, *w_shape)).astype(np.float32)
-    panels = quant.to_panels(jnp.asarray(stack), 1, num_in)
-    assert panels.shape == stack.shape and panels.panels.shape[-1] == quant.PANEL_WIDTH
+    packed = panels.to_panels(jnp.asarray(stack), 1, num_in)
+    assert packed.shape == stack.shape and packed.panels.shape[-1] == panels.PANEL_WIDTH
     expected = np.einsum(spec, np.asarray(x, np.float64), stack[1].astype(np.float64))
-    in_place = quant.qeinsum(spec, x, quant.StackedWeight(panels, jnp.int32(1)))
-    one = quant.qeinsum(spec, x, jax.tree.map(lambda leaf: leaf[1], panels))
+    in_place = panels.einsum(spec, x, panels.StackedWeight(packed, jnp.int32(1)))
+    one = panels.einsum(spec, x, jax.tree.map(lambda leaf: leaf[1], packed))
     for out in (in_place, one):
         assert out.shape == expected.shape
         assert_close(np.asarray(out), expected, KERNEL_F32, f"PanelTensor {spec}")

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import FIXTURES
 from jaxinfer import kv_pool as kvp
-from jaxinfer import quant, runloop
+from jaxinfer import runloop
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine, PoolTooLargeError, resolve_num_pages
 from jaxinfer.output import OutputProcessor
@@ -32,7 +32,7 @@ NEAR_TIE = {"int8": 0.1, "fp8_e4m3": 0.25}
 
 
 def test_int8_codes_and_scale_are_the_hand_computed_ones():
-    codes, scale = quant.quantize_per_token(jnp.array([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0]]), "int8")
+    codes, scale = kvp.quantize_per_token(jnp.array([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0]]), "int8")
     # scale = 4 / 127; x / scale = 31.75, -63.5, 15.875, 127 -> round half to even: 32, -64, 16, 127.
     np.testing.assert_array_equal(np.asarray(codes), [[32, -64, 16, 127], [0, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(scale), np.float32([4 / 127, 1.0]))  # an all-zero token gets scale 1
@@ -40,7 +40,7 @@ def test_int8_codes_and_scale_are_the_hand_computed_ones():
 
 
 def test_fp8_codes_are_exact_where_e4m3_represents_the_scaled_value():
-    codes, scale = quant.quantize_per_token(jnp.array([[3.0, -1.5, 0.0, 6.0]]), "fp8_e4m3")
+    codes, scale = kvp.quantize_per_token(jnp.array([[3.0, -1.5, 0.0, 6.0]]), "fp8_e4m3")
     # scale = 6 / 448; the scaled values 224, -112, 0, 448 are 1.75 * 2^7, -1.75 * 2^6, 0, 1.75 * 2^8.
     assert codes.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(codes.astype(jnp.float32)), [[224.0, -112.0, 0.0, 448.0]])
@@ -50,7 +50,7 @@ def test_fp8_codes_are_exact_where_e4m3_represents_the_scaled_value():
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_per_token_rounding_error_is_within_the_formats_bound(name):
     x = np.random.default_rng(0).standard_normal((64, 3, 64)).astype(np.float32) * np.float32([0.01, 1.0, 50.0])[:, None]
-    codes, scale = quant.quantize_per_token(jnp.asarray(x), name)
+    codes, scale = kvp.quantize_per_token(jnp.asarray(x), name)
     scale = np.asarray(scale, np.float64)[..., None]
     restored = np.asarray(codes.astype(jnp.float32), np.float64) * scale
     error = np.abs(restored - x)
@@ -74,8 +74,8 @@ def test_quantized_pool_writes_codes_and_scales_and_reads_them_back(tiny_llama):
     slot_pages, slot_offsets = np.int32([[2, 2, 3], [5, 5, 0]]), np.int32([[6, 7, 0], [1, 2, 0]])  # row 1's last token: padding
     meta = kvp.PageMeta(jnp.int32([[2, 3], [5, 0]]), jnp.asarray(slot_pages), jnp.asarray(slot_offsets))
     pool = kvp.write_paged(pool, jnp.int32(1), k, v, meta)
-    k_codes, k_scale = quant.quantize_per_token(k, "int8")
-    v_codes, v_scale = quant.quantize_per_token(v, "int8")
+    k_codes, k_scale = kvp.quantize_per_token(k, "int8")
+    v_codes, v_scale = kvp.quantize_per_token(v, "int8")
     for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
         page_id, offset = slot_pages[b, t], slot_offsets[b, t]
         np.testing.assert_array_equal(np.asarray(pool.k[1, :, page_id, :, offset]), np.asarray(k_codes[b, t]))
@@ -149,7 +149,7 @@ def test_smollm2_greedy_on_a_quantized_pool_agrees_with_the_f32_reference(smollm
     )
     engine = Engine(cfg, params, engine_cfg)
     engine.warmup()
-    assert engine.pool.k.dtype == jnp.dtype(quant.KV_CODE_FORMATS[name][0])
+    assert engine.pool.k.dtype == jnp.dtype(kvp.KV_CODE_FORMATS[name][0])
     steps = int(SMOLLM2["greedy_steps"])
     outputs, _ = _run(engine, [SMOLLM2[f"p{i}_ids"].tolist() for i in chosen], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     shares = [_prefix_share(out, SMOLLM2[f"p{i}_greedy_ids"].tolist()) for out, i in zip(outputs, chosen)]
