@@ -6,8 +6,11 @@ Each call to `schedule()` returns the plans of one engine iteration:
      needs a new page and none is free, requests are preempted by recompute, most recently admitted first
      (their pages are freed, their generated tokens kept, and they re-queue at the front).
   2. prefill: partially prefilled requests continue, then waiting requests are admitted in (priority,
-     deadline, arrival) order (earliest deadline first within a priority), under the per-step token budget, the sequence limit and the free pages. A prompt
-     longer than the largest chunk bucket is split over several steps (chunked prefill).
+     deadline, arrival) order (earliest deadline first within a priority; ties go to the front of the
+     line, where preempted requests re-queue), under the per-step token budget, the sequence limit and
+     the free pages. A prompt longer than the largest chunk bucket is split over several steps (chunked
+     prefill). The waiting queue (request_queue.py) is a heap: a step costs O(log n) per admission and
+     per expiry, and a step with no free sequence slot does not read it.
 
 `update(plan, tokens)` applies the sampled tokens; the output processor (output.py) decides which
 requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
@@ -15,8 +18,9 @@ Plans are shaped by the bucket tables of EngineConfig, so the engine only ever s
 """
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -24,6 +28,7 @@ from jaxinfer.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
 from jaxinfer.config import EngineConfig
 from jaxinfer.plan import BucketKey, RowChunk, StepPlan
 from jaxinfer.request import Request, RequestStatus
+from jaxinfer.request_queue import RequestQueue
 
 
 @dataclasses.dataclass
@@ -59,7 +64,7 @@ class Scheduler:
         self.block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
         if self.block_pool.num_pages != num_pages or self.block_pool.num_used:
             raise ValueError("a shared block pool must match the KV pool and hold no pages")
-        self.waiting: list[Request] = []
+        self.waiting = RequestQueue()  # in admission order; reads like a list (len, in, iteration)
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
@@ -85,7 +90,7 @@ class Scheduler:
     def expire(self, now: float | None = None) -> list[Request]:
         """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started."""
         now = time.perf_counter() if now is None else now
-        expired = [r for r in self.waiting if r.deadline is not None and r.deadline < now and not r.output_ids]
+        expired = self.waiting.expire(now)  # taken out of the queue, in its line order
         for request in expired:
             self.finish(request, "timeout")
         return expired
@@ -156,7 +161,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.insert(0, request)
+        self.waiting.appendleft(request)
 
     def _plan_prefill(self) -> list[tuple[Request, int]]:
         """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
@@ -166,7 +171,7 @@ class Scheduler:
         pages_left = tables.max_pages if tables.packed else None
         rows: list[tuple[Request, int]] = []
         partial = [r for r in self.running if not self._in_decode(r)]
-        for request in partial + self._waiting_in_order():
+        for request in itertools.chain(partial, self._waiting_in_order()):
             if budget <= 0 or len(rows) == tables.max_prefill_rows:
                 break
             hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
@@ -185,10 +190,10 @@ class Scheduler:
                 pages_left -= len(self.block_pool.pages_of(request.request_id))
         return rows
 
-    def _waiting_in_order(self) -> list[Request]:
-        room = self.cfg.max_num_seqs - len(self.running)
-        order = lambda r: (r.priority, r.deadline if r.deadline is not None else float("inf"), r.arrival_index)  # noqa: E731
-        return sorted(self.waiting, key=order)[: max(room, 0)]
+    def _waiting_in_order(self) -> Iterator[Request]:
+        """The waiting requests that may be admitted now, lazily in admission order (request_queue.py):
+        at most one per free sequence slot, and nothing is read from the queue when there is none."""
+        return self.waiting.first(self.cfg.max_num_seqs - len(self.running))
 
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
@@ -350,13 +355,13 @@ class Scheduler:
     def abort(self, request_ids, error: str) -> list[Request]:
         """Finish these requests with reason 'error'; returns them."""
         wanted = set(request_ids)
-        aborted = [r for r in self.running + self.waiting if r.request_id in wanted]
+        aborted = [r for r in [*self.running, *self.waiting] if r.request_id in wanted]
         for request in aborted:
             self.finish(request, "error", error)
         return aborted
 
     def abort_all(self, error: str) -> list[Request]:
-        return self.abort([r.request_id for r in self.running + self.waiting], error)
+        return self.abort([r.request_id for r in [*self.running, *self.waiting]], error)
 
 
 def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], float]) -> list[list[Request]]:

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxinfer import runloop
+from jaxinfer.output import OutputProcessor
 from jaxinfer.scheduler import Scheduler, split_decode_rows
 
 from fakes import FakePagedEngine, expected_output, request, run_to_completion, small_config
@@ -170,3 +172,85 @@ def test_partial_prefills_that_fill_the_pool_do_not_deadlock():
     assert sorted(r.request_id for r in finished) == ["a", "b"]
     assert all(r.output_ids == expected_output(r) for r in finished)
     assert scheduler.stats.num_preemptions > 0
+
+
+class OldWaitingList(list):
+    """The waiting list as the scheduler kept it before request_queue.py: new requests appended, preempted
+    ones inserted at the front, a scan to expire, and the whole list sorted by the old key at every step."""
+
+    def append(self, r) -> None:
+        assert r.num_preemptions == 0, f"{r.request_id} was preempted: the old scheduler put it at the front"
+        super().append(r)
+
+    def appendleft(self, r) -> None:
+        assert r.num_preemptions > 0, f"{r.request_id} is new: the old scheduler put it at the back"
+        self.insert(0, r)
+
+    def first(self, k: int):
+        order = lambda r: (r.priority, r.deadline if r.deadline is not None else float("inf"), r.arrival_index)  # noqa: E731
+        return sorted(self, key=order)[: max(k, 0)]
+
+    def expire(self, now: float):
+        expired = [r for r in self if r.deadline is not None and r.deadline < now and not r.output_ids]
+        for r in expired:
+            self.remove(r)
+        return expired
+
+
+def mixed_workload(seed: int, arrivals_per_index: int) -> list[tuple[int, object]]:
+    """(arrival step, request): priorities 0-1, some deadlines (in steps), and arrival indices shared by
+    `arrivals_per_index` requests, so that many keys tie and the line decides (preempted ones first)."""
+    rng = np.random.default_rng(seed)
+    workload = []
+    for i in range(28):
+        r = request(f"r{i}", int(rng.integers(1, 20)), int(rng.integers(1, 9)), i // arrivals_per_index, priority=int(rng.integers(0, 2)))
+        arrival = int(rng.integers(0, 25))
+        r.deadline = None if rng.random() < 0.7 else float(arrival + rng.integers(2, 30))
+        workload.append((arrival, r))
+    return sorted(workload, key=lambda pair: pair[0])
+
+
+def scripted_trace(scheduler, workload, num_pages: int) -> list[tuple]:
+    """Per step (fake clock = step index): arrivals, then expiry, then the plans, run on the fake engine."""
+    engine, processor = FakePagedEngine(num_pages, 4), OutputProcessor(None, None, scheduler.cfg.max_context)
+    pending, trace, step = list(workload), [], 0
+    while pending or scheduler.has_work():
+        while pending and pending[0][0] <= step:
+            scheduler.add(pending.pop(0)[1])
+        expired = scheduler.expire(now=float(step))
+        plans = scheduler.schedule()
+        for plan in plans:
+            runloop.run_plan(scheduler, engine.step, processor, plan)
+        trace.append((step, [r.request_id for r in expired], [(p.phase, p.request_ids, p.bucket) for p in plans]))
+        step += 1
+        assert step < 2000, "did not finish"
+    return trace
+
+
+def new_and_old_runs(seed: int, arrivals_per_index: int, num_pages: int = 10) -> list[tuple]:
+    """(trace, scheduler, requests) of the same workload with the waiting queue, then with the old list."""
+    runs = []
+    for waiting in (None, OldWaitingList()):
+        scheduler = Scheduler(small_config(), num_pages=num_pages)
+        if waiting is not None:
+            scheduler.waiting = waiting
+        workload = mixed_workload(seed, arrivals_per_index)
+        runs.append((scripted_trace(scheduler, workload, num_pages), scheduler, [r for _, r in workload]))
+    return runs
+
+
+def test_admission_order_is_unchanged_from_the_sorted_list():
+    num_preemptions = num_expired = num_reordered = 0
+    for seed in range(6):
+        for arrivals_per_index in (4, 28):  # 28: one arrival index for all, so only priority, deadline and the line order
+            (new_trace, new, requests), (old_trace, old, _) = new_and_old_runs(seed, arrivals_per_index)
+            assert new_trace == old_trace, (seed, arrivals_per_index)
+            assert new.stats.num_preemptions == old.stats.num_preemptions
+            for r in requests:
+                assert r.finish_reason == "timeout" or r.output_ids == expected_output(r), r.request_id
+            admitted = [rid for _, _, plans in new_trace for phase, ids, _ in plans if phase == "prefill" for rid in ids]
+            first_admission = list(dict.fromkeys(admitted))
+            num_reordered += first_admission != sorted(first_admission, key=lambda rid: int(rid[1:]))
+            num_preemptions += new.stats.num_preemptions
+            num_expired += sum(len(expired) for _, expired, _ in new_trace)
+    assert num_preemptions > 0 and num_expired > 0 and num_reordered > 0  # the workloads exercise each rule
