@@ -10,14 +10,17 @@ collects them back into input order.
 """
 
 import dataclasses
+import functools
+import heapq
+import itertools
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 
 from tqdm.auto import tqdm
 
-from jaxinfer import loading, runloop, sharding, tokenizer as tok
+from jaxinfer import guided, loading, profiling, runloop, sharding, tokenizer as tok, tuning
 from jaxinfer.block_pool import BlockPool, page_hashes
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
@@ -26,10 +29,53 @@ from jaxinfer.output import OutputProcessor
 from jaxinfer.params import Params
 from jaxinfer.replicas import Replica, ReplicaLoad, route
 from jaxinfer.request import TRUNCATE_SIDES, Request, SamplingParams, derive_seed
-from jaxinfer.validation import FieldError, check_int, check_number, check_text, check_token_ids
-from jaxinfer.scheduler import Scheduler, check_request
+from jaxinfer.validation import FieldError, check_bool, check_int, check_number, check_text, check_token_ids
+from jaxinfer.scheduler import Scheduler, check_request, check_sampling_limits
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
+_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica
+_MAX_ROUTED_PAGES = 1 << 16  # prefix names a stream's router remembers before forgetting them (they are cached by then)
+
+
+class _RouteState:
+    """What `LLM._route` carries from one chunk of a stream to the next: the load routed to each replica
+    and the prefix pages sent to it."""
+
+    def __init__(self, num_replicas: int):
+        self.loads: list[int] = [0] * num_replicas
+        self.routed_pages: list[set[bytes]] = [set() for _ in range(num_replicas)]
+
+
+class _Arrivals:
+    """Replayed prompts (Prompt.arrival_s) not yet arrived, by due time; the stream admits each between
+    steps once its time has come, and sleeps to the next one when nothing runs."""
+
+    def __init__(self, start: float):
+        self.start, self._heap, self._order = start, [], itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def hold(self, prompts: list["Prompt"]) -> list["Prompt"]:
+        """Keep the prompts that arrive later; return those due now (no arrival time, or already past)."""
+        now = time.perf_counter()
+        for prompt in prompts:
+            if prompt.arrival_s is not None:
+                heapq.heappush(self._heap, (self.start + prompt.arrival_s, next(self._order), prompt))
+        return [p for p in prompts if p.arrival_s is None] + self.due(now)
+
+    def due(self, now: float | None = None) -> list["Prompt"]:
+        now = time.perf_counter() if now is None else now
+        ready = []
+        while self._heap and self._heap[0][0] <= now:
+            ready.append(heapq.heappop(self._heap)[2])
+        return ready
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self._heap[0][0] - time.perf_counter()))
+
+    def time_of(self, prompt: "Prompt") -> float | None:
+        return None if prompt.arrival_s is None else self.start + prompt.arrival_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +118,16 @@ class RequestOutput:
     error: str | None = None  # why it failed, when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics | None = None  # where its latency went
+    # With SamplingParams.logprobs: per generated token, (its log-probability, {token id: log-probability}
+    # of the top `logprobs`, most likely first). With prompt_logprobs: the same per prompt token, None for
+    # the first (nothing scores it). EngineConfig.logprobs_mode says which distribution.
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # With SamplingParams.n > 1 the prompt's output is sample 0's, and `samples` holds all n in order.
+    sample_index: int = 0
+    num_samples: int = 1
+    samples: "list[RequestOutput] | None" = None
+    prompt_token_ids: list[int] | None = None  # the prompt as the engine saw it (after the chat template, truncation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +145,7 @@ class Prompt:
     deadline_s: float | None = None  # seconds after submission by which it must start
     identity: str | None = None
     cache_salt: str | None = None  # prefix-cache pages are shared only between prompts with equal salts
+    arrival_s: float | None = None  # replay: seconds after the stream starts at which it arrives (None: at once)
 
     def __post_init__(self):
         check_int("priority", self.priority, low=-(2**62), high=2**62)
@@ -98,6 +155,8 @@ class Prompt:
             check_text("cache_salt", self.cache_salt)
         if self.deadline_s is not None:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
+        if self.arrival_s is not None:
+            object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s, low=0.0, high=1e9))
 
 
 def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
@@ -119,7 +178,11 @@ class LLM:
 
     Args:
       model: a GGUF file, a Hugging Face folder, or None for the embedded SmolLM2-135M-Instruct.
-      dtype: compute dtype, "float32" (default, best on CPU) or "bfloat16".
+      dtype: compute dtype: "auto" (the default: the runtime tuner measures float32 and bfloat16 on this
+        machine and keeps the faster that passes its numerics check against float32, cached per machine;
+        float32 with JAXINFER_TUNE=0), or "float32", "bfloat16", "float16", pinned (never changed).
+        attention_impl and matmul_impl (EngineConfig fields, as keywords) left at "auto" are tuned too;
+        `llm.choices` names what runs (tuning.Choice) and `llm.tuning` holds the tuner's table.
       quantization: how weights are held on the device: None (dense in `dtype`), "gguf" (a GGUF file's
         own blocks, dequantized one layer at a time inside the step), "int8" (per-channel) or "int4"
         (groups of `group_size` along the input: 32, the default, 64 or 128); see params.weight_format
@@ -138,7 +201,7 @@ class LLM:
     """
 
     def __init__(
-        self, model=None, *, dtype: str = "float32", quantization: str | None = None, group_size: int | None = None,
+        self, model=None, *, dtype: str = "auto", quantization: str | None = None, group_size: int | None = None,
         tensor_parallel: int = 1, data_parallel: int = 1, parse_special: bool | None = None, options: LoadOptions | None = None,
         engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
@@ -148,7 +211,7 @@ class LLM:
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
         model_config, params = loading.load_model(model, **options.load_kwargs)
-        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup)
+        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype)
 
     @classmethod
     def from_params(
@@ -157,15 +220,21 @@ class LLM:
     ) -> "LLM":
         """An LLM over a model already in memory (for experiments that build or transform params
         themselves); the same engines, checks and run loop as `LLM(path)`. `options` gives the
-        parallel layout and parse_special (its dtype and quantization are the params' own)."""
+        parallel layout and parse_special (its dtype and quantization are the params' own: the dtype is
+        pinned; attention_impl and matmul_impl left at "auto" are tuned)."""
         llm = cls.__new__(cls)
         llm._start(model_config, params, tokenizer, EngineConfig.with_overrides(engine_config, **engine_overrides), options or LoadOptions(), warmup=warmup)
         return llm
 
-    def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool) -> None:
+    def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool, dtype: str | None = None) -> None:
+        """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own."""
+        pins = tuning.Pins(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
+        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=options.quantization, on_mesh=options.on_mesh)
+        model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config)
         self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
         self.replicas: list[Replica] = [self._replica(r, params) for r in range(options.data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool
+        self.choices = dataclasses.replace(self.tuning.choice, attention_impl=self.engine.impl, matmul_impl=self.engine.matmul_impl)
         if warmup:
             for replica in self.replicas:
                 replica.engine.warmup()
@@ -205,13 +274,27 @@ class LLM:
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation. Content may be a list of text parts; `chat_template_kwargs` reach
+        the template (for example Qwen3's enable_thinking); `continue_final_message` (with
+        add_generation_prompt false) ends the prompt inside the last message, for the model to continue."""
+        messages = tok.normalize_messages(messages)
         tok.check_messages(messages)
         for i, message in enumerate(messages):
             check_text(f"messages[{i}].content", message["content"])
-        return self.tokenizer.encode_chat(messages, parse_special_content=bool(self.options.parse_special))
+        check_bool("add_generation_prompt", add_generation_prompt)
+        check_bool("continue_final_message", continue_final_message)
+        variables = _template_kwargs(chat_template_kwargs)
+        return self.tokenizer.encode_chat(
+            messages, parse_special_content=bool(self.options.parse_special), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **variables,
+        )
 
-    def prepare(self, prompt, params: SamplingParams, *, index: int, chat: bool = False, truncate: str = "none", **request_fields) -> Prompt:
+    def prepare(
+        self, prompt, params: SamplingParams, *, index: int, chat: bool = False, truncate: str = "none", chat_options: dict | None = None, **request_fields,
+    ) -> Prompt:
         """Validate one request and turn it into a Prompt; raises ValueError naming what is wrong.
 
         Args:
@@ -219,52 +302,97 @@ class LLM:
           params: its sampling parameters.
           index: its position in the input; outputs carry it.
           truncate: 'none' (a prompt over the context is an error), 'left' or 'right' (see truncate_prompt).
+          chat_options: encode_chat's add_generation_prompt, continue_final_message, chat_template_kwargs.
           request_fields: priority, deadline_s, identity (see Prompt).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
-        ids = self.encode_chat(prompt) if chat else self.encode(prompt)
+        check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
+        check_sampling_limits(self.engine_config, params)
+        ids = self.encode_chat(prompt, **(chat_options or {})) if chat else self.encode(prompt)
         ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
         check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
         return Prompt(index, ids, params, **request_fields)
 
     # ------------------------------------------------------------ running
 
-    def stream(self, prompts: Iterable[Prompt], *, progress: bool | None = None, on_step: runloop.OnStep | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompts: Iterable[Prompt], *, progress: bool | None = None, on_step: runloop.OnStep | None = None, max_inflight: int | None = None,
+    ) -> Iterator[RequestOutput]:
         """Run prepared prompts through the engine, yielding each output as soon as it finishes.
 
-        `on_step(plan, tokens, seconds)` is called after every engine step (for timing and counting).
-        One stream runs at a time: a second one, from another thread or while an earlier stream is
-        left unfinished, raises RuntimeError at once.
+        `prompts` is consumed lazily (a generator works): at most `max_inflight` prompts are pulled
+        ahead of the outputs yielded so far, so a job of any length holds a bounded number of requests.
+        Default: every prompt of a sized input (a list) at once, so that priorities order the whole
+        list; for any other iterable, 4 x max_num_seqs per replica (enough to keep every decode batch
+        full while finished requests are replaced). A request's deadline and timings count from when
+        it is pulled. `on_step(plan, tokens, seconds)` is called after every engine step (for timing
+        and counting). One stream runs at a time: a second one, from another thread or while an
+        earlier stream is left unfinished, raises RuntimeError at once.
         """
+        total = len(prompts) if isinstance(prompts, Sized) else None
+        if max_inflight is None:
+            max_inflight = max(total, 1) if total is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
+        max_inflight = check_int("max_inflight", max_inflight, low=1)
         if not self._running.acquire(blocking=False):
             raise RuntimeError("this LLM is already generating (in another thread, or an unfinished stream(): finish or close() it first)")
         try:
-            yield from self._stream(list(prompts), progress=progress, on_step=on_step)
+            yield from self._stream(iter(prompts), total=total, max_inflight=max_inflight, progress=progress, on_step=on_step)
         finally:
             self._running.release()
 
-    def _stream(self, prompts: list[Prompt], *, progress, on_step) -> Iterator[RequestOutput]:
-        """Each prompt goes to the replica `_route` picks at admission (the one replica, without data
-        parallelism); the replicas' run loops are advanced in turn, each output yielded as it finishes."""
+    def _stream(self, prompts: Iterator[Prompt], *, total: int | None, max_inflight: int, progress, on_step) -> Iterator[RequestOutput]:
+        """Prompts are pulled in chunks that refill the in-flight set up to `max_inflight`; each goes to
+        the replica `_route` picks (the one replica, without data parallelism). The replicas' run loops
+        are advanced in turn, each output yielded as it finishes; a replica's loop that ran out of work
+        is started again when new prompts reach it."""
         schedulers = [Scheduler(self.engine_config, r.engine.num_pages, block_pool=r.block_pool) for r in self.replicas]
         processors = [OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context) for _ in self.replicas]
-        self.last_routes = self._route(prompts)
-        for prompt, i in zip(prompts, self.last_routes):
-            self._submit(schedulers[i], [prompt])
-        show = progress if progress is not None else len(prompts) >= _PROGRESS_MIN_REQUESTS
-        bar = tqdm(total=len(prompts), unit="req", disable=not show)
-        loops = {i: runloop.run(schedulers[i], r.engine.step, processors[i], on_step=on_step) for i, r in enumerate(self.replicas)}
+        self.last_routes = []
+        routing = _RouteState(len(self.replicas))
+        inflight, exhausted = 0, False
+        show = progress if progress is not None else total is None or total >= _PROGRESS_MIN_REQUESTS
+        bar = tqdm(total=total, unit="req", disable=not show)
+        loops: dict[int, Iterator[Request]] = {}
+        samples = _Samples()
+        arrivals = _Arrivals(time.perf_counter())
+
+        def submit(chunk: list[Prompt]) -> int:
+            routes = self._route(chunk, routing)
+            self.last_routes.extend(routes)
+            return sum(len(self._submit(schedulers[i], [prompt], arrivals.time_of(prompt))) for prompt, i in zip(chunk, routes))  # n requests for n samples
+
+        def admit() -> None:  # between steps: the prompts whose arrival time has come
+            nonlocal inflight
+            inflight += submit(arrivals.due())
+
         try:
-            while loops:
+            while True:
+                if not exhausted and inflight + len(arrivals) < max_inflight:
+                    chunk = list(itertools.islice(prompts, max_inflight - inflight - len(arrivals)))
+                    exhausted = len(chunk) < max_inflight - inflight - len(arrivals)
+                    inflight += submit(arrivals.hold(chunk))
+                for i, replica in enumerate(self.replicas):
+                    if i not in loops and schedulers[i].has_work():
+                        loops[i] = runloop.run(schedulers[i], replica.engine.step, processors[i], on_step=on_step, admit=admit if arrivals else None)
+                if not loops:
+                    if not arrivals:
+                        break
+                    arrivals.wait()  # nothing runs until the next prompt arrives
+                    admit()
+                    continue
                 for i in list(loops):
                     request = next(loops[i], None)
                     if request is None:
                         del loops[i]
                         continue
-                    bar.update(1)
-                    yield self._output(request, processors[i].text(request))
+                    inflight -= 1
+                    output = samples.add(self._output(request, processors[i].text(request)))
+                    if output is not None:  # the prompt's last sample has finished
+                        bar.update(1)
+                        yield output
         finally:  # an interrupted or abandoned stream gives its pages back (cached ones stay named)
             for scheduler in schedulers:
                 scheduler.abort_all("the run was stopped before this request finished")
@@ -272,14 +400,18 @@ class LLM:
             self.replica_stats = [scheduler.stats for scheduler in schedulers]
             self.last_stats = self.replica_stats[0]
 
-    def _route(self, prompts: list[Prompt]) -> list[int]:
+    def _route(self, prompts: list[Prompt], state: "_RouteState | None" = None) -> list[int]:
         """The replica of each prompt, by `replicas.route`: load plus what each replica caches of its
-        prefix, counting the prefixes routed earlier in this batch."""
+        prefix, counting the prefixes routed earlier in this stream. `state` carries the loads and the
+        routed prefixes from one chunk of a stream to the next (None: a fresh one)."""
         if len(self.replicas) == 1:
             return [0] * len(prompts)
+        state = state or _RouteState(len(self.replicas))
         page_size, caching = self.engine_config.page_size, self.engine_config.enable_prefix_caching
-        loads = [0] * len(self.replicas)
-        routed_pages: list[set[bytes]] = [set() for _ in self.replicas]  # prefixes sent to each replica in this batch
+        loads, routed_pages = state.loads, state.routed_pages
+        if sum(map(len, routed_pages)) > _MAX_ROUTED_PAGES:  # a long stream: what ran is in the pools' caches by now
+            for pages in routed_pages:
+                pages.clear()
         routes = []
         for prompt in prompts:
             names = page_hashes(prompt.token_ids, page_size, prompt.cache_salt) if caching else []
@@ -298,24 +430,39 @@ class LLM:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)
 
-    def _submit(self, scheduler: Scheduler, prompts: list[Prompt]) -> list[Request]:
-        now = time.perf_counter()
+    def _submit(self, scheduler: Scheduler, prompts: list[Prompt], arrival: float | None = None) -> list[Request]:
+        """One request per sample: n of a prompt share its prompt pages (the later ones wait for the
+        first's prefill, scheduler._prompt_shared); sample i > 0 draws from a seed derived from the
+        prompt's and i, so each sample is reproducible on its own and sample 0 is the n = 1 output.
+        `arrival`: when they arrived (perf_counter; a replayed prompt's due time), else now."""
+        now = time.perf_counter() if arrival is None else arrival
         requests = []
         for prompt in prompts:
             deadline = None if prompt.deadline_s is None else now + prompt.deadline_s
             identity = f"index:{prompt.index}" if prompt.identity is None else prompt.identity
             seed = prompt.params.seed if prompt.params.seed is not None else derive_seed(self.engine_config.seed, identity)
-            request = Request(
-                str(prompt.index), prompt.token_ids, prompt.params, seed, priority=prompt.priority,
-                deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
-            )
-            scheduler.add(request)
-            requests.append(request)
+            first = None
+            for sample in range(prompt.params.n):
+                request = Request(
+                    str(prompt.index) if sample == 0 else f"{prompt.index}:{sample}", prompt.token_ids, prompt.params,
+                    seed if sample == 0 else derive_seed(seed, f"sample:{sample}"), priority=prompt.priority,
+                    deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
+                    eos_id=self.tokenizer.eos_id, guide=self._guides.guide(prompt.params),
+                    fork_of=first, sample_index=sample,
+                )
+                first = first or request
+                scheduler.add(request)
+                requests.append(request)
         return requests
+
+    @functools.cached_property
+    def _guides(self) -> guided.Guides:
+        """llguidance's tokenizer, built on the first constrained request (about a second)."""
+        return guided.Guides(self.tokenizer, self.model_config.vocab_size)
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         return RequestOutput(
-            index=int(request.request_id),
+            index=request.arrival_index,
             text=text,
             token_ids=list(request.output_ids),
             finish_reason=request.finish_reason,
@@ -327,31 +474,101 @@ class LLM:
             error=request.error,
             num_cached_tokens=request.num_cached_tokens,
             metrics=RequestMetrics.of(request),
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(request),
+            sample_index=request.sample_index,
+            num_samples=request.params.n,
+            prompt_token_ids=list(request.prompt_ids),
         )
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None, on_step: runloop.OnStep | None = None) -> list[RequestOutput]:
+    def start_profile(self, directory) -> None:
+        """Start a jax.profiler trace of what runs until stop_profile(), written under `directory` (TensorBoard, Perfetto)."""
+        profiling.start(directory)
+
+    def stop_profile(self) -> None:
+        profiling.stop()
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as a logprobs listing names it (special tokens included)."""
+        return self.tokenizer.decode([token_id])
+
+    def generate(
+        self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None,
+        on_step: runloop.OnStep | None = None, arrival_times: Sequence[float] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); one RequestOutput per prompt, in input order.
 
         Every prompt is checked before any work starts; a bad one raises ValueError naming its index.
+        `arrival_times` replays arrivals: prompt i is admitted `arrival_times[i]` seconds after the start
+        (between steps), and its timings (RequestOutput.metrics) count from then; traces.replay drives it
+        from a trace and reports TTFT, TPOT and goodput.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._generate(list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step)
+        return self._generate(list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
+    def chat(
+        self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them; the
+        chat options are encode_chat's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._generate(conversations, sampling_params, chat=True, progress=progress)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+        return self._generate(conversations, sampling_params, chat=True, progress=progress, chat_options=options)
 
-    def _generate(self, prompts: list, sampling_params, *, chat: bool, progress, on_step=None) -> list[RequestOutput]:
+    def _generate(self, prompts: list, sampling_params, *, chat: bool, progress, on_step=None, chat_options: dict | None = None, arrival_times=None) -> list[RequestOutput]:
         params = _broadcast_params(sampling_params, len(prompts))
+        if arrival_times is not None and len(arrival_times) != len(prompts):
+            raise ValueError(f"arrival_times holds {len(arrival_times)} times for {len(prompts)} prompts")
+        arrivals = [None] * len(prompts) if arrival_times is None else [float(t) for t in arrival_times]
         work = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                work.append(self.prepare(prompt, sp, index=i, chat=chat))
+                work.append(self.prepare(prompt, sp, index=i, chat=chat, chat_options=chat_options, arrival_s=arrivals[i]))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return sorted(self.stream(work, progress=progress, on_step=on_step), key=lambda o: o.index)
+
+
+_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "continue_final_message")
+
+
+def _template_kwargs(value) -> dict:
+    """chat_template_kwargs: a dict of template variables, none of them a name the template is given anyway."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise FieldError("chat_template_kwargs", f"must be an object of template variable names to values, got {value!r}")
+    reserved = sorted(set(value) & set(_TEMPLATE_NAMES))
+    if reserved:
+        raise FieldError("chat_template_kwargs", f"cannot set {reserved}: give them as their own fields")
+    return value
+
+
+class _Samples:
+    """Holds a prompt's samples until all n have finished; `add` returns the prompt's output then."""
+
+    def __init__(self):
+        self._waiting: dict[int, list[RequestOutput]] = {}
+
+    def add(self, output: RequestOutput) -> RequestOutput | None:
+        if output.num_samples == 1:
+            return output
+        done = self._waiting.setdefault(output.index, [])
+        done.append(output)
+        if len(done) < output.num_samples:
+            return None
+        ordered = sorted(self._waiting.pop(output.index), key=lambda o: o.sample_index)
+        return dataclasses.replace(ordered[0], samples=ordered)
+
+
+def _prompt_logprobs(request: Request) -> list | None:
+    """Its prompt log-probabilities, one entry per prompt token (None for the first, and for any a failed
+    request never reached)."""
+    if request.params.prompt_logprobs is None:
+        return None
+    return list(request.prompt_logprobs) or [None] * len(request.prompt_ids)
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

@@ -6,7 +6,7 @@ A job owns its output for as long as it runs:
 - **Settings.** `<output>.meta.json` records the settings that decide a line's tokens (the model's
   identity, dtype, quantization, seeds, sampling defaults, ...). A resume under other settings is
   refused with the differences listed, unless forced.
-- **Scan before repair.** `scan_output` reads the whole file and changes nothing. Only when every complete
+- **Scan before repair.** `scan_output` reads the whole file (in blocks, keeping only the keys) and changes nothing. Only when every complete
   line is a record does `repair_output` cut off a torn last record (or restore the newline of a whole
   one), so a file that is not jaxinfer's is never touched.
 
@@ -172,25 +172,55 @@ class OutputScan:
         return self.keep_bytes != self.size or self.add_newline
 
 
-def scan_output(path: Path, split_lines) -> OutputScan:
+def scan_output(path: Path, iter_lines) -> OutputScan:
     """Read an output and check every line is a record; raises ResumeError naming the first that is not.
 
     A last line without its newline is whole if it parses as a record (its newline is restored), torn if
     it is the start of one (cut off). Anything else there is not a record, and an error, like any other
-    line. `split_lines` is the job's line splitter, so records are split as inputs are.
+    line. `iter_lines` is the job's line splitter (blocks of bytes -> numbered lines), so records are
+    split as inputs are. The file is read in blocks; only the keys are kept.
     """
     if not path.exists():
         return OutputScan(set(), 0, 0, False)
-    data = path.read_bytes()
-    complete_end = data.rfind(b"\n") + 1
-    keys = {_record_key(path, number, raw) for number, raw in split_lines(data[:complete_end])}
-    tail = data[complete_end:]
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        complete_end = _end_of_last_line(fd, size)
+        newlines = [0]
+        keys = {_record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines))}
+        tail = os.pread(fd, size - complete_end, complete_end) if size > complete_end else b""
     if not tail.strip():
-        return OutputScan(keys, len(data), len(data), False)
+        return OutputScan(keys, size, size, False)
     if _is_torn_record(tail):
-        return OutputScan(keys, len(data), complete_end, False)
-    number = data[:complete_end].count(b"\n") + 1
-    return OutputScan(keys | {_record_key(path, number, tail)}, len(data), len(data), True)
+        return OutputScan(keys, size, complete_end, False)
+    return OutputScan(keys | {_record_key(path, newlines[0] + 1, tail)}, size, size, True)
+
+
+_SCAN_BLOCK = 1 << 20
+
+
+def _blocks(fd: int, end: int, newlines: list[int]):
+    """The file's bytes [0, end) in blocks; counts their newlines into newlines[0]."""
+    offset = 0
+    while offset < end:
+        block = os.pread(fd, min(_SCAN_BLOCK, end - offset), offset)
+        if not block:
+            break
+        newlines[0] += block.count(b"\n")
+        yield block
+        offset += len(block)
+
+
+def _end_of_last_line(fd: int, size: int) -> int:
+    """The offset just past the file's last b"\\n" (0 when it has none), read backwards in blocks."""
+    end = size
+    while end > 0:
+        start = max(0, end - _SCAN_BLOCK)
+        position = os.pread(fd, end - start, start).rfind(b"\n")
+        if position >= 0:
+            return start + position + 1
+        end = start
+    return 0
 
 
 def repair_output(path: Path, scan: OutputScan) -> None:

@@ -6,6 +6,7 @@ to stderr and exit with status 2, without a traceback.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -15,8 +16,9 @@ import sys
 import threading
 from pathlib import Path
 
-from jaxinfer.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES
-from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
+from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, MATMUL_IMPLS
+from jaxinfer.openai_batch import INPUT_FORMATS
+from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
 from jaxinfer.request import TRUNCATE_SIDES, SamplingParams
 from jaxinfer.validation import FieldError
 
@@ -59,7 +61,11 @@ ray: --ray runs the lines on Ray Data actors, each holding one model (pip instal
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--dtype", default=_LOAD_DEFAULTS.dtype, choices=DTYPES, help="compute dtype (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default=_LOAD_DEFAULTS.dtype, choices=DTYPE_CHOICES,
+        help="compute dtype: auto measures float32 and bfloat16 here and keeps the faster that passes a numerics check "
+        "against float32 (cached per machine; float32 with JAXINFER_TUNE=0); a value given is pinned (default: %(default)s)",
+    )
     parser.add_argument(
         "--quantization", default=_LOAD_DEFAULTS.quantization, choices=QUANTIZATIONS,
         help="weights held quantized on the device: gguf keeps a GGUF file's own blocks, int8 is per output channel, "
@@ -98,6 +104,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention", default="auto", choices=ATTENTION_IMPLS,
         help="attention back end: auto (the Pallas kernel on a GPU for 16-bit models, the C++ CPU kernel for f32 "
         "models on a CPU, else reference), reference (pure jnp), pallas, cpu (default: %(default)s)",
+    )
+    group.add_argument(
+        "--matmul", default=_engine_default("matmul_impl"), choices=MATMUL_IMPLS,
+        help="layer matmuls: auto (tuned like --dtype; with JAXINFER_TUNE=0 the CPU kernel exactly when --attention is), "
+        "xla (XLA's dot), cpu (the C++ panel kernel, f32 on a CPU) (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
@@ -162,6 +173,21 @@ def _build_parser() -> argparse.ArgumentParser:
         help="treat control-token text in prompts (e.g. '<|im_start|>') as plain text; chat message content is always plain text",
     )
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument(
+        "--format", default="auto", choices=INPUT_FORMATS,
+        help="--input format: jaxinfer's lines, or OpenAI Batch requests (custom_id, method, url, body) as vllm run-batch reads them, "
+        "answered in OpenAI's batch output format; auto: from the first non-empty line (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--max-inflight", type=int, default=None, metavar="N",
+        help="input lines read, checked and tokenized ahead of their results at most, so memory stays bounded on any input (default: 4 x --max-num-seqs per replica)",
+    )
+    gen.add_argument(
+        "--strict-fields", action="store_true",
+        help="an unknown field in a line is that line's error (default: counted and warned about before the model loads, and the line runs without it)",
+    )
+    gen.add_argument("--profile", type=Path, default=None, metavar="DIR", help="write a jax.profiler trace of --profile-steps to DIR (opens in TensorBoard and Perfetto)")
+    gen.add_argument("--profile-steps", default="1:10", metavar="A:B", help="engine steps A to B (1-based, inclusive) that --profile traces (default: %(default)s)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     _add_engine_args(gen)
@@ -171,6 +197,16 @@ def _build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print a model's configuration, parameter count and memory", description="Print a model's configuration, parameter count and memory.")
     _add_model_args(info)
     info.set_defaults(func=_run_info)
+
+    tune = commands.add_parser(
+        "tune", help="measure which dtype, matmul and attention run fastest here, and cache the choice",
+        description="Time every candidate implementation (dtype, matmul path, attention) of a prefill and a decode program "
+        "on this machine, check each against float32, print the table and cache the choice under $JAXINFER_CACHE_DIR "
+        "(default ~/.cache/jaxinfer), where LLM and `generate` read it. Measures even where a choice is cached.",
+    )
+    _add_model_args(tune)
+    _add_engine_args(tune)
+    tune.set_defaults(func=_run_tune)
 
     from jaxinfer import cli_buckets
 
@@ -182,7 +218,7 @@ def _build_parser() -> argparse.ArgumentParser:
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
 _ENGINE_FLAGS = {
     "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
-    "attention_impl": "--attention", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
+    "attention_impl": "--attention", "matmul_impl": "--matmul", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
     "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel", "dtype": "--dtype", "parse_special": "--no-parse-special",
 }
 
@@ -211,7 +247,7 @@ def _engine_config(args):
     try:
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
-            attention_impl=args.attention, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
+            attention_impl=args.attention, matmul_impl=args.matmul, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
             enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic,
         )
     except ValueError as e:
@@ -270,7 +306,30 @@ def _ray_options(args):
         raise _with_flag_names(e, _RAY_FLAGS) from None
 
 
+@contextlib.contextmanager
+def _profiler(args):
+    """The on_step hook tracing --profile-steps into --profile (None without --profile); closed at the end."""
+    if args.profile is None:
+        yield None
+        return
+    from jaxinfer import profiling
+
+    profiler = profiling.StepProfiler(args.profile, *profiling.parse_steps(args.profile_steps))
+    try:
+        yield profiler
+    finally:
+        profiler.close()
+        traced = f"steps {profiler.traced[0]}..{profiler.traced[1]}" if profiler.traced else f"nothing (the run had {profiler.steps} steps)"
+        print(f"profile: {traced} traced under {args.profile}", file=sys.stderr)
+
+
 def _run_generate(args) -> int:
+    if args.profile is not None:
+        from jaxinfer.profiling import parse_steps
+
+        parse_steps(args.profile_steps)  # a bad A:B fails before the model loads
+        if args.ray is not None:
+            raise ValueError("--profile traces this process; it does not work with --ray")
     defaults = _sampling_params(args)
     load_options, engine_config = _load_options(args), _engine_config(args)
     ray_options = _ray_options(args)
@@ -283,9 +342,14 @@ def _run_generate(args) -> int:
     from jaxinfer.batch import BatchJob, check_paths
 
     check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
-    with BatchJob(
-        args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,
-    ) as job:
+    try:
+        job = BatchJob(
+            args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,
+            fmt=args.format, strict_fields=args.strict_fields, max_inflight=args.max_inflight,
+        )
+    except FieldError as e:
+        raise _with_flag_names(e, {"max_inflight": "--max-inflight", "format": "--format"}) from None
+    with job:
         summary, llm = _run_job(job, args, load_options, engine_config, ray_options)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
@@ -307,7 +371,9 @@ def _run_job(job, args, load_options, engine_config, ray_options):
         return job.write([]), None
     if ray_options is None:
         llm = _make_llm(args, load_options, engine_config)
-        return job.run(llm, progress=not args.no_progress), llm
+        with _profiler(args) as profiler:
+            job.runner.on_step = profiler
+            return job.run(llm, progress=not args.no_progress), llm
     from jaxinfer import ray as ray_jobs
 
     print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
@@ -327,7 +393,9 @@ def _job_settings(args) -> dict:
 
 
 def _generate_one(args, defaults, load_options, engine_config) -> int:
-    for flag, value in (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings)):
+    batch_only = (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings))
+    batch_only += (("--format", args.format != "auto"), ("--max-inflight", args.max_inflight is not None), ("--strict-fields", args.strict_fields))
+    for flag, value in batch_only:
         if value:
             raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")
     if not args.prompt:
@@ -342,11 +410,12 @@ def _generate_one(args, defaults, load_options, engine_config) -> int:
         raise ValueError(f"--prompt: {e} (--truncate left|right cuts it)") from None
     except ValueError as e:
         raise ValueError(f"--prompt: {e}") from None
-    (output,) = llm.stream([work], progress=False)
+    with _profiler(args) as profiler:
+        (output,) = llm.stream([work], progress=False, on_step=profiler)
     if output.finish_reason == "error":
         raise ValueError(f"--prompt failed: {output.error}")
     print(output.text)
-    print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s]", file=sys.stderr)
+    print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s; {llm.choices.describe()}]", file=sys.stderr)
     return 0
 
 
@@ -363,6 +432,7 @@ def _summary_table(summary, llm) -> str:
         ("time per output token p50 / p99", f"{summary.tpot_percentile(50) * 1e3:.1f} / {summary.tpot_percentile(99) * 1e3:.1f} ms"),
         ("queue time p50 / p99", f"{summary.queue_percentile(50):.3f} / {summary.queue_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
+        ("choices (dtype, attention, matmul)", llm.choices.describe() if llm is not None else "- (in each Ray actor)"),
         ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s" if llm is not None else "- (in each Ray actor)"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
@@ -394,6 +464,27 @@ def _run_info(args) -> int:
         per_token = kv_pool.token_bytes(cfg, kv_cache_dtype)
         kind = f"--kv-cache-dtype {kv_cache_dtype} (codes + f32 scales)" if kv_cache_dtype else f"{cfg.dtype} (default)"
         print(f"{'KV per token':<17} {per_token:>6} bytes = {per_token * 2048 / 2**20:5.1f} MiB per 2048-token sequence, {kind}")
+    return 0
+
+
+def _run_tune(args) -> int:
+    """Measure the candidates now, print the tuner's table and write the cache."""
+    from jaxinfer import loading, tuning
+    from jaxinfer.tokenizer import load_tokenizer
+
+    load_options, engine_config = _load_options(args), _engine_config(args)
+    cfg, params = loading.load_model(args.model, **load_options.load_kwargs)
+    pins = tuning.Pins(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
+    if pins.all_pinned:
+        raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")
+    print(f"tuning on {tuning.machine_fingerprint().get('cpu') or tuning.machine_fingerprint().get('device')}...", file=sys.stderr)
+    progress = lambda m: print(f"  {m.candidate}: {m.status}", file=sys.stderr, flush=True)  # noqa: E731
+    result = tuning.choose_for_model(cfg, params, engine_config, pins, tokenizer=load_tokenizer(args.model), enabled=True,
+                                     quantization=load_options.quantization, on_mesh=load_options.on_mesh, progress=progress, refresh=True)
+    if not result.measurements:
+        raise ValueError(f"nothing to tune with {result.reason}: the fixed rule applies")
+    print(tuning.format_table(result))
+    print(f"tuned in {result.seconds:.1f} s; cached at {result.path}")
     return 0
 
 

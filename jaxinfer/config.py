@@ -15,8 +15,10 @@ from jaxinfer.buckets import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
+MATMUL_IMPLS = ("auto", "xla", "cpu")  # EngineConfig.matmul_impl: XLA dot, or panels for the CPU layer-matmul kernel
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (kv_pool.KV_CODE_FORMATS); None keeps the model dtype
 
+LOGPROBS_MODES = ("raw", "processed")  # EngineConfig.logprobs_mode (vLLM's raw_logprobs / processed_logprobs)
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes (LoadOptions.dtype, --dtype)
 
 
@@ -241,6 +243,8 @@ class EngineConfig:
     max_prefill_seqs: int = 8  # sequences one packed prefill row holds at most (its logits rows)
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); attention.resolve_impl
+    # auto | xla (XLA dot on the loaded params) | cpu (panels for kernels_cpu/layer_matmul); matmul_impl.resolve_matmul_impl
+    matmul_impl: str = "auto"
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.
     kv_cache_dtype: str | None = None
@@ -252,6 +256,9 @@ class EngineConfig:
     # rows run as several 8-row programs), blockwise attention, and preempted requests replay generated
     # tokens through decode steps.
     deterministic: bool = False
+    max_logprobs: int = 20  # top log-probabilities a request may ask for (static: the programs return this many)
+    max_logit_bias: int = 64  # biased tokens per request, counting EOS and stop ids that min_tokens masks
+    logprobs_mode: str = "raw"  # raw: from the model's logits; processed: after bias, penalties and temperature
     _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
     _tables: BucketTables | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -271,6 +278,8 @@ class EngineConfig:
         check_number("decode_split_overhead", self.decode_split_overhead, low=0.0, high=math.inf)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise FieldError("attention_impl", f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.matmul_impl not in MATMUL_IMPLS:
+            raise FieldError("matmul_impl", f"must be one of {MATMUL_IMPLS}, got {self.matmul_impl!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise FieldError("kv_cache_dtype", f"must be None or one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
@@ -279,6 +288,10 @@ class EngineConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("deterministic", self.deterministic)
         check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
+        check_int("max_logprobs", self.max_logprobs, low=0)
+        check_int("max_logit_bias", self.max_logit_bias, low=1)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise FieldError("logprobs_mode", f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.prefill_packing is not None:
             check_bool("prefill_packing", self.prefill_packing)
         if self.prefill_packing and self.deterministic:

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import kv_pool as kvp
-from jaxinfer import model, panels, sampling
+from jaxinfer import guided, model, panels, sampling
 from jaxinfer import sharding as shd
-from jaxinfer.attention import CPU_IMPL, resolve_impl
+from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.params import Params
-from jaxinfer.plan import BucketKey, StepPlan
+from jaxinfer.plan import BucketKey, Logprobs, StepPlan, StepResult
 from jaxinfer.validation import FieldError
 
 log = logging.getLogger(__name__)
@@ -81,24 +81,82 @@ class StepInputs:
     pages: kvp.PageMeta
     logit_indices: jax.Array  # i32[R, J]; J sequences per row (1 unless the row is packed)
     sampling: sampling.SamplingArrays  # [R * J] each
+    prompt_lens: jax.Array  # i32[R * J]; positions below are the slot's prompt (the penalties' split)
+    targets: jax.Array  # i32[R, T]; prompt token after each token whose prompt logprobs are wanted, -1 else
 
 
-def inputs_from_plan(plan: StepPlan) -> StepInputs:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    tokens: jax.Array  # i32[R * J]
+    logprobs: sampling.Logprobs  # [R * J]; zeros unless a slot asked for them
+    prompt_logprobs: sampling.Logprobs  # [R * T]; zeros unless a token has a target
+
+
+def inputs_from_plan(plan: StepPlan, vocab_size: int | None = None) -> StepInputs:
+    """The step's device inputs; `vocab_size` sizes the grammar masks (None: no masks, for model-only callers)."""
     pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets, plan.page_positions, plan.page_segments, plan.token_segments)
-    arrays = sampling.SamplingArrays(plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps)
-    return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays)
+    arrays = sampling.SamplingArrays(
+        plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps, plan.min_p, plan.presence, plan.frequency, plan.repetition,
+        plan.bias_ids, plan.bias_values, plan.num_logprobs, None if vocab_size is None else token_masks(plan, vocab_size),
+    )
+    return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays, plan.prompt_lens, plan.targets)
 
 
-def _step(params: Params, pool: kvp.KVPool, inputs: StepInputs, *, cfg: ModelConfig, impl: str, return_logits: bool = False):
-    """One prefill or decode step; donates `pool`. Returns (tokens i32[R * J], pool), or
-    (tokens, logits f32[R * J, V], pool) with return_logits."""
-    logits, pool = model.forward(
-        params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages,
-        logit_indices=inputs.logit_indices, attention_impl=impl,
-    )  # logits: [R, J, V]
+def token_masks(plan: StepPlan, vocab_size: int) -> np.ndarray:
+    """i32[R * J, ceil(V / 32)]: the grammar's mask of each constrained slot that samples; all ones elsewhere."""
+    masks = np.full((plan.seeds.shape[0], guided.mask_words(vocab_size)), -1, np.int32)
+    for slot, (guide, sample) in enumerate(zip(plan.guides, plan.samples)):
+        if guide is not None and sample:
+            guide.fill_mask(masks[slot])
+    return masks
+
+
+def _step(params: Params, pool: kvp.KVPool, history: jax.Array, inputs: StepInputs, *, cfg: ModelConfig, impl: str, num_top: int, logprobs_mode: str, return_logits: bool = False):
+    """One prefill or decode step; donates `pool` and `history` (i32[P, L], the token id in every pool
+    slot, which the penalties count). Returns (StepOutputs, pool, history), with the logits
+    f32[R * J, V] before the pool with return_logits."""
+    history = history.at[inputs.pages.slot_pages, inputs.pages.slot_offsets].set(inputs.token_ids)
+    x, pool = model.hidden_states(params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages, attention_impl=impl)
+    logits = model.logits_from_hidden(params, model.hidden_at(x, inputs.logit_indices), cfg)  # [R, J, V]
     logits = logits.reshape(-1, logits.shape[-1])  # [R * J, V]
-    tokens = sampling.next_tokens(logits, inputs.sampling)
-    return (tokens, logits.astype(jnp.float32), pool) if return_logits else (tokens, pool)
+    counts = functools.partial(token_counts, history, inputs, cfg.vocab_size)
+    tokens, logprobs = sampling.sample(logits, inputs.sampling, counts, num_top=num_top, mode=logprobs_mode)
+    outputs = StepOutputs(tokens, logprobs, _prompt_logprobs(params, x, inputs.targets, cfg, num_top))
+    return (outputs, logits.astype(jnp.float32), pool, history) if return_logits else (outputs, pool, history)
+
+
+def _prompt_logprobs(params: Params, x, targets, cfg: ModelConfig, num_top: int) -> sampling.Logprobs:
+    """Raw log-probabilities of each token's target (the next prompt token) and the top ones, [R * T];
+    the vocabulary projection of every token runs only when some token has a target."""
+    flat_targets = jnp.maximum(targets, 0).reshape(-1)
+
+    def scored():
+        logits = model.logits_from_hidden(params, x, cfg)  # [R, T, V]
+        return sampling.top_logprobs(logits.reshape(-1, logits.shape[-1]), flat_targets, num_top)
+
+    def empty():
+        zeros = lambda dtype, *shape: jnp.zeros((flat_targets.shape[0], *shape), dtype)  # noqa: E731
+        return sampling.Logprobs(zeros(jnp.float32), zeros(jnp.int32, num_top), zeros(jnp.float32, num_top))
+
+    return jax.lax.cond(jnp.any(targets >= 0), scored, empty)
+
+
+def token_counts(history: jax.Array, inputs: StepInputs, vocab_size: int) -> sampling.TokenCounts:
+    """Per sequence slot: how often each token was generated so far, and which tokens its prompt holds,
+    read from `history` through the slot's pages (its own entries of a packed row), up to and with the
+    token it samples after."""
+    pages, (rows, slots) = inputs.pages, inputs.logit_indices.shape
+    slot_row, segment = jnp.arange(rows * slots) // slots, jnp.arange(rows * slots) % slots  # [S]
+    tokens = history[pages.block_tables[slot_row]]  # [S, P, L]
+    positions = pages.page_positions[slot_row][:, :, None] + jnp.arange(history.shape[1])  # [S, P, L]
+    last = jnp.take_along_axis(inputs.positions, inputs.logit_indices, axis=1).reshape(-1)  # [S]
+    own = (pages.page_segments[slot_row] == segment[:, None])[:, :, None] & (positions <= last[:, None, None])
+    generated = own & (positions >= inputs.prompt_lens[:, None, None])
+    index = jnp.broadcast_to(jnp.arange(rows * slots)[:, None, None], tokens.shape)
+    output = jnp.zeros((rows * slots, vocab_size), jnp.int32).at[index, tokens].add(generated.astype(jnp.int32))
+    in_prompt = jnp.zeros((rows * slots, vocab_size), jnp.bool_).at[index, tokens].max(own & ~generated)
+    return sampling.TokenCounts(output, in_prompt)
 
 
 def available_bytes(device: jax.Device) -> int:
@@ -174,26 +232,34 @@ class Engine:
             tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
             page_size=engine_cfg.page_size, head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads,
         )
-        # The CPU kernels read the matrices in their own panel layout (one device only, so never with a mesh);
-        # the loaded params stay as they are. Packed before the pool is sized, so free memory counts the panels.
-        self.step_params = panels.pack_panels(params) if self.impl == CPU_IMPL else params
+        # The CPU layer-matmul kernel reads the matrices in its own panel layout (one device only, so never with
+        # a mesh); matmul_impl.resolve_matmul_impl owns whether it runs. The loaded params stay as they are. Packed
+        # before the pool is sized, so free memory counts the panels.
+        from jaxinfer.matmul_impl import resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
+
+        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None)
+        self.step_params = panels.pack_panels(params) if self.matmul_impl == "cpu" else params
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
         self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
-        step = functools.partial(_step, cfg=cfg, impl=self.impl, return_logits=return_logits)
+        step = functools.partial(
+            _step, cfg=cfg, impl=self.impl, return_logits=return_logits, num_top=max(engine_cfg.max_logprobs, 1), logprobs_mode=engine_cfg.logprobs_mode,
+        )
         init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
+        self.history = jnp.zeros((self.num_pages, engine_cfg.page_size), jnp.int32)  # token id of every pool slot
         if mesh is None:
             self.pool = init()
-            self._jitted = jax.jit(step, donate_argnames=("pool",))
+            self._jitted = jax.jit(step, donate_argnames=("pool", "history"))
         else:
             self.params = self.step_params = params = shd.shard_params(params, cfg, mesh)
             pool_sharding = shd.pool_shardings(jax.eval_shape(init), cfg, mesh)
             self.pool = jax.jit(init, out_shardings=pool_sharding)()  # allocated in place, never whole on one device
             rep = shd.replicated(mesh)
-            outs = (rep, rep, pool_sharding) if return_logits else (rep, pool_sharding)
-            in_shardings = (shd.param_shardings(params, cfg, mesh), pool_sharding, rep)
-            self._jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=outs, donate_argnames=("pool",))
+            self.history = jax.device_put(self.history, rep)
+            outs = (rep, rep, pool_sharding, rep) if return_logits else (rep, pool_sharding, rep)
+            in_shardings = (shd.param_shardings(params, cfg, mesh), pool_sharding, rep, rep)
+            self._jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=outs, donate_argnames=("pool", "history"))
         self.return_logits = return_logits
         self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
         self._programs: dict[tuple, jax.stages.Compiled] = {}
@@ -209,13 +275,18 @@ class Engine:
         samples = rows * self.engine_cfg.tables.samples_per_row(key.phase)
         spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
         pages = kvp.PageMeta(spec(rows, width), spec(rows, tokens), spec(rows, tokens), spec(rows, width), spec(rows, width), spec(rows, tokens))
-        arrays = sampling.SamplingArrays(spec(samples, dtype=jnp.float32), spec(samples), spec(samples, dtype=jnp.float32), spec(samples), spec(samples))
-        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows, samples // rows), arrays)
+        floats = lambda: spec(samples, dtype=jnp.float32)  # noqa: E731
+        bias = self.engine_cfg.max_logit_bias
+        arrays = sampling.SamplingArrays(
+            floats(), spec(samples), floats(), spec(samples), spec(samples), floats(), floats(), floats(), floats(),
+            spec(samples, bias), spec(samples, bias, dtype=jnp.float32), spec(samples), spec(samples, guided.mask_words(self.cfg.vocab_size)),
+        )
+        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows, samples // rows), arrays, spec(samples), spec(rows, tokens))
 
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         start = time.perf_counter()
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
-            compiled = self._jitted.lower(self.step_params, self.pool, self._abstract_inputs(key)).compile()
+            compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:
@@ -231,19 +302,28 @@ class Engine:
                     progress(key, seconds)
         self.compile_seconds += time.perf_counter() - start
 
-    def step(self, plan: StepPlan) -> np.ndarray:
+    def step(self, plan: StepPlan) -> StepResult:
         """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R * J]
-        (one per sequence slot of the plan: `plan.request_ids[i]` drew token i)."""
+        (one per sequence slot of the plan: `plan.request_ids[i]` drew token i), and the log-probabilities
+        the plan asks for (only those are copied to the host)."""
         program = self._programs.get(plan.bucket)
         if program is None:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
         _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
         if self.return_logits:
-            tokens, logits, self.pool = program(self.step_params, self.pool, inputs_from_plan(plan))
+            outputs, logits, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs_from_plan(plan, self.cfg.vocab_size))
             self.last_logits = np.asarray(logits)
         else:
-            tokens, self.pool = program(self.step_params, self.pool, inputs_from_plan(plan))
-        return np.asarray(tokens)
+            outputs, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs_from_plan(plan, self.cfg.vocab_size))
+        return StepResult(
+            np.asarray(outputs.tokens),
+            _to_host(outputs.logprobs) if plan.wants_logprobs else None,
+            _to_host(outputs.prompt_logprobs) if plan.wants_prompt_logprobs else None,
+        )
+
+
+def _to_host(logprobs: sampling.Logprobs) -> Logprobs:
+    return Logprobs(np.asarray(logprobs.token), np.asarray(logprobs.top_ids), np.asarray(logprobs.top))
 
 
 def _check_pages(block_tables: np.ndarray, slot_pages: np.ndarray, num_pages: int) -> None:

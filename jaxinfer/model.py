@@ -168,6 +168,17 @@ def forward(
       (logits in f32, [B, T, V], or [B, 1, V] with `logit_indices`; the updated cache). Callers that
       donate the cache rebind it at once.
     """
+    x, cache = hidden_states(params, cache, tokens, positions, cfg=cfg, pages=pages, attention_impl=attention_impl)
+    if logit_indices is not None:
+        x = hidden_at(x, logit_indices)
+    return logits_from_hidden(params, x, cfg), cache
+
+
+def hidden_states(
+    params: Params, cache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], *, cfg: ModelConfig,
+    pages: kvp.PageMeta | None = None, attention_impl: str = "reference",
+) -> tuple[Float[Array, "B T D"], kvp.DenseKVCache | kvp.KVPool | None]:
+    """The decoder's last hidden states (before the final norm) and the updated cache; see `forward`."""
     x = quant.take(params.embed, tokens, dtype=jnp.dtype(cfg.dtype))  # [B, T, D]
     inv_freq = rotary_frequencies(positions, cfg)  # [B or 1, R]
     body = functools.partial(_layer, positions=positions, inv_freq=inv_freq, pages=pages, cfg=cfg, impl=attention_impl)
@@ -176,7 +187,10 @@ def forward(
         (x, cache), _ = panels.scan_in_place(body, (x, cache), params.layers, layer_index)
     else:
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
-    if logit_indices is not None:
-        indices = logit_indices if logit_indices.ndim == 2 else logit_indices[:, None]  # [B, J]
-        x = jnp.take_along_axis(x, indices[:, :, None], axis=1)  # [B, J, D]
-    return logits_from_hidden(params, x, cfg), cache
+    return x, cache
+
+
+def hidden_at(x: Float[Array, "B T D"], logit_indices: Int[Array, "B"] | Int[Array, "B J"]) -> Float[Array, "B J D"]:
+    """The hidden states at token index logit_indices[b] (or [b, j]) of each row."""
+    indices = logit_indices if logit_indices.ndim == 2 else logit_indices[:, None]  # [B, J]
+    return jnp.take_along_axis(x, indices[:, :, None], axis=1)

@@ -10,6 +10,10 @@ import dataclasses
 from jaxinfer.config import DTYPES
 from jaxinfer.validation import FieldError
 
+# Compute dtypes a user may ask for. "auto" (the default, vLLM's dtype="auto" convention): the runtime tuner
+# (tuning.py) measures float32 and bfloat16 on this machine and keeps the faster one that passes its numerics
+# check against float32; with JAXINFER_TUNE=0, float32. A dtype given explicitly is pinned, never changed.
+DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATIONS = ("gguf", "int8", "int4")  # besides None: dense weights in the compute dtype
 INT4_GROUP_SIZES = (32, 64, 128)  # input elements per int4 scale
 DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not 128
@@ -19,7 +23,7 @@ DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not
 class LoadOptions:
     """Validated where built; errors name the field (`FieldError`), which the CLI renames to its flag."""
 
-    dtype: str = "float32"  # compute dtype: float32 (the default, best on CPU), bfloat16 or float16
+    dtype: str = "auto"  # compute dtype: auto (tuned, see DTYPE_CHOICES), float32, bfloat16 or float16
     quantization: str | None = None  # weights held on the device: None (dense), gguf, int8 or int4
     group_size: int | None = None  # input elements per int4 scale (int4 only; None: DEFAULT_INT4_GROUP_SIZE)
     tensor_parallel: int = 1  # devices one replica is sharded over
@@ -27,8 +31,8 @@ class LoadOptions:
     parse_special: bool | None = None  # control-token text in input: None prompts only, False never, True also in chat content
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise FieldError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise FieldError("dtype", f"must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         check_quantization(self.quantization, self.group_size)
         check_parallel(self.tensor_parallel, self.data_parallel)
         if self.parse_special not in (None, True, False):
@@ -41,9 +45,10 @@ class LoadOptions:
 
     @property
     def load_kwargs(self) -> dict:
-        """loading.load_model's keyword arguments."""
+        """loading.load_model's keyword arguments. An "auto" dtype loads float32 (the tuner's reference);
+        the tuner casts the loaded params if it picks another dtype."""
         group = {} if self.group_size is None else {"group_size": self.group_size}
-        return {"dtype": self.dtype, "quantization": self.quantization, "on_host": self.on_mesh, **group}
+        return {"dtype": "float32" if self.dtype == "auto" else self.dtype, "quantization": self.quantization, "on_host": self.on_mesh, **group}
 
 
 def check_quantization(value, group_size: int | None = None) -> str | None:

@@ -65,6 +65,7 @@ class IncrementalDetokenizer:
 class _TextState:
     detokenizer: IncrementalDetokenizer
     stop_at: int | None = None  # character index where a stop string begins
+    stop_end: int | None = None  # and where that stop string ends
 
 
 class OutputProcessor:
@@ -84,6 +85,8 @@ class OutputProcessor:
     def check(self, request: Request) -> str | None:
         """After a new output token: the finish reason ('stop' | 'length'), or None to go on."""
         reason = token_stop_reason(request.output_ids, request.params, self.eos_id)
+        if request.guide is not None and request.guide.advance(request.output_ids[-1]):
+            reason = reason or "stop"  # the grammar is complete: nothing more may follow
         if self.decode is not None and self._stop_string_found(request):
             reason = "stop"
         if reason is None and request.num_tokens >= self.max_context:
@@ -106,13 +109,14 @@ class OutputProcessor:
     def _find_stop(self, state: _TextState, stops: tuple[str, ...], start: int) -> bool:
         """Look for a stop string that ends in the text added after `start`."""
         text = state.detokenizer.text
-        hits = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
-        if hits:
-            state.stop_at = min(hits) if state.stop_at is None else min(state.stop_at, *hits)
+        hits = [(i, i + len(s)) for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if hits and (state.stop_at is None or min(hits)[0] < state.stop_at):
+            state.stop_at, state.stop_end = min(hits)
         return bool(hits)
 
     def text(self, request: Request) -> str:
-        """The request's final text (cut before a stop string); releases its state."""
+        """The request's final text (cut before a stop string, or after it with include_stop_str_in_output);
+        releases its state."""
         if self.decode is None:
             return ""
         state = self._state(request)
@@ -122,4 +126,6 @@ class OutputProcessor:
         self._find_stop(state, request.params.stop, start)
         del self._texts[request.request_id]
         text = state.detokenizer.text
-        return text if state.stop_at is None else text[: state.stop_at]
+        if state.stop_at is None:
+            return text
+        return text[: state.stop_end] if request.params.include_stop_str_in_output else text[: state.stop_at]

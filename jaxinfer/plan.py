@@ -57,16 +57,27 @@ class StepPlan:
     top_p: np.ndarray  # f32[R * J]
     seeds: np.ndarray  # i32[R * J]
     steps: np.ndarray  # i32[R * J]; index of the output token each slot draws
+    min_p: np.ndarray  # f32[R * J]
+    presence: np.ndarray  # f32[R * J]
+    frequency: np.ndarray  # f32[R * J]
+    repetition: np.ndarray  # f32[R * J]
+    bias_ids: np.ndarray  # i32[R * J, NB]; the slot's sparse bias (Request.next_token_bias), padded with (0, 0)
+    bias_values: np.ndarray  # f32[R * J, NB]
+    num_logprobs: np.ndarray  # i32[R * J]; log-probabilities wanted per slot, -1 none
+    prompt_lens: np.ndarray  # i32[R * J]; positions below are prompt tokens (the penalties' split)
+    targets: np.ndarray  # i32[R, T]; the prompt token after each token, where its prompt logprobs are wanted; -1 else
     request_ids: tuple[str, ...]  # the real sequences, in slot order
     num_new_tokens: tuple[int, ...]  # tokens of each real sequence computed by this step
     samples: tuple[bool, ...]  # whether each real sequence's drawn token is kept
+    guides: tuple = ()  # each real sequence's guide.Guide (Request.guide) or None; the engine fills the masks
 
     @classmethod
-    def build(cls, phase: str, rows: list[RowChunk], shape: BucketKey, page_size: int, *, packed: int = 0) -> "StepPlan":
+    def build(cls, phase: str, rows: list[RowChunk], shape: BucketKey, page_size: int, *, packed: int = 0, bias_width: int = 1) -> "StepPlan":
         """Lay the chunks out in arrays of the bucket's shape, one per row, or with `packed` (J) all in
-        row 0, back to back; the rest is padding on the null page."""
+        row 0, back to back; the rest is padding on the null page. `bias_width`: NB, the engine's
+        max_logit_bias."""
         slots = packed or 1
-        arrays = _padding_arrays(shape.num_rows, shape.num_tokens, shape.num_pages, slots, page_size, packed=bool(packed))
+        arrays = _padding_arrays(shape.num_rows, shape.num_tokens, shape.num_pages, slots, page_size, packed=bool(packed), bias_width=bias_width)
         cursor = _Cursor()
         for index, chunk in enumerate(rows):
             _place(arrays, chunk, cursor, index, page_size)
@@ -76,6 +87,7 @@ class StepPlan:
             request_ids=tuple(c.request.request_id for c in rows),
             num_new_tokens=tuple(c.length for c in rows),
             samples=tuple(c.sample for c in rows),
+            guides=tuple(c.request.guide for c in rows),
             **arrays,
         )
 
@@ -85,12 +97,55 @@ class StepPlan:
         return BucketKey(self.phase, rows, tokens, self.block_tables.shape[1])
 
     @property
+    def wants_logprobs(self) -> bool:
+        return bool((self.num_logprobs >= 0).any())
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return bool((self.targets >= 0).any())
+
+    def chunk_starts(self) -> list[tuple[int, int]]:
+        """(row, token index) where each real sequence's chunk begins: back to back in row 0 when packed."""
+        if self.logit_indices.shape[1] == 1:
+            return [(i, 0) for i in range(len(self.request_ids))]
+        ends = np.cumsum(self.num_new_tokens)
+        return [(0, int(end - n)) for end, n in zip(ends, self.num_new_tokens)]
+
+    @property
     def num_real_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
     @property
     def num_padded_tokens(self) -> int:
         return self.token_ids.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """Host copy of log-probabilities: per entry, a token's log-probability and the top K (sampling.Logprobs)."""
+
+    token: np.ndarray  # f32[N]
+    top_ids: np.ndarray  # i32[N, K]
+    top: np.ndarray  # f32[N, K]
+
+    def entry(self, i: int, k: int) -> tuple[float, dict[int, float]]:
+        """Entry i with its top k: (log-probability, {token id: log-probability}, most likely first)."""
+        return float(self.token[i]), {int(t): float(v) for t, v in zip(self.top_ids[i, :k], self.top[i, :k])}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a step returns: the drawn tokens (one per sequence slot), and when the plan asked for them
+    their log-probabilities (per slot) and the prompt tokens' (per token of the plan, [R * T])."""
+
+    tokens: np.ndarray  # i32[R * J]
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+    @classmethod
+    def of(cls, result: "StepResult | np.ndarray") -> "StepResult":
+        """A bare token array (a fake step in tests) is a result without log-probabilities."""
+        return result if isinstance(result, StepResult) else cls(np.asarray(result))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +160,10 @@ class _Cursor:
         return _Cursor(self.row, self.token + chunk.length, self.page + len(chunk.pages))
 
 
-def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page_size: int, *, packed: bool) -> dict[str, np.ndarray]:
+def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page_size: int, *, packed: bool, bias_width: int) -> dict[str, np.ndarray]:
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     samples = num_rows * slots
+    floats = lambda value: np.full(samples, value, np.float32)  # noqa: E731
     return {
         "token_ids": zeros(num_rows, num_tokens),
         "positions": zeros(num_rows, num_tokens),
@@ -123,6 +179,15 @@ def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page
         "top_p": np.ones(samples, np.float32),
         "seeds": zeros(samples),
         "steps": zeros(samples),
+        "min_p": floats(0.0),
+        "presence": floats(0.0),
+        "frequency": floats(0.0),
+        "repetition": floats(1.0),
+        "bias_ids": zeros(samples, bias_width),
+        "bias_values": np.zeros((samples, bias_width), np.float32),
+        "num_logprobs": np.full(samples, -1, np.int32),
+        "prompt_lens": zeros(samples),
+        "targets": np.full((num_rows, num_tokens), -1, np.int32),
     }
 
 
@@ -147,3 +212,22 @@ def _place(arrays: dict[str, np.ndarray], chunk: RowChunk, at: _Cursor, index: i
     arrays["top_p"][index] = params.top_p
     arrays["seeds"][index] = chunk.request.seed
     arrays["steps"][index] = len(chunk.request.output_ids)
+    _place_processing(arrays, chunk, index)
+    if params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token
+        prompt = chunk.request.prompt_ids
+        scored = positions[positions < len(prompt) - 1]
+        arrays["targets"][row, at.token : at.token + len(scored)] = np.asarray(prompt, np.int32)[scored + 1]
+
+
+def _place_processing(arrays: dict[str, np.ndarray], chunk: RowChunk, index: int) -> None:
+    """The slot's logit processing (sampling.process) and log-probability request."""
+    request, params = chunk.request, chunk.request.params
+    arrays["min_p"][index] = params.min_p
+    arrays["presence"][index] = params.presence_penalty
+    arrays["frequency"][index] = params.frequency_penalty
+    arrays["repetition"][index] = params.repetition_penalty
+    bias = request.next_token_bias()
+    arrays["bias_ids"][index, : len(bias)] = list(bias)
+    arrays["bias_values"][index, : len(bias)] = list(bias.values())
+    arrays["num_logprobs"][index] = -1 if params.logprobs is None else params.logprobs
+    arrays["prompt_lens"][index] = len(request.prompt_ids)

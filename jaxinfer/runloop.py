@@ -16,15 +16,17 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxinfer.output import OutputProcessor
-from jaxinfer.plan import StepPlan
+from jaxinfer.plan import StepPlan, StepResult
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerStats
 
-StepFn = Callable[[StepPlan], np.ndarray]  # plan -> sampled tokens int[R]
+StepFn = Callable[[StepPlan], StepResult | np.ndarray]  # plan -> sampled tokens int[R] (with log-probabilities)
 OnStep = Callable[[StepPlan, np.ndarray, float], None]  # (plan, tokens, seconds the step took)
 
 
-def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_step: OnStep | None = None) -> Iterator[Request]:
+def run(
+    scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_step: OnStep | None = None, admit: Callable[[], None] | None = None,
+) -> Iterator[Request]:
     """Run until the scheduler has no work; yield each request as soon as it has finished.
 
     Args:
@@ -32,8 +34,11 @@ def run(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_st
       step: runs one plan (Engine.step, or a fake in tests).
       processor: decides when a request is done.
       on_step: called with (plan, tokens, seconds) after every step (benchmarks time and count steps here).
+      admit: called before every step, to add the requests that have arrived since (arrival-time replay).
     """
     while scheduler.has_work():
+        if admit is not None:
+            admit()
         finished = scheduler.expire()
         plans = scheduler.schedule()
         if not plans and not finished:
@@ -48,13 +53,13 @@ def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, pla
     start = time.perf_counter()
     _count_step(scheduler, plan, start)
     try:
-        tokens = step(plan)
+        result = StepResult.of(step(plan))
     except Exception as e:  # one bad step fails its own rows, not the job
         return scheduler.abort(plan.request_ids, f"the step failed: {type(e).__name__}: {e}")
     if on_step is not None:
-        on_step(plan, tokens, time.perf_counter() - start)
+        on_step(plan, result.tokens, time.perf_counter() - start)
     finished = []
-    for request in scheduler.update(plan, tokens):
+    for request in scheduler.update(plan, result):
         try:
             reason = processor.check(request)
         except Exception as e:  # a detokenizer failure is this request's error

@@ -26,8 +26,9 @@ import numpy as np
 
 from jaxinfer.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
 from jaxinfer.config import EngineConfig
-from jaxinfer.plan import BucketKey, RowChunk, StepPlan
-from jaxinfer.request import Request, RequestStatus
+from jaxinfer.plan import BucketKey, Logprobs, RowChunk, StepPlan, StepResult
+from jaxinfer.request import Request, RequestStatus, SamplingParams
+from jaxinfer.validation import FieldError
 from jaxinfer.request_queue import RequestQueue
 
 
@@ -174,6 +175,8 @@ class Scheduler:
         for request in itertools.chain(partial, self._waiting_in_order()):
             if budget <= 0 or len(rows) == tables.max_prefill_rows:
                 break
+            if request.status == RequestStatus.WAITING and not self._prompt_shared(request):
+                break  # a sample of n waits for its first sample's prompt pages; the order is kept
             hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
             limit = budget if pages_left is None else min(budget, pages_left * self.cfg.page_size - request.num_computed_tokens)
             chunk = self._fit_chunk(request, limit) if limit > 0 else 0
@@ -189,6 +192,14 @@ class Scheduler:
             if pages_left is not None:
                 pages_left -= len(self.block_pool.pages_of(request.request_id))
         return rows
+
+    def _prompt_shared(self, request: Request) -> bool:
+        """Whether a later sample of n (SamplingParams.n) may start: its first sample (`fork_of`) has
+        computed its prompt, whose full pages the prefix cache now shares, or will never need to."""
+        first = request.fork_of
+        if first is None or first.status == RequestStatus.FINISHED or not self.cfg.enable_prefix_caching:
+            return True
+        return first.status == RequestStatus.RUNNING and first.num_computed_tokens >= len(first.prompt_ids) - 1
 
     def _waiting_in_order(self) -> Iterator[Request]:
         """The waiting requests that may be admitted now, lazily in admission order (request_queue.py):
@@ -219,8 +230,9 @@ class Scheduler:
     def _reuse_prefix(self, request: Request) -> int:
         """Share the longest cached run of the request's full pages; returns the tokens it covers.
         The last token a prefill covers is always computed (it needs logits), so at most
-        (prefill end - 1) // page_size pages."""
-        if not self.cfg.enable_prefix_caching:
+        (prefill end - 1) // page_size pages. A request that scores its prompt (prompt_logprobs) reuses
+        nothing: every prompt token's logits are computed, as vLLM does."""
+        if not self.cfg.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return 0
         pages = self.block_pool.lookup(self._names_of(request, (self._prefill_end(request) - 1) // self.cfg.page_size))
         if pages:
@@ -304,7 +316,7 @@ class Scheduler:
         self.stats.real_tokens += sum(c.length for c in chunks)
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
         packed = self.cfg.tables.packed_seqs if phase == "prefill" else 0
-        return StepPlan.build(phase, chunks, shape, self.cfg.page_size, packed=packed)
+        return StepPlan.build(phase, chunks, shape, self.cfg.page_size, packed=packed, bias_width=self.cfg.max_logit_bias)
 
     def _record_utilization(self) -> None:
         used_pages = self.block_pool.num_used
@@ -320,22 +332,28 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def update(self, plan: StepPlan, tokens: np.ndarray) -> list[Request]:
-        """Apply one step's sampled tokens (int[R]); return the requests that got a new output token.
+    def update(self, plan: StepPlan, result: StepResult | np.ndarray) -> list[Request]:
+        """Apply one step's sampled tokens (int[R], or a StepResult with their log-probabilities); return
+        the requests that got a new output token.
 
         Whether they are done is the output processor's decision (output.py); it calls `finish`.
         """
+        result = StepResult.of(result)
         by_id = {r.request_id: r for r in self.running}
         sampled = []
         now = time.perf_counter()
-        for row, request_id in enumerate(plan.request_ids):
+        for row, (request_id, start) in enumerate(zip(plan.request_ids, plan.chunk_starts())):
             request = by_id.get(request_id)
             if request is None:  # preempted after planning: nothing to apply
                 continue
+            if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
+                _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
             request.num_computed_tokens += plan.num_new_tokens[row]
             self._cache_computed_pages(request)
             if plan.samples[row]:
-                request.output_ids.append(int(tokens[row]))
+                request.output_ids.append(int(result.tokens[row]))
+                if result.logprobs is not None and request.params.logprobs is not None:
+                    request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
                 request.first_token_time = request.first_token_time or now
                 sampled.append(request)
         return sampled
@@ -383,6 +401,32 @@ def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], f
 
 class PromptTooLongError(ValueError):
     """The prompt leaves no room in the context for a single generated token."""
+
+
+def _keep_prompt_logprobs(request: Request, plan: StepPlan, start: tuple[int, int], length: int, logprobs: Logprobs) -> None:
+    """Store the chunk's prompt log-probabilities by position (a recomputed chunk overwrites its own):
+    entry p + 1 scores prompt token p + 1 from the logits at position p; entry 0 stays None."""
+    row, token = start
+    num_tokens = plan.token_ids.shape[1]
+    if not request.prompt_logprobs:
+        request.prompt_logprobs = [None] * len(request.prompt_ids)
+    first = int(plan.positions[row, token])
+    for offset in range(length):
+        position = first + offset
+        if position + 1 >= len(request.prompt_ids):
+            break
+        request.prompt_logprobs[position + 1] = logprobs.entry(row * num_tokens + token + offset, request.params.prompt_logprobs)
+
+
+def check_sampling_limits(cfg: EngineConfig, params: SamplingParams) -> None:
+    """Raise FieldError if a request asks for more than the engine's static limits allow."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > cfg.max_logprobs:
+            raise FieldError(name, f"({value}) exceeds the engine's max_logprobs ({cfg.max_logprobs})")
+    masked = len(set(params.stop_token_ids)) + 1 if params.min_tokens else 0  # + 1: EOS
+    if len(params.logit_bias) + masked > cfg.max_logit_bias:
+        raise FieldError("logit_bias", f"holds {len(params.logit_bias)} tokens, and min_tokens masks {masked} more; the engine's max_logit_bias is {cfg.max_logit_bias}")
 
 
 def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:

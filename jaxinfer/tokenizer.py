@@ -76,21 +76,32 @@ class TextTokenizer:
     def decode(self, ids, *, skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **variables) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False, **variables) -> str:
         """The chat template rendered as transformers renders it (trim_blocks, lstrip_blocks, loop controls,
         `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII); `variables` (for example
-        `date_string`) reach the template too. `bos_token` is in the text only where the template puts it."""
+        `date_string`, or Qwen3's `enable_thinking`: vLLM's chat_template_kwargs) reach the template too.
+        `bos_token` is in the text only where the template puts it. `continue_final_message`: the text
+        ends with the last message's content, so the model continues it (as transformers and vLLM do)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: set add_generation_prompt false to continue the last message")
         template = _template_environment().from_string(self.chat_template)
-        return template.render(
+        text = template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_id),
             eos_token=self._token_text(self.eos_id),
             **variables,
         )
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"].strip()
+        end = text.rfind(final)
+        if not final or end < 0:
+            raise ValueError("continue_final_message: the template does not render the last message's content as given")
+        return text[: end + len(final)]
 
     def encode_chat(self, messages: list[dict], *, parse_special_content: bool = False, **variables) -> list[int]:
         """Token ids of the rendered chat. The template's own control tokens are always special; control-
@@ -144,6 +155,25 @@ def _template_environment() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Messages whose content is a list of OpenAI text parts ({"type": "text", "text": ...}) get that
+    text joined by newlines, as vLLM joins it; any other part is an error naming it."""
+    if not isinstance(messages, list):
+        return messages
+    normalized = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': ...}}, got {part!r} (only text is supported)")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        normalized.append(message)
+    return normalized
 
 
 def check_messages(messages) -> None:

@@ -2,7 +2,9 @@
 
 Owns the `Trace` dataclass, the reader and writer for the Azure LLM inference trace format (CSV with the
 columns `TIMESTAMP,ContextTokens,GeneratedTokens`; extra columns are ignored), and a seeded synthetic
-generator for users with no trace. Must not import jax; numpy and the stdlib only.
+generator for users with no trace, and the arrival-time replay (`replay`: an LLM admits each request at its
+trace time, scaled by a rate; `replay_report`: TTFT, TPOT, throughput and goodput under an SLO). Must not
+import jax; numpy and the stdlib only.
 Invariants: a `Trace` holds three read-only arrays of equal length; timestamps are float64 seconds since
 the first request; token counts are int64, the lengths column named at load time is positive, the other
 is non-negative. Every malformed file raises `TraceError` naming the file and, where there is one, the
@@ -231,3 +233,38 @@ def synthetic_trace(
     context_tokens = _lognormal_counts(rng, num_requests, input_log_mean, input_log_sd, max_length)
     generated_tokens = _lognormal_counts(rng, num_requests, output_log_mean, output_log_sd, max_length)
     return Trace(timestamps, context_tokens, generated_tokens)
+
+
+# ---------------------------------------------------------------- arrival-time replay
+
+DEFAULT_SLO_TTFT_S, DEFAULT_SLO_TPOT_S = 2.0, 0.2  # the SLO goodput counts against, unless given
+
+
+def replay(llm, prompts: list, sampling_params, arrival_s, *, rate: float = 1.0, slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+           slo_tpot_s: float = DEFAULT_SLO_TPOT_S, progress: bool | None = False) -> tuple[list, dict]:
+    """Run `prompts` on `llm` with each admitted at its arrival time (seconds since the first, e.g. a
+    Trace's timestamps) divided by `rate` (2.0 replays twice as fast), between engine steps. Returns
+    (the outputs in input order, replay_report of them)."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate!r}")
+    arrivals = np.asarray(arrival_s, np.float64) / rate
+    outputs = llm.generate(prompts, sampling_params, arrival_times=arrivals.tolist(), progress=progress)
+    return outputs, replay_report(outputs, arrivals, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+
+
+def replay_report(outputs: list, arrivals, *, slo_ttft_s: float = DEFAULT_SLO_TTFT_S, slo_tpot_s: float = DEFAULT_SLO_TPOT_S) -> dict:
+    """TTFT and TPOT percentiles, throughput and goodput (requests per second meeting both SLOs, as
+    DistServe counts it) of a replay; its duration runs from the first arrival to the last finish."""
+    arrivals = np.asarray(arrivals, np.float64)
+    ttft = np.array([o.time_to_first_token for o in outputs])
+    tpot = np.array([o.metrics.time_per_output_token_s for o in outputs])
+    duration = float(max(arrivals[o.index] + o.latency for o in outputs) - arrivals.min())
+    met = int(np.sum((ttft <= slo_ttft_s) & (tpot <= slo_tpot_s) & np.array([o.finish_reason in ("stop", "length") for o in outputs])))
+    tokens = sum(o.num_generated_tokens for o in outputs)
+    return {
+        "num_requests": len(outputs), "duration_s": round(duration, 4), "output_tokens_per_s": round(tokens / duration, 3),
+        "requests_per_s": round(len(outputs) / duration, 4), "goodput_requests_per_s": round(met / duration, 4), "slo_attainment": round(met / len(outputs), 4),
+        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
+        **{f"ttft_p{q}_s": round(float(np.percentile(ttft, q)), 4) for q in (50, 99)},
+        **{f"tpot_p{q}_s": round(float(np.percentile(tpot, q)), 5) for q in (50, 99)},
+    }

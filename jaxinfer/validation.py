@@ -49,21 +49,44 @@ def check_bool(field: str, value) -> bool:
     return bool(value)
 
 
-def check_stop_strings(value) -> tuple[str, ...]:
+def check_stop_strings(value, field: str = "stop") -> tuple[str, ...]:
     strings = (value,) if isinstance(value, str) else value
     if not isinstance(strings, (list, tuple)):
-        raise FieldError("stop", f"must be a string or a list of strings, got {value!r}")
+        raise FieldError(field, f"must be a string or a list of strings, got {value!r}")
     for s in strings:
         if not isinstance(s, str) or not s:
-            raise FieldError("stop", f"must hold non-empty strings, got {s!r}")
-        check_text("stop", s)
+            raise FieldError(field, f"must hold non-empty strings, got {s!r}")
+        check_text(field, s)
     return tuple(strings)
 
 
+def check_token_list(field: str, value, *, nonempty: bool = False) -> tuple[int, ...]:
+    """A list of token ids (non-negative ints; checked against the vocabulary with the request, check_token_ids)."""
+    if not isinstance(value, (list, tuple)) or (nonempty and not value):
+        raise FieldError(field, f"must be a {'non-empty ' if nonempty else ''}list of integers, got {value!r}")
+    return tuple(check_int(field, t, low=0) for t in value)
+
+
 def check_stop_token_ids(value) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise FieldError("stop_token_ids", f"must be a list of integers, got {value!r}")
-    return tuple(check_int("stop_token_ids", t, low=0) for t in value)
+    return check_token_list("stop_token_ids", value)
+
+
+def check_logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (JSON's string keys too) or (id, bias) pairs -> sorted pairs; biases in [-100, 100]
+    as OpenAI's. The ids are checked against the vocabulary with the request (check_token_ids)."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        pairs = list(value)
+    else:
+        raise FieldError("logit_bias", f"must map token ids to numbers, got {value!r}")
+    checked = {}
+    for token, bias in pairs:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        token = check_int("logit_bias", token, low=0)
+        checked[token] = check_number(f"logit_bias[{token}]", bias, low=-100.0, high=100.0)
+    return tuple(sorted(checked.items()))
 
 
 def check_text(field: str, text: str) -> str:
@@ -89,3 +112,36 @@ def unknown_field_error(field: str, known) -> FieldError:
     close = difflib.get_close_matches(field, list(known), n=1, cutoff=0.75)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
     return FieldError(field, f"is not a known field{hint}")
+
+
+# Request fields of vLLM's and OpenAI's APIs that jaxinfer does not implement: a line that sets one is that
+# line's error (never dropped silently). A name that becomes supported leaves this table in one edit; names
+# the caller supports (`unsupported_field_error`'s `supported`, e.g. SamplingParams' fields) never count.
+UNSUPPORTED_REQUEST_FIELDS = {
+    "best_of": "best-of-n sampling", "use_beam_search": "beam search",
+    "skip_special_tokens": "keeping special tokens in the text", "spaces_between_special_tokens": "detokenizer options",
+    "truncate_prompt_tokens": "per-request prompt truncation (use --truncate)", "guided_decoding_backend": "choosing the grammar backend",
+    "user": "end-user ids", "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling", "stream": "streaming responses", "stream_options": "streaming responses",
+    "echo": "echoing the prompt", "suffix": "insertion (suffix)", "audio": "audio output", "modalities": "output modalities",
+    "prediction": "predicted outputs", "reasoning_effort": "reasoning options", "service_tier": "service tiers", "store": "stored completions",
+    "metadata": "stored completions", "web_search_options": "web search", "lora_request": "LoRA adapters", "documents": "chat documents",
+}
+_NEUTRAL_VALUES = {"best_of": 1, "use_beam_search": False, "stream": False, "echo": False, "store": False, "skip_special_tokens": True}
+
+
+def unsupported_field_error(fields: dict, supported) -> FieldError | None:
+    """The error for the first field of `fields` that vLLM or OpenAI define but jaxinfer does not implement
+    (UNSUPPORTED_REQUEST_FIELDS), or None. A field in `supported`, null, or at its no-op value (n=1,
+    stream=false, ...) is not an error."""
+    for name, value in fields.items():
+        if name not in UNSUPPORTED_REQUEST_FIELDS or name in supported or value is None:
+            continue
+        neutral = _NEUTRAL_VALUES.get(name, _NO_VALUE)
+        if type(value) is type(neutral) and value == neutral:
+            continue
+        return FieldError(name, f"is not supported by jaxinfer ({UNSUPPORTED_REQUEST_FIELDS[name]}); remove it from the request")
+    return None
+
+
+_NO_VALUE = object()

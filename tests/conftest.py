@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# The suite is deterministic and fast: no runtime tuning (jaxinfer/tuning.py), so every "auto" keeps its fixed
+# rule (dtype float32, attention.resolve_impl's attention, panels with the CPU attention kernel) and tests
+# compare against float32 references. tests/test_tuning.py turns tuning on where it tests it.
+os.environ["JAXINFER_TUNE"] = "0"
+
 FIXTURES = Path(__file__).parent / "fixtures"
 PAD_BUCKETS = (64, 128, 640)  # padded_logits' widths: 3 compiles a model (the HF fixture prompts are 1 to 601 tokens)
 

@@ -10,7 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.api import LLM
-from jaxinfer.batch import BatchJob, ResumeError, check_paths, read_done, read_input
+import subprocess
+
+from jaxinfer import batch as batch_module
+from jaxinfer import batch_output
+from jaxinfer.batch import BatchJob, JobLines, LineRunner, ResumeError, check_paths, read_done, read_input
 from jaxinfer.request import SamplingParams
 from job_records import by_key, records
 
@@ -236,3 +240,73 @@ def test_fuzzed_job_killed_and_resumed_equals_an_uninterrupted_run(llm, tmp_path
     assert {k: comparable(r) for k, r in part.items()} == {k: comparable(r) for k, r in full.items()}
     for line in read_input(inp.read_bytes()):
         assert part[line.key]["id"] == line.request_id and part[line.key]["line"] == line.number
+
+
+# ------------------------------------------------------------------ streaming intake (issue 26)
+
+
+class CountingRunner(LineRunner):
+    """The real runner; it counts the lines it has prepared (tokenized) so far."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prepared = 0
+
+    def _prepare(self, llm, line, *, index):
+        prompt = super()._prepare(llm, line, index=index)
+        self.prepared += 1
+        return prompt
+
+
+class WatchedJob(BatchJob):
+    """The real job, noting at each record it writes how many lines were prepared but not yet written."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runner = CountingRunner(self.runner.defaults, self.runner.truncate, self.runner.max_inflight)
+        self.ahead, self.num_ok_written = [], 0
+
+    def _write(self, record: dict) -> None:
+        super()._write(record)
+        self.num_ok_written += record["status"] == "ok"
+        self.ahead.append(self.runner.prepared - self.num_ok_written)
+
+
+def test_lines_are_prepared_lazily_at_most_max_inflight_ahead_of_the_records(llm, tmp_path):
+    lines = [good(i) for i in range(40)]
+    lines[10:10] = [{"id": "bad", "prompt": "x", "temperature": -1}]  # an error record on the way counts for nothing
+    inp = write(tmp_path / "in.jsonl", lines)
+    job = WatchedJob(inp, tmp_path / "out.jsonl", DEFAULTS, max_inflight=3)
+    assert isinstance(job.todo, JobLines) and len(job.todo) == 41
+    summary = job.run(llm, progress=False)
+    assert summary.num_ok == 40 and summary.num_errors == 1 and len(records(tmp_path / "out.jsonl")) == 41
+    assert max(job.ahead) <= 3 and job.runner.prepared == 40, job.ahead
+
+
+def test_a_long_run_of_bad_lines_drains_in_bounded_batches_and_loses_none(llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(batch_module, "_MAX_PENDING_ERRORS", 3)  # error records held back before the stream drains
+    lines = [good(0)] + [{"id": f"bad{i}", "prompt": "x", "top_p": 0} for i in range(11)] + [good(i) for i in range(1, 6)]
+    inp = write(tmp_path / "in.jsonl", lines)
+    summary = run_job(llm, inp, tmp_path / "out.jsonl")
+    out = by_key(tmp_path / "out.jsonl")
+    assert summary.num_ok == 6 and summary.num_errors == 11 and len(out) == 17
+    assert all("top_p must be" in r["error"] for r in out.values() if r["status"] == "error")
+
+
+def test_the_resume_scan_reads_the_output_in_blocks_across_a_torn_tail(llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(batch_output, "_SCAN_BLOCK", 7)  # every record spans several blocks
+    inp = write(tmp_path / "in.jsonl", [good(i) for i in range(5)])
+    out = tmp_path / "out.jsonl"
+    run_job(llm, inp, out, kill_after=3, torn=b'{"id": "q9", "li')
+    assert len(read_done(out)) == 3 and out.read_bytes().endswith(b"}\n")
+    run_job(llm, inp, out, resume=True)
+    assert sorted(by_key(out)) == sorted(line.key for line in read_input(inp.read_bytes()))
+
+
+def test_an_input_read_from_a_pipe_is_spooled_so_the_job_reads_it_after_its_scan(llm, tmp_path):
+    inp = write(tmp_path / "in.jsonl", [good(i) for i in range(6)])
+    with open(inp, "rb") as source:
+        reader = subprocess.Popen(["cat"], stdin=source, stdout=subprocess.PIPE)
+        summary = run_job(llm, Path(f"/dev/fd/{reader.stdout.fileno()}"), tmp_path / "out.jsonl")
+    reader.wait()
+    assert summary.num_ok == 6 and len(records(tmp_path / "out.jsonl")) == 6

@@ -281,3 +281,34 @@ def test_a_second_job_on_one_output_is_refused_at_once_naming_the_first(full_run
         first.kill()
         first.wait()
     assert not out.exists() or out.read_bytes() == b""  # the refused jobs wrote nothing
+
+
+def test_max_inflight_and_format_flags_are_checked_before_loading(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    assert one_line_error(run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--max-inflight", "0"), "--max-inflight must be")
+    assert one_line_error(run_fast("--prompt", "hi", "--strict-fields"), "--strict-fields works with --input")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_an_openai_batch_file_runs_warning_of_unknown_fields_before_the_model_loads(tmp_path, compile_cache, tiny_chat_model):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4, "my_tag": "a"}
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(5)]
+    lines.append({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "Once", "max_tokens": 3}})
+    lines.append({"custom_id": "n2", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "Once", "n": 2}})
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = run_cli(inp, tmp_path / "out.jsonl", compile_cache, tiny_chat_model, "--max-inflight", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = result.stderr.index("'my_tag' (5 lines)")
+    assert warning < result.stderr.index("loading "), result.stderr[:2000]  # counted from the scan, before the model loads
+    out = {r["custom_id"]: r for r in records(tmp_path / "out.jsonl")}
+    assert len(out) == 7
+    for i in range(5):
+        assert ChatCompletion.model_validate(out[f"r{i}"]["response"]["body"]).usage.completion_tokens <= 4
+    assert Completion.model_validate(out["c"]["response"]["body"]).object == "text_completion"
+    assert out["n2"]["response"]["status_code"] == 400 and out["n2"]["error"]["param"] == "n"
+    assert re.search(r"requests ok / error / skipped +6 / 1 / 0\n", result.stderr), result.stderr[-1500:]

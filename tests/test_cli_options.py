@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from jaxinfer import cli
-from jaxinfer.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, EngineConfig
-from jaxinfer.options import INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
+from jaxinfer.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, MATMUL_IMPLS, EngineConfig
+from jaxinfer.options import DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
 from jaxinfer.request import TRUNCATE_SIDES, SamplingParams
 from jaxinfer.validation import FieldError
 
@@ -20,7 +20,7 @@ def generate_actions() -> dict:
 
 @pytest.mark.parametrize(
     "dest, choices",
-    [("dtype", DTYPES), ("quantization", QUANTIZATIONS), ("group_size", INT4_GROUP_SIZES), ("attention", ATTENTION_IMPLS),
+    [("dtype", DTYPE_CHOICES), ("quantization", QUANTIZATIONS), ("group_size", INT4_GROUP_SIZES), ("attention", ATTENTION_IMPLS), ("matmul", MATMUL_IMPLS),
      ("kv_cache_dtype", KV_CACHE_DTYPES), ("truncate", TRUNCATE_SIDES)],
 )
 def test_flag_choices_are_the_library_s_constants(dest, choices):
@@ -36,6 +36,7 @@ def test_flag_defaults_are_the_library_s_defaults():
     for flag, field in (("max_context", "max_context"), ("max_num_seqs", "max_num_seqs"), ("page_size", "page_size"), ("engine_seed", "seed")):
         assert actions[flag].default == getattr(engine, field), flag
     assert actions["truncate"].default == "none" and actions["attention"].default == engine.attention_impl
+    assert actions["matmul"].default == engine.matmul_impl == "auto"
 
 
 def test_load_options_refuse_bad_values_naming_the_field():
@@ -51,4 +52,21 @@ def test_llm_takes_options_or_their_fields_not_both():
 
     with pytest.raises(FieldError, match="pass one or the other"):
         LLM(options=LoadOptions(), dtype="bfloat16")
-    assert dataclasses.asdict(LoadOptions())["dtype"] == "float32"
+    assert dataclasses.asdict(LoadOptions())["dtype"] == "auto"
+
+
+def test_dtype_auto_is_the_default_and_loads_float32():
+    """vLLM's dtype="auto": the tuner picks; the model loads in float32 (the tuner's reference) and a dtype
+    given is passed through unchanged, pinned."""
+    assert LoadOptions().dtype == "auto" and DTYPE_CHOICES == ("auto", *DTYPES)
+    assert LoadOptions().load_kwargs["dtype"] == "float32"
+    assert LoadOptions(dtype="bfloat16").load_kwargs["dtype"] == "bfloat16"
+    with pytest.raises(FieldError, match="auto"):
+        LoadOptions(dtype="f32")
+
+
+def test_tune_takes_the_generate_engine_flags():
+    parser = cli._build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    tune = {a.dest for a in subparsers.choices["tune"]._actions}
+    assert {"model", "dtype", "attention", "matmul", "max_context", "max_num_seqs", "page_size", "kv_cache_dtype"} <= tune

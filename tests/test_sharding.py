@@ -427,7 +427,7 @@ def _worker(model: str, tps: list[int], extra: dict) -> dict:
         pool_spec = str(sharding.spec_of(sharding.POOL_AXES["k"], rules))
         shardings = {}
         for key, compiled in engine._programs.items():
-            pool_in, pool_out = compiled.input_shardings[0][1], compiled.output_shardings[-1]
+            pool_in, pool_out = compiled.input_shardings[0][1], compiled.output_shardings[-2]
             spec = lambda s: str(s.spec) if hasattr(s, "spec") else "P(None, None, None, None, None)"  # noqa: E731
             shardings[str(key)] = (spec(pool_in.k), spec(pool_out.k))
         entry = dict(
@@ -443,7 +443,7 @@ def _worker(model: str, tps: list[int], extra: dict) -> dict:
             expected_scale = str(sharding.spec_of(sharding.POOL_AXES["k_scale"], rules))
             entry["expected_scale_spec"] = expected_scale
             entry["scale_specs_ok"] = all(
-                str(c.input_shardings[0][1].k_scale.spec) == str(c.output_shardings[-1].v_scale.spec) == expected_scale for c in engine._programs.values()
+                str(c.input_shardings[0][1].k_scale.spec) == str(c.output_shardings[-2].v_scale.spec) == expected_scale for c in engine._programs.values()
             )
         report[str(tp)] = entry
         del engine

@@ -1,0 +1,36 @@
+"""The one owner of the matmul path's rule: whether an engine's layer matmuls run through XLA's dot on the
+loaded params ('xla') or through the CPU layer-matmul kernel on panels packed at start ('cpu', panels.py).
+
+`EngineConfig.matmul_impl` asks; `resolve_matmul_impl` answers for the engine (engine.py), given the
+attention it resolved. The tuner (tuning.py) measures both paths and pins one; left at 'auto' and not tuned,
+the rule before tuning holds: panels exactly when the attention is the CPU kernel. Imports jax only to ask
+the backend, and the CPU kernel only when 'cpu' is asked for.
+"""
+
+import jax
+
+from jaxinfer.attention import CPU_IMPL
+
+
+def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on_mesh: bool) -> str:
+    """'xla' or 'cpu' for an EngineConfig.matmul_impl, given the resolved attention impl. 'auto' is 'cpu'
+    exactly when the attention is the CPU kernel (whose own check asks that the layer-matmul kernel builds).
+    An explicit 'cpu' that cannot run raises ValueError, naming why, before anything is packed."""
+    if matmul_impl == "auto":
+        return "cpu" if attention_impl == CPU_IMPL else "xla"
+    if matmul_impl == "cpu" and (obstacle := _cpu_matmul_obstacle(dtype, on_mesh)):
+        raise ValueError(f"matmul_impl='cpu': the layer-matmul kernel {obstacle}; use matmul_impl='auto' or 'xla'")
+    return matmul_impl
+
+
+def _cpu_matmul_obstacle(dtype: str, on_mesh: bool) -> str | None:
+    """Why the CPU layer-matmul kernel cannot serve this engine, or None if it can."""
+    if jax.default_backend() != "cpu":
+        return f"runs on the CPU backend only, not {jax.default_backend()!r}"
+    if dtype != "float32":
+        return f"needs a float32 model, got {dtype}"
+    if on_mesh:
+        return "runs on one device, not on a mesh"
+    from kernels_cpu import layer_matmul  # noqa: PLC0415  (built on first use)
+
+    return None if layer_matmul.available() else "could not be built (no C++ compiler?)"

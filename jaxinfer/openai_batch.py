@@ -1,0 +1,167 @@
+"""The OpenAI Batch file format, in and out, as `vllm run-batch` reads and writes it. Host only, no jax.
+
+Input, one request a line:
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [...], "max_tokens": 16}}
+    {"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "Once upon", "temperature": 0}}
+
+Output, one line per input line (in the order they finish):
+
+    {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_...", "body": <chat.completion>}, "error": null, ...}
+
+where the body is an OpenAI `chat.completion` or `text_completion` object. A line that cannot run gets the
+status code an OpenAI server would answer (400 a bad body, 404 an unknown url, 405 a method other than
+POST, 408 a deadline passed before it started, 500 a failed step); its body is OpenAI's error object
+`{"error": {"message", "type", "param", "code"}}` and its `error` the same as a batch error
+`{"code", "message", "line", "param"}`. Every line also carries two jaxinfer fields: `key`, the resume key
+(`custom_id:<the custom_id as JSON>`, as batch.py's keys), and `metrics`, the request's timings.
+
+This module only translates: batch.py reads the lines (bytes, JSON, keys, field checks) and runs and writes
+them, for both formats. `parse_request` turns a parsed line into jaxinfer's request fields;
+`result_record` and `error_record` build the output lines. The body of a result is built in one place,
+`response_body`, from the RequestOutput.
+"""
+
+import hashlib
+import itertools
+import time
+
+FORMAT = "openai"
+INPUT_FORMATS = ("auto", "jaxinfer", FORMAT)  # a batch job's input formats (auto: detected from the first non-empty line)
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+_MODEL_DEFAULT = "jaxinfer"  # the body's `model` when a request names none
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 500: "server_error"}
+
+
+class RequestError(ValueError):
+    """A request line that cannot run, with the HTTP status an OpenAI server would answer and the parameter at fault."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.param, self.code = status_code, param, code
+
+
+def looks_like(obj) -> bool:
+    """Whether a parsed first line is an OpenAI batch request (the format detection)."""
+    return isinstance(obj, dict) and "custom_id" in obj and ("body" in obj or "url" in obj)
+
+
+def valid_custom_id(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def parse_request(obj) -> tuple[dict, dict]:
+    """(jaxinfer's request fields, the endpoint {"url", "model"}) of a parsed line; RequestError otherwise.
+
+    The fields are `messages` (chat) or `prompt` (completions) and every other body field as given, for
+    batch.py to check (supported, unsupported, misspelt or unknown) exactly as it checks its own lines."""
+    if not isinstance(obj, dict):
+        raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
+    if not valid_custom_id(obj.get("custom_id")):
+        raise RequestError("missing or invalid 'custom_id' (a non-empty string is required)", param="custom_id")
+    extra = sorted(set(obj) - _ENVELOPE_FIELDS)
+    if extra:
+        raise RequestError(f"unknown request field {extra[0]!r} (a line holds custom_id, method, url and body)", param=extra[0])
+    if obj.get("method", "POST") != "POST":
+        raise RequestError(f"method {obj.get('method')!r} is not allowed; batch requests are POST", status_code=405, param="method")
+    url = obj.get("url")
+    if url not in ENDPOINTS:
+        raise RequestError(f"url {url!r} is not supported; use one of {', '.join(ENDPOINTS)}", status_code=404, param="url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError("'body' must be a JSON object (the request's parameters)", param="body")
+    model = body.get("model", _MODEL_DEFAULT)
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string, got {model!r}", param="model")
+    fields = {name: value for name, value in body.items() if name != "model"}
+    if ENDPOINTS[url] == "chat":
+        if "prompt" in fields or "messages" not in fields:
+            raise RequestError(f"{url} needs 'messages' (and no 'prompt')", param="messages")
+    else:
+        if "messages" in fields or "prompt" not in fields:
+            raise RequestError(f"{url} needs 'prompt' (and no 'messages')", param="prompt")
+        prompt = fields["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            fields["prompt"] = prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            raise RequestError("a list of several prompts in one request is not supported; give one prompt per line", param="prompt")
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
+            raise RequestError("'prompt' must be a non-empty string or list of token ids", param="prompt")
+    return fields, {"url": url, "model": model}
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def response_body(key: str, endpoint: dict, output, token_text=None) -> dict:
+    """The OpenAI `chat.completion` or `text_completion` object of a finished RequestOutput: one choice
+    per sample (n), each with its logprobs in the endpoint's shape when they were asked for.
+    `token_text` (token id -> text) names the tokens there."""
+    samples = output.samples or [output]
+    completion = sum(sample.num_generated_tokens for sample in samples)
+    usage = {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion, "total_tokens": output.num_prompt_tokens + completion}
+    chat = ENDPOINTS[endpoint["url"]] == "chat"
+    choices = [_choice(sample, chat, token_text or str) for sample in samples]
+    kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
+    return {"id": prefix + _digest(key), "object": kind, "created": int(time.time()), "model": endpoint["model"], "choices": choices, "usage": usage}
+
+
+def _choice(sample, chat: bool, token_text) -> dict:
+    choice = {"index": sample.sample_index, "finish_reason": sample.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": sample.text}
+    else:
+        choice["text"] = sample.text
+    if sample.logprobs is not None:
+        choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(sample.token_ids, sample.logprobs, token_text)
+    return choice
+
+
+def _chat_logprobs(token_ids: list[int], entries: list, token_text) -> dict:
+    """A chat choice's logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(u, v) for u, v in top.items()]} for t, (lp, top) in zip(token_ids, entries)]}
+
+
+def _completion_logprobs(token_ids: list[int], entries: list, token_text) -> dict:
+    """A completion choice's logprobs: parallel lists tokens, token_logprobs, top_logprobs, text_offset."""
+    texts = [token_text(t) for t in token_ids]
+    offsets = [0, *itertools.accumulate(len(t) for t in texts)][: len(texts)]
+    tops = [{token_text(u): v for u, v in top.items()} for _, top in entries]
+    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
+
+
+def result_record(key: str, custom_id: str, endpoint: dict, output, token_text=None) -> dict:
+    """The output line of a request that ran."""
+    digest = _digest(key)
+    metrics = output.metrics.as_record() | {"time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4)}
+    return {
+        "id": f"batch_req_{digest}", "custom_id": custom_id, "response": {"status_code": 200, "request_id": f"req_{digest}", "body": response_body(key, endpoint, output, token_text)},
+        "error": None, "key": key, "metrics": metrics,
+    }
+
+
+def error_record(key: str, custom_id: str | None, number: int, reason: str, status_code: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    """The output line of a request that could not run: OpenAI's error object in the response body, and as the batch error."""
+    digest, kind = _digest(key), _ERROR_TYPES.get(status_code, "invalid_request_error")
+    message = f"line {number}: {reason}"
+    return {
+        "id": f"batch_req_{digest}", "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": f"req_{digest}", "body": {"error": {"message": message, "type": kind, "param": param, "code": code}}},
+        "error": {"code": code or kind, "message": message, "line": number, "param": param}, "key": key,
+    }
+
+
+def summary_fields(record: dict) -> dict | None:
+    """What a job's summary counts of an output line, in the names of jaxinfer's records; None for an error."""
+    response = record.get("response") or {}
+    if response.get("status_code") != 200:
+        return None
+    usage, metrics = response["body"]["usage"], record["metrics"]
+    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage["completion_tokens"], "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}

@@ -1,0 +1,179 @@
+"""The runtime tuner (jaxinfer/tuning.py): its cache key, its cache, its pins and its numerics check.
+
+Every measurement here is real: small engines of the random tiny Llama (real SmolLM2 vocabulary) run the probe
+generation through the real scheduler and engine, and the check compares against model.forward in float32.
+The suite runs with JAXINFER_TUNE=0 (conftest.py); these tests turn tuning on explicitly (`enabled=True`, or
+the environment variable for LLM and the CLI) and keep the cache in a temporary directory.
+"""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import loading, tuning
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.matmul_impl import resolve_matmul_impl
+
+SMALL_ENGINE = dict(max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64)
+F32_XLA = tuning.Candidate("float32", "reference", "xla")
+BF16_XLA = tuning.Candidate("bfloat16", "reference", "xla")
+FINGERPRINT = {"backend": "cpu", "cpu": "Some CPU", "flags": "avx2 fma", "num_cpus": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_chat_model):
+    """(ModelConfig, Params) of the tiny chat model, f32."""
+    return loading.load_model(tiny_chat_model)
+
+
+@pytest.fixture
+def engine_cfg(compile_cache):
+    return EngineConfig(compilation_cache_dir=compile_cache, **SMALL_ENGINE)
+
+
+class CountingCandidate(tuning.Candidate):
+    """A candidate that counts how often the tuner prepares (and so times) it."""
+
+    prepared: list
+
+    def __init__(self, *fields, prepared: list):
+        super().__init__(*fields)
+        object.__setattr__(self, "prepared", prepared)
+
+    def prepare(self, cfg, params):
+        self.prepared.append(self.name)
+        return super().prepare(cfg, params)
+
+
+class WrongCandidate(tuning.Candidate):
+    """A deliberately wrong implementation: the (tied) embedding scaled by 1.5 (the lookup and the head)."""
+
+    def prepare(self, cfg, params):
+        cfg, params = super().prepare(cfg, params)
+        return cfg, dataclasses.replace(params, embed=params.embed * 1.5)
+
+
+def test_cache_key_changes_with_fingerprint_geometry_limits_and_pins():
+    cfg, engine = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, ffn_dim=64, num_heads=4, num_kv_heads=2, head_dim=8), EngineConfig(**SMALL_ENGINE)
+    base = tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins())
+    assert base == tuning.cache_key(dict(FINGERPRINT), cfg, EngineConfig(**SMALL_ENGINE), tuning.Pins())  # stable
+    changed = {
+        "cpu model": tuning.cache_key({**FINGERPRINT, "cpu": "Other CPU"}, cfg, engine, tuning.Pins()),
+        "cpu flags": tuning.cache_key({**FINGERPRINT, "flags": "avx2 avx512f fma"}, cfg, engine, tuning.Pins()),
+        "geometry": tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, num_layers=3), engine, tuning.Pins()),
+        "limits": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 8}), tuning.Pins()),
+        "pins": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(dtype="float32")),
+        "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(), "int8"),
+    }
+    assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
+    # the dtype is a choice, not geometry: a bf16-loaded model shares the key of its f32 load
+    assert tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, dtype="bfloat16"), engine, tuning.Pins()) == base
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(tuning.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning.cache_dir() == tmp_path / "xdg" / "jaxinfer"
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "mine"))
+    assert tuning.cache_dir() == tmp_path / "mine"
+
+
+def test_tuning_off_keeps_the_fixed_rule(tiny, engine_cfg, tmp_path):
+    assert not tuning.tuning_enabled()  # conftest.py sets JAXINFER_TUNE=0 for the whole suite
+    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(), directory=tmp_path)
+    assert result.choice == tuning.Choice("float32", "auto", "auto", "fixed") and result.measurements == []
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_cached_choice_is_reused_without_timing(tiny, engine_cfg, tmp_path):
+    prepared = []
+    candidates = [CountingCandidate("float32", "reference", "xla", prepared=prepared)]
+    first = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
+    assert prepared == ["float32/reference/xla"] and not first.from_cache and first.choice.source == "tuned"
+    assert first.path.is_file() and json.loads(first.path.read_text())["choice"]["dtype"] == "float32"
+    second = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
+    assert prepared == ["float32/reference/xla"], "a cached choice was timed again"
+    assert second.from_cache and second.choice == dataclasses.replace(first.choice, source="cached")
+    assert [m.candidate for m in second.measurements] == ["float32/reference/xla"]  # the table travels with it
+    other_limits = EngineConfig.with_overrides(engine_cfg, max_num_seqs=2)  # another key: measured again
+    tuning.choose(*tiny, other_limits, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
+    assert len(prepared) == 2
+
+
+def test_pinned_float32_is_never_changed_to_bfloat16(tiny, engine_cfg, tmp_path):
+    assert {c.dtype for c in tuning.default_candidates(tuning.Pins(dtype="float32"), "cpu")} == {"float32"}
+    assert {c.dtype for c in tuning.default_candidates(tuning.Pins(), "cpu")} == {"float32", "bfloat16"}
+    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(dtype="float32"), enabled=True, directory=tmp_path, candidates=[BF16_XLA, F32_XLA])
+    assert result.choice.dtype == "float32"
+    assert [m.candidate for m in result.measurements] == [F32_XLA.name]  # the bf16 candidate is not even timed
+
+
+def test_a_candidate_failing_the_numerics_check_is_never_chosen(tiny, engine_cfg, tmp_path, cpu_kernels):
+    wrong = WrongCandidate("float32", "cpu", "cpu")  # the CPU kernels: the faster path on the tiny model
+    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=[wrong, F32_XLA])
+    by_name = {m.candidate: m for m in result.measurements}
+    assert not by_name[wrong.name].passed and by_name[wrong.name].relative_error > 0.1  # far outside f32's 1e-3
+    assert by_name[F32_XLA.name].passed and by_name[F32_XLA.name].relative_error < 1e-4
+    assert result.choice.attention_impl == "reference" and result.choice.matmul_impl == "xla"
+    with pytest.raises(RuntimeError, match="no candidate passed"):
+        tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path / "other", candidates=[wrong])
+
+
+def test_cpu_attention_runs_with_xla_dots(tiny, engine_cfg, cpu_kernels):
+    """matmul_impl is its own choice: attention 'cpu' over unpacked params, checked against the f32 reference."""
+    from jaxinfer.engine import Engine
+
+    engine = Engine(*tiny, EngineConfig.with_overrides(engine_cfg, attention_impl="cpu", matmul_impl="xla"))
+    assert engine.impl == "cpu" and engine.matmul_impl == "xla" and engine.step_params is engine.params
+    probe = tuning.make_probe(engine_cfg, list(range(1, 200)))
+    measurement = tuning.measure(tuning.Candidate("float32", "cpu", "xla"), *tiny, probe, tuning.reference_run(*tiny, probe.prompts))
+    assert measurement.passed and measurement.relative_error < 1e-4 and measurement.greedy_agreement == 1.0
+
+
+def test_explicit_cpu_matmul_that_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="matmul_impl='cpu'.*float32"):
+        resolve_matmul_impl("cpu", "reference", dtype="bfloat16", on_mesh=False)
+    assert resolve_matmul_impl("auto", "cpu", dtype="float32", on_mesh=False) == "cpu"
+    assert resolve_matmul_impl("auto", "reference", dtype="float32", on_mesh=False) == "xla"
+
+
+def test_llm_applies_a_cached_bfloat16_choice_for_auto_dtype(tiny_chat_model, tiny, compile_cache, tmp_path, monkeypatch):
+    from jaxinfer.api import LLM
+
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+    engine_cfg = EngineConfig(compilation_cache_dir=compile_cache, **SMALL_ENGINE)
+    seeded = tuning.choose(*tiny, engine_cfg, tuning.Pins(), candidates=[BF16_XLA])  # LLM's key: auto pins, no quantization
+    assert seeded.choice.dtype == "bfloat16" and seeded.path.parent.parent == tmp_path
+    llm = LLM(tiny_chat_model, engine_config=engine_cfg, warmup=False)
+    assert llm.choices == tuning.Choice("bfloat16", "reference", "xla", "cached")
+    assert llm.model_config.dtype == "bfloat16" and llm.engine.params.layers.wq.dtype == jnp.bfloat16
+
+
+def test_tune_command_prints_the_table_and_writes_the_cache(tiny_chat_model, compile_cache, tmp_path, monkeypatch, capsys):
+    from jaxinfer import cli
+
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+    argv = ["tune", "--model", str(tiny_chat_model), "--dtype", "float32", "--attention", "reference", "--max-context", "128",
+            "--page-size", "16", "--max-num-seqs", "4", "--compile-cache", compile_cache]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "candidate" in out and "prefill ms" in out and "decode ms" in out and "check" in out
+    rows = [line for line in out.splitlines() if line.startswith("float32/reference/")]
+    assert len(rows) == 2 and sum("<- chosen" in row for row in rows) == 1, out  # matmul xla and cpu, one chosen
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("limits", [SMALL_ENGINE, {}, dict(max_num_seqs=16, page_size=16)])
+def test_probe_prefills_every_prompt_in_one_step_of_a_table_key(limits):
+    """The probe times one prefill program (all its prompts in one packed row) and then decode steps of all rows."""
+    from jaxinfer.runloop import dry_run
+
+    engine_cfg = EngineConfig(**limits)
+    probe = tuning.make_probe(engine_cfg, list(range(1, 300)))
+    plans, _ = dry_run(probe.engine_cfg, probe.prompts, [tuning.NUM_GENERATED] * len(probe.prompts))
+    assert plans[0].bucket.phase == "prefill" and len(plans[0].request_ids) == len(probe.prompts) > 1
+    assert all(plan.bucket.phase == "decode" and len(plan.request_ids) == len(probe.prompts) for plan in plans[1:])
+    assert plans[0].bucket.num_tokens in engine_cfg.prefill_chunk_buckets and plans[1].bucket.num_rows in engine_cfg.decode_batch_buckets
