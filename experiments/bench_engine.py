@@ -1,15 +1,9 @@
 """Does jaxinfer's paged engine beat HF generate, llama.cpp and a naive static batcher on a real trace?
 
-Issue 4's benchmark (README "Engine on a real trace"). The workload is the harness's (build_workload:
---num-requests requests of the Azure conversation trace, lengths / --scale, real-text prompts, each asking
-for exactly its generated length), written once as JSON that every runner reads. Runners, one after the
-other: jaxinfer (harness.run_engine, with the knobs of engine_config_for), jaxinfer_defaults (EngineConfig's
-default bucket tables), naive (model.forward over a dense cache in static batches padded to the workload's
-longest prompt and generation), hf (peers/hf_generate.py) and llamacpp (peers/llamacpp_generate.py, one
-stream and batched) on the same GGUF. Each times the workload --repeats times and reports its best run.
-Correctness first: a few requests must equal the dense reference; every runner's agreement with jaxinfer's
-greedy tokens is reported, not enforced (quantized and reordered arithmetic diverges late). Writes
-experiments/results/bench_engine.json; the last stdout line is one JSON document.
+Issue 4's benchmark; the workload, the runners and the committed run are in the README ("Engine on a real
+trace"). The harness's workload is written once as JSON that every runner reads; each runner times it
+--repeats times and reports its best run. Correctness first: a few requests must equal the dense
+reference; every runner's agreement with jaxinfer's greedy tokens is reported, not enforced.
 
     .venv/bin/python experiments/bench_engine.py [--num-requests 64] [--scale 8] [--peers jaxinfer,naive,hf,llamacpp] [--quick]
 """
@@ -20,6 +14,7 @@ import json
 import pathlib
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +23,6 @@ from harness import REPO_ROOT, agreement, load_average
 from jaxinfer import kv_pool
 from jaxinfer.api import LLM
 from jaxinfer.config import ATTENTION_IMPLS, EngineConfig
-from jaxinfer.tokenizer import load_tokenizer
 
 RESULTS = harness.RESULTS_DIR / "bench_engine.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_engine"  # the workload and peers' token files (not committed)
@@ -36,9 +30,6 @@ ALL_RUNNERS = ("jaxinfer", "naive", "jaxinfer_defaults", "hf", "llamacpp")
 NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many positions (bounds score memory)
 GOALS = {"vs_hf": 2.0, "vs_llamacpp_best": 2.0, "vs_naive": 3.0, "kv_utilization": 0.9, "kv_utilization_mean_decode": 0.9}  # at least
 MAX_GOALS = {"padding_waste": 0.10}  # at most (issue 15: token-slot padding)
-
-
-# ------------------------------------------------------------------------------------------ naive baseline
 
 
 def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[dict, list[list[int]]]:
@@ -104,19 +95,6 @@ def _naive_batch(prefill, decode, params, cache, batch, batch_size, padded_promp
         generated.append(next_token)
     stacked = np.stack([np.asarray(g) for g in generated], axis=1)  # [B, max_new]
     return [stacked[row].tolist() for row in range(len(batch))], cache
-
-
-# ------------------------------------------------------------------------------------------ peers
-
-
-def run_peer(script: str, workload_file: pathlib.Path, extra: list[str]) -> tuple[dict, list[list[int]]]:
-    """A peer script on the workload in .venv-ref; returns (its last-line JSON, its tokens per request)."""
-    tokens_file = WORK_DIR / f"{pathlib.Path(script).stem}_tokens.json"
-    raw = harness.run_peer(script, "--workload", str(workload_file), "--out", str(tokens_file), *extra)
-    return raw, json.loads(tokens_file.read_text())
-
-
-# ------------------------------------------------------------------------------------------ report
 
 
 def print_table(results: dict, base: float | None) -> None:
@@ -193,13 +171,9 @@ def parse_args():
 
 
 def engine_config_for(args, tuned: bool = True) -> EngineConfig:
-    """The harness's workload engine config (pages for max_num_seqs sequences of its max context, a cold
-    compile) with this run's knobs.
-
-    Tuned: prefill_seq_buckets=(1,), so prefill is packed: up to max_prefill_seqs sequences' chunks back to
-    back in one row of up to 512 tokens, padded only at its end (--no-prefill-packing: one sequence per
-    row, as before). Several unpacked rows (--prefill-seqs 1,4) cost about as many one-row steps on this
-    2-core CPU (prefill is compute-bound), and pad every row to the longest chunk."""
+    """The harness's workload engine config with this run's knobs. Tuned: prefill_seq_buckets=(1,), so
+    prefill packs several sequences' chunks back to back in one row (several unpacked rows cost about as
+    many one-row steps on a 2-core CPU, where prefill is compute-bound, and pad every row)."""
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
     if args.no_prefill_packing:
         knobs["prefill_packing"] = False
@@ -209,18 +183,12 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
         knobs["attention_impl"] = args.attention
     if args.chunk_buckets and tuned:
         knobs["prefill_chunk_buckets"] = tuple(int(c) for c in args.chunk_buckets.split(","))
-    return harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size or _default_page_size(), **knobs)
-
-
-def _default_page_size() -> int:
-    import jax
-
-    return 16 if jax.default_backend() == "cpu" else 64
+    page_size = args.page_size or (16 if jax.default_backend() == "cpu" else 64)  # the Pallas kernel's smallest page is 64
+    return harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=page_size, **knobs)
 
 
 def _record(results: dict, name: str, entry: dict, tokens=None, jax_tokens=None) -> None:
-    """results[name] = entry, with the 1/5/15-minute load averages after it ran (this machine is shared: a
-    load well above the core count means the timings are inflated) and its agreement with jaxinfer's tokens."""
+    """results[name] = entry, with the load averages after it ran and its agreement with jaxinfer's tokens."""
     results[name] = entry | {"load_average_after": load_average()}
     if tokens is not None and jax_tokens is not None:
         results[name]["agreement_with_jaxinfer"] = agreement(jax_tokens, tokens)
@@ -254,11 +222,11 @@ def run_peers(args, workload_file: pathlib.Path, jax_tokens: list[list[int]] | N
     if "llamacpp" in args.runners:
         peers.append(("llamacpp", "llamacpp_generate.py", ["--parallel", str(args.llamacpp_parallel)]))
     for name, script, extra in peers:
-        try:
-            raw, tokens = run_peer(script, workload_file, [*extra, "--repeats", str(args.repeats)])
-        except (RuntimeError, json.JSONDecodeError, FileNotFoundError) as error:
-            results[name] = {"error": str(error)}
-            print(f"{name}: failed: {str(error)[-500:]}", flush=True)
+        tokens_file = WORK_DIR / f"{pathlib.Path(script).stem}_tokens.json"
+        raw, tokens = harness.run_generate_peer(script, workload_file, tokens_file, *extra, "--repeats", str(args.repeats))
+        if "error" in raw:
+            results[name] = raw
+            print(f"{name}: failed: {raw['error'][-500:]}", flush=True)
             continue
         for mode, entry in (raw.pop("modes") if "modes" in raw else {None: raw}).items():
             _record(results, name if mode is None else f"{name}_{mode}", {**entry, "load_s": raw["load_s"], **({"peer": raw} if mode else {})},
@@ -270,7 +238,7 @@ def main() -> None:
     args = parse_args()
     total_start = time.perf_counter()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
-    workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, load_tokenizer(None), max_context=harness.WORKLOAD_MAX_CONTEXT)
+    workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, max_context=harness.WORKLOAD_MAX_CONTEXT)
     workload_file = WORK_DIR / "workload.json"
     workload_file.write_text(json.dumps(workload))
     summary = harness.workload_summary(workload["requests"])

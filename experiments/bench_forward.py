@@ -1,16 +1,11 @@
 """How fast is jaxinfer's forward on this machine, as a fraction of its measured matmul peak, and vs HF?
 
-Issue 2's benchmark (README "Forward pass"), on SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to f32) or,
-with --geometry, on random weights of a real shape written as a HF folder that jaxinfer and HF both load
-(such a run needs about 3x the f32 weight bytes of memory: 1B ~15 GB, 0.5B ~6 GB). Correctness first:
-last-position logits vs the committed HF fixtures (SmolLM2) and vs HF's on the benchmark's own prefill
-ids, within MAX_RELATIVE_ERROR. Then, in one run: the machine's f32 matmul and read-bandwidth peaks;
-prefill of --prefill-tokens and one-token decode at each batch size over --context keys, through the
-engine's paged pool (pages of PAGE_SIZE) with the attention the Engine resolves for --attention (pool
-donated); each program's compile time; HF transformers on the same ids (peers/hf_forward.py); and the
-parts of a decode step, each jitted alone (decode_breakdown). The FLOP and byte counts are stated in the
-output (flops_formula, bytes_formula). Writes experiments/results/bench_forward[_<geometry>].json; the
-last stdout line is one JSON document.
+Issue 2's benchmark; what it reports, and the committed runs, are in the README ("Forward pass"). On
+SmolLM2-135M-Instruct or, with --geometry, random weights of a real shape written as a HF folder (about
+3x the f32 weight bytes of memory). Correctness first: last-position logits vs the HF fixtures (SmolLM2)
+and vs HF's on the prefill ids, within MAX_RELATIVE_ERROR. Prefill and decode run through the engine's
+paged pool with the attention the Engine resolves for --attention; the FLOP and byte counts are stated
+in the output (flops_formula, bytes_formula).
 
     .venv/bin/python experiments/bench_forward.py [--batch-sizes 1,8,32] [--context 512] [--no-hf] [--geometry NAME]
         [--attention auto|reference|cpu]
@@ -39,16 +34,10 @@ FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking ke
 PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default)
 
 
-# ------------------------------------------------------------------------------------------ cost model
-
-
 def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
     """Least bytes a decode step reads: every f32 weight once (embedding as LM head) and the K/V."""
     weights = 4 * (matmul_params(cfg) + cfg.vocab_size * cfg.embed_dim)
     return weights + batch * context * cfg.kv_bytes_per_token(4)
-
-
-# ------------------------------------------------------------------------------------------ programs
 
 
 def check_fixtures(params, cfg: ModelConfig) -> dict:
@@ -64,9 +53,6 @@ def check_fixtures(params, cfg: ModelConfig) -> dict:
     errors = [relative_error(logits[i], expected[i]) for i in range(count)]
     argmax_equal = [int(np.argmax(logits[i]) == np.argmax(expected[i])) for i in range(count)]
     return {"num_prompts": count, "max_relative_error": max(errors), "relative_errors": errors, "argmax_equal": sum(argmax_equal)}
-
-
-# ------------------------------------------------------------------------------------------ timing
 
 
 def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: str) -> dict:
@@ -130,18 +116,6 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     return {"batch": batch, "context": context, "page_size": PAGE_SIZE, "attention_impl": impl, **{f"{k}_ms": v * 1e3 for k, v in seconds.items()}}
 
 
-def run_hf_peer(ids: list[int], batch_sizes: list[int], steps: int, workdir: pathlib.Path, folder: pathlib.Path | None = None) -> tuple[dict, np.ndarray]:
-    """Run experiments/peers/hf_forward.py in .venv-ref (on the HF `folder` if given); returns (its JSON,
-    its last-position logits)."""
-    ids_file, logits_file = workdir / "ids.json", workdir / "hf_logits.npy"
-    ids_file.write_text(json.dumps(ids))
-    argv = ["--ids", str(ids_file), "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(steps), "--logits-out", str(logits_file)]
-    return harness.run_peer("hf_forward.py", *argv, *(["--folder", str(folder)] if folder else [])), np.load(logits_file)
-
-
-# ------------------------------------------------------------------------------------------ report
-
-
 def print_table(result: dict) -> None:
     peaks, hf, impl = result["machine"]["peaks"], result.get("hf") or {}, result["attention_impl"]
     peak, bandwidth = peaks["matmul"]["best_flops_per_s"], peaks["bandwidth"]["best_bytes_per_s"]
@@ -194,9 +168,15 @@ def write_random_folder(config: dict, folder: pathlib.Path) -> None:
 
 
 def hf_comparison(ids: list[int], ours_logits: np.ndarray, args, folder: pathlib.Path | None = None) -> dict:
-    """HF's timings on the same ids and batch sizes, and how far our prefill logits are from its."""
+    """peers/hf_forward.py (on the HF `folder` if given): HF's timings on the same ids and batch sizes, and
+    how far our prefill logits are from its."""
     with tempfile.TemporaryDirectory() as workdir:
-        hf_raw, hf_logits = run_hf_peer(ids, args.batch_sizes, args.repeats, pathlib.Path(workdir), folder)
+        ids_file, logits_file = pathlib.Path(workdir) / "ids.json", pathlib.Path(workdir) / "hf_logits.npy"
+        ids_file.write_text(json.dumps(ids))
+        folder_args = ["--folder", str(folder)] if folder else []
+        hf_raw = harness.run_peer("hf_forward.py", "--ids", str(ids_file), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+                                  "--steps", str(args.repeats), "--logits-out", str(logits_file), *folder_args)
+        hf_logits = np.load(logits_file)
     return {
         "peer": hf_raw, "prefill_median_s": statistics.median(hf_raw["prefill_s"]),
         "decode_median_step_s": {b: d["median_step_s"] for b, d in hf_raw["decode"].items()},

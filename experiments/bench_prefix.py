@@ -1,18 +1,11 @@
 """Does prefix caching pay on shared prompts, cost nothing without sharing, and what does deterministic mode cost?
 
-Issue 10's benchmark. Three workloads from the Azure conversation trace (lengths / --scale, real English
-prompts from experiments/data/passages.txt, greedy, EOS ignored, exact output lengths):
-  (a) shared_system  64 requests behind one 400-token system prompt;
-  (b) multi_turn     16 four-turn conversations, each turn resending the whole history (turns run in
-                     order: turn t+1 holds turn t's generated reply);
-  (c) no_sharing     bench_engine.py's workload (64 requests, nothing shared).
-Runners, taking turns workload by workload: jaxinfer with the prefix cache, without it, and in
-deterministic mode (on c; (c) runs --repeats times per runner, interleaved, best kept); llama.cpp (llama-cpp-python in .venv-ref, same GGUF) batched, and on (a) also with the shared
-prefix decoded once and copied into every sequence (llama_memory_seq_cp), which is what its low-level
-API can share; it has no cross-request page cache, so (b) is not run there. Every jaxinfer run starts
-with an empty cache. Correctness first: greedy tokens with the cache equal those without it.
-Reports output tokens/s, time to first token p50/p99, cache hit rate and prefill tokens saved.
-Writes experiments/results/bench_prefix.json; the last stdout line is one JSON document.
+Issue 10's benchmark. Three workloads of the harness's scaled trace: (a) shared_system, 64 requests behind
+one 400-token system prompt; (b) multi_turn, 16 four-turn conversations, each turn resending the history;
+(c) no_sharing, bench_engine.py's workload. jaxinfer with the prefix cache, without it, and in
+deterministic mode (on c) take turns workload by workload ((c) --repeats times, best kept), each run from
+an empty cache; llama.cpp runs (a) batched and with the shared prefix copied into every sequence, and (c).
+Correctness first: greedy tokens with the cache equal those without it.
 
     .venv/bin/python experiments/bench_prefix.py [--num-requests 64] [--scale 8] [--repeats 2] [--quick]
 """
@@ -23,7 +16,7 @@ import time
 import numpy as np
 
 import harness
-from harness import REPO_ROOT, greedy
+from harness import REPO_ROOT
 from jaxinfer.api import LLM
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -32,9 +25,6 @@ WORK_DIR = REPO_ROOT / "build" / "bench_prefix"
 MAX_CONTEXT = harness.WORKLOAD_MAX_CONTEXT
 SYSTEM_TOKENS = 400
 GOALS = {"a_speedup": 2.0, "a_ttft_p50_reduction": 3.0, "c_within": 0.03, "deterministic_cost_c": 0.15}
-
-
-# ------------------------------------------------------------------------------------------ workloads
 
 
 def shared_system_workload(args, tokenizer) -> list[dict]:
@@ -55,19 +45,12 @@ def _workload(args, num_requests: int, seed: int, tokenizer) -> list[dict]:
     return harness.build_workload(args.trace, num_requests, args.scale, seed, tokenizer, max_context=MAX_CONTEXT)["requests"]
 
 
-# ------------------------------------------------------------------------------------------ jaxinfer
-
-
 def make_llm(args, **fields) -> LLM:
     """The harness's workload engine with these EngineConfig fields (compile cache under WORK_DIR), warmed up."""
     cfg = harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size, compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
     llm, seconds = harness.timed(LLM, None, engine_config=cfg)
     print(f"jaxinfer {fields}: loaded and compiled {llm.engine.num_compilations} programs in {seconds:.1f}s", flush=True)
     return llm
-
-
-def _timed_generate(llm: LLM, requests: list[dict]) -> tuple[list, float]:
-    return harness.timed(llm.generate, [r["prompt_ids"] for r in requests], [greedy(r["max_tokens"]) for r in requests], progress=False)
 
 
 def _summary(outputs: list, seconds: float, stats: list) -> dict:
@@ -83,7 +66,7 @@ def _summary(outputs: list, seconds: float, stats: list) -> dict:
 def run_single(llm: LLM, requests: list[dict]) -> tuple[dict, list[list[int]]]:
     """One batch from an empty cache."""
     llm.reset_prefix_cache()
-    outputs, seconds = _timed_generate(llm, requests)
+    outputs, seconds = harness.timed(harness.generate, llm, requests)
     return _summary(outputs, seconds, [llm.last_stats]), [o.token_ids for o in outputs]
 
 
@@ -93,7 +76,7 @@ def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, lis
     histories, all_outputs, stats, seconds = [[] for _ in conversations], [], [], 0.0
     for turn in range(len(conversations[0])):
         requests = [{"prompt_ids": h + c[turn]["user_ids"], "max_tokens": c[turn]["max_tokens"]} for h, c in zip(histories, conversations)]
-        outputs, elapsed = _timed_generate(llm, requests)
+        outputs, elapsed = harness.timed(harness.generate, llm, requests)
         seconds += elapsed
         stats.append(llm.last_stats)
         histories = [r["prompt_ids"] + o.token_ids for r, o in zip(requests, outputs)]
@@ -101,20 +84,11 @@ def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, lis
     return _summary(all_outputs, seconds, stats), [o.token_ids for o in all_outputs]
 
 
-# ------------------------------------------------------------------------------------------ llama.cpp
-
-
 def run_llamacpp(requests: list[dict], name: str, extra: list[str]) -> dict:
     path = WORK_DIR / f"{name}.json"
     path.write_text(json.dumps({"requests": requests}))
-    try:
-        raw = harness.run_peer("llamacpp_generate.py", "--workload", str(path), "--out", str(WORK_DIR / f"{name}_tokens.json"), "--parallel", "32", *extra)
-    except RuntimeError as error:
-        return {"error": str(error)[-1500:]}
-    return raw["modes"]
-
-
-# ------------------------------------------------------------------------------------------ main
+    raw, _ = harness.run_generate_peer("llamacpp_generate.py", path, WORK_DIR / f"{name}_tokens.json", "--parallel", "32", *extra)
+    return {"error": raw["error"][-1500:]} if "error" in raw else raw["modes"]
 
 
 def parse_args():

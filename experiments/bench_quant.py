@@ -1,19 +1,12 @@
 """What do quantized weights and an int8 KV cache cost in accuracy, and what do they save in memory and time?
 
-Issue 8's benchmark (README "Quantization benchmark"), on the embedded SmolLM2-135M-Instruct: every format of
-FORMATS (int4 g128 does not divide SmolLM2's width 576: reported as not available, with the loader's reason),
-each also with the paged pool's int8 KV cache. Each format runs in its own subprocess (--worker), so its peak
-resident set (VmHWM, reset between phases) is its own. Per row (measure_row): greedy tokens of 4 fixture
-prompts (f32 must equal HF's fixture tokens; gguf's logits must equal f32's within GGUF_LOGITS_TOLERANCE);
-resident weight bytes per kind and KV bytes per token; perplexity, mean KL(p_f32 || p_row) and argmax
-agreement over non-overlapping WINDOW-token windows of the held-out text, each one forward through the paged
-pool (so an int8 pool's codes are what attention reads); prefill and decode speed through the paged pool,
-MBU with the format's resident weight bytes + the K/V read; and (--e2e-requests) the harness's engine run on
-bench_engine's workload. Beside them: llama.cpp on the same GGUF, windows and workload
-(peers/llamacpp_perplexity.py, peers/llamacpp_generate.py), and a Llama-3.2-1B-shaped random Q4_0 GGUF
-(plain rope, SmolLM2's tokenizer padded to its vocabulary) written one tensor at a time, loaded with
-quantization='gguf' and generating a few tokens (--skip-1b). GOALS print as met / not met. Writes
-experiments/results/bench_quant.json (--out); the last stdout line is one JSON document; progress goes to stderr.
+Issue 8's benchmark; what it reports, and the committed run, are in the README ("Quantization benchmark").
+Every format of FORMATS, each also with the paged pool's int8 KV cache, runs in its own --worker subprocess
+(so its peak RSS is its own): measure_row's correctness (f32 greedy tokens == HF's fixture tokens; gguf
+logits == f32's within GGUF_LOGITS_TOLERANCE), accuracy over WINDOW-token windows of the held-out text,
+prefill and decode speed through the paged pool, and (--e2e-requests) the harness's engine run. Beside
+them: llama.cpp on the same GGUF, windows and workload, and a Llama-3.2-1B-shaped random Q4_0 GGUF
+loaded with quantization='gguf' (--skip-1b). GOALS print as met / not met; progress goes to stderr.
 
     .venv/bin/python experiments/bench_quant.py [--quick] [--formats f32,int8,gguf] [--kv-cache-dtypes none,int8] [--skip-1b]
 """
@@ -82,7 +75,7 @@ _CONTROL_TOKEN = 3  # llama.cpp token type of the padding tokens added to the 1B
 log = functools.partial(harness.log, "bench_quant")
 
 
-# ------------------------------------------------------------------------------------------ memory
+# ------------------------------------------------------------------------------------------ memory and the paged pool
 
 
 def weight_memory(params) -> dict:
@@ -95,12 +88,8 @@ def gguf_tensor_bytes(path: pathlib.Path) -> int:
     return sum(int(t.n_bytes) for t in loading.open_gguf(path).tensors)
 
 
-# ------------------------------------------------------------------------------------------ the paged pool
-
-
 def make_pool(cfg, params, num_pages: int, kv_cache_dtype: str | None) -> tuple[kv_pool.KVPool, str]:
-    """(a pool of num_pages pages as the engine allocates it for kv_cache_dtype, the attention impl the
-    engine resolves). Built by Engine, so this benchmark follows whatever layout the engine's pool has."""
+    """(the pool of num_pages pages an Engine allocates for kv_cache_dtype, the attention impl it resolves)."""
     extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
     engine_cfg = EngineConfig(page_size=PAGE_SIZE, num_pages=num_pages, max_context=MAX_CONTEXT, max_num_seqs=1, compilation_cache_dir=None, **extra)
     engine = Engine(cfg, params, engine_cfg)
@@ -160,8 +149,8 @@ def aggregate_scores(per_window: list[dict], seconds: float) -> dict:
 
 
 def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_dir: pathlib.Path, write_reference: bool) -> dict:
-    """Each window as one forward through a fresh paged pool (its pages rewritten from position 0).
-    The reference row (f32, model-dtype KV) writes its logits to reference_dir; the others read them."""
+    """Each window as one forward through the paged pool (its pages rewritten from position 0); the f32
+    row writes its logits to reference_dir, the others are scored against them."""
     pages = WINDOW // PAGE_SIZE
     pool, impl = make_pool(cfg, params, pages + 1, kv)
     positions = np.arange(WINDOW, dtype=np.int32)[None]
@@ -233,8 +222,7 @@ def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pat
 
 
 def run_e2e(name: str, kv: str | None, plan: dict) -> dict:
-    """The harness's engine run (bench_engine.py's: page size 16, 32 sequences, packed prefill) on its workload,
-    the LLM loaded in this format (dtype, quantization and group_size passed through LLM's own arguments)."""
+    """The harness's engine run (page size 16, 32 sequences, packed prefill) on the workload, in this format."""
     engine_config = harness.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **({"kv_cache_dtype": kv} if kv else {}))
     workload = json.loads(pathlib.Path(plan["e2e_workload"]).read_text())
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
@@ -280,8 +268,7 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
 
 
 def _random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
-    """uint8 [rows, cols / 32 * 18]: Q4_0 blocks of uniform random codes; scale d ~ U(0.5, 1.5) * 0.0043,
-    so weights d * (code - 8) have a standard deviation of about 0.02."""
+    """uint8 [rows, cols / 32 * 18]: Q4_0 blocks of random codes, scales ~ U(0.5, 1.5) * 0.0043 (weights' std ~0.02)."""
     num_blocks = rows * cols // Q4_0_BLOCK
     scales = (rng.uniform(0.5, 1.5, num_blocks) * 0.0043).astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
     codes = rng.integers(0, 256, (num_blocks, Q4_0_BLOCK // 2), dtype=np.uint8)
@@ -302,9 +289,8 @@ def _copy_tokenizer(writer, reader, vocab_size: int) -> None:
 
 
 def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader) -> None:
-    """The harness's geometry as a GGUF, written one tensor at a time: every matrix (embedding included)
-    random Q4_0 blocks, norms 1, the geometry's rope base without its llama3 scaling (which changes no
-    byte of the weights), SmolLM2's tokenizer."""
+    """The geometry as a GGUF written one tensor at a time: random Q4_0 matrices, norms 1, the rope base
+    without its llama3 scaling (no weight byte depends on it), SmolLM2's tokenizer."""
     import gguf
 
     cfg = from_hf_config(hf_config)
@@ -353,9 +339,6 @@ def run_1b_worker(workdir: pathlib.Path) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------ subprocesses
-
-
 def run_worker_process(name: str, workdir: pathlib.Path) -> dict:
     """This script as `--worker name` in a fresh process; its last stdout line is its result."""
     command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", name, "--workdir", str(workdir)]
@@ -382,15 +365,12 @@ def run_llamacpp(args, workdir: pathlib.Path, plan: dict) -> dict:
 
 def run_llamacpp_e2e(plan: dict) -> dict:
     """bench_engine.py's llama.cpp peer (sequential and batched over 32 sequence ids) on the same workload."""
-    try:
-        raw = harness.run_peer("llamacpp_generate.py", "--workload", plan["e2e_workload"], "--out", str(WORK_DIR / "llamacpp_generate_tokens.json"),
-                               "--parallel", "32", "--repeats", str(plan["e2e_repeats"]))
-    except (RuntimeError, json.JSONDecodeError, FileNotFoundError) as error:
-        return {"status": "failed", "error": str(error)[-3000:]}
-    return {"status": "ok", **raw}
+    raw, _ = harness.run_generate_peer("llamacpp_generate.py", plan["e2e_workload"], WORK_DIR / "llamacpp_generate_tokens.json",
+                                       "--parallel", "32", "--repeats", str(plan["e2e_repeats"]))
+    return {"status": "failed", "error": raw["error"][-3000:]} if "error" in raw else {"status": "ok", **raw}
 
 
-# ------------------------------------------------------------------------------------------ the run
+# ------------------------------------------------------------------------------------------ the run and its subprocesses
 
 
 def build_plan(args, workdir: pathlib.Path) -> dict:

@@ -1,25 +1,14 @@
 """What do tensor and data parallelism, the router and Ray cost on this machine?
 
-Issue 11's benchmark, on CPU with simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count).
-Simulated devices share this machine's cores, so every figure here is an overhead, never a speed-up:
-TP = 4 on 2 cores runs four quarter-size matmuls plus all-reduces on the same two cores.
-
-  1. layouts: LLM(tensor_parallel=TP, data_parallel=DP) on SmolLM2 (f32) for TP x DP in --layouts, each in
-     one subprocess with --devices simulated devices: load, cold warm-up compile (a fresh persistent
-     cache) and programs, then a greedy run of --requests requests from the conversation trace (scaled by
-     --scale): wall time, output tokens/s, median prefill and decode step, compiles after warm-up.
-     Correctness first: every layout's greedy tokens against TP = 1 x DP = 1's (the share before the first
-     difference is reported, and asserted >= 0.9: sharded sums add in another order, so a near-tie may flip).
-  2. router: the largest replica's routed load / the mean, jaxinfer.api.route against round-robin, on the
-     trace workload in arrival order and on a skewed one (a few long prompts among many short).
-  3. ray: the same --ray-requests-line JSONL job (trace prompts as text) run by `jaxinfer generate` locally
-     and with --ray through a local Ray cluster with 1 and 2 actors: process wall time (Ray start, actors'
-     load and compile included) and the job's own wall time. A first local run fills the persistent compile
-     cache, so the compared runs all load their programs from it. Correctness first: records equal the local ones.
-
+Issue 11's benchmark, on CPU with simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count),
+which share this machine's cores: every figure is an overhead, never a speed-up.
+  1. layouts: LLM(tensor_parallel=TP, data_parallel=DP) for each of --layouts in its own subprocess: load,
+     cold warm-up, then a greedy run of --requests trace requests. Correctness first: greedy tokens vs
+     1x1's (the share before the first difference must be >= 0.9: sharded sums add in another order).
+  2. router: the largest replica's routed load / the mean, the router against round-robin.
+  3. ray: one JSONL job run by `jaxinfer generate` locally and with --ray (1 and 2 actors), after a local
+     run that fills the persistent compile cache. Correctness first: records equal the local ones.
 --sections picks what runs; the others are kept from the existing --out file.
-
-Writes experiments/results/bench_scale.json; prints a table per section.
 
     .venv/bin/python experiments/bench_scale.py [--quick] [--layouts 1x1,2x1,4x1,1x2] [--sections layouts,router,ray]
 """
@@ -56,32 +45,23 @@ def engine_config(max_context: int, cache_dir: str):
 
 def trace_workload(num_requests: int, scale: float, max_context: int) -> dict:
     """The harness's scaled trace sample (seed 0), outputs capped at a quarter of the benchmark's context."""
-    from jaxinfer.tokenizer import load_tokenizer
-
-    return harness.build_workload(harness.DEFAULT_TRACE, num_requests, scale, 0, load_tokenizer(None), max_context=max_context, max_output=max_context // 4)
-
-
-# ------------------------------------------------------------------------------------------ 1. layouts (subprocess)
+    return harness.build_workload(harness.DEFAULT_TRACE, num_requests, scale, 0, max_context=max_context, max_output=max_context // 4)
 
 
 def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
     """One layout in this process (which has the simulated devices)."""
     from jaxinfer.api import LLM
-    from jaxinfer.engine import CompileCounter
 
     cfg = engine_config(max_context, tempfile.mkdtemp(prefix="bench_scale_xla_"))
     llm, load_s = harness.timed(LLM, None, tensor_parallel=tp, data_parallel=dp, engine_config=cfg, warmup=False)
     _, warmup_s = harness.timed(lambda: [replica.engine.warmup() for replica in llm.replicas])
-    prompts = [r["prompt_ids"] for r in workload["requests"]]
-    params = [harness.greedy(r["max_tokens"]) for r in workload["requests"]]
-    recorder = harness.StepRecorder(llm.engine_config.page_size)
-    with CompileCounter() as compiles:
-        outputs, seconds = harness.timed(llm.generate, prompts, params, progress=False, on_step=recorder)
-    steps = {phase: recorder.phase_seconds(phase) for phase in ("prefill", "decode")}
+    run = harness.timed_generate(llm, workload["requests"])
+    outputs, seconds = run["outputs"], run["wall_s"]
+    steps = {phase: run["recorder"].phase_seconds(phase) for phase in ("prefill", "decode")}
     num_output = sum(o.num_generated_tokens for o in outputs)
     return {
         "tensor_parallel": tp, "data_parallel": dp, "load_s": load_s, "warmup_compile_s": warmup_s,
-        "programs": sum(r.engine.num_compilations for r in llm.replicas), "compiles_after_warmup": compiles.count,
+        "programs": sum(r.engine.num_compilations for r in llm.replicas), "compiles_after_warmup": run["compiles"],
         "seconds": seconds, "output_tokens": num_output, "output_tokens_per_s": num_output / seconds,
         "prefill_steps": len(steps["prefill"]), "median_prefill_step_ms": 1e3 * float(np.median(steps["prefill"])),
         "decode_steps": len(steps["decode"]), "median_decode_step_ms": 1e3 * float(np.median(steps["decode"])),
@@ -122,9 +102,6 @@ def measure_layouts(args, workload_file: pathlib.Path) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------ 2. router
-
-
 def balance(loads: list[int]) -> float:
     return max(loads) / (sum(loads) / len(loads))
 
@@ -154,9 +131,6 @@ def measure_router(workload: dict, replicas: int) -> list[dict]:
             row[policy] = {"loads": loads, "largest_over_mean": balance(loads)}
         rows.append(row)
     return rows
-
-
-# ------------------------------------------------------------------------------------------ 3. Ray
 
 
 def write_job(workload: dict, path: pathlib.Path) -> None:
@@ -205,9 +179,6 @@ def measure_ray(workload: dict, args) -> list[dict]:
         row["process_vs_local"] = row["process_wall_s"] / local["process_wall_s"]
         row["overhead_s"] = row["process_wall_s"] - local["process_wall_s"]
     return rows
-
-
-# ------------------------------------------------------------------------------------------ main
 
 
 def print_tables(result: dict) -> None:

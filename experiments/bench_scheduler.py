@@ -1,19 +1,11 @@
 """Is the scheduler's host time per step flat in the number of waiting requests?
 
-Issue 26's benchmark, host only (no model, no jax). A Scheduler with --max-num-seqs running sequences of
-tiny prompts that decode for ever (tokens are zeros), and 1,000 / 10,000 / 100,000 waiting requests
-behind them (priorities 0-3, half with a deadline in the future). Two cases:
-  full     the running batch is full, so a step admits nothing;
-  admits   one running request is finished before each step, so each step admits one.
-Per step it times `expire()` and `schedule()` (the plans are applied with `update`, untimed), for the
-waiting queue (jaxinfer/request_queue.py, a heap) and for the baseline it replaced, reimplemented here:
-the list sorted by (priority, deadline, arrival) on every step and scanned to expire. Within
-schedule(), "queue ms" is the time spent in the waiting queue's own calls (first, remove, appendleft);
-the rest plans the running batch's decode step and does not depend on the queue. Correctness first:
-queue and baseline plan the same steps (same requests, same order, same keys).
+Issue 26's benchmark, host only (no model, no jax). --max-num-seqs running sequences decode for ever
+behind 1,000 / 10,000 / 100,000 waiting requests (priorities 0-3, half with a far deadline); in case
+"full" a step admits nothing, in "admits" one running request is finished before each step. Per step it
+times expire() and schedule() (with "queue ms", the waiting queue's own calls) for request_queue.py's
+heap and for the sorted-list baseline it replaced. Correctness first: both plan the same steps.
 Goal: schedule() <= 1 ms at 100,000 waiting.
-
-Writes experiments/results/bench_scheduler.json; the last stdout line is one JSON document.
 
     .venv/bin/python experiments/bench_scheduler.py [--sizes 1000,10000,100000] [--steps 30] [--quick]
 """

@@ -1,16 +1,12 @@
 """Bucket strategies measured on the real engine: what does each strategy cost and buy at a program budget?
 
-What is reported, and the committed run, are in the README ("Bucket strategies on the engine"). A trace is
-replayed through `LLM` once per strategy of jaxinfer.buckets and total program budget; choose_counts turns a
-budget into tables fitted to the step sizes of a dry scheduling pass (schedule_samples), and identical
-tables run once. One worker subprocess per trace loads the model once, compiles every configuration, then
-times --repeats rounds over all of them in alternating order and keeps each one's best run (run_trace).
-Greedy, ignore_eos, prefix caching off, a pool sized so that nothing is preempted, offline only (every
-request submitted at once: LLM has no arrival-time API). Correctness first: the first configuration's
-shortest requests must equal the dense reference, or the script exits 1 after writing its results; every
-configuration's tokens are compared with the first one's. The default is the conversation trace with 12
-requests: on a shared 2-core CPU the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes). Writes
-experiments/results/buckets_on_engine.json and buckets_on_engine_<plot>.png; the last stdout line is JSON.
+What is reported, and the committed run, are in the README ("Bucket strategies on the engine"). Per trace,
+plan_trace fits every (strategy, budget) to the step sizes of a dry scheduling pass (identical tables run
+once); one worker subprocess (run_trace) loads the model once, compiles every configuration, then times
+--repeats rounds over all of them in alternating order and keeps each one's best run. Correctness first:
+the first configuration's shortest requests must equal the dense reference (else exit 1 after writing the
+results); every configuration's tokens are compared with the first one's. Defaults: on a shared 2-core
+CPU the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes); --quick takes a few minutes.
 
     nice -n 10 .venv/bin/python experiments/buckets_on_engine.py [--quick] [--model PATH|tiny]
         [--strategies pad-to-max,fitted] [--budgets 4,8,16,32] [--traces conversation,synthetic]
@@ -32,11 +28,11 @@ import time
 import numpy as np
 
 import harness
-from harness import DEFAULT_TRACE, REPO_ROOT, RESULTS_DIR, agreement, greedy
+from harness import DEFAULT_TRACE, REPO_ROOT, RESULTS_DIR, agreement
 from jaxinfer import runloop
 from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
-from jaxinfer.traces import Trace, load_trace, synthetic_trace
+from jaxinfer.traces import load_trace, synthetic_trace
 
 WORK_DIR = REPO_ROOT / "build" / "buckets_on_engine"  # worker specs, the tiny model (not committed)
 NAME = "buckets_on_engine"
@@ -78,16 +74,6 @@ class Workload:
     def requests(self) -> list[dict]:
         return [{"prompt_ids": p, "max_tokens": n} for p, n in zip(self.prompts, self.max_tokens)]
 
-    def summary(self) -> dict:
-        return {"name": self.name, **harness.workload_summary(self.requests)}
-
-
-def scaled_workload(name: str, trace: Trace, scale: float, seed: int, text_ids: list[int], max_context: int) -> Workload:
-    """Every request of `trace` scaled by the harness (harness.scaled_requests), outputs capped at half
-    the context; the prompt offsets come from a generator of their own, seeded with `seed`."""
-    requests = harness.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=max_context, max_output=max_context // 2)
-    return Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests])
-
 
 def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, limits: Limits) -> list[Workload]:
     """The conversation trace (a seeded sample of rows, kept in trace order) and/or a synthetic trace."""
@@ -101,7 +87,10 @@ def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_reque
             trace = synthetic_trace(num_requests, seed=seed)
         else:
             raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
-        workloads.append(scaled_workload(name, trace, scale, seed, text_ids, limits.max_context))
+        # outputs capped at half the context; the prompt offsets come from a generator of their own
+        requests = harness.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=limits.max_context,
+                                           max_output=limits.max_context // 2)
+        workloads.append(Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests]))
     return workloads
 
 
@@ -109,10 +98,8 @@ def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_reque
 
 
 def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]:
-    """Real sizes of every step of a dry scheduling pass: packed prefill tokens, decode rows, and pages
-    per row of both phases. It is the real Scheduler over the same requests with every dimension at its
-    finest table (every size a bucket) and a fake step: greedy tokens do not change the schedule when
-    EOS is ignored and the prefix cache is off."""
+    """Prefill tokens, decode rows and pages per row of every step of runloop.dry_run at the finest tables
+    (every size a bucket): greedy tokens do not change the schedule when EOS is ignored, no prefix cache."""
     finest = EngineConfig(
         **limits.engine_fields(), prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)),
         decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)), decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
@@ -134,13 +121,10 @@ DIMENSIONS = ("chunk", "rows", "pages")  # EngineBuckets fields, in the order le
 _TABLE_FIELDS = {"chunk": "prefill_chunk_buckets", "rows": "decode_batch_buckets", "pages": "decode_page_buckets"}
 
 
-def engine_buckets(kind: str, counts: dict[str, int], samples: dict) -> EngineBuckets:
-    """One strategy kind per dimension, dimension d with counts[d] buckets fitted to samples[d]."""
-    return EngineBuckets(**{d: strategy_from_sample(kind, samples[d], counts[d]) for d in DIMENSIONS})
-
-
 def engine_config(limits: Limits, kind: str, counts: dict[str, int], samples: dict, **fields) -> EngineConfig:
-    return EngineConfig(**limits.engine_fields(), buckets=engine_buckets(kind, counts, samples), **fields)
+    """One strategy kind per dimension, dimension d with counts[d] buckets fitted to samples[d]."""
+    buckets = EngineBuckets(**{d: strategy_from_sample(kind, samples[d], counts[d]) for d in DIMENSIONS})
+    return EngineConfig(**limits.engine_fields(), buckets=buckets, **fields)
 
 
 def tables_of(cfg: EngineConfig) -> dict[str, list[int]]:
@@ -148,13 +132,9 @@ def tables_of(cfg: EngineConfig) -> dict[str, list[int]]:
 
 
 def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict:
-    """Buckets per dimension for a total program budget: the largest uniform count k whose tables
-    compile at most `budget` programs (EngineConfig.tables.all_keys()), then the leftover budget spent
-    one table step at a time on chunk, rows, pages in turn while it still fits.
-
-    Returns {"counts", "programs", "tables", "fits"}; fits is False (counts all 1) when even one bucket
-    per dimension needs more programs than the budget (rows and pages tables always reach the engine's
-    limits, so one bucket can mean two)."""
+    """Buckets per dimension for a total program budget: the largest uniform count whose tables compile at
+    most `budget` programs, then the leftover spent one table step at a time on chunk, rows, pages in turn.
+    Returns {"counts", "programs", "tables", "fits"}; fits is False when one bucket each is over budget."""
     tables = {}  # (dimension, count) -> that dimension's cut table, from an EngineConfig with only it set
     for d in DIMENSIONS:
         for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1):
@@ -184,11 +164,8 @@ def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict
 
 
 def fresh_compilation_cache() -> str:
-    """A new, empty persistent-cache directory for the engines built next in this process.
-
-    JAX reads jax_compilation_cache_dir once, at the first compile; `reset_cache` (private, in
-    jax._src.compilation_cache, what JAX's own tests use) makes it read the new one. CacheEvents
-    checks that it took: a cold warm-up must miss on every program."""
+    """A new, empty persistent-cache directory for the engines built next. JAX reads the cache dir once;
+    the private `reset_cache` (as JAX's own tests use it) makes it read the new one."""
     from jax._src import compilation_cache
 
     compilation_cache.reset_cache()
@@ -214,12 +191,8 @@ def cache_events():
 
 
 def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
-    """Phase 1 of a configuration: a cold warm-up (an LLM over the loaded `model` (model_cfg, params,
-    tokenizer), with a fresh cache dir) and a warm one (a second Engine over the same dir, then dropped).
-
-    Returns (the cold LLM, kept for the timed runs; its compile measurements). VmHWM is reset first,
-    so peak_resident_bytes is this phase's high-water mark; the engines of earlier configurations are
-    still alive then (resident_bytes_before counts them)."""
+    """A cold warm-up (an LLM over `model` = (model_cfg, params, tokenizer), a fresh cache dir) and a warm
+    one (a second Engine over that dir). Returns (the cold LLM, its compile and peak-RSS measurements)."""
     from jaxinfer.api import LLM
     from jaxinfer.engine import Engine
 
@@ -250,27 +223,13 @@ def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[
     }
 
 
-def timed_run(llm, workload: Workload) -> dict:
-    """One offline run of the whole workload on `llm`, from an empty block pool: wall and CPU seconds,
-    the outputs and the scheduler's stats."""
-    from jaxinfer.engine import CompileCounter
-
-    llm.reset_prefix_cache()
-    recorder = harness.StepRecorder(llm.engine_config.page_size, llm.block_pool)
-    with CompileCounter() as compiles:
-        wall, cpu = time.perf_counter(), time.process_time()
-        outputs = llm.generate(workload.prompts, [greedy(n) for n in workload.max_tokens], progress=False, on_step=recorder)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return {"wall_s": wall, "cpu_s": cpu, "outputs": outputs, "stats": llm.last_stats, "recorder": recorder, "compiles": compiles.count}
-
-
 def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) -> dict:
     """The best (least wall time) of a configuration's runs, with every run's seconds beside it."""
     from jaxinfer.kv_pool import pool_bytes
 
     best = min(runs, key=lambda run: run["wall_s"])
     outputs, stats, recorder, engine = best["outputs"], best["stats"], best["recorder"], llm.engine
-    summary = harness.best_run([(run["wall_s"], run["outputs"]) for run in runs], workload.max_tokens)
+    summary = harness.best_run(runs, workload.max_tokens)
     ttft = np.array([o.time_to_first_token for o in outputs])
     token_bytes = pool_bytes(llm.model_config, 1, 1, engine.engine_cfg.kv_cache_dtype)
     return {
@@ -290,9 +249,8 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
 
 
 def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]:
-    """Phase 1 over every configuration: ({id: its LLM}, {id: its measurements or error}, the model as
-    the engines hold it). The model is loaded once (as LLM loads it); after the first engine, every
-    LLM is built over that engine's params, so all engines share one tree (packed once for the CPU kernels)."""
+    """compile_config over every configuration, the model loaded once and every later LLM built over the
+    first engine's params: ({id: LLM}, {id: measurements or error}, the model as the engines hold it)."""
     from jaxinfer import loading
     from jaxinfer.tokenizer import load_tokenizer
 
@@ -311,18 +269,15 @@ def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]
 
 
 def run_trace(spec: dict, report=print) -> list[dict]:
-    """Every configuration of one trace in this process, the model loaded once; `report(line)` as each
-    step finishes. Phase 1 compiles every configuration (cold, then warm) and keeps its LLM; phase 2
-    times `repeats` rounds of runs over all of them, in alternating order, so that load from other
-    processes on a shared machine falls on every configuration alike (the best run is reported); then
-    the first configuration's tokens are checked against the dense reference."""
+    """Every configuration of one trace: compile all, then `repeats` rounds of runs in alternating order (so
+    other load on the machine falls on all alike), then the first one's tokens against the dense reference."""
     limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
     llms, results, model = _compile_all(spec, limits, report)
     runs = {config_id: [] for config_id in llms}
     for round_index in range(spec["repeats"]):
         for config_id in list(llms) if round_index % 2 == 0 else list(reversed(llms)):
             try:
-                runs[config_id].append(timed_run(llms[config_id], workload))
+                runs[config_id].append(harness.timed_generate(llms[config_id], workload.requests, llms[config_id].block_pool))
                 line = f"run {round_index + 1} {config_id}: {runs[config_id][-1]['wall_s']:.1f} s"
             except Exception as error:
                 results[config_id] = {**results[config_id], "error": f"{type(error).__name__}: {error}"}
@@ -340,8 +295,7 @@ def run_trace(spec: dict, report=print) -> list[dict]:
 
 
 def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list[dict]:
-    """run_trace(spec) in a fresh Python process (its own JAX, cache and memory high-water mark);
-    `on_line(dict)` is called as each configuration finishes. A crash comes back as errors."""
+    """run_trace(spec) in a fresh process (its own JAX, cache and VmHWM); on_line(dict) per progress line."""
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_file, out_file = work_dir / f"{spec['name']}.spec.json", work_dir / f"{spec['name']}.result.json"
     spec_file.write_text(json.dumps(spec))
@@ -360,7 +314,7 @@ def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list
     return json.loads(out_file.read_text())
 
 
-# ------------------------------------------------------------------------------------------ baselines (computed, not run)
+# ------------------------------------------------------------------------------------------ baselines (computed, not run) and the Pareto frontier
 
 
 def memory_baselines(workload: Workload, limits: Limits, kv_bytes_per_token: int) -> dict:
@@ -381,9 +335,6 @@ def memory_baselines(workload: Workload, limits: Limits, kv_bytes_per_token: int
                        "mean_bytes": float(np.mean([b["bytes"] for b in hf])), "batches": hf,
                        "what": "static batches of max_num_seqs in arrival order; each row grows to the batch's longest prompt + longest output"},
     }
-
-
-# ------------------------------------------------------------------------------------------ analysis
 
 
 def pareto_frontier(rows: list[dict]) -> list[dict]:
@@ -437,11 +388,8 @@ def format_baselines(trace: dict) -> str:
 
 
 def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for r in rows:
-        if "error" not in r:
-            out.setdefault(r["strategy"], []).append(r)
-    return out
+    ok = [r for r in rows if "error" not in r]
+    return {strategy: [r for r in ok if r["strategy"] == strategy] for strategy in dict.fromkeys(r["strategy"] for r in ok)}
 
 
 PLOTS = {  # name: (x, y (solid), dashed y or None, x label, y label)
@@ -499,9 +447,7 @@ def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") ->
 
 
 def resolve_model(model: str | None) -> str | None:
-    """None (the default SmolLM2-135M), a path, or "tiny": a HF folder under build/ of a random tiny Llama
-    with SmolLM2's tokenizer (jaxinfer.tiny_model), for --quick and the notebook: real tokenization and
-    every engine code path, compiled in a fraction of the time."""
+    """None (SmolLM2-135M), a path, or "tiny": a random tiny Llama with SmolLM2's tokenizer under build/."""
     from jaxinfer.tiny_model import save_tiny_llama
     from jaxinfer.tokenizer import load_tokenizer
 
@@ -526,8 +472,7 @@ def plan_trace(workload: Workload, strategies, budgets, limits: Limits) -> tuple
 
 
 def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: list[dict], by_id: dict, limits: Limits) -> dict:
-    """One trace's document: its rows filled from the worker's results (`by_id`), agreement with the first
-    configuration, the computed memory baselines and the Pareto frontier."""
+    """One trace's document: rows filled from the worker's `by_id`, agreement, baselines, Pareto frontier."""
     for row in rows:
         row.update({k: v for k, v in by_id[row["same_tables_as"]].items() if k != "id"})
     first_tokens = by_id[configs[0]["id"]].get("tokens")
@@ -537,7 +482,7 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
     all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
     distinct = [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
     return {
-        "workload": workload.summary(), "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
+        "workload": {"name": workload.name, **harness.workload_summary(workload.requests)}, "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
         "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
         "agreement_all_configurations": {"exact_requests": float(np.mean(all_same)) if all_same else None, "against": configs[0]["id"]},
         "baselines": memory_baselines(workload, limits, ok[0]["kv_bytes_per_token"]) if ok else None,

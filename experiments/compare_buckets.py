@@ -1,14 +1,9 @@
 """Which bucket strategy wastes the least padding for a given number of compiled programs?
 
-Runs every strategy in jaxinfer.buckets at budgets of 4, 8, 12, 16 and 32 programs on the Azure 2023
-conversation trace and on a synthetic trace with the same size and fitted defaults, and reports:
-  - padding waste in tokens and in the prefill cost model, programs used, requests over the top bucket;
-  - out of sample: strategies built from the first half of the trace (time order), waste measured on
-    that half (in sample) and on the second half (out of sample), side by side;
-  - batch-level views: arrival-order and sorted batches padded to their longest member, and packing;
-  - the time of the exact fit (`fit_buckets`) on 100k lengths with K = 32, and how it scales.
-Writes experiments/results/compare_buckets.json and PNG plots, prints tables, and prints one JSON
-document (the targets and their measured values) as its last stdout line. Host only: no jax, no device.
+Every strategy of jaxinfer.buckets at budgets BUDGETS on the Azure conversation trace and on a synthetic
+trace of the same size: padding waste (tokens and the prefill cost model), out of sample (fitted on the
+first half in time, measured on both halves), batch-level views, and the time of the exact fit. Prints
+tables and the targets as the last stdout line; writes JSON and PNG plots. Host only: no jax.
 
     .venv/bin/python experiments/compare_buckets.py [--trace PATH] [--out DIR]
 """
@@ -43,13 +38,9 @@ def _wastes(fit_on, evaluate_on, budget: int, cost_name: str) -> list[float]:
 
 
 def _strategy_rows(name: str, trace, cost_name: str, seed: int) -> list[dict]:
-    """One row per (budget, strategy): whole-trace waste, then the out-of-sample views.
-
-    Out of sample: built from the first half in time order, measured on that half ("in") and on the
-    second half ("out"); "oracle" is built from and measured on the second half, so out - oracle is the
-    cost of fitting on stale data and oracle - in is how much harder the second half is. A random
-    split into halves is the control with no drift in time.
-    """
+    """One row per (budget, strategy): whole-trace waste, then built from the first half in time and measured
+    on it ("in") and on the second half ("out"); "oracle" is built from the second half (out - oracle: the
+    cost of a stale fit). A random split into halves is the control with no drift in time."""
     lengths = trace.context_tokens
     earlier, later = (part.context_tokens for part in trace.split_in_time(0.5))
     shuffled = np.random.default_rng(seed).permutation(lengths)
@@ -108,17 +99,17 @@ def _print_tables(rows: list[dict], trace: str, cost: str) -> None:
     by_strategy = {name: [r for r in selected if r["strategy"] == name] for name in dict.fromkeys(r["strategy"] for r in selected)}
     field = "token_waste" if cost == "tokens" else "cost_waste"
     print(f"\n{trace} trace, {cost} waste (programs used), strategies fitted to the whole trace")
-    print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>14}" for b in BUDGETS) + f"{'over top':>10}")
-    for strategy, cells in by_strategy.items():
-        print(f"{strategy:<14}" + "".join(f"{r[field]:>9.1%} ({r['programs']:>2})" for r in cells) + f"{max(r['over_top'] for r in cells):>10}")
+    columns = [("strategy", "<14"), *((f"K={b}", "14") for b in BUDGETS), ("over top", "10d")]
+    print(harness.format_table(columns, [[s, *(f"{r[field]:.1%} ({r['programs']:>2})" for r in cells), max(r["over_top"] for r in cells)]
+                                         for s, cells in by_strategy.items()]))
     print(f"\n{trace} trace, {cost} waste, built from the first half in time: in sample / out of sample"
           " (second half) / oracle (built from the second half); random halves: in / out")  # fmt: skip
-    print(f"{'strategy':<14}" + "".join(f"{f'K={b}':>22}" for b in BUDGETS) + f"{'random K=12':>16}")
     views = ("in_sample_waste", "out_of_sample_waste", "oracle_second_half_waste")
-    for strategy, cells in by_strategy.items():
-        line = "".join(f"{'/'.join(f'{100 * r[v]:.1f}' for v in views):>22}" for r in cells)
-        control = next(r for r in cells if r["budget"] == TARGET_BUDGET)
-        print(f"{strategy:<14}{line}{control['random_split_in_waste']:>9.1%}/{control['random_split_out_waste']:.1%}")
+    control = {s: next(r for r in cells if r["budget"] == TARGET_BUDGET) for s, cells in by_strategy.items()}
+    columns = [("strategy", "<14"), *((f"K={b}", "22") for b in BUDGETS), (f"random K={TARGET_BUDGET}", "16")]
+    print(harness.format_table(columns, [[s, *("/".join(f"{100 * r[v]:.1f}" for v in views) for r in cells),
+                                          f"{control[s]['random_split_in_waste']:.1%}/{control[s]['random_split_out_waste']:.1%}"]
+                                         for s, cells in by_strategy.items()]))
 
 
 def _plot_waste(rows: list[dict], trace: str, path: pathlib.Path) -> None:

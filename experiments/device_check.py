@@ -1,18 +1,14 @@
 """How close does the Mosaic GPU paged-attention decode kernel get to the memory-bandwidth floor?
 
-One script for one H200 session (under 8 minutes, guarded by a global time budget):
+One script for one H200 session, under a global time budget (--budget-s) and a watchdog:
   1. ceilings: device copy bandwidth ((read + write) bytes / time) and bf16 matmul rate;
-  2. correctness: the kernel against paged_attention_reference on fresh random data, once per
-     distinct tuned config (kernels_pallas.paged_attention.TUNED_TABLE), with awkward lengths,
-     plus int8 and fp8 (e4m3) pools quantized per token;
-  3. timing: kernel and XLA reference at batch {1, 8, 32, 64, 128} x context {512, 2048, 8192}
-     plus 64 x 4096 (the milestone shape, timed first); 8 kv heads, head_dim 128, GQA 4 and 8,
-     bf16, page 64, and the milestone shape again with int8 and fp8 pools. Achieved bandwidth =
-     K+V bytes read (codes and scales when quantized) / time, as a fraction of the copy rate;
+  2. correctness: the kernel against paged_attention_reference once per distinct tuned config, with
+     awkward lengths, plus int8 and fp8 (e4m3) pools quantized per token;
+  3. timing: kernel and XLA reference over BATCHES x CONTEXTS plus the MILESTONE shape (timed first,
+     also with int8 and fp8 pools); bandwidth = K+V bytes read / time, as a share of the copy rate;
   4. tuning: alternative configs at the milestone shape, so TUNED_TABLE can be re-seeded.
-Each phase records its errors in the JSON instead of crashing. Writes device_check.json under
-$OUT (default experiments/results/gpu/), prints tables, and prints the JSON document as its last
-stdout line. Needs only jax, numpy and absl-py (no jaxinfer install):
+Each phase records its errors in the JSON instead of crashing; writes device_check.json under $OUT
+(default experiments/results/gpu/). Needs only jax, numpy and absl-py (no jaxinfer install):
 
     PYTHONPATH=. python3 experiments/device_check.py            # on the GPU box
     PYTHONPATH=. python3 experiments/device_check.py --dry-run  # CPU: tiny shapes, interpreter
@@ -46,11 +42,12 @@ REL_ERR_LIMIT = 2e-2  # bf16/f16 relative error norm, as in tests/test_kernels.p
 H200_HBM_TB_S = 4.8  # spec sheet, for reference only: the floor uses the measured copy rate
 
 
+@dataclasses.dataclass
 class Budget:
     """Global wall-clock budget: phases skip what no longer fits and say so in the JSON."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.start = seconds, time.perf_counter()
+    seconds: float
+    start: float = dataclasses.field(default_factory=time.perf_counter)
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.start)
@@ -96,24 +93,23 @@ def time_back_to_back(fn, args, *, calls: int = 10) -> float:
 
 def measure_ceilings(dry_run: bool) -> dict:
     """Copy bandwidth ((read + write) bytes / s) and bf16 matmul FLOP/s."""
-    out = {}
-    try:
-        elements = (1 << 24) if dry_run else (1 << 30)  # 2 GiB of bf16 on the GPU
-        x = jnp.ones((elements,), jnp.bfloat16)
+    def copy():
+        x = jnp.ones(((1 << 24) if dry_run else (1 << 30),), jnp.bfloat16)  # 2 GiB of bf16 on the GPU
         seconds = time_back_to_back(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,))
-        out["copy_bytes"] = 2 * x.nbytes
-        out["copy_tb_s"] = 2 * x.nbytes / seconds / 1e12
-        del x
-    except Exception as e:
-        out["copy_error"] = _error(e)
-    try:
+        return {"copy_bytes": 2 * x.nbytes, "copy_tb_s": 2 * x.nbytes / seconds / 1e12}
+
+    def matmul():
         n = 1024 if dry_run else 8192
         a = jnp.ones((n, n), jnp.bfloat16)
-        matmul = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
-        seconds = time_back_to_back(matmul, (a, a))
-        out["matmul_n"], out["matmul_tflops"] = n, 2 * n**3 / seconds / 1e12
-    except Exception as e:
-        out["matmul_error"] = _error(e)
+        seconds = time_back_to_back(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32)), (a, a))
+        return {"matmul_n": n, "matmul_tflops": 2 * n**3 / seconds / 1e12}
+
+    out = {}
+    for name, measure in (("copy", copy), ("matmul", matmul)):
+        try:
+            out |= measure()
+        except Exception as e:
+            out[f"{name}_error"] = _error(e)
     return out
 
 
@@ -290,16 +286,22 @@ def time_shape(shape: Shape, ceilings: dict, *, kernel: bool, reference: bool = 
     return row
 
 
-def run_timing(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry_run: bool):
-    for shape in timing_shapes(dry_run):
+def _timed_rows(rows: list, budget: Budget, reserve_s: float, items, ceilings: dict, **kwargs):
+    """time_shape over (shape, config, row stub) items, a row per item: skipped past the reserve, or its error."""
+    for shape, config, stub in items:
         if budget.left() < reserve_s:
-            rows.append(dict(dataclasses.asdict(shape), skipped="time budget"))
+            rows.append(dict(stub, skipped="time budget"))
             continue
         try:
-            rows.append(time_shape(shape, ceilings, kernel=not dry_run))
+            rows.append(time_shape(shape, ceilings, config=config, **kwargs))
         except Exception as e:
-            rows.append(dict(dataclasses.asdict(shape), error=_error(e)))
+            rows.append(dict(stub, error=_error(e)))
         print_timing_row(rows[-1])
+
+
+def run_timing(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry_run: bool):
+    items = [(shape, None, dataclasses.asdict(shape)) for shape in timing_shapes(dry_run)]
+    _timed_rows(rows, budget, reserve_s, items, ceilings, kernel=not dry_run)
 
 
 def run_tuning(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry_run: bool):
@@ -308,17 +310,9 @@ def run_tuning(rows: list, budget: Budget, reserve_s: float, ceilings: dict, dry
         return
     alternatives = [pa.PagedAttentionConfig(num_splits=s, pages_per_block=b, pipeline_depth=d)
                     for b, d in ((1, 2), (1, 4), (2, 2), (2, 3)) for s in (1, 2)]
-    for group in GROUP_SIZES:
-        shape = Shape(*MILESTONE, NUM_KV_HEADS, group, HEAD_DIM, 64)
-        for config in alternatives:
-            if budget.left() < reserve_s:
-                rows.append(dict(group_size=group, config=dataclasses.asdict(config), skipped="budget"))
-                continue
-            try:
-                rows.append(time_shape(shape, ceilings, kernel=True, reference=False, config=config))
-            except Exception as e:
-                rows.append(dict(group_size=group, config=dataclasses.asdict(config), error=_error(e)))
-            print_timing_row(rows[-1])
+    items = [(Shape(*MILESTONE, NUM_KV_HEADS, group, HEAD_DIM, 64), config,
+              dict(group_size=group, config=dataclasses.asdict(config))) for group in GROUP_SIZES for config in alternatives]
+    _timed_rows(rows, budget, reserve_s, items, ceilings, kernel=True, reference=False)
 
 
 def print_timing_row(row: dict) -> None:

@@ -1,17 +1,11 @@
-"""The experiments' shared harness: every script imports it, and no script imports another. It owns:
-  workloads    the one trace -> workload scaler (lengths / scale, real-text prompts, caps), greedy params,
-               and the agreement of two runs' greedy tokens;
-  timing       wall-time repeats, donated-state and paged-forward timing, lower + compile timing, the
-               machine's matmul and read-bandwidth peaks; memory: the resident set and its VmHWM;
-  programs     the one jitted paged (or dense, or cache-free) forward, its page tables and PageMeta, the
-               FLOP count of a forward, and the random-weight geometries;
-  engine runs  the engine config for a scaled-trace workload and the timed LLM run over it;
-  step hook    StepRecorder, the run loop's `on_step` for step times, KV use and padded table entries;
-  peers        running a script in .venv-ref and reading its last-line JSON;
-  reporting    the common options, progress lines, a table printer, and the "machine" block of every
-               result JSON (commit, CPU model and flags, device, peak figures) that write_result attaches.
-Importing it needs only the stdlib and numpy (a parent that only spawns workers, or device_check.py on
-the GPU box, stays light): jax and jaxinfer are imported inside the functions that use them.
+"""The experiments' shared harness: every script imports it, and no script imports another.
+
+It owns the trace -> workload scaler, greedy params and token agreement; timers, machine peaks and peak
+RSS; the one jitted paged (or dense, or cache-free) forward and its page tables; the engine config and
+timed LLM run over a workload, with its reference check; the run loop's StepRecorder; peer subprocesses;
+and reporting: common options, a table printer, and the "machine" block of every result JSON (commit,
+CPU model and flags, device, peaks) that write_result attaches. Importing it needs only the stdlib and
+numpy (device_check.py on the GPU box stays light): jax and jaxinfer are imported where they are used.
 """
 
 import argparse
@@ -54,9 +48,7 @@ def text_ids(tokenizer, path: pathlib.Path = TEXT_FILE) -> list[int]:
 def prefix_ids(tokenizer, num_tokens: int) -> list[int]:
     """The first `num_tokens` tokens of the passages (repeated if the file is shorter)."""
     ids = text_ids(tokenizer)
-    while len(ids) < num_tokens:
-        ids = ids + ids
-    return ids[:num_tokens]
+    return (ids * -(-num_tokens // len(ids)))[:num_tokens]
 
 
 def sample_rows(num_rows: int, num_requests: int, rng: np.random.Generator) -> np.ndarray:
@@ -66,9 +58,8 @@ def sample_rows(num_rows: int, num_requests: int, rng: np.random.Generator) -> n
 
 def scaled_requests(trace, scale: float, rng: np.random.Generator, text: list[int], *, max_context: int,
                     max_output: int | None = None) -> list[dict]:
-    """Every request of `trace` with its lengths divided by `scale` (at least 1): the output capped at
-    `max_output`, the prompt at max_context - output, cut from `text` at an offset drawn from `rng`
-    (wrapping). Each request is {"prompt_ids", "max_tokens"}."""
+    """{"prompt_ids", "max_tokens"} per request of `trace`, lengths / `scale` (at least 1), the output capped at
+    `max_output`, the prompt at max_context - output and cut from `text` at an offset drawn from `rng`."""
     requests = []
     for context, generated in zip(trace.context_tokens.tolist(), trace.generated_tokens.tolist()):
         max_tokens = max(1, round(generated / scale))
@@ -79,13 +70,14 @@ def scaled_requests(trace, scale: float, rng: np.random.Generator, text: list[in
     return requests
 
 
-def build_workload(trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, *,
+def build_workload(trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer=None, *,
                    max_context: int = 2048, max_output: int | None = None) -> dict:
-    """A seeded sample of the trace's requests (arrival order) scaled by scaled_requests; the rows and
-    the seed's one generator draw the sample first, then the prompt offsets."""
+    """A seeded sample of the trace's requests (arrival order) scaled by scaled_requests (text from
+    `tokenizer`, default SmolLM2's); the seed's one generator draws the rows first, then the offsets."""
     from jaxinfer import load_trace
+    from jaxinfer.tokenizer import load_tokenizer
 
-    trace = load_trace(trace_path)
+    trace, tokenizer = load_trace(trace_path), tokenizer or load_tokenizer(None)
     rng = np.random.default_rng(seed)
     rows = sample_rows(trace.num_requests, num_requests, rng)
     scaled = scaled_requests(trace.take(rows), scale, rng, text_ids(tokenizer), max_context=max_context, max_output=max_output)
@@ -109,6 +101,11 @@ def greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def generate(llm, requests: list[dict], **kwargs) -> list:
+    """llm.generate of {"prompt_ids", "max_tokens"} requests, greedy, with no progress bar."""
+    return llm.generate([r["prompt_ids"] for r in requests], [greedy(r["max_tokens"]) for r in requests], progress=False, **kwargs)
+
+
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """Exact-match share of requests, and the mean share of each request's tokens before the first difference."""
     prefix = []
@@ -124,7 +121,7 @@ def relative_error(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
 
 
-# ------------------------------------------------------------------------------------------ timing
+# ------------------------------------------------------------------------------------------ timing and memory
 
 
 def timed(fn, *args, **kwargs) -> tuple:
@@ -193,12 +190,8 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-# ------------------------------------------------------------------------------------------ memory
-
-
 def rss_bytes() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process in bytes. VmHWM is the resident high-water mark since the last
-    reset_peak_rss(), process-wide: runtime, weights and compiler included."""
+    """(VmRSS, VmHWM) of this process in bytes; VmHWM is the high-water mark since the last reset_peak_rss()."""
     fields = {}
     with open("/proc/self/status") as status:
         for line in status:
@@ -267,10 +260,9 @@ def decode_args(batch: int, context: int, token: int, page_size: int) -> tuple[t
 
 
 def _forward(params, pool, tokens, positions, pages, last, *, cfg, impl: str, output: str):
-    """model.forward of [B, T] tokens into `pool` (a paged KVPool with `pages`, a dense cache, or None).
-
-    output "greedy": the argmax token at index last[b] [B]; "last_logits": the logits there [B, V];
-    "logits": every position's [B, T, V] (last is None). Returns (output, pool)."""
+    """model.forward of [B, T] tokens into `pool` (a paged KVPool with `pages`, a dense cache, or None) ->
+    (output, pool). output "greedy": the argmax at index last[b] [B]; "last_logits": the logits there
+    [B, V]; "logits": every position's [B, T, V] (last is None)."""
     from jaxinfer import model, sampling
 
     logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
@@ -428,37 +420,36 @@ def reference_check(params, cfg, eos_id: int, requests: list[dict], engine_token
 def check_against_reference(llm, requests: list[dict]) -> dict:
     """reference_check of `llm`, the chosen requests generated on their own."""
     def engine_tokens(chosen):
-        batch = [requests[i] for i in chosen]
-        return [o.token_ids for o in llm.generate([r["prompt_ids"] for r in batch], [greedy(r["max_tokens"]) for r in batch], progress=False)]
+        return [o.token_ids for o in generate(llm, [requests[i] for i in chosen])]
 
     return reference_check(llm.engine.params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens)
 
 
-def best_run(runs: list[tuple], max_tokens: list[int]) -> dict:
-    """The fastest of `runs` of one workload, each (seconds, outputs, ...), with every run's seconds beside it."""
-    seconds, outputs = min(runs, key=lambda run: run[0])[:2]
+def timed_generate(llm, requests: list[dict], block_pool=None) -> dict:
+    """One greedy run of the requests from an empty prefix cache: wall and CPU seconds, outputs, the
+    scheduler's stats, the StepRecorder (given `block_pool`, it tracks the pages held) and compiles."""
+    from jaxinfer.engine import CompileCounter
+
+    llm.reset_prefix_cache()  # a run must not reuse the prompt pages of the reference check or the run before
+    recorder = StepRecorder(llm.engine_config.page_size, block_pool)
+    with CompileCounter() as compiles:
+        wall, cpu = time.perf_counter(), time.process_time()
+        outputs = generate(llm, requests, on_step=recorder)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {"wall_s": wall, "cpu_s": cpu, "outputs": outputs, "stats": llm.last_stats, "recorder": recorder, "compiles": compiles.count}
+
+
+def best_run(runs: list[dict], max_tokens: list[int]) -> dict:
+    """The fastest of `runs` (timed_generate's) of one workload, with every run's seconds beside it."""
+    best = min(runs, key=lambda run: run["wall_s"])
+    seconds, outputs = best["wall_s"], best["outputs"]
     tokens = [o.token_ids for o in outputs]
     num_output = sum(len(t) for t in tokens)
-    return {"seconds": seconds, "seconds_per_repeat": [run[0] for run in runs],
-            "repeats_identical_tokens": all([o.token_ids for o in run[1]] == tokens for run in runs), "num_output_tokens": num_output,
+    return {"seconds": seconds, "seconds_per_repeat": [run["wall_s"] for run in runs], "num_output_tokens": num_output,
+            "repeats_identical_tokens": all([o.token_ids for o in run["outputs"]] == tokens for run in runs),
             "output_tokens_per_s": num_output / seconds, "all_lengths_exact": all(len(t) == n for t, n in zip(tokens, max_tokens)),
             "mean_latency_s": float(np.mean([o.latency for o in outputs])),
             "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs]))}
-
-
-def _timed_repeats(llm, requests: list[dict], page_size: int, repeats: int) -> tuple[list, int]:
-    """`repeats` runs of the requests, each from an empty prefix cache: [(seconds, outputs, recorder)], compiles."""
-    from jaxinfer.engine import CompileCounter
-
-    prompts, params = [r["prompt_ids"] for r in requests], [greedy(r["max_tokens"]) for r in requests]
-    runs = []
-    with CompileCounter() as compiles:
-        for _ in range(repeats):
-            recorder = StepRecorder(page_size)
-            llm.reset_prefix_cache()  # a repeat must not reuse the prompt pages of the reference check or the repeat before
-            outputs, seconds = timed(llm.generate, prompts, params, progress=False, on_step=recorder)
-            runs.append((seconds, outputs, recorder))
-    return runs, compiles.count
 
 
 def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) -> tuple[dict, list[list[int]], object]:
@@ -472,18 +463,19 @@ def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) 
     reference = check_against_reference(llm, requests)
     print(f"jaxinfer: loaded {load_s:.1f}s, warm-up {warmup_s:.1f}s ({llm.engine.num_compilations} programs); "
           f"reference check {reference['num_equal']}/{reference['num_checked']} equal", flush=True)
-    runs, num_compiles = _timed_repeats(llm, requests, engine_config.page_size, repeats)
-    seconds, outputs, recorder = min(runs, key=lambda run: run[0])
-    stats = llm.last_stats  # the scheduler is deterministic: every repeat has the same stats
+    runs = [timed_generate(llm, requests) for _ in range(repeats)]
+    best = min(runs, key=lambda run: run["wall_s"])
+    stats, recorder = best["stats"], best["recorder"]  # the scheduler is deterministic: every repeat has the same stats
     return {
-        "load_s": load_s, "warmup_s": warmup_s, "num_compilations": llm.engine.num_compilations, "compiles_during_timed_run": num_compiles,
+        "load_s": load_s, "warmup_s": warmup_s, "num_compilations": llm.engine.num_compilations,
+        "compiles_during_timed_run": sum(run["compiles"] for run in runs),
         **best_run(runs, [r["max_tokens"] for r in requests]),
         "engine_config": dataclasses.asdict(engine_config), "num_pages": llm.engine.num_pages,
         "attention_impl": llm.engine.impl, "quantization": load.get("quantization"), "reference_check": reference,
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
-        "time_split": recorder.summary(seconds),
+        "time_split": recorder.summary(best["wall_s"]),
         "decode_kv_utilization": recorder.kv_utilization(),  # from the plans, over decode steps only
-    }, [o.token_ids for o in outputs], llm
+    }, [o.token_ids for o in best["outputs"]], llm
 
 
 # ------------------------------------------------------------------------------------------ subprocesses and peers
@@ -507,7 +499,17 @@ def run_peer(script: str, *argv: str) -> dict:
     return run_json([str(REF_PYTHON), str(PEERS_DIR / script), *argv], script)
 
 
-# ------------------------------------------------------------------------------------------ reporting
+def run_generate_peer(script: str, workload_file, tokens_file, *argv: str) -> tuple[dict, object]:
+    """A generate peer (hf_generate.py, llamacpp_generate.py) on a workload file: (its last-line JSON, the
+    tokens it wrote to `tokens_file`), or ({"error": ...}, None) where it failed or is not installed."""
+    try:
+        raw = run_peer(script, "--workload", str(workload_file), "--out", str(tokens_file), *argv)
+        return raw, json.loads(pathlib.Path(tokens_file).read_text())
+    except (RuntimeError, json.JSONDecodeError, FileNotFoundError) as error:
+        return {"error": str(error)}, None
+
+
+# ------------------------------------------------------------------------------------------ reporting and metadata
 
 
 def arg_parser(doc: str, *, out: pathlib.Path | None = None, trace: bool = False) -> argparse.ArgumentParser:
@@ -553,9 +555,6 @@ def finish(path: pathlib.Path, doc: dict, summary: dict, *, correct: bool = True
     if not correct:
         sys.exit(1)
     return doc
-
-
-# ------------------------------------------------------------------------------------------ metadata
 
 
 def _git(*command: str) -> str | None:
@@ -609,8 +608,7 @@ def metadata(peaks: dict | None = None) -> dict:
 
 
 def write_result(path: pathlib.Path, doc: dict, *, indent: int | None = 2, peaks: dict | None = None) -> dict:
-    """Write `doc` to `path` as JSON, its "machine" block the harness's metadata (plus any keys the
-    script put there itself); returns the document written."""
+    """Write `doc` to `path` as JSON with the harness's metadata in its "machine" block; returns it."""
     doc = {**doc, "machine": {**metadata(peaks), **doc.get("machine", {})}}
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

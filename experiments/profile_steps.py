@@ -1,35 +1,26 @@
 """Where does one engine step's time go? jax.profiler per HLO op, for chosen bucket programs of SmolLM2.
 
-For each bucket key (phase/rows/tokens/pages, e.g. prefill/1/512/64 or decode/32/1/16) it compiles the
-engine's own program (Engine._compile, the one warm-up compiles), builds inputs of that shape (a packed
-prefill row: 8 sequences of tokens/8 each with pages/8 pages each; decode: every row at the table's last
-position; page ids random and distinct), times it (median of --repeats after 2 untimed calls), then
-records one call under jax.profiler and sums the trace's events by HLO op, named with the jax op that
-made it (the HLO metadata). XLA's cost analysis is recorded too, but it counts the scanned layer body
-once, not once per layer, so its flops and bytes are not the step's.
-
-Prints a table per key; writes experiments/results/profile_steps.json (the top ops of every key).
+Per bucket key (phase/rows/tokens/pages) it compiles the engine's own program (Engine._compile), builds
+inputs of that shape (a packed prefill row of PACKED_SEQS sequences; decode rows at the table's last
+position), times it, records one call under jax.profiler and sums the events by HLO op, named with the jax
+op that made it. XLA's cost analysis counts the scanned layer body once, so its figures are not the step's.
 
     .venv/bin/python experiments/profile_steps.py [--keys prefill/1/512/64,decode/32/1/16] [--repeats 5]
 """
 
 import collections
-import glob
-import gzip
 import json
 import re
 import shutil
 import statistics
 import tempfile
 
-import jax
 import numpy as np
 
 import harness
 from jaxinfer import kv_pool as kvp
-from jaxinfer import sampling
+from jaxinfer import guided, profiling, sampling
 from jaxinfer.api import LLM
-from jaxinfer.config import EngineConfig
 from jaxinfer.engine import StepInputs
 from jaxinfer.plan import BucketKey
 
@@ -45,7 +36,7 @@ def parse_key(text: str) -> BucketKey:
     return BucketKey(phase, int(rows), int(tokens), int(pages))
 
 
-def step_inputs(key: BucketKey, num_pages: int, samples_per_row: int, seed: int = 0) -> StepInputs:
+def step_inputs(key: BucketKey, num_pages: int, samples_per_row: int, engine, seed: int = 0) -> StepInputs:
     """Inputs of `key`'s shape: distinct random pages; a packed prefill row of PACKED_SEQS sequences."""
     rng = np.random.default_rng(seed)
     rows, tokens, width = key.num_rows, key.num_tokens, key.num_pages
@@ -63,8 +54,13 @@ def step_inputs(key: BucketKey, num_pages: int, samples_per_row: int, seed: int 
         positions = np.full((rows, 1), width * PAGE_SIZE - 1, np.int32)
         pages = kvp.PageMeta(tables, tables[:, -1:], positions % PAGE_SIZE, zeros(rows, width), zeros(rows, width), zeros(rows, 1))
     n = rows * samples_per_row
-    arrays = sampling.SamplingArrays(np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32), zeros(n), zeros(n))
-    return StepInputs(zeros(rows, tokens), positions, pages, zeros(rows, samples_per_row), arrays)
+    floats = lambda value, *shape: np.full(shape or (n,), value, np.float32)  # noqa: E731
+    bias, words = engine.engine_cfg.max_logit_bias, guided.mask_words(engine.cfg.vocab_size)
+    arrays = sampling.SamplingArrays(  # greedy, nothing processed, no log-probabilities, no grammar
+        floats(0), zeros(n), floats(1), zeros(n), zeros(n), floats(0), floats(0), floats(0), floats(1),
+        zeros(n, bias), floats(0, n, bias), np.full(n, -1, np.int32), np.full((n, words), -1, np.int32),
+    )
+    return StepInputs(zeros(rows, tokens), positions, pages, zeros(rows, samples_per_row), arrays, zeros(n), np.full((rows, tokens), -1, np.int32))
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -78,13 +74,13 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 
 def profile_call(run) -> collections.Counter:
-    """Microseconds per HLO op of one call of `run`, from a jax.profiler trace."""
+    """Microseconds per HLO op of one call of `run`, from a jax.profiler trace (jaxinfer.profiling, as LLM.start_profile)."""
     folder = tempfile.mkdtemp(prefix="jaxinfer_profile_")
     try:
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        profiling.start(folder)
         run()
-        jax.profiler.stop_trace()
-        events = json.load(gzip.open(sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))[-1]))["traceEvents"]
+        profiling.stop()
+        events = profiling.trace_events(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     totals = collections.Counter()
@@ -97,11 +93,11 @@ def profile_call(run) -> collections.Counter:
 def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     engine = llm.engine
     _, program, compile_s = engine._compile(key)
-    inputs = step_inputs(key, engine.num_pages, engine.engine_cfg.tables.samples_per_row(key.phase))
+    inputs = step_inputs(key, engine.num_pages, engine.engine_cfg.tables.samples_per_row(key.phase), engine)
 
     def run():
-        tokens, engine.pool = program(engine.step_params, engine.pool, inputs)  # donates the pool; rebound at once
-        np.asarray(tokens)
+        outputs, engine.pool, engine.history = program(engine.step_params, engine.pool, engine.history, inputs)  # donated; rebound at once
+        np.asarray(outputs.tokens)
 
     seconds = harness.time_calls(run, repeats, warmup=2)
     totals = profile_call(run)
@@ -125,19 +121,17 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="ops listed per key")
     args = parser.parse_args()
     keys = [parse_key(k) for k in args.keys.split(",") if k]
-    engine_config = EngineConfig(max_context=2048, max_num_seqs=32, page_size=PAGE_SIZE, num_pages=32 * 2048 // PAGE_SIZE + 1, compilation_cache_dir=None)
-    llm = LLM(None, engine_config=engine_config, warmup=False)
+    llm = LLM(None, engine_config=harness.workload_engine_config(max_num_seqs=32, page_size=PAGE_SIZE), warmup=False)
     results = []
     for key in keys:
         entry = profile_key(llm, key, args.repeats, args.top)
         results.append(entry)
         print(f"\n{entry['key']}: median {entry['median_ms']:.1f} ms (traced ops {entry['traced_op_ms']:.1f} ms, both cores summed); "
               f"XLA cost analysis {(entry['flops'] or 0) / 1e9:.1f} GFLOP, {(entry['bytes_accessed'] or 0) / 1e6:.0f} MB")
-        for op in entry["top_ops"]:
-            print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['op']:<30} {op['jax_op'][:80]}")
-        print("  by jax op:")
-        for op in entry["top_jax_ops"]:
-            print(f"  {op['ms']:8.1f} ms {op['share_of_traced']:6.1%}  {op['jax_op'][:110]}")
+        print(harness.format_table([("ms", "10.1f"), ("share", "6.1%"), ("HLO op", "<30"), ("jax op", "<")],
+                                   [[op["ms"], op["share_of_traced"], op["op"], op["jax_op"][:80]] for op in entry["top_ops"]]))
+        print(harness.format_table([("ms", "10.1f"), ("share", "6.1%"), ("by jax op", "<")],
+                                   [[op["ms"], op["share_of_traced"], op["jax_op"][:110]] for op in entry["top_jax_ops"]]))
     document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32",
                 "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "keys": results}
     harness.write_result(args.out, document)

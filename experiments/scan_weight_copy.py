@@ -1,15 +1,9 @@
 """Does running the layers with lax.scan over stacked weights cost decode bandwidth on the CPU backend?
 
-A decode step at batch 1 reads every weight once, so its speed is set by read bandwidth. model.py runs
-the layers with `lax.scan` over weights stacked on a leading layer axis. On XLA's CPU backend the body's
-`dynamic-slice` of each layer's matrices is materialized as a copy before the dot (it appears as a
-`dynamic-slice_bitcast_fusion` in the optimized HLO), so each weight byte is read, written and read again.
-This script measures that on an MLP-shaped stack (N layers of [D, F] and [F, D] f32 matrices, one row
-of input): the same computation as (1) a scan over the stack, (2) the scan unrolled, (3) a Python loop
-indexing the stack statically, and (4) a Python loop over separate per-layer arrays. Correctness first:
-all four give the same output (allclose at f32 tolerance). Reports ms, weight-read GB/s and the ratio to
-the machine's read bandwidth measured in the same run, and counts the slice fusions in each program.
-Writes experiments/results/scan_weight_copy.json.
+On XLA's CPU backend the scan body's dynamic-slice of each layer's matrices is materialized as a copy
+before the dot (a `dynamic-slice_bitcast_fusion`), so each weight byte is read, written and read again.
+On an MLP-shaped stack at batch 1 this times a scan, the scan unrolled, a Python loop indexing the stack,
+and a loop over separate arrays (correctness first: all four agree), against the measured read bandwidth.
 
     .venv/bin/python experiments/scan_weight_copy.py [--layers 8] [--width 2048] [--ffn 8192]
 """

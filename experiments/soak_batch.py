@@ -1,31 +1,17 @@
 """Does the resumable JSONL batch CLI lose, duplicate or change records when it is killed and resumed?
 
-Builds --lines input lines (seeded): about 90% good requests (prompts and chats, greedy and sampled, with
-and without seeds) and about 10% odd or poison lines covering every kind of bad input (malformed JSON,
-bad ids and fields, NaN/Infinity, over-long prompts, a lone surrogate, invalid UTF-8, duplicate ids)
-plus good-but-odd ones (raw U+2028/U+2029/U+0085 in prompts, ids 1 and "1", a BOM on line 1, blank
-lines). Each line carries its kind and its expected status (ok, error, either; none for blank lines).
-Runs `python -m jaxinfer.cli generate` once uninterrupted into ref.jsonl, then again into soak.jsonl,
-sending SIGKILL at --sigkills and SIGINT at --sigints points (random order; each fires when the output
-holds a random number of records, spread over the job) plus --load-kills SIGKILLs during model load
-(before the invocation writes a record), resuming with --resume after each and once more at the end.
-Every invocation gets a timeout; a crash is recorded, never raised. Reports lines in, records out,
-statuses, duplicate keys, lost lines, exit codes, tracebacks and whether soak equals ref per key
-(status, token_ids, text, error). Two probes must be refused at once, leaving the output alone: a second
-job started on the soak output while the first soak invocation runs (it must name that job's pid), and a
-resume under a changed --temperature and --engine-seed after it. Goal: N in, N out, 0 lost,
-0 duplicated, identical, clean exits, both probes refused.
-Prints tables, writes --out (JSON) and prints the same JSON document as its last stdout line.
-Exit status 0 when the goal is met, 1 when not (2 for a bad flag). Needs no accelerator; on 2 CPU cores
-each invocation spends about 20 s loading (warm compile cache), and the default run takes an estimated
-half hour. Children inherit the environment, so PYTHONPATH can point them at another jaxinfer checkout.
+The input, the goal and the committed run are in the README ("Soak: the batch CLI killed and resumed").
+--lines seeded lines (about 10% odd or poison, every kind of line_kinds() at least once, each with its
+expected status) go through `python -m jaxinfer.cli generate` once uninterrupted (ref.jsonl), then again
+(soak.jsonl) under --sigkills / --sigints signals at random record counts and --load-kills during model
+load, resumed after each. Two probes must be refused at once, the output untouched: a second job on the
+soak output, and a resume under a changed --temperature and --engine-seed. A crash or timeout of an
+invocation is recorded, never raised. Exit 0 when the goal is met, 1 when not, 2 for a bad flag.
 
     .venv/bin/python experiments/soak_batch.py [--lines 2000] [--sigkills 5] [--sigints 2] [--seed 0]
     .venv/bin/python experiments/soak_batch.py --lines 100 --sigkills 1 --sigints 1   # a quick look
-    .venv/bin/python experiments/soak_batch.py --exclude-kinds invalid_utf8,lone_surrogate   # isolate
 """
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -339,7 +325,7 @@ def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr
 def _run_probe(probe: Probe, command: list[str], workdir: pathlib.Path) -> Probe:
     start = time.perf_counter()
     result = subprocess.run(command, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    probe.returncode, probe.stderr, probe.seconds = result.returncode, result.stderr.strip()[-600:], round(time.perf_counter() - start, 3)
+    probe.returncode, probe.stderr, probe.seconds = result.returncode, result.stderr.strip()[-3000:], round(time.perf_counter() - start, 3)
     return probe
 
 
@@ -472,9 +458,8 @@ def _unique_ids_to_lines(lines: list[InputLine]) -> dict[str, int]:
 
 
 def group_by_input_line(records: list[dict], lines: list[InputLine]) -> tuple[dict[int, list[dict]], int]:
-    """Input line -> its records: by unique id where the record has one (so a CLI that numbers lines
-    differently is still matched), else by the record's "line"; also counts records whose "line" is not
-    the line their id is on."""
+    """Input line -> its records, by unique id where there is one, else by the record's "line"; and the count
+    of records whose "line" is not the line their id is on."""
     id_to_line = _unique_ids_to_lines(lines)
     by_line, num_wrong_line = collections.defaultdict(list), 0
     for record in records:
@@ -508,12 +493,7 @@ def summarize_output(path: pathlib.Path, lines: list[InputLine]) -> tuple[dict, 
 
 def compare_outputs(ref_records: list[dict], soak_records: list[dict]) -> dict:
     """Per key (first record of each key): equal status, token_ids, text and error."""
-    ref = {}
-    for record in ref_records:
-        ref.setdefault(record_key(record), record)
-    soak = {}
-    for record in soak_records:
-        soak.setdefault(record_key(record), record)
+    ref, soak = (dict(reversed([(record_key(r), r) for r in records])) for records in (ref_records, soak_records))  # first wins
     differences = []
     for key in sorted(set(ref) | set(soak)):
         if key not in ref or key not in soak:
@@ -543,15 +523,6 @@ def _kind_table(lines: list[InputLine], ref_by_line: dict[int, list[dict]]) -> d
     return {kind: {**entry, "ref_statuses": dict(entry["ref_statuses"])} for kind, entry in sorted(table.items())}
 
 
-def invocation_checks(invocations: list[Invocation]) -> dict:
-    return {
-        "exit_codes_as_expected": all(inv.returncode == inv.expected_returncode for inv in invocations),
-        "sigint_exit_130": all(inv.returncode == 130 for inv in invocations if inv.event == "sigint" and inv.signal_sent),
-        "no_tracebacks": not any(inv.traceback for inv in invocations),
-        "no_timeouts": not any(inv.timed_out or inv.stuck_after_sigint for inv in invocations),
-    }
-
-
 def coverage_checks(invocations: list[Invocation]) -> dict:
     """Whether the plan was carried out (reported, not part of the goal: a fast job can finish first)."""
     return {
@@ -570,44 +541,48 @@ def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invoc
         checks[f"{name}_none_duplicated"] = summary["num_duplicate_keys"] == 0 and summary["num_lines_with_several_records"] == 0
         checks[f"{name}_no_damaged_lines"] = summary["num_unparseable_lines"] == 0 and summary["torn_tail_bytes"] == 0
         checks[f"{name}_line_numbers_right"] = summary["num_records_with_wrong_line"] == 0 and summary["num_records_for_unknown_lines"] == 0
-    checks["soak_identical_to_ref"] = comparison["identical"]
-    checks.update(invocation_checks(invocations))
-    return checks
+    return checks | {
+        "soak_identical_to_ref": comparison["identical"],
+        "exit_codes_as_expected": all(inv.returncode == inv.expected_returncode for inv in invocations),
+        "sigint_exit_130": all(inv.returncode == 130 for inv in invocations if inv.event == "sigint" and inv.signal_sent),
+        "no_tracebacks": not any(inv.traceback for inv in invocations),
+        "no_timeouts": not any(inv.timed_out or inv.stuck_after_sigint for inv in invocations),
+    }
 
 
 # ----------------------------------------------------------------------------------------- printing
 
 
+ACCOUNTING = (("lines in (non-blank)", "num_lines_in"), ("records out", "num_records_out"),
+              ("records with a 'key' field", "num_records_with_key_field"), ("duplicate keys", "num_duplicate_keys"),
+              ("lines with several records", "num_lines_with_several_records"), ("lost lines", "num_lost_lines"),
+              ("records for unknown lines", "num_records_for_unknown_lines"),
+              ("records with a wrong line number", "num_records_with_wrong_line"),
+              ("unparseable output lines", "num_unparseable_lines"), ("torn tail bytes", "torn_tail_bytes"),
+              ("expected-status mismatches", "num_expectation_mismatches"))
+INVOCATION_COLUMNS = [("run", "<5"), ("#", "2d"), ("mode", "<11"), ("event", "<9"), ("trigger", "8"), ("before", "6d"), ("at sig", "6d"),
+                      ("after", "6d"), ("rc", "4d"), ("want", "4d"), ("load s", "7.1f"), ("wall s", "7.1f"), ("notes", "<")]
+
+
 def _print_accounting(ref: dict, soak: dict) -> None:
-    rows = [("lines in (non-blank)", "num_lines_in"), ("records out", "num_records_out"),
-            ("records with a 'key' field", "num_records_with_key_field"), ("duplicate keys", "num_duplicate_keys"),
-            ("lines with several records", "num_lines_with_several_records"), ("lost lines", "num_lost_lines"),
-            ("records for unknown lines", "num_records_for_unknown_lines"),
-            ("records with a wrong line number", "num_records_with_wrong_line"),
-            ("unparseable output lines", "num_unparseable_lines"), ("torn tail bytes", "torn_tail_bytes"),
-            ("expected-status mismatches", "num_expectation_mismatches")]
-    print(f"\n{'accounting':<34} {'ref':>8} {'soak':>8}")
-    for label, field in rows:
-        print(f"{label:<34} {ref[field]:>8} {soak[field]:>8}")
-    for status in sorted(set(ref["num_records_by_status"]) | set(soak["num_records_by_status"])):
-        print(f"{'records ' + status:<34} {ref['num_records_by_status'].get(status, 0):>8} {soak['num_records_by_status'].get(status, 0):>8}")
+    table = [[label, ref[field], soak[field]] for label, field in ACCOUNTING]
+    statuses = sorted(set(ref["num_records_by_status"]) | set(soak["num_records_by_status"]))
+    table += [["records " + s, ref["num_records_by_status"].get(s, 0), soak["num_records_by_status"].get(s, 0)] for s in statuses]
+    print("\n" + harness.format_table([("accounting", "<34"), ("ref", "8d"), ("soak", "8d")], table))
 
 
 def _print_invocations(invocations: list[Invocation]) -> None:
-    print(f"\n{'run':<5} {'#':>2} {'mode':<11} {'event':<9} {'trigger':>8} {'before':>6} {'at sig':>6} {'after':>6} "
-          f"{'rc':>4} {'want':>4} {'load s':>7} {'wall s':>7}  notes")
+    table = []
     for inv in invocations:
-        trigger = inv.threshold if inv.threshold is not None else (f"{inv.delay_s:.1f}s" if inv.delay_s is not None else "-")
         notes = [name for name in ("timed_out", "stuck_after_sigint", "traceback") if getattr(inv, name)]
-        if inv.event != "none" and not inv.signal_sent:
-            notes.append("exited before its signal")
-        load = f"{inv.seconds_to_first_record:.1f}" if inv.seconds_to_first_record is not None else "-"
-        at_signal = inv.records_at_signal if inv.records_at_signal is not None else "-"
-        print(f"{inv.run:<5} {inv.index:>2} {inv.mode:<11} {inv.event:<9} {trigger:>8} {inv.records_before:>6} {at_signal:>6} "
-              f"{inv.records_after:>6} {inv.returncode!s:>4} {inv.expected_returncode:>4} {load:>7} {inv.seconds:>7.1f}  {' '.join(notes)}")
+        notes += ["exited before its signal"] if inv.event != "none" and not inv.signal_sent else []
+        trigger = f"{inv.delay_s:.1f}s" if inv.delay_s is not None else inv.threshold
+        table.append([inv.run, inv.index, inv.mode, inv.event, trigger, inv.records_before, inv.records_at_signal, inv.records_after,
+                      inv.returncode, inv.expected_returncode, inv.seconds_to_first_record, inv.seconds, " ".join(notes)])
+    print("\n" + harness.format_table(INVOCATION_COLUMNS, table))
+    for inv in invocations:
         if inv.returncode not in (0, 130, -signal.SIGKILL) or inv.traceback:
-            for text in inv.stderr_tail:
-                print(f"{'':>10}stderr: {text[:150]}")
+            print("\n".join(f"  {inv.run} #{inv.index} stderr: {text[:150]}" for text in inv.stderr_tail))
 
 
 def _print_kinds(kinds: dict, ref: dict, comparison: dict) -> None:
@@ -641,8 +616,8 @@ def _print_checks(checks: dict, coverage: dict, goal_met: bool) -> None:
 # ------------------------------------------------------------------------------------------- main
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args():
+    parser = harness.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--lines", type=int, default=2000, help="input lines, blank ones included (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the input and the kill plan (default: %(default)s)")
     parser.add_argument("--sigkills", type=int, default=5, help="SIGKILLs at random record counts (default: %(default)s)")
@@ -652,13 +627,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sigint-grace-s", type=float, default=120.0, help="wait for exit after SIGINT (default: %(default)s)")
     parser.add_argument("--workdir", type=pathlib.Path, help="inputs, outputs and logs (default: a new temp dir, removed when the goal is met)")
     parser.add_argument("--compile-cache", type=pathlib.Path, help="XLA cache shared by the invocations (default: WORKDIR/xla_cache)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="JSON results (default: %(default)s)")
-    parser.add_argument("--exclude-kinds", type=lambda text: [kind for kind in text.split(",") if kind], default=[],
-                        metavar="K1,K2", help="leave out these odd/poison kinds, to isolate a failure (default: none)")
+    parser.add_argument("--exclude-kinds", default="", metavar="K1,K2", help="leave out these odd/poison kinds, to isolate a failure")
     args = parser.parse_args()
-    unknown = set(args.exclude_kinds) - set(line_kinds())
-    if unknown:
-        parser.error(f"unknown kinds {sorted(unknown)}; known: {','.join(line_kinds())}")
+    args.exclude_kinds = harness.comma_list(parser, args.exclude_kinds, line_kinds(), "kinds")
     return args
 
 
