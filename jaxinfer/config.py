@@ -15,7 +15,8 @@ from jaxinfer.buckets import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
-MATMUL_IMPLS = ("auto", "xla", "cpu")  # EngineConfig.matmul_impl: XLA dot, or panels for the CPU layer-matmul kernel
+# EngineConfig.matmul_impl: XLA dot, panels for the CPU layer-matmul kernel, or W8A8 (int8 weights x int8 activations)
+MATMUL_IMPLS = ("auto", "xla", "cpu", "int8")
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (kv_pool.KV_CODE_FORMATS); None keeps the model dtype
 
 LOGPROBS_MODES = ("raw", "processed")  # EngineConfig.logprobs_mode (vLLM's raw_logprobs / processed_logprobs)
@@ -243,7 +244,8 @@ class EngineConfig:
     max_prefill_seqs: int = 8  # sequences one packed prefill row holds at most (its logits rows)
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); attention.resolve_impl
-    # auto | xla (XLA dot on the loaded params) | cpu (panels for kernels_cpu/layer_matmul); matmul_impl.resolve_matmul_impl
+    # auto | xla (XLA dot on the loaded params) | cpu (panels for kernels_cpu/layer_matmul) | int8 (quantization="int8"
+    # weights times activations quantized per token, XLA's int8 dot: quant.with_int8_activations); matmul_impl.resolve_matmul_impl
     matmul_impl: str = "auto"
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import kv_pool as kvp
-from jaxinfer import guided, model, panels, sampling
+from jaxinfer import guided, model, panels, quant, sampling
 from jaxinfer import sharding as shd
 from jaxinfer.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -237,8 +237,10 @@ class Engine:
         # before the pool is sized, so free memory counts the panels.
         from jaxinfer.matmul_impl import resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
 
-        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None)
-        self.step_params = panels.pack_panels(params) if self.matmul_impl == "cpu" else params
+        int8_weights = quant.has_int8_weights(params)
+        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None, int8_weights=int8_weights)
+        packed = {"cpu": panels.pack_panels, "int8": quant.with_int8_activations}.get(self.matmul_impl)
+        self.step_params = params if packed is None else packed(params)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's

@@ -1,5 +1,6 @@
 """The one owner of the matmul path's rule: whether an engine's layer matmuls run through XLA's dot on the
-loaded params ('xla') or through the CPU layer-matmul kernel on panels packed at start ('cpu', panels.py).
+loaded params ('xla'), through the CPU layer-matmul kernel on panels packed at start ('cpu', panels.py), or
+as W8A8 through XLA's int8 dot on int8 weights ('int8', quant.with_int8_activations).
 
 `EngineConfig.matmul_impl` asks; `resolve_matmul_impl` answers for the engine (engine.py), given the
 attention it resolved. The tuner (tuning.py) measures both paths and pins one; left at 'auto' and not tuned,
@@ -12,14 +13,17 @@ import jax
 from jaxinfer.attention import CPU_IMPL
 
 
-def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on_mesh: bool) -> str:
-    """'xla' or 'cpu' for an EngineConfig.matmul_impl, given the resolved attention impl. 'auto' is 'cpu'
-    exactly when the attention is the CPU kernel (whose own check asks that the layer-matmul kernel builds).
-    An explicit 'cpu' that cannot run raises ValueError, naming why, before anything is packed."""
+def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on_mesh: bool, int8_weights: bool = False) -> str:
+    """'xla', 'cpu' or 'int8' for an EngineConfig.matmul_impl, given the resolved attention impl. 'auto' is
+    'cpu' exactly when the attention is the CPU kernel (whose own check asks that the layer-matmul kernel
+    builds; quantized matrices stay as they are there, only dense ones are packed). An explicit 'cpu' or 'int8' that cannot run raises ValueError, naming
+    why, before anything is packed. `int8_weights`: the params hold int8 matrices (quantization='int8')."""
     if matmul_impl == "auto":
         return "cpu" if attention_impl == CPU_IMPL else "xla"
     if matmul_impl == "cpu" and (obstacle := _cpu_matmul_obstacle(dtype, on_mesh)):
         raise ValueError(f"matmul_impl='cpu': the layer-matmul kernel {obstacle}; use matmul_impl='auto' or 'xla'")
+    if matmul_impl == "int8" and not int8_weights:
+        raise ValueError("matmul_impl='int8' multiplies int8 weights by int8 activations; load the model with quantization='int8'")
     return matmul_impl
 
 

@@ -74,10 +74,15 @@ class QuantizedTensor:
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # logical input axes (I = prod)
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # logical output axes (O = prod)
     layout: Literal["in_out", "out_in"] = dataclasses.field(default="out_in", metadata=dict(static=True))
+    # How qeinsum multiplies it: "float" (dequantized to the activations' dtype first) or "int8" (int8
+    # format only: W8A8, the activations quantized per token and XLA's int8 x int8 -> int32 dot; `_int8_dot`).
+    activations: Literal["float", "int8"] = dataclasses.field(default="float", metadata=dict(static=True))
 
     def __post_init__(self):  # metadata only: array fields may be tracers or placeholders here
         if self.format not in _BITS:
             raise ValueError(f"unknown quantized format {self.format!r}; known: {', '.join(_BITS)}")
+        if self.activations not in ("float", "int8") or (self.activations == "int8" and self.format != "int8"):
+            raise ValueError(f"activations={self.activations!r}: 'int8' activations need the int8 format, got {self.format!r}")
         if self.layout not in ("in_out", "out_in"):
             raise ValueError(f"{self.layout=} must be 'in_out' or 'out_in'")
 
@@ -257,6 +262,10 @@ def qeinsum(spec: str, x: Float[Array, "..."], w: Float[Array, "..."] | Quantize
     lead_subs, logical = w_subs[:num_lead], w_subs[num_lead:]
     if w.layout == "in_out":
         logical = logical[len(w.in_shape):] + logical[: len(w.in_shape)]  # -> out letters, then in letters
+    if w.activations == "int8":
+        if lead_subs:
+            raise ValueError(f"int8 activations multiply one matrix, not a stack {w.shape}; spec {spec!r}")
+        return _int8_dot(w, logical, x, x_subs, output).astype(preferred_element_type or x.dtype)
     dense = _dequantize_stored(w).astype(x.dtype)  # [*lead, *out_shape, *in_shape]
     if lead_subs:
         return jnp.einsum(f"{x_subs},{lead_subs}{logical}->{output}", x, dense, preferred_element_type=preferred_element_type)
@@ -275,6 +284,36 @@ def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred
     y = jax.lax.dot_general(dense, x, dims, preferred_element_type=preferred_element_type)
     y_subs = "".join(c for c in w_subs if c not in contracted) + "".join(c for c in x_subs if c not in contracted)
     return jnp.transpose(y, tuple(y_subs.index(c) for c in output))
+
+
+def _int8_dot(w: QuantizedTensor, w_subs: str, x, x_subs: str, output: str) -> Float[Array, "..."]:
+    """W8A8 (llama.cpp's Q8_0 x Q8_1 idea, qwix's and AQT's int8 dot): each token of `x` (its entries over
+    the contracted axes) quantized to int8 with the symmetric scale max|x| / 127, multiplied with the int8
+    codes [*out, *in] by XLA's integer dot into int32 (exact), then both scales applied in f32."""
+    contracted = [c for c in w_subs if c in x_subs and c not in output]
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.max(jnp.abs(x32), axis=tuple(x_subs.index(c) for c in contracted), keepdims=True) / 127.0
+    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
+    x_codes = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+    codes = w.codes.reshape(*w.out_shape, *w.in_shape)
+    y = _weight_first_dot(codes, w_subs, x_codes, x_subs, output, jnp.int32).astype(jnp.float32)
+    w_out, x_rest = "".join(c for c in w_subs if c not in contracted), "".join(c for c in x_subs if c not in contracted)
+    w_scale = w.scales.astype(jnp.float32).reshape(w.out_shape)
+    x_scale = x_scale.reshape([n for i, n in enumerate(x_scale.shape) if x_subs[i] not in contracted])
+    return jnp.einsum(f"{output},{w_out},{x_rest}->{output}", y, w_scale, x_scale)
+
+
+def with_int8_activations(tree):
+    """`tree` with every int8 QuantizedTensor multiplied W8A8 (activations="int8"); the rest unchanged."""
+    def convert(leaf):
+        return dataclasses.replace(leaf, activations="int8") if isinstance(leaf, QuantizedTensor) and leaf.format == "int8" else leaf
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=lambda leaf: isinstance(leaf, QuantizedTensor))
+
+
+def has_int8_weights(tree) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda leaf: isinstance(leaf, QuantizedTensor))
+    return any(isinstance(leaf, QuantizedTensor) and leaf.format == "int8" for leaf in leaves)
 
 
 def take(w: Float[Array, "O ..."] | QuantizedTensor, indices: Int[Array, "..."], dtype=jnp.float32) -> Float[Array, "..."]:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import model, runloop
+from jaxinfer import model, quant, runloop
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
@@ -44,7 +44,7 @@ from jaxinfer.scheduler import Scheduler
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 1  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 2  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
@@ -68,6 +68,7 @@ TOLERANCES = {
     "float32": Tolerance(1e-3, 1.0),
     "bfloat16": Tolerance(8e-2, 0.5),  # 8 mantissa bits: 4.3% relative logit error measured on SmolLM2's probe
     "float16": Tolerance(2e-2, 0.5),
+    "int8": Tolerance(8e-2, 0.5),  # matmul 'int8' (W8A8, any dtype): 7 bits per activation, about bf16's error
 }
 
 
@@ -122,15 +123,18 @@ class Candidate:
             (pins.dtype, pins.attention_impl, pins.matmul_impl), (self.dtype, self.attention_impl, self.matmul_impl)))
 
 
-def default_candidates(pins: Pins, backend: str | None = None) -> list[Candidate]:
+def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: bool = False) -> list[Candidate]:
     """The candidates of this backend that keep the pins. CPU: f32 with every mix of the CPU kernels and
     XLA/jnp, and bf16 through XLA (bf16 dots accumulate in f32; norms, rope and softmax run in f32; the CPU
-    kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel."""
+    kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel. With int8
+    weights (quantization='int8'), also W8A8 (matmul 'int8': activations quantized per token, XLA's int8 dot)."""
     backend = backend or jax.default_backend()
     if backend == "cpu":
         combos = [("float32", a, m) for a in ("reference", CPU_IMPL) for m in ("xla", "cpu")] + [("bfloat16", "reference", "xla")]
+        combos += [("float32", a, "int8") for a in ("reference", CPU_IMPL)] if int8_weights else []
     else:
         combos = [("float32", "reference", "xla"), ("bfloat16", "reference", "xla"), ("bfloat16", "pallas", "xla")]
+        combos += [("bfloat16", "reference", "int8")] if int8_weights else []
     pinned_dtype = [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]  # float16
     return [c for c in (Candidate(*combo) for combo in combos + pinned_dtype) if c.fits(pins)]
 
@@ -298,7 +302,7 @@ def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
     context = page * max(-(-(chunk + NUM_GENERATED) // page), rows * -(-longest // page) if packed else 0)
     probe_cfg = EngineConfig.with_overrides(
         engine_cfg, max_context=context, max_num_seqs=rows, max_prefill_tokens=chunk, prefill_chunk_buckets=(chunk,),
-        decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), num_pages=rows * (context // page) * 2 + 1,
+        decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), buckets=None, num_pages=rows * (context // page) * 2 + 1,
         enable_prefix_caching=False, max_prefill_seqs=rows if engine_cfg.prefill_packing else engine_cfg.max_prefill_seqs,
     )
     per_prompt = _prompt_length(probe_cfg, rows, longest)
@@ -390,7 +394,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     ref_logits, ref_tokens = reference
     error = max(float(np.linalg.norm(logits[i] - ref_logits[i]) / np.linalg.norm(ref_logits[i])) for i in range(len(probe.prompts)))
     agreement = _greedy_agreement(tokens, ref_tokens)
-    tolerance = TOLERANCES.get(candidate.dtype, TOLERANCES["bfloat16"])
+    tolerance = TOLERANCES["int8" if candidate.matmul_impl == "int8" else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
     passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
     note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"
     return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note)
@@ -417,7 +421,8 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
     after each. The pins are filled in from the winner; the result's choice has source 'tuned'."""
     start = time.perf_counter()
-    candidates = [c for c in (default_candidates(pins) if candidates is None else candidates) if c.fits(pins)]  # pins hold
+    defaults = default_candidates(pins, int8_weights=quant.has_int8_weights(params))
+    candidates = [c for c in (defaults if candidates is None else candidates) if c.fits(pins)]  # pins hold
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
     if prompt_ids is None:
@@ -448,7 +453,7 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
               else "a mesh (tensor or data parallelism)" if on_mesh else "deterministic mode" if engine_cfg.deterministic else "")
     if reason:
         return TuneResult(fixed_choice(pins), [], reason=reason)
-    if candidates is None and len(only := default_candidates(pins)) == 1:  # the pins leave nothing to compare
+    if candidates is None and len(only := default_candidates(pins, int8_weights=quant.has_int8_weights(params))) == 1:  # nothing to compare
         return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()

@@ -166,11 +166,18 @@ def test_tune_command_prints_the_table_and_writes_the_cache(tiny_chat_model, com
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
 
 
-@pytest.mark.parametrize("limits", [SMALL_ENGINE, {}, dict(max_num_seqs=16, page_size=16)])
+FITTED_BUCKETS = "fitted"  # a bucket strategy sets the tables (experiments/buckets_on_engine.py's configurations)
+
+
+@pytest.mark.parametrize("limits", [SMALL_ENGINE, {}, dict(max_num_seqs=16, page_size=16), FITTED_BUCKETS])
 def test_probe_prefills_every_prompt_in_one_step_of_a_table_key(limits):
     """The probe times one prefill program (all its prompts in one packed row) and then decode steps of all rows."""
+    from jaxinfer.buckets import EngineBuckets, strategy_from_sample
     from jaxinfer.runloop import dry_run
 
+    if limits == FITTED_BUCKETS:
+        sample = [1, 2, 3, 5, 8, 8, 8, 13]
+        limits = dict(max_num_seqs=8, buckets=EngineBuckets(**{d: strategy_from_sample("fitted", sample, 3) for d in ("chunk", "rows", "pages")}))
     engine_cfg = EngineConfig(**limits)
     probe = tuning.make_probe(engine_cfg, list(range(1, 300)))
     plans, _ = dry_run(probe.engine_cfg, probe.prompts, [tuning.NUM_GENERATED] * len(probe.prompts))
