@@ -33,9 +33,16 @@ BAD_LINES = {  # line number -> the reason its error record must name
 }
 
 
+def features(i: int) -> dict:
+    """Some lines use the request surface too: n samples with logprobs, a grammar, penalties."""
+    return ({"n": 2, "temperature": 0.8, "seed": i, "logprobs": 2} if i % 5 == 1 else {"structured_outputs": {"regex": "[0-9]{1,4}"}} if i % 7 == 2
+            else {"presence_penalty": 1.0, "logit_bias": {"100": 3.0}} if i % 9 == 3 else {})
+
+
 def write_input(path: Path) -> Path:
-    """40 lines: 36 good chat requests, 4 bad lines at BAD_LINES."""
-    good = iter(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: name a number."}], "max_tokens": 48}) for i in range(NUM_GOOD))
+    """40 lines: 36 good chat requests (some with features()), 4 bad lines at BAD_LINES."""
+    good = iter(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: name a number."}], "max_tokens": 48} | features(i))
+                for i in range(NUM_GOOD))
     bad = {4: '{"id": "broken", "prompt": "unterminated', 11: json.dumps({"prompt": "no id"}), 19: json.dumps({"id": "typo", "prompt": "hi", "max_token": 3}),
            27: '{"id": "nan", "prompt": "hi", "temperature": NaN}'}
     lines = [bad[n] if n in bad else next(good) for n in range(1, NUM_GOOD + len(bad) + 1)]
@@ -61,7 +68,8 @@ def _env() -> dict:
 
 
 def comparable(record: dict) -> tuple:
-    return record["status"], record["id"], record["line"], record.get("token_ids"), record.get("text"), record.get("error")
+    samples = [s["token_ids"] for s in record.get("samples", [])]
+    return record["status"], record["id"], record["line"], record.get("token_ids"), record.get("text"), record.get("error"), samples
 
 
 def actor_pids() -> set[int]:
@@ -109,6 +117,12 @@ def test_two_actors_run_the_job_like_the_local_one_with_error_records(job):
         (record,) = [r for r in got.values() if r["line"] == number]
         assert record["status"] == "error" and reason in record["error"], record
     assert "40 requests (36 ok, 4 errors)" in result.stdout
+    sampled = [r for r in got.values() if "samples" in r]
+    assert sampled and all(len(r["samples"]) == 2 and len(r["samples"][1]["logprobs"]) == len(r["samples"][1]["token_ids"]) for r in sampled)
+    for key, record in got.items():
+        for ours, theirs in zip(record.get("logprobs", []), local[key].get("logprobs", [])):
+            assert abs(ours["logprob"] - theirs["logprob"]) <= 1e-4
+    assert all(re.fullmatch(r"[0-9]{1,4}", r["text"]) for r in got.values() if r["status"] == "ok" and features(int(r["id"][1:])).get("structured_outputs"))
 
 
 @pytest.mark.slow

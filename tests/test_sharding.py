@@ -52,6 +52,24 @@ def _check_against_one_device(report: dict, tps: tuple[int, ...]) -> None:
         assert got["pool_devices"] == tp
 
 
+@pytest.mark.slow
+def test_request_features_work_under_tensor_parallelism_and_deterministic_mode(tiny_chat_model):
+    import re
+
+    import numpy as np
+
+    report = _run_worker(str(tiny_chat_model), (1, 2), {"features": True})
+    one, two = report["1"], report["2"]
+    assert two["tokens"] == one["tokens"] and two["texts"] == one["texts"]
+    for name in ("logprobs", "prompt_logprobs"):
+        for a, b in zip(one[name], two[name]):
+            assert len(a) == len(b) and (not a or np.abs(np.subtract(a, b)).max() <= 1e-4), name
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", one["texts"][2]) and set(sum(one["tokens"][3], [])) <= {100, 200, 300, 400}
+    alone, batch = report["deterministic_alone"], report["deterministic_batch"]
+    assert alone["tokens"][0] == batch["tokens"][0] and alone["logprobs"][0] == batch["logprobs"][0]  # bitwise, whatever else runs
+    assert alone["prompt_logprobs"][0] == batch["prompt_logprobs"][0]
+
+
 @pytest.fixture(scope="module")
 def tiny_report():
     return _run_worker(str(TINY), (1, 2, 3, 4))
@@ -357,6 +375,38 @@ def _dp_worker(model: str, extra: dict) -> dict:
     return report
 
 
+def _features_worker(model: str, tps: list[int]) -> dict:
+    """The request surface of issue 25 (logprobs, prompt logprobs, penalties, bias, min_p, min_tokens, a
+    grammar, n, allowed ids, bad words) through LLM at each tensor-parallel size, and in deterministic mode
+    alone and inside a batch of other requests."""
+    from jaxinfer.api import LLM
+    from jaxinfer.request import SamplingParams
+
+    prompts = ["The cat sat on the mat", "One two three four five", "Write a code:", "Hello there", "Numbers: 1, 2, 3"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={100: 5.0}, min_p=0.1),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=12, structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"}),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=5, n=2, ignore_eos=True, allowed_token_ids=(100, 200, 300, 400)),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=("the",), min_tokens=3, logprobs=0),
+    ]
+    limits = dict(dtype="float32", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=32, attention_impl="reference",
+                  compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_features_xla_"))
+
+    def run(llm, which=range(len(prompts))):
+        outs = llm.generate([prompts[i] for i in which], [params[i] for i in which], progress=False)
+        return dict(
+            tokens=[[s.token_ids for s in (o.samples or [o])] for o in outs], texts=[o.text for o in outs],
+            logprobs=[[lp for lp, _ in o.logprobs] if o.logprobs else [] for o in outs],
+            prompt_logprobs=[[e[0] for e in o.prompt_logprobs[1:]] if o.prompt_logprobs else [] for o in outs],
+        )
+
+    report = {str(tp): run(LLM(model, tensor_parallel=tp, **limits)) for tp in tps}
+    deterministic = LLM(model, deterministic=True, **limits)
+    report["deterministic_batch"], report["deterministic_alone"] = run(deterministic), run(deterministic, [0])
+    return report
+
+
 def _collectives(engine, cfg) -> dict:
     """Collectives in the compiled decode program's HLO (the scanned layer body appears once): all-reduces
     of the [R, 1, D] activations, and any collective whose result has the shape of a pool array."""
@@ -469,6 +519,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if "layouts" in extra:
         print(json.dumps(_dp_worker(sys.argv[1], extra)))
+        sys.exit(0)
+    if extra.get("features"):
+        print(json.dumps(_features_worker(sys.argv[1], [int(t) for t in sys.argv[2].split(",")])))
         sys.exit(0)
     result = _worker(sys.argv[1], [int(t) for t in sys.argv[2].split(",")], extra)
     for tp, entry in ((tp, e) for tp, e in result.items() if tp.isdigit()):
