@@ -29,7 +29,7 @@ import numpy as np
 import harness
 from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
 from jaxinfer import kv_pool, loading, params as params_lib, quant
-from jaxinfer.api import LLM
+from jaxinfer.api import LLM, SamplingParams
 from jaxinfer.config import EngineConfig, from_hf_config
 from jaxinfer.engine import Engine
 from jaxinfer.tokenizer import load_tokenizer
@@ -55,6 +55,7 @@ GREEDY_PROMPTS = (0, 1, 3, 7)  # fixture prompts of 46-59 tokens (padded to GREE
 GREEDY_PAD, GREEDY_TOKENS = 64, 32  # the fixture holds HF's first 32 greedy tokens (--quick: 8)
 GGUF_LOGITS_TOLERANCE = 1e-5  # gguf-kept vs f32 logits: tests/tolerances.py LOGITS_VS_FLOAT64 (same weights, other sum order)
 GGUF_PPL_TOLERANCE = 1e-4  # "identical perplexity": |ppl_gguf / ppl_f32 - 1| at most this
+PPL_PATHS_TOLERANCE = 1e-4  # prompt_logprobs' perplexity vs the forward's logits: |ratio - 1| at most this
 GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t, m <= t or m >= t)
     "int8_ppl": ("int8 perplexity within 0.5% of f32", 0.005, "within"),
     "int4_g32_ppl": ("int4 g32 perplexity within 3% of f32", 0.03, "within"),
@@ -149,20 +150,42 @@ def aggregate_scores(per_window: list[dict], seconds: float) -> dict:
 
 
 def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_dir: pathlib.Path, write_reference: bool) -> dict:
-    """Each window as one forward through the paged pool (its pages rewritten from position 0); the f32
-    row writes its logits to reference_dir, the others are scored against them."""
+    """Perplexity from LLM.generate's prompt_logprobs (the engine's chunked prefill); beside it each window
+    as one forward through the paged pool for its full logits: the f32 row writes them to reference_dir,
+    the others are scored against them (KL, argmax agreement), and the forward's own perplexity must
+    equal the prompt_logprobs one (PPL_PATHS_TOLERANCE)."""
     pages = WINDOW // PAGE_SIZE
     pool, impl = make_pool(cfg, params, pages + 1, kv)
+    start = time.perf_counter()
+    nll = prompt_logprob_nll(cfg, params, kv, windows, impl)
+    logprob_s = time.perf_counter() - start
     positions = np.arange(WINDOW, dtype=np.int32)[None]
     meta = harness.page_meta(harness.row_tables(1, pages), positions, PAGE_SIZE)
-    start, per_window = time.perf_counter(), []
+    per_window = []
     for i, window in enumerate(windows):
         logits, pool = harness.forward_program()(params, pool, jnp.asarray([window], jnp.int32), positions, meta, None, cfg=cfg, impl=impl, output="logits")
         logits = np.asarray(logits[0], np.float32)  # [T, V]
         if write_reference:
             np.save(reference_dir / f"w{i}.npy", logits)
         per_window.append(score_window(logits, window, None if write_reference else np.load(reference_dir / f"w{i}.npy")))
-    return aggregate_scores(per_window, time.perf_counter() - start)
+    forward = aggregate_scores(per_window, time.perf_counter() - start - logprob_s)
+    result = aggregate_scores([w | {"nll_sum": n} for w, n in zip(per_window, nll)], logprob_s)
+    result["perplexity_of_the_forward_logits"] = forward["perplexity"]
+    result["prompt_logprobs_vs_forward"] = result["perplexity"] / forward["perplexity"] - 1
+    if abs(result["prompt_logprobs_vs_forward"]) > PPL_PATHS_TOLERANCE:
+        raise SystemExit(f"prompt_logprobs perplexity {result['perplexity']:.6f} != the forward's {forward['perplexity']:.6f}")
+    return result
+
+
+def prompt_logprob_nll(cfg, params, kv: str | None, windows: list[list[int]], impl: str) -> list[float]:
+    """Each window's summed negative log-likelihood from prompt_logprobs, through LLM.from_params on these
+    params (the forward's attention, XLA's matmul: pinned, so nothing is tuned)."""
+    extra = {"kv_cache_dtype": kv} if kv else {}
+    engine_cfg = EngineConfig(page_size=PAGE_SIZE, max_context=WINDOW + PAGE_SIZE, max_num_seqs=1, enable_prefix_caching=False,
+                              attention_impl=impl, matmul_impl="xla", compilation_cache_dir=None, **extra)
+    llm = LLM.from_params(cfg, params, load_tokenizer(None), engine_config=engine_cfg)
+    outputs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), progress=False)
+    return [-math.fsum(entry[0] for entry in o.prompt_logprobs[1:]) for o in outputs]
 
 
 def score_llamacpp(windows: list[list[int]], workdir: pathlib.Path, kv_type: str) -> dict:

@@ -24,7 +24,9 @@ def modes(args):
     from jaxinfer import SamplingParams
 
     plain = lambda i: SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, ignore_eos=True)  # noqa: E731
-    guided = lambda i: SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})  # noqa: E731
+    # room to finish the array (the model may put each number on its own line); the timed steps are those
+    # with all rows running, so the first max_tokens
+    guided = lambda i: SamplingParams(temperature=0.8, seed=i, max_tokens=4 * args.max_tokens, structured_outputs={"json": SCHEMA})  # noqa: E731
     controls = lambda i: SamplingParams(  # noqa: E731
         temperature=0.8, seed=i, max_tokens=args.max_tokens, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
         repetition_penalty=1.2, logit_bias={11: 2.0, 13: -2.0}, min_p=0.05, logprobs=5,

@@ -7,6 +7,7 @@ Issue 24's runtime tuning, on SmolLM2-135M-Instruct. In one run:
      teacher-forced perplexity of each dtype over the prompts' next tokens (no cache, model.forward), and
      greedy agreement of the dense reference generator (generate.generate) in bf16 against f32 (and f32
      against HF's own greedy ids, as a check of the f32 side);
+     The same table over quantization='int8' weights, where W8A8 (matmul 'int8') is a candidate;
   3. output tokens/s of the default configuration (dtype, attention and matmul "auto": the tuned choice)
      against the fixed f32 configuration (JAXINFER_TUNE=0: float32, the CPU kernels as before tuning), on
      --num-requests requests of the conversation trace scaled by --scale (harness.build_workload), each
@@ -159,19 +160,22 @@ def main() -> None:
         os.environ[tuning.CACHE_ENV] = os.path.join(scratch, "tuner")  # from scratch: nothing cached, nothing compiled
         engine_cfg = engine_config(os.path.join(scratch, "xla"), args.num_requests)
         tuned = time_tuning(cfg, params, tokenizer, engine_cfg, os.environ[tuning.CACHE_ENV])
+        int8_cfg, int8_params = loading.load_model(None, quantization="int8")  # the same table over int8 weights: W8A8 among the candidates
+        tuned_int8 = time_tuning(int8_cfg, int8_params, tokenizer, engine_cfg, os.path.join(scratch, "tuner_int8"))
+        del int8_params
         faithful = fidelity(cfg, params)
         workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, tokenizer, max_context=harness.WORKLOAD_MAX_CONTEXT)
         speed = throughput(workload, engine_cfg, args.repeats)
     checks_ok = all(run["reference_check"]["num_equal"] == run["reference_check"]["num_checked"] for run in (speed["default"], speed["fixed_f32"]))
     doc = {
         "question": "runtime tuner: its cost (first and cached start), its choice, bf16 fidelity vs f32, default vs fixed f32 tokens/s",
-        "model": loading.default_model_path().name, "tuning": tuned, "fidelity": faithful, "throughput": speed,
+        "model": loading.default_model_path().name, "tuning": tuned, "tuning_int8_weights": tuned_int8, "fidelity": faithful, "throughput": speed,
         "workload": {**harness.workload_summary(workload["requests"]), "trace": workload["trace"], "scale": args.scale, "seed": args.seed},
         "targets": {"first_tuning_s_max": 60.0, "cached_start_s_max": 1.0, "bf16_perplexity_ratio_max": MAX_PERPLEXITY_RATIO},
         "runtime_s": time.perf_counter() - start,
     }
     harness.finish(args.out, doc, {
-        "bench": "tune", "choice": tuning.Choice(**tuned["choice"]).describe(), "first_tuning_s": tuned["first_tuning_s"], "cached_start_s": tuned["cached_start_s"],
+        "bench": "tune", "choice": tuning.Choice(**tuned["choice"]).describe(), "choice_int8_weights": tuning.Choice(**tuned_int8["choice"]).describe(), "first_tuning_s": tuned["first_tuning_s"], "cached_start_s": tuned["cached_start_s"],
         "f32_perplexity": faithful["perplexity"]["float32"]["perplexity"], "bf16_perplexity": faithful["perplexity"]["bfloat16"]["perplexity"],
         "bf16_greedy_exact": faithful["bf16_vs_f32_greedy"]["exact_requests"], "bf16_greedy_prefix": faithful["bf16_vs_f32_greedy"]["mean_prefix_fraction"],
         "default_tokens_per_s": speed["default"]["output_tokens_per_s"], "fixed_f32_tokens_per_s": speed["fixed_f32"]["output_tokens_per_s"],

@@ -10,7 +10,11 @@ CPU the 6 x 4 grid compiles ~250 programs cold per trace (~25 minutes); --quick 
 
     nice -n 10 .venv/bin/python experiments/buckets_on_engine.py [--quick] [--model PATH|tiny]
         [--strategies pad-to-max,fitted] [--budgets 4,8,16,32] [--traces conversation,synthetic]
-        [--num-requests 12] [--scale 16] [--repeats 2] [--out-dir DIR]
+        [--num-requests 12] [--scale 16] [--repeats 2] [--replay-loads 0.5,1,2] [--slo 2,0.2] [--out-dir DIR]
+
+Then every configuration is replayed under arrivals (traces.replay): the conversation trace's real gaps
+(consecutive rows) or a bursty synthetic process, at each --replay-loads times the first configuration's
+offline request rate, reporting TTFT/TPOT p99, throughput and goodput; the tokens must equal offline.
 """
 
 import argparse
@@ -38,6 +42,8 @@ WORK_DIR = REPO_ROOT / "build" / "buckets_on_engine"  # worker specs, the tiny m
 NAME = "buckets_on_engine"
 STRATEGIES = tuple(STRATEGY_KINDS)
 BUDGETS = (4, 8, 16, 32)
+REPLAY_LOADS = (0.5, 1.0, 2.0)  # offered load under arrivals, in units of the first configuration's offline requests/s
+SLO = (2.0, 0.2)  # (TTFT s, TPOT s) that goodput counts against
 TRACES = ("conversation", "synthetic")
 DEFAULT_TRACES = ("conversation",)  # the default run; both traces take about twice as long (module docstring)
 MAX_BUCKETS_PER_DIMENSION = 64  # k is searched up to this
@@ -69,6 +75,7 @@ class Workload:
     name: str
     prompts: list[list[int]]  # token ids, arrival order
     max_tokens: list[int]
+    arrival_shape: list[float]  # the replay's arrival times at a mean rate of one request per second
 
     @property
     def requests(self) -> list[dict]:
@@ -83,15 +90,25 @@ def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_reque
         if name == "conversation":
             full = load_trace(trace_path)
             trace = full.take(harness.sample_rows(full.num_requests, num_requests, np.random.default_rng(seed)))
+            start = int(np.random.default_rng(seed).integers(0, full.num_requests - num_requests))
+            arrivals = full.timestamps[start : start + num_requests]  # real gaps: consecutive rows of the trace
         elif name == "synthetic":
             trace = synthetic_trace(num_requests, seed=seed)
+            arrivals = synthetic_trace(num_requests, seed=seed, arrival="bursty").timestamps
         else:
             raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
         # outputs capped at half the context; the prompt offsets come from a generator of their own
         requests = harness.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=limits.max_context,
                                            max_output=limits.max_context // 2)
-        workloads.append(Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests]))
+        workloads.append(Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests], unit_rate(arrivals)))
     return workloads
+
+
+def unit_rate(timestamps: np.ndarray) -> list[float]:
+    """Arrival times from 0 with their gaps rescaled to a mean of one second (the replay then sets the rate)."""
+    offsets = np.asarray(timestamps, np.float64) - timestamps[0]
+    mean_gap = offsets[-1] / max(len(offsets) - 1, 1)
+    return (offsets / mean_gap if mean_gap > 0 else offsets).tolist()
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -287,11 +304,32 @@ def run_trace(spec: dict, report=print) -> list[dict]:
         if "error" not in results[config_id]:
             results[config_id] |= summarize_runs(runs[config_id], llm, workload, limits)
     first = spec["configs"][0]["id"]
+    if spec.get("replay_loads") and "output_tokens_per_s" in results[first]:
+        replay_all(spec, llms, results, workload, capacity=len(workload.prompts) / results[first]["seconds"], report=report)
     if "tokens" in results[first]:
         model_cfg, params, tokenizer = model  # the shortest requests' tokens as the engine computed them inside the full batch
         results[first]["reference_check"] = harness.reference_check(params, model_cfg, tokenizer.eos_id, workload.requests,
                                                                     lambda chosen: [results[first]["tokens"][i] for i in chosen])
     return [{"id": c["id"], **results[c["id"]]} for c in spec["configs"]]
+
+
+def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, capacity: float, report) -> None:
+    """Each configuration under arrivals: the workload's arrival shape at each load x `capacity` (the first
+    configuration's offline requests per second), by traces.replay; rows gain {"replay": {load: report}}."""
+    from jaxinfer.traces import replay
+
+    params = [harness.greedy(n) for n in workload.max_tokens]
+    for config_id, llm in llms.items():
+        if "error" in results[config_id]:
+            continue
+        results[config_id]["replay"] = {}
+        for load in spec["replay_loads"]:
+            llm.reset_prefix_cache()
+            outputs, summary = replay(llm, workload.prompts, params, workload.arrival_shape, rate=load * capacity, slo_ttft_s=spec["slo_ttft_s"], slo_tpot_s=spec["slo_tpot_s"])
+            summary["tokens_as_offline"] = [o.token_ids for o in outputs] == results[config_id]["tokens"]
+            summary["offered_requests_per_s"] = load * capacity
+            results[config_id]["replay"][str(load)] = summary
+            report(json.dumps({"line": f"replay {config_id} load {load}: {summary['output_tokens_per_s']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, goodput {summary['goodput_requests_per_s']:.2f} req/s"}))
 
 
 def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list[dict]:
@@ -358,6 +396,9 @@ TABLE_LEGEND = ("c/r/p: buckets in the chunk / decode rows / pages tables; pad: 
                 "(allocated-but-unused slots); held MiB: KV pool bytes held at the peak; rss MiB: process VmHWM over this "
                 "configuration's warm-ups (process-wide: runtime, weights, compiler, and the engines of the configurations before it); "
                 "+MiB: that peak over the RSS before it; agree: requests with the same greedy tokens as the first row")
+
+
+REPLAY_COLUMNS = [("strategy", "<14"), ("B", "2d"), ("load", "4.1f"), ("tok/s", "6.1f"), ("ttft p99", "8.2f"), ("tpot p99", "8.3f"), ("goodput", "7.2f")]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -440,7 +481,31 @@ def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") ->
         figure.suptitle(f"bucket strategies on the engine ({model_name})", fontsize=10)
         paths[name] = str(out_dir / f"{NAME}_{name}.png")
         figure.savefig(paths[name], dpi=110)
+    if any(t["replay_frontier"] for t in traces):
+        paths["replay_frontier"] = plot_replay(traces, out_dir, model_name, Figure)
     return paths
+
+
+def plot_replay(traces: list[dict], out_dir: pathlib.Path, model_name: str, Figure) -> str:
+    """Under arrivals: every (budget, load) point of each strategy, its frontier as a line, one panel per trace."""
+    markers = {0: "o", 1: "s", 2: "^", 3: "v"}
+    figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
+    for axes, trace in zip(np.atleast_1d(figure.subplots(1, len(traces))), traces):
+        points = replay_points(distinct_rows(trace["rows"]))
+        loads = sorted({p["load"] for p in points})
+        for strategy, frontier in trace["replay_frontier"].items():
+            line, = axes.plot([p["output_tokens_per_s"] for p in frontier], [p["ttft_p99_s"] for p in frontier], "-", label=strategy, alpha=0.8)
+            for p in (p for p in points if p["strategy"] == strategy):
+                axes.plot(p["output_tokens_per_s"], p["ttft_p99_s"], markers.get(loads.index(p["load"]), "x"), color=line.get_color(), alpha=0.7)
+        for i, load in enumerate(loads):
+            axes.plot([], [], markers.get(i, "x"), color="gray", label=f"load {load:g}")
+        axes.set(xlabel="output tokens/s under arrivals", ylabel="TTFT p99 (s)", title=f"{trace['workload']['name']} trace, replayed", yscale="log")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.suptitle(f"TTFT p99 / throughput frontier of each strategy under arrivals ({model_name})", fontsize=10)
+    path = str(out_dir / f"{NAME}_replay_frontier.png")
+    figure.savefig(path, dpi=110)
+    return path
 
 
 # ------------------------------------------------------------------------------------------ the experiment
@@ -480,7 +545,7 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
     for r in ok:
         r["agreement"] = agreement(r["tokens"], first_tokens) if first_tokens else {"exact_requests": float("nan"), "mean_prefix_fraction": float("nan")}
     all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
-    distinct = [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
+    distinct = distinct_rows(rows)
     return {
         "workload": {"name": workload.name, **harness.workload_summary(workload.requests)}, "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
         "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
@@ -489,12 +554,31 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
         "pareto_frontier": [{"strategy": r["strategy"], "budget": r["budget"], "programs": r["programs"], "output_tokens_per_s": r["output_tokens_per_s"],
                              "ttft_p99_s": r["ttft_p99_s"], "same_tables": [f"{o['strategy']} B={o['budget']}" for o in rows if o["same_tables_as"] == r["same_tables_as"]]}
                             for r in pareto_frontier(distinct)],
+        "replay_frontier": replay_frontiers(distinct),
     }
+
+
+def distinct_rows(rows: list[dict]) -> list[dict]:
+    """The rows whose tables no earlier row has (the others repeat its figures)."""
+    return [r for r in rows if r["same_tables_as"] == f"{r['strategy']} B={r['budget']}"]
+
+
+def replay_points(rows: list[dict]) -> list[dict]:
+    """One point per (row, load) of the replays: throughput, TTFT p99, goodput."""
+    return [{"strategy": r["strategy"], "budget": r["budget"], "load": float(load), "output_tokens_per_s": rep["output_tokens_per_s"],
+             "ttft_p99_s": rep["ttft_p99_s"], "tpot_p99_s": rep["tpot_p99_s"], "goodput_requests_per_s": rep["goodput_requests_per_s"]}
+            for r in rows if "error" not in r for load, rep in r.get("replay", {}).items()]
+
+
+def replay_frontiers(rows: list[dict]) -> dict[str, list[dict]]:
+    """Each strategy's TTFT p99 / throughput frontier over its budgets and loads under arrivals."""
+    points = replay_points(rows)
+    return {strategy: pareto_frontier([p for p in points if p["strategy"] == strategy]) for strategy in dict.fromkeys(p["strategy"] for p in points)}
 
 
 def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=BUDGETS, traces=DEFAULT_TRACES, num_requests: int = 12,
                    scale: float = 16.0, seed: int = 0, limits: Limits = Limits(), repeats: int = 2, trace_path=DEFAULT_TRACE,
-                   out_dir: pathlib.Path = RESULTS_DIR, progress: bool = True) -> dict:
+                   out_dir: pathlib.Path = RESULTS_DIR, progress: bool = True, replay_loads=REPLAY_LOADS, slo=SLO) -> dict:
     """The whole experiment: returns the result document (also written to out_dir with the plots)."""
     from tqdm import tqdm  # text bars (tqdm.auto wants ipywidgets in a notebook)
 
@@ -507,11 +591,11 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
     out_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(tuple(traces), pathlib.Path(trace_path), num_requests, scale, seed, load_tokenizer(model), limits)
     plans = [(workload, *plan_trace(workload, strategies, budgets, limits)) for workload in workloads]
-    bar = tqdm(total=sum(len(p[3]) for p in plans) * (1 + repeats), unit="step", disable=not progress, desc="compile + timed runs")
+    bar = tqdm(total=sum(len(p[3]) for p in plans) * (1 + repeats + len(replay_loads)), unit="step", disable=not progress, desc="compile + timed runs + replays")
     traces_out = []
     for workload, samples, rows, configs in plans:
         spec = {"name": workload.name, "model": model, "limits": dataclasses.asdict(limits), "workload": dataclasses.asdict(workload),
-                "samples": samples, "configs": configs, "repeats": repeats}
+                "samples": samples, "configs": configs, "repeats": repeats, "replay_loads": list(replay_loads), "slo_ttft_s": slo[0], "slo_tpot_s": slo[1]}
 
         def on_line(line, name=workload.name):
             bar.update(1)
@@ -522,6 +606,7 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
     bar.close()
     plots = plot_all(traces_out, out_dir, label)
     correct = all(t["reference_check"] is not None and t["reference_check"]["num_equal"] == t["reference_check"]["num_checked"] for t in traces_out)
+    correct = correct and all(rep["tokens_as_offline"] for t in traces_out for r in t["rows"] for rep in r.get("replay", {}).values())
     for trace in traces_out:
         for r in trace["rows"]:
             r.pop("tokens", None)  # compared above; too bulky to keep
@@ -529,7 +614,9 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
         "question": "what each bucket strategy costs (programs, compile time, memory) and buys (padding, throughput, TTFT) on the real engine at a total program budget",
         "model": label, "model_path": model, "limits": {**dataclasses.asdict(limits), "num_pages": limits.num_pages},
         "settings": {"strategies": list(strategies), "budgets": list(budgets), "num_requests": num_requests, "scale": scale, "seed": seed,
-                     "repeats": repeats, "mode": "offline (all requests submitted at once)", "prefill_packing": True, "prefix_caching": False},
+                     "repeats": repeats, "mode": "offline (all requests submitted at once), then replayed under arrivals at each load",
+                     "replay_loads": list(replay_loads), "replay_load_unit": "the first configuration's offline requests per second",
+                     "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "prefill_packing": True, "prefix_caching": False},
         "correct": correct, "traces": traces_out, "plots": plots, "runtime_s": time.perf_counter() - start_time,
     }
 
@@ -565,6 +652,14 @@ def print_report(result: dict) -> None:
             print(format_baselines(trace))
         print("Pareto frontier (tok/s up, TTFT p99 down): " + ", ".join(
             f"{p['strategy']} B={p['budget']} ({p['output_tokens_per_s']:.1f} tok/s, {p['ttft_p99_s']:.2f} s)" for p in trace["pareto_frontier"]))
+        points = replay_points(distinct_rows(trace["rows"]))
+        if points:
+            slo = result["settings"]["slo"]
+            print(f"\nreplayed under arrivals (load x the first configuration's offline requests/s; goodput: requests/s within TTFT {slo['ttft_s']} s and TPOT {slo['tpot_s']} s):")
+            rows = [[p["strategy"], p["budget"], p["load"], p["output_tokens_per_s"], p["ttft_p99_s"], p["tpot_p99_s"], p["goodput_requests_per_s"]] for p in points]
+            print(harness.format_table(REPLAY_COLUMNS, rows))
+            for strategy, frontier in trace["replay_frontier"].items():
+                print(f"  {strategy} frontier: " + ", ".join(f"B={p['budget']} load {p['load']:g} ({p['output_tokens_per_s']:.1f} tok/s, {p['ttft_p99_s']:.2f} s)" for p in frontier))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -579,12 +674,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of timed runs over every configuration; the best run of each is reported")
     parser.add_argument("--out-dir", type=pathlib.Path, default=RESULTS_DIR)
+    parser.add_argument("--replay-loads", default=",".join(map(str, REPLAY_LOADS)),
+                        help="offered loads of the arrival replay, in units of the first configuration's offline requests/s; '' skips it (default: %(default)s)")
+    parser.add_argument("--slo", default=",".join(map(str, SLO)), metavar="TTFT,TPOT", help="seconds: the SLO goodput counts against (default: %(default)s)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.num_requests = args.model or "tiny", min(args.num_requests, 8)
         args.strategies = args.strategies if args.strategies != ",".join(STRATEGIES) else "pad-to-max,fitted"
         args.budgets = args.budgets if args.budgets != ",".join(map(str, BUDGETS)) else "4,16"
+        args.replay_loads = args.replay_loads if args.replay_loads != ",".join(map(str, REPLAY_LOADS)) else "1.0"
+    try:
+        args.replay_loads = tuple(float(x) for x in args.replay_loads.split(",") if x.strip())
+        args.slo = tuple(float(x) for x in args.slo.split(","))
+    except ValueError:
+        parser.error("--replay-loads and --slo take comma-separated numbers")
+    if len(args.slo) != 2 or any(x <= 0 for x in (*args.replay_loads, *args.slo)):
+        parser.error("--slo takes TTFT,TPOT seconds and --replay-loads positive numbers")
     args.strategies = harness.comma_list(parser, args.strategies, STRATEGY_KINDS, "strategies")
     args.traces = harness.comma_list(parser, args.traces, TRACES, "traces")
     return args
@@ -599,7 +705,7 @@ def main(argv=None) -> None:
         return
     result = run_experiment(model=args.model, strategies=tuple(args.strategies), budgets=tuple(int(b) for b in args.budgets.split(",")),
                             traces=tuple(args.traces), num_requests=args.num_requests, scale=args.scale, seed=args.seed,
-                            repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir)
+                            repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir, replay_loads=args.replay_loads, slo=args.slo)
     print_report(result)
     print(f"\nresults: {args.out_dir / f'{NAME}.json'} and {len(result['plots'])} plots")
     harness.finish(args.out_dir / f"{NAME}.json", result, summary_line(result), correct=result["correct"])
