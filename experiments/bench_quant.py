@@ -171,18 +171,21 @@ def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_
     forward = aggregate_scores(per_window, time.perf_counter() - start - logprob_s)
     result = aggregate_scores([w | {"nll_sum": n} for w, n in zip(per_window, nll)], logprob_s)
     result["perplexity_of_the_forward_logits"] = forward["perplexity"]
+    if quant.has_int8_weights(params) and kv is None:  # W8A8 (matmul 'int8': activations quantized per token) on the same weights
+        w8a8 = prompt_logprob_nll(cfg, params, kv, windows, impl, matmul="int8")
+        result["w8a8_perplexity"] = math.exp(math.fsum(w8a8) / result["num_predicted"])
     result["prompt_logprobs_vs_forward"] = result["perplexity"] / forward["perplexity"] - 1
     if abs(result["prompt_logprobs_vs_forward"]) > PPL_PATHS_TOLERANCE:
         raise SystemExit(f"prompt_logprobs perplexity {result['perplexity']:.6f} != the forward's {forward['perplexity']:.6f}")
     return result
 
 
-def prompt_logprob_nll(cfg, params, kv: str | None, windows: list[list[int]], impl: str) -> list[float]:
+def prompt_logprob_nll(cfg, params, kv: str | None, windows: list[list[int]], impl: str, matmul: str = "xla") -> list[float]:
     """Each window's summed negative log-likelihood from prompt_logprobs, through LLM.from_params on these
-    params (the forward's attention, XLA's matmul: pinned, so nothing is tuned)."""
+    params (the forward's attention, XLA's matmul unless `matmul` says else: pinned, so nothing is tuned)."""
     extra = {"kv_cache_dtype": kv} if kv else {}
     engine_cfg = EngineConfig(page_size=PAGE_SIZE, max_context=WINDOW + PAGE_SIZE, max_num_seqs=1, enable_prefix_caching=False,
-                              attention_impl=impl, matmul_impl="xla", compilation_cache_dir=None, **extra)
+                              attention_impl=impl, matmul_impl=matmul, compilation_cache_dir=None, **extra)
     llm = LLM.from_params(cfg, params, load_tokenizer(None), engine_config=engine_cfg)
     outputs = llm.generate(windows, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), progress=False)
     return [-math.fsum(entry[0] for entry in o.prompt_logprobs[1:]) for o in outputs]
@@ -236,7 +239,8 @@ def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pat
     tokens = greedy_tokens(cfg, params, kv, plan["greedy_prompts"], plan["greedy_tokens"])
     log(f"{label}: greedy tokens done")
     accuracy = perplexity(cfg, params, kv, plan["windows"], workdir / "reference", write_reference=(name == REFERENCE and kv is None))
-    log(f"{label}: perplexity {accuracy['perplexity']:.4f} over {accuracy['num_predicted']} tokens ({accuracy['seconds']:.0f}s)")
+    log(f"{label}: perplexity {accuracy['perplexity']:.4f} over {accuracy['num_predicted']} tokens ({accuracy['seconds']:.0f}s)"
+        + (f"; W8A8 {accuracy['w8a8_perplexity']:.4f}" if "w8a8_perplexity" in accuracy else ""))
     repeats, ids = plan["repeats"], plan["prefill_ids"]
     speed = {"prefill": time_prefill(cfg, params, kv, ids, repeats),
              "decode": [time_decode(cfg, params, kv, b, plan["context"], ids[-1], repeats, weight_bytes) for b in plan["batch_sizes"]]}
@@ -449,6 +453,10 @@ def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, 
         "decode_speedup_vs_f32": {d["batch"]: base_decode[d["batch"]] / d["median_step_s"] for d in speed["decode"]},
         "decode_mbu": {d["batch"]: d["bytes"] / d["median_step_s"] / bandwidth for d in speed["decode"]},
     }
+    summary["perplexity_of_the_forward_logits"] = accuracy["perplexity_of_the_forward_logits"]
+    if "w8a8_perplexity" in accuracy:
+        summary["w8a8_perplexity"] = accuracy["w8a8_perplexity"]
+        summary["w8a8_perplexity_change_vs_f32"] = accuracy["w8a8_perplexity"] / base["accuracy"]["perplexity"] - 1
     if "e2e" in row:
         summary["e2e_output_tokens_per_s"] = row["e2e"]["output_tokens_per_s"]
         if "e2e" in base:

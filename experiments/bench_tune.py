@@ -7,7 +7,7 @@ Issue 24's runtime tuning, on SmolLM2-135M-Instruct. In one run:
      teacher-forced perplexity of each dtype over the prompts' next tokens (no cache, model.forward), and
      greedy agreement of the dense reference generator (generate.generate) in bf16 against f32 (and f32
      against HF's own greedy ids, as a check of the f32 side);
-     The same table over quantization='int8' weights, where W8A8 (matmul 'int8') is a candidate;
+     The same table over quantization='int8' weights;
   3. output tokens/s of the default configuration (dtype, attention and matmul "auto": the tuned choice)
      against the fixed f32 configuration (JAXINFER_TUNE=0: float32, the CPU kernels as before tuning), on
      --num-requests requests of the conversation trace scaled by --scale (harness.build_workload), each
@@ -160,7 +160,7 @@ def main() -> None:
         os.environ[tuning.CACHE_ENV] = os.path.join(scratch, "tuner")  # from scratch: nothing cached, nothing compiled
         engine_cfg = engine_config(os.path.join(scratch, "xla"), args.num_requests)
         tuned = time_tuning(cfg, params, tokenizer, engine_cfg, os.environ[tuning.CACHE_ENV])
-        int8_cfg, int8_params = loading.load_model(None, quantization="int8")  # the same table over int8 weights: W8A8 among the candidates
+        int8_cfg, int8_params = loading.load_model(None, quantization="int8")  # the same table over int8 weights (f32 activations)
         tuned_int8 = time_tuning(int8_cfg, int8_params, tokenizer, engine_cfg, os.path.join(scratch, "tuner_int8"))
         del int8_params
         faithful = fidelity(cfg, params)

@@ -184,3 +184,11 @@ def test_probe_prefills_every_prompt_in_one_step_of_a_table_key(limits):
     assert plans[0].bucket.phase == "prefill" and len(plans[0].request_ids) == len(probe.prompts) > 1
     assert all(plan.bucket.phase == "decode" and len(plan.request_ids) == len(probe.prompts) for plan in plans[1:])
     assert plans[0].bucket.num_tokens in engine_cfg.prefill_chunk_buckets and plans[1].bucket.num_rows in engine_cfg.decode_batch_buckets
+
+
+def test_w8a8_is_a_candidate_only_where_the_user_pinned_it():
+    """Its perplexity cost (+3.6% on SmolLM2) is over the 1% the tuner may trade for speed, so auto never picks it."""
+    assert "int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "cpu", int8_weights=True)}
+    pinned = tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=True)
+    assert pinned and {c.matmul_impl for c in pinned} == {"int8"}
+    assert not tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=False)
