@@ -207,14 +207,15 @@ def cache_events():
         jax.monitoring.unregister_event_listener(listener)
 
 
-def compile_config(model, config: dict, limits: Limits, samples: dict) -> tuple[object, dict]:
+def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) -> tuple[object, dict]:
     """A cold warm-up (an LLM over `model` = (model_cfg, params, tokenizer), a fresh cache dir) and a warm
-    one (a second Engine over that dir). Returns (the cold LLM, its compile and peak-RSS measurements)."""
+    one (a second Engine over that dir). Returns (the cold LLM, its compile and peak-RSS measurements).
+    `impls`: attention_impl / matmul_impl pinned (the first configuration's tuned choice), else tuned."""
     from jaxinfer.api import LLM
     from jaxinfer.engine import Engine
 
     cache_dir = fresh_compilation_cache()
-    cfg = engine_config(limits, config["kind"], config["counts"], samples, compilation_cache_dir=cache_dir)
+    cfg = engine_config(limits, config["kind"], config["counts"], samples, compilation_cache_dir=cache_dir, **impls)
     if tables_of(cfg) != config["tables"]:
         raise RuntimeError(f"tables differ from the planned ones: {tables_of(cfg)} != {config['tables']}")
     gc.collect()
@@ -273,11 +274,13 @@ def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]
 
     model_cfg, params = loading.load_model(spec["model"])
     model = (model_cfg, params, load_tokenizer(spec["model"]))
-    llms, results = {}, {}
+    llms, results, impls = {}, {}, {}
     for config in spec["configs"]:
-        try:
-            llms[config["id"]], results[config["id"]] = compile_config(model, config, limits, spec["samples"])
+        try:  # the first configuration's LLM tunes the impls (the default); the others run that choice, untuned
+            llms[config["id"]], results[config["id"]] = compile_config(model, config, limits, spec["samples"], **impls)
             model = (model_cfg, llms[config["id"]].engine.params, model[2])
+            choice = llms[config["id"]].choices
+            impls = impls or {"attention_impl": choice.attention_impl, "matmul_impl": choice.matmul_impl}
         except Exception as error:  # one failing configuration is reported, the others still run
             results[config["id"]] = {"error": f"{type(error).__name__}: {error}"}
         r = results[config["id"]]
