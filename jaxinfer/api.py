@@ -364,9 +364,10 @@ class LLM:
             self.last_routes.extend(routes)
             return sum(len(self._submit(schedulers[i], [prompt], arrivals.time_of(prompt))) for prompt, i in zip(chunk, routes))  # n requests for n samples
 
-        def admit() -> None:  # between steps: the prompts whose arrival time has come
+        def admit() -> None:  # between steps: the prompts whose arrival time has come (a heap peek when none wait)
             nonlocal inflight
-            inflight += submit(arrivals.due())
+            if arrivals:
+                inflight += submit(arrivals.due())
 
         try:
             while True:
@@ -376,7 +377,7 @@ class LLM:
                     inflight += submit(arrivals.hold(chunk))
                 for i, replica in enumerate(self.replicas):
                     if i not in loops and schedulers[i].has_work():
-                        loops[i] = runloop.run(schedulers[i], replica.engine.step, processors[i], on_step=on_step, admit=admit if arrivals else None)
+                        loops[i] = runloop.run(schedulers[i], replica.engine.step, processors[i], on_step=on_step, admit=admit)
                 if not loops:
                     if not arrivals:
                         break
