@@ -3,8 +3,8 @@
 Two input formats: jaxinfer's own lines (below) and OpenAI Batch files (`custom_id`, `method`, `url`,
 `body`; openai_batch.py translates them), detected from the first non-empty line unless `fmt` is given.
 Lines are read, checked and tokenized lazily, with a bounded number in flight (`max_inflight`, default
-LLM.stream's), so a job's memory does not grow with its input; only the keys are held (the resume's set
-of keys done, and the keys seen for numbering repeats). Before the model loads the whole input is
+LLM.stream's), so a job's memory does not grow with its input; only the keys are held, as 20-byte
+digests (key_table.py: the resume's set of keys done, and the keys seen for numbering repeats). Before the model loads the whole input is
 scanned once: its encoding, its count of lines and of lines to do, and its unknown fields (counted and
 warned about; `strict_fields` makes them line errors). Fields vLLM or OpenAI define that jaxinfer does
 not implement (validation.UNSUPPORTED_REQUEST_FIELDS) are always that line's error.
@@ -63,6 +63,7 @@ from jaxinfer import openai_batch
 from jaxinfer.api import LLM, Prompt, RequestOutput
 from jaxinfer.batch_output import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch_output import OutputLock, check_settings, repair_output, scan_output, write_settings
+from jaxinfer.key_table import KeyTable
 from jaxinfer.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.validation import FieldError, check_int, check_text, unknown_field_error, unsupported_field_error
 from jaxinfer.scheduler import PromptTooLongError
@@ -365,7 +366,7 @@ def check_fields(obj: dict, *, strict: bool = False) -> list[str]:
 def read_lines(numbered: Iterable[tuple[int, bytes]], fmt: str = "jaxinfer", *, strict_fields: bool = False) -> Iterator[InputLine]:
     """Each non-blank line with its key (repeats numbered), parsed or with its problem, as it is read.
     Holds one entry per distinct key (to number repeats), never the lines."""
-    first_line: dict[str, int] = {}
+    first_line = KeyTable()  # key -> its first line
     repeats: dict[str, int] = {}  # only the keys seen more than once
     prefix = "custom_id" if fmt == openai_batch.FORMAT else "id"
     for number, raw in numbered:
@@ -408,7 +409,7 @@ def detect_format(numbered: Iterable[tuple[int, bytes]]) -> str:
     return "jaxinfer"
 
 
-def read_done(path: Path) -> set[str]:
+def read_done(path: Path) -> KeyTable:
     """Keys already written to the output. The whole file is checked first; only then is a torn last
     record (from a kill) cut off, or a whole last record's lost newline restored."""
     scan = scan_output(path, iter_lines)
@@ -450,7 +451,7 @@ class JobLines:
     its length is the scan's count. Reads like a list where the tests and the CLI look (len, truth,
     slices, ==), without holding the lines."""
 
-    def __init__(self, job: "BatchJob", done: set[str] | None, length: int):
+    def __init__(self, job: "BatchJob", done: KeyTable | None, length: int):
         self._job, self._done, self._length = job, done, length
 
     def __iter__(self) -> Iterator[InputLine]:
@@ -683,7 +684,7 @@ class BatchJob:
             check_settings(self.output, self.settings, has_records=bool(scan.keys))
         if scan is not None:
             repair_output(self.output, scan)
-        done = scan.keys if scan is not None else set()
+        done = scan.keys if scan is not None else KeyTable()
         num_lines, num_todo, ignored = 0, 0, {}
         for line in read_lines(iter_lines(self._input.blocks()), self.format, strict_fields=self.strict_fields):
             num_lines += 1
@@ -728,7 +729,7 @@ class BatchJob:
     def write(self, records: Iterable[dict]) -> JobSummary:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a
         retry ran twice), so every line gets exactly one record."""
-        start, written = time.perf_counter(), set()
+        start, written = time.perf_counter(), KeyTable()
         try:
             write_settings(self.output, self.settings)
             with open(self.output, "ab" if self.resume else "wb") as self._file:

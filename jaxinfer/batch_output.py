@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from jaxinfer.key_table import KeyTable
+
 META_FORMAT = "jaxinfer-batch-settings/1"
 RECORD_START = b'{"id": '  # every record is written as json.dumps of a dict whose first key is "id"
 _FINGERPRINT_BYTES = 1 << 22  # the model file's leading bytes that its identity hashes (GGUF header and metadata)
@@ -162,7 +164,7 @@ def check_settings(output: Path, current: dict, *, has_records: bool) -> None:
 class OutputScan:
     """What a resume found in an output, before any change: the keys done and the repair it needs."""
 
-    keys: set[str]
+    keys: KeyTable
     size: int  # bytes of the file when scanned
     keep_bytes: int  # bytes to keep: size, or less to cut a torn last record
     add_newline: bool  # the last record is whole but lacks its newline
@@ -181,19 +183,20 @@ def scan_output(path: Path, iter_lines) -> OutputScan:
     split as inputs are. The file is read in blocks; only the keys are kept.
     """
     if not path.exists():
-        return OutputScan(set(), 0, 0, False)
+        return OutputScan(KeyTable(), 0, 0, False)
     with open(path, "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         complete_end = _end_of_last_line(fd, size)
         newlines = [0]
-        keys = {_record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines))}
+        keys = KeyTable(_record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines)))
         tail = os.pread(fd, size - complete_end, complete_end) if size > complete_end else b""
     if not tail.strip():
         return OutputScan(keys, size, size, False)
     if _is_torn_record(tail):
         return OutputScan(keys, size, complete_end, False)
-    return OutputScan(keys | {_record_key(path, newlines[0] + 1, tail)}, size, size, True)
+    keys.add(_record_key(path, newlines[0] + 1, tail))
+    return OutputScan(keys, size, size, True)
 
 
 _SCAN_BLOCK = 1 << 20

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST_ONLY = (
     "jaxinfer.validation", "jaxinfer.request", "jaxinfer.plan", "jaxinfer.block_pool", "jaxinfer.bucket_tables",
     "jaxinfer.scheduler", "jaxinfer.runloop", "jaxinfer.output", "jaxinfer.buckets", "jaxinfer.batch_output", "jaxinfer.config",
-    "jaxinfer.request_queue", "jaxinfer.guided",
+    "jaxinfer.request_queue", "jaxinfer.guided", "jaxinfer.key_table",
     "jaxinfer.openai_batch",
 )
 
