@@ -224,8 +224,8 @@ def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) 
     llm = LLM.from_params(*model, engine_config=cfg, warmup=False)
     with cache_events() as cold_cache:
         llm.engine.warmup()
-    programs = len(llm.engine.bucket_keys())
-    assert llm.engine.num_compilations == programs
+    programs = len(llm.engine.bucket_keys())  # forward programs (each bucket's); the draws are a few small ones beside them
+    assert llm.engine.num_compilations == len(llm.engine.program_keys())
     warm_engine = Engine(llm.model_config, llm.engine.params, cfg)  # a second engine over the same cache dir
     with cache_events() as warm_cache:
         warm_engine.warmup()

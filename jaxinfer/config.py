@@ -261,6 +261,9 @@ class EngineConfig:
     max_logprobs: int = 20  # top log-probabilities a request may ask for (static: the programs return this many)
     max_logit_bias: int = 64  # biased tokens per request, counting EOS and stop ids that min_tokens masks
     logprobs_mode: str = "raw"  # raw: from the model's logits; processed: after bias, penalties and temperature
+    # The grammar's masks (structured output) are filled on the host while the device runs the step's forward
+    # program, and read by its draw program; False fills them before the forward (the same programs and outputs).
+    overlap_masks: bool = True
     _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
     _tables: BucketTables | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -288,6 +291,7 @@ class EngineConfig:
             raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("overlap_masks", self.overlap_masks)
         check_bool("deterministic", self.deterministic)
         check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
         check_int("max_logprobs", self.max_logprobs, low=0)

@@ -87,18 +87,20 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StepOutputs:
-    tokens: jax.Array  # i32[R * J]
-    logprobs: sampling.Logprobs  # [R * J]; zeros unless a slot asked for them
+class StepLogits:
+    """What a step's forward program leaves on the device for its draw program."""
+
+    adjusted: jax.Array  # f32[R * J, V]; after the bias and the penalties (sampling.adjust), before the grammar's mask
+    raw: jax.Array | None  # f32[R * J, V]; the model's logits, kept for raw log-probabilities and return_logits, else None
     prompt_logprobs: sampling.Logprobs  # [R * T]; zeros unless a token has a target
 
 
-def inputs_from_plan(plan: StepPlan, vocab_size: int | None = None) -> StepInputs:
-    """The step's device inputs; `vocab_size` sizes the grammar masks (None: no masks, for model-only callers)."""
+def inputs_from_plan(plan: StepPlan) -> StepInputs:
+    """The forward program's device inputs (the grammar's masks are the draw's: `token_masks`)."""
     pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets, plan.page_positions, plan.page_segments, plan.token_segments)
     arrays = sampling.SamplingArrays(
         plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps, plan.min_p, plan.presence, plan.frequency, plan.repetition,
-        plan.bias_ids, plan.bias_values, plan.num_logprobs, None if vocab_size is None else token_masks(plan, vocab_size),
+        plan.bias_ids, plan.bias_values, plan.num_logprobs,
     )
     return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays, plan.prompt_lens, plan.targets)
 
@@ -112,18 +114,23 @@ def token_masks(plan: StepPlan, vocab_size: int) -> np.ndarray:
     return masks
 
 
-def _step(params: Params, pool: kvp.KVPool, history: jax.Array, inputs: StepInputs, *, cfg: ModelConfig, impl: str, num_top: int, logprobs_mode: str, return_logits: bool = False):
-    """One prefill or decode step; donates `pool` and `history` (i32[P, L], the token id in every pool
-    slot, which the penalties count). Returns (StepOutputs, pool, history), with the logits
-    f32[R * J, V] before the pool with return_logits."""
+def _forward_step(params: Params, pool: kvp.KVPool, history: jax.Array, inputs: StepInputs, *, cfg: ModelConfig, impl: str, num_top: int, keep_raw: bool):
+    """A step's first program: the model, and the logit processing that reads the token history. Donates
+    `pool` and `history` (i32[P, L], the token id in every pool slot, which the penalties count); returns
+    (StepLogits, pool, history)."""
     history = history.at[inputs.pages.slot_pages, inputs.pages.slot_offsets].set(inputs.token_ids)
     x, pool = model.hidden_states(params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages, attention_impl=impl)
     logits = model.logits_from_hidden(params, model.hidden_at(x, inputs.logit_indices), cfg)  # [R, J, V]
-    logits = logits.reshape(-1, logits.shape[-1])  # [R * J, V]
+    raw = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)  # [R * J, V]
     counts = functools.partial(token_counts, history, inputs, cfg.vocab_size)
-    tokens, logprobs = sampling.sample(logits, inputs.sampling, counts, num_top=num_top, mode=logprobs_mode)
-    outputs = StepOutputs(tokens, logprobs, _prompt_logprobs(params, x, inputs.targets, cfg, num_top))
-    return (outputs, logits.astype(jnp.float32), pool, history) if return_logits else (outputs, pool, history)
+    adjusted = sampling.adjust(raw, inputs.sampling, counts)
+    return StepLogits(adjusted, raw if keep_raw else None, _prompt_logprobs(params, x, inputs.targets, cfg, num_top)), pool, history
+
+
+def _draw_step(adjusted: jax.Array, raw: jax.Array | None, arrays: sampling.SamplingArrays, *, num_top: int, mode: str):
+    """A step's second program, over StepLogits' [R * J, V] arrays: the grammar's mask (arrays.token_mask),
+    the tokens and their log-probabilities."""
+    return sampling.draw(raw, adjusted, arrays, num_top=num_top, mode=mode)
 
 
 def _prompt_logprobs(params: Params, x, targets, cfg: ModelConfig, num_top: int) -> sampling.Logprobs:
@@ -245,26 +252,30 @@ class Engine:
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
         self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
-        step = functools.partial(
-            _step, cfg=cfg, impl=self.impl, return_logits=return_logits, num_top=max(engine_cfg.max_logprobs, 1), logprobs_mode=engine_cfg.logprobs_mode,
-        )
+        num_top = max(engine_cfg.max_logprobs, 1)
+        self.keep_raw = return_logits or engine_cfg.logprobs_mode == "raw"
+        forward = functools.partial(_forward_step, cfg=cfg, impl=self.impl, num_top=num_top, keep_raw=self.keep_raw)
+        draw = functools.partial(_draw_step, num_top=num_top, mode=engine_cfg.logprobs_mode)
         init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
         self.history = jnp.zeros((self.num_pages, engine_cfg.page_size), jnp.int32)  # token id of every pool slot
         if mesh is None:
             self.pool = init()
-            self._jitted = jax.jit(step, donate_argnames=("pool", "history"))
+            self._jitted = jax.jit(forward, donate_argnames=("pool", "history"))
+            self._jitted_draw = jax.jit(draw)
         else:
             self.params = self.step_params = params = shd.shard_params(params, cfg, mesh)
             pool_sharding = shd.pool_shardings(jax.eval_shape(init), cfg, mesh)
             self.pool = jax.jit(init, out_shardings=pool_sharding)()  # allocated in place, never whole on one device
             rep = shd.replicated(mesh)
             self.history = jax.device_put(self.history, rep)
-            outs = (rep, rep, pool_sharding, rep) if return_logits else (rep, pool_sharding, rep)
             in_shardings = (shd.param_shardings(params, cfg, mesh), pool_sharding, rep, rep)
-            self._jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=outs, donate_argnames=("pool", "history"))
+            self._jitted = jax.jit(forward, in_shardings=in_shardings, out_shardings=(rep, pool_sharding, rep), donate_argnames=("pool", "history"))
+            self._jitted_draw = jax.jit(draw, in_shardings=(rep, rep, rep), out_shardings=rep)
         self.return_logits = return_logits
         self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
-        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # bucket key -> its forward program
+        self._draws: dict[int, jax.stages.Compiled] = {}  # sequence slots of a step -> its draw program
+        self.overlap_masks = engine_cfg.overlap_masks
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
@@ -272,56 +283,80 @@ class Engine:
         """Every key a plan can have (the engine config's BucketTables owns them)."""
         return self.engine_cfg.tables.all_keys()
 
+    def program_keys(self) -> list:
+        """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count."""
+        return self.bucket_keys() + sorted({self._num_slots(k) for k in self.bucket_keys()})
+
+    def _num_slots(self, key: BucketKey) -> int:
+        return key.num_rows * self.engine_cfg.tables.samples_per_row(key.phase)
+
     def _abstract_inputs(self, key: BucketKey) -> StepInputs:
-        rows, tokens, width = key.num_rows, key.num_tokens, key.num_pages
-        samples = rows * self.engine_cfg.tables.samples_per_row(key.phase)
-        spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-        pages = kvp.PageMeta(spec(rows, width), spec(rows, tokens), spec(rows, tokens), spec(rows, width), spec(rows, width), spec(rows, tokens))
-        floats = lambda: spec(samples, dtype=jnp.float32)  # noqa: E731
-        bias = self.engine_cfg.max_logit_bias
-        arrays = sampling.SamplingArrays(
-            floats(), spec(samples), floats(), spec(samples), spec(samples), floats(), floats(), floats(), floats(),
-            spec(samples, bias), spec(samples, bias, dtype=jnp.float32), spec(samples), spec(samples, guided.mask_words(self.cfg.vocab_size)),
+        rows, tokens, width, samples = key.num_rows, key.num_tokens, key.num_pages, self._num_slots(key)
+        pages = kvp.PageMeta(_spec(rows, width), _spec(rows, tokens), _spec(rows, tokens), _spec(rows, width), _spec(rows, width), _spec(rows, tokens))
+        return StepInputs(_spec(rows, tokens), _spec(rows, tokens), pages, _spec(rows, samples // rows), self._abstract_arrays(samples), _spec(samples), _spec(rows, tokens))
+
+    def _abstract_arrays(self, samples: int, *, masked: bool = False) -> sampling.SamplingArrays:
+        floats, bias = lambda: _spec(samples, dtype=jnp.float32), self.engine_cfg.max_logit_bias  # noqa: E731
+        return sampling.SamplingArrays(
+            floats(), _spec(samples), floats(), _spec(samples), _spec(samples), floats(), floats(), floats(), floats(),
+            _spec(samples, bias), _spec(samples, bias, dtype=jnp.float32), _spec(samples),
+            _spec(samples, guided.mask_words(self.cfg.vocab_size)) if masked else None,
         )
-        return StepInputs(spec(rows, tokens), spec(rows, tokens), pages, spec(rows, samples // rows), arrays, spec(samples), spec(rows, tokens))
 
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
+        """A bucket key's forward program, or (an int: the step's sequence slots) its draw program."""
         start = time.perf_counter()
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
-            compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
+            if isinstance(key, int):
+                logits = _spec(key, self.cfg.vocab_size, dtype=jnp.float32)
+                raw = logits if self.keep_raw else None
+                compiled = self._jitted_draw.lower(logits, raw, self._abstract_arrays(key, masked=True)).compile()
+            else:
+                compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:
-        """Compile every bucket's program (in parallel threads). `progress(key, seconds)` is called per program."""
-        missing = [k for k in self.bucket_keys() if k not in self._programs]
+        """Compile every bucket's forward program and every draw program (in parallel threads). `progress(key,
+        seconds)` is called per forward program."""
+        missing = [k for k in self.program_keys() if k not in (self._draws if isinstance(k, int) else self._programs)]
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
             for key, compiled, seconds in pool.map(self._compile, missing):
-                self._programs[key] = compiled
+                (self._draws if isinstance(key, int) else self._programs)[key] = compiled
                 self.num_compilations += 1
                 log.info("compiled %s in %.2fs", key, seconds)
-                if progress is not None:
+                if progress is not None and not isinstance(key, int):
                     progress(key, seconds)
         self.compile_seconds += time.perf_counter() - start
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R * J]
         (one per sequence slot of the plan: `plan.request_ids[i]` drew token i), and the log-probabilities
-        the plan asks for (only those are copied to the host)."""
+        the plan asks for (only those are copied to the host).
+
+        Two programs: the forward, then the draw. Dispatch is asynchronous, so with `overlap_masks` the host
+        fills the grammar's masks while the device runs the forward; without, it fills them first."""
         program = self._programs.get(plan.bucket)
         if program is None:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
         _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
+        inputs = inputs_from_plan(plan)
+        masks = None if self.overlap_masks else token_masks(plan, self.cfg.vocab_size)
+        logits, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs)
+        if masks is None:
+            masks = token_masks(plan, self.cfg.vocab_size)
+        tokens, logprobs = self._draws[plan.seeds.shape[0]](logits.adjusted, logits.raw, dataclasses.replace(inputs.sampling, token_mask=masks))
         if self.return_logits:
-            outputs, logits, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs_from_plan(plan, self.cfg.vocab_size))
-            self.last_logits = np.asarray(logits)
-        else:
-            outputs, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs_from_plan(plan, self.cfg.vocab_size))
+            self.last_logits = np.asarray(logits.raw)
         return StepResult(
-            np.asarray(outputs.tokens),
-            _to_host(outputs.logprobs) if plan.wants_logprobs else None,
-            _to_host(outputs.prompt_logprobs) if plan.wants_prompt_logprobs else None,
+            np.asarray(tokens),
+            _to_host(logprobs) if plan.wants_logprobs else None,
+            _to_host(logits.prompt_logprobs) if plan.wants_prompt_logprobs else None,
         )
+
+
+def _spec(*shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _to_host(logprobs: sampling.Logprobs) -> Logprobs:

@@ -111,13 +111,24 @@ def _sample_rows(logits: Float[Array, "B V"], s: SamplingArrays) -> Int[Array, "
 def process(logits: Float[Array, "B V"], s: SamplingArrays, counts: Callable[[], TokenCounts]) -> Float[Array, "B V"]:
     """The logits the draw uses: the grammar's mask, the bias, then the repetition, frequency and presence
     penalties (module docstring). `counts()` builds the rows' token counts; it runs only when some row has a penalty."""
+    return apply_mask(adjust(logits, s, counts), s.token_mask)
+
+
+def adjust(logits: Float[Array, "B V"], s: SamplingArrays, counts: Callable[[], TokenCounts]) -> Float[Array, "B V"]:
+    """`process` but the grammar's mask: the bias, then the penalties. Each maps -inf to -inf, token by token,
+    so masking before or after them gives the same logits bit for bit (the engine masks after, see `draw`)."""
     rows = jnp.arange(logits.shape[0])[:, None]
-    if s.token_mask is not None:
-        logits = jax.lax.cond(jnp.any(s.token_mask != -1), lambda l: _mask(l, s.token_mask), lambda l: l, logits)
     biased = jnp.any(s.bias_values != 0)
     logits = jax.lax.cond(biased, lambda l: l.at[rows, s.bias_ids].add(s.bias_values), lambda l: l, logits)
     penalized = jnp.any(s.repetition != 1) | jnp.any(s.frequency != 0) | jnp.any(s.presence != 0)
     return jax.lax.cond(penalized, lambda l: _penalize(l, s, counts()), lambda l: l, logits)
+
+
+def apply_mask(logits: Float[Array, "B V"], token_mask: Int[Array, "B W"] | None) -> Float[Array, "B V"]:
+    """The grammar's mask (None: none), under a `lax.cond` taken only when some row is constrained."""
+    if token_mask is None:
+        return logits
+    return jax.lax.cond(jnp.any(token_mask != -1), lambda l: _mask(l, token_mask), lambda l: l, logits)
 
 
 def _mask(logits: Float[Array, "B V"], words: Int[Array, "B W"]) -> Float[Array, "B V"]:
@@ -146,7 +157,14 @@ def sample(logits: Float[Array, "B V"], s: SamplingArrays, counts: Callable[[], 
     """The engine's draw: processed logits (`process`), one token per row (`next_tokens`), and its
     log-probabilities with the top `num_top` (zeros when no row asks for them)."""
     raw = logits.astype(jnp.float32)
-    processed = process(raw, s, counts)
+    return draw(raw, adjust(raw, s, counts), s, num_top=num_top, mode=mode)
+
+
+def draw(raw: Float[Array, "B V"] | None, adjusted: Float[Array, "B V"], s: SamplingArrays, *, num_top: int, mode: str) -> tuple[Int[Array, "B"], Logprobs]:
+    """`sample` from the logits `adjust` made: the grammar's mask, the token, its log-probabilities (from
+    `raw`, f32, in "raw" mode; unused otherwise, so it may be None). The engine's second program of a step:
+    the mask is the one input the host computes while the device runs the forward."""
+    processed = apply_mask(adjusted, s.token_mask)
     tokens = next_tokens(processed, s)
 
     def wanted():

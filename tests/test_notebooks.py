@@ -76,7 +76,7 @@ def test_bucket_strategies_notebook_falls_back_to_synthetic_without_trace(monkey
 
 
 QUICKSTART_PROBE = """{"num_params": llm.model_config.num_params(), "num_compilations": llm.engine.num_compilations,
- "num_keys": len(llm.engine.bucket_keys()), "outputs": [[o.finish_reason, o.num_generated_tokens] for o in outputs],
+ "num_keys": len(llm.engine.program_keys()), "outputs": [[o.finish_reason, o.num_generated_tokens] for o in outputs],
  "reply": reply.text, "padding_waste": stats.padding_waste, "num_preemptions": stats.num_preemptions}"""
 
 

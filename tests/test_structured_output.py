@@ -102,3 +102,27 @@ def test_the_mask_bits_are_the_tokens_the_matcher_allows(smollm2_tokenizer):
     allowed = np.flatnonzero((words[np.arange(smollm2_tokenizer.vocab_size) // 32] >> (np.arange(smollm2_tokenizer.vocab_size) % 32)) & 1)
     texts = {smollm2_tokenizer.decode([int(t)]) for t in allowed}
     assert texts and texts <= {"a", "ab"}, texts
+
+
+def test_masks_filled_during_the_forward_give_the_outputs_of_masks_filled_before_it(smollm2_llm, monkeypatch):
+    """Engine.step with overlap_masks fills the grammar's masks after dispatching the forward program (the
+    recorded order shows it), and the outputs, log-probabilities included, equal those with the masks filled first."""
+    from jaxinfer import engine as engine_lib
+
+    engine, events = smollm2_llm.engine, []
+    fill = engine_lib.token_masks
+    monkeypatch.setattr(engine_lib, "token_masks", lambda plan, vocab: events.append("masks") or fill(plan, vocab))
+    programs = dict(engine._programs)
+    monkeypatch.setattr(engine, "_programs", {key: (lambda *a, p=p: events.append("forward") or p(*a)) for key, p in programs.items()})
+    prompts = [[{"role": "user", "content": f"{p} Answer in JSON."}] for p in PROMPTS[:4]]
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, logprobs=2, presence_penalty=0.5 * (i % 3), structured_outputs={"json": s} if i % 2 else None)
+              for i, s in enumerate(SCHEMAS[:4])]
+    runs = {}
+    for overlap in (True, False):
+        monkeypatch.setattr(engine, "overlap_masks", overlap)
+        events.clear()
+        runs[overlap] = [(o.token_ids, o.logprobs) for o in smollm2_llm.chat(prompts, params)]
+        pairs = list(zip(events[::2], events[1::2]))
+        assert pairs and set(pairs) == {("forward", "masks") if overlap else ("masks", "forward")}, events[:6]
+    assert runs[True] == runs[False]
+    assert any(ids for ids, _ in runs[True]) and all(len(lp) == len(ids) for ids, lp in runs[True])
