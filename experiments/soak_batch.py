@@ -82,31 +82,11 @@ class Invocation:
     seconds_to_first_record: float | None = None
     stderr_tail: list[str] = dataclasses.field(default_factory=list)
     probe_second_job: bool = False  # start a second job on the same output once this one writes (it must be refused)
-    probe: dict | None = None  # what that second job did
-
-
-@dataclasses.dataclass
-class Probe:
-    """A CLI call that must be refused at once without touching the output: a second job on an output in
-    use, or a resume under changed settings."""
-
-    name: str
-    returncode: int | None = None
-    seconds: float = 0.0
-    stderr: str = ""
-    output_unchanged: bool = False  # the bytes of the output before == after (settings probe); or only grew (second job)
-    expected_text: str = ""
-
-    @property
-    def refused(self) -> bool:
-        return self.returncode == 2 and self.expected_text in self.stderr and self.output_unchanged
-
-
-# ---------------------------------------------------------------------------------------------- input
+    probe: dict | None = None  # what that second job did (see _run_probe)
 
 
 def _dumps(obj, ascii_only: bool = False) -> bytes:
-    # allow_nan (the default) writes NaN / Infinity as bare tokens, which Python's json reads back.
+    """allow_nan (the default) writes NaN / Infinity as bare tokens, which Python's json reads back."""
     return json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8")
 
 
@@ -130,17 +110,11 @@ def _messages(rng: random.Random) -> list[dict]:
 
 def _good_request(rng: random.Random, request_id, *, chat: bool | None = None) -> dict:
     """A valid request; `chat` None draws prompt (60%) or messages (40%)."""
-    request = {"id": request_id}
-    if chat is None:
-        chat = rng.random() < 0.4
-    if chat:
-        request["messages"] = _messages(rng)
-    else:
-        request["prompt"] = _prompt_text(rng)
+    chat = rng.random() < 0.4 if chat is None else chat
+    request = {"id": request_id, "messages": _messages(rng)} if chat else {"id": request_id, "prompt": _prompt_text(rng)}
     request["max_tokens"] = rng.randint(4, 16)
     if rng.random() < 0.5:
-        request["temperature"] = 0
-        return request
+        return request | {"temperature": 0}
     request["temperature"] = round(rng.uniform(0.7, 1.0), 3)
     if rng.random() < 0.5:
         request["seed"] = rng.randrange(2**31)
@@ -204,19 +178,15 @@ def _text_poison(rng: random.Random, base: dict) -> dict[str, tuple[str, bytes]]
 
 def _single_line_kinds(rng: random.Random, request_id: str) -> dict[str, tuple[str, bytes]]:
     base = _good_request(rng, request_id, chat=False)
-    kinds = {kind: (expect, _dumps(obj)) for kind, (expect, obj) in _field_poison(base).items()}
-    return {**kinds, **_text_poison(rng, base)}
+    return {kind: (expect, _dumps(obj)) for kind, (expect, obj) in _field_poison(base).items()} | _text_poison(rng, base)
 
 
 def _poison_group(rng: random.Random, kind: str, request_id: str) -> list[InputLine]:
     """One occurrence of `kind`: one line, or the two lines of a pair (kept in this order)."""
-    if kind == "duplicate_id":
-        first = _good_request(rng, request_id)
-        second = _good_request(rng, request_id)
-        return [InputLine(_dumps(first), "duplicate_id_first", "ok"), InputLine(_dumps(second), "duplicate_id_second", "error")]
-    if kind == "ids_1_and_string_1":
-        lines = [_good_request(rng, request_id) for request_id in (1, "1")]
-        return [InputLine(_dumps(lines[0]), "id_int_1", "ok"), InputLine(_dumps(lines[1]), "id_string_1", "ok")]
+    pairs = {"duplicate_id": ((request_id, "duplicate_id_first", "ok"), (request_id, "duplicate_id_second", "error")),
+             "ids_1_and_string_1": ((1, "id_int_1", "ok"), ("1", "id_string_1", "ok"))}
+    if kind in pairs:
+        return [InputLine(_dumps(_good_request(rng, line_id)), line_kind, expect) for line_id, line_kind, expect in pairs[kind]]
     if kind == "blank_line":
         return [InputLine(rng.choice((b"", b"   ", b"\t")), "blank_line", "none")]
     expect, data = _single_line_kinds(rng, request_id)[kind]
@@ -249,8 +219,7 @@ def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset(
     slots = sorted(rng.sample(range(1, num_lines), num_special))  # line 0 holds the BOM line
     rng.shuffle(groups)
     lines: list[InputLine | None] = [None] * num_lines
-    flat = [line for group in groups for line in group]  # each pair keeps its order: slots are sorted
-    for slot, line in zip(slots, flat):
+    for slot, line in zip(slots, [line for group in groups for line in group]):  # each pair keeps its order: slots are sorted
         lines[slot] = line
     for slot in range(num_lines):
         if lines[slot] is None:
@@ -261,20 +230,18 @@ def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset(
     return lines
 
 
-# ------------------------------------------------------------------------------------------ running
+def _output_bytes(path: pathlib.Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
 
 
 def _count_records(path: pathlib.Path) -> int:
     """Complete (newline-terminated) lines in the output; a torn last line does not count."""
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
+    return _output_bytes(path).count(b"\n")
 
 
 def _load_started(stderr_path: pathlib.Path, elapsed: float) -> bool:
-    # The CLI prints "loading ... compiling the engine's programs..." to stderr once its imports are done;
-    # a CLI that prints nothing is taken to be loading after LOAD_FALLBACK_S.
+    """The CLI prints "loading ... compiling the engine's programs..." to stderr once its imports are done;
+    a CLI that prints nothing is taken to be loading after LOAD_FALLBACK_S."""
     return elapsed >= LOAD_FALLBACK_S or stderr_path.stat().st_size > 0
 
 
@@ -289,11 +256,10 @@ def _should_signal(inv: Invocation, num_records: int, since_load: float | None) 
 
 def _send_signal(proc: subprocess.Popen, inv: Invocation, num_records: int, grace_s: float) -> None:
     inv.signal_sent, inv.records_at_signal = True, num_records
-    if inv.event in ("sigkill", "load_kill"):
-        inv.expected_returncode = -signal.SIGKILL
+    inv.expected_returncode = 130 if inv.event == "sigint" else -signal.SIGKILL  # sigkill, load_kill
+    if inv.event != "sigint":
         proc.kill()
         return
-    inv.expected_returncode = 130
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=grace_s)
@@ -302,7 +268,7 @@ def _send_signal(proc: subprocess.Popen, inv: Invocation, num_records: int, grac
         proc.kill()
 
 
-def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr_path: pathlib.Path, args) -> None:
+def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, paths: dict, stderr_path: pathlib.Path, args) -> None:
     """Poll until the process exits; send the invocation's signal when its trigger is reached."""
     start, load_start = time.perf_counter(), None
     while proc.poll() is None:
@@ -316,36 +282,24 @@ def _watch(proc: subprocess.Popen, inv: Invocation, output: pathlib.Path, stderr
             inv.timed_out = True
             proc.kill()
         elif inv.probe_second_job and inv.probe is None and num_records > inv.records_before:  # before its signal
-            inv.probe = dataclasses.asdict(second_job_probe(proc.pid, output, args.paths))
+            inv.probe = _run_probe("second_job", f"in use by another jaxinfer job (pid {proc.pid})", output, paths, may_grow=True)
         elif _should_signal(inv, num_records, None if load_start is None else elapsed - load_start):
             _send_signal(proc, inv, num_records, args.sigint_grace_s)
         time.sleep(POLL_S)
 
 
-def _run_probe(probe: Probe, command: list[str], workdir: pathlib.Path) -> Probe:
+def _run_probe(name: str, expected_text: str, output: pathlib.Path, paths: dict, extra: tuple = (), *, may_grow=False) -> dict:
+    """A resume that must be refused at once (exit 2, `expected_text` on stderr) without touching the output: a
+    second job while one runs on the output (naming the first's pid, leaving every record to it: with `may_grow`
+    the output may only grow, by the first job's appends), or a resume under another --temperature and --engine-seed
+    (listing them, leaving the output byte for byte as it was)."""
+    before = _output_bytes(output)
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=workdir, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    probe.returncode, probe.stderr, probe.seconds = result.returncode, result.stderr.strip()[-3000:], round(time.perf_counter() - start, 3)
-    return probe
-
-
-def second_job_probe(first_pid: int, output: pathlib.Path, paths: dict) -> Probe:
-    """While a job runs, a second one on the same output must fail at once naming the first's pid and
-    leave every record to the first (the output only grows, by the first job's appends)."""
-    before = output.read_bytes()
-    probe = _run_probe(Probe("second_job", expected_text=f"in use by another jaxinfer job (pid {first_pid})"), _command(paths, output, "--resume"), paths["workdir"])
-    probe.output_unchanged = output.read_bytes().startswith(before)
-    return probe
-
-
-def settings_probe(output: pathlib.Path, paths: dict) -> Probe:
-    """A resume under another --temperature and --engine-seed must be refused, listing them, byte for byte
-    leaving the output as it was."""
-    before = output.read_bytes() if output.exists() else b""
-    command = _command(paths, output, "--resume") + ["--temperature", "0.5", "--engine-seed", "7"]
-    probe = _run_probe(Probe("changed_settings", expected_text="other settings"), command, paths["workdir"])
-    probe.output_unchanged = (output.read_bytes() if output.exists() else b"") == before
-    return probe
+    result = subprocess.run([*_command(paths, output, "--resume"), *extra], cwd=paths["workdir"], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    seconds, after = round(time.perf_counter() - start, 3), _output_bytes(output)
+    return {"name": name, "returncode": result.returncode, "seconds": seconds, "stderr": result.stderr.strip()[-3000:],
+            "output_unchanged": after.startswith(before) if may_grow else after == before, "expected_text": expected_text}
 
 
 def _command(paths: dict, output: pathlib.Path, mode: str) -> list[str]:
@@ -355,21 +309,21 @@ def _command(paths: dict, output: pathlib.Path, mode: str) -> list[str]:
 
 def run_invocation(inv: Invocation, output: pathlib.Path, paths: dict, args) -> Invocation:
     """Runs one CLI invocation to its end (own exit, signal, or timeout); never raises for its failures."""
-    log_stem = paths["workdir"] / f"{inv.run}-{inv.index:02d}"
+    stdout_path, stderr_path = (paths["workdir"] / f"{inv.run}-{inv.index:02d}.{ext}" for ext in ("stdout", "stderr"))
     inv.records_before = _count_records(output)
     start = time.perf_counter()
-    with open(f"{log_stem}.stdout", "wb") as stdout, open(f"{log_stem}.stderr", "wb") as stderr:
+    with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
         proc = subprocess.Popen(_command(paths, output, inv.mode), cwd=paths["workdir"], stdin=subprocess.DEVNULL,
                                 stdout=stdout, stderr=stderr, start_new_session=True)  # our Ctrl-C is not its
         try:
-            _watch(proc, inv, output, pathlib.Path(f"{log_stem}.stderr"), args)
+            _watch(proc, inv, output, paths, stderr_path, args)
         finally:
             if proc.poll() is None:  # this script itself was interrupted
                 proc.kill()
             proc.wait()
     inv.seconds, inv.returncode = round(time.perf_counter() - start, 3), proc.returncode
     inv.records_after = _count_records(output)
-    stderr_text = pathlib.Path(f"{log_stem}.stderr").read_text(errors="replace")
+    stderr_text = stderr_path.read_text(errors="replace")
     inv.traceback = "Traceback" in stderr_text
     inv.stderr_tail = stderr_text.strip().splitlines()[-4:]
     print(f"  {inv.run} #{inv.index} {inv.mode} {inv.event:<9} rc={inv.returncode} records {inv.records_before}"
@@ -392,7 +346,7 @@ def plan_soak(args, num_expected: int, rng: random.Random) -> list[Invocation]:
     """The soak run's invocations: signalled ones in random order, load kills among them, a final resume."""
     events = ["sigkill"] * args.sigkills + ["sigint"] * args.sigints
     rng.shuffle(events)
-    planned = [(event, threshold) for event, threshold in zip(events, _spread_thresholds(len(events), num_expected, rng))]
+    planned = list(zip(events, _spread_thresholds(len(events), num_expected, rng)))
     for _ in range(args.load_kills):
         planned.insert(rng.randint(0, len(planned)), ("load_kill", None))
     planned.append(("none", None))
@@ -401,46 +355,35 @@ def plan_soak(args, num_expected: int, rng: random.Random) -> list[Invocation]:
             for index, (event, threshold) in enumerate(planned)]
 
 
-# ----------------------------------------------------------------------------------------- analysis
+def _parsed(data: bytes, encoding: str):
+    """The JSON value of one line, or None if it is not UTF-8 or not JSON."""
+    try:
+        return json.loads(data.decode(encoding))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
 
 
 def read_records(path: pathlib.Path) -> tuple[list[dict], dict]:
-    """Records of a JSONL output, split on b'\\n' only; unparseable lines and a torn tail are counted."""
-    data = path.read_bytes() if path.exists() else b""
-    *complete, tail = data.split(b"\n")
-    records, num_unparseable = [], 0
-    for raw in complete:
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            num_unparseable += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            num_unparseable += 1
-    return records, {"num_unparseable_lines": num_unparseable, "torn_tail_bytes": len(tail)}
+    """Records of a JSONL output, split on b'\\n' only; unparseable lines (or not objects) and a torn tail are counted."""
+    *complete, tail = _output_bytes(path).split(b"\n")
+    records = [record for record in (_parsed(raw, "utf-8") for raw in complete) if isinstance(record, dict)]
+    return records, {"num_unparseable_lines": len(complete) - len(records), "torn_tail_bytes": len(tail)}
 
 
 def record_key(record: dict) -> str:
     """The record's "key" if it has one, else id (typed: 1 and "1" differ) or line number."""
     if isinstance(record.get("key"), str):
         return record["key"]
-    if record.get("id") is not None:
-        return f"id:{json.dumps(record['id'])}"
-    return f"line:{record.get('line')}"
+    return f"id:{json.dumps(record['id'])}" if record.get("id") is not None else f"line:{record.get('line')}"
 
 
 def _expectation_mismatches(lines: list[InputLine], by_line: dict) -> list[dict]:
     mismatches = []
     for number, line in enumerate(lines, start=1):
-        if line.expect == "none":
-            continue
-        records = by_line.get(number, [])
-        got = records[0].get("status") if records else "missing"
-        if got != line.expect and not (line.expect == "either" and got in ("ok", "error")):
-            reason = str(records[0].get("error", ""))[:160] if records else ""
-            mismatches.append({"line": number, "kind": line.kind, "expect": line.expect, "got": got, "error": reason})
+        record = by_line.get(number, [{"status": "missing"}])[0]  # a line's first record
+        got = record.get("status")
+        if line.expect != "none" and got != line.expect and not (line.expect == "either" and got in ("ok", "error")):
+            mismatches.append({"line": number, "kind": line.kind, "expect": line.expect, "got": got, "error": str(record.get("error", ""))[:160]})
     return mismatches
 
 
@@ -448,10 +391,7 @@ def _unique_ids_to_lines(lines: list[InputLine]) -> dict[str, int]:
     """json.dumps(id) -> line number, for ids (string or integer) that occur on exactly one line."""
     id_to_lines = collections.defaultdict(list)
     for number, line in enumerate(lines, start=1):
-        try:
-            obj = json.loads(line.data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
+        obj = _parsed(line.data, "utf-8-sig")
         if isinstance(obj, dict) and isinstance(obj.get("id"), (str, int)) and not isinstance(obj["id"], bool):
             id_to_lines[json.dumps(obj["id"])].append(number)
     return {request_id: numbers[0] for request_id, numbers in id_to_lines.items() if len(numbers) == 1}
@@ -474,8 +414,7 @@ def summarize_output(path: pathlib.Path, lines: list[InputLine]) -> tuple[dict, 
     records, damage = read_records(path)
     non_blank = {number for number, line in enumerate(lines, start=1) if line.expect != "none"}
     by_line, num_wrong_line = group_by_input_line(records, lines)
-    key_counts = collections.Counter(record_key(record) for record in records)
-    duplicate_keys = sorted(key for key, count in key_counts.items() if count > 1)
+    duplicate_keys = sorted(key for key, count in collections.Counter(map(record_key, records)).items() if count > 1)
     lost = sorted(non_blank - set(by_line))
     mismatches = _expectation_mismatches(lines, by_line)
     return {
@@ -494,17 +433,16 @@ def summarize_output(path: pathlib.Path, lines: list[InputLine]) -> tuple[dict, 
 def compare_outputs(ref_records: list[dict], soak_records: list[dict]) -> dict:
     """Per key (first record of each key): equal status, token_ids, text and error."""
     ref, soak = (dict(reversed([(record_key(r), r) for r in records])) for records in (ref_records, soak_records))  # first wins
-    differences = []
-    for key in sorted(set(ref) | set(soak)):
+    keys, differences = sorted(set(ref) | set(soak)), []
+    for key in keys:
         if key not in ref or key not in soak:
             differences.append({"key": key, "fields": ["missing in " + ("soak" if key in ref else "ref")]})
             continue
         fields = [field for field in COMPARED_FIELDS if ref[key].get(field) != soak[key].get(field)]
         if fields:
             differences.append({"key": key, "fields": fields, "ref": _brief(ref[key]), "soak": _brief(soak[key])})
-    num_keys = len(set(ref) | set(soak))  # two empty outputs are not "identical": nothing was compared
-    return {"num_keys": num_keys, "num_differing_keys": len(differences),
-            "identical": num_keys > 0 and not differences, "differences": differences[:MAX_LISTED]}
+    return {"num_keys": len(keys), "num_differing_keys": len(differences),  # two empty outputs are not "identical": nothing compared
+            "identical": bool(keys) and not differences, "differences": differences[:MAX_LISTED]}
 
 
 def _brief(record: dict) -> dict:
@@ -525,15 +463,13 @@ def _kind_table(lines: list[InputLine], ref_by_line: dict[int, list[dict]]) -> d
 
 def coverage_checks(invocations: list[Invocation]) -> dict:
     """Whether the plan was carried out (reported, not part of the goal: a fast job can finish first)."""
-    return {
-        "all_signals_sent": all(inv.signal_sent for inv in invocations if inv.event != "none"),
-        "load_kills_before_first_record": all(inv.records_at_signal == inv.records_before
-                                              for inv in invocations if inv.event == "load_kill"),
-    }
+    load_kills = [inv for inv in invocations if inv.event == "load_kill"]
+    return {"all_signals_sent": all(inv.signal_sent for inv in invocations if inv.event != "none"),
+            "load_kills_before_first_record": all(inv.records_at_signal == inv.records_before for inv in load_kills)}
 
 
-def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invocation]) -> dict:
-    """Goal: N in, N out, 0 lost, 0 duplicated, identical to the uninterrupted run, clean invocations."""
+def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invocation], probes: list[dict]) -> dict:
+    """Goal: N in, N out, 0 lost, 0 duplicated, identical to the uninterrupted run, clean invocations, probes refused."""
     checks = {}
     for name, summary in (("ref", ref), ("soak", soak)):
         checks[f"{name}_n_in_n_out"] = summary["num_records_out"] == summary["num_lines_in"]
@@ -547,10 +483,8 @@ def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invoc
         "sigint_exit_130": all(inv.returncode == 130 for inv in invocations if inv.event == "sigint" and inv.signal_sent),
         "no_tracebacks": not any(inv.traceback for inv in invocations),
         "no_timeouts": not any(inv.timed_out or inv.stuck_after_sigint for inv in invocations),
+        **{f"{name}_refused": any(p["name"] == name and p["refused"] for p in probes) for name in ("second_job", "changed_settings")},
     }
-
-
-# ----------------------------------------------------------------------------------------- printing
 
 
 ACCOUNTING = (("lines in (non-blank)", "num_lines_in"), ("records out", "num_records_out"),
@@ -560,60 +494,50 @@ ACCOUNTING = (("lines in (non-blank)", "num_lines_in"), ("records out", "num_rec
               ("records with a wrong line number", "num_records_with_wrong_line"),
               ("unparseable output lines", "num_unparseable_lines"), ("torn tail bytes", "torn_tail_bytes"),
               ("expected-status mismatches", "num_expectation_mismatches"))
+PROBE_COLUMNS = [("probe (refused at once, output untouched?)", "<42"), ("rc", "3d"), ("s", "6.1f"), ("refused", "<7"), ("stderr, last line", "<")]
 INVOCATION_COLUMNS = [("run", "<5"), ("#", "2d"), ("mode", "<11"), ("event", "<9"), ("trigger", "8"), ("before", "6d"), ("at sig", "6d"),
                       ("after", "6d"), ("rc", "4d"), ("want", "4d"), ("load s", "7.1f"), ("wall s", "7.1f"), ("notes", "<")]
+KIND_COLUMNS = [("line kind", "<28"), ("lines", "5d"), ("expect", ">7"), ("ref statuses", "<")]
 
 
-def _print_accounting(ref: dict, soak: dict) -> None:
-    table = [[label, ref[field], soak[field]] for label, field in ACCOUNTING]
-    statuses = sorted(set(ref["num_records_by_status"]) | set(soak["num_records_by_status"]))
-    table += [["records " + s, ref["num_records_by_status"].get(s, 0), soak["num_records_by_status"].get(s, 0)] for s in statuses]
-    print("\n" + harness.format_table([("accounting", "<34"), ("ref", "8d"), ("soak", "8d")], table))
+def _table(columns: list[tuple[str, str]], rows: list[list]) -> None:
+    print("\n" + harness.format_table(columns, rows))
 
 
-def _print_invocations(invocations: list[Invocation]) -> None:
-    table = []
-    for inv in invocations:
-        notes = [name for name in ("timed_out", "stuck_after_sigint", "traceback") if getattr(inv, name)]
-        notes += ["exited before its signal"] if inv.event != "none" and not inv.signal_sent else []
-        trigger = f"{inv.delay_s:.1f}s" if inv.delay_s is not None else inv.threshold
-        table.append([inv.run, inv.index, inv.mode, inv.event, trigger, inv.records_before, inv.records_at_signal, inv.records_after,
-                      inv.returncode, inv.expected_returncode, inv.seconds_to_first_record, inv.seconds, " ".join(notes)])
-    print("\n" + harness.format_table(INVOCATION_COLUMNS, table))
+def _invocation_row(inv: Invocation) -> list:
+    notes = [name for name in ("timed_out", "stuck_after_sigint", "traceback") if getattr(inv, name)]
+    notes += ["exited before its signal"] if inv.event != "none" and not inv.signal_sent else []
+    trigger = f"{inv.delay_s:.1f}s" if inv.delay_s is not None else inv.threshold
+    return [inv.run, inv.index, inv.mode, inv.event, trigger, inv.records_before, inv.records_at_signal, inv.records_after,
+            inv.returncode, inv.expected_returncode, inv.seconds_to_first_record, inv.seconds, " ".join(notes)]
+
+
+def _print_runs(ref: dict, soak: dict, invocations: list[Invocation], probes: list[dict]) -> None:
+    """The probes, the accounting of both outputs, and the invocations (with the stderr of failed ones)."""
+    _table(PROBE_COLUMNS, [[p["name"], p["returncode"], p["seconds"], str(p["refused"]), (p["stderr"].splitlines() or [""])[-1][:110]]
+                           for p in probes])
+    by_status = ref["num_records_by_status"], soak["num_records_by_status"]
+    statuses = sorted(set(by_status[0]) | set(by_status[1]))
+    _table([("accounting", "<34"), ("ref", "8d"), ("soak", "8d")], [[label, ref[field], soak[field]] for label, field in ACCOUNTING]
+           + [["records " + s, by_status[0].get(s, 0), by_status[1].get(s, 0)] for s in statuses])
+    _table(INVOCATION_COLUMNS, [_invocation_row(inv) for inv in invocations])
     for inv in invocations:
         if inv.returncode not in (0, 130, -signal.SIGKILL) or inv.traceback:
             print("\n".join(f"  {inv.run} #{inv.index} stderr: {text[:150]}" for text in inv.stderr_tail))
 
 
-def _print_kinds(kinds: dict, ref: dict, comparison: dict) -> None:
-    print(f"\n{'line kind':<28} {'lines':>5} {'expect':>7}  ref statuses")
-    for kind, entry in kinds.items():
-        statuses = ", ".join(f"{status} {count}" for status, count in sorted(entry["ref_statuses"].items()))
-        print(f"{kind:<28} {entry['num_lines']:>5} {entry['expect']:>7}  {statuses}")
-    for mismatch in ref["expectation_mismatches"]:
-        print(f"  ref line {mismatch['line']} {mismatch['kind']}: expected {mismatch['expect']}, got {mismatch['got']} {mismatch['error']}")
+def _print_results(kinds: dict, ref: dict, comparison: dict, checks: dict, coverage: dict) -> None:
+    """Line kinds and ref's expected-status mismatches, soak vs ref, then the checks and the goal."""
+    statuses = {kind: ", ".join(f"{status} {count}" for status, count in sorted(entry["ref_statuses"].items())) for kind, entry in kinds.items()}
+    _table(KIND_COLUMNS, [[kind, entry["num_lines"], entry["expect"], statuses[kind]] for kind, entry in kinds.items()])
+    for m in ref["expectation_mismatches"]:
+        print(f"  ref line {m['line']} {m['kind']}: expected {m['expect']}, got {m['got']} {m['error']}")
     print(f"\nsoak vs ref: {comparison['num_keys']} keys, {comparison['num_differing_keys']} differ")
     for difference in comparison["differences"][:10]:
         print(f"  {difference['key']}: {', '.join(difference['fields'])} {difference.get('ref', '')} vs {difference.get('soak', '')}")
-
-
-def _print_probes(probes: list[Probe]) -> None:
-    print("\nprobes (each must be refused at once, the output untouched)")
-    for p in probes:
-        last = p.stderr.splitlines()[-1] if p.stderr else ""
-        print(f"  {p.name:<17} rc={p.returncode} {p.seconds:6.1f}s refused={p.refused}  {last[:110]}")
-
-
-def _print_checks(checks: dict, coverage: dict, goal_met: bool) -> None:
-    print()
-    for name, passed in checks.items():
-        print(f"{'pass' if passed else 'FAIL'}  {name}")
-    for name, passed in coverage.items():
-        print(f"{'yes ' if passed else 'no  '}  {name} (coverage, not in the goal)")
-    print(f"goal {'met' if goal_met else 'NOT met'}")
-
-
-# ------------------------------------------------------------------------------------------- main
+    _table([("ok?", "<4"), ("check", "<")], [["pass" if passed else "FAIL", name] for name, passed in checks.items()]
+           + [["yes" if passed else "no", f"{name} (coverage, not in the goal)"] for name, passed in coverage.items()])
+    print(f"goal {'met' if all(checks.values()) else 'NOT met'}")
 
 
 def parse_args():
@@ -633,38 +557,34 @@ def parse_args():
     return args
 
 
-def _prepare_paths(args) -> dict:
+def _prepare_workdir(args, lines: list[InputLine]) -> dict:
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_batch_"))
     workdir.mkdir(parents=True, exist_ok=True)
     paths = {"workdir": workdir, "input": workdir / "input.jsonl", "ref": workdir / "ref.jsonl",
              "soak": workdir / "soak.jsonl", "compile_cache": args.compile_cache or workdir / "xla_cache"}
     for name in ("ref", "soak"):  # a reused workdir: the first invocations would count stale records
         paths[name].unlink(missing_ok=True)
+    paths["input"].write_bytes(b"\n".join(line.data for line in lines) + b"\n")
+    manifest = [{"line": number, "kind": line.kind, "expect": line.expect} for number, line in enumerate(lines, start=1)]
+    (workdir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return paths
 
 
-def _write_input(paths: dict, lines: list[InputLine]) -> None:
-    paths["input"].write_bytes(b"\n".join(line.data for line in lines) + b"\n")
-    manifest = [{"line": number, "kind": line.kind, "expect": line.expect} for number, line in enumerate(lines, start=1)]
-    (paths["workdir"] / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-
-
-def run_all(args, paths: dict, lines: list[InputLine]) -> list[Invocation]:
-    """The reference run, then the soak run; returns every invocation."""
-    rng = random.Random(args.seed + 1)
+def run_all(args, paths: dict, lines: list[InputLine]) -> tuple[list[Invocation], list[dict]]:
+    """The reference run, then the soak run; returns every invocation and the probes (with "refused")."""
     num_expected = sum(line.expect != "none" for line in lines)
     print(f"workdir {paths['workdir']}: {len(lines)} lines, {num_expected} non-blank", file=sys.stderr, flush=True)
-    args.paths = paths
     ref = run_invocation(Invocation("ref", 0, "--overwrite", "none"), paths["ref"], paths, args)
-    soak = plan_soak(args, num_expected, rng)
+    soak = plan_soak(args, num_expected, random.Random(args.seed + 1))
     probed = next(inv for inv in soak if inv.event != "load_kill")  # one that writes records
     probed.probe_second_job = True  # once it writes, a second job tries the same output
     probes = []
     for inv in soak:
         run_invocation(inv, paths["soak"], paths, args)
         if inv is probed:  # the output now holds records (and a torn tail, if a kill tore one)
-            probes.append(settings_probe(paths["soak"], paths))
-    return [ref] + soak, probes
+            probes.append(_run_probe("changed_settings", "other settings", paths["soak"], paths, ("--temperature", "0.5", "--engine-seed", "7")))
+    probes = [inv.probe for inv in soak if inv.probe] + probes
+    return [ref] + soak, [p | {"refused": p["returncode"] == 2 and p["expected_text"] in p["stderr"] and p["output_unchanged"]} for p in probes]
 
 
 def main() -> int:
@@ -675,33 +595,22 @@ def main() -> int:
     except ValueError as e:
         print(f"soak_batch: error: {e}", file=sys.stderr)
         return 2
-    paths = _prepare_paths(args)
-    _write_input(paths, lines)
+    paths = _prepare_workdir(args, lines)
     invocations, probes = run_all(args, paths, lines)
-    del args.paths
-    probes = [Probe(**inv.probe) for inv in invocations if inv.probe] + probes
     ref, ref_records, ref_by_line = summarize_output(paths["ref"], lines)
     soak, soak_records, _ = summarize_output(paths["soak"], lines)
     comparison = compare_outputs(ref_records, soak_records)
-    checks = goal_checks(ref, soak, comparison, invocations)
-    checks["second_job_refused"] = any(p.name == "second_job" and p.refused for p in probes)
-    checks["changed_settings_refused"] = any(p.name == "changed_settings" and p.refused for p in probes)
-    _print_probes(probes)
-    goal_met, coverage = all(checks.values()), coverage_checks(invocations)
-    kinds = _kind_table(lines, ref_by_line)
-    _print_accounting(ref, soak)
-    _print_invocations(invocations)
-    _print_kinds(kinds, ref, comparison)
-    _print_checks(checks, coverage, goal_met)
+    checks, coverage = goal_checks(ref, soak, comparison, invocations, probes), coverage_checks(invocations)
+    goal_met, kinds = all(checks.values()), _kind_table(lines, ref_by_line)
+    _print_runs(ref, soak, invocations, probes)
+    _print_results(kinds, ref, comparison, checks, coverage)
     params = {key: str(value) if isinstance(value, pathlib.Path) else value for key, value in vars(args).items()}
-    result = {
+    result = harness.write_result(args.out, {
         "bench": "soak_batch", "goal_met": goal_met, "checks": checks, "coverage": coverage,
         "parameters": {**params, "workdir": str(paths["workdir"]), "engine_flags": list(ENGINE_FLAGS)},
         "wall_s": round(time.perf_counter() - start, 3), "reference": ref, "soak": soak, "comparison": comparison,
-        "line_kinds": kinds, "invocations": [dataclasses.asdict(inv) for inv in invocations],
-        "probes": [dataclasses.asdict(p) | {"refused": p.refused} for p in probes],
-    }
-    result = harness.write_result(args.out, result)
+        "line_kinds": kinds, "invocations": [dataclasses.asdict(inv) for inv in invocations], "probes": probes,
+    })
     if goal_met and args.workdir is None:
         shutil.rmtree(paths["workdir"], ignore_errors=True)
     print(json.dumps(result))
