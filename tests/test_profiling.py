@@ -18,9 +18,9 @@ def llm(tiny_chat_model, compile_cache):
 
 
 def step_programs(directory) -> list[float]:
-    """Start times of the engine step calls in the trace (jax nests two events per call: the outer ones)."""
+    """Start times of the engine steps in the trace: their forward programs (jax nests two events per call: the outer ones)."""
     assert glob.glob(f"{directory}/**/*.xplane.pb", recursive=True), "no TensorBoard file"
-    events = sorted((e["ts"], e["ts"] + e["dur"]) for e in profiling.trace_events(directory) if e.get("ph") == "X" and e.get("name", "").startswith("PjitFunction(jit(_step"))
+    events = sorted((e["ts"], e["ts"] + e["dur"]) for e in profiling.trace_events(directory) if e.get("ph") == "X" and e.get("name", "").startswith("PjitFunction(jit(_forward_step"))
     outer, end = [], -1.0
     for start, stop in events:
         if start > end:
