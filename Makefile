@@ -58,10 +58,13 @@ test: $(VENV)/.stamp reference-check $(LLAMA_CPP_MODELS)/.complete
 test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
-# llama.cpp peer of bench_engine.py: llama-cpp-python builds from source (about 12 minutes on 2 cores).
+# llama.cpp peer of bench_engine.py: llama-cpp-python builds from source (about 12 minutes on 2 cores),
+# with the SIMD flags of this machine named one by one and AMX off (a native build segfaults on AMX CPUs).
+# The flags used are kept in .venv-ref/llama_cpp_build.txt; the benchmarks record them.
 # A failed build does not stop `make bench`: bench_engine.py then reports llama.cpp as not run.
 $(VENV_REF)/.stamp-bench: $(VENV_REF)/.stamp
-	$(VENV_REF)/bin/pip install $(PIP_FLAGS) llama-cpp-python==0.3.36 && touch $@ \
+	args="$$(scripts/llama_cpp_cmake_args.sh)" && echo "$$args" > $(VENV_REF)/llama_cpp_build.txt \
+		&& CMAKE_ARGS="$$args" $(VENV_REF)/bin/pip install $(PIP_FLAGS) --no-binary llama-cpp-python llama-cpp-python==0.3.36 && touch $@ \
 		|| echo "warning: llama-cpp-python did not install; the llama.cpp peer will be skipped" >&2
 
 setup-bench: $(VENV_REF)/.stamp-bench

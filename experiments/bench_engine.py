@@ -28,8 +28,10 @@ RESULTS = harness.RESULTS_DIR / "bench_engine.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_engine"  # the workload and peers' token files (not committed)
 ALL_RUNNERS = ("jaxinfer", "naive", "jaxinfer_defaults", "hf", "llamacpp")
 NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many positions (bounds score memory)
-GOALS = {"vs_hf": 2.0, "vs_llamacpp_best": 2.0, "vs_naive": 3.0, "kv_utilization": 0.9, "kv_utilization_mean_decode": 0.9}  # at least
-MAX_GOALS = {"padding_waste": 0.10}  # at most (issue 15: token-slot padding)
+GOALS = {"vs_hf": ("output tok/s >= 2x HF generate", 2.0, "at_least"), "vs_llamacpp_best": ("output tok/s >= 2x llama.cpp's best mode", 2.0, "at_least"),
+         "vs_naive": ("output tok/s >= 3x the naive static batcher", 3.0, "at_least"), "kv_utilization": ("peak KV utilization >= 90%", 0.9, "at_least"),
+         "kv_utilization_mean_decode": ("mean KV utilization over decode steps >= 90%", 0.9, "at_least"),
+         "padding_waste": ("token-slot padding waste <= 10% (issue 15)", 0.10, "at_most")}
 
 
 def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[dict, list[list[int]]]:
@@ -132,10 +134,7 @@ def goals(results: dict) -> dict:
     measured = {"vs_hf": ratio(rate("hf")), "vs_llamacpp_best": ratio(llamacpp_best), "vs_naive": ratio(rate("naive")),
                 "kv_utilization": results.get("jaxinfer", {}).get("stats", {}).get("peak_kv_utilization"),
                 "kv_utilization_mean_decode": results.get("jaxinfer", {}).get("decode_kv_utilization", {}).get("mean_over_decode_steps")}
-    goals = {k: {"target": GOALS[k], "measured": v, "met": None if v is None else v >= GOALS[k]} for k, v in measured.items()}
-    waste = results.get("jaxinfer", {}).get("stats", {}).get("padding_waste")
-    goals["padding_waste"] = {"target_at_most": MAX_GOALS["padding_waste"], "measured": waste, "met": None if waste is None else waste <= MAX_GOALS["padding_waste"]}
-    return goals
+    return harness.judge(GOALS, measured | {"padding_waste": results.get("jaxinfer", {}).get("stats", {}).get("padding_waste")})
 
 
 def parse_args():
@@ -258,6 +257,7 @@ def main() -> None:
         "goals": goals(results),
         "runtime_s": time.perf_counter() - total_start,
     }
+    harness.print_goals(result["goals"])
     jaxinfer = results.get("jaxinfer", {})
     harness.finish(args.out, result, {
         "bench": "engine", "correct": correct, "output_tokens_per_s": {k: v.get("output_tokens_per_s") for k, v in results.items()},

@@ -477,12 +477,6 @@ def summarize(plan: dict, workers: dict, peaks: dict) -> list[dict]:
     return rows
 
 
-def _goal(name: str, measured) -> dict:
-    what, target, how = GOALS[name]
-    met = None if measured is None else bool({"within": abs(measured) <= target, "at_most": measured <= target, "at_least": measured >= target}[how])
-    return {"what": what, "target": target, "measured": measured, "met": met}
-
-
 def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
     by_name = {r["row"]: r for r in rows if r["status"] == "ok"}
     field = lambda row, key: by_name[row][key] if row in by_name else None  # noqa: E731
@@ -497,7 +491,7 @@ def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
         "int8_decode_b1": (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1), "none_slower_b32": slowest[0] if slowest else None,
         "1b_gguf_weight_bytes": one_b["resident_vs_file_tensor_bytes"] - 1 if one_b and "resident_vs_file_tensor_bytes" in one_b else None,
     }
-    result = {name: _goal(name, value) for name, value in measured.items()}
+    result = harness.judge(GOALS, measured)
     if slowest:
         result["none_slower_b32"] |= {"slowest_row": slowest[1], "rows_slower_than_f32": sorted(name for speedup, name in b32 if speedup < 1.0)}
     return result
@@ -570,11 +564,9 @@ def print_report(result: dict) -> None:
               f"{len(one_b['generated_token_ids'])} tokens {one_b['generated_token_ids']} in {one_b['generate_latency_s']:.1f}s after {one_b['warmup_s']:.0f}s warm-up")
     elif one_b:
         print(f"\n1B geometry: {one_b.get('status')}: {str(one_b.get('stdout_tail') or one_b.get('reason'))[:300]}")
-    print("\ngoals:")
-    for name, goal in result["goals"].items():
-        state = "not measured" if goal["met"] is None else ("met" if goal["met"] else "NOT MET")
-        measured = "-" if goal["measured"] is None else f"{goal['measured']:.4g}"
-        print(f"  {state:<12} {goal['what']}: measured {measured} (target {goal['target']:g}){' slowest ' + goal['slowest_row'] if 'slowest_row' in goal else ''}")
+    harness.print_goals(result["goals"])
+    if slowest := result["goals"]["none_slower_b32"].get("slowest_row"):
+        print(f"  slowest row at batch-32 decode: {slowest}")
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -548,6 +548,22 @@ def format_table(columns: list[tuple[str, str]], rows: list[list]) -> str:
     return "\n".join(" ".join(cell(v, spec) for v, (_, spec) in zip(row, columns)) for row in [[h for h, _ in columns], *rows])
 
 
+def judge(goals: dict[str, tuple[str, float, str]], measured: dict) -> dict:
+    """{name: {what, target, how, measured, met}} for goals {name: (what, target, how)}, where how is "at_least",
+    "at_most" or "within" (|measured| <= target); met is None where measured[name] is None (not measured)."""
+    test = {"at_least": lambda m, t: m >= t, "at_most": lambda m, t: m <= t, "within": lambda m, t: abs(m) <= t}
+    return {name: {"what": what, "target": target, "how": how, "measured": (m := measured.get(name)),
+                   "met": None if m is None else bool(test[how](m, target))} for name, (what, target, how) in goals.items()}
+
+
+def print_goals(judged: dict) -> None:
+    print("\ngoals:")
+    for goal in judged.values():
+        state = "not measured" if goal["met"] is None else ("met" if goal["met"] else "NOT MET")
+        measured = "-" if goal["measured"] is None else f"{goal['measured']:.4g}"
+        print(f"  {state:<12} {goal['what']}: measured {measured} ({goal['how'].replace('_', ' ')} {goal['target']:g})")
+
+
 def finish(path: pathlib.Path, doc: dict, summary: dict, *, correct: bool = True, **write) -> dict:
     """write_result(path, doc, **write), then `summary` as the last stdout line; exit 1 if not `correct`."""
     doc = write_result(path, doc, **write)

@@ -3,6 +3,7 @@ folder) in float32. torch is imported only by load_model (the llama.cpp peers do
 
 import importlib.util
 import os
+import sys
 import time
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,6 +19,12 @@ def gguf_folder() -> str:
 
 def gguf_path() -> str:
     return os.path.join(gguf_folder(), GGUF_NAME)
+
+
+def llama_cpp_build() -> str | None:
+    """The CMAKE_ARGS `make setup-bench` built llama-cpp-python with (None: built some other way)."""
+    path = os.path.join(sys.prefix, "llama_cpp_build.txt")
+    return open(path).read().strip() if os.path.exists(path) else None
 
 
 def load_model(threads: int, folder: str | None = None):

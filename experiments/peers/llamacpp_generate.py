@@ -60,7 +60,7 @@ from collections import deque
 import llama_cpp as lc
 import numpy as np
 
-from hf_common import gguf_path  # noqa: E402,F401  (the script's folder is on sys.path; llamacpp_perplexity imports it from here)
+from hf_common import gguf_path, llama_cpp_build  # noqa: E402,F401  (the script's folder is on sys.path; llamacpp_perplexity imports it from here)
 
 MAX_CONTEXT = 2048  # tokens per sequence, as in bench_engine.py
 N_BATCH = 512  # tokens per llama_decode at most (prompt chunks + decode tokens)
@@ -250,7 +250,7 @@ def main() -> None:
     with open(args.out, "w") as file:
         json.dump(tokens, file)
     print(json.dumps({"peer": "llama_cpp", "llama_cpp_python_version": lc.__version__, "threads": args.threads,
-                      "system_info": lc.llama_print_system_info().decode(), "load_s": load_s, "modes": modes}))
+                      "system_info": lc.llama_print_system_info().decode(), "cmake_args": llama_cpp_build(), "load_s": load_s, "modes": modes}))
 
 
 if __name__ == "__main__":

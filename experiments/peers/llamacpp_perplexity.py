@@ -24,7 +24,7 @@ import time
 import llama_cpp as lc
 import numpy as np
 
-from llamacpp_generate import Context, _decode_prefix, gguf_path
+from llamacpp_generate import Context, _decode_prefix, gguf_path, llama_cpp_build
 
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
@@ -127,7 +127,7 @@ def main() -> None:
         results[name] = entry
     lc.llama_model_free(model)
     print(json.dumps({"peer": "llama_cpp", "llama_cpp_python_version": lc.__version__, "threads": args.threads, "gguf": os.path.basename(gguf_path()),
-                      "system_info": lc.llama_print_system_info().decode(), "kv_types": results}))
+                      "system_info": lc.llama_print_system_info().decode(), "cmake_args": llama_cpp_build(), "kv_types": results}))
 
 
 if __name__ == "__main__":
