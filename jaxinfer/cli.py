@@ -108,8 +108,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--matmul", default=_engine_default("matmul_impl"), choices=MATMUL_IMPLS,
         help="layer matmuls: auto (tuned like --dtype; with JAXINFER_TUNE=0 the CPU kernel exactly when --attention is), "
-        "xla (XLA's dot), cpu (the C++ panel kernel, f32 on a CPU), int8 (W8A8 with --quantization int8: activations "
-        "quantized per token, XLA's int8 dot; costs perplexity, so only when asked) (default: %(default)s)",
+        "xla (XLA's dot), cpu (the C++ panel kernel, f32 on a CPU), int8 (W8A8 with --quantization int8, or a Q8_0 GGUF "
+        "with --quantization gguf: activations quantized in blocks of 64, XLA's int8 dot; only when asked) (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,

@@ -245,7 +245,7 @@ class EngineConfig:
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
     attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); attention.resolve_impl
     # auto | xla (XLA dot on the loaded params) | cpu (panels for kernels_cpu/layer_matmul) | int8 (quantization="int8"
-    # weights times activations quantized per token, XLA's int8 dot: quant.with_int8_activations); matmul_impl.resolve_matmul_impl
+    # weights times activations quantized in blocks, XLA's int8 dot: quant.with_int8_activations); matmul_impl.resolve_matmul_impl
     matmul_impl: str = "auto"
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.

@@ -17,13 +17,14 @@ def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on
     """'xla', 'cpu' or 'int8' for an EngineConfig.matmul_impl, given the resolved attention impl. 'auto' is
     'cpu' exactly when the attention is the CPU kernel (whose own check asks that the layer-matmul kernel
     builds; quantized matrices stay as they are there, only dense ones are packed). An explicit 'cpu' or 'int8' that cannot run raises ValueError, naming
-    why, before anything is packed. `int8_weights`: the params hold int8 matrices (quantization='int8')."""
+    why, before anything is packed. `int8_weights`: the params hold int8-coded matrices (quantization='int8', or a GGUF's Q8_0 tensors kept)."""
     if matmul_impl == "auto":
         return "cpu" if attention_impl == CPU_IMPL else "xla"
     if matmul_impl == "cpu" and (obstacle := _cpu_matmul_obstacle(dtype, on_mesh)):
         raise ValueError(f"matmul_impl='cpu': the layer-matmul kernel {obstacle}; use matmul_impl='auto' or 'xla'")
     if matmul_impl == "int8" and not int8_weights:
-        raise ValueError("matmul_impl='int8' multiplies int8 weights by int8 activations; load the model with quantization='int8'")
+        raise ValueError("matmul_impl='int8' multiplies int8 weights by int8 activations; load the model with quantization='int8' "
+                         "(or a GGUF with Q8_0 tensors with quantization='gguf')")
     return matmul_impl
 
 

@@ -127,7 +127,7 @@ def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: 
     """The candidates of this backend that keep the pins. CPU: f32 with every mix of the CPU kernels and
     XLA/jnp, and bf16 through XLA (bf16 dots accumulate in f32; norms, rope and softmax run in f32; the CPU
     kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel. W8A8
-    (matmul 'int8': int8 weights, activations quantized per token, XLA's int8 dot) only where the user
+    (matmul 'int8': int8 weights, activations quantized in blocks, XLA's int8 dot) only where the user
     pinned it: its perplexity is +3.6% over f32 on SmolLM2 (experiments/results/bench_quant_prompt_logprobs.json),
     over the issue's 1%, so the tuner never trades that fidelity for speed on its own."""
     backend = backend or jax.default_backend()

@@ -1,41 +1,74 @@
-"""W8A8 (issue 24): int8 weights times activations quantized per token, through XLA's int8 x int8 -> int32
-dot (quant._int8_dot, EngineConfig.matmul_impl='int8'). Checked against a numpy transcription of the same
-integer arithmetic in int64 (exact up to the final f32 scaling), against the float64 dot of the dequantized
-weights (the error W8A8 adds), and end to end against the same int8 weights multiplied in f32."""
+"""W8A8 (issue 24): weights of int8 codes (the int8 format, GGUF Q8_0) times activations quantized per
+block, through XLA's int8 x int8 -> int32 dot (quant._int8_dot, EngineConfig.matmul_impl='int8'). Checked
+against a numpy transcription of the same integer arithmetic in int64 (exact up to the final f32 scaling),
+against the float64 dot of the dequantized weights (the error W8A8 adds), and end to end against the same
+int8 weights multiplied in f32."""
 
 import numpy as np
 import pytest
 
 import jax.numpy as jnp
+from gguf import GGMLQuantizationType, quants
 
 from jaxinfer import LLM, SamplingParams, quant
 
 
-def numpy_w8a8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
-    """x [T, I] f32, codes int8 [O, I], w_scale [O]: x rounded to int8 per row (max|x| / 127), int64 dot, scaled."""
-    x_scale = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32) / np.float32(127)
-    x_codes = np.clip(np.round(x / x_scale), -127, 127).astype(np.int64)
-    return (x_codes @ codes.astype(np.int64).T).astype(np.float64) * x_scale * w_scale[None, :]
+def numpy_w8a8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray, block: int) -> np.ndarray:
+    """x [T, I] f32, codes int8 [O, I], w_scale [O, I / g] (g a multiple of `block`): each `block` entries
+    of a row of x rounded to int8 (scale max|x| / 127), an int64 dot per block, both scales, summed."""
+    t, i = x.shape
+    xb = x.reshape(t, i // block, block)
+    x_scale = np.abs(xb).max(axis=-1, keepdims=True).astype(np.float32) / np.float32(127)  # [T, nb, 1]
+    x_codes = np.clip(np.round(xb / x_scale), -127, 127).astype(np.int64)
+    cb = codes.astype(np.int64).reshape(codes.shape[0], i // block, block)
+    partial = np.einsum("tbk,obk->tob", x_codes, cb).astype(np.float64)  # exact integers
+    w_block = np.repeat(w_scale.astype(np.float64), i // block // w_scale.shape[1], axis=1)  # [O, nb]
+    return np.einsum("tob,ob,tb->to", partial, w_block, x_scale[..., 0].astype(np.float64))
+
+
+def _rows_of_different_scales(rng, shape) -> np.ndarray:
+    x = rng.standard_normal(shape) * rng.uniform(0.1, 10, (shape[0], 1))
+    x[:, 5] *= 40  # one outlier channel, as real activations have
+    return x.astype(np.float32)
 
 
 @pytest.mark.parametrize("layout,spec", [("out_in", "ti,oi->to"), ("in_out", "ti,io->to")])
 def test_int8_dot_is_the_integer_arithmetic_it_claims(layout, spec):
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((384, 256)).astype(np.float32)
-    x = (rng.standard_normal((7, 256)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)  # rows of very different scales
+    w = rng.standard_normal((384, 512)).astype(np.float32)
+    x = _rows_of_different_scales(rng, (7, 512))
     q = quant.quantize_int8(jnp.asarray(w), layout=layout)
     ours = np.asarray(quant.qeinsum(spec, jnp.asarray(x), quant.with_int8_activations(q)), np.float64)
-    expected = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales)[:, 0])
+    expected = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), quant.INT8_ACTIVATION_BLOCK)
     assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
     dense = np.einsum(spec, x.astype(np.float64), np.asarray(quant.dequantize(q), np.float64))
     error = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
+    per_token = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), 512)  # one scale per token: the outlier sets it
     assert 1e-4 < error < 0.02  # the activations' rounding: visible, and small
+    assert error < 0.5 * np.linalg.norm(per_token - dense) / np.linalg.norm(dense)  # blocks confine the outlier
+
+
+def test_q8_0_blocks_are_multiplied_as_stored():
+    """A GGUF Q8_0 tensor's codes and per-32 fp16 scales enter the integer dot unchanged: the result is
+    the int64 arithmetic on the file's own blocks, with activation blocks of 32 (llama.cpp's Q8_0 x Q8_0)."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((96, 128)).astype(np.float32)
+    blocks = quants.quantize(w, GGMLQuantizationType.Q8_0)  # uint8 [96, 4 * 34]
+    q = quant.from_gguf(blocks, GGMLQuantizationType.Q8_0, layout="in_out")
+    x = _rows_of_different_scales(rng, (5, 128))
+    ours = np.asarray(quant.qeinsum("ti,io->to", jnp.asarray(x), quant.with_int8_activations(q)), np.float64)
+    raw = blocks.reshape(96, 4, 34)
+    codes = raw[..., 2:].copy().view(np.int8).reshape(96, 128)
+    scales = raw[..., :2].copy().view(np.float16).reshape(96, 4).astype(np.float32)
+    expected = numpy_w8a8(x, codes, scales, 32)
+    assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert quant.has_int8_weights({"w": q})
 
 
 def test_only_int8_weights_take_int8_activations():
     q = quant.quantize_int4(jnp.ones((64, 64)), group_size=32)
     assert quant.with_int8_activations(q).activations == "float"
-    with pytest.raises(ValueError, match="int8 format"):
+    with pytest.raises(ValueError, match="int8 codes"):
         quant.QuantizedTensor(codes=q.codes, scales=q.scales, format="int4", group_size=32, in_shape=(64,), out_shape=(64,), activations="int8")
 
 
