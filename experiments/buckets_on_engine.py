@@ -20,6 +20,7 @@ offline request rate, reporting TTFT/TPOT p99, throughput and goodput; the token
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import pathlib
@@ -63,8 +64,9 @@ class Limits:
         """Enough pages for max_num_seqs full contexts (+ the null page): nothing is ever preempted."""
         return self.max_num_seqs * (self.max_context // self.page_size) + 1
 
-    def engine_fields(self) -> dict:
-        return {**dataclasses.asdict(self), "num_pages": self.num_pages, "enable_prefix_caching": False}
+    def config(self, **fields) -> EngineConfig:
+        """An EngineConfig of these limits (no prefix cache) and `fields`."""
+        return EngineConfig(**dataclasses.asdict(self), num_pages=self.num_pages, enable_prefix_caching=False, **fields)
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -117,21 +119,15 @@ def unit_rate(timestamps: np.ndarray) -> list[float]:
 def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]:
     """Prefill tokens, decode rows and pages per row of every step of runloop.dry_run at the finest tables
     (every size a bucket): greedy tokens do not change the schedule when EOS is ignored, no prefix cache."""
-    finest = EngineConfig(
-        **limits.engine_fields(), prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)),
-        decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)), decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
+    finest = limits.config(
+        prefill_chunk_buckets=tuple(range(1, limits.max_prefill_tokens + 1)), decode_batch_buckets=tuple(range(1, limits.max_num_seqs + 1)),
+        decode_page_buckets=tuple(range(1, limits.max_context // limits.page_size + 1)),
     )
     plans, _ = runloop.dry_run(finest, workload.prompts, workload.max_tokens, limits.num_pages)
-    samples = {"chunk": [], "rows": [], "pages": []}
-    for plan in plans:  # with every size a bucket, a plan's key is the step's real size
-        if plan.phase == "prefill":
-            samples["chunk"].append(plan.bucket.num_tokens)
-        else:
-            samples["rows"].append(plan.bucket.num_rows)
-        samples["pages"].append(plan.bucket.num_pages)
-    if not samples["rows"]:  # every request generates one token: no decode step at all
-        samples["rows"] = [1]
-    return samples
+    prefill = [plan.bucket for plan in plans if plan.phase == "prefill"]  # with every size a bucket, a key is the step's real size
+    decode = [plan.bucket for plan in plans if plan.phase != "prefill"]
+    return {"chunk": [key.num_tokens for key in prefill], "rows": [key.num_rows for key in decode] or [1],  # [1]: no decode step at all
+            "pages": [plan.bucket.num_pages for plan in plans]}
 
 
 DIMENSIONS = ("chunk", "rows", "pages")  # EngineBuckets fields, in the order leftover budget is spent on them
@@ -141,7 +137,7 @@ _TABLE_FIELDS = {"chunk": "prefill_chunk_buckets", "rows": "decode_batch_buckets
 def engine_config(limits: Limits, kind: str, counts: dict[str, int], samples: dict, **fields) -> EngineConfig:
     """One strategy kind per dimension, dimension d with counts[d] buckets fitted to samples[d]."""
     buckets = EngineBuckets(**{d: strategy_from_sample(kind, samples[d], counts[d]) for d in DIMENSIONS})
-    return EngineConfig(**limits.engine_fields(), buckets=buckets, **fields)
+    return limits.config(buckets=buckets, **fields)
 
 
 def tables_of(cfg: EngineConfig) -> dict[str, list[int]]:
@@ -152,15 +148,11 @@ def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict
     """Buckets per dimension for a total program budget: the largest uniform count whose tables compile at
     most `budget` programs, then the leftover spent one table step at a time on chunk, rows, pages in turn.
     Returns {"counts", "programs", "tables", "fits"}; fits is False when one bucket each is over budget."""
-    tables = {}  # (dimension, count) -> that dimension's cut table, from an EngineConfig with only it set
-    for d in DIMENSIONS:
-        for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1):
-            cfg = EngineConfig(**limits.engine_fields(), buckets=EngineBuckets(**{d: strategy_from_sample(kind, samples[d], k)}))
-            tables[d, k] = getattr(cfg, _TABLE_FIELDS[d])
+    tables = {(d, k): getattr(limits.config(buckets=EngineBuckets(**{d: strategy_from_sample(kind, samples[d], k)})), _TABLE_FIELDS[d])
+              for d in DIMENSIONS for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1)}  # (dimension, count) -> its cut table, only it set
 
     def programs(counts):
-        explicit = {_TABLE_FIELDS[d]: tables[d, counts[d]] for d in DIMENSIONS}
-        return len(EngineConfig(**limits.engine_fields(), **explicit).tables.all_keys())
+        return len(limits.config(**{_TABLE_FIELDS[d]: tables[d, counts[d]] for d in DIMENSIONS}).tables.all_keys())
 
     uniform = [k for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1) if programs(dict.fromkeys(DIMENSIONS, k)) <= budget]
     counts = dict.fromkeys(DIMENSIONS, uniform[-1] if uniform else 1)
@@ -284,13 +276,14 @@ def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]
         except Exception as error:  # one failing configuration is reported, the others still run
             results[config["id"]] = {"error": f"{type(error).__name__}: {error}"}
         r = results[config["id"]]
-        report(json.dumps({"line": f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s")}))
+        report(f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s"))
     return llms, results, model
 
 
 def run_trace(spec: dict, report=print) -> list[dict]:
     """Every configuration of one trace: compile all, then `repeats` rounds of runs in alternating order (so
-    other load on the machine falls on all alike), then the first one's tokens against the dense reference."""
+    other load on the machine falls on all alike), then the first one's tokens against the dense reference.
+    report(text) is called once per compile, timed run and replay."""
     limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
     llms, results, model = _compile_all(spec, limits, report)
     runs = {config_id: [] for config_id in llms}
@@ -302,7 +295,7 @@ def run_trace(spec: dict, report=print) -> list[dict]:
             except Exception as error:
                 results[config_id] = {**results[config_id], "error": f"{type(error).__name__}: {error}"}
                 line = f"run {round_index + 1} {config_id}: {results[config_id]['error']}"
-            report(json.dumps({"line": line}))
+            report(line)
     for config_id, llm in llms.items():
         if "error" not in results[config_id]:
             results[config_id] |= summarize_runs(runs[config_id], llm, workload, limits)
@@ -329,10 +322,9 @@ def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, cap
         for load in spec["replay_loads"]:
             llm.reset_prefix_cache()
             outputs, summary = replay(llm, workload.prompts, params, workload.arrival_shape, rate=load * capacity, slo_ttft_s=spec["slo_ttft_s"], slo_tpot_s=spec["slo_tpot_s"])
-            summary["tokens_as_offline"] = [o.token_ids for o in outputs] == results[config_id]["tokens"]
-            summary["offered_requests_per_s"] = load * capacity
+            summary |= {"tokens_as_offline": [o.token_ids for o in outputs] == results[config_id]["tokens"], "offered_requests_per_s": load * capacity}
             results[config_id]["replay"][str(load)] = summary
-            report(json.dumps({"line": f"replay {config_id} load {load}: {summary['output_tokens_per_s']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, goodput {summary['goodput_requests_per_s']:.2f} req/s"}))
+            report(f"replay {config_id} load {load}: {summary['output_tokens_per_s']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, goodput {summary['goodput_requests_per_s']:.2f} req/s")
 
 
 def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list[dict]:
@@ -431,11 +423,6 @@ def format_baselines(trace: dict) -> str:
     return "\n".join(lines)
 
 
-def _by_strategy(rows: list[dict]) -> dict[str, list[dict]]:
-    ok = [r for r in rows if "error" not in r]
-    return {strategy: [r for r in ok if r["strategy"] == strategy] for strategy in dict.fromkeys(r["strategy"] for r in ok)}
-
-
 PLOTS = {  # name: (x, y (solid), dashed y or None, x label, y label)
     "throughput_vs_programs": ("programs", "output_tokens_per_s", "output_tokens_per_cpu_s", "programs compiled",
                                "output tokens/s (solid per wall s, dashed per CPU s)"),  # CPU seconds: less sensitive to other load
@@ -445,10 +432,14 @@ PLOTS = {  # name: (x, y (solid), dashed y or None, x label, y label)
 }
 
 
-def _plot_panel(axes, trace: dict, x: str, y: str, dashed: str | None, pareto: bool) -> None:
-    """One trace: a line per strategy; on the Pareto plot each point's budgets and the frontier."""
-    for strategy, rows in _by_strategy(trace["rows"]).items():
-        rows = sorted(rows, key=lambda r: (r["budget"], r[x]) if pareto else (r[x], r["budget"]))
+def _plot_panel(axes, trace: dict, name: str) -> None:
+    """PLOTS[name] of one trace: a line per strategy; on the Pareto plot each point's budgets and the frontier."""
+    from matplotlib.ticker import PercentFormatter
+
+    x, y, dashed, xlabel, ylabel = PLOTS[name]
+    pareto, ok = name == "pareto_ttft_throughput", [r for r in trace["rows"] if "error" not in r]
+    for strategy in dict.fromkeys(r["strategy"] for r in ok):
+        rows = sorted((r for r in ok if r["strategy"] == strategy), key=lambda r: (r["budget"], r[x]) if pareto else (r[x], r["budget"]))
         line, = axes.plot([r[x] for r in rows], [r[y] for r in rows], "o-", label=strategy, alpha=0.8)
         if dashed:
             axes.plot([r[x] for r in rows], [r[dashed] for r in rows], "s--", color=line.get_color(), alpha=0.6)
@@ -462,53 +453,50 @@ def _plot_panel(axes, trace: dict, x: str, y: str, dashed: str | None, pareto: b
         axes.step([r[x] for r in frontier], [r[y] for r in frontier], "k:", where="post", linewidth=2)
         axes.plot([r[x] for r in frontier], [r[y] for r in frontier], "D", markersize=11, markerfacecolor="none",
                   markeredgecolor="k", linestyle=":", color="k", label="Pareto frontier")
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{trace['workload']['name']} trace")
+    if x == "padding_waste":
+        axes.xaxis.set_major_formatter(PercentFormatter(1.0))
+
+
+def _plot_replay_panel(axes, trace: dict) -> None:
+    """Under arrivals: every (budget, load) point of each strategy, and its frontier as a line."""
+    markers = {0: "o", 1: "s", 2: "^", 3: "v"}
+    points = replay_points(distinct_rows(trace["rows"]))
+    loads = sorted({p["load"] for p in points})
+    for strategy, frontier in trace["replay_frontier"].items():
+        line, = axes.plot([p["output_tokens_per_s"] for p in frontier], [p["ttft_p99_s"] for p in frontier], "-", label=strategy, alpha=0.8)
+        for p in (p for p in points if p["strategy"] == strategy):
+            axes.plot(p["output_tokens_per_s"], p["ttft_p99_s"], markers.get(loads.index(p["load"]), "x"), color=line.get_color(), alpha=0.7)
+    for i, load in enumerate(loads):
+        axes.plot([], [], markers.get(i, "x"), color="gray", label=f"load {load:g}")
+    axes.set(xlabel="output tokens/s under arrivals", ylabel="TTFT p99 (s)", title=f"{trace['workload']['name']} trace, replayed", yscale="log")
+
+
+def _save_panels(traces: list[dict], draw, title: str, path: pathlib.Path, legend_size: int) -> str:
+    """A figure of one panel per trace, each draw(axes, trace) then a grid and a legend, saved to `path`."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
+    for axes, trace in zip(np.atleast_1d(figure.subplots(1, len(traces))), traces):
+        draw(axes, trace)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=legend_size)
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110)
+    return str(path)
 
 
 def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") -> dict[str, str]:
-    """The PLOTS, one panel per trace; returns {plot name: path}."""
+    """The PLOTS and, where there were replays, the replay frontiers, one panel per trace; returns {plot name: path}."""
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    paths = {}
-    for name, (x, y, dashed, xlabel, ylabel) in PLOTS.items():
-        figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
-        for axes, trace in zip(np.atleast_1d(figure.subplots(1, len(traces))), traces):
-            _plot_panel(axes, trace, x, y, dashed, pareto=name == "pareto_ttft_throughput")
-            axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{trace['workload']['name']} trace")
-            if x == "padding_waste":
-                axes.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-            axes.grid(alpha=0.3)
-            axes.legend(fontsize=8)
-        figure.suptitle(f"bucket strategies on the engine ({model_name})", fontsize=10)
-        paths[name] = str(out_dir / f"{NAME}_{name}.png")
-        figure.savefig(paths[name], dpi=110)
+    paths = {name: _save_panels(traces, functools.partial(_plot_panel, name=name), f"bucket strategies on the engine ({model_name})",
+                                out_dir / f"{NAME}_{name}.png", legend_size=8) for name in PLOTS}
     if any(t["replay_frontier"] for t in traces):
-        paths["replay_frontier"] = plot_replay(traces, out_dir, model_name, Figure)
+        title = f"TTFT p99 / throughput frontier of each strategy under arrivals ({model_name})"
+        paths["replay_frontier"] = _save_panels(traces, _plot_replay_panel, title, out_dir / f"{NAME}_replay_frontier.png", legend_size=7)
     return paths
-
-
-def plot_replay(traces: list[dict], out_dir: pathlib.Path, model_name: str, Figure) -> str:
-    """Under arrivals: every (budget, load) point of each strategy, its frontier as a line, one panel per trace."""
-    markers = {0: "o", 1: "s", 2: "^", 3: "v"}
-    figure = Figure(figsize=(6 * len(traces), 4.5), layout="constrained")
-    for axes, trace in zip(np.atleast_1d(figure.subplots(1, len(traces))), traces):
-        points = replay_points(distinct_rows(trace["rows"]))
-        loads = sorted({p["load"] for p in points})
-        for strategy, frontier in trace["replay_frontier"].items():
-            line, = axes.plot([p["output_tokens_per_s"] for p in frontier], [p["ttft_p99_s"] for p in frontier], "-", label=strategy, alpha=0.8)
-            for p in (p for p in points if p["strategy"] == strategy):
-                axes.plot(p["output_tokens_per_s"], p["ttft_p99_s"], markers.get(loads.index(p["load"]), "x"), color=line.get_color(), alpha=0.7)
-        for i, load in enumerate(loads):
-            axes.plot([], [], markers.get(i, "x"), color="gray", label=f"load {load:g}")
-        axes.set(xlabel="output tokens/s under arrivals", ylabel="TTFT p99 (s)", title=f"{trace['workload']['name']} trace, replayed", yscale="log")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
-    figure.suptitle(f"TTFT p99 / throughput frontier of each strategy under arrivals ({model_name})", fontsize=10)
-    path = str(out_dir / f"{NAME}_replay_frontier.png")
-    figure.savefig(path, dpi=110)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ the experiment
@@ -549,6 +537,7 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
         r["agreement"] = agreement(r["tokens"], first_tokens) if first_tokens else {"exact_requests": float("nan"), "mean_prefix_fraction": float("nan")}
     all_same = [all(r["tokens"][i] == first_tokens[i] for r in ok) for i in range(len(workload.prompts))] if ok and first_tokens else []
     distinct = distinct_rows(rows)
+    points = replay_points(distinct)  # under arrivals; replay_frontier is each strategy's TTFT p99 / throughput frontier of them
     return {
         "workload": {"name": workload.name, **harness.workload_summary(workload.requests)}, "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
         "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
@@ -557,7 +546,7 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
         "pareto_frontier": [{"strategy": r["strategy"], "budget": r["budget"], "programs": r["programs"], "output_tokens_per_s": r["output_tokens_per_s"],
                              "ttft_p99_s": r["ttft_p99_s"], "same_tables": [f"{o['strategy']} B={o['budget']}" for o in rows if o["same_tables_as"] == r["same_tables_as"]]}
                             for r in pareto_frontier(distinct)],
-        "replay_frontier": replay_frontiers(distinct),
+        "replay_frontier": {s: pareto_frontier([p for p in points if p["strategy"] == s]) for s in dict.fromkeys(p["strategy"] for p in points)},
     }
 
 
@@ -571,12 +560,6 @@ def replay_points(rows: list[dict]) -> list[dict]:
     return [{"strategy": r["strategy"], "budget": r["budget"], "load": float(load), "output_tokens_per_s": rep["output_tokens_per_s"],
              "ttft_p99_s": rep["ttft_p99_s"], "tpot_p99_s": rep["tpot_p99_s"], "goodput_requests_per_s": rep["goodput_requests_per_s"]}
             for r in rows if "error" not in r for load, rep in r.get("replay", {}).items()]
-
-
-def replay_frontiers(rows: list[dict]) -> dict[str, list[dict]]:
-    """Each strategy's TTFT p99 / throughput frontier over its budgets and loads under arrivals."""
-    points = replay_points(rows)
-    return {strategy: pareto_frontier([p for p in points if p["strategy"] == strategy]) for strategy in dict.fromkeys(p["strategy"] for p in points)}
 
 
 def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=BUDGETS, traces=DEFAULT_TRACES, num_requests: int = 12,
@@ -682,11 +665,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--slo", default=",".join(map(str, SLO)), metavar="TTFT,TPOT", help="seconds: the SLO goodput counts against (default: %(default)s)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick:  # the quick settings replace only options left at their defaults
         args.model, args.num_requests = args.model or "tiny", min(args.num_requests, 8)
-        args.strategies = args.strategies if args.strategies != ",".join(STRATEGIES) else "pad-to-max,fitted"
-        args.budgets = args.budgets if args.budgets != ",".join(map(str, BUDGETS)) else "4,16"
-        args.replay_loads = args.replay_loads if args.replay_loads != ",".join(map(str, REPLAY_LOADS)) else "1.0"
+        quick = {"strategies": "pad-to-max,fitted", "budgets": "4,16", "replay_loads": "1.0"}
+        vars(args).update({name: value for name, value in quick.items() if getattr(args, name) == parser.get_default(name)})
     try:
         args.replay_loads = tuple(float(x) for x in args.replay_loads.split(",") if x.strip())
         args.slo = tuple(float(x) for x in args.slo.split(","))
@@ -703,7 +685,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         spec_file, out_file = args.worker
-        results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), report=lambda line: print(line, flush=True))
+        results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), report=lambda line: print(json.dumps({"line": line}), flush=True))
         pathlib.Path(out_file).write_text(json.dumps(results))
         return
     result = run_experiment(model=args.model, strategies=tuple(args.strategies), budgets=tuple(int(b) for b in args.budgets.split(",")),

@@ -8,7 +8,6 @@ tables and the targets as the last stdout line; writes JSON and PNG plots. Host 
     .venv/bin/python experiments/compare_buckets.py [--trace PATH] [--out DIR]
 """
 
-import json
 import os
 import pathlib
 import sys
@@ -24,6 +23,8 @@ from jaxinfer.traces import TraceError, load_trace, synthetic_trace
 
 BUDGETS = (4, 8, 12, 16, 32)
 COSTS = {"tokens": TOKENS, "prefill": PREFILL}
+WASTE_FIELDS = {"tokens": "token_waste", "prefill": "cost_waste"}  # the waste each cost's fit optimises
+WASTE_LABELS = {"tokens": "token waste", "prefill": "prefill cost waste"}
 BATCH_SIZE = 32  # sequences per batch in the batch-level views
 PACKING_TOKEN_BUDGET = 8192  # tokens per packed step
 TARGET_BUDGET = 12  # the "at most 12 programs" comparison
@@ -32,9 +33,9 @@ TIMING_BUDGET = 32
 
 
 def _wastes(fit_on, evaluate_on, budget: int, cost_name: str) -> list[float]:
-    """Waste of every strategy built from `fit_on`, measured on `evaluate_on`, in strategy order."""
+    """The waste each fit optimised (WASTE_FIELDS), in strategy order, of every strategy built from `fit_on`, measured on `evaluate_on`."""
     results = compare_strategies(fit_on, budget, COSTS[cost_name], evaluate_on=evaluate_on)
-    return [_waste(metrics, cost_name) for _, metrics in results]
+    return [getattr(metrics, WASTE_FIELDS[cost_name]) for _, metrics in results]
 
 
 def _strategy_rows(name: str, trace, cost_name: str, seed: int) -> list[dict]:
@@ -45,29 +46,23 @@ def _strategy_rows(name: str, trace, cost_name: str, seed: int) -> list[dict]:
     earlier, later = (part.context_tokens for part in trace.split_in_time(0.5))
     shuffled = np.random.default_rng(seed).permutation(lengths)
     first, second = shuffled[: lengths.size // 2], shuffled[lengths.size // 2 :]
+    views = {  # row key: (built from, measured on)
+        "in_sample_waste": (earlier, earlier), "out_of_sample_waste": (earlier, later), "oracle_second_half_waste": (later, later),
+        "random_split_in_waste": (first, first), "random_split_out_waste": (first, second),
+    }  # fmt: skip
     rows = []
     for budget in BUDGETS:
         whole = compare_strategies(lengths, budget, COSTS[cost_name])
-        views = zip(
-            _wastes(earlier, earlier, budget, cost_name), _wastes(earlier, later, budget, cost_name),
-            _wastes(later, later, budget, cost_name), _wastes(first, first, budget, cost_name),
-            _wastes(first, second, budget, cost_name),
-        )  # fmt: skip
-        for (strategy, full), (inside, outside, oracle, random_in, random_out) in zip(whole, views):
+        wastes = {view: _wastes(fit_on, evaluate_on, budget, cost_name) for view, (fit_on, evaluate_on) in views.items()}
+        for i, (strategy, full) in enumerate(whole):
             rows.append({
                 "trace": name, "cost": cost_name, "budget": budget, "strategy": full.strategy,
                 "programs": full.num_programs, "buckets": list(strategy.buckets),
                 "token_waste": full.token_waste, "cost_waste": full.cost_waste,
                 "mean_padding": full.mean_padding, "max_padding": full.max_padding, "over_top": full.num_over_top,
-                "in_sample_waste": inside, "out_of_sample_waste": outside, "oracle_second_half_waste": oracle,
-                "random_split_in_waste": random_in, "random_split_out_waste": random_out,
+                **{view: waste[i] for view, waste in wastes.items()},
             })  # fmt: skip
     return rows
-
-
-def _waste(metrics, cost_name: str) -> float:
-    """The waste the fit optimised: tokens for the token cost, the cost model otherwise."""
-    return metrics.token_waste if cost_name == "tokens" else metrics.cost_waste
 
 
 def _batching_rows(name: str, trace) -> dict:
@@ -95,12 +90,11 @@ def _fit_timings() -> list[dict]:
 
 def _print_tables(rows: list[dict], trace: str, cost: str) -> None:
     """Waste (programs used) of strategies fitted to the whole trace, then the out-of-sample views."""
-    selected = [r for r in rows if r["trace"] == trace and r["cost"] == cost]
+    selected = _select(rows, trace=trace, cost=cost)
     by_strategy = {name: [r for r in selected if r["strategy"] == name] for name in dict.fromkeys(r["strategy"] for r in selected)}
-    field = "token_waste" if cost == "tokens" else "cost_waste"
     print(f"\n{trace} trace, {cost} waste (programs used), strategies fitted to the whole trace")
     columns = [("strategy", "<14"), *((f"K={b}", "14") for b in BUDGETS), ("over top", "10d")]
-    print(harness.format_table(columns, [[s, *(f"{r[field]:.1%} ({r['programs']:>2})" for r in cells), max(r["over_top"] for r in cells)]
+    print(harness.format_table(columns, [[s, *(f"{r[WASTE_FIELDS[cost]]:.1%} ({r['programs']:>2})" for r in cells), max(r["over_top"] for r in cells)]
                                          for s, cells in by_strategy.items()]))
     print(f"\n{trace} trace, {cost} waste, built from the first half in time: in sample / out of sample"
           " (second half) / oracle (built from the second half); random halves: in / out")  # fmt: skip
@@ -115,12 +109,11 @@ def _print_tables(rows: list[dict], trace: str, cost: str) -> None:
 def _plot_waste(rows: list[dict], trace: str, path: pathlib.Path) -> None:
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     for axes, cost in zip(figure.subplots(1, 2), COSTS):
-        field = "token_waste" if cost == "tokens" else "cost_waste"
         curves: dict[str, list] = {}
-        for row in (r for r in rows if r["trace"] == trace and r["cost"] == cost):
-            curves.setdefault(row["strategy"], []).append((row["programs"], row[field]))
-        plot_waste_curves(axes, curves, "token waste" if cost == "tokens" else "prefill cost waste")
-        axes.set_title(f"{trace} trace: {'token' if cost == 'tokens' else 'prefill cost'} waste against programs")
+        for row in _select(rows, trace=trace, cost=cost):
+            curves.setdefault(row["strategy"], []).append((row["programs"], row[WASTE_FIELDS[cost]]))
+        plot_waste_curves(axes, curves, WASTE_LABELS[cost])
+        axes.set_title(f"{trace} trace: {WASTE_LABELS[cost]} against programs")
     figure.savefig(path, dpi=110)
 
 
@@ -132,13 +125,12 @@ def _plot_cdf(trace_name: str, lengths: np.ndarray, path: pathlib.Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def _row(rows, **match) -> dict:
-    return next(r for r in rows if all(r[k] == v for k, v in match.items()))
+def _select(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if all(r[k] == v for k, v in match.items())]
 
 
 def _out_of_sample(rows: list[dict], trace: str) -> dict:
     """The fitted strategy's in- and out-of-sample token waste at every budget, with its decomposition."""
-    fitted = [r for r in rows if r["trace"] == trace and r["cost"] == "tokens" and r["strategy"] == "fitted"]
     return {
         str(r["budget"]): {
             "in": r["in_sample_waste"], "out": r["out_of_sample_waste"], "oracle": r["oracle_second_half_waste"],
@@ -146,18 +138,18 @@ def _out_of_sample(rows: list[dict], trace: str) -> dict:
             "stale_fit_regret": r["out_of_sample_waste"] - r["oracle_second_half_waste"],
             "random_split_gap": r["random_split_out_waste"] - r["random_split_in_waste"],
         }
-        for r in fitted
+        for r in _select(rows, trace=trace, cost="tokens", strategy="fitted")
     }  # fmt: skip
 
 
 def _targets(rows: list[dict], batching: list[dict], timings: list[dict]) -> dict:
     """The issue's targets, measured on the conversation trace (prompt lengths, token waste)."""
     conversation = dict(trace="conversation", cost="tokens")
-    fitted_12 = _row(rows, **conversation, budget=TARGET_BUDGET, strategy="fitted")
-    powers_12 = _row(rows, **conversation, budget=TARGET_BUDGET, strategy="powers-of-two")
+    fitted_12 = _select(rows, **conversation, budget=TARGET_BUDGET, strategy="fitted")[0]
+    powers_12 = _select(rows, **conversation, budget=TARGET_BUDGET, strategy="powers-of-two")[0]
     gap_12 = fitted_12["out_of_sample_waste"] - fitted_12["in_sample_waste"]
-    sorted_waste = _row(batching, trace="conversation")["sorted_batches_pad_to_longest"]["waste"]
-    fit_seconds = _row(timings, lengths=100_000, kind="synthetic")["seconds"]
+    sorted_waste = _select(batching, trace="conversation")[0]["sorted_batches_pad_to_longest"]["waste"]
+    fit_seconds = _select(timings, lengths=100_000, kind="synthetic")[0]["seconds"]
     return {
         "fitted_token_waste_at_12": fitted_12["token_waste"], "fitted_target": 0.10,
         "powers_of_two_token_waste_at_12": powers_12["token_waste"], "powers_of_two_programs": powers_12["programs"],
@@ -213,10 +205,10 @@ def main(argv=None) -> int:
     targets = _targets(rows, batching, timings)
     results = {"trace": os.path.relpath(args.trace, REPO_ROOT), "synthetic_seed": args.seed, "budgets": list(BUDGETS),
                "rows": rows, "batching": batching, "fit_timings": timings, "targets": targets}  # fmt: skip
-    harness.write_result(args.out / "compare_buckets.json", results, indent=1)
     summary = {k: v for k, v in targets.items() if k != "fitted_out_of_sample"}  # the details are in the file
     summary["fitted_stale_fit_regret_at_12"] = targets["fitted_out_of_sample"]["conversation"]["12"]["stale_fit_regret"]
-    print(json.dumps({"experiment": "compare_buckets", "targets": summary, "plots": [p.name for p in plots]}))
+    last_line = {"experiment": "compare_buckets", "targets": summary, "plots": [p.name for p in plots]}
+    harness.finish(args.out / "compare_buckets.json", results, last_line, indent=1)  # the JSON, then the last stdout line
     return 0
 
 
