@@ -30,7 +30,7 @@ import harness
 from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
 from jaxinfer import kv_pool, loading, params as params_lib, quant
 from jaxinfer.api import LLM, SamplingParams
-from jaxinfer.config import EngineConfig, from_hf_config
+from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -69,8 +69,6 @@ GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t,
 }
 GEOMETRY_1B = "llama3-1b"
 GENERATE_1B_TOKENS = 4
-Q4_0_BLOCK_BYTES, Q4_0_BLOCK = 18, 32  # fp16 scale + 16 bytes of nibbles per 32 weights
-_CONTROL_TOKEN = 3  # llama.cpp token type of the padding tokens added to the 1B's vocabulary
 
 
 log = functools.partial(harness.log, "bench_quant")
@@ -294,60 +292,11 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
 # ------------------------------------------------------------------------------------------ the 1B-class geometry (subprocess)
 
 
-def _random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
-    """uint8 [rows, cols / 32 * 18]: Q4_0 blocks of random codes, scales ~ U(0.5, 1.5) * 0.0043 (weights' std ~0.02)."""
-    num_blocks = rows * cols // Q4_0_BLOCK
-    scales = (rng.uniform(0.5, 1.5, num_blocks) * 0.0043).astype(np.float16).view(np.uint8).reshape(num_blocks, 2)
-    codes = rng.integers(0, 256, (num_blocks, Q4_0_BLOCK // 2), dtype=np.uint8)
-    return np.concatenate([scales, codes], axis=1).reshape(rows, cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES)
-
-
-def _copy_tokenizer(writer, reader, vocab_size: int) -> None:
-    """The source GGUF's tokenizer.* metadata, its token list padded with CONTROL tokens to vocab_size."""
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if key == "tokenizer.ggml.tokens":
-            value = value + [f"<|bench_quant_pad_{i}|>" for i in range(vocab_size - len(value))]
-        elif key == "tokenizer.ggml.token_type":
-            value = value + [_CONTROL_TOKEN] * (vocab_size - len(value))
-        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
-
-
-def write_random_q4_0_gguf(path: pathlib.Path, hf_config: dict, tokenizer_reader) -> None:
-    """The geometry as a GGUF written one tensor at a time: random Q4_0 matrices, norms 1, the rope base
-    without its llama3 scaling (no weight byte depends on it), SmolLM2's tokenizer."""
-    import gguf
-
-    cfg = from_hf_config(hf_config)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"{GEOMETRY_1B} random Q4_0 (bench_quant)")
-    for add, value in ((writer.add_block_count, cfg.num_layers), (writer.add_context_length, MAX_CONTEXT), (writer.add_embedding_length, cfg.embed_dim),
-                       (writer.add_feed_forward_length, cfg.ffn_dim), (writer.add_head_count, cfg.num_heads), (writer.add_head_count_kv, cfg.num_kv_heads),
-                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_rope_freq_base, cfg.rope_theta), (writer.add_vocab_size, cfg.vocab_size)):
-        add(value)
-    _copy_tokenizer(writer, tokenizer_reader, cfg.vocab_size)
-    shapes = harness.file_tensor_shapes(cfg, "gguf")
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            byte_shape = (shape[0], shape[1] // Q4_0_BLOCK * Q4_0_BLOCK_BYTES)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    rng = np.random.default_rng(0)
-    for name, shape in shapes.items():
-        writer.write_tensor_data(np.ones(shape, np.float32) if len(shape) == 1 else _random_q4_0(rng, *shape))
-    writer.close()
-
-
 def run_1b_worker(workdir: pathlib.Path) -> dict:
     """Write the 1B GGUF, load it with quantization='gguf' through LLM, greedy-generate a few tokens."""
     path = workdir.resolve() / f"{GEOMETRY_1B}-random-q4_0.gguf"
-    _, write_s = harness.timed(write_random_q4_0_gguf, path, harness.GEOMETRIES[GEOMETRY_1B], loading.open_gguf(loading.default_model_path()))
+    _, write_s = harness.timed(harness.write_random_gguf, path, harness.GEOMETRIES[GEOMETRY_1B], "Q4_0", loading.open_gguf(loading.default_model_path()),
+                               max_context=MAX_CONTEXT)
     result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": write_s, "file_bytes": path.stat().st_size,
               "file_tensor_bytes": gguf_tensor_bytes(path), "peak_rss_reset_works": reset_peak_rss()}
     log(f"1B: wrote {result['file_bytes'] / 2**20:.0f} MiB in {result['write_s']:.0f}s")

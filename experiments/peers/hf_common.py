@@ -27,9 +27,9 @@ def llama_cpp_build() -> str | None:
     return open(path).read().strip() if os.path.exists(path) else None
 
 
-def load_model(threads: int, folder: str | None = None):
-    """(model in eval mode, load seconds, transformers version) of the embedded GGUF, or of a Hugging Face
-    `folder` if given; offline, quiet, `threads` torch threads."""
+def load_model(threads: int, folder: str | None = None, gguf: str | None = None):
+    """(model in eval mode, load seconds, transformers version) of the embedded GGUF, of another `gguf`
+    file, or of a Hugging Face `folder` if given; offline, quiet, `threads` torch threads."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: it reads it then
     import torch
     import transformers
@@ -39,8 +39,10 @@ def load_model(threads: int, folder: str | None = None):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     start = time.perf_counter()
-    gguf = {} if folder else {"gguf_file": GGUF_NAME}
-    model = AutoModelForCausalLM.from_pretrained(folder or gguf_folder(), **gguf, dtype=torch.float32)
+    if gguf:
+        folder, gguf = os.path.split(os.path.abspath(gguf))
+    file = {} if folder and not gguf else {"gguf_file": gguf or GGUF_NAME}
+    model = AutoModelForCausalLM.from_pretrained(folder or gguf_folder(), **file, dtype=torch.float32)
     return model.eval(), time.perf_counter() - start, transformers.__version__
 
 

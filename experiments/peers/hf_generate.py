@@ -81,11 +81,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of the workload; the best is reported")
+    parser.add_argument("--gguf", help="a GGUF file to run (default: the embedded SmolLM2 GGUF)")
     args = parser.parse_args()
 
     with open(args.workload) as file:
         requests = json.load(file)["requests"]
-    model, load_s, version = load_model(args.threads)
+    model, load_s, version = load_model(args.threads, gguf=args.gguf)
     start = time.perf_counter()
     generate_batch(model, [requests[0]["prompt_ids"]], [2])
     warmup_s = time.perf_counter() - start

@@ -222,13 +222,14 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="batched_prefix(_copy): leading tokens every request shares (fewer than any prompt has)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of the workload per mode; the best is reported")
+    parser.add_argument("--gguf", default=None, help="a GGUF file to run (default: the embedded SmolLM2 GGUF)")
     args = parser.parse_args()
 
     with open(args.workload) as file:
         requests = json.load(file)["requests"]
     lc.llama_backend_init()
     start = time.perf_counter()
-    model = lc.llama_model_load_from_file(gguf_path().encode(), lc.llama_model_default_params())
+    model = lc.llama_model_load_from_file((args.gguf or gguf_path()).encode(), lc.llama_model_default_params())
     if not model:
         raise SystemExit("error: llama_model_load_from_file failed")
     load_s = time.perf_counter() - start
