@@ -44,6 +44,8 @@ GOALS = {
     "default_mbu_b1_Q8_0": ("Q8_0: default decode at batch 1 reads >= 60% of the read bandwidth", 0.6, "at_least"),
     "default_vs_best_Q4_0": ("Q4_0: default within 10% of the best jaxinfer runner", 0.9, "at_least"),
     "default_vs_best_Q8_0": ("Q8_0: default within 10% of the best jaxinfer runner", 0.9, "at_least"),
+    "gguf_resident_Q4_0": ("Q4_0 kept (quantization='gguf'): resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
+    "gguf_resident_Q8_0": ("Q8_0 kept (quantization='gguf'): resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
 }
 
 
@@ -70,6 +72,7 @@ def model_file(fmt: str) -> str:
     if not path.exists():
         if not VOCAB_GGUF.exists():
             raise SystemExit(f"error: {VOCAB_GGUF} is missing; run `make llama-cpp-models`")
+        WORK_DIR.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         _, seconds = harness.timed(harness.write_random_gguf, partial, harness.GEOMETRIES[GEOMETRY], fmt, loading.open_gguf(VOCAB_GGUF),
                                    max_context=MAX_CONTEXT)
@@ -100,7 +103,11 @@ def decode_probe(llm, bandwidth: float) -> dict:
 
 def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -> tuple[dict, list]:
     result, tokens, llm = harness.run_engine(workload, engine_config(args.num_requests), args.repeats, model=path, **JAXINFER_LOADS[name])
-    result |= {"choices": str(getattr(llm, "choices", None)), "decode_b1": decode_probe(llm, bandwidth)}
+    from jaxinfer import loading, quant
+
+    file_bytes = sum(int(t.n_bytes) for t in loading.open_gguf(loading.resolve_model_path(path)).tensors)
+    result |= {"choices": str(getattr(llm, "choices", None)), "decode_b1": decode_probe(llm, bandwidth), "file_tensor_bytes": file_bytes,
+               "resident_weight_bytes": quant.resident_bytes(llm.engine.params), "peak_rss_bytes": harness.peak_rss_bytes()}
     harness.log("bench_1b", f"{name}: {result['output_tokens_per_s']:.2f} tok/s, {result['choices']}; decode b1 "
                 f"{1e3 * result['decode_b1']['decode_step_s']:.0f} ms, MBU {result['decode_b1']['mbu']:.1%}")
     return result, tokens
@@ -143,6 +150,8 @@ def goals(by_format: dict) -> dict:
         measured |= {f"default_vs_llamacpp_{fmt}": ours / peer if ours and peer else None,
                      f"default_mbu_b1_{fmt}": results.get("default", {}).get("decode_b1", {}).get("mbu"),
                      f"default_vs_best_{fmt}": ours / best if ours and best else None}
+        if "resident_weight_bytes" in (kept := results.get("gguf", {})):
+            measured[f"gguf_resident_{fmt}"] = kept["resident_weight_bytes"] / kept["file_tensor_bytes"] - 1
     return harness.judge(GOALS, measured)
 
 

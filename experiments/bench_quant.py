@@ -5,10 +5,10 @@ Every format of FORMATS, each also with the paged pool's int8 KV cache, runs in 
 (so its peak RSS is its own): measure_row's correctness (f32 greedy tokens == HF's fixture tokens; gguf
 logits == f32's within GGUF_LOGITS_TOLERANCE), accuracy over WINDOW-token windows of the held-out text,
 prefill and decode speed through the paged pool, and (--e2e-requests) the harness's engine run. Beside
-them: llama.cpp on the same GGUF, windows and workload, and a Llama-3.2-1B-shaped random Q4_0 GGUF
-loaded with quantization='gguf' (--skip-1b). GOALS print as met / not met; progress goes to stderr.
+them: llama.cpp on the same GGUF, windows and workload. The 1B-class GGUFs (resident bytes against the
+file's, speed) are bench_1b.py's. GOALS print as met / not met; progress goes to stderr.
 
-    .venv/bin/python experiments/bench_quant.py [--quick] [--formats f32,int8,gguf] [--kv-cache-dtypes none,int8] [--skip-1b]
+    .venv/bin/python experiments/bench_quant.py [--quick] [--formats f32,int8,gguf] [--kv-cache-dtypes none,int8]
 """
 
 import argparse
@@ -36,7 +36,7 @@ from jaxinfer.tokenizer import load_tokenizer
 
 HELDOUT_TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
 RESULTS = harness.RESULTS_DIR / "bench_quant.json"
-WORK_DIR = REPO_ROOT / "build" / "bench_quant"  # plan, reference logits, the 1B GGUF (git-ignored)
+WORK_DIR = REPO_ROOT / "build" / "bench_quant"  # plan, reference logits (git-ignored)
 FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
     "f32": ("float32", None, None),
     "bf16": ("bfloat16", None, None),
@@ -65,10 +65,7 @@ GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t,
     "gguf_weight_bytes": ("gguf resident weight bytes <= 1.15x the file's tensor bytes", 1.15, "at_most"),
     "int8_decode_b1": ("int8 decode at batch 1 >= 1.5x faster than f32", 1.5, "at_least"),
     "none_slower_b32": ("no row slower than f32 at batch 32 decode", 1.0, "at_least"),
-    "1b_gguf_weight_bytes": ("1B Q4_0 gguf resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
 }
-GEOMETRY_1B = "llama3-1b"
-GENERATE_1B_TOKENS = 4
 
 
 log = functools.partial(harness.log, "bench_quant")
@@ -289,32 +286,6 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
     return result | {"rows": rows}
 
 
-# ------------------------------------------------------------------------------------------ the 1B-class geometry (subprocess)
-
-
-def run_1b_worker(workdir: pathlib.Path) -> dict:
-    """Write the 1B GGUF, load it with quantization='gguf' through LLM, greedy-generate a few tokens."""
-    path = workdir.resolve() / f"{GEOMETRY_1B}-random-q4_0.gguf"
-    _, write_s = harness.timed(harness.write_random_gguf, path, harness.GEOMETRIES[GEOMETRY_1B], "Q4_0", loading.open_gguf(loading.default_model_path()),
-                               max_context=MAX_CONTEXT)
-    result = {"file": str(path.relative_to(REPO_ROOT)), "write_s": write_s, "file_bytes": path.stat().st_size,
-              "file_tensor_bytes": gguf_tensor_bytes(path), "peak_rss_reset_works": reset_peak_rss()}
-    log(f"1B: wrote {result['file_bytes'] / 2**20:.0f} MiB in {result['write_s']:.0f}s")
-    engine_config = EngineConfig(max_context=64, page_size=16, num_pages=5, max_num_seqs=1, max_prefill_tokens=32, prefill_chunk_buckets=(32,),
-                                 decode_batch_buckets=(1,), decode_page_buckets=(4,), compilation_cache_dir=None)
-    llm, load_s = harness.timed(LLM, path, quantization="gguf", engine_config=engine_config, warmup=False)
-    result |= {"load_s": load_s, "memory": weight_memory(llm.engine.params), "peak_rss_bytes": {"load": peak_rss_bytes()},
-               "num_params": llm.model_config.num_params(), "features": llm.model_config.features()}
-    result |= {"dense_f32_bytes": 4 * result["num_params"], "warmup_s": harness.timed(llm.engine.warmup)[1]}
-    output = llm.generate(["The capital of France is"], harness.greedy(GENERATE_1B_TOKENS), progress=False)[0]
-    result |= {"generated_token_ids": output.token_ids, "generate_latency_s": output.latency, "time_to_first_token_s": output.time_to_first_token,
-               "peak_rss_bytes": result["peak_rss_bytes"] | {"all": peak_rss_bytes()}}
-    result["resident_vs_file_tensor_bytes"] = result["memory"]["resident_bytes"] / result["file_tensor_bytes"]
-    log(f"1B: resident {result['memory']['resident_bytes'] / 2**20:.0f} MiB = {result['resident_vs_file_tensor_bytes']:.4f}x the file's tensors; "
-        f"generated {len(output.token_ids)} tokens in {output.latency:.1f}s")
-    return result
-
-
 def run_worker_process(name: str, workdir: pathlib.Path) -> dict:
     """This script as `--worker name` in a fresh process; its last stdout line is its result."""
     command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", name, "--workdir", str(workdir)]
@@ -426,7 +397,7 @@ def summarize(plan: dict, workers: dict, peaks: dict) -> list[dict]:
     return rows
 
 
-def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
+def goals(rows: list[dict], workers: dict) -> dict:
     by_name = {r["row"]: r for r in rows if r["status"] == "ok"}
     field = lambda row, key: by_name[row][key] if row in by_name else None  # noqa: E731
     gguf_memory = (workers.get("gguf") or {}).get("memory") or {}
@@ -438,7 +409,6 @@ def goals(rows: list[dict], workers: dict, one_b: dict | None) -> dict:
         "int8_weight_bytes": field("int8", "weight_bytes_vs_f32"),
         "gguf_weight_bytes": gguf_memory["resident_bytes"] / gguf_memory["file_tensor_bytes"] if gguf_memory else None,
         "int8_decode_b1": (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1), "none_slower_b32": slowest[0] if slowest else None,
-        "1b_gguf_weight_bytes": one_b["resident_vs_file_tensor_bytes"] - 1 if one_b and "resident_vs_file_tensor_bytes" in one_b else None,
     }
     result = harness.judge(GOALS, measured)
     if slowest:
@@ -459,10 +429,6 @@ def correctness(plan: dict, workers: dict, rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ report
-
-
-def _mib(num_bytes) -> str:
-    return f"{num_bytes / 2**20:9.1f}" if num_bytes is not None else "        -"
 
 
 def print_accuracy_table(rows: list[dict], llamacpp: dict | None) -> None:
@@ -505,14 +471,6 @@ def print_report(result: dict) -> None:
           f"({result['settings']['num_predicted']} predicted tokens); correctness passed: {result['correctness']['passed']}")
     print_accuracy_table(result["rows"], result.get("llamacpp"))
     print_speed_table(result["rows"], result.get("llamacpp"), result.get("llamacpp_e2e"), result["settings"]["batch_sizes"])
-    one_b = result.get("llama3_1b")
-    if one_b and "memory" in one_b:
-        print(f"\n1B geometry ({GEOMETRY_1B}, random Q4_0, {one_b['num_params']:,} parameters): file tensors {_mib(one_b['file_tensor_bytes']).strip()} MiB, "
-              f"resident {_mib(one_b['memory']['resident_bytes']).strip()} MiB ({one_b['resident_vs_file_tensor_bytes']:.4f}x; dense f32 would be "
-              f"{_mib(one_b['dense_f32_bytes']).strip()} MiB), peak RSS {_mib(one_b['peak_rss_bytes']['all']).strip()} MiB; generated "
-              f"{len(one_b['generated_token_ids'])} tokens {one_b['generated_token_ids']} in {one_b['generate_latency_s']:.1f}s after {one_b['warmup_s']:.0f}s warm-up")
-    elif one_b:
-        print(f"\n1B geometry: {one_b.get('status')}: {str(one_b.get('stdout_tail') or one_b.get('reason'))[:300]}")
     harness.print_goals(result["goals"])
     if slowest := result["goals"]["none_slower_b32"].get("slowest_row"):
         print(f"  slowest row at batch-32 decode: {slowest}")
@@ -524,7 +482,7 @@ def print_report(result: dict) -> None:
 def parse_args():
     parser = harness.arg_parser(__doc__, trace=True)
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {','.join(QUICK_FORMATS)} (KV variants on {REFERENCE} only), 1 window, "
-                        "8 greedy tokens, batches 1,8, 1 repeat, llama.cpp f16 KV only, no e2e, no 1B")
+                        "8 greedy tokens, batches 1,8, 1 repeat, llama.cpp f16 KV only, no e2e")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)} ({REFERENCE} is always run, first)")
     parser.add_argument("--kv-cache-dtypes", default="none,int8", help="KV pools per format: none (the model's dtype, always run), int8, fp8_e4m3")
     parser.add_argument("--num-windows", type=int, default=0, help="perplexity windows (0: every full window of the text)")
@@ -538,13 +496,12 @@ def parse_args():
     parser.add_argument("--e2e-repeats", type=int, default=1)
     parser.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peers")
     parser.add_argument("--llamacpp-kv-types", default="f16,q8_0")
-    parser.add_argument("--skip-1b", action="store_true", help=f"skip the {GEOMETRY_1B} GGUF section")
     parser.add_argument("--workdir", type=pathlib.Path, default=WORK_DIR)
     parser.add_argument("--out", type=pathlib.Path, help=f"default: {RESULTS.relative_to(REPO_ROOT)} (--quick: build/bench_quant/bench_quant_quick.json)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one format (or the 1B) in this process
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one format in this process
     args = parser.parse_args()
     if args.quick:
-        args.num_windows, args.batch_sizes, args.repeats, args.e2e_requests, args.skip_1b = args.num_windows or 1, "1,8", 1, 0, True
+        args.num_windows, args.batch_sizes, args.repeats, args.e2e_requests = args.num_windows or 1, "1,8", 1, 0
         args.greedy_tokens, args.llamacpp_kv_types = 8, "f16"
         if "--formats" not in sys.argv:
             args.formats = ",".join(QUICK_FORMATS)
@@ -571,21 +528,20 @@ def run_all(args) -> dict:
     use_llamacpp = not args.no_llamacpp and harness.REF_PYTHON.exists()
     llamacpp = run_llamacpp(args, args.workdir, plan) if use_llamacpp else None
     llamacpp_e2e = run_llamacpp_e2e(plan) if use_llamacpp and args.e2e_requests else None
-    one_b = None if args.skip_1b else run_worker_process(GEOMETRY_1B, args.workdir)
     rows = summarize(plan, workers, peaks)
     machine |= {"load_average_end": harness.load_average(), "peaks": peaks}
     settings = {k: v for k, v in plan.items() if k not in ("windows", "greedy_prompts", "fixture_greedy_tokens", "prefill_ids")}
     settings |= {"formats": args.formats, "num_windows": len(plan["windows"]), "num_predicted": len(plan["windows"]) * (WINDOW - 1), "quick": args.quick}
     return {"question": "accuracy, memory and speed of quantized weights and an int8 KV cache vs f32, and vs llama.cpp on the same GGUF",
             "model": loading.default_model_path().name, "machine": machine, "settings": settings,
-            "correctness": correctness(plan, workers, rows), "rows": rows, "goals": goals(rows, workers, one_b), "llamacpp": llamacpp,
-            "llamacpp_e2e": llamacpp_e2e, "llama3_1b": one_b, "workers": workers, "runtime_s": time.perf_counter() - start}
+            "correctness": correctness(plan, workers, rows), "rows": rows, "goals": goals(rows, workers), "llamacpp": llamacpp,
+            "llamacpp_e2e": llamacpp_e2e, "workers": workers, "runtime_s": time.perf_counter() - start}
 
 
 def main() -> None:
     args = parse_args()
     if args.worker:
-        result = run_1b_worker(args.workdir) if args.worker == GEOMETRY_1B else run_worker(args.worker, args.workdir)
+        result = run_worker(args.worker, args.workdir)
         print(json.dumps(result))
         return
     result = run_all(args)
