@@ -94,3 +94,25 @@ def test_w8a8_engine_agrees_with_the_same_int8_weights_in_f32(engines):
 def test_int8_matmul_without_int8_weights_is_refused(tiny_chat_model, compile_cache):
     with pytest.raises(ValueError, match="quantization='int8'"):
         LLM(str(tiny_chat_model), matmul_impl="int8", max_context=128, page_size=16, compilation_cache_dir=compile_cache)
+
+
+@pytest.mark.parametrize("fmt,blocks", [("int8", "256x8x64"), ("q8_0", "256x16x32")])  # [O, I / b, b]: b = 64, or Q8_0's 32
+def test_w8a8_lowers_for_cuda_to_an_integer_dot_on_the_stored_codes(fmt, blocks):
+    """Exported for CUDA (as the other GPU code is tested, on this CPU): the dot's operands are i8 and its
+    result i32, and no f32 copy of the weight is built: the codes reach the dot as stored (the scales are
+    applied by a small f32 contraction after it)."""
+    import jax
+    from jax import export
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 512)).astype(np.float32)
+    if fmt == "int8":
+        q = quant.quantize_int8(jnp.asarray(w), layout="in_out")
+    else:
+        q = jax.device_put(quant.from_gguf(quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, layout="in_out"))
+    q = quant.with_int8_activations(q)
+    x = jax.ShapeDtypeStruct((4, 5, 512), jnp.bfloat16)  # 20 tokens: no activation shape looks like a weight
+    module = export.export(jax.jit(lambda x, q: quant.qeinsum("bti,io->bto", x, q)), platforms=("cuda",))(x, q).mlir_module()
+    integer = [line for line in module.splitlines() if "stablehlo.dot_general" in line and "xi8>" in line]
+    assert len(integer) == 1 and f"tensor<{blocks}xi8>" in integer[0] and integer[0].split("->")[-1].split(" loc")[0].strip().endswith("xi32>"), integer
+    assert "tensor<256x512xf32>" not in module and f"tensor<{blocks}xf32>" not in module
