@@ -287,6 +287,7 @@ def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred
 
 
 INT8_ACTIVATION_BLOCK = 64  # activation entries per int8 scale in W8A8 (at most; see _int8_dot)
+INT8_PARTIAL_BYTES = 64 * 2**20  # above this, W8A8's per-block int32 sums are not materialized (_int8_dot)
 _INT8_CODE_FORMATS = ("int8", "q8_0")  # formats whose codes are plain int8 with per-row or per-block scales
 
 
@@ -297,7 +298,11 @@ def _int8_dot(w: QuantizedTensor, w_subs: str, x, x_subs: str, output: str) -> F
     codes into an exact int32 per (block, output, token); both scales are applied in f32 and the blocks
     summed. Per-token scales (one block of I) cost SmolLM2 +3.5% perplexity, blocks of 64 +0.65%: a few
     outlier channels no longer set every other channel's step. q8_0 codes are read as stored, so the
-    dot is exact on a GGUF Q8_0 tensor's blocks; the int8 format's per-row scale applies after the sum."""
+    dot is exact on a GGUF Q8_0 tensor's blocks; the int8 format's per-row scale applies after the sum.
+
+    XLA has no fused block dot: the sums are a [nb, O, R] array. Where it would pass INT8_PARTIAL_BYTES
+    (a long prefill chunk of a 1B model: gigabytes), the same quantized activations are multiplied in f32
+    with the dequantized weight instead: the same values up to f32 rounding, at the float path's speed."""
     contracted = [c for c in w_subs if c in x_subs and c not in output]
     rest = [c for c in x_subs if c not in contracted]
     num_in, num_out = math.prod(w.in_shape), math.prod(w.out_shape)
@@ -308,6 +313,10 @@ def _int8_dot(w: QuantizedTensor, w_subs: str, x, x_subs: str, output: str) -> F
     x_scale = jnp.max(jnp.abs(xt), axis=-1, keepdims=True) / 127.0
     x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
     x_codes = jnp.clip(jnp.round(xt / x_scale), -127, 127).astype(jnp.int8)
+    if 4 * num_out * xt.shape[0] * (num_in // block) > INT8_PARTIAL_BYTES:
+        dequantized_x = (x_codes.astype(jnp.float32) * x_scale).reshape(-1, num_in)  # [R, I]
+        y = jax.lax.dot_general(_dequantize_rows(w).reshape(num_out, num_in), dequantized_x, (((1,), (1,)), ((), ())))  # [O, R]
+        return _to_output(y, w, contracted, rest, rest_shape, w_subs, output)
     codes = w.codes.reshape(num_out, num_in // block, block)  # [O, nb, b]: the stored rows, no copy
     partial = jax.lax.dot_general(codes, x_codes, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32)  # [nb, O, R]
     w_scale = w.scales.astype(jnp.float32).reshape(num_out, -1)  # [O, 1] (int8) or [O, I/32] (q8_0)
@@ -316,6 +325,11 @@ def _int8_dot(w: QuantizedTensor, w_subs: str, x, x_subs: str, output: str) -> F
     else:
         w_scale = jnp.repeat(w_scale, w.group_size // block, axis=1)  # [O, nb]
         y = jnp.einsum("bor,ob,rb->or", partial.astype(jnp.float32), w_scale, x_scale[..., 0])
+    return _to_output(y, w, contracted, rest, rest_shape, w_subs, output)
+
+
+def _to_output(y: Float[Array, "O R"], w: QuantizedTensor, contracted, rest, rest_shape, w_subs: str, output: str) -> Float[Array, "..."]:
+    """[O, R] -> the einsum's output order."""
     y_subs = "".join(c for c in w_subs if c not in contracted) + "".join(rest)
     y = y.reshape(*w.out_shape, *rest_shape)
     return jnp.transpose(y, tuple(y_subs.index(c) for c in output))

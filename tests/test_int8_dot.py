@@ -65,6 +65,26 @@ def test_q8_0_blocks_are_multiplied_as_stored():
     assert quant.has_int8_weights({"w": q})
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_past_the_partial_sum_bound_the_same_quantized_activations_meet_the_f32_weight(fmt, monkeypatch):
+    """Above INT8_PARTIAL_BYTES the per-block int32 sums are not built; the result is the integer
+    arithmetic's up to f32 rounding, and the lowered program then has no integer dot."""
+    import jax
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((96, 128)).astype(np.float32)
+    q = quant.quantize_int8(jnp.asarray(w), layout="in_out") if fmt == "int8" else \
+        quant.from_gguf(quants.quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, layout="in_out")
+    q = quant.with_int8_activations(jax.device_put(q))
+    x = jnp.asarray(_rows_of_different_scales(rng, (6, 128)))
+    integer = np.asarray(quant.qeinsum("ti,io->to", x, q))
+    monkeypatch.setattr(quant, "INT8_PARTIAL_BYTES", 0)
+    f32 = np.asarray(quant.qeinsum("ti,io->to", x, q))
+    assert np.abs(f32 - integer).max() <= 1e-5 * np.abs(integer).max()
+    hlo = jax.jit(lambda x: quant.qeinsum("ti,io->to", x, q)).lower(x).as_text()
+    assert "xi32>" not in hlo.split("dot_general")[1].split("\n")[0]
+
+
 def test_only_int8_weights_take_int8_activations():
     q = quant.quantize_int4(jnp.ones((64, 64)), group_size=32)
     assert quant.with_int8_activations(q).activations == "float"
