@@ -630,6 +630,9 @@ def _git(*command: str) -> str | None:
     return completed.stdout.rstrip() if completed.returncode == 0 else None  # porcelain lines may start with a space
 
 
+_COMMIT_AT_START = _git("rev-parse", "HEAD")
+
+
 def cpu_info() -> dict:
     """Model name and feature flags of the first CPU (/proc/cpuinfo), the core count and usable cores."""
     fields = {}
@@ -665,9 +668,11 @@ def _version(package: str) -> str | None:
 
 def metadata(peaks: dict | None = None) -> dict:
     """The block every result JSON carries: commit (and uncommitted source files), platform, CPU model and
-    flags, device, load average, and peak figures: this process's VmHWM and the measured `peaks`."""
+    flags, device, load average, and peak figures: this process's VmHWM and the measured `peaks`. The
+    commit is read when the JSON is written; `commit_at_start`, when the script started (the code it ran,
+    if a commit landed while a long benchmark was running)."""
     dirty = _git("status", "--porcelain", "--", "jaxinfer", "kernels_cpu", "kernels_pallas")
-    return {"commit": _git("rev-parse", "HEAD"), "uncommitted_source_files": None if dirty is None else dirty.splitlines(),
+    return {"commit": _git("rev-parse", "HEAD"), "commit_at_start": _COMMIT_AT_START, "uncommitted_source_files": None if dirty is None else dirty.splitlines(),
             "platform": platform.platform(), "python": platform.python_version(), "jax": _version("jax"), "cpu": cpu_info(), "device": device_info(),
             "load_average": load_average(), "peak_rss_bytes": peak_rss_bytes(), "peaks": peaks or {}}
 
