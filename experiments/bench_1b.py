@@ -106,7 +106,7 @@ def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -
     from jaxinfer import loading, quant
 
     file_bytes = sum(int(t.n_bytes) for t in loading.open_gguf(loading.resolve_model_path(path)).tensors)
-    result |= {"choices": str(getattr(llm, "choices", None)), "decode_b1": decode_probe(llm, bandwidth), "file_tensor_bytes": file_bytes,
+    result |= {"choices": str(llm.choices), "decode_b1": decode_probe(llm, bandwidth), "file_tensor_bytes": file_bytes,
                "resident_weight_bytes": quant.resident_bytes(llm.engine.params), "peak_rss_bytes": harness.peak_rss_bytes()}
     harness.log("bench_1b", f"{name}: {result['output_tokens_per_s']:.2f} tok/s, {result['choices']}; decode b1 "
                 f"{1e3 * result['decode_b1']['decode_step_s']:.0f} ms, MBU {result['decode_b1']['mbu']:.1%}")

@@ -109,7 +109,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--matmul", default=_engine_default("matmul_impl"), choices=MATMUL_IMPLS,
         help="layer matmuls: auto (tuned like --dtype; with JAXINFER_TUNE=0 the CPU kernel exactly when --attention is), "
         "xla (XLA's dot), cpu (the C++ panel kernel, f32 on a CPU), int8 (W8A8 with --quantization int8, or a Q8_0 GGUF "
-        "with --quantization gguf: activations quantized in blocks of 64, XLA's int8 dot; only when asked) (default: %(default)s)",
+        "with --quantization gguf: activations quantized in blocks of 64, XLA's int8 dot; auto also times it over such weights) (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
