@@ -81,13 +81,6 @@ def model_file(fmt: str) -> str:
     return str(path)
 
 
-def engine_config(num_requests: int):
-    from jaxinfer import EngineConfig
-
-    seqs = max(1, min(16, num_requests))
-    return EngineConfig(max_context=MAX_CONTEXT, max_num_seqs=seqs, page_size=16, num_pages=seqs * (MAX_CONTEXT // 16) + 1, compilation_cache_dir=None)
-
-
 def decode_probe(llm, bandwidth: float) -> dict:
     """One request alone: the median decode step at batch 1, and the weight bytes it reads per step
     (quant.resident_bytes of the step's params: the chosen format's bytes) over the read bandwidth."""
@@ -102,7 +95,8 @@ def decode_probe(llm, bandwidth: float) -> dict:
 
 
 def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -> tuple[dict, list]:
-    result, tokens, llm = harness.run_engine(workload, engine_config(args.num_requests), args.repeats, model=path, **JAXINFER_LOADS[name])
+    engine_cfg = harness.workload_engine_config(max_num_seqs=max(1, min(16, args.num_requests)), max_context=MAX_CONTEXT)
+    result, tokens, llm = harness.run_engine(workload, engine_cfg, args.repeats, model=path, **JAXINFER_LOADS[name])
     from jaxinfer import loading, quant
 
     file_bytes = sum(int(t.n_bytes) for t in loading.open_gguf(loading.resolve_model_path(path)).tensors)

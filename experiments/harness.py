@@ -445,13 +445,14 @@ WORKLOAD_MAX_CONTEXT = 2048  # covers the trace scaled by 8: its longest prompt 
 NUM_REFERENCE_CHECKS = 3  # requests checked against generate.generate before timing
 
 
-def workload_engine_config(*, max_num_seqs: int = 32, page_size: int = 16, compilation_cache_dir: str | None = None, **knobs):
-    """Pages for max_num_seqs sequences of WORKLOAD_MAX_CONTEXT (the pool never forces a preemption on
-    a scaled-trace workload); by default no persistent compilation cache, so a warm-up is a cold compile."""
+def workload_engine_config(*, max_num_seqs: int = 32, page_size: int = 16, compilation_cache_dir: str | None = None,
+                           max_context: int = WORKLOAD_MAX_CONTEXT, **knobs):
+    """Pages for max_num_seqs sequences of max_context (the pool never forces a preemption on a
+    scaled-trace workload); by default no persistent compilation cache, so a warm-up is a cold compile."""
     from jaxinfer import EngineConfig
 
-    return EngineConfig(max_context=WORKLOAD_MAX_CONTEXT, max_num_seqs=max_num_seqs, page_size=page_size, compilation_cache_dir=compilation_cache_dir,
-                        num_pages=max_num_seqs * (WORKLOAD_MAX_CONTEXT // page_size) + 1, **knobs)
+    return EngineConfig(max_context=max_context, max_num_seqs=max_num_seqs, page_size=page_size, compilation_cache_dir=compilation_cache_dir,
+                        num_pages=max_num_seqs * (max_context // page_size) + 1, **knobs)
 
 
 def reference_check(params, cfg, eos_id: int, requests: list[dict], engine_tokens) -> dict:
