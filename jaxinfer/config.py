@@ -15,8 +15,9 @@ from jaxinfer.buckets import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
-# EngineConfig.matmul_impl: XLA dot, panels for the CPU layer-matmul kernel, or W8A8 (int8 weights x int8 activations)
-MATMUL_IMPLS = ("auto", "xla", "cpu", "int8")
+# EngineConfig.matmul_impl: XLA dot, panels for the CPU layer-matmul kernel, W8A8 (int8 weights x int8 activations)
+# through XLA's int8 dot, or the CPU kernels with quantized weights W8A8 through the quantized-matmul kernel
+MATMUL_IMPLS = ("auto", "xla", "cpu", "int8", "cpu_int8")
 KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (kv_pool.KV_CODE_FORMATS); None keeps the model dtype
 
 LOGPROBS_MODES = ("raw", "processed")  # EngineConfig.logprobs_mode (vLLM's raw_logprobs / processed_logprobs)

@@ -244,9 +244,10 @@ class Engine:
         # before the pool is sized, so free memory counts the panels.
         from jaxinfer.matmul_impl import resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
 
-        int8_weights = quant.has_int8_weights(params)
-        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None, int8_weights=int8_weights)
-        packed = {"cpu": panels.pack_panels, "int8": quant.with_int8_activations}.get(self.matmul_impl)
+        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None,
+                                               int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+        packed = {"cpu": panels.pack_panels, "cpu_int8": functools.partial(panels.pack_panels, quantized=True),
+                  "int8": quant.with_int8_activations}.get(self.matmul_impl)
         self.step_params = params if packed is None else packed(params)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import model, quant, runloop
+from jaxinfer import model, panels, quant, runloop
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
@@ -44,9 +44,10 @@ from jaxinfer.scheduler import Scheduler
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 2  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 3  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
+PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
 PROBE_TEXT = (
     "The river rose slowly through the night, and by morning the low fields were under water. Farmers moved "
@@ -125,23 +126,31 @@ class Candidate:
             (pins.dtype, pins.attention_impl, pins.matmul_impl), (self.dtype, self.attention_impl, self.matmul_impl)))
 
 
-def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: bool = False) -> list[Candidate]:
+def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Candidate]:
     """The candidates of this backend that keep the pins. CPU: f32 with every mix of the CPU kernels and
     XLA/jnp, and bf16 through XLA (bf16 dots accumulate in f32; norms, rope and softmax run in f32; the CPU
     kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel. W8A8
     (matmul 'int8': activations quantized in int8 blocks of 64, XLA's int8 dot) wherever the weights hold
     int8 codes (quantization 'int8', or a GGUF's Q8_0 kept): its perplexity is +0.62% over f32 on SmolLM2
     (experiments/results/bench_quant_w8a8.json), inside the 1% the tuner may trade for speed. (With
-    per-token scales it was +3.65%, and the tuner offered it only where pinned.)"""
+    per-token scales it was +3.65%, and the tuner offered it only where pinned.) On a CPU, the quantized-matmul
+    kernel (matmul 'cpu_int8': the same W8A8 in blocks of 32) wherever the weights hold int8, Q8_0, Q4_0 or
+    Q4_1 matrices (`affine_weights`)."""
     backend = backend or jax.default_backend()
     if backend == "cpu":
         combos = [("float32", a, m) for a in ("reference", CPU_IMPL) for m in ("xla", "cpu")] + [("bfloat16", "reference", "xla")]
         combos += [("float32", a, "int8") for a in ("reference", CPU_IMPL)] if int8_weights else []
+        combos += [("float32", a, "cpu_int8") for a in ("reference", CPU_IMPL)] if affine_weights else []
     else:
         combos = [("float32", "reference", "xla"), ("bfloat16", "reference", "xla"), ("bfloat16", "pallas", "xla")]
         combos += [("bfloat16", "reference", "int8")] if int8_weights else []
     pinned_dtype = [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]  # float16
     return [c for c in (Candidate(*combo) for combo in combos + pinned_dtype) if c.fits(pins)]
+
+
+def weight_kinds(params: Params) -> dict[str, bool]:
+    """`default_candidates`' keywords for these params: which quantized matrices they hold."""
+    return dict(int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
 
 
 def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
@@ -378,31 +387,47 @@ def _greedy_agreement(ours: list[list[int]], reference: np.ndarray) -> float:
     return float(np.mean(shares))
 
 
-def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: tuple[np.ndarray, np.ndarray]) -> Measurement:
+def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: tuple[np.ndarray, np.ndarray],
+            best_score: float | None = None) -> Measurement:
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
-    against `reference` (reference_run's)."""
+    against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
+    first generation scores above PRUNE_FACTOR times it is not timed again and does not pass (note 'pruned')."""
     row = dict(candidate=candidate.name, dtype=candidate.dtype, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
     try:
         cand_cfg, cand_params = candidate.prepare(cfg, params)
         engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
         engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
         engine.warmup()
-        runs = [_probe_generation(engine, probe) for _ in range(NUM_TIMED_RUNS)]
+        runs = [_probe_generation(engine, probe)]
+        if best_score is None or _score(probe, *_timings(runs)) <= PRUNE_FACTOR * best_score:
+            runs += [_probe_generation(engine, probe) for _ in range(NUM_TIMED_RUNS - 1)]
     except (ValueError, RuntimeError) as e:
         return Measurement(**row, note=f"cannot run: {e}")
     tokens, _, logits = runs[0]
-    prefill = 1e3 * min(s for _, seconds, _ in runs for s in seconds["prefill"])
-    decode = 1e3 * statistics.median(s for _, seconds, _ in runs for s in seconds["decode"])
-    chunk, rows = probe.engine_cfg.prefill_chunk_buckets[0], probe.engine_cfg.decode_batch_buckets[0]
-    score = PROMPT_TOKENS_PER_OUTPUT_TOKEN * prefill / chunk + decode / rows
+    prefill, decode = _timings(runs)
+    score = _score(probe, prefill, decode)
+    if len(runs) < NUM_TIMED_RUNS:
+        return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
     ref_logits, ref_tokens = reference
     error = max(float(np.linalg.norm(logits[i] - ref_logits[i]) / np.linalg.norm(ref_logits[i])) for i in range(len(probe.prompts)))
     agreement = _greedy_agreement(tokens, ref_tokens)
-    tolerance = TOLERANCES["int8" if candidate.matmul_impl == "int8" else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
+    tolerance = TOLERANCES["int8" if candidate.matmul_impl in ("int8", "cpu_int8") else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
     passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
     note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"
     return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note)
+
+
+def _timings(runs: list) -> tuple[float, float]:
+    """(prefill ms, decode ms) of `runs` (_probe_generation's): the fastest prefill step, the median decode step."""
+    prefill = 1e3 * min(s for _, seconds, _ in runs for s in seconds["prefill"])
+    return prefill, 1e3 * statistics.median(s for _, seconds, _ in runs for s in seconds["decode"])
+
+
+def _score(probe: Probe, prefill: float, decode: float) -> float:
+    """ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens and one output token."""
+    chunk, rows = probe.engine_cfg.prefill_chunk_buckets[0], probe.engine_cfg.decode_batch_buckets[0]
+    return PROMPT_TOKENS_PER_OUTPUT_TOKEN * prefill / chunk + decode / rows
 
 
 class NoCandidatePassed(ValueError):
@@ -430,7 +455,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
     after each. The pins are filled in from the winner; the result's choice has source 'tuned'."""
     start = time.perf_counter()
-    defaults = default_candidates(pins, int8_weights=quant.has_int8_weights(params))
+    defaults = default_candidates(pins, **weight_kinds(params))
     candidates = [c for c in (defaults if candidates is None else candidates) if c.fits(pins)]  # pins hold
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
@@ -440,7 +465,8 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     reference = reference_run(cfg, params, probe.prompts)
     measurements = []
     for candidate in candidates:
-        measurements.append(measure(candidate, cfg, params, probe, reference))
+        best = min((m.score for m in measurements if m.passed), default=None)
+        measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best))
         if progress is not None:
             progress(measurements[-1])
     best = pick(measurements)
@@ -462,7 +488,7 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
               else "a mesh (tensor or data parallelism)" if on_mesh else "deterministic mode" if engine_cfg.deterministic else "")
     if reason:
         return TuneResult(fixed_choice(pins), [], reason=reason)
-    if candidates is None and len(only := default_candidates(pins, int8_weights=quant.has_int8_weights(params))) == 1:  # nothing to compare
+    if candidates is None and len(only := default_candidates(pins, **weight_kinds(params))) == 1:  # nothing to compare
         return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()

@@ -17,12 +17,12 @@ PAD_BUCKETS = (64, 128, 640)  # padded_logits' widths: 3 compiles a model (the H
 
 
 def require_cpu_kernels() -> None:
-    """Skips the calling test when the CPU kernels (kernels_cpu: paged attention and the layer matmul,
-    which the engine needs together) cannot be built here, for want of a C++ compiler; fails it instead
+    """Skips the calling test when the CPU kernels (kernels_cpu: paged attention, the layer matmul and the
+    quantized matmul) cannot be built here, for want of a C++ compiler; fails it instead
     under CI=true, where a missing kernel would otherwise leave every engine test on the jnp path unseen."""
-    from kernels_cpu import layer_matmul, paged_attention
+    from kernels_cpu import layer_matmul, paged_attention, quant_matmul
 
-    missing = [module.__name__ for module in (paged_attention, layer_matmul) if not module.available()]
+    missing = [module.__name__ for module in (paged_attention, layer_matmul, quant_matmul) if not module.available()]
     if not missing:
         return
     reason = f"the CPU kernels {missing} could not be built (no C++ compiler?)"

@@ -196,3 +196,14 @@ def test_w8a8_is_a_candidate_exactly_where_the_weights_hold_int8_codes():
     pinned = tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=True)
     assert pinned and {c.matmul_impl for c in pinned} == {"int8"}
     assert not tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=False)
+
+
+def test_a_candidate_far_slower_than_the_best_so_far_is_pruned_after_one_generation(tiny, engine_cfg, cpu_kernels):
+    """PRUNE_FACTOR: a candidate whose first timed generation scores above twice the best passing score is not
+    timed again and cannot be chosen; at a best score it cannot exceed, it is timed fully and passes."""
+    probe = tuning.make_probe(engine_cfg, list(range(1, 200)))
+    reference = tuning.reference_run(*tiny, probe.prompts)
+    pruned = tuning.measure(F32_XLA, *tiny, probe, reference, best_score=1e-9)
+    assert not pruned.passed and pruned.note.startswith("pruned") and pruned.score > tuning.PRUNE_FACTOR * 1e-9
+    kept = tuning.measure(F32_XLA, *tiny, probe, reference, best_score=1e9)
+    assert kept.passed and kept.note == ""

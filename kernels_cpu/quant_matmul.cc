@@ -1,0 +1,233 @@
+// One layer's matmul on quantized weights, W8A8 in blocks of 32, as an XLA FFI custom call:
+// out = x @ w[layer], with x quantized to int8 per block of 32 inputs of a row (llama.cpp's Q8_0 x Q8_0 idea).
+//
+//   x      f32[M, K]            activations
+//   codes  u8[N, P, S, 64]      every layer's unsigned weight codes in panels of 16 output columns; a row of 64
+//                               bytes holds 4 consecutive inputs of each of the 16 columns (byte 4c + i: input
+//                               4s + i of column c). 8-bit: S = K / 4. 4-bit: S = K / 8, and the low nibbles are
+//                               inputs 8s .. 8s+3, the high nibbles 8s+4 .. 8s+7.
+//   scale  f16[N, P, K/32, 16]  per block of 32 inputs and column: w = code * scale + offset
+//   offset f16[N, P, K/32, 16]
+//   layer  s32[]
+//   out    f32[M, 16 P]
+//
+// Per block b of a row r: x ~ sx * q with q = round(x * 127 / max|x|) in [-127, 127]. Then
+//   sum_k w x = sx * (scale * sum_k code q + offset * sum_k q),
+// an exact int32 dot per block (AVX512-VNNI's u8 x s8 dot, vpdpbusd) and two fused multiply-adds. Column tiles of
+// kPanels panels are split across XLA's intra-op threads; each is multiplied by kRows rows at a time in
+// registers. The layer's slice is read in place (see layer_matmul.cc for why). Without VNNI a plain loop
+// computes the same sums; the tuner decides whether either wins on the machine (jaxinfer/tuning.py).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define JAXINFER_VNNI 1
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per panel (panels.QUANT_PANEL_WIDTH)
+constexpr int64_t kBlock = 32;  // inputs per activation scale and per weight scale
+constexpr int kRows = 4, kPanels = 2;  // register tile: kRows x kPanels int32 and f32 accumulators
+using Codes = ffi::Buffer<ffi::U8, 4>;
+using Scales = ffi::Buffer<ffi::F16, 4>;
+
+// x quantized per block: int8 codes [M, K], and per (row, block) sx and sx * sum of the codes.
+struct Activations {
+  std::vector<int8_t> codes;
+  std::vector<float> scale, scaled_sum;
+  int64_t K, blocks;
+};
+
+void quantize_row(const float* x, int64_t row, Activations& a) {
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const float* xb = x + row * a.K + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* q = a.codes.data() + row * a.K + b * kBlock;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -127, 127);
+      q[i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    const float sx = amax / 127.0f;
+    a.scale[row * a.blocks + b] = sx;
+    a.scaled_sum[row * a.blocks + b] = sx * static_cast<float>(sum);
+  }
+}
+
+float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals included
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);
+  } else if (exponent) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {
+    float value = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &value, 4);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// One layer of the packed weight, and the geometry of the call.
+struct Layer {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* offset;
+  int64_t K, blocks, steps, F;  // steps: rows of 64 bytes per panel (S)
+  int bits;
+};
+
+#ifdef JAXINFER_VNNI
+// out[m0 : m0 + R, 16 p0 : 16 (p0 + kPanels)] for one column tile.
+template <int R, int Bits>
+void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* out) {
+  __m512 acc[R][kPanels];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanels; ++v) acc[r][v] = _mm512_setzero_ps();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i dot[R][kPanels];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_setzero_si512();
+    const int8_t* xb = a.codes.data() + m0 * a.K + b * kBlock;
+    if constexpr (Bits == 8) {
+      for (int s = 0; s < kBlock / 4; ++s) {
+        __m512i wv[kPanels];
+        for (int v = 0; v < kPanels; ++v) wv[v] = _mm512_loadu_si512(w.codes + ((p0 + v) * w.steps + b * 8 + s) * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, xb + r * a.K + 4 * s, 4);
+          const __m512i xv = _mm512_set1_epi32(quad);
+          for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
+        }
+      }
+    } else {
+      for (int s = 0; s < kBlock / 8; ++s) {
+        __m512i lo[kPanels], hi[kPanels];
+        for (int v = 0; v < kPanels; ++v) {
+          const __m512i raw = _mm512_loadu_si512(w.codes + ((p0 + v) * w.steps + b * 4 + s) * 64);
+          lo[v] = _mm512_and_si512(raw, low_nibbles);
+          hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t quads[2];
+          std::memcpy(quads, xb + r * a.K + 8 * s, 8);
+          const __m512i x0 = _mm512_set1_epi32(quads[0]), x1 = _mm512_set1_epi32(quads[1]);
+          for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v], lo[v], x0), hi[v], x1);
+        }
+      }
+    }
+    __m512 scale[kPanels], offset[kPanels];
+    for (int v = 0; v < kPanels; ++v) {
+      const int64_t at = ((p0 + v) * w.blocks + b) * kPanel;
+      scale[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale + at)));
+      offset[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offset + at)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(a.scale[(m0 + r) * a.blocks + b]);
+      const __m512 ss = _mm512_set1_ps(a.scaled_sum[(m0 + r) * a.blocks + b]);
+      for (int v = 0; v < kPanels; ++v) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), sx);
+        acc[r][v] = _mm512_fmadd_ps(offset[v], ss, _mm512_fmadd_ps(t, scale[v], acc[r][v]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanels; ++v) _mm512_storeu_ps(out + (m0 + r) * w.F + (p0 + v) * kPanel, acc[r][v]);
+}
+
+template <int Bits>
+void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, float* out) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile<kRows, Bits>(a, w, p0, m, out);
+  switch (M - m) {  // the rows left over, fewer than kRows
+    case 1: tile<1, Bits>(a, w, p0, m, out); break;
+    case 2: tile<2, Bits>(a, w, p0, m, out); break;
+    case 3: tile<3, Bits>(a, w, p0, m, out); break;
+    default: break;
+  }
+}
+#endif
+
+// The same sums without VNNI, one column at a time.
+uint32_t code_at(const Layer& w, int64_t p, int64_t c, int64_t k) {
+  if (w.bits == 8) return w.codes[(p * w.steps + k / 4) * 64 + 4 * c + k % 4];
+  const uint8_t byte = w.codes[(p * w.steps + k / 8) * 64 + 4 * c + k % 4];
+  return (k % 8 < 4 ? byte : byte >> 4) & 0x0F;
+}
+
+void column_tile_plain(const Activations& a, const Layer& w, int64_t p0, int64_t M, float* out) {
+  for (int64_t p = p0; p < p0 + kPanels; ++p)
+    for (int64_t c = 0; c < kPanel; ++c)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < w.blocks; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) dot += static_cast<int32_t>(code_at(w, p, c, k)) * a.codes[m * a.K + k];
+          const int64_t at = (p * w.blocks + b) * kPanel + c;
+          acc += static_cast<float>(dot) * a.scale[m * a.blocks + b] * half_to_float(w.scale[at]) + half_to_float(w.offset[at]) * a.scaled_sum[m * a.blocks + b];
+        }
+        out[m * w.F + p * kPanel + c] = acc;
+      }
+}
+
+template <typename A, typename B>
+bool same_shape(const A& a, const B& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale, Scales offset,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (auto e = jaxinfer::check(xd.size() == 2 && xd[1] % kBlock == 0 && cd[3] == 64 && cd[1] % kPanels == 0, "quant_matmul: x must be [M, 32 B], codes [N, 2 Q, S, 64]"); e.failure()) return e;
+  const int64_t M = xd[0], K = xd[1], index = layer.typed_data()[0];
+  const int bits = cd[2] == K / 4 ? 8 : 4;
+  if (auto e = jaxinfer::check(cd[2] == K / (bits == 8 ? 4 : 8) && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == K / kBlock && sd[3] == kPanel && same_shape(offset.dimensions(), sd),
+                               "quant_matmul: codes must be [N, P, K/4 or K/8, 64] and scale, offset [N, P, K/32, 16]"); e.failure()) return e;
+  if (auto e = jaxinfer::check(0 <= index && index < cd[0], "quant_matmul: layer out of range"); e.failure()) return e;
+  const int64_t P = cd[1], layer_codes = P * cd[2] * 64, layer_scales = P * (K / kBlock) * kPanel;
+  const Layer w{codes.typed_data() + index * layer_codes, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + index * layer_scales,
+                reinterpret_cast<const uint16_t*>(offset.untyped_data()) + index * layer_scales, K, K / kBlock, cd[2], P * kPanel, bits};
+  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * w.blocks), std::vector<float>(M * w.blocks), K, w.blocks};
+  const float* xp = x.typed_data();
+  jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, a); });
+  float* op = out->typed_data();
+  jaxinfer::parallel_for(pool, P / kPanels, [&](int64_t t) {
+#ifdef JAXINFER_VNNI
+    if (bits == 8) column_tile<8>(a, w, t * kPanels, M, op);
+    else column_tile<4>(a, w, t * kPanels, M, op);
+#else
+    column_tile_plain(a, w, t * kPanels, M, op);
+#endif
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmul, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<Codes>()                     // codes
+                                  .Arg<Scales>()                    // scale
+                                  .Arg<Scales>()                    // offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,143 @@
+"""The CPU quantized-matmul kernel (kernels_cpu/quant_matmul, issue 24): int8, Q8_0, Q4_0 and Q4_1 weights
+packed as unsigned codes with a scale and offset per block of 32 (panels.to_quant_panels), times activations
+quantized per block of 32 in the kernel. Checked three ways: the kernel against its jnp reference on the
+same packed arrays; the reference against a numpy int64 transcription of the arithmetic on the GGUF file's
+own block bytes (so the packing is checked too); and end to end, an engine on matmul_impl='cpu_int8'
+against the same int8 weights multiplied in f32."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType, quants
+
+from jaxinfer import LLM, SamplingParams, panels, quant, tuning
+from jaxinfer.matmul_impl import resolve_matmul_impl
+from kernels_cpu import quant_matmul
+
+GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # conftest.require_cpu_kernels: builds this kernel too
+
+
+def _quantized(fmt: str, w: np.ndarray) -> tuple[quant.QuantizedTensor, np.ndarray | None]:
+    """w [*lead, O, I] in `fmt` (Params layout in_out), and the GGUF block bytes it came from (None for int8)."""
+    if fmt == "int8":
+        return quant.quantize_int8(jnp.asarray(w), layout="in_out"), None
+    blocks = quants.quantize(w, GGUF_TYPES[fmt])
+    return jax.tree.map(jnp.asarray, quant.from_gguf(blocks, GGUF_TYPES[fmt], layout="in_out")), blocks
+
+
+def _activations(rng, shape) -> np.ndarray:
+    x = rng.standard_normal(shape) * rng.uniform(0.1, 10, (shape[0], 1))
+    x[:, 3] *= 30  # an outlier channel
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 6, 13])  # the kernel's row tiles are 4: whole tiles and every remainder
+def test_kernel_is_its_reference_on_every_format_and_layer(fmt, rows):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (3, 80, 192)).astype(np.float32)  # 80 columns: padded to 96, three panel pairs
+    q, _ = _quantized(fmt, w)
+    packed = panels.to_quant_panels(q)
+    x = jnp.asarray(_activations(rng, (rows, 192)))
+    for layer in (0, 2):
+        ours = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer)))
+        expected = np.asarray(quant_matmul.reference(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer)))
+        assert ours.shape == (rows, 96)
+        assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
+        assert not ours[:, 80:].any()  # the padding columns are zero weights
+        dense = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(q), np.float64)[layer]  # the error W8A8 adds
+        assert 1e-4 < np.linalg.norm(ours[:, :80] - dense) / np.linalg.norm(dense) < 0.02
+
+
+def _numpy_block_w8a8(x: np.ndarray, fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """x [T, I] times a GGUF tensor's raw blocks [O, I/32 * bytes], by hand: each block of 32 of x rounded to
+    int8 with scale max|x| / 127, an int64 dot with the block's integer codes, then the scales (and Q4_1's
+    min times the sum of x's codes) in float64."""
+    out_dim = blocks.shape[0]
+    size = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    raw = blocks.reshape(out_dim, -1, size)
+    d = raw[..., :2].copy().view("<f2")[..., 0].astype(np.float64)  # [O, B]
+    if fmt == "q8_0":
+        codes, mins = raw[..., 2:].copy().view(np.int8).astype(np.int64), np.zeros_like(d)
+    else:
+        nib = raw[..., size - 16:].astype(np.int64)
+        codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # element j: low nibble of byte j, j + 16: high
+        mins = raw[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64) if fmt == "q4_1" else np.zeros_like(d)
+        codes = codes - (8 if fmt == "q4_0" else 0)
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=-1)  # [T, B]
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.clip(np.round(xb * inverse[..., None]), -127, 127).astype(np.int64)
+    sx = (amax / np.float32(127)).astype(np.float64)
+    dots = np.einsum("tbk,obk->tob", xq, codes).astype(np.float64)  # exact integers
+    return np.einsum("tob,ob,tb->to", dots, d, sx) + np.einsum("ob,tb->to", mins, sx * xq.sum(-1))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_packed_blocks_multiply_as_the_files_bytes_say(fmt):
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (64, 256)).astype(np.float32)
+    q, blocks = _quantized(fmt, w)
+    packed = jax.tree.map(lambda leaf: leaf[None], panels.to_quant_panels(q))
+    x = _activations(rng, (5, 256))
+    ours = np.asarray(quant_matmul.quant_matmul(jnp.asarray(x), packed.codes, packed.scale, packed.offset, jnp.int32(0)), np.float64)
+    expected = _numpy_block_w8a8(x, fmt, blocks)
+    assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_affine_form_is_the_dequantized_weight():
+    rng = np.random.default_rng(2)
+    w = rng.normal(0, 0.05, (2, 32, 64)).astype(np.float32)
+    for fmt in ("int8", "q8_0", "q4_0", "q4_1"):
+        q, _ = _quantized(fmt, w)
+        codes, scale, offset = quant.affine_blocks(q)  # [L, O, I], [L, O, I/32]
+        values = np.asarray(codes, np.float64).reshape(2, 32, 2, 32) * np.asarray(scale, np.float64)[..., None] + np.asarray(offset, np.float64)[..., None]
+        dense = np.swapaxes(np.asarray(quant.dequantize(q), np.float64), -1, -2)
+        if fmt == "int8":  # an f32 scale times a 128-shifted code: exact in float64, within an f32 rounding of the codes' value
+            np.testing.assert_allclose(values.reshape(2, 32, 64), dense, rtol=1e-6, atol=0)
+        else:  # fp16 scales and minimums: every term exact
+            np.testing.assert_array_equal(values.reshape(2, 32, 64), dense)
+    with pytest.raises(ValueError, match="affine_blocks"):
+        quant.affine_blocks(quant.quantize_int4(jnp.asarray(w[0])))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_model, compile_cache):
+    common = dict(quantization="int8", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(str(tiny_chat_model), matmul_impl="cpu_int8", **common), LLM(str(tiny_chat_model), matmul_impl="xla", **common)
+
+
+def test_cpu_int8_engine_agrees_with_the_same_int8_weights_in_f32(engines):
+    ours, f32 = engines
+    assert ours.engine.matmul_impl == "cpu_int8"
+    step = ours.engine.step_params
+    assert isinstance(step.layers.wq, panels.QuantPanelTensor) and isinstance(step.lm_head, panels.QuantPanelTensor)
+    assert isinstance(ours.engine.params.layers.wq, quant.QuantizedTensor)  # the loaded params stay for the reference paths
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    prompts = ["The cat sat on the mat", "One two three four", "Hello there, how are"]
+    a, b = ours.generate(prompts, params), f32.generate(prompts, params)
+    nll = lambda o: -sum(lp for lp, _ in o.prompt_logprobs[1:])  # noqa: E731
+    for x, y in zip(a, b):
+        assert abs(nll(x) / nll(y) - 1) < 0.02  # the prompt's likelihood within 2%
+    assert np.mean([x.token_ids[:2] == y.token_ids[:2] for x, y in zip(a, b)]) >= 2 / 3
+
+
+def test_cpu_int8_without_quantized_weights_or_in_bf16_is_refused():
+    with pytest.raises(ValueError, match="quantization='int8'"):
+        resolve_matmul_impl("cpu_int8", "cpu", dtype="float32", on_mesh=False, affine_weights=False)
+    with pytest.raises(ValueError, match="float32"):
+        resolve_matmul_impl("cpu_int8", "cpu", dtype="bfloat16", on_mesh=False, affine_weights=True)
+    assert resolve_matmul_impl("cpu_int8", "reference", dtype="float32", on_mesh=False, affine_weights=True) == "cpu_int8"
+
+
+def test_cpu_int8_is_a_candidate_exactly_where_the_kernel_reads_the_weights():
+    offered = lambda **kinds: {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "cpu", **kinds)}  # noqa: E731
+    assert "cpu_int8" in offered(affine_weights=True) and "cpu_int8" not in offered(affine_weights=False)
+    assert "cpu_int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "gpu", affine_weights=True)}
+    q4 = jax.tree.map(jnp.asarray, quant.from_gguf(quants.quantize(np.ones((32, 64), np.float32), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0))
+    assert panels.has_affine_weights({"w": q4}) and not quant.has_int8_weights({"w": q4})
