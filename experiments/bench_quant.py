@@ -28,7 +28,7 @@ import numpy as np
 
 import harness
 from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
-from jaxinfer import kv_pool, loading, params as params_lib, quant
+from jaxinfer import kv_pool, loading, panels, params as params_lib, quant
 from jaxinfer.api import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import Engine
@@ -45,7 +45,10 @@ FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
     "int4_g64": ("float32", "int4", 64),
     "int4_g128": ("float32", "int4", 128),
     "gguf": ("float32", "gguf", None),
+    "int8_cpu_int8": ("float32", "int8", None),  # the int8 weights packed for the quantized-matmul kernel (W8A8, blocks of 32)
+    "gguf_cpu_int8": ("float32", "gguf", None),  # the GGUF's Q4_1 / Q8_0 blocks packed for it
 }
+KERNEL_ROWS = ("int8_cpu_int8", "gguf_cpu_int8")  # packed with panels.pack_panels(quantized=True): matmul_impl 'cpu_int8'
 REFERENCE = "f32"  # the baseline every other row is compared with; always run, and first
 QUICK_FORMATS = ("f32", "int8", "gguf")
 WINDOW = 512  # tokens per perplexity window
@@ -64,6 +67,8 @@ GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t,
     "int8_weight_bytes": ("int8 resident weight bytes <= 0.3x f32's", 0.3, "at_most"),
     "gguf_weight_bytes": ("gguf resident weight bytes <= 1.15x the file's tensor bytes", 1.15, "at_most"),
     "int8_decode_b1": ("int8 decode at batch 1 >= 1.5x faster than f32", 1.5, "at_least"),
+    "kernel_int8_decode_b1_vs_bf16": ("int8 through the quantized-matmul kernel: decode at batch 1 >= 1.6x bf16", 1.6, "at_least"),
+    "kernel_w8a8_ppl": ("int8 W8A8 through the quantized-matmul kernel: perplexity within 1% of f32", 0.01, "within"),
     "none_slower_b32": ("no row slower than f32 at batch 32 decode", 1.0, "at_least"),
 }
 
@@ -245,7 +250,8 @@ def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pat
 
 def run_e2e(name: str, kv: str | None, plan: dict) -> dict:
     """The harness's engine run (page size 16, 32 sequences, packed prefill) on the workload, in this format."""
-    engine_config = harness.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **({"kv_cache_dtype": kv} if kv else {}))
+    extra = ({"kv_cache_dtype": kv} if kv else {}) | ({"matmul_impl": "cpu_int8"} if name in KERNEL_ROWS else {})
+    engine_config = harness.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **extra)
     workload = json.loads(pathlib.Path(plan["e2e_workload"]).read_text())
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
         result, tokens, llm = harness.run_engine(workload, engine_config, plan["e2e_repeats"], **_load_kwargs(name))
@@ -264,6 +270,8 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
         (cfg, params), load_s = harness.timed(loading.load_model, None, max_context=MAX_CONTEXT, **_load_kwargs(name))
     except ValueError as error:  # an int4 group that does not divide a width
         return result | {"status": "not available", "reason": str(error)}
+    if name in KERNEL_ROWS:
+        params = panels.pack_panels(params, quantized=True)
     result |= {"status": "ok", "load_s": load_s, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
     if name == "gguf":
         result["memory"]["file_tensor_bytes"] = gguf_tensor_bytes(loading.default_model_path())
@@ -409,7 +417,10 @@ def goals(rows: list[dict], workers: dict) -> dict:
         "int8_weight_bytes": field("int8", "weight_bytes_vs_f32"),
         "gguf_weight_bytes": gguf_memory["resident_bytes"] / gguf_memory["file_tensor_bytes"] if gguf_memory else None,
         "int8_decode_b1": (by_name.get("int8") or {}).get("decode_speedup_vs_f32", {}).get(1), "none_slower_b32": slowest[0] if slowest else None,
+        "kernel_w8a8_ppl": field("int8_cpu_int8", "perplexity_change_vs_f32"),
     }
+    b1 = {row: (by_name.get(row) or {}).get("decode_speedup_vs_f32", {}).get(1) for row in ("int8_cpu_int8", "bf16")}
+    measured["kernel_int8_decode_b1_vs_bf16"] = b1["int8_cpu_int8"] / b1["bf16"] if None not in b1.values() else None
     result = harness.judge(GOALS, measured)
     if slowest:
         result["none_slower_b32"] |= {"slowest_row": slowest[1], "rows_slower_than_f32": sorted(name for speedup, name in b32 if speedup < 1.0)}

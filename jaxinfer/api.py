@@ -183,8 +183,11 @@ class LLM:
         float32 with JAXINFER_TUNE=0), or "float32", "bfloat16", "float16", pinned (never changed).
         attention_impl and matmul_impl (EngineConfig fields, as keywords) left at "auto" are tuned too;
         `llm.choices` names what runs (tuning.Choice) and `llm.tuning` holds the tuner's table.
-      quantization: how weights are held on the device: None (dense in `dtype`), "gguf" (a GGUF file's
-        own blocks, dequantized one layer at a time inside the step), "int8" (per-channel) or "int4"
+      quantization: how weights are held on the device: "auto" (the default: a GGUF file's blocks are kept
+        where the tuner may multiply them W8A8 with the CPU quantized-matmul kernel, matmul_impl 'cpu_int8',
+        and kept only if it measures that fastest; dense everywhere else, and with JAXINFER_TUNE=0), None
+        (dense in `dtype`), "gguf" (a GGUF file's own blocks, dequantized one layer at a time inside the
+        step, or read by that kernel), "int8" (per-channel) or "int4"
         (groups of `group_size` along the input: 32, the default, 64 or 128); see params.weight_format
         for which tensors.
       tensor_parallel: devices one model replica is sharded over (a `model` mesh, sharding.py): query and
@@ -201,7 +204,7 @@ class LLM:
     """
 
     def __init__(
-        self, model=None, *, dtype: str = "auto", quantization: str | None = None, group_size: int | None = None,
+        self, model=None, *, dtype: str = "auto", quantization: str | None = "auto", group_size: int | None = None,
         tensor_parallel: int = 1, data_parallel: int = 1, parse_special: bool | None = None, options: LoadOptions | None = None,
         engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
     ):
@@ -210,7 +213,7 @@ class LLM:
             raise FieldError("options", "replaces dtype, quantization, group_size, tensor_parallel, data_parallel and parse_special; pass one or the other")
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        model_config, params = loading.load_model(model, **options.load_kwargs)
+        model_config, params = tuning.load_model(model, options, engine_config)
         self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype)
 
     @classmethod
@@ -230,7 +233,7 @@ class LLM:
         """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own."""
         pins = tuning.Pins(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
         self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=options.quantization, on_mesh=options.on_mesh)
-        model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config)
+        model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, options.quantization)
         self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
         self.replicas: list[Replica] = [self._replica(r, params) for r in range(options.data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool

@@ -67,9 +67,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "against float32 (cached per machine; float32 with JAXINFER_TUNE=0); a value given is pinned (default: %(default)s)",
     )
     parser.add_argument(
-        "--quantization", default=_LOAD_DEFAULTS.quantization, choices=QUANTIZATIONS,
-        help="weights held quantized on the device: gguf keeps a GGUF file's own blocks, int8 is per output channel, "
-        "int4 groups of --group-size (embedding and head int8); default: dense in --dtype",
+        "--quantization", default=_LOAD_DEFAULTS.quantization, choices=("none", *QUANTIZATIONS),
+        help="weights held quantized on the device: auto keeps a GGUF file's blocks where the tuner may multiply them "
+        "W8A8 with the CPU quantized-matmul kernel (--matmul cpu_int8) and keeps them only if that measures fastest, "
+        "else dense (dense with JAXINFER_TUNE=0); none is dense in --dtype; gguf keeps a GGUF file's own blocks, int8 is "
+        "per output channel, int4 groups of --group-size (embedding and head int8) (default: %(default)s)",
     )
     parser.add_argument(
         "--group-size", type=int, default=_LOAD_DEFAULTS.group_size, choices=INT4_GROUP_SIZES,
@@ -261,7 +263,7 @@ def _load_options(args) -> LoadOptions:
     """The model flags as one validated LoadOptions, for this process or for each Ray actor."""
     try:
         return LoadOptions(
-            dtype=args.dtype, quantization=args.quantization, group_size=args.group_size, tensor_parallel=getattr(args, "tensor_parallel", 1),
+            dtype=args.dtype, quantization=None if args.quantization == "none" else args.quantization, group_size=args.group_size, tensor_parallel=getattr(args, "tensor_parallel", 1),
             data_parallel=getattr(args, "data_parallel", 1), parse_special=False if getattr(args, "no_parse_special", False) else None,
         )
     except ValueError as e:
@@ -476,7 +478,7 @@ def _run_tune(args) -> int:
     from jaxinfer.tokenizer import load_tokenizer
 
     load_options, engine_config = _load_options(args), _engine_config(args)
-    cfg, params = loading.load_model(args.model, **load_options.load_kwargs)
+    cfg, params = tuning.load_model(args.model, load_options, engine_config)
     pins = tuning.Pins(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
     if pins.all_pinned:
         raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")

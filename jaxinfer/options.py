@@ -14,7 +14,11 @@ from jaxinfer.validation import FieldError
 # (tuning.py) measures float32 and bfloat16 on this machine and keeps the faster one that passes its numerics
 # check against float32; with JAXINFER_TUNE=0, float32. A dtype given explicitly is pinned, never changed.
 DTYPE_CHOICES = ("auto", *DTYPES)
-QUANTIZATIONS = ("gguf", "int8", "int4")  # besides None: dense weights in the compute dtype
+# Weight quantizations, besides None (dense weights in the compute dtype). "auto" (the default): a GGUF file's
+# blocks are kept where the runtime tuner may multiply them with the CPU quantized-matmul kernel, and the tuner
+# keeps them only if that kernel wins on this machine; everywhere else the weights load dense
+# (tuning.load_quantization owns the rule).
+QUANTIZATIONS = ("auto", "gguf", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)  # input elements per int4 scale
 DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not 128
 
@@ -24,7 +28,7 @@ class LoadOptions:
     """Validated where built; errors name the field (`FieldError`), which the CLI renames to its flag."""
 
     dtype: str = "auto"  # compute dtype: auto (tuned, see DTYPE_CHOICES), float32, bfloat16 or float16
-    quantization: str | None = None  # weights held on the device: None (dense), gguf, int8 or int4
+    quantization: str | None = "auto"  # weights held on the device: auto (see QUANTIZATIONS), None (dense), gguf, int8 or int4
     group_size: int | None = None  # input elements per int4 scale (int4 only; None: DEFAULT_INT4_GROUP_SIZE)
     tensor_parallel: int = 1  # devices one replica is sharded over
     data_parallel: int = 1  # model replicas, each on its own tensor_parallel devices
@@ -46,9 +50,11 @@ class LoadOptions:
     @property
     def load_kwargs(self) -> dict:
         """loading.load_model's keyword arguments. An "auto" dtype loads float32 (the tuner's reference);
-        the tuner casts the loaded params if it picks another dtype."""
+        the tuner casts the loaded params if it picks another dtype. An "auto" quantization loads dense here:
+        tuning.load_model resolves it where the kernel may run."""
         group = {} if self.group_size is None else {"group_size": self.group_size}
-        return {"dtype": "float32" if self.dtype == "auto" else self.dtype, "quantization": self.quantization, "on_host": self.on_mesh, **group}
+        quantization = None if self.quantization == "auto" else self.quantization
+        return {"dtype": "float32" if self.dtype == "auto" else self.dtype, "quantization": quantization, "on_host": self.on_mesh, **group}
 
 
 def check_quantization(value, group_size: int | None = None) -> str | None:

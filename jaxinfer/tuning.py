@@ -13,8 +13,14 @@ in one row) and one decode key (a row bucket of the table); a short greedy gener
 scheduler and engine, timed per program. A candidate passes the numerics check when its prompt-end logits
 are within its dtype's TOLERANCES of the float32 reference (model.forward with no cache, XLA dots and
 jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks. The passing
-candidate with the least `score` wins. The choice is cached per machine fingerprint, jaxlib version, model
+candidate with the least `score` wins; one whose first generation scores above PRUNE_FACTOR times the best so
+far is not timed again and cannot win. The choice is cached per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
+
+Weights under quantization='auto' (the default; `load_quantization`): a GGUF's blocks are loaded kept where the
+CPU quantized-matmul kernel may run; its candidates (matmul 'cpu_int8') multiply them as they are, every other
+candidate runs them dequantized, which is the dense load bit for bit (`dense_params`), and `apply_choice`
+keeps the blocks only if a kernel candidate won.
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
@@ -117,8 +123,12 @@ class Candidate:
     def name(self) -> str:
         return f"{self.dtype}/{self.attention_impl}/{self.matmul_impl}"
 
-    def prepare(self, cfg: ModelConfig, params: Params) -> tuple[ModelConfig, Params]:
-        """The (config, params) this candidate runs: the model in its dtype."""
+    def prepare(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> tuple[ModelConfig, Params]:
+        """The (config, params) this candidate runs: the model in its dtype. `auto_weights`: the params are a
+        GGUF's blocks kept for quantization='auto' (`keeps_blocks`), which only 'cpu_int8' multiplies as they
+        are; every other candidate runs them dense (`dense_params`), as the dense load would give them."""
+        if auto_weights and self.matmul_impl != "cpu_int8":
+            params = dense_params(params)
         return cast_model(cfg, params, self.dtype)
 
     def fits(self, pins: Pins) -> bool:
@@ -148,9 +158,53 @@ def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: 
     return [c for c in (Candidate(*combo) for combo in combos + pinned_dtype) if c.fits(pins)]
 
 
-def weight_kinds(params: Params) -> dict[str, bool]:
-    """`default_candidates`' keywords for these params: which quantized matrices they hold."""
-    return dict(int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, bool]:
+    """`default_candidates`' keywords for these params: which quantized matrices they hold (with
+    `auto_weights`, only the kernel's candidates see them quantized: `Candidate.prepare`)."""
+    return dict(int8_weights=not auto_weights and quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+
+
+def load_quantization(quantization: str | None, model_path, pins: Pins, *, on_mesh: bool = False) -> str | None:
+    """What loading.load_model gets for a LoadOptions.quantization: 'auto' (the default) keeps a GGUF file's
+    blocks ('gguf') where the tuner may run them through the CPU quantized-matmul kernel (matmul 'cpu_int8':
+    a CPU backend, one device, a float32-compatible dtype pin, the kernel built, and matmul pinned to
+    'cpu_int8' or left at 'auto' with tuning on), and loads dense (None) everywhere else. The tuner then
+    runs every other candidate on the dense weights (`Candidate.prepare`) and keeps whichever is fastest."""
+    if quantization != "auto":
+        return quantization
+    from pathlib import Path as _Path  # noqa: PLC0415
+
+    from kernels_cpu import quant_matmul  # noqa: PLC0415  (built on first use)
+
+    gguf_file = model_path is not None and _Path(model_path).is_file()
+    kernel_may_run = pins.matmul_impl == "cpu_int8" or (pins.matmul_impl == "auto" and tuning_enabled())
+    usable = gguf_file and kernel_may_run and not on_mesh and pins.dtype in ("auto", "float32") and jax.default_backend() == "cpu"
+    return "gguf" if usable and quant_matmul.available() else None
+
+
+def load_model(model, options, engine_cfg: EngineConfig) -> tuple[ModelConfig, Params]:
+    """loading.load_model for a LoadOptions and the engine config's pins, with quantization='auto' resolved
+    (`load_quantization`)."""
+    from jaxinfer import loading  # noqa: PLC0415
+
+    path = loading.resolve_model_path(model)
+    pins = Pins(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
+    quantization = load_quantization(options.quantization, path, pins, on_mesh=options.on_mesh)
+    return loading.load_model(path, **{**options.load_kwargs, "quantization": quantization})
+
+
+def keeps_blocks(quantization: str | None, params: Params) -> bool:
+    """Whether `params` are a GGUF's blocks kept for quantization='auto' (see `load_quantization`)."""
+    return quantization == "auto" and panels.has_affine_weights(params)
+
+
+def dense_params(params: Params) -> Params:
+    """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
+    values the dense load gives, bit for bit)."""
+    def dense(leaf):
+        return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
+
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
 
 
 def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
@@ -388,14 +442,14 @@ def _greedy_agreement(ours: list[list[int]], reference: np.ndarray) -> float:
 
 
 def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: tuple[np.ndarray, np.ndarray],
-            best_score: float | None = None) -> Measurement:
+            best_score: float | None = None, *, auto_weights: bool = False) -> Measurement:
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
     against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
     first generation scores above PRUNE_FACTOR times it is not timed again and does not pass (note 'pruned')."""
     row = dict(candidate=candidate.name, dtype=candidate.dtype, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
     try:
-        cand_cfg, cand_params = candidate.prepare(cfg, params)
+        cand_cfg, cand_params = candidate.prepare(cfg, params, auto_weights=auto_weights)
         engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
         engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
         engine.warmup()
@@ -451,11 +505,13 @@ def fixed_choice(pins: Pins) -> Choice:
 
 
 def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, prompt_ids: list[int] | None = None,
-         candidates: list[Candidate] | None = None, progress=None) -> TuneResult:
+         candidates: list[Candidate] | None = None, progress=None, quantization: str | None = None) -> TuneResult:
     """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
-    after each. The pins are filled in from the winner; the result's choice has source 'tuned'."""
+    after each. The pins are filled in from the winner; the result's choice has source 'tuned'.
+    `quantization`: the LoadOptions value the params were loaded for ('auto': see `keeps_blocks`)."""
     start = time.perf_counter()
-    defaults = default_candidates(pins, **weight_kinds(params))
+    auto_weights = keeps_blocks(quantization, params)
+    defaults = default_candidates(pins, **weight_kinds(params, auto_weights=auto_weights))
     candidates = [c for c in (defaults if candidates is None else candidates) if c.fits(pins)]  # pins hold
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
@@ -466,7 +522,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     measurements = []
     for candidate in candidates:
         best = min((m.score for m in measurements if m.passed), default=None)
-        measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best))
+        measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
         if progress is not None:
             progress(measurements[-1])
     best = pick(measurements)
@@ -488,14 +544,14 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
               else "a mesh (tensor or data parallelism)" if on_mesh else "deterministic mode" if engine_cfg.deterministic else "")
     if reason:
         return TuneResult(fixed_choice(pins), [], reason=reason)
-    if candidates is None and len(only := default_candidates(pins, **weight_kinds(params))) == 1:  # nothing to compare
+    if candidates is None and len(only := default_candidates(pins, **weight_kinds(params, auto_weights=keeps_blocks(quantization, params)))) == 1:  # nothing to compare
         return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()
     key = cache_key(fingerprint, cfg, engine_cfg, pins, quantization)
     if use_cache and not refresh and (cached := read_cached(directory, key)) is not None:
         return cached
-    result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress), key=key)
+    result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress, quantization=quantization), key=key)
     if use_cache:
         result = dataclasses.replace(result, path=write_cached(directory, result, fingerprint))
     return result
@@ -524,10 +580,12 @@ def choose_for_model(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig,
     return choose(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, **kwargs)
 
 
-def apply_choice(choice: Choice, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig) -> tuple[ModelConfig, Params, EngineConfig]:
-    """(cfg, params, engine_cfg) as `choice` says: the model cast to its dtype, its impls set on the engine config
-    (left as it is when they already are, so a fixed choice changes nothing)."""
-    cfg, params = cast_model(cfg, params, choice.dtype)
+def apply_choice(choice: Choice, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, quantization: str | None = None) -> tuple[ModelConfig, Params, EngineConfig]:
+    """(cfg, params, engine_cfg) as `choice` says: the model cast to its dtype (and, for blocks kept under
+    quantization='auto', dense unless the choice multiplies them: `Candidate.prepare`), its impls set on the
+    engine config (left as it is when they already are, so a fixed choice changes nothing)."""
+    candidate = Candidate(choice.dtype, choice.attention_impl, choice.matmul_impl)
+    cfg, params = candidate.prepare(cfg, params, auto_weights=keeps_blocks(quantization, params))
     impls = {"attention_impl": choice.attention_impl, "matmul_impl": choice.matmul_impl}
     if any(getattr(engine_cfg, name) != value for name, value in impls.items()):
         engine_cfg = EngineConfig.with_overrides(engine_cfg, **impls)

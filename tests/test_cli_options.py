@@ -20,7 +20,7 @@ def generate_actions() -> dict:
 
 @pytest.mark.parametrize(
     "dest, choices",
-    [("dtype", DTYPE_CHOICES), ("quantization", QUANTIZATIONS), ("group_size", INT4_GROUP_SIZES), ("attention", ATTENTION_IMPLS), ("matmul", MATMUL_IMPLS),
+    [("dtype", DTYPE_CHOICES), ("quantization", ("none", *QUANTIZATIONS)), ("group_size", INT4_GROUP_SIZES), ("attention", ATTENTION_IMPLS), ("matmul", MATMUL_IMPLS),
      ("kv_cache_dtype", KV_CACHE_DTYPES), ("truncate", TRUNCATE_SIDES)],
 )
 def test_flag_choices_are_the_library_s_constants(dest, choices):

@@ -141,3 +141,53 @@ def test_cpu_int8_is_a_candidate_exactly_where_the_kernel_reads_the_weights():
     assert "cpu_int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "gpu", affine_weights=True)}
     q4 = jax.tree.map(jnp.asarray, quant.from_gguf(quants.quantize(np.ones((32, 64), np.float32), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0))
     assert panels.has_affine_weights({"w": q4}) and not quant.has_int8_weights({"w": q4})
+
+
+# ------------------------------------------------------------------ quantization="auto" (tuning.load_quantization)
+
+
+@pytest.fixture(scope="module")
+def smollm2_kept():
+    from jaxinfer import loading
+
+    return loading.load_model(None, quantization="gguf", max_context=2048)
+
+
+def test_dense_params_of_kept_blocks_are_the_dense_load_bit_for_bit(smollm2_kept, smollm2):
+    """What the tuner's non-kernel candidates run under quantization='auto' is exactly the dense load."""
+    dense = tuning.dense_params(smollm2_kept[1])
+    ours, theirs = jax.tree_util.tree_leaves_with_path(dense), jax.tree_util.tree_leaves_with_path(smollm2[1])
+    assert [p for p, _ in ours] == [p for p, _ in theirs]
+    for (path, a), (_, b) in zip(ours, theirs):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
+def test_auto_keeps_a_gguf_s_blocks_only_where_the_kernel_may_run(monkeypatch, tiny_chat_model):
+    from jaxinfer import loading
+
+    gguf_file = loading.default_model_path()
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins()) == "gguf"
+    assert tuning.load_quantization("auto", tiny_chat_model, tuning.Pins()) is None  # a Hugging Face folder
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(dtype="bfloat16")) is None  # the kernel computes in f32
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(matmul_impl="cpu")) is None
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(), on_mesh=True) is None
+    assert tuning.load_quantization(None, gguf_file, tuning.Pins()) is None and tuning.load_quantization("int8", gguf_file, tuning.Pins()) == "int8"
+    monkeypatch.setenv(tuning.TUNE_ENV, "0")  # nothing measured: dense, as before, unless the kernel is pinned
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins()) is None
+    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(matmul_impl="cpu_int8")) == "gguf"
+
+
+def test_auto_runs_kept_blocks_dense_unless_the_choice_is_the_kernel(smollm2_kept):
+    cfg, params = smollm2_kept
+    from jaxinfer.config import EngineConfig
+
+    kernel = tuning.Choice("float32", "cpu", "cpu_int8", "tuned")
+    _, kept, engine_cfg = tuning.apply_choice(kernel, cfg, params, EngineConfig(), "auto")
+    assert isinstance(kept.layers.wq, quant.QuantizedTensor) and engine_cfg.matmul_impl == "cpu_int8"
+    _, dense, _ = tuning.apply_choice(tuning.Choice("float32", "cpu", "cpu", "tuned"), cfg, params, EngineConfig(), "auto")
+    assert not any(isinstance(leaf, quant.QuantizedTensor) for leaf in jax.tree.leaves(dense, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor)))
+    _, still_kept, _ = tuning.apply_choice(tuning.Choice("float32", "cpu", "cpu", "tuned"), cfg, params, EngineConfig(), "gguf")
+    assert isinstance(still_kept.layers.wq, quant.QuantizedTensor)  # an explicit gguf is never densified
+    kinds = tuning.weight_kinds(params, auto_weights=True)
+    assert kinds == {"int8_weights": False, "affine_weights": True}  # XLA's W8A8 would run on the dense copy: not offered
