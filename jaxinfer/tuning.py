@@ -548,7 +548,8 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
         return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()
-    key = cache_key(fingerprint, cfg, engine_cfg, pins, quantization)
+    loaded = None if quantization == "auto" and not keeps_blocks(quantization, params) else quantization  # 'auto' loaded dense is None
+    key = cache_key(fingerprint, cfg, engine_cfg, pins, loaded)
     if use_cache and not refresh and (cached := read_cached(directory, key)) is not None:
         return cached
     result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress, quantization=quantization), key=key)

@@ -10,7 +10,7 @@ import pytest
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType, quants
 
-from jaxinfer import LLM, SamplingParams, quant
+from jaxinfer import LLM, SamplingParams, panels, quant
 
 
 def numpy_w8a8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray, block: int) -> np.ndarray:
@@ -94,14 +94,24 @@ def test_only_int8_weights_take_int8_activations():
 
 @pytest.fixture(scope="module")
 def engines(tiny_chat_model, compile_cache):
+    """The same int8 weights three ways: XLA's W8A8 (matmul 'int8'), the CPU quantized-matmul kernel's
+    W8A8 in blocks of 32 (matmul 'cpu_int8', tests/test_quant_matmul.py), and f32 activations ('xla')."""
+    from conftest import require_cpu_kernels
+
+    require_cpu_kernels()
     common = dict(quantization="int8", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
-    return LLM(str(tiny_chat_model), matmul_impl="int8", **common), LLM(str(tiny_chat_model), matmul_impl="xla", **common)
+    return {impl: LLM(str(tiny_chat_model), matmul_impl=impl, **common) for impl in ("int8", "cpu_int8", "xla")}
 
 
-def test_w8a8_engine_agrees_with_the_same_int8_weights_in_f32(engines):
-    w8a8, f32 = engines
-    assert w8a8.engine.matmul_impl == "int8" and isinstance(w8a8.engine.step_params.layers.wq, quant.QuantizedTensor)
-    assert w8a8.engine.step_params.layers.wq.activations == "int8" and w8a8.engine.params.layers.wq.activations == "float"
+@pytest.mark.parametrize("impl", ["int8", "cpu_int8"])
+def test_w8a8_engine_agrees_with_the_same_int8_weights_in_f32(engines, impl):
+    w8a8, f32 = engines[impl], engines["xla"]
+    assert w8a8.engine.matmul_impl == impl and isinstance(w8a8.engine.params.layers.wq, quant.QuantizedTensor)
+    step = w8a8.engine.step_params
+    if impl == "int8":
+        assert step.layers.wq.activations == "int8" and w8a8.engine.params.layers.wq.activations == "float"
+    else:  # packed for the kernel, the tied head too; the loaded params stay for the reference paths
+        assert isinstance(step.layers.wq, panels.QuantPanelTensor) and isinstance(step.lm_head, panels.QuantPanelTensor)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     prompts = ["The cat sat on the mat", "One two three four", "Hello there, how are"]
     ours, theirs = w8a8.generate(prompts, params), f32.generate(prompts, params)

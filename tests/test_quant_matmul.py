@@ -2,8 +2,9 @@
 packed as unsigned codes with a scale and offset per block of 32 (panels.to_quant_panels), times activations
 quantized per block of 32 in the kernel. Checked three ways: the kernel against its jnp reference on the
 same packed arrays; the reference against a numpy int64 transcription of the arithmetic on the GGUF file's
-own block bytes (so the packing is checked too); and end to end, an engine on matmul_impl='cpu_int8'
-against the same int8 weights multiplied in f32."""
+own block bytes (so the packing is checked too). End to end, an engine on matmul_impl='cpu_int8' against the
+same int8 weights multiplied in f32 is tests/test_int8_dot.py's, beside XLA's W8A8. Also quantization='auto'
+(tuning.load_quantization), which keeps a GGUF's blocks for this kernel."""
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType, quants
 
-from jaxinfer import LLM, SamplingParams, panels, quant, tuning
+from jaxinfer import panels, quant, tuning
 from jaxinfer.matmul_impl import resolve_matmul_impl
 from kernels_cpu import quant_matmul
 
@@ -104,27 +105,6 @@ def test_affine_form_is_the_dequantized_weight():
             np.testing.assert_array_equal(values.reshape(2, 32, 64), dense)
     with pytest.raises(ValueError, match="affine_blocks"):
         quant.affine_blocks(quant.quantize_int4(jnp.asarray(w[0])))
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_chat_model, compile_cache):
-    common = dict(quantization="int8", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
-    return LLM(str(tiny_chat_model), matmul_impl="cpu_int8", **common), LLM(str(tiny_chat_model), matmul_impl="xla", **common)
-
-
-def test_cpu_int8_engine_agrees_with_the_same_int8_weights_in_f32(engines):
-    ours, f32 = engines
-    assert ours.engine.matmul_impl == "cpu_int8"
-    step = ours.engine.step_params
-    assert isinstance(step.layers.wq, panels.QuantPanelTensor) and isinstance(step.lm_head, panels.QuantPanelTensor)
-    assert isinstance(ours.engine.params.layers.wq, quant.QuantizedTensor)  # the loaded params stay for the reference paths
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    prompts = ["The cat sat on the mat", "One two three four", "Hello there, how are"]
-    a, b = ours.generate(prompts, params), f32.generate(prompts, params)
-    nll = lambda o: -sum(lp for lp, _ in o.prompt_logprobs[1:])  # noqa: E731
-    for x, y in zip(a, b):
-        assert abs(nll(x) / nll(y) - 1) < 0.02  # the prompt's likelihood within 2%
-    assert np.mean([x.token_ids[:2] == y.token_ids[:2] for x, y in zip(a, b)]) >= 2 / 3
 
 
 def test_cpu_int8_without_quantized_weights_or_in_bf16_is_refused():

@@ -42,16 +42,16 @@ class CountingCandidate(tuning.Candidate):
         super().__init__(*fields)
         object.__setattr__(self, "prepared", prepared)
 
-    def prepare(self, cfg, params):
+    def prepare(self, cfg, params, **kwargs):
         self.prepared.append(self.name)
-        return super().prepare(cfg, params)
+        return super().prepare(cfg, params, **kwargs)
 
 
 class WrongCandidate(tuning.Candidate):
     """A deliberately wrong implementation: the (tied) embedding scaled by 1.5 (the lookup and the head)."""
 
-    def prepare(self, cfg, params):
-        cfg, params = super().prepare(cfg, params)
+    def prepare(self, cfg, params, **kwargs):
+        cfg, params = super().prepare(cfg, params, **kwargs)
         return cfg, dataclasses.replace(params, embed=params.embed * 1.5)
 
 
