@@ -270,16 +270,18 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
         (cfg, params), load_s = harness.timed(loading.load_model, None, max_context=MAX_CONTEXT, **_load_kwargs(name))
     except ValueError as error:  # an int4 group that does not divide a width
         return result | {"status": "not available", "reason": str(error)}
-    if name in KERNEL_ROWS:
-        params = panels.pack_panels(params, quantized=True)
     result |= {"status": "ok", "load_s": load_s, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
+    if name in KERNEL_ROWS:  # the step reads the packed matrices (and gathers embedding rows from the loaded table)
+        params = panels.pack_panels(params, quantized=True)
+        result["memory"]["packed_resident_bytes"] = quant.resident_bytes(params)
     if name == "gguf":
         result["memory"]["file_tensor_bytes"] = gguf_tensor_bytes(loading.default_model_path())
     log(f"{name}: loaded in {result['load_s']:.1f}s, {result['memory']['resident_bytes'] / 2**20:.1f} MiB of weights")
     rows = {}
     for kv in plan["kv_cache_dtypes"] if name == REFERENCE or not plan["quick"] else [None]:  # --quick: KV variants on f32 only
         reset_peak_rss()
-        rows[kv or "none"] = measure_row(name, cfg, params, kv, plan, workdir, result["memory"]["resident_bytes"])
+        weight_bytes = result["memory"].get("packed_resident_bytes", result["memory"]["resident_bytes"])
+        rows[kv or "none"] = measure_row(name, cfg, params, kv, plan, workdir, weight_bytes)
         result["peak_rss_bytes"][f"row_kv_{kv or 'none'}"] = peak_rss_bytes()
     del params
     gc.collect()

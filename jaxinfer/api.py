@@ -214,7 +214,8 @@ class LLM:
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
         model_config, params = tuning.load_model(model, options, engine_config)
-        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype)
+        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype,
+                    quantization=options.quantization)
 
     @classmethod
     def from_params(
@@ -226,14 +227,18 @@ class LLM:
         parallel layout and parse_special (its dtype and quantization are the params' own: the dtype is
         pinned; attention_impl and matmul_impl left at "auto" are tuned)."""
         llm = cls.__new__(cls)
-        llm._start(model_config, params, tokenizer, EngineConfig.with_overrides(engine_config, **engine_overrides), options or LoadOptions(), warmup=warmup)
+        llm._start(model_config, params, tokenizer, EngineConfig.with_overrides(engine_config, **engine_overrides), options or LoadOptions(),
+                   warmup=warmup, quantization=None)
         return llm
 
-    def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool, dtype: str | None = None) -> None:
-        """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own."""
+    def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool, dtype: str | None = None,
+               quantization: str | None = None) -> None:
+        """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own.
+        `quantization`: what the params were loaded for (LoadOptions.quantization; None for params given as
+        they are, whose quantized matrices are never made dense)."""
         pins = tuning.Pins(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
-        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=options.quantization, on_mesh=options.on_mesh)
-        model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, options.quantization)
+        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=quantization, on_mesh=options.on_mesh)
+        model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, quantization)
         self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
         self.replicas: list[Replica] = [self._replica(r, params) for r in range(options.data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool

@@ -171,3 +171,11 @@ def test_auto_runs_kept_blocks_dense_unless_the_choice_is_the_kernel(smollm2_kep
     assert isinstance(still_kept.layers.wq, quant.QuantizedTensor)  # an explicit gguf is never densified
     kinds = tuning.weight_kinds(params, auto_weights=True)
     assert kinds == {"int8_weights": False, "affine_weights": True}  # XLA's W8A8 would run on the dense copy: not offered
+
+
+def test_params_given_to_from_params_keep_their_format(smollm2_kept, smollm2_tokenizer):
+    """LLM.from_params runs quantized params as they are: 'auto' densifies only what LLM(path) loaded for it."""
+    from jaxinfer import LLM
+
+    llm = LLM.from_params(*smollm2_kept, smollm2_tokenizer, max_context=128, page_size=16, max_num_seqs=2, warmup=False)
+    assert isinstance(llm.engine.params.layers.wq, quant.QuantizedTensor)
