@@ -172,11 +172,9 @@ def load_quantization(quantization: str | None, model_path, pins: Pins, *, on_me
     runs every other candidate on the dense weights (`Candidate.prepare`) and keeps whichever is fastest."""
     if quantization != "auto":
         return quantization
-    from pathlib import Path as _Path  # noqa: PLC0415
-
     from kernels_cpu import quant_matmul  # noqa: PLC0415  (built on first use)
 
-    gguf_file = model_path is not None and _Path(model_path).is_file()
+    gguf_file = model_path is not None and Path(model_path).is_file()
     kernel_may_run = pins.matmul_impl == "cpu_int8" or (pins.matmul_impl == "auto" and tuning_enabled())
     usable = gguf_file and kernel_may_run and not on_mesh and pins.dtype in ("auto", "float32") and jax.default_backend() == "cpu"
     return "gguf" if usable and quant_matmul.available() else None
