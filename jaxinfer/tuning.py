@@ -12,7 +12,10 @@ engine whose only programs are one prefill key (a chunk bucket of the user's tab
 in one row) and one decode key (a row bucket of the table); a short greedy generation runs through the real
 scheduler and engine, timed per program. A candidate passes the numerics check when its prompt-end logits
 are within its dtype's TOLERANCES of the float32 reference (model.forward with no cache, XLA dots and
-jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks. The passing
+jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks. The attention
+implementation is chosen first, per compute dtype, by timing each one alone on contexts of the engine's
+own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
+with the winner are then timed whole. The passing
 candidate with the least `score` wins; one whose first generation scores above PRUNE_FACTOR times the best so
 far is not timed again and cannot win. The choice is cached per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
@@ -39,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import model, panels, quant, runloop
+from jaxinfer import model, panels, quant, runloop, tune_attention
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import Engine
@@ -50,7 +53,7 @@ from jaxinfer.scheduler import Scheduler
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 3  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 4  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
@@ -290,15 +293,17 @@ def read_cached(directory: Path, key: str) -> "TuneResult | None":
         doc = json.loads(path.read_text())
         choice = Choice(**{**doc["choice"], "source": "cached"})
         measurements = [Measurement(**m) for m in doc["measurements"]]
+        attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True)
+    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention)
 
 
 def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Path:
     path = _cache_path(directory, result.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"choice": dataclasses.asdict(result.choice), "measurements": [dataclasses.asdict(m) for m in result.measurements],
+           "attention": [dataclasses.asdict(m) for m in result.attention],
            "seconds": result.seconds, "fingerprint": fingerprint, "jaxlib": _version("jaxlib")}
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(doc, indent=1))
@@ -341,6 +346,7 @@ class TuneResult:
     prefill_key: object = None
     decode_key: object = None
     reason: str = ""  # why nothing was measured, for a fixed choice
+    attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,18 +357,14 @@ class Probe:
     prompts: list[list[int]]
 
 
-def _middle(table: tuple[int, ...]) -> int:
-    return table[(len(table) - 1) // 2]
-
-
 def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
     """One packed prefill row of a middle chunk bucket holding the prompts of a middle decode-row bucket,
     then NUM_GENERATED decode steps of those rows: each a key of the user's tables but for its page width
     (a context of one chunk plus the generation, or of the pages the packed row's table needs: it holds
     every sequence's pages)."""
     packed = engine_cfg.prefill_packing
-    rows = min(_middle(engine_cfg.decode_batch_buckets), engine_cfg.max_prefill_seqs if packed else 1)
-    chunk = _middle(engine_cfg.prefill_chunk_buckets)
+    rows = min(tune_attention.middle_bucket(engine_cfg.decode_batch_buckets), engine_cfg.max_prefill_seqs if packed else 1)
+    chunk = tune_attention.middle_bucket(engine_cfg.prefill_chunk_buckets)
     page = engine_cfg.page_size
     longest = chunk // rows if packed else chunk
     context = page * max(-(-(chunk + NUM_GENERATED) // page), rows * -(-longest // page) if packed else 0)
@@ -497,6 +499,17 @@ def pick(measurements: list[Measurement]) -> Measurement:
 # ------------------------------------------------------------------ the entry point
 
 
+def narrow_attention(cfg: ModelConfig, engine_cfg: EngineConfig, candidates: list[Candidate]) -> tuple[list[Candidate], list]:
+    """(the candidates with, per compute dtype, only the attention impl that tune_attention.choose_attention
+    times fastest on the engine's contexts; those timings)."""
+    chosen, rows = {}, []
+    for dtype in dict.fromkeys(c.dtype for c in candidates):
+        impls = list(dict.fromkeys(c.attention_impl for c in candidates if c.dtype == dtype))
+        chosen[dtype], timed = tune_attention.choose_attention(cfg, engine_cfg, dtype, impls, PROMPT_TOKENS_PER_OUTPUT_TOKEN)
+        rows += timed
+    return [c for c in candidates if c.attention_impl == chosen[c.dtype]], rows
+
+
 def fixed_choice(pins: Pins) -> Choice:
     """The choice without measuring: float32 for an auto dtype, the engine's fixed rules for the rest."""
     return Choice("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl, "fixed")
@@ -509,8 +522,13 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     `quantization`: the LoadOptions value the params were loaded for ('auto': see `keeps_blocks`)."""
     start = time.perf_counter()
     auto_weights = keeps_blocks(quantization, params)
-    defaults = default_candidates(pins, **weight_kinds(params, auto_weights=auto_weights))
-    candidates = [c for c in (defaults if candidates is None else candidates) if c.fits(pins)]  # pins hold
+    attention = []
+    if candidates is None:
+        candidates, attention = narrow_attention(cfg, engine_cfg, default_candidates(pins, **weight_kinds(params, auto_weights=auto_weights)))
+        if progress is not None:
+            for row in attention:
+                progress(row)
+    candidates = [c for c in candidates if c.fits(pins)]  # pins hold
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
     if prompt_ids is None:
@@ -526,7 +544,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     best = pick(measurements)
     keys = probe.engine_cfg.tables.all_keys()
     choice = Choice(best.dtype, best.attention_impl, best.matmul_impl, "tuned")
-    return TuneResult(choice, measurements, seconds=time.perf_counter() - start,
+    return TuneResult(choice, measurements, seconds=time.perf_counter() - start, attention=attention,
                       prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"))
 
 
@@ -570,7 +588,25 @@ def format_table(result: TuneResult) -> str:
         lines.append(f"{m.candidate:<28} {cell(m.prefill_ms, '10.1f')} {cell(m.decode_ms, '10.1f')} {cell(m.score, '8.3f')} "
                      f"{cell(m.relative_error, '10.2e')} {cell(m.greedy_agreement, '7.2f')}  {m.status}{mark}")
     lines.append(f"score = {PROMPT_TOKENS_PER_OUTPUT_TOKEN} x prefill ms per token + decode ms per token; chosen: {result.choice.describe()}")
-    return "\n".join(lines)
+    return "\n".join(_attention_lines(result.attention) + lines)
+
+
+def _attention_lines(rows: list) -> list[str]:
+    """The attention section of the tuner's table (tune_attention.py's timings, all layers, ms per token),
+    the least score of each dtype marked."""
+    if not rows:
+        return []
+    header = f"{'attention alone':<28} {'prefill ms':>10} {'decode ms':>10} {'score':>8}  (per token, all layers, the engine's contexts)"
+    cell = lambda value, width: f"{value:{width}.4f}" if value is not None else f"{'-':>{width}}"  # noqa: E731
+    best = {}
+    for r in rows:
+        if r.score is not None and r.score < best.get(r.dtype, float("inf")):
+            best[r.dtype] = r.score
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        mark = "  <- chosen" if r.score is not None and r.score == best[r.dtype] else f"  {r.note}" if r.note else ""
+        lines.append(f"{r.dtype + '/' + r.attention_impl:<28} {cell(r.prefill_ms, 10)} {cell(r.decode_ms, 10)} {cell(r.score, 8)}{mark}")
+    return lines + [""]
 
 
 def choose_for_model(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, tokenizer=None, **kwargs) -> TuneResult:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer import loading, tuning
+from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.matmul_impl import resolve_matmul_impl
 
@@ -207,3 +208,44 @@ def test_a_candidate_far_slower_than_the_best_so_far_is_pruned_after_one_generat
     assert not pruned.passed and pruned.note.startswith("pruned") and pruned.score > tuning.PRUNE_FACTOR * 1e-9
     kept = tuning.measure(F32_XLA, *tiny, probe, reference, best_score=1e9)
     assert kept.passed and kept.note == ""
+
+
+def test_attention_is_timed_on_the_engine_contexts_not_the_probe():
+    """tune_attention's workload: decode rows of a middle row bucket at a middle page bucket's width (the
+    probe's are a few pages), after packed prefill rows of the engine's own chunk buckets."""
+    from jaxinfer import tune_attention
+
+    engine_cfg = EngineConfig(max_context=1024, page_size=16, max_num_seqs=16)
+    _, plans, num_pages = tune_attention.attention_workload(engine_cfg)
+    decode = [p.bucket for p in plans if p.bucket.phase == "decode"]
+    prefill = [p.bucket for p in plans if p.bucket.phase == "prefill"]
+    middle_pages = engine_cfg.decode_page_buckets[(len(engine_cfg.decode_page_buckets) - 1) // 2]
+    assert decode and {key.num_pages for key in decode} == {middle_pages} and max(key.num_rows for key in decode) == 8
+    assert prefill and all(key.num_tokens in engine_cfg.prefill_chunk_buckets for key in prefill)
+    assert max(key.num_pages for key in prefill) > middle_pages  # a packed row reads several sequences' pages
+    probe = tuning.make_probe(engine_cfg, list(range(1, 300)))
+    context = max(int(p.positions.max()) + 1 for p in plans)
+    assert max(len(prompt) for prompt in probe.prompts) + tuning.NUM_GENERATED < context // 2  # what the probe could not tell apart
+    assert num_pages == 8 * middle_pages + 1
+
+
+def test_the_tuner_times_attention_alone_then_only_the_winner_whole(tiny, engine_cfg, tmp_path, cpu_kernels):
+    """Default candidates: both attentions of float32 are timed alone (tune_attention), and only the one of
+    least score is timed with the whole model; the timings travel with the cache and print in the table."""
+    pins = tuning.Pins(dtype="float32", matmul_impl="xla")  # candidates f32/reference/xla and f32/cpu/xla
+    result = tuning.choose(*tiny, engine_cfg, pins, enabled=True, directory=tmp_path)
+    assert [row.attention_impl for row in result.attention] == ["reference", CPU_IMPL]
+    assert all(row.score > 0 and row.prefill_ms > 0 and row.decode_ms > 0 for row in result.attention)
+    winner = min(result.attention, key=lambda row: row.score).attention_impl
+    assert [m.candidate for m in result.measurements] == [f"float32/{winner}/xla"] and result.choice.attention_impl == winner
+    cached = tuning.read_cached(tmp_path, result.key)
+    assert cached.attention == result.attention
+    table = tuning.format_table(result)
+    assert "attention alone" in table and table.count("<- chosen") == 2, table
+
+
+def test_an_attention_that_cannot_run_is_noted_and_not_chosen(tiny, engine_cfg):
+    from jaxinfer import tune_attention
+
+    impl, rows = tune_attention.choose_attention(tiny[0], engine_cfg, "float32", ["pallas", "reference"], 5.0)
+    assert impl == "reference" and rows[0].note.startswith("cannot run") and rows[0].score is None and rows[1].score > 0
