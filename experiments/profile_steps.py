@@ -1,4 +1,4 @@
-"""Where does one engine step's time go? jax.profiler per HLO op, for chosen bucket programs of SmolLM2.
+"""Where does one engine step's time go? jax.profiler per HLO op, for chosen bucket programs of SmolLM2 (or --model).
 
 Per bucket key (phase/rows/tokens/pages) it compiles the engine's own program (Engine._compile), builds
 inputs of that shape (a packed prefill row of PACKED_SEQS sequences; decode rows at the table's last
@@ -6,9 +6,11 @@ position), times it, records one call under jax.profiler and sums the events by 
 op that made it. XLA's cost analysis counts the scanned layer body once, so its figures are not the step's.
 
     .venv/bin/python experiments/profile_steps.py [--keys prefill/1/512/64,decode/32/1/16] [--repeats 5]
+        [--model build/bench_1b/llama3-1b-random-q4_0.gguf --attention cpu --matmul cpu_int8 --max-num-seqs 8 --max-context 1024]
 """
 
 import collections
+import dataclasses
 import json
 import re
 import shutil
@@ -93,11 +95,14 @@ def profile_call(run) -> collections.Counter:
 def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     engine = llm.engine
     _, program, compile_s = engine._compile(key)
+    _, draw, _ = engine._compile(engine._num_slots(key))  # the step's second program (Engine.step)
     inputs = step_inputs(key, engine.num_pages, engine.engine_cfg.tables.samples_per_row(key.phase), engine)
+    forward_inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(inputs.sampling, token_mask=None))  # the mask is the draw's
 
     def run():
-        outputs, engine.pool, engine.history = program(engine.step_params, engine.pool, engine.history, inputs)  # donated; rebound at once
-        np.asarray(outputs.tokens)
+        logits, engine.pool, engine.history = program(engine.step_params, engine.pool, engine.history, forward_inputs)  # donated; rebound at once
+        tokens, _ = draw(logits.adjusted, logits.raw, inputs.sampling)
+        np.asarray(tokens)
 
     seconds = harness.time_calls(run, repeats, warmup=2)
     totals = profile_call(run)
@@ -119,9 +124,16 @@ def main() -> None:
     parser.add_argument("--keys", default=DEFAULT_KEYS, help="comma list of phase/rows/tokens/pages bucket keys")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=8, help="ops listed per key")
+    parser.add_argument("--model", default=None, help="a model path or GGUF file (default: SmolLM2-135M-Instruct, the package's)")
+    parser.add_argument("--attention", default="auto", help="attention_impl (auto: the tuner's choice, or the fixed rule with JAXINFER_TUNE=0)")
+    parser.add_argument("--matmul", default="auto", help="matmul_impl, as --attention")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's rows (its pool holds this many full contexts)")
+    parser.add_argument("--max-context", type=int, default=harness.WORKLOAD_MAX_CONTEXT, help="the engine's context limit (bench_1b's files: 1024)")
     args = parser.parse_args()
     keys = [parse_key(k) for k in args.keys.split(",") if k]
-    llm = LLM(None, engine_config=harness.workload_engine_config(max_num_seqs=32, page_size=PAGE_SIZE), warmup=False)
+    engine_cfg = harness.workload_engine_config(max_num_seqs=args.max_num_seqs, max_context=args.max_context, page_size=PAGE_SIZE, attention_impl=args.attention, matmul_impl=args.matmul)
+    llm = LLM(args.model, engine_config=engine_cfg, warmup=False)
+    harness.log("profile_steps", f"running {llm.choices.describe()}")
     results = []
     for key in keys:
         entry = profile_key(llm, key, args.repeats, args.top)
@@ -132,7 +144,7 @@ def main() -> None:
                                    [[op["ms"], op["share_of_traced"], op["op"], op["jax_op"][:80]] for op in entry["top_ops"]]))
         print(harness.format_table([("ms", "10.1f"), ("share", "6.1%"), ("by jax op", "<")],
                                    [[op["ms"], op["share_of_traced"], op["jax_op"][:110]] for op in entry["top_jax_ops"]]))
-    document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": "SmolLM2-135M-Instruct f32",
+    document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": args.model or "SmolLM2-135M-Instruct", "choices": llm.choices.describe(),
                 "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "keys": results}
     harness.write_result(args.out, document)
     print(json.dumps({"profile_steps": {r["key"]: round(r["median_ms"], 1) for r in results}}))

@@ -27,7 +27,10 @@ from jaxinfer.validation import FieldError
 # (which checks that it still gives them), plus a 32-token bucket for short chat prompts typed alone; cut at
 # min(max_prefill_tokens, max_context), which is always added as the largest.
 DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
-_DEFAULT_DECODE_BATCH_BUCKETS = (4, 8, 16, 32)  # sequences per decode step, cut at max_num_seqs
+# Sequences per decode step, cut at max_num_seqs. One row serves a lone request (a chat, a batch's last
+# sequence) at the weight-read bound: on a 1B Q4_0 GGUF a 1-row step took 37.9 ms and a 4-row one 46.7 ms
+# (experiments/profile_steps.py, AMD EPYC 2 cores).
+_DEFAULT_DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32)
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
 _DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
 _DETERMINISTIC_ROWS = 8  # rows of every decode program in deterministic mode; more rows run as more programs
@@ -139,7 +142,7 @@ class BucketTables:
 
 
 def _default_tables(limits: TableLimits) -> dict[str, tuple[int, ...]]:
-    """Default chunks cut at the largest chunk (always added); rows 4, 8, 16, 32 cut at max_num_seqs; page
+    """Default chunks cut at the largest chunk (always added); rows 1, 4, 8, 16, 32 cut at max_num_seqs; page
     widths powers of two up to a whole context."""
     return {
         "prefill_chunk_buckets": tuple(b for b in DEFAULT_CHUNK_BUCKETS if b < limits.max_chunk) + (limits.max_chunk,),

@@ -235,7 +235,7 @@ class EngineConfig:
     # interactive use; buckets over min(max_prefill_tokens, max_context) are dropped.
     prefill_chunk_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] = (1,)  # rows of an unpacked prefill step (one sequence each)
-    decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 4, 8, 16, 32 cut at max_num_seqs
+    decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 1, 4, 8, 16, 32 cut at max_num_seqs
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
     # A jaxinfer.buckets.EngineBuckets: a strategy for the chunk, rows and pages tables left at None above.
     buckets: Any = None

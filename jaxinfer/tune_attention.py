@@ -53,8 +53,8 @@ class AttentionMeasurement:
 
 
 def middle_bucket(table: tuple[int, ...]) -> int:
-    """The middle entry of a bucket table (the lower one of an even count): the tuner's typical size."""
-    return table[(len(table) - 1) // 2]
+    """The middle entry of a bucket table (the upper one of an even count): the tuner's typical size."""
+    return table[len(table) // 2]
 
 
 def attention_workload(engine_cfg: EngineConfig) -> tuple[EngineConfig, list[StepPlan], int]:

@@ -219,7 +219,7 @@ def test_attention_is_timed_on_the_engine_contexts_not_the_probe():
     _, plans, num_pages = tune_attention.attention_workload(engine_cfg)
     decode = [p.bucket for p in plans if p.bucket.phase == "decode"]
     prefill = [p.bucket for p in plans if p.bucket.phase == "prefill"]
-    middle_pages = engine_cfg.decode_page_buckets[(len(engine_cfg.decode_page_buckets) - 1) // 2]
+    middle_pages = tune_attention.middle_bucket(engine_cfg.decode_page_buckets)
     assert decode and {key.num_pages for key in decode} == {middle_pages} and max(key.num_rows for key in decode) == 8
     assert prefill and all(key.num_tokens in engine_cfg.prefill_chunk_buckets for key in prefill)
     assert max(key.num_pages for key in prefill) > middle_pages  # a packed row reads several sequences' pages
