@@ -242,13 +242,12 @@ class Engine:
         # The CPU layer-matmul kernel reads the matrices in its own panel layout (one device only, so never with
         # a mesh); matmul_impl.resolve_matmul_impl owns whether it runs. The loaded params stay as they are. Packed
         # before the pool is sized, so free memory counts the panels.
-        from jaxinfer.matmul_impl import resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
+        from jaxinfer.matmul_impl import packer, resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
 
         self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None,
                                                int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
-        packed = {"cpu": panels.pack_panels, "cpu_int8": functools.partial(panels.pack_panels, quantized=True),
-                  "int8": quant.with_int8_activations}.get(self.matmul_impl)
-        self.step_params = params if packed is None else packed(params)
+        pack = packer(self.matmul_impl)
+        self.step_params = params if pack is None else pack(params)
         enable_compilation_cache(engine_cfg.compilation_cache_dir)
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's

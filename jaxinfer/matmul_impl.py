@@ -10,6 +10,8 @@ the rule before tuning holds: panels exactly when the attention is the CPU kerne
 the backend, and the CPU kernel only when 'cpu' is asked for.
 """
 
+import functools
+
 import jax
 
 from jaxinfer.attention import CPU_IMPL
@@ -48,3 +50,13 @@ def _cpu_matmul_obstacle(dtype: str, on_mesh: bool, *, quantized: bool = False) 
 
     built = layer_matmul.available() and (not quantized or quant_matmul.available())
     return None if built else "could not be built (no C++ compiler?)"
+
+
+def packer(matmul_impl: str):
+    """What the engine does to the params for a resolved matmul impl before stepping, or None: 'cpu' packs
+    the dense f32 matrices into the layer-matmul kernel's panels, 'cpu_int8' also the affine quantized ones
+    into the quantized kernel's (both new arrays), 'int8' marks the int8 matrices W8A8 (the same arrays)."""
+    from jaxinfer import panels, quant  # noqa: PLC0415
+
+    return {"cpu": panels.pack_panels, "cpu_int8": functools.partial(panels.pack_panels, quantized=True),
+            "int8": quant.with_int8_activations}.get(matmul_impl)

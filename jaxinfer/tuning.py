@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import engine as engine_mod
 from jaxinfer import model, panels, quant, runloop, tune_attention
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -53,10 +54,11 @@ from jaxinfer.scheduler import Scheduler
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 4  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 5  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
+MEMORY_SHARE = 0.8  # a candidate whose new weight arrays need more than this share of the free memory is not built
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
 PROBE_TEXT = (
     "The river rose slowly through the night, and by morning the low fields were under water. Farmers moved "
@@ -71,7 +73,7 @@ class Tolerance:
     """What a candidate of one dtype must meet against the float32 reference."""
 
     max_relative_error: float  # ||logits - reference|| / ||reference||, at each probe prompt's last token
-    min_greedy_agreement: float  # mean share of each request's greedy tokens before its first difference
+    min_greedy_agreement: float  # mean share of each request's greedy tokens before its first difference (ties aside)
 
 
 TOLERANCES = {
@@ -133,6 +135,26 @@ class Candidate:
         if auto_weights and self.matmul_impl != "cpu_int8":
             params = dense_params(params)
         return cast_model(cfg, params, self.dtype)
+
+    def extra_bytes(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> int:
+        """Bytes of the new weight arrays this candidate's engine makes beside `params`, from shapes only
+        (jax.eval_shape): the dense copy (`prepare` on kept blocks), the cast to its dtype, and the matmul
+        path's packed copy (Engine: panels for 'cpu' and 'cpu_int8'). Counted as if all lived at once."""
+        from jaxinfer.matmul_impl import packer  # noqa: PLC0415  (the engine's rule for which params it packs)
+
+        def nbytes(tree) -> int:
+            return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+        total, stage = 0, params
+        if auto_weights and self.matmul_impl != "cpu_int8":
+            stage = jax.eval_shape(dense_params, stage)
+            total += nbytes(stage)
+        if cfg.dtype != self.dtype:
+            stage = jax.eval_shape(lambda p: cast_model(cfg, p, self.dtype)[1], stage)
+            total += nbytes(stage)
+        if self.matmul_impl in ("cpu", "cpu_int8"):  # 'int8' marks the same arrays
+            total += nbytes(jax.eval_shape(packer(self.matmul_impl), stage))
+        return total
 
     def fits(self, pins: Pins) -> bool:
         return all(pin in ("auto", value) for pin, value in zip(
@@ -388,9 +410,26 @@ def _prompt_length(probe_cfg: EngineConfig, rows: int, longest: int) -> int:
     return 1
 
 
-def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> tuple[np.ndarray, np.ndarray]:
-    """The float32 reference: (logits f32[R, V] at each prompt's last token, greedy tokens i32[R, num_tokens]),
-    by model.forward with no cache (XLA dots, jnp attention) over right-padded rows (causal: padding is inert)."""
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The float32 reference of the probe (`reference_run`)."""
+
+    logits: np.ndarray  # f32[R, V]: at each prompt's last token
+    tokens: np.ndarray  # i32[R, N]: the greedy continuation
+    step_logits: np.ndarray  # f32[R, N, V]: the logits each greedy token was drawn from
+
+    def tie_at(self, row: int, step: int, token: int, tolerance: "Tolerance") -> bool:
+        """Whether `token` is as good as the reference's own pick at (row, step) within the tolerance's
+        logit error: its logit falls short of the top one by no more than max_relative_error times the
+        logits' RMS (a perturbation within the tolerance can swap them)."""
+        logits = self.step_logits[row, step]
+        margin = tolerance.max_relative_error * float(np.sqrt(np.mean(np.square(logits))))
+        return float(logits[self.tokens[row, step]] - logits[token]) <= margin
+
+
+def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
+    """The float32 reference, by model.forward with no cache (XLA dots, jnp attention) over right-padded
+    rows (causal: padding is inert)."""
     cfg32, params32 = cast_model(cfg, params, "float32")
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = int(lengths.max()) + num_tokens
@@ -399,15 +438,15 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
         ids[row, : len(prompt)] = prompt
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), ids.shape)
     last_logits = jax.jit(lambda p, tokens, last: model.forward(p, None, tokens, positions, cfg=cfg32, logit_indices=last)[0][:, 0])
-    first, tokens = None, []
+    steps, tokens = [], []
     for _ in range(num_tokens):
         logits = np.asarray(last_logits(params32, ids, lengths - 1))  # [R, V]
-        first = logits if first is None else first
         next_ids = logits.argmax(axis=-1).astype(np.int32)
         ids[np.arange(len(prompts)), lengths] = next_ids
         lengths = lengths + 1
+        steps.append(logits)
         tokens.append(next_ids)
-    return first, np.stack(tokens, axis=1)
+    return Reference(steps[0], np.stack(tokens, axis=1), np.stack(steps, axis=1))
 
 
 def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict]:
@@ -433,15 +472,20 @@ def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict
     return [list(r.output_ids) for r in by_index], seconds, logits
 
 
-def _greedy_agreement(ours: list[list[int]], reference: np.ndarray) -> float:
+def _greedy_agreement(ours: list[list[int]], reference: Reference, tolerance: Tolerance) -> float:
+    """Mean share of each request's greedy tokens before its first difference from the reference's; a
+    first difference at a tie (`Reference.tie_at`: random-weight models are full of them) is no
+    difference, since from there either continuation is as right."""
     shares = []
-    for tokens, expected in zip(ours, reference.tolist()):
+    for row, (tokens, expected) in enumerate(zip(ours, reference.tokens.tolist())):
         same = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+        if same < min(len(tokens), len(expected)) and reference.tie_at(row, same, tokens[same], tolerance):
+            same = len(expected)
         shares.append(same / max(len(expected), 1))
     return float(np.mean(shares))
 
 
-def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: tuple[np.ndarray, np.ndarray],
+def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: Reference,
             best_score: float | None = None, *, auto_weights: bool = False) -> Measurement:
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
@@ -463,13 +507,35 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     score = _score(probe, prefill, decode)
     if len(runs) < NUM_TIMED_RUNS:
         return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
-    ref_logits, ref_tokens = reference
-    error = max(float(np.linalg.norm(logits[i] - ref_logits[i]) / np.linalg.norm(ref_logits[i])) for i in range(len(probe.prompts)))
-    agreement = _greedy_agreement(tokens, ref_tokens)
+    error = max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(probe.prompts)))
     tolerance = TOLERANCES["int8" if candidate.matmul_impl in ("int8", "cpu_int8") else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
+    agreement = _greedy_agreement(tokens, reference, tolerance)
     passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
     note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"
     return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note)
+
+
+def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, probe: Probe, budget: float, *, progress=None,
+                auto_weights: bool = False) -> list[Measurement]:
+    """Every candidate measured on the probe against the float32 reference, in order (each pruned against
+    the best passing score so far), except those whose new weights exceed `budget` bytes (`too_large`)."""
+    reference = reference_run(cfg, params, probe.prompts)
+    measurements = []
+    for candidate in candidates:
+        best = min((m.score for m in measurements if m.passed), default=None)
+        if (need := candidate.extra_bytes(cfg, params, auto_weights=auto_weights)) > budget:
+            measurements.append(too_large(candidate, need, budget))
+        else:
+            measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
+        if progress is not None:
+            progress(measurements[-1])
+    return measurements
+
+
+def too_large(candidate: Candidate, need: int, budget: float) -> Measurement:
+    """The row of a candidate not built for want of memory (it does not pass)."""
+    return Measurement(candidate.name, candidate.dtype, candidate.attention_impl, candidate.matmul_impl,
+                       note=f"not built: its weights need {need / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
 
 
 def _timings(runs: list) -> tuple[float, float]:
@@ -516,10 +582,13 @@ def fixed_choice(pins: Pins) -> Choice:
 
 
 def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, prompt_ids: list[int] | None = None,
-         candidates: list[Candidate] | None = None, progress=None, quantization: str | None = None) -> TuneResult:
+         candidates: list[Candidate] | None = None, progress=None, quantization: str | None = None, memory_budget: float | None = None) -> TuneResult:
     """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
     after each. The pins are filled in from the winner; the result's choice has source 'tuned'.
-    `quantization`: the LoadOptions value the params were loaded for ('auto': see `keeps_blocks`)."""
+    `quantization`: the LoadOptions value the params were loaded for ('auto': see `keeps_blocks`).
+    `memory_budget`: bytes a candidate's new weight arrays may take (`Candidate.extra_bytes`; None:
+    MEMORY_SHARE of the device's free memory now); a larger one is not built and cannot win, so a model
+    whose f32 copies do not fit (a 3B GGUF on 24 GiB) keeps the candidates that do."""
     start = time.perf_counter()
     auto_weights = keeps_blocks(quantization, params)
     attention = []
@@ -534,13 +603,8 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     if prompt_ids is None:
         prompt_ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 256).tolist()
     probe = make_probe(engine_cfg, prompt_ids)
-    reference = reference_run(cfg, params, probe.prompts)
-    measurements = []
-    for candidate in candidates:
-        best = min((m.score for m in measurements if m.passed), default=None)
-        measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
-        if progress is not None:
-            progress(measurements[-1])
+    budget = MEMORY_SHARE * engine_mod.available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
+    measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
     best = pick(measurements)
     keys = probe.engine_cfg.tables.all_keys()
     choice = Choice(best.dtype, best.attention_impl, best.matmul_impl, "tuned")

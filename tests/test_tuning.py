@@ -249,3 +249,36 @@ def test_an_attention_that_cannot_run_is_noted_and_not_chosen(tiny, engine_cfg):
 
     impl, rows = tune_attention.choose_attention(tiny[0], engine_cfg, "float32", ["pallas", "reference"], 5.0)
     assert impl == "reference" and rows[0].note.startswith("cannot run") and rows[0].score is None and rows[1].score > 0
+
+
+def test_a_candidate_whose_weights_do_not_fit_the_memory_budget_is_not_built(tiny, engine_cfg):
+    """Candidate.extra_bytes counts the new weight arrays (the bf16 cast: half the f32 bytes; the 'cpu'
+    panels: a packed copy; f32 through XLA: none), and tune() does not build one above its budget."""
+    import jax
+
+    cfg, params = tiny
+    f32_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+    assert F32_XLA.extra_bytes(cfg, params) == 0
+    assert BF16_XLA.extra_bytes(cfg, params) == f32_bytes // 2
+    assert tuning.Candidate("float32", "reference", "cpu").extra_bytes(cfg, params) >= f32_bytes - params.embed.size * 4  # the matrices, repacked
+    result = tuning.tune(cfg, params, engine_cfg, tuning.Pins(attention_impl="reference"), memory_budget=f32_bytes // 4)
+    by_name = {m.candidate: m for m in result.measurements}
+    assert by_name[F32_XLA.name].passed and result.choice.matmul_impl == "xla" and result.choice.dtype == "float32"
+    for name in (BF16_XLA.name, "float32/reference/cpu"):
+        assert not by_name[name].passed and by_name[name].note.startswith("not built") and by_name[name].prefill_ms is None
+
+
+def test_greedy_agreement_forgives_a_first_difference_only_at_a_tie():
+    """Hand-computed: a first difference where the reference's two logits lie within the tolerance's error
+    (max_relative_error x the logits' RMS) counts as agreement; a clear one cuts the share there."""
+    import numpy as np
+
+    step_logits = np.array([[[5.0, 0.0, 0.0, 0.0], [0.0, 3.0, 2.99, 0.0], [0.0, 0.0, 4.0, 0.0]]], np.float32)  # [1, 3, 4]
+    reference = tuning.Reference(step_logits[:, 0], np.array([[0, 1, 2]], np.int32), step_logits)
+    int8 = tuning.TOLERANCES["int8"]  # margin at step 1: 0.15 x RMS(0, 3, 2.99, 0) = 0.32 > 0.01
+    assert tuning._greedy_agreement([[0, 1, 2]], reference, int8) == 1.0
+    assert tuning._greedy_agreement([[0, 2, 3]], reference, int8) == 1.0  # tie at step 1
+    assert tuning._greedy_agreement([[0, 1, 0]], reference, int8) == 2 / 3  # a gap of 4 > 0.15 x 2 at step 2
+    assert tuning._greedy_agreement([[1, 1, 2]], reference, int8) == 0.0  # a gap of 5 at step 0
+    assert tuning._greedy_agreement([[0, 2, 3]], reference, tuning.TOLERANCES["float32"]) == 1 / 3  # f32's margin is 0.002
