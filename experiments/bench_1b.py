@@ -82,16 +82,22 @@ def model_file(fmt: str) -> str:
 
 
 def decode_probe(llm, bandwidth: float) -> dict:
-    """One request alone: the median decode step at batch 1, and the weight bytes it reads per step
-    (quant.resident_bytes of the step's params: the chosen format's bytes) over the read bandwidth."""
+    """One request alone: the median decode step at batch 1, and the weight bytes it reads per step over the
+    read bandwidth: quant.resident_bytes of the step's params (the chosen format's bytes), less the
+    embedding table where the head is its own array (packed panels of a tied head): a step gathers one
+    row of the table, and reads the head whole."""
     from jaxinfer import quant
 
     prompt, output = DECODE_PROBE
     recorder = harness.StepRecorder(llm.engine_config.page_size)
     llm.generate([list(range(1000, 1000 + prompt))], harness.greedy(output), progress=False, on_step=recorder)
     step_s = float(np.median(recorder.phase_seconds("decode")))
-    weight_bytes = quant.resident_bytes(llm.engine.step_params)
-    return {"decode_step_s": step_s, "weight_bytes": weight_bytes, "bytes_per_s": weight_bytes / step_s, "mbu": weight_bytes / step_s / bandwidth}
+    params = llm.engine.step_params
+    resident = quant.resident_bytes(params)
+    lookup_only = quant.resident_bytes(params.embed) if params.lm_head is not None else 0
+    weight_bytes = resident - lookup_only
+    return {"decode_step_s": step_s, "resident_step_bytes": resident, "lookup_table_bytes": lookup_only, "weight_bytes": weight_bytes,
+            "bytes_per_s": weight_bytes / step_s, "mbu": weight_bytes / step_s / bandwidth}
 
 
 def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -> tuple[dict, list]:
