@@ -205,9 +205,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser(
         "tune", help="measure which dtype, matmul and attention run fastest here, and cache the choice",
-        description="Time every candidate implementation (dtype, matmul path, attention) of a prefill and a decode program "
-        "on this machine, check each against float32, print the table and cache the choice under $JAXINFER_CACHE_DIR "
-        "(default ~/.cache/jaxinfer), where LLM and `generate` read it. Measures even where a choice is cached.",
+        description="Time the attention implementations alone on contexts of the engine's size, then every candidate "
+        "(dtype, matmul path) with the fastest one on a prefill and a decode program on this machine, check each against "
+        "float32, print both tables and cache the choice under $JAXINFER_CACHE_DIR (default ~/.cache/jaxinfer), where LLM "
+        "and `generate` read it. A candidate whose weight copies would not fit in memory is not built. Measures even where "
+        "a choice is cached.",
     )
     _add_model_args(tune)
     _add_engine_args(tune)
