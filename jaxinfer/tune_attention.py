@@ -17,6 +17,7 @@ Imports jax; tuning.py imports this module, never the reverse.
 
 import dataclasses
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -42,11 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine as engine_mod
 from jaxinfer import model, panels, quant, runloop, tune_attention
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine import Engine
+from jaxinfer.engine import Engine, available_bytes
+from jaxinfer.matmul_impl import packer
 from jaxinfer.output import OutputProcessor
 from jaxinfer.params import Params
 from jaxinfer.request import Request, SamplingParams
@@ -140,8 +140,6 @@ class Candidate:
         """Bytes of the new weight arrays this candidate's engine makes beside `params`, from shapes only
         (jax.eval_shape): the dense copy (`prepare` on kept blocks), the cast to its dtype, and the matmul
         path's packed copy (Engine: panels for 'cpu' and 'cpu_int8'). Counted as if all lived at once."""
-        from jaxinfer.matmul_impl import packer  # noqa: PLC0415  (the engine's rule for which params it packs)
-
         def nbytes(tree) -> int:
             return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
@@ -414,9 +412,13 @@ def _prompt_length(probe_cfg: EngineConfig, rows: int, longest: int) -> int:
 class Reference:
     """The float32 reference of the probe (`reference_run`)."""
 
-    logits: np.ndarray  # f32[R, V]: at each prompt's last token
     tokens: np.ndarray  # i32[R, N]: the greedy continuation
     step_logits: np.ndarray  # f32[R, N, V]: the logits each greedy token was drawn from
+
+    @property
+    def logits(self) -> np.ndarray:
+        """f32[R, V]: at each prompt's last token (what the first greedy token was drawn from)."""
+        return self.step_logits[:, 0]
 
     def tie_at(self, row: int, step: int, token: int, tolerance: "Tolerance") -> bool:
         """Whether `token` is as good as the reference's own pick at (row, step) within the tolerance's
@@ -446,7 +448,7 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
         lengths = lengths + 1
         steps.append(logits)
         tokens.append(next_ids)
-    return Reference(steps[0], np.stack(tokens, axis=1), np.stack(steps, axis=1))
+    return Reference(np.stack(tokens, axis=1), np.stack(steps, axis=1))
 
 
 def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict]:
@@ -603,7 +605,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     if prompt_ids is None:
         prompt_ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 256).tolist()
     probe = make_probe(engine_cfg, prompt_ids)
-    budget = MEMORY_SHARE * engine_mod.available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
+    budget = MEMORY_SHARE * available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
     measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
     best = pick(measurements)
     keys = probe.engine_cfg.tables.all_keys()

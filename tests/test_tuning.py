@@ -275,7 +275,7 @@ def test_greedy_agreement_forgives_a_first_difference_only_at_a_tie():
     import numpy as np
 
     step_logits = np.array([[[5.0, 0.0, 0.0, 0.0], [0.0, 3.0, 2.99, 0.0], [0.0, 0.0, 4.0, 0.0]]], np.float32)  # [1, 3, 4]
-    reference = tuning.Reference(step_logits[:, 0], np.array([[0, 1, 2]], np.int32), step_logits)
+    reference = tuning.Reference(np.array([[0, 1, 2]], np.int32), step_logits)
     int8 = tuning.TOLERANCES["int8"]  # margin at step 1: 0.15 x RMS(0, 3, 2.99, 0) = 0.32 > 0.01
     assert tuning._greedy_agreement([[0, 1, 2]], reference, int8) == 1.0
     assert tuning._greedy_agreement([[0, 2, 3]], reference, int8) == 1.0  # tie at step 1
