@@ -50,14 +50,17 @@ class QuantPanelTensor:
     """A quantized matrix (or stack) `[*lead, *in_shape, *out_shape]` in the CPU quantized-matmul kernel's
     layout (kernels_cpu/quant_matmul): unsigned `codes [*lead, C, S, 64]` in C panels of QUANT_PANEL_WIDTH
     columns (C even, zero-padded; S = I / 4 for 8-bit codes, I / 8 for 4-bit), and float16 `scale`, `offset`
-    `[*lead, C, I / 32, QUANT_PANEL_WIDTH]` with w = code * scale + offset (quant.affine_blocks). Packed once by
-    the engine for matmul_impl='cpu_int8' (`pack_panels`); only `einsum` reads it, W8A8 through the kernel."""
+    `[*lead, C, I / 32, QUANT_PANEL_WIDTH]` with w = code * scale + offset (quant.affine_blocks). A symmetric
+    format (q8_0, int8, q4_0: quant.affine_zero_point) keeps no offsets: w = (code - zero_point) * scale, which
+    the kernel subtracts in int32 and which reads 1/2 bit less per weight. Packed once by the engine for
+    matmul_impl='cpu_int8' (`pack_panels`); only `einsum` reads it, W8A8 through the kernel."""
 
     codes: Array
     scale: Array
-    offset: Array
+    offset: Array | None
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    zero_point: int = dataclasses.field(default=0, metadata=dict(static=True))  # with offset None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,8 +108,9 @@ def to_quant_panels(q: quant.QuantizedTensor) -> QuantPanelTensor:
     def blocks(a):  # [*lead, O, I/32] -> [*lead, C, I/32, 16] float16
         return jnp.swapaxes(a.reshape(*lead, num_panels, QUANT_PANEL_WIDTH, -1), -2, -1).astype(jnp.float16)
 
-    out_shape, in_shape = q.out_shape, q.in_shape
-    return QuantPanelTensor(codes=codes, scale=blocks(scale), offset=blocks(offset), in_shape=in_shape, out_shape=out_shape)
+    zero_point = quant.affine_zero_point(q.format)
+    kept_offset = None if zero_point is not None else blocks(offset)
+    return QuantPanelTensor(codes=codes, scale=blocks(scale), offset=kept_offset, zero_point=zero_point or 0, in_shape=q.in_shape, out_shape=q.out_shape)
 
 
 def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
@@ -126,7 +130,8 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
         raise ValueError(f"a {type(w.stack).__name__} {w.stack.shape} is read only by a CPU kernel, as rows @ matrix in f32; got {spec!r}")
     rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
     if isinstance(w.stack, QuantPanelTensor):
-        out = quant_matmul.quant_matmul(x.reshape(rows, depth), w.stack.codes, w.stack.scale, w.stack.offset, w.index)
+        stack = w.stack
+        out = quant_matmul.quant_matmul(x.reshape(rows, depth), stack.codes, stack.scale, stack.offset, w.index, zero_point=stack.zero_point)
     else:
         out = layer_matmul.layer_matmul(x.reshape(rows, depth), w.stack.panels, w.index)  # [rows, C * PANEL_WIDTH]
     return out[:, : math.prod(w.stack.out_shape)].reshape(*x.shape[: len(batch)], *w.stack.out_shape).astype(x.dtype)

@@ -350,26 +350,35 @@ def has_int8_weights(tree) -> bool:
 
 
 AFFINE_FORMATS = ("q8_0", "q4_0", "q4_1", "int8")  # formats with one scale and offset per block of 32 (affine_blocks)
+_ZERO_POINTS = {"q8_0": 128, "int8": 128, "q4_0": 8}  # the symmetric ones: offset = -zero_point * scale
+
+
+def affine_zero_point(fmt: str) -> int | None:
+    """The unsigned code of 0 in a symmetric affine format (q8_0 and int8: 128, q4_0: 8), whose offset is
+    -zero_point * scale; None for q4_1, whose offsets are its own minimums."""
+    return _ZERO_POINTS.get(fmt)
 
 
 def affine_blocks(q: QuantizedTensor) -> tuple[UInt8[Array, "*lead O I"], Float[Array, "*lead O B"], Float[Array, "*lead O B"]]:
     """q as unsigned codes u with a scale and an offset per block of 32 inputs: w = u * scale + offset, B = I / 32.
 
     q8_0 and int8 shift their codes by 128 (offset = -128 scale), q4_0 keeps its nibbles (offset = -8 scale),
-    q4_1 its nibbles and minimums. u * scale + offset is the dequantized value exactly for the GGUF formats
-(fp16 scales: every term fits f32) and up to one f32 rounding for int8. The kernels_cpu/quant_matmul panels hold
-    scale and offset in float16, which is exact for the GGUF formats (their scales are float16 and the
-    offsets power-of-two multiples of them) and rounds the int8 format's f32 per-row scale."""
+    q4_1 its nibbles and minimums (affine_zero_point). u * scale + offset is the dequantized value exactly for
+    the GGUF formats (fp16 scales: every term fits f32) and up to one f32 rounding for int8. The
+    kernels_cpu/quant_matmul panels hold scale and offset in float16, which is exact for the GGUF formats
+    (their scales are float16 and the offsets power-of-two multiples of them) and rounds the int8 format's f32
+    per-row scale."""
     if q.format not in AFFINE_FORMATS or math.prod(q.in_shape) % 32:
         raise ValueError(f"affine_blocks takes {', '.join(AFFINE_FORMATS)} with inputs in blocks of 32, got {q.format!r} {q.shape}")
     lead_rows, num_in = q.codes.shape[:-1], math.prod(q.in_shape)
+    zero_point = affine_zero_point(q.format)
     if q.format in ("q8_0", "int8"):
-        codes = (q.codes.astype(jnp.int16) + 128).astype(jnp.uint8)
+        codes = (q.codes.astype(jnp.int16) + zero_point).astype(jnp.uint8)
         scale = _f32(q.scales) if q.format == "q8_0" else jnp.broadcast_to(_f32(q.scales), (*lead_rows, num_in // 32))
-        return codes, scale, -128.0 * scale
+        return codes, scale, -float(zero_point) * scale
     codes = _nibbles(_blocks(q.codes, 16)).reshape(*lead_rows, num_in)
     scale = _f32(q.scales)
-    return codes, scale, (-8.0 * scale if q.format == "q4_0" else _f32(q.mins))
+    return codes, scale, (_f32(q.mins) if zero_point is None else -float(zero_point) * scale)
 
 
 def take(w: Float[Array, "O ..."] | QuantizedTensor, indices: Int[Array, "..."], dtype=jnp.float32) -> Float[Array, "..."]:

@@ -51,6 +51,7 @@ from jaxinfer.output import OutputProcessor
 from jaxinfer.params import Params
 from jaxinfer.request import Request, SamplingParams
 from jaxinfer.scheduler import Scheduler
+from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
@@ -295,10 +296,12 @@ def _engine_limits(engine_cfg: EngineConfig) -> dict:
 
 def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Pins, quantization: str | None = None) -> str:
     """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
-    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner."""
+    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
+    the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
     document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
-                "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION}
+                "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
+                "kernels": kernel_build.sources_digest()}
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -46,6 +46,15 @@ def library_path(source: Path) -> Path:
     return cache / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
+def sources_digest() -> str:
+    """A digest of every kernel source and header here: part of the tuner's cache key, so a changed kernel
+    is timed again instead of inheriting the choice its predecessor won."""
+    digest = hashlib.sha256()
+    for path in sorted((*HERE.glob("*.cc"), *HERE.glob("*.h"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _compile(source: Path, out: Path) -> None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:

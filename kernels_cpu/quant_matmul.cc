@@ -7,16 +7,21 @@
 //                               4s + i of column c). 8-bit: S = K / 4. 4-bit: S = K / 8, and the low nibbles are
 //                               inputs 8s .. 8s+3, the high nibbles 8s+4 .. 8s+7.
 //   scale  f16[N, P, K/32, 16]  per block of 32 inputs and column: w = code * scale + offset
-//   offset f16[N, P, K/32, 16]
+//   offset f16[N, P, K/32, 16]  (JaxinferQuantMatmul) or none, with w = (code - zero_point) * scale
+//                               (JaxinferQuantMatmulSymmetric: Q8_0 and int8 have zero point 128, Q4_0 8)
 //   layer  s32[]
 //   out    f32[M, 16 P]
 //
 // Per block b of a row r: x ~ sx * q with q = round(x * 127 / max|x|) in [-127, 127]. Then
-//   sum_k w x = sx * (scale * sum_k code q + offset * sum_k q),
-// an exact int32 dot per block (AVX512-VNNI's u8 x s8 dot, vpdpbusd) and two fused multiply-adds. Column tiles of
-// kPanels panels are split across XLA's intra-op threads; each is multiplied by kRows rows at a time in
-// registers. The layer's slice is read in place (see layer_matmul.cc for why). Without VNNI a plain loop
-// computes the same sums; the tuner decides whether either wins on the machine (jaxinfer/tuning.py).
+//   sum_k w x = sx * (scale * sum_k code q + offset * sum_k q)            (with offsets)
+//   sum_k w x = sx * scale * (sum_k code q - zero_point * sum_k q)        (symmetric: the subtraction is in int32)
+// an exact int32 dot per block (AVX512-VNNI's u8 x s8 dot, vpdpbusd), then a conversion, a multiply and one
+// or two fused multiply-adds: the symmetric form saves one floating-point op per 8 (4-bit: 8, 8-bit: 8) dots
+// and the offsets' bytes. Activation codes are broadcast straight from memory (a load, not a vector-pipe
+// shuffle from a general register). Column tiles of kPanels panels are split across XLA's intra-op threads;
+// each is multiplied by kRows rows at a time in registers. The layer's slice is read in place (see
+// layer_matmul.cc for why). Without VNNI a plain loop computes the same sums; the tuner decides whether
+// either wins on the machine (jaxinfer/tuning.py).
 
 #include <algorithm>
 #include <cmath>
@@ -42,10 +47,11 @@ constexpr int kRows = 4, kPanels = 2;  // register tile: kRows x kPanels int32 a
 using Codes = ffi::Buffer<ffi::U8, 4>;
 using Scales = ffi::Buffer<ffi::F16, 4>;
 
-// x quantized per block: int8 codes [M, K], and per (row, block) sx and sx * sum of the codes.
+// x quantized per block: int8 codes [M, K], and per (row, block) sx and the sum of the codes.
 struct Activations {
   std::vector<int8_t> codes;
-  std::vector<float> scale, scaled_sum;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
   int64_t K, blocks;
 };
 
@@ -62,9 +68,8 @@ void quantize_row(const float* x, int64_t row, Activations& a) {
       q[i] = static_cast<int8_t>(c);
       sum += c;
     }
-    const float sx = amax / 127.0f;
-    a.scale[row * a.blocks + b] = sx;
-    a.scaled_sum[row * a.blocks + b] = sx * static_cast<float>(sum);
+    a.scale[row * a.blocks + b] = amax / 127.0f;
+    a.sum[row * a.blocks + b] = sum;
   }
 }
 
@@ -89,14 +94,14 @@ float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals incl
 struct Layer {
   const uint8_t* codes;
   const uint16_t* scale;
-  const uint16_t* offset;
+  const uint16_t* offset;  // nullptr in the symmetric form
   int64_t K, blocks, steps, F;  // steps: rows of 64 bytes per panel (S)
-  int bits;
+  int bits, zero_point;
 };
 
 #ifdef JAXINFER_VNNI
 // out[m0 : m0 + R, 16 p0 : 16 (p0 + kPanels)] for one column tile.
-template <int R, int Bits>
+template <int R, int Bits, bool Symmetric>
 void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* out) {
   __m512 acc[R][kPanels];
   for (int r = 0; r < R; ++r)
@@ -112,9 +117,7 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* o
         __m512i wv[kPanels];
         for (int v = 0; v < kPanels; ++v) wv[v] = _mm512_loadu_si512(w.codes + ((p0 + v) * w.steps + b * 8 + s) * 64);
         for (int r = 0; r < R; ++r) {
-          int32_t quad;
-          std::memcpy(&quad, xb + r * a.K + 4 * s, 4);
-          const __m512i xv = _mm512_set1_epi32(quad);
+          const __m512i xv = _mm512_broadcastd_epi32(_mm_loadu_si32(xb + r * a.K + 4 * s));
           for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
         }
       }
@@ -127,9 +130,8 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* o
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
         }
         for (int r = 0; r < R; ++r) {
-          int32_t quads[2];
-          std::memcpy(quads, xb + r * a.K + 8 * s, 8);
-          const __m512i x0 = _mm512_set1_epi32(quads[0]), x1 = _mm512_set1_epi32(quads[1]);
+          const int8_t* xr = xb + r * a.K + 8 * s;
+          const __m512i x0 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr)), x1 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + 4));
           for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v], lo[v], x0), hi[v], x1);
         }
       }
@@ -138,14 +140,23 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* o
     for (int v = 0; v < kPanels; ++v) {
       const int64_t at = ((p0 + v) * w.blocks + b) * kPanel;
       scale[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale + at)));
-      offset[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offset + at)));
+      if constexpr (!Symmetric) offset[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offset + at)));
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sx = _mm512_set1_ps(a.scale[(m0 + r) * a.blocks + b]);
-      const __m512 ss = _mm512_set1_ps(a.scaled_sum[(m0 + r) * a.blocks + b]);
-      for (int v = 0; v < kPanels; ++v) {
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), sx);
-        acc[r][v] = _mm512_fmadd_ps(offset[v], ss, _mm512_fmadd_ps(t, scale[v], acc[r][v]));
+      const int64_t at = (m0 + r) * a.blocks + b;
+      const __m512 sx = _mm512_set1_ps(a.scale[at]);
+      if constexpr (Symmetric) {
+        const __m512i zero_sum = _mm512_set1_epi32(w.zero_point * a.sum[at]);
+        for (int v = 0; v < kPanels; ++v) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], zero_sum)), sx);
+          acc[r][v] = _mm512_fmadd_ps(t, scale[v], acc[r][v]);
+        }
+      } else {
+        const __m512 ss = _mm512_set1_ps(a.scale[at] * static_cast<float>(a.sum[at]));
+        for (int v = 0; v < kPanels; ++v) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), sx);
+          acc[r][v] = _mm512_fmadd_ps(offset[v], ss, _mm512_fmadd_ps(t, scale[v], acc[r][v]));
+        }
       }
     }
   }
@@ -153,16 +164,22 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, float* o
     for (int v = 0; v < kPanels; ++v) _mm512_storeu_ps(out + (m0 + r) * w.F + (p0 + v) * kPanel, acc[r][v]);
 }
 
-template <int Bits>
+template <int Bits, bool Symmetric>
 void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, float* out) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, Bits>(a, w, p0, m, out);
+  for (; m + kRows <= M; m += kRows) tile<kRows, Bits, Symmetric>(a, w, p0, m, out);
   switch (M - m) {  // the rows left over, fewer than kRows
-    case 1: tile<1, Bits>(a, w, p0, m, out); break;
-    case 2: tile<2, Bits>(a, w, p0, m, out); break;
-    case 3: tile<3, Bits>(a, w, p0, m, out); break;
+    case 1: tile<1, Bits, Symmetric>(a, w, p0, m, out); break;
+    case 2: tile<2, Bits, Symmetric>(a, w, p0, m, out); break;
+    case 3: tile<3, Bits, Symmetric>(a, w, p0, m, out); break;
     default: break;
   }
+}
+
+void column_tile_vnni(const Activations& a, const Layer& w, int64_t p0, int64_t M, float* out) {
+  const bool symmetric = w.offset == nullptr;
+  if (w.bits == 8) symmetric ? column_tile<8, true>(a, w, p0, M, out) : column_tile<8, false>(a, w, p0, M, out);
+  else symmetric ? column_tile<4, true>(a, w, p0, M, out) : column_tile<4, false>(a, w, p0, M, out);
 }
 #endif
 
@@ -181,8 +198,10 @@ void column_tile_plain(const Activations& a, const Layer& w, int64_t p0, int64_t
         for (int64_t b = 0; b < w.blocks; ++b) {
           int32_t dot = 0;
           for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) dot += static_cast<int32_t>(code_at(w, p, c, k)) * a.codes[m * a.K + k];
-          const int64_t at = (p * w.blocks + b) * kPanel + c;
-          acc += static_cast<float>(dot) * a.scale[m * a.blocks + b] * half_to_float(w.scale[at]) + half_to_float(w.offset[at]) * a.scaled_sum[m * a.blocks + b];
+          const int64_t at = (p * w.blocks + b) * kPanel + c, row_block = m * a.blocks + b;
+          const float sum = static_cast<float>(a.sum[row_block]);
+          const float offset = w.offset ? half_to_float(w.offset[at]) : -static_cast<float>(w.zero_point) * half_to_float(w.scale[at]);
+          acc += a.scale[row_block] * (static_cast<float>(dot) * half_to_float(w.scale[at]) + offset * sum);
         }
         out[m * w.F + p * kPanel + c] = acc;
       }
@@ -193,31 +212,43 @@ bool same_shape(const A& a, const B& b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
 
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale, Scales offset,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+// Both forms: `offset` is nullptr for the symmetric one (then w = (code - zero_point) * scale).
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale, const Scales* offset, int zero_point,
+               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32>& out) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (auto e = jaxinfer::check(xd.size() == 2 && xd[1] % kBlock == 0 && cd[3] == 64 && cd[1] % kPanels == 0, "quant_matmul: x must be [M, 32 B], codes [N, 2 Q, S, 64]"); e.failure()) return e;
   const int64_t M = xd[0], K = xd[1], index = layer.typed_data()[0];
   const int bits = cd[2] == K / 4 ? 8 : 4;
-  if (auto e = jaxinfer::check(cd[2] == K / (bits == 8 ? 4 : 8) && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == K / kBlock && sd[3] == kPanel && same_shape(offset.dimensions(), sd),
+  if (auto e = jaxinfer::check(cd[2] == K / (bits == 8 ? 4 : 8) && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == K / kBlock && sd[3] == kPanel && (!offset || same_shape(offset->dimensions(), sd)),
                                "quant_matmul: codes must be [N, P, K/4 or K/8, 64] and scale, offset [N, P, K/32, 16]"); e.failure()) return e;
   if (auto e = jaxinfer::check(0 <= index && index < cd[0], "quant_matmul: layer out of range"); e.failure()) return e;
+  if (auto e = jaxinfer::check(0 <= zero_point && zero_point < (1 << bits), "quant_matmul: zero_point must be a code"); e.failure()) return e;
   const int64_t P = cd[1], layer_codes = P * cd[2] * 64, layer_scales = P * (K / kBlock) * kPanel;
+  const uint16_t* offsets = offset ? reinterpret_cast<const uint16_t*>(offset->untyped_data()) + index * layer_scales : nullptr;
   const Layer w{codes.typed_data() + index * layer_codes, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + index * layer_scales,
-                reinterpret_cast<const uint16_t*>(offset.untyped_data()) + index * layer_scales, K, K / kBlock, cd[2], P * kPanel, bits};
-  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * w.blocks), std::vector<float>(M * w.blocks), K, w.blocks};
+                offsets, K, K / kBlock, cd[2], P * kPanel, bits, zero_point};
+  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * w.blocks), std::vector<int32_t>(M * w.blocks), K, w.blocks};
   const float* xp = x.typed_data();
   jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, a); });
   float* op = out->typed_data();
   jaxinfer::parallel_for(pool, P / kPanels, [&](int64_t t) {
 #ifdef JAXINFER_VNNI
-    if (bits == 8) column_tile<8>(a, w, t * kPanels, M, op);
-    else column_tile<4>(a, w, t * kPanels, M, op);
+    column_tile_vnni(a, w, t * kPanels, M, op);
 #else
     column_tile_plain(a, w, t * kPanels, M, op);
 #endif
   });
   return ffi::Error::Success();
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale, Scales offset,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, x, codes, scale, &offset, 0, layer, out);
+}
+
+ffi::Error QuantMatmulSymmetricImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale,
+                                    ffi::Buffer<ffi::S32> layer, int32_t zero_point, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, x, codes, scale, nullptr, zero_point, layer, out);
 }
 
 }  // namespace
@@ -230,4 +261,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmul, QuantMatmulImpl,
                                   .Arg<Scales>()                    // scale
                                   .Arg<Scales>()                    // offset
                                   .Arg<ffi::Buffer<ffi::S32>>()     // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulSymmetric, QuantMatmulSymmetricImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<Codes>()                     // codes
+                                  .Arg<Scales>()                    // scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // layer
+                                  .Attr<int32_t>("zero_point")
                                   .Ret<ffi::Buffer<ffi::F32>>());

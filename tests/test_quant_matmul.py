@@ -46,8 +46,8 @@ def test_kernel_is_its_reference_on_every_format_and_layer(fmt, rows):
     packed = panels.to_quant_panels(q)
     x = jnp.asarray(_activations(rng, (rows, 192)))
     for layer in (0, 2):
-        ours = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer)))
-        expected = np.asarray(quant_matmul.reference(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer)))
+        ours = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer), zero_point=packed.zero_point))
+        expected = np.asarray(quant_matmul.reference(x, packed.codes, packed.scale, packed.offset, jnp.int32(layer), zero_point=packed.zero_point))
         assert ours.shape == (rows, 96)
         assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
         assert not ours[:, 80:].any()  # the padding columns are zero weights
@@ -86,9 +86,26 @@ def test_packed_blocks_multiply_as_the_files_bytes_say(fmt):
     q, blocks = _quantized(fmt, w)
     packed = jax.tree.map(lambda leaf: leaf[None], panels.to_quant_panels(q))
     x = _activations(rng, (5, 256))
-    ours = np.asarray(quant_matmul.quant_matmul(jnp.asarray(x), packed.codes, packed.scale, packed.offset, jnp.int32(0)), np.float64)
+    ours = np.asarray(quant_matmul.quant_matmul(jnp.asarray(x), packed.codes, packed.scale, packed.offset, jnp.int32(0), zero_point=packed.zero_point), np.float64)
     expected = _numpy_block_w8a8(x, fmt, blocks)
     assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_symmetric_form_is_the_offset_form(fmt, rows):
+    """The symmetric formats keep no offsets (w = (code - zero_point) * scale, subtracted in int32 by the
+    kernel); the same codes with offsets -zero_point * scale through the general form give the same sums."""
+    rng = np.random.default_rng(3)
+    q, _ = _quantized(fmt, rng.normal(0, 0.05, (2, 64, 128)).astype(np.float32))
+    packed = panels.to_quant_panels(q)
+    assert packed.offset is None and packed.zero_point == quant.affine_zero_point(fmt) == (8 if fmt == "q4_0" else 128)
+    offset = (-packed.zero_point * packed.scale.astype(jnp.float32)).astype(jnp.float16)
+    x = jnp.asarray(_activations(rng, (rows, 128)))
+    symmetric = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, None, jnp.int32(1), zero_point=packed.zero_point))
+    general = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, offset, jnp.int32(1)))
+    assert np.abs(symmetric - general).max() <= 1e-5 * np.abs(general).max()
+    assert panels.to_quant_panels(_quantized("q4_1", rng.normal(0, 0.05, (64, 128)).astype(np.float32))[0]).offset is not None
 
 
 def test_affine_form_is_the_dequantized_weight():

@@ -16,6 +16,7 @@ from jaxinfer import loading, tuning
 from jaxinfer.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.matmul_impl import resolve_matmul_impl
+from kernels_cpu import build as kernel_build
 
 SMALL_ENGINE = dict(max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64)
 F32_XLA = tuning.Candidate("float32", "reference", "xla")
@@ -56,7 +57,7 @@ class WrongCandidate(tuning.Candidate):
         return cfg, dataclasses.replace(params, embed=params.embed * 1.5)
 
 
-def test_cache_key_changes_with_fingerprint_geometry_limits_and_pins():
+def test_cache_key_changes_with_fingerprint_geometry_limits_pins_and_kernels(monkeypatch, tmp_path):
     cfg, engine = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, ffn_dim=64, num_heads=4, num_kv_heads=2, head_dim=8), EngineConfig(**SMALL_ENGINE)
     base = tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins())
     assert base == tuning.cache_key(dict(FINGERPRINT), cfg, EngineConfig(**SMALL_ENGINE), tuning.Pins())  # stable
@@ -68,9 +69,16 @@ def test_cache_key_changes_with_fingerprint_geometry_limits_and_pins():
         "pins": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(dtype="float32")),
         "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(), "int8"),
     }
-    assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
     # the dtype is a choice, not geometry: a bf16-loaded model shares the key of its f32 load
     assert tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, dtype="bfloat16"), engine, tuning.Pins()) == base
+    for source in (*kernel_build.HERE.glob("*.cc"), *kernel_build.HERE.glob("*.h")):  # the kernels as they are, then one edited
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(kernel_build, "HERE", tmp_path)
+    assert tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins()) == base
+    with open(tmp_path / "quant_matmul.cc", "a") as f:
+        f.write("// edited\n")
+    changed["kernels"] = tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins())
+    assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
