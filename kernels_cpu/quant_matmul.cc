@@ -19,12 +19,12 @@
 // or two fused multiply-adds: the symmetric form saves one floating-point op per 8 (4-bit: 8, 8-bit: 8) dots
 // and the offsets' bytes. Activation codes are broadcast straight from memory (a load, not a vector-pipe
 // shuffle from a general register). Column tiles of kPanels panels are split across XLA's intra-op threads;
-// each is multiplied by kRows rows at a time in registers. At decode's few rows a task is a run of kRun
-// adjacent tiles, and each tile's last pass prefetches the next one's codes into L2, so reading the weights
-// from memory overlaps the arithmetic (without it they add up: 0.58 against 0.50 ms for a 2,048 x 8,192
-// Q4_0 matrix at 8 rows, out of the L3). The layer's slice is read in place (see
-// layer_matmul.cc for why). Without VNNI a plain loop computes the same sums; the tuner decides whether
-// either wins on the machine (jaxinfer/tuning.py).
+// each is multiplied by kRows rows at a time in registers. At decode's few rows of 4-bit codes a task is
+// a run of kRun adjacent tiles, and each tile's last pass prefetches the next one's codes into L2, so the
+// read of the weights from memory overlaps the arithmetic (without it the two add up: 0.56-0.59 against
+// 0.49-0.51 ms for a 2,048 x 8,192 Q4_0 matrix at 8 rows, out of the L3). The layer's slice is read in
+// place (see layer_matmul.cc for why). Without VNNI a plain loop computes the same sums; the tuner decides
+// whether either wins on the machine (jaxinfer/tuning.py).
 
 #include <algorithm>
 #include <cmath>
@@ -244,10 +244,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, Codes codes, Scal
   const float* xp = x.typed_data();
   jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, a); });
   float* op = out->typed_data();
-  // A task is a run of adjacent column tiles: kRun of them at decode's few rows, where a tile's codes come
-  // from memory and the next one's are prefetched while it computes; one at many rows, where the codes are
-  // reused from L2 and small tasks balance the cores.
-  const int64_t tiles = P / kPanels, run = M <= 4 * kRows ? kRun : 1, chunks = (tiles + run - 1) / run;
+  // A task is a run of adjacent column tiles: kRun of them for 4-bit codes at decode's few rows, where a
+  // tile's codes come from memory and the next one's are prefetched while it computes; one otherwise: at
+  // many rows the codes are reused from L2 and small tasks balance the cores, and 8-bit tiles (twice the
+  // bytes) measured slower with the prefetch (0.77-0.82 against 0.65 ms for 8,192 x 2,048 at 8 rows).
+  const bool runs = M <= 4 * kRows && bits == 4;
+  const int64_t tiles = P / kPanels, run = runs ? kRun : 1, chunks = (tiles + run - 1) / run;
   jaxinfer::parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t first = c * run, last = std::min(tiles, first + run);
     for (int64_t t = first; t < last; ++t) {
