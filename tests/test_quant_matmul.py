@@ -55,6 +55,23 @@ def test_kernel_is_its_reference_on_every_format_and_layer(fmt, rows):
         assert 1e-4 < np.linalg.norm(ours[:, :80] - dense) / np.linalg.norm(dense) < 0.02
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [4, 16, 17])  # up to 16 rows, 4-bit tiles go in runs of 4 with a prefetch
+def test_runs_of_column_tiles_cover_every_column(fmt, rows):
+    """Nine column tiles: at decode's few rows of 4-bit codes two runs of four and one of one (the prefetch of
+    a run's last tile would read past it), one tile a task otherwise; every column against the reference."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (2, 288, 64)).astype(np.float32)  # 288 columns: 18 panels, 9 tiles of two
+    q, _ = _quantized(fmt, w)
+    packed = panels.to_quant_panels(q)
+    x = jnp.asarray(_activations(rng, (rows, 64)))
+    ours = np.asarray(quant_matmul.quant_matmul(x, packed.codes, packed.scale, packed.offset, jnp.int32(1), zero_point=packed.zero_point))
+    expected = np.asarray(quant_matmul.reference(x, packed.codes, packed.scale, packed.offset, jnp.int32(1), zero_point=packed.zero_point))
+    assert ours.shape == (rows, 288)
+    per_column = np.abs(ours - expected).max(axis=0) / np.abs(expected).max()
+    assert per_column.max() <= 1e-5, np.flatnonzero(per_column > 1e-5)
+
+
 def _numpy_block_w8a8(x: np.ndarray, fmt: str, blocks: np.ndarray) -> np.ndarray:
     """x [T, I] times a GGUF tensor's raw blocks [O, I/32 * bytes], by hand: each block of 32 of x rounded to
     int8 with scale max|x| / 127, an int64 dot with the block's integer codes, then the scales (and Q4_1's
