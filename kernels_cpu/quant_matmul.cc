@@ -104,7 +104,8 @@ struct Layer {
 };
 
 #ifdef JAXINFER_VNNI
-// out[m0 : m0 + R, 16 p0 : 16 (p0 + kPanels)] for one column tile.
+// out[m0 : m0 + R, 16 p0 : 16 (p0 + kPanels)] for one column tile. `ahead`: prefetch the next tile's codes
+// (4-bit only; Run never asks it of 8-bit codes).
 template <int R, int Bits, bool Symmetric>
 void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
   const int64_t next_tile = kPanels * w.steps * 64;  // bytes from a row of codes to the same row of the next tile
@@ -120,11 +121,7 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
     if constexpr (Bits == 8) {
       for (int s = 0; s < kBlock / 4; ++s) {
         __m512i wv[kPanels];
-        for (int v = 0; v < kPanels; ++v) {
-          const uint8_t* at = w.codes + ((p0 + v) * w.steps + b * 8 + s) * 64;
-          if (ahead) _mm_prefetch(reinterpret_cast<const char*>(at + next_tile), _MM_HINT_T1);
-          wv[v] = _mm512_loadu_si512(at);
-        }
+        for (int v = 0; v < kPanels; ++v) wv[v] = _mm512_loadu_si512(w.codes + ((p0 + v) * w.steps + b * 8 + s) * 64);
         for (int r = 0; r < R; ++r) {
           const __m512i xv = _mm512_broadcastd_epi32(_mm_loadu_si32(xb + r * a.K + 4 * s));
           for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
@@ -248,8 +245,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, Codes codes, Scal
   // tile's codes come from memory and the next one's are prefetched while it computes; one otherwise: at
   // many rows the codes are reused from L2 and small tasks balance the cores, and 8-bit tiles (twice the
   // bytes) measured slower with the prefetch (0.77-0.82 against 0.65 ms for 8,192 x 2,048 at 8 rows).
-  const bool runs = M <= 4 * kRows && bits == 4;
-  const int64_t tiles = P / kPanels, run = runs ? kRun : 1, chunks = (tiles + run - 1) / run;
+  const int64_t tiles = P / kPanels, run = M <= 4 * kRows && bits == 4 ? kRun : 1, chunks = (tiles + run - 1) / run;
   jaxinfer::parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t first = c * run, last = std::min(tiles, first + run);
     for (int64_t t = first; t < last; ++t) {
