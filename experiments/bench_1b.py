@@ -66,7 +66,7 @@ def parse_args():
 
 def model_file(fmt: str) -> str:
     """The format's random-weight GGUF, written on first use."""
-    from jaxinfer import loading
+    from jaxinfer.loading import loading
 
     path = WORK_DIR / f"{GEOMETRY}-random-{fmt.lower()}.gguf"
     if not path.exists():
@@ -86,7 +86,7 @@ def decode_probe(llm, bandwidth: float) -> dict:
     read bandwidth: quant.resident_bytes of the step's params (the chosen format's bytes), less the
     embedding table where the head is its own array (packed panels of a tied head): a step gathers one
     row of the table, and reads the head whole."""
-    from jaxinfer import quant
+    from jaxinfer.model import quant
 
     prompt, output = DECODE_PROBE
     recorder = harness.StepRecorder(llm.engine_config.page_size)
@@ -103,7 +103,8 @@ def decode_probe(llm, bandwidth: float) -> dict:
 def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -> tuple[dict, list]:
     engine_cfg = harness.workload_engine_config(max_num_seqs=max(1, min(16, args.num_requests)), max_context=MAX_CONTEXT)
     result, tokens, llm = harness.run_engine(workload, engine_cfg, args.repeats, model=path, **JAXINFER_LOADS[name])
-    from jaxinfer import loading, quant
+    from jaxinfer.loading import loading
+    from jaxinfer.model import quant
 
     file_bytes = sum(int(t.n_bytes) for t in loading.open_gguf(loading.resolve_model_path(path)).tensors)
     result |= {"choices": str(llm.choices), "decode_b1": decode_probe(llm, bandwidth), "file_tensor_bytes": file_bytes,
@@ -170,7 +171,7 @@ def print_table(by_format: dict) -> None:
 
 
 def main() -> None:
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     args = parse_args()
     start = time.perf_counter()

@@ -20,7 +20,7 @@ import numpy as np
 
 import harness
 from harness import REPO_ROOT, agreement, load_average
-from jaxinfer import kv_pool
+from jaxinfer.model import kv_pool
 from jaxinfer.api import LLM
 from jaxinfer.config import ATTENTION_IMPLS, EngineConfig
 

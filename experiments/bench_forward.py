@@ -24,9 +24,10 @@ import numpy as np
 
 import harness
 from harness import GEOMETRIES, MATMUL_SIZE, REPO_ROOT, forward_flops, matmul_params, relative_error, time_calls
-from jaxinfer import attention, kv_pool, loading, model, sampling
+from jaxinfer.model import attention, kv_pool, forward as model, sampling
+from jaxinfer.loading import loading
 from jaxinfer.config import ATTENTION_IMPLS, ModelConfig, from_hf_config
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.loading.tokenizer import load_tokenizer
 
 RESULTS = harness.RESULTS_DIR / "bench_forward.json"
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits

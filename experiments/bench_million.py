@@ -1,6 +1,6 @@
 """Does a batch job's memory stay flat in its length, and does it survive kills? A --lines job vs a 1,000-line job.
 
-Each job runs on the tiny real-vocabulary model (jaxinfer.tiny_model: SmolLM2's tokenizer over a random 2-layer
+Each job runs on the tiny real-vocabulary model (jaxinfer.loading.tiny_model: SmolLM2's tokenizer over a random 2-layer
 Llama) in its own process (so each peak RSS is its own): a BatchJob over --lines short prompts (greedy,
 --max-tokens each, one bad line in 100), with the run loop's StepRecorder timing every step. Reported per job:
 peak RSS (VmHWM) and the RSS after the model loaded, records written, wall time, steps, and host time per step
@@ -46,8 +46,8 @@ def write_input(path: pathlib.Path, num_lines: int, max_tokens: int) -> None:
 def child(model: str, num_lines: int, max_tokens: int, workdir: str, compile_cache: str) -> dict:
     """One job in this process: its figures as a dict (printed as the last stdout line)."""
     from jaxinfer.api import LLM
-    from jaxinfer.batch import BatchJob
-    from jaxinfer.request import SamplingParams
+    from jaxinfer.batch.job import BatchJob
+    from jaxinfer.scheduling.request import SamplingParams
 
     work = pathlib.Path(workdir)
     inp, out = work / f"in_{num_lines}.jsonl", work / f"out_{num_lines}.jsonl"
@@ -118,8 +118,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.lines < 1 or args.kill_lines < NUM_KILLS + 1:
         parser.error("--lines must be >= 1 and --kill-lines >= 4")
-    from jaxinfer.tiny_model import save_tiny_llama
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tiny_model import save_tiny_llama
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_million_") as tmp:
         workdir = pathlib.Path(tmp)

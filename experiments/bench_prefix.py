@@ -18,7 +18,7 @@ import numpy as np
 import harness
 from harness import REPO_ROOT
 from jaxinfer.api import LLM
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.loading.tokenizer import load_tokenizer
 
 RESULTS = harness.RESULTS_DIR / "bench_prefix.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_prefix"

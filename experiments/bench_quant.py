@@ -28,11 +28,12 @@ import numpy as np
 
 import harness
 from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
-from jaxinfer import kv_pool, loading, panels, params as params_lib, quant
+from jaxinfer.model import kv_pool, panels, params as params_lib, quant
+from jaxinfer.loading import loading
 from jaxinfer.api import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine import Engine
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.engine.engine import Engine
+from jaxinfer.loading.tokenizer import load_tokenizer
 
 HELDOUT_TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
 RESULTS = harness.RESULTS_DIR / "bench_quant.json"

@@ -55,7 +55,8 @@ def run_mode(llm, params: list, batch: int) -> tuple[list, list[float]]:
 
 def mask_host_ms(llm, rows: int, steps: int) -> float:
     """Host ms per step to fill `rows` grammar masks (the work token_masks adds to a step)."""
-    from jaxinfer import SamplingParams, guided
+    from jaxinfer import SamplingParams
+    from jaxinfer.scheduling import guided
 
     params = SamplingParams(structured_outputs={"json": SCHEMA})
     guides = [llm._guides.guide(params) for _ in range(rows)]

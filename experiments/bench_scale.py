@@ -108,7 +108,7 @@ def balance(loads: list[int]) -> float:
 
 def route_loads(sizes: list[tuple[int, int]], replicas: int, policy: str) -> list[int]:
     """Token load per replica (prompt + output) after assigning each request in order."""
-    from jaxinfer.replicas import ReplicaLoad, route
+    from jaxinfer.scheduling.replicas import ReplicaLoad, route
 
     loads = [0] * replicas
     for i, (prompt, output) in enumerate(sizes):
@@ -134,7 +134,7 @@ def measure_router(workload: dict, replicas: int) -> list[dict]:
 
 
 def write_job(workload: dict, path: pathlib.Path) -> None:
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     with open(path, "w") as f:

@@ -17,9 +17,9 @@ import numpy as np
 
 import harness
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import Request, SamplingParams
-from jaxinfer.request_queue import RequestQueue
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.request_queue import RequestQueue
+from jaxinfer.scheduling.scheduler import Scheduler
 
 RESULTS = harness.RESULTS_DIR / "bench_scheduler.json"
 GOAL_SCHEDULE_S = 1e-3  # schedule() at 100,000 waiting

@@ -48,7 +48,7 @@ def engine_config(compile_dir: str, num_requests: int):
 
 def time_tuning(cfg, params, tokenizer, engine_cfg, cache_dir: str) -> dict:
     """Tuning from scratch into `cache_dir`, then the cached start: seconds of each and the table."""
-    from jaxinfer import tuning
+    from jaxinfer.engine import tuning
 
     pins = tuning.Pins()  # what LLM(None) asks: everything auto
     kwargs = dict(tokenizer=tokenizer, enabled=True, directory=cache_dir)
@@ -85,7 +85,7 @@ def _token_nll():
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer import model
+    from jaxinfer.model import forward as model
 
     @functools.partial(jax.jit, static_argnames=("cfg",))
     def nll(params, tokens, *, cfg):  # tokens: i32[1, W]
@@ -110,7 +110,7 @@ def perplexity(cfg, params, prompts: list[list[int]]) -> dict:
 
 def fidelity(cfg, params) -> dict:
     """bf16 against f32: perplexity on the fixture prompts and greedy agreement of the dense reference."""
-    from jaxinfer import generate, tuning
+    from jaxinfer.engine import generate, tuning
 
     prompts, hf_greedy = fixture_prompts()
     per_dtype, greedy = {}, {}
@@ -133,7 +133,7 @@ def fidelity(cfg, params) -> dict:
 
 def throughput(workload: dict, engine_cfg, repeats: int) -> dict:
     """The default configuration (tuned, read from the cache time_tuning wrote) and the fixed f32 one."""
-    from jaxinfer import tuning
+    from jaxinfer.engine import tuning
 
     runs = {}
     for name, tune, load in (("default", "1", {}), ("fixed_f32", "0", {"dtype": "float32"})):
@@ -151,8 +151,9 @@ def throughput(workload: dict, engine_cfg, repeats: int) -> dict:
 def main() -> None:
     args = parse_args()
     start = time.perf_counter()
-    from jaxinfer import loading, tuning
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading import loading
+    from jaxinfer.engine import tuning
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     cfg, params = loading.load_model(None)

@@ -34,10 +34,10 @@ import numpy as np
 
 import harness
 from harness import DEFAULT_TRACE, REPO_ROOT, RESULTS_DIR, agreement
-from jaxinfer import runloop
-from jaxinfer.buckets import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
+from jaxinfer.scheduling import runloop
+from jaxinfer.bucketing.strategies import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
-from jaxinfer.traces import load_trace, synthetic_trace
+from jaxinfer.bucketing.traces import load_trace, synthetic_trace
 
 WORK_DIR = REPO_ROOT / "build" / "buckets_on_engine"  # worker specs, the tiny model (not committed)
 NAME = "buckets_on_engine"
@@ -204,7 +204,7 @@ def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) 
     one (a second Engine over that dir). Returns (the cold LLM, its compile and peak-RSS measurements).
     `impls`: attention_impl / matmul_impl pinned (the first configuration's tuned choice), else tuned."""
     from jaxinfer.api import LLM
-    from jaxinfer.engine import Engine
+    from jaxinfer.engine.engine import Engine
 
     cache_dir = fresh_compilation_cache()
     cfg = engine_config(limits, config["kind"], config["counts"], samples, compilation_cache_dir=cache_dir, **impls)
@@ -235,7 +235,7 @@ def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) 
 
 def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) -> dict:
     """The best (least wall time) of a configuration's runs, with every run's seconds beside it."""
-    from jaxinfer.kv_pool import pool_bytes
+    from jaxinfer.model.kv_pool import pool_bytes
 
     best = min(runs, key=lambda run: run["wall_s"])
     outputs, stats, recorder, engine = best["outputs"], best["stats"], best["recorder"], llm.engine
@@ -261,8 +261,8 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
 def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]:
     """compile_config over every configuration, the model loaded once and every later LLM built over the
     first engine's params: ({id: LLM}, {id: measurements or error}, the model as the engines hold it)."""
-    from jaxinfer import loading
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading import loading
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     model_cfg, params = loading.load_model(spec["model"])
     model = (model_cfg, params, load_tokenizer(spec["model"]))
@@ -312,7 +312,7 @@ def run_trace(spec: dict, report=print) -> list[dict]:
 def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, capacity: float, report) -> None:
     """Each configuration under arrivals: the workload's arrival shape at each load x `capacity` (the first
     configuration's offline requests per second), by traces.replay; rows gain {"replay": {load: report}}."""
-    from jaxinfer.traces import replay
+    from jaxinfer.bucketing.traces import replay
 
     params = [harness.greedy(n) for n in workload.max_tokens]
     for config_id, llm in llms.items():
@@ -504,8 +504,8 @@ def plot_all(traces: list[dict], out_dir: pathlib.Path, model_name: str = "") ->
 
 def resolve_model(model: str | None) -> str | None:
     """None (SmolLM2-135M), a path, or "tiny": a random tiny Llama with SmolLM2's tokenizer under build/."""
-    from jaxinfer.tiny_model import save_tiny_llama
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tiny_model import save_tiny_llama
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     folder = WORK_DIR / "tiny_model"
     if model == "tiny" and not (folder / "config.json").exists():
@@ -568,7 +568,7 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
     """The whole experiment: returns the result document (also written to out_dir with the plots)."""
     from tqdm import tqdm  # text bars (tqdm.auto wants ipywidgets in a notebook)
 
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     start_time = time.perf_counter()
     label = {None: "SmolLM2-135M-Instruct (default)", "tiny": "tiny random Llama, SmolLM2's tokenizer"}.get(model) or pathlib.Path(model).name

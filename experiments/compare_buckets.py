@@ -1,6 +1,6 @@
 """Which bucket strategy wastes the least padding for a given number of compiled programs?
 
-Every strategy of jaxinfer.buckets at budgets BUDGETS on the Azure conversation trace and on a synthetic
+Every strategy of jaxinfer.bucketing.strategies at budgets BUDGETS on the Azure conversation trace and on a synthetic
 trace of the same size: padding waste (tokens and the prefill cost model), out of sample (fitted on the
 first half in time, measured on both halves), batch-level views, and the time of the exact fit. Prints
 tables and the targets as the last stdout line; writes JSON and PNG plots. Host only: no jax.
@@ -17,9 +17,9 @@ from matplotlib.figure import Figure
 
 import harness
 from harness import REPO_ROOT
-from jaxinfer.buckets import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
-from jaxinfer.cli_buckets import compare_strategies, plot_length_cdf, plot_waste_curves
-from jaxinfer.traces import TraceError, load_trace, synthetic_trace
+from jaxinfer.bucketing.strategies import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
+from jaxinfer.bucketing.cli import compare_strategies, plot_length_cdf, plot_waste_curves
+from jaxinfer.bucketing.traces import TraceError, load_trace, synthetic_trace
 
 BUDGETS = (4, 8, 12, 16, 32)
 COSTS = {"tokens": TOKENS, "prefill": PREFILL}

@@ -75,7 +75,7 @@ def build_workload(trace_path: pathlib.Path, num_requests: int, scale: float, se
     """A seeded sample of the trace's requests (arrival order) scaled by scaled_requests (text from
     `tokenizer`, default SmolLM2's); the seed's one generator draws the rows first, then the offsets."""
     from jaxinfer import load_trace
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     trace, tokenizer = load_trace(trace_path), tokenizer or load_tokenizer(None)
     rng = np.random.default_rng(seed)
@@ -246,7 +246,7 @@ def page_meta(block_tables: np.ndarray, positions: np.ndarray, page_size: int, v
     rows' `block_tables` [B, W]; tokens not `valid` (padding) write to the null page 0."""
     import jax.numpy as jnp
 
-    from jaxinfer import kv_pool
+    from jaxinfer.model import kv_pool
 
     pages = np.take_along_axis(block_tables, positions // page_size, axis=1)
     if valid is not None:
@@ -274,7 +274,7 @@ def _forward(params, pool, tokens, positions, pages, last, *, cfg, impl: str, ou
     """model.forward of [B, T] tokens into `pool` (a paged KVPool with `pages`, a dense cache, or None) ->
     (output, pool). output "greedy": the argmax at index last[b] [B]; "last_logits": the logits there
     [B, V]; "logits": every position's [B, T, V] (last is None)."""
-    from jaxinfer import model, sampling
+    from jaxinfer.model import forward as model, sampling
 
     logits, pool = model.forward(params, pool, tokens, positions, cfg=cfg, pages=pages, logit_indices=last, attention_impl=impl)
     if output == "logits":
@@ -300,7 +300,7 @@ def time_forward(params, cfg, pool, args: tuple, *, impl: str, output: str, repe
 
 def engine_params(params, impl: str):
     """The params as the engine holds them for `impl`: packed into panels for the CPU kernels."""
-    from jaxinfer import attention, panels
+    from jaxinfer.model import attention, panels
 
     return panels.pack_panels(params) if impl == attention.CPU_IMPL else params
 
@@ -321,9 +321,9 @@ def forward_flops(cfg, num_tokens: int, num_logit_rows: int, num_keys_attended: 
 
 
 def file_tensor_shapes(cfg, fmt: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape in a "hf" or "gguf" file of the weights `cfg` has (jaxinfer.params.WEIGHTS):
+    """Tensor name -> shape in a "hf" or "gguf" file of the weights `cfg` has (jaxinfer.model.params.WEIGHTS):
     [out, in] for matmul weights, flat vectors otherwise."""
-    from jaxinfer import params
+    from jaxinfer.model import params
 
     sizes = params.axis_sizes(cfg)
     size = lambda axes: math.prod(sizes[a] for a in axes)  # noqa: E731
@@ -469,7 +469,7 @@ def workload_engine_config(*, max_num_seqs: int = 32, page_size: int = 16, compi
 def reference_check(params, cfg, eos_id: int, requests: list[dict], engine_tokens) -> dict:
     """The NUM_REFERENCE_CHECKS shortest requests: the engine's greedy tokens (`engine_tokens(chosen
     indices)`) == generate.generate's, the dense reference, over the engine's `params`."""
-    from jaxinfer import generate
+    from jaxinfer.engine import generate
 
     chosen = sorted(range(len(requests)), key=lambda i: len(requests[i]["prompt_ids"]) + requests[i]["max_tokens"])[:NUM_REFERENCE_CHECKS]
     reference = generate.generate(params, cfg, [requests[i]["prompt_ids"] for i in chosen],
@@ -489,7 +489,7 @@ def check_against_reference(llm, requests: list[dict]) -> dict:
 def timed_generate(llm, requests: list[dict], block_pool=None) -> dict:
     """One greedy run of the requests from an empty prefix cache: wall and CPU seconds, outputs, the
     scheduler's stats, the StepRecorder (given `block_pool`, it tracks the pages held) and compiles."""
-    from jaxinfer.engine import CompileCounter
+    from jaxinfer.engine.engine import CompileCounter
 
     llm.reset_prefix_cache()  # a run must not reuse the prompt pages of the reference check or the run before
     recorder = StepRecorder(llm.engine_config.page_size, block_pool)

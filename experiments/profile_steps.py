@@ -20,11 +20,13 @@ import tempfile
 import numpy as np
 
 import harness
-from jaxinfer import kv_pool as kvp
-from jaxinfer import guided, profiling, sampling
+from jaxinfer.model import kv_pool as kvp
+from jaxinfer.scheduling import guided
+from jaxinfer.engine import profiling
+from jaxinfer.model import sampling
 from jaxinfer.api import LLM
-from jaxinfer.engine import StepInputs
-from jaxinfer.plan import BucketKey
+from jaxinfer.engine.engine import StepInputs
+from jaxinfer.scheduling.plan import BucketKey
 
 RESULTS = harness.RESULTS_DIR / "profile_steps.json"
 DEFAULT_KEYS = "prefill/1/512/64,prefill/1/512/32,prefill/1/160/16,decode/32/1/16,decode/8/1/16"
@@ -76,7 +78,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 
 def profile_call(run) -> collections.Counter:
-    """Microseconds per HLO op of one call of `run`, from a jax.profiler trace (jaxinfer.profiling, as LLM.start_profile)."""
+    """Microseconds per HLO op of one call of `run`, from a jax.profiler trace (jaxinfer.engine.profiling, as LLM.start_profile)."""
     folder = tempfile.mkdtemp(prefix="jaxinfer_profile_")
     try:
         profiling.start(folder)

@@ -1,7 +1,7 @@
 """jaxinfer: JAX/XLA batch inference for decoder-only LLMs.
 
-The public API is re-exported lazily, so that importing a host-only module (`jaxinfer.scheduler`,
-`jaxinfer.block_pool`, `jaxinfer.buckets`) does not import jax.
+The public API is re-exported lazily, so that importing a host-only module (`jaxinfer.scheduling.scheduler`,
+`jaxinfer.scheduling.block_pool`, `jaxinfer.bucketing.strategies`) does not import jax.
 """
 
 import importlib
@@ -9,15 +9,15 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxinfer.api",
     "RequestOutput": "jaxinfer.api",
-    "SamplingParams": "jaxinfer.request",
+    "SamplingParams": "jaxinfer.scheduling.request",
     "EngineConfig": "jaxinfer.config",
     "ModelConfig": "jaxinfer.config",
-    "load_model": "jaxinfer.loading",
-    "load_tokenizer": "jaxinfer.tokenizer",
-    "fit_buckets": "jaxinfer.buckets",
-    "padding_metrics": "jaxinfer.buckets",
-    "load_trace": "jaxinfer.traces",
-    "synthetic_trace": "jaxinfer.traces",
+    "load_model": "jaxinfer.loading.loading",
+    "load_tokenizer": "jaxinfer.loading.tokenizer",
+    "fit_buckets": "jaxinfer.bucketing.strategies",
+    "padding_metrics": "jaxinfer.bucketing.strategies",
+    "load_trace": "jaxinfer.bucketing.traces",
+    "synthetic_trace": "jaxinfer.bucketing.traces",
 }
 __all__ = sorted(_EXPORTS)
 

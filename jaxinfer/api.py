@@ -20,17 +20,20 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 
 from tqdm.auto import tqdm
 
-from jaxinfer import guided, loading, profiling, runloop, sharding, tokenizer as tok, tuning
-from jaxinfer.block_pool import BlockPool, page_hashes
+from jaxinfer.scheduling import guided, runloop
+from jaxinfer.loading import loading, tokenizer as tok
+from jaxinfer.engine import profiling, tuning
+from jaxinfer.model import sharding
+from jaxinfer.scheduling.block_pool import BlockPool, page_hashes
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine import Engine
+from jaxinfer.engine.engine import Engine
 from jaxinfer.options import LoadOptions
-from jaxinfer.output import OutputProcessor
-from jaxinfer.params import Params
-from jaxinfer.replicas import Replica, ReplicaLoad, route
-from jaxinfer.request import TRUNCATE_SIDES, Request, SamplingParams, derive_seed
+from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.model.params import Params
+from jaxinfer.scheduling.replicas import Replica, ReplicaLoad, route
+from jaxinfer.scheduling.request import TRUNCATE_SIDES, Request, SamplingParams, derive_seed
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, check_text, check_token_ids
-from jaxinfer.scheduler import Scheduler, check_request, check_sampling_limits
+from jaxinfer.scheduling.scheduler import Scheduler, check_request, check_sampling_limits
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica

@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 
 from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, MATMUL_IMPLS
-from jaxinfer.openai_batch import INPUT_FORMATS
+from jaxinfer.batch.openai import INPUT_FORMATS
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
-from jaxinfer.request import TRUNCATE_SIDES, SamplingParams
+from jaxinfer.scheduling.request import TRUNCATE_SIDES, SamplingParams
 from jaxinfer.validation import FieldError
 
 _LOAD_DEFAULTS, _SAMPLING_DEFAULTS = LoadOptions(), SamplingParams()
@@ -136,7 +136,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_ray_args(parser: argparse.ArgumentParser) -> None:
-    from jaxinfer.ray import DEFAULT_BATCH_SIZE
+    from jaxinfer.batch.ray import DEFAULT_BATCH_SIZE
 
     group = parser.add_argument_group("Ray (jobs across machines; see 'ray' below)")
     group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run an --input job on a Ray cluster (default address: a local cluster or RAY_ADDRESS)")
@@ -215,7 +215,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_args(tune)
     tune.set_defaults(func=_run_tune)
 
-    from jaxinfer import cli_buckets
+    from jaxinfer.bucketing import cli as cli_buckets
 
     cli_buckets.add_subparser(commands)
     return parser
@@ -296,7 +296,7 @@ _RAY_FLAGS = {"num_actors": "--ray-actors", "batch_size": "--ray-batch-size", "n
 
 def _ray_options(args):
     """RayOptions from the --ray flags, or None for a job in this process."""
-    from jaxinfer.ray import RayOptions
+    from jaxinfer.batch.ray import RayOptions
 
     values = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _RAY_FLAGS.items()}
     if args.ray is None:
@@ -319,7 +319,7 @@ def _profiler(args):
     if args.profile is None:
         yield None
         return
-    from jaxinfer import profiling
+    from jaxinfer.engine import profiling
 
     profiler = profiling.StepProfiler(args.profile, *profiling.parse_steps(args.profile_steps))
     try:
@@ -332,7 +332,7 @@ def _profiler(args):
 
 def _run_generate(args) -> int:
     if args.profile is not None:
-        from jaxinfer.profiling import parse_steps
+        from jaxinfer.engine.profiling import parse_steps
 
         parse_steps(args.profile_steps)  # a bad A:B fails before the model loads
         if args.ray is not None:
@@ -346,7 +346,7 @@ def _run_generate(args) -> int:
         raise ValueError("--output FILE is required with --input")
     if args.force_settings and not args.resume:
         raise ValueError("--force-settings works with --resume")
-    from jaxinfer.batch import BatchJob, check_paths
+    from jaxinfer.batch.job import BatchJob, check_paths
 
     check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
     try:
@@ -381,7 +381,7 @@ def _run_job(job, args, load_options, engine_config, ray_options):
         with _profiler(args) as profiler:
             job.runner.on_step = profiler
             return job.run(llm, progress=not args.no_progress), llm
-    from jaxinfer import ray as ray_jobs
+    from jaxinfer.batch import ray as ray_jobs
 
     print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
     summary = ray_jobs.run_job(job, ray_options, model=args.model, load_options=load_options, engine_config=engine_config, progress=not args.no_progress)
@@ -393,8 +393,8 @@ _TOKEN_SETTINGS = ("dtype", "quantization", "group_size", "kv_cache_dtype", "eng
 
 
 def _job_settings(args) -> dict:
-    from jaxinfer.batch_output import model_identity
-    from jaxinfer.loading import resolve_model_path
+    from jaxinfer.batch.output_file import model_identity
+    from jaxinfer.loading.loading import resolve_model_path
 
     return {"model": model_identity(resolve_model_path(args.model))} | {name: getattr(args, name) for name in _TOKEN_SETTINGS}
 
@@ -409,7 +409,7 @@ def _generate_one(args, defaults, load_options, engine_config) -> int:
         raise ValueError("empty prompt: --prompt needs some text")
     llm = _make_llm(args, load_options, engine_config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    from jaxinfer.scheduler import PromptTooLongError
+    from jaxinfer.scheduling.scheduler import PromptTooLongError
 
     try:
         work = llm.prepare(prompt, defaults, index=0, chat=args.chat, truncate=args.truncate)
@@ -452,9 +452,10 @@ def _summary_table(summary, llm) -> str:
 
 
 def _run_info(args) -> int:
-    from jaxinfer import kv_pool, loading
-    from jaxinfer import params as params_module
-    from jaxinfer.tokenizer import describe_tokenizer
+    from jaxinfer.model import kv_pool
+    from jaxinfer.loading import loading
+    from jaxinfer.model import params as params_module
+    from jaxinfer.loading.tokenizer import describe_tokenizer
 
     path = loading.resolve_model_path(args.model)
     cfg, params = loading.load_model(path, **_load_options(args).load_kwargs)
@@ -476,8 +477,9 @@ def _run_info(args) -> int:
 
 def _run_tune(args) -> int:
     """Measure the candidates now, print the tuner's table and write the cache."""
-    from jaxinfer import loading, tuning
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading import loading
+    from jaxinfer.engine import tuning
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     load_options, engine_config = _load_options(args), _engine_config(args)
     cfg, params = tuning.load_model(args.model, load_options, engine_config)
@@ -497,7 +499,7 @@ def _run_tune(args) -> int:
 
 def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: str | None, *, tied: bool) -> str:
     """Resident weight bytes, one row per tensor kind, one column per storage format, with totals."""
-    from jaxinfer.params import KINDS as kinds
+    from jaxinfer.model.params import KINDS as kinds
     formats = sorted({fmt for _, fmt in by_kind_and_format})
     cell = lambda n: f"{n / 2**20:.2f} MiB" if n else "-"  # noqa: E731
     lines = [f"{'weights in memory':<17} quantization: {quantization or 'none (dense)'}", f"  {'kind':<11}" + "".join(f"{f:>13}" for f in formats) + f"{'total':>13}"]
@@ -526,8 +528,8 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return 130
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from jaxinfer.engine import PoolTooLargeError
-    from jaxinfer.loading import ModelLoadError
+    from jaxinfer.engine.engine import PoolTooLargeError
+    from jaxinfer.loading.loading import ModelLoadError
 
     try:
         return args.func(args)

@@ -10,8 +10,8 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxinfer.bucket_tables import TABLE_FIELDS, BucketTables, TableLimits
-from jaxinfer.buckets import EngineBuckets
+from jaxinfer.scheduling.bucket_tables import TABLE_FIELDS, BucketTables, TableLimits
+from jaxinfer.bucketing.strategies import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
@@ -237,7 +237,7 @@ class EngineConfig:
     prefill_seq_buckets: tuple[int, ...] = (1,)  # rows of an unpacked prefill step (one sequence each)
     decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 1, 4, 8, 16, 32 cut at max_num_seqs
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
-    # A jaxinfer.buckets.EngineBuckets: a strategy for the chunk, rows and pages tables left at None above.
+    # A jaxinfer.bucketing.strategies.EngineBuckets: a strategy for the chunk, rows and pages tables left at None above.
     buckets: Any = None
     # Pack several sequences' prefill chunks into one row (segment-aware causal mask), so a step pads only
     # its end. None: packed, unless deterministic or prefill_seq_buckets asks for several unpacked rows.
@@ -304,7 +304,7 @@ class EngineConfig:
         if self.prefill_packing and self.deterministic:
             raise FieldError("prefill_packing", "cannot be combined with deterministic mode, whose prefill rows hold one sequence each")
         if self.buckets is not None and not isinstance(self.buckets, EngineBuckets):
-            raise FieldError("buckets", f"must be a jaxinfer.buckets.EngineBuckets or None, got {self.buckets!r}")
+            raise FieldError("buckets", f"must be a jaxinfer.bucketing.strategies.EngineBuckets or None, got {self.buckets!r}")
         # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
 
     def _derive_tables(self) -> None:

@@ -3,7 +3,7 @@
 The jnp path (jaxinfer/attention.py) gathers every page of a step into a new array and transposes it for
 XLA:CPU's dot; this kernel reads the pages where they lie, in the pool's layout, with an online softmax
 per query, and skips the pages a query cannot see (later positions, other sequences of a packed row).
-The math is jaxinfer.attention.attention_over_pages, which stays the reference.
+The math is jaxinfer.model.attention.attention_over_pages, which stays the reference.
 
 Built on first use (kernels_cpu/build.py). Without a compiler, `available()` is False and the engine
 keeps the jnp path.

@@ -3,7 +3,7 @@
 Owns the decode kernel (one query token per sequence over a paged KV cache), its config and
 tuned-config table, the one rule of which geometries it serves (`supports`), the host-side
 block-table check, and `paged_attention_reference`, the kernel's f32 oracle. The engine's CPU
-path is jaxinfer.attention.attention_over_pages, not this reference; the two are proven equal in decode (lengths >= 1, finite pools) by tests/test_attention_dispatch.py.
+path is jaxinfer.model.attention.attention_over_pages, not this reference; the two are proven equal in decode (lengths >= 1, finite pools) by tests/test_attention_dispatch.py.
 Must not import jaxinfer: experiments/device_check.py runs this file from a bare source tree (jax,
 numpy, absl-py only).
 

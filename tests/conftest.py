@@ -42,7 +42,7 @@ def _jitted_forward_logits():
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.model import forward
+    from jaxinfer.model.forward import forward
 
     @functools.partial(jax.jit, static_argnames=("cfg",))
     def logits(params, ids, *, cfg):
@@ -70,7 +70,7 @@ def padded_logits(cfg, params, sequences) -> list:
 @pytest.fixture(scope="session")
 def smollm2():
     """(ModelConfig, Params) of the embedded SmolLM2-135M-Instruct, f32, context 2048."""
-    from jaxinfer.loading import load_model
+    from jaxinfer.loading.loading import load_model
 
     return load_model(None, dtype="float32", max_context=2048)
 
@@ -105,7 +105,7 @@ def smollm2_llm(compile_cache):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.loading.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -113,7 +113,7 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_llama():
     """(ModelConfig, Params) of the random tiny Llama that transformers saved as safetensors."""
-    from jaxinfer.loading import load_model
+    from jaxinfer.loading.loading import load_model
 
     return load_model(FIXTURES / "tiny_llama", dtype="float32")
 
@@ -128,6 +128,6 @@ def compile_cache(tmp_path_factory) -> str:
 def tiny_chat_model(tmp_path_factory, smollm2_tokenizer):
     """A Hugging Face folder: a random tiny Llama with SmolLM2's real vocabulary, tokenizer and chat
     template, so that text jobs (the batch CLI, LLM.generate) run fast on real tokenization."""
-    from jaxinfer.tiny_model import save_tiny_llama
+    from jaxinfer.loading.tiny_model import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_chat_model"), smollm2_tokenizer, max_position=512)

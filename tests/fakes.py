@@ -8,11 +8,11 @@ tokens would differ from `expected_output`, the hash chain of the true sequence.
 
 import numpy as np
 
-from jaxinfer import runloop
+from jaxinfer.scheduling import runloop
 from jaxinfer.config import EngineConfig
-from jaxinfer.output import OutputProcessor
-from jaxinfer.request import Request, SamplingParams
-from jaxinfer.scheduler import Scheduler
+from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
 
 VOCAB = 1000
 

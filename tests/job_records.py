@@ -1,6 +1,6 @@
-"""Reading the JSONL records a batch job writes (jaxinfer.batch, the CLI, jaxinfer.ray), for the tests.
+"""Reading the JSONL records a batch job writes (jaxinfer.batch.job, the CLI, jaxinfer.batch.ray), for the tests.
 
-Parsed here independently of jaxinfer.batch's own reader: one JSON object per b"\\n"-terminated line.
+Parsed here independently of jaxinfer.batch.job's own reader: one JSON object per b"\\n"-terminated line.
 """
 
 import json

@@ -1,0 +1,265 @@
+"""The output file of a batch job: its lock, its settings, and the scan that a resume starts from.
+
+A job owns its output for as long as it runs:
+- **Lock.** `OutputLock` holds an exclusive `flock` on `<output>.lock`, which names the holder's pid. A
+  second job on the same output fails at once, naming that pid. The lock file is removed on release.
+- **Settings.** `<output>.meta.json` records the settings that decide a line's tokens (the model's
+  identity, dtype, quantization, seeds, sampling defaults, ...). A resume under other settings is
+  refused with the differences listed, unless forced.
+- **Scan before repair.** `scan_output` reads the whole file (in blocks, keeping only the keys) and changes nothing. Only when every complete
+  line is a record does `repair_output` cut off a torn last record (or restore the newline of a whole
+  one), so a file that is not jaxinfer's is never touched.
+
+Imports only the standard library (the CLI checks files before jax loads).
+"""
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from jaxinfer.batch.keys import KeyTable
+
+META_FORMAT = "jaxinfer-batch-settings/1"
+RECORD_START = b'{"id": '  # every record is written as json.dumps of a dict whose first key is "id"
+_FINGERPRINT_BYTES = 1 << 22  # the model file's leading bytes that its identity hashes (GGUF header and metadata)
+
+
+class ResumeError(ValueError):
+    """The existing output cannot be resumed (not a jaxinfer result file, damaged, or other settings)."""
+
+
+class OutputBusyError(ValueError):
+    """Another job holds the output's lock."""
+
+
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".lock")
+
+
+def meta_path(output: Path) -> Path:
+    return output.with_name(output.name + ".meta.json")
+
+
+class OutputLock:
+    """An exclusive lock on an output, held from construction until `release()`.
+
+    The lock file is re-checked after locking: if another job removed and recreated it in between, the
+    lock is taken again on the new file, so two jobs never both hold a lock.
+    """
+
+    def __init__(self, output: Path):
+        self.path = lock_path(output)
+        while True:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputBusyError(f"{output} is in use by another jaxinfer job (pid {holder}); wait for it to finish, or write to another --output") from None
+            if self._still_ours(fd):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"cannot write to {self.path.parent}: {e.strerror}") from None
+
+    def _still_ours(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+# ---------------------------------------------------------------- settings
+
+
+def model_identity(path: Path | None) -> dict:
+    """What names a model across runs: its file's name, size and a hash of its first 4 MiB (a Hugging
+    Face folder: the hash of its config.json and the size of all its files)."""
+    if path is None:
+        return {"name": None}
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        config = path / "config.json"
+        digest = hashlib.sha256(config.read_bytes() if config.exists() else b"").hexdigest()[:16]
+        return {"name": path.name, "bytes": sum(p.stat().st_size for p in files), "sha256_head": digest}
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read(_FINGERPRINT_BYTES)).hexdigest()[:16]
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256_head": digest}
+
+
+def read_settings(output: Path) -> dict | None:
+    """The settings recorded for an output, or None when it has none."""
+    path = meta_path(output)
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ResumeError(f"cannot resume: {path} is damaged (not JSON); use --force-settings to resume anyway") from None
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or not isinstance(meta.get("settings"), dict):
+        raise ResumeError(f"cannot resume: {path} is not a jaxinfer settings file; use --force-settings to resume anyway")
+    return meta["settings"]
+
+
+def write_settings(output: Path, settings: dict) -> None:
+    """Write the settings atomically (a kill leaves the old file or the new one, never half of one)."""
+    path = meta_path(output)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": META_FORMAT, "settings": settings}, indent=1, sort_keys=True) + "\n", "utf-8")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def settings_differences(recorded: dict, current: dict) -> list[str]:
+    """'name: recorded -> now' for each setting that differs, in name order."""
+    names = sorted(set(recorded) | set(current))
+    missing = "(not set)"
+    return [f"{n}: {json.dumps(recorded.get(n, missing))} -> {json.dumps(current.get(n, missing))}" for n in names if recorded.get(n, missing) != current.get(n, missing)]
+
+
+def check_settings(output: Path, current: dict, *, has_records: bool) -> None:
+    """Refuse a resume whose settings differ from those its records were made under."""
+    recorded = read_settings(output)
+    if recorded is None:
+        if has_records:
+            raise ResumeError(
+                f"cannot resume: {output} has records but no settings file ({meta_path(output).name}; written by an older "
+                "jaxinfer, or removed), so its settings cannot be checked; pass --force-settings to resume anyway"
+            )
+        return
+    differences = settings_differences(recorded, current)
+    if differences:
+        listed = "; ".join(differences)
+        raise ResumeError(f"cannot resume: {output} was written under other settings ({listed}); rerun with the same settings, or pass --force-settings to resume anyway")
+
+
+# ---------------------------------------------------------------- scan and repair
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputScan:
+    """What a resume found in an output, before any change: the keys done and the repair it needs."""
+
+    keys: KeyTable
+    size: int  # bytes of the file when scanned
+    keep_bytes: int  # bytes to keep: size, or less to cut a torn last record
+    add_newline: bool  # the last record is whole but lacks its newline
+
+    @property
+    def needs_repair(self) -> bool:
+        return self.keep_bytes != self.size or self.add_newline
+
+
+def scan_output(path: Path, iter_lines) -> OutputScan:
+    """Read an output and check every line is a record; raises ResumeError naming the first that is not.
+
+    A last line without its newline is whole if it parses as a record (its newline is restored), torn if
+    it is the start of one (cut off). Anything else there is not a record, and an error, like any other
+    line. `iter_lines` is the job's line splitter (blocks of bytes -> numbered lines), so records are
+    split as inputs are. The file is read in blocks; only the keys are kept.
+    """
+    if not path.exists():
+        return OutputScan(KeyTable(), 0, 0, False)
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        complete_end = _end_of_last_line(fd, size)
+        newlines = [0]
+        keys = KeyTable(_record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines)))
+        tail = os.pread(fd, size - complete_end, complete_end) if size > complete_end else b""
+    if not tail.strip():
+        return OutputScan(keys, size, size, False)
+    if _is_torn_record(tail):
+        return OutputScan(keys, size, complete_end, False)
+    keys.add(_record_key(path, newlines[0] + 1, tail))
+    return OutputScan(keys, size, size, True)
+
+
+_SCAN_BLOCK = 1 << 20
+
+
+def _blocks(fd: int, end: int, newlines: list[int]):
+    """The file's bytes [0, end) in blocks; counts their newlines into newlines[0]."""
+    offset = 0
+    while offset < end:
+        block = os.pread(fd, min(_SCAN_BLOCK, end - offset), offset)
+        if not block:
+            break
+        newlines[0] += block.count(b"\n")
+        yield block
+        offset += len(block)
+
+
+def _end_of_last_line(fd: int, size: int) -> int:
+    """The offset just past the file's last b"\\n" (0 when it has none), read backwards in blocks."""
+    end = size
+    while end > 0:
+        start = max(0, end - _SCAN_BLOCK)
+        position = os.pread(fd, end - start, start).rfind(b"\n")
+        if position >= 0:
+            return start + position + 1
+        end = start
+    return 0
+
+
+def repair_output(path: Path, scan: OutputScan) -> None:
+    """Cut a torn last record off, or restore a whole last record's newline; the file must be unchanged
+    since the scan (checked by its size)."""
+    if not scan.needs_repair:
+        return
+    with open(path, "r+b") as f:
+        if os.fstat(f.fileno()).st_size != scan.size:
+            raise ResumeError(f"cannot resume: {path} changed while it was being checked")
+        if scan.add_newline:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+        else:
+            f.truncate(scan.keep_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _is_torn_record(tail: bytes) -> bool:
+    """The start of a record cut off by a kill: not JSON, and it begins as every record begins. (A tail
+    that parses is a whole line: a record whose newline was lost, or not a record at all.)"""
+    if not (tail.startswith(RECORD_START) or RECORD_START.startswith(tail)):
+        return False
+    try:
+        json.loads(tail.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return True
+    return False
+
+
+def _record_key(path: Path, number: int, raw: bytes) -> str:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise ResumeError(f"cannot resume: {path} line {number} is not a JSON record; fix or remove that line, or use --overwrite") from None
+    if isinstance(record, dict) and isinstance(record.get("key"), str):
+        return record["key"]
+    raise ResumeError(f"cannot resume: {path} line {number} has no 'key' (it is not a jaxinfer result record); use --overwrite to start over")

@@ -1,0 +1,118 @@
+"""JSONL batch jobs across machines on Ray Data: batch.py's job, with its lines run by a pool of LLM actors.
+
+    ray.data.from_items(lines).map_batches(LLMActor, concurrency=A, batch_size=B, num_gpus=G)
+
+The driver does what the local job does: it reads the input and, on resume, the output's done keys,
+ships the lines not done, and writes each record as its batch comes back through `BatchJob.write`, the
+one writer. So the output is the local job's: one record per line, the same keys, the same resume
+contract. Each actor holds one `LLM` and runs its batch through `batch.LineRunner`, so a bad line becomes
+its own error record and the rest of its batch runs. A request without its own seed derives one from its
+line's key, so which actor runs it does not change its tokens.
+
+When an actor dies, Ray Data restarts it and runs its unfinished batch again (the actors are created
+with `max_restarts=-1, max_task_retries=-1`, pinned in `map_batches`' remote args); a record whose
+key was already written is dropped by the writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
+
+Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxinfer.scheduling.request import SamplingParams
+
+from jaxinfer.validation import check_int, check_number
+
+if TYPE_CHECKING:  # batch.py (and through it jax) is imported where it is used: the CLI's --help stays fast
+    from jaxinfer.batch.job import BatchJob, InputLine, JobSummary
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.options import LoadOptions
+
+DEFAULT_BATCH_SIZE = 16  # lines per actor call: enough for continuous batching inside each actor
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("--ray needs Ray Data: pip install 'jaxinfer[ray]'") from None
+    return ray
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide a job runs on Ray."""
+
+    address: str | None = None  # None: start a local cluster (or join the one RAY_ADDRESS names); "auto": the running one
+    num_actors: int = 1  # LLM actors, each holding one model replica
+    batch_size: int = DEFAULT_BATCH_SIZE
+    num_gpus: float = 0.0  # per actor (1 on GPU machines: one replica per GPU)
+    num_cpus: float = 1.0  # per actor
+
+    def __post_init__(self):
+        check_int("num_actors", self.num_actors, low=1)
+        check_int("batch_size", self.batch_size, low=1)
+        check_number("num_gpus", self.num_gpus, low=0.0, high=1024.0)
+        check_number("num_cpus", self.num_cpus, low=0.0, high=1024.0)
+
+
+class LLMActor:
+    """A Ray Data callable class: one LLM per actor; each call runs a batch of input lines.
+
+    A batch holds the column "line" (each an InputLine as JSON); the result holds "key" and "record"
+    (the line's record as JSON), one row per line, ok or error.
+    """
+
+    def __init__(self, model=None, load_options: "LoadOptions | None" = None, engine_config: "EngineConfig | None" = None, defaults: SamplingParams | None = None, truncate: str = "none"):
+        from jaxinfer.api import LLM
+        from jaxinfer.batch.job import LineRunner
+
+        self.llm = LLM(model, options=load_options, engine_config=engine_config)
+        self.runner = LineRunner(defaults or SamplingParams(), truncate)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        lines = [line_from_json(text) for text in batch["line"]]
+        records = {record["key"]: record for record in self.runner.records(self.llm, lines)}
+        return {"key": [line.key for line in lines], "record": [json.dumps(records[line.key]) for line in lines]}
+
+
+def line_to_json(line: "InputLine") -> str:
+    return json.dumps(dataclasses.asdict(line))  # ASCII: a lone surrogate from the input stays a JSON escape
+
+
+def line_from_json(text: str) -> "InputLine":
+    from jaxinfer.batch.job import InputLine
+
+    return InputLine(**json.loads(text))
+
+
+def run_job(
+    job: "BatchJob", options: RayOptions, *, model=None, load_options: "LoadOptions | None" = None, engine_config: "EngineConfig | None" = None, progress: bool = True,
+) -> "JobSummary":
+    """Run a BatchJob's remaining lines on a Ray cluster; the records land in the job's output."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        ray.init(address=options.address, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = progress
+    actor_kwargs = {"model": None if model is None else str(model), "load_options": load_options, "engine_config": engine_config}
+    return job.write(_records(ray, job, options, actor_kwargs))
+
+
+def _records(ray, job: "BatchJob", options: RayOptions, actor_kwargs: dict) -> Iterator[dict]:
+    if not job.todo:
+        return
+    items = [{"line": line_to_json(line)} for line in job.todo]
+    ds = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / options.batch_size))
+    ds = ds.map_batches(
+        LLMActor, batch_size=options.batch_size, batch_format="numpy", concurrency=options.num_actors,
+        num_cpus=options.num_cpus, num_gpus=options.num_gpus or None,
+        fn_constructor_kwargs=actor_kwargs | {"defaults": job.runner.defaults, "truncate": job.runner.truncate},
+        max_restarts=-1, max_task_retries=-1,  # Ray Data passes extra keywords to the actors as their remote args
+    )
+    for row in ds.iter_rows():
+        yield json.loads(row["record"])

@@ -1,0 +1,371 @@
+"""The step loop's device half: one compiled program per bucket key, and the donated KV pool.
+
+`Engine` owns the params, the KV pool and a table of ahead-of-time compiled programs, one per bucket key
+(phase, rows, tokens per row, pages per row). `warmup()` compiles all of them before any traffic, with
+JAX's persistent compilation cache enabled; afterwards `step(plan)` only looks programs up, so nothing
+compiles after warm-up (calling a compiled program with another shape is an error, not a compile).
+The pool is donated into every step and rebound on the same line. The engine knows nothing about text.
+
+`params` is the model as it was loaded (on the mesh, with one); the compiled programs run over
+`step_params`, which for the CPU kernels holds the layer matrices repacked into panels (panels.py) and is
+`params` itself otherwise. References (generate.py) run over `params`, so they stay independent of the kernels.
+
+With a `mesh` (tensor parallelism, sharding.py owns the layout) the params are put on it by the logical
+axis rules, the pool is allocated sharded over kv heads, and every program is compiled with explicit
+in/out shardings: params and pool as the rules say, the step's inputs and its tokens/logits replicated,
+the pool out exactly as in so the donation aliases. Without one (the default) nothing changes: one
+device, no shardings given.
+"""
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.model import kv_pool as kvp
+from jaxinfer.scheduling import guided
+from jaxinfer.model import forward as model, panels, quant, sampling
+from jaxinfer.model import sharding as shd
+from jaxinfer.model.attention import resolve_impl
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.model.params import Params
+from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
+from jaxinfer.validation import FieldError
+
+log = logging.getLogger(__name__)
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+
+
+class CompileCounter:
+    """Counts JAX traces and backend compiles in the process while active (a context manager).
+
+    Independent of the engine's own bookkeeping: it listens to jax.monitoring, so any compile anywhere
+    (a stray jnp op on a new shape, a jit cache miss) is seen.
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.events: list[str] = []
+
+    def _listener(self, event: str, duration: float, **_) -> None:
+        if event in _COMPILE_EVENTS:
+            self.count += 1
+            self.events.append(event)
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+class PoolTooLargeError(ValueError):
+    """The requested KV pool does not fit the available memory."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    token_ids: jax.Array  # i32[R, T]
+    positions: jax.Array  # i32[R, T]
+    pages: kvp.PageMeta
+    logit_indices: jax.Array  # i32[R, J]; J sequences per row (1 unless the row is packed)
+    sampling: sampling.SamplingArrays  # [R * J] each
+    prompt_lens: jax.Array  # i32[R * J]; positions below are the slot's prompt (the penalties' split)
+    targets: jax.Array  # i32[R, T]; prompt token after each token whose prompt logprobs are wanted, -1 else
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepLogits:
+    """What a step's forward program leaves on the device for its draw program."""
+
+    adjusted: jax.Array  # f32[R * J, V]; after the bias and the penalties (sampling.adjust), before the grammar's mask
+    raw: jax.Array | None  # f32[R * J, V]; the model's logits, kept for raw log-probabilities and return_logits, else None
+    prompt_logprobs: sampling.Logprobs  # [R * T]; zeros unless a token has a target
+
+
+def inputs_from_plan(plan: StepPlan) -> StepInputs:
+    """The forward program's device inputs (the grammar's masks are the draw's: `token_masks`)."""
+    pages = kvp.PageMeta(plan.block_tables, plan.slot_pages, plan.slot_offsets, plan.page_positions, plan.page_segments, plan.token_segments)
+    arrays = sampling.SamplingArrays(
+        plan.temperature, plan.top_k, plan.top_p, plan.seeds, plan.steps, plan.min_p, plan.presence, plan.frequency, plan.repetition,
+        plan.bias_ids, plan.bias_values, plan.num_logprobs,
+    )
+    return StepInputs(plan.token_ids, plan.positions, pages, plan.logit_indices, arrays, plan.prompt_lens, plan.targets)
+
+
+def token_masks(plan: StepPlan, vocab_size: int) -> np.ndarray:
+    """i32[R * J, ceil(V / 32)]: the grammar's mask of each constrained slot that samples; all ones elsewhere."""
+    masks = np.full((plan.seeds.shape[0], guided.mask_words(vocab_size)), -1, np.int32)
+    for slot, (guide, sample) in enumerate(zip(plan.guides, plan.samples)):
+        if guide is not None and sample:
+            guide.fill_mask(masks[slot])
+    return masks
+
+
+def _forward_step(params: Params, pool: kvp.KVPool, history: jax.Array, inputs: StepInputs, *, cfg: ModelConfig, impl: str, num_top: int, keep_raw: bool):
+    """A step's first program: the model, and the logit processing that reads the token history. Donates
+    `pool` and `history` (i32[P, L], the token id in every pool slot, which the penalties count); returns
+    (StepLogits, pool, history)."""
+    history = history.at[inputs.pages.slot_pages, inputs.pages.slot_offsets].set(inputs.token_ids)
+    x, pool = model.hidden_states(params, pool, inputs.token_ids, inputs.positions, cfg=cfg, pages=inputs.pages, attention_impl=impl)
+    logits = model.logits_from_hidden(params, model.hidden_at(x, inputs.logit_indices), cfg)  # [R, J, V]
+    raw = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)  # [R * J, V]
+    counts = functools.partial(token_counts, history, inputs, cfg.vocab_size)
+    adjusted = sampling.adjust(raw, inputs.sampling, counts)
+    return StepLogits(adjusted, raw if keep_raw else None, _prompt_logprobs(params, x, inputs.targets, cfg, num_top)), pool, history
+
+
+def _draw_step(adjusted: jax.Array, raw: jax.Array | None, arrays: sampling.SamplingArrays, *, num_top: int, mode: str):
+    """A step's second program, over StepLogits' [R * J, V] arrays: the grammar's mask (arrays.token_mask),
+    the tokens and their log-probabilities."""
+    return sampling.draw(raw, adjusted, arrays, num_top=num_top, mode=mode)
+
+
+def _prompt_logprobs(params: Params, x, targets, cfg: ModelConfig, num_top: int) -> sampling.Logprobs:
+    """Raw log-probabilities of each token's target (the next prompt token) and the top ones, [R * T];
+    the vocabulary projection of every token runs only when some token has a target."""
+    flat_targets = jnp.maximum(targets, 0).reshape(-1)
+
+    def scored():
+        logits = model.logits_from_hidden(params, x, cfg)  # [R, T, V]
+        return sampling.top_logprobs(logits.reshape(-1, logits.shape[-1]), flat_targets, num_top)
+
+    def empty():
+        zeros = lambda dtype, *shape: jnp.zeros((flat_targets.shape[0], *shape), dtype)  # noqa: E731
+        return sampling.Logprobs(zeros(jnp.float32), zeros(jnp.int32, num_top), zeros(jnp.float32, num_top))
+
+    return jax.lax.cond(jnp.any(targets >= 0), scored, empty)
+
+
+def token_counts(history: jax.Array, inputs: StepInputs, vocab_size: int) -> sampling.TokenCounts:
+    """Per sequence slot: how often each token was generated so far, and which tokens its prompt holds,
+    read from `history` through the slot's pages (its own entries of a packed row), up to and with the
+    token it samples after."""
+    pages, (rows, slots) = inputs.pages, inputs.logit_indices.shape
+    slot_row, segment = jnp.arange(rows * slots) // slots, jnp.arange(rows * slots) % slots  # [S]
+    tokens = history[pages.block_tables[slot_row]]  # [S, P, L]
+    positions = pages.page_positions[slot_row][:, :, None] + jnp.arange(history.shape[1])  # [S, P, L]
+    last = jnp.take_along_axis(inputs.positions, inputs.logit_indices, axis=1).reshape(-1)  # [S]
+    own = (pages.page_segments[slot_row] == segment[:, None])[:, :, None] & (positions <= last[:, None, None])
+    generated = own & (positions >= inputs.prompt_lens[:, None, None])
+    index = jnp.broadcast_to(jnp.arange(rows * slots)[:, None, None], tokens.shape)
+    output = jnp.zeros((rows * slots, vocab_size), jnp.int32).at[index, tokens].add(generated.astype(jnp.int32))
+    in_prompt = jnp.zeros((rows * slots, vocab_size), jnp.bool_).at[index, tokens].max(own & ~generated)
+    return sampling.TokenCounts(output, in_prompt)
+
+
+def available_bytes(device: jax.Device) -> int:
+    """Free memory of the device; host MemAvailable for CPU devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info["MemFree"])
+
+
+def pages_on_ladder(fitted: int) -> int:
+    """The largest page count <= `fitted` of the form m * 2**e with m in {4, 5, 6, 7}: a pool sized from
+    free memory keeps one shape (and so hits the persistent compile cache) while free memory moves by up
+    to a fifth, and never gives up more than a fifth of what fits. Counts under 4 stay as they are."""
+    if fitted < 4:
+        return fitted
+    exponent = fitted.bit_length() - 3  # fitted = m * 2**exponent + rest, with 4 <= m < 8
+    return (fitted >> exponent) << exponent
+
+
+def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device, *, mesh=None) -> int:
+    """Pages of the pool: as configured, or a share of free memory rounded down to a fixed ladder (so
+    program shapes do not follow free memory from run to run); fails if it cannot fit.
+
+    On a mesh, a page costs each device its share (all of it when kv heads are replicated); simulated
+    CPU devices share the host's memory, so there a page costs that share on every device."""
+    page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
+    if mesh is not None:
+        size = shd.mesh_size(mesh)
+        page_bytes = -(-page_bytes // shd.kv_shards(cfg, size)) * (size if device.platform == "cpu" else 1)
+    free = available_bytes(device)
+    if engine_cfg.num_pages is None:
+        wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+        fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
+        num_pages = wanted if fitted >= wanted else pages_on_ladder(fitted)
+    else:
+        num_pages = engine_cfg.num_pages
+    needed = num_pages * page_bytes
+    if num_pages < 2 or needed > free:
+        raise PoolTooLargeError(
+            f"KV pool ({engine_cfg.kv_cache_dtype or cfg.dtype}{', scales included' if engine_cfg.kv_cache_dtype else ''}) of {num_pages} pages x {page_bytes} bytes needs {needed} bytes "
+            f"({needed / 2**30:.2f} GiB); {free} bytes ({free / 2**30:.2f} GiB) are available on {device}"
+        )
+    return num_pages
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    if directory is None:
+        return
+    path = Path(os.path.expanduser(directory))
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Engine:
+    """Compiled programs + donated pool. `step(plan)` runs one planned step and returns its tokens."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, *, mesh: jax.sharding.Mesh | None = None, return_logits: bool = False):
+        """`mesh`: a sharding.make_mesh mesh for tensor parallelism (None: one device, as always).
+        `return_logits`: every step also copies its rows' logits to the host (`last_logits`), for
+        tests that compare logits bit for bit; it costs a [R, V] copy per step."""
+        if engine_cfg.max_context > cfg.max_context:
+            raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
+        self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
+        # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
+        # runs its fixed-split config, and everything else attention_over_page_blocks.
+        self.impl = resolve_impl(
+            engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
+            tensor_parallel=1 if mesh is None else shd.mesh_size(mesh),
+            page_size=engine_cfg.page_size, head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads,
+        )
+        # The CPU layer-matmul kernel reads the matrices in its own panel layout (one device only, so never with
+        # a mesh); matmul_impl.resolve_matmul_impl owns whether it runs. The loaded params stay as they are. Packed
+        # before the pool is sized, so free memory counts the panels.
+        from jaxinfer.engine.backends import packer, resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
+
+        self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None,
+                                               int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+        pack = packer(self.matmul_impl)
+        self.step_params = params if pack is None else pack(params)
+        enable_compilation_cache(engine_cfg.compilation_cache_dir)
+        self.mesh = mesh
+        device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
+        self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
+        num_top = max(engine_cfg.max_logprobs, 1)
+        self.keep_raw = return_logits or engine_cfg.logprobs_mode == "raw"
+        forward = functools.partial(_forward_step, cfg=cfg, impl=self.impl, num_top=num_top, keep_raw=self.keep_raw)
+        draw = functools.partial(_draw_step, num_top=num_top, mode=engine_cfg.logprobs_mode)
+        init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
+        self.history = jnp.zeros((self.num_pages, engine_cfg.page_size), jnp.int32)  # token id of every pool slot
+        if mesh is None:
+            self.pool = init()
+            self._jitted = jax.jit(forward, donate_argnames=("pool", "history"))
+            self._jitted_draw = jax.jit(draw)
+        else:
+            self.params = self.step_params = params = shd.shard_params(params, cfg, mesh)
+            pool_sharding = shd.pool_shardings(jax.eval_shape(init), cfg, mesh)
+            self.pool = jax.jit(init, out_shardings=pool_sharding)()  # allocated in place, never whole on one device
+            rep = shd.replicated(mesh)
+            self.history = jax.device_put(self.history, rep)
+            in_shardings = (shd.param_shardings(params, cfg, mesh), pool_sharding, rep, rep)
+            self._jitted = jax.jit(forward, in_shardings=in_shardings, out_shardings=(rep, pool_sharding, rep), donate_argnames=("pool", "history"))
+            self._jitted_draw = jax.jit(draw, in_shardings=(rep, rep, rep), out_shardings=rep)
+        self.return_logits = return_logits
+        self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
+        self._programs: dict[tuple, jax.stages.Compiled] = {}  # bucket key -> its forward program
+        self._draws: dict[int, jax.stages.Compiled] = {}  # sequence slots of a step -> its draw program
+        self.overlap_masks = engine_cfg.overlap_masks
+        self.num_compilations = 0
+        self.compile_seconds = 0.0
+
+    def bucket_keys(self) -> list[BucketKey]:
+        """Every key a plan can have (the engine config's BucketTables owns them)."""
+        return self.engine_cfg.tables.all_keys()
+
+    def program_keys(self) -> list:
+        """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count."""
+        return self.bucket_keys() + sorted({self._num_slots(k) for k in self.bucket_keys()})
+
+    def _num_slots(self, key: BucketKey) -> int:
+        return key.num_rows * self.engine_cfg.tables.samples_per_row(key.phase)
+
+    def _abstract_inputs(self, key: BucketKey) -> StepInputs:
+        rows, tokens, width, samples = key.num_rows, key.num_tokens, key.num_pages, self._num_slots(key)
+        pages = kvp.PageMeta(_spec(rows, width), _spec(rows, tokens), _spec(rows, tokens), _spec(rows, width), _spec(rows, width), _spec(rows, tokens))
+        return StepInputs(_spec(rows, tokens), _spec(rows, tokens), pages, _spec(rows, samples // rows), self._abstract_arrays(samples), _spec(samples), _spec(rows, tokens))
+
+    def _abstract_arrays(self, samples: int, *, masked: bool = False) -> sampling.SamplingArrays:
+        floats, bias = lambda: _spec(samples, dtype=jnp.float32), self.engine_cfg.max_logit_bias  # noqa: E731
+        return sampling.SamplingArrays(
+            floats(), _spec(samples), floats(), _spec(samples), _spec(samples), floats(), floats(), floats(), floats(),
+            _spec(samples, bias), _spec(samples, bias, dtype=jnp.float32), _spec(samples),
+            _spec(samples, guided.mask_words(self.cfg.vocab_size)) if masked else None,
+        )
+
+    def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
+        """A bucket key's forward program, or (an int: the step's sequence slots) its draw program."""
+        start = time.perf_counter()
+        with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
+            if isinstance(key, int):
+                logits = _spec(key, self.cfg.vocab_size, dtype=jnp.float32)
+                raw = logits if self.keep_raw else None
+                compiled = self._jitted_draw.lower(logits, raw, self._abstract_arrays(key, masked=True)).compile()
+            else:
+                compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
+        return key, compiled, time.perf_counter() - start
+
+    def warmup(self, progress=None) -> None:
+        """Compile every bucket's forward program and every draw program (in parallel threads). `progress(key,
+        seconds)` is called per forward program."""
+        missing = [k for k in self.program_keys() if k not in (self._draws if isinstance(k, int) else self._programs)]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
+            for key, compiled, seconds in pool.map(self._compile, missing):
+                (self._draws if isinstance(key, int) else self._programs)[key] = compiled
+                self.num_compilations += 1
+                log.info("compiled %s in %.2fs", key, seconds)
+                if progress is not None and not isinstance(key, int):
+                    progress(key, seconds)
+        self.compile_seconds += time.perf_counter() - start
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R * J]
+        (one per sequence slot of the plan: `plan.request_ids[i]` drew token i), and the log-probabilities
+        the plan asks for (only those are copied to the host).
+
+        Two programs: the forward, then the draw. Dispatch is asynchronous, so with `overlap_masks` the host
+        fills the grammar's masks while the device runs the forward; without, it fills them first."""
+        program = self._programs.get(plan.bucket)
+        if program is None:
+            raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
+        _check_pages(plan.block_tables, plan.slot_pages, self.num_pages)
+        inputs = inputs_from_plan(plan)
+        masks = None if self.overlap_masks else token_masks(plan, self.cfg.vocab_size)
+        logits, self.pool, self.history = program(self.step_params, self.pool, self.history, inputs)
+        if masks is None:
+            masks = token_masks(plan, self.cfg.vocab_size)
+        tokens, logprobs = self._draws[plan.seeds.shape[0]](logits.adjusted, logits.raw, dataclasses.replace(inputs.sampling, token_mask=masks))
+        if self.return_logits:
+            self.last_logits = np.asarray(logits.raw)
+        return StepResult(
+            np.asarray(tokens),
+            _to_host(logprobs) if plan.wants_logprobs else None,
+            _to_host(logits.prompt_logprobs) if plan.wants_prompt_logprobs else None,
+        )
+
+
+def _spec(*shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _to_host(logprobs: sampling.Logprobs) -> Logprobs:
+    return Logprobs(np.asarray(logprobs.token), np.asarray(logprobs.top_ids), np.asarray(logprobs.top))
+
+
+def _check_pages(block_tables: np.ndarray, slot_pages: np.ndarray, num_pages: int) -> None:
+    """JAX clamps out-of-range indices silently, so page ids are checked on the host."""
+    for name, pages in (("block_tables", block_tables), ("slot_pages", slot_pages)):
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise ValueError(f"{name} holds page ids outside [0, {num_pages}): min {pages.min()}, max {pages.max()}")

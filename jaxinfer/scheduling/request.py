@@ -1,0 +1,215 @@
+"""User-facing request types: `SamplingParams` (validated where built), `Request` (host state of one
+request) and the derived seed; no jax.
+
+`SamplingParams` is what a user passes per prompt, from Python or from a JSONL line. It checks every
+field where it is built (validation.py: type, range, finiteness) and names the field in its errors
+(`FieldError`), so the API, the batch reader and the CLI share one set of rules. It never reaches a
+traced function as Python values: `StepPlan.build` (plan.py) packs each step's parameters into arrays,
+so a new temperature or seed never triggers a compile.
+"""
+
+import dataclasses
+import hashlib
+import math
+
+from jaxinfer.scheduling import guided
+from jaxinfer.validation import (
+    FieldError, check_bool, check_int, check_logit_bias, check_number, check_stop_strings, check_stop_token_ids, check_token_list,
+    unknown_field_error,
+)
+
+TRUNCATE_SIDES = ("none", "left", "right")  # what a prompt over the context does: an error, or cut (api.truncate_prompt)
+MAX_SEED = 2**31  # seeds are int32 on the device
+MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device
+MAX_N = 1024  # samples per prompt at most
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop. Defaults follow vLLM, except max_tokens."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # 1 means no nucleus cut
+    seed: int | None = None  # None: derived from the engine seed and the request's identity
+    max_tokens: int = 128  # generated tokens at most
+    stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept in the output)
+    stop: tuple[str, ...] = ()  # finish when the text contains one of these (the text is cut before it)
+    ignore_eos: bool = False  # keep going past the end-of-sequence token
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's (0: off)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (vLLM, OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: divided if > 0, multiplied if < 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit; a dict is accepted
+    logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs` (0: its own only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (scoring)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    n: int = 1  # samples of the prompt; they share its KV pages (computed once), sample i seeded from i
+    # A grammar the output must follow (guided.py): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": Lark/GBNF}
+    structured_outputs: tuple[str, str] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (None: any)
+    bad_words: tuple[str, ...] = ()  # never generated: a word's last token is banned where its other tokens end the output
+
+    def __post_init__(self):
+        checked = {
+            "temperature": check_number("temperature", self.temperature, low=0.0, high=math.inf),
+            "top_k": check_int("top_k", self.top_k, low=0, high=MAX_TOP_K),
+            "top_p": check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True),
+            "seed": None if self.seed is None else check_int("seed", self.seed, low=0, high=MAX_SEED - 1),
+            "max_tokens": check_int("max_tokens", self.max_tokens, low=1),
+            "stop_token_ids": check_stop_token_ids(self.stop_token_ids),
+            "stop": check_stop_strings(self.stop),
+            "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
+            "min_tokens": check_int("min_tokens", self.min_tokens, low=0),
+            "min_p": check_number("min_p", self.min_p, low=0.0, high=1.0),
+            "presence_penalty": check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0),
+            "frequency_penalty": check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0),
+            "repetition_penalty": check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, low_open=True),
+            "logit_bias": check_logit_bias(self.logit_bias),
+            "logprobs": None if self.logprobs is None else check_int("logprobs", self.logprobs, low=0),
+            "prompt_logprobs": None if self.prompt_logprobs is None else check_int("prompt_logprobs", self.prompt_logprobs, low=0),
+            "include_stop_str_in_output": check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
+            "structured_outputs": guided.check_spec(self.structured_outputs),
+            "allowed_token_ids": None if self.allowed_token_ids is None else check_token_list("allowed_token_ids", self.allowed_token_ids, nonempty=True),
+            "bad_words": check_stop_strings(self.bad_words, "bad_words"),
+        }
+        checked["n"] = check_int("n", self.n, low=1, high=MAX_N)
+        if checked["n"] > 1 and checked["temperature"] == 0:
+            raise FieldError("n", f"({checked['n']}) with greedy sampling (temperature 0) gives {checked['n']} identical outputs; set a temperature > 0")
+        if checked["min_tokens"] > checked["max_tokens"]:
+            raise FieldError("min_tokens", f"({checked['min_tokens']}) exceeds max_tokens ({checked['max_tokens']})")
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_fields(cls, fields: dict, defaults: "SamplingParams | None" = None) -> "SamplingParams":
+        """Build from a dict of field values (a JSONL line) over `defaults`; unknown names are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = _resolve_aliases(fields)
+        for name in fields:
+            if name not in names:
+                raise unknown_field_error(name, names | SAMPLING_ALIASES.keys())
+        return dataclasses.replace(defaults or cls(), **fields)
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether its logits change before sampling (penalties, bias, min_p, min_tokens)."""
+        return bool(self.min_tokens or self.min_p or self.presence_penalty or self.frequency_penalty or self.logit_bias) or self.repetition_penalty != 1.0
+
+
+# OpenAI's name for a field -> jaxinfer's (vLLM's). Giving both with different values is an error.
+SAMPLING_ALIASES = {"max_completion_tokens": "max_tokens"}
+# vLLM's older structured-output fields -> the structured_outputs kind each one gives.
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# OpenAI's fields whose meaning is translated (_translate_openai), not only renamed.
+OPENAI_FIELDS = ("response_format", "top_logprobs")
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | SAMPLING_ALIASES.keys() | GUIDED_ALIASES.keys() | set(OPENAI_FIELDS)
+
+
+def _resolve_aliases(fields: dict) -> dict:
+    """The fields in SamplingParams' names: OpenAI's and vLLM's other spellings translated, the one owner."""
+    fields = _translate_openai(dict(fields))
+    renames = SAMPLING_ALIASES | {alias: "structured_outputs" for alias in GUIDED_ALIASES}
+    for alias, name in renames.items():
+        if alias not in fields:
+            continue
+        value = fields.pop(alias)
+        if name == "structured_outputs" and value is not None:
+            value = {GUIDED_ALIASES[alias]: value}
+        if fields.get(name) is not None and fields[name] != value:
+            raise FieldError(alias, f"({value!r}) disagrees with {name} ({fields[name]!r}); give one of them")
+        fields[name] = value
+    return fields
+
+
+def _translate_openai(fields: dict) -> dict:
+    """OpenAI's chat fields: `logprobs: true` with `top_logprobs: k` is logprobs=k; `response_format`
+    {"type": "json_schema", "json_schema": {"schema": ...}} or {"type": "json_object"} is a JSON grammar."""
+    top = fields.pop("top_logprobs", None)
+    if isinstance(fields.get("logprobs"), bool):
+        fields["logprobs"] = (0 if top is None else top) if fields["logprobs"] else None
+    elif top is not None:
+        raise FieldError("top_logprobs", "needs logprobs: true")
+    if "response_format" in fields:
+        spec = _response_format_spec(fields.pop("response_format"))
+        if spec is not None:
+            fields["structured_outputs"] = spec
+    return fields
+
+
+def _response_format_spec(value) -> dict | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json": {"type": "object"}}
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
+        return {"json": value["json_schema"]["schema"]}
+    raise FieldError("response_format", f"must be {{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {{'schema': ...}}}}, got {value!r}")
+
+
+def derive_seed(base_seed: int, identity: str) -> int:
+    """A request's seed from the engine seed and a stable identity (its input index, or its batch key),
+    so that the same request draws the same tokens in every run, resumed or not."""
+    digest = hashlib.blake2b(f"{base_seed}\x00{identity}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % MAX_SEED
+
+
+class RequestStatus:
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request's host state. `num_computed_tokens` counts tokens of prompt + output whose K/V is in
+    the pool; a preempted request drops to 0 and recomputes, keeping the tokens it already generated."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    priority: int = 0  # lower runs first
+    deadline: float | None = None  # time.perf_counter() by which it must start, else it times out
+    arrival_index: int = 0
+    arrival_time: float = 0.0
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: str = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None  # why it failed, when finish_reason is "error"
+    cache_salt: str | None = None  # prefix-cache isolation: pages are shared only between equal salts
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
+    admit_index: int = -1  # order of the latest admission; preemption takes the largest first
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # when a step first computed any of its tokens (runloop)
+    num_steps: int = 0  # engine steps that computed its tokens
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    eos_id: int | None = None  # the model's end-of-sequence id, which min_tokens masks
+    fork_of: "Request | None" = None  # sample 0 of its prompt, for samples 1.. of n (they share its prompt pages)
+    sample_index: int = 0  # which of its prompt's n samples
+    guide: object | None = None  # what it may generate next (guided.Guide), with a grammar, allowed_token_ids or bad_words
+    # Per generated token with params.logprobs: (its log-probability, {token id: log-probability} of the top ones)
+    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] = dataclasses.field(default_factory=list)  # per prompt token; None for the first
+
+    def next_token_bias(self) -> dict[int, float]:
+        """The sparse bias of its next token: logit_bias, plus -inf on the stop ids and EOS while fewer than
+        min_tokens are generated (the one owner of min_tokens)."""
+        bias = dict(self.params.logit_bias)
+        if len(self.output_ids) < self.params.min_tokens:
+            eos = () if self.eos_id is None or self.params.ignore_eos else (self.eos_id,)
+            for token in (*self.params.stop_token_ids, *eos):
+                bias[token] = -math.inf
+        return bias
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens_between(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        return (self.prompt_ids + self.output_ids)[start:stop]

@@ -1,0 +1,441 @@
+"""Host scheduler: continuous batching over a paged pool. Plain Python and numpy; never imports jax.
+
+Each call to `schedule()` returns the plans of one engine iteration:
+
+  1. decode: every running request whose prompt is fully in the pool gets one token. If its next token
+     needs a new page and none is free, requests are preempted by recompute, most recently admitted first
+     (their pages are freed, their generated tokens kept, and they re-queue at the front).
+  2. prefill: partially prefilled requests continue, then waiting requests are admitted in (priority,
+     deadline, arrival) order (earliest deadline first within a priority; ties go to the front of the
+     line, where preempted requests re-queue), under the per-step token budget, the sequence limit and
+     the free pages. A prompt longer than the largest chunk bucket is split over several steps (chunked
+     prefill). The waiting queue (request_queue.py) is a heap: a step costs O(log n) per admission and
+     per expiry, and a step with no free sequence slot does not read it.
+
+`update(plan, tokens)` applies the sampled tokens; the output processor (output.py) decides which
+requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
+Plans are shaped by the bucket tables of EngineConfig, so the engine only ever sees known shapes.
+"""
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from jaxinfer.scheduling.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.plan import BucketKey, Logprobs, RowChunk, StepPlan, StepResult
+from jaxinfer.scheduling.request import Request, RequestStatus, SamplingParams
+from jaxinfer.validation import FieldError
+from jaxinfer.scheduling.request_queue import RequestQueue
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    real_tokens: int = 0  # tokens computed by steps
+    padded_tokens: int = 0  # token slots computed, padding included
+    peak_kv_utilization: float = 0.0  # max over steps of tokens in pool / slots of allocated pages
+    kv_utilization_sum: float = 0.0  # summed over the steps that hold pages (for the mean)
+    kv_utilization_steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens whose KV came from cached pages
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def mean_kv_utilization(self) -> float:
+        return self.kv_utilization_sum / self.kv_utilization_steps if self.kv_utilization_steps else 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, num_pages: int, *, block_pool: BlockPool | None = None):
+        """`block_pool` may be shared by successive schedulers over the same KV pool, so that cached
+        prefixes outlive one batch; it must have no owners left when handed over."""
+        self.cfg = cfg
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
+        if self.block_pool.num_pages != num_pages or self.block_pool.num_used:
+            raise ValueError("a shared block pool must match the KV pool and hold no pages")
+        self.waiting = RequestQueue()  # in admission order; reads like a list (len, in, iteration)
+        self.running: list[Request] = []  # in admission order
+        self.stats = SchedulerStats()
+        self._admissions = 0
+        self._page_names: dict[str, list[bytes]] = {}  # request -> names of its full pages so far
+        self._num_named: dict[str, int] = {}  # request -> how many of its pages are in the cache map
+
+    # ------------------------------------------------------------ intake
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if the request can never run under this configuration."""
+        check_request(self.cfg, self.block_pool.num_pages, len(request.prompt_ids), request.params.max_tokens)
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ planning
+
+    def expire(self, now: float | None = None) -> list[Request]:
+        """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started."""
+        now = time.perf_counter() if now is None else now
+        expired = self.waiting.expire(now)  # taken out of the queue, in its line order
+        for request in expired:
+            self.finish(request, "timeout")
+        return expired
+
+    def schedule(self) -> list[StepPlan]:
+        """The plans of one iteration; never empty while requests are running (see _plan_step)."""
+        plans = self._plan_step()
+        while not plans and self.running:
+            # Partial prefills can hold every page while none can grow: free the latest admitted one.
+            self._preempt(self.running[-1])
+            plans = self._plan_step()
+        return plans
+
+    def _plan_step(self) -> list[StepPlan]:
+        decode_rows = self._reserve_decode_pages()
+        prefill_rows = self._plan_prefill()
+        plans = []
+        for group in split_decode_rows(decode_rows, self._decode_cost):
+            plans += [self._decode_plan(piece) for piece in self._decode_programs(group)]
+        if prefill_rows:
+            plans.append(self._prefill_plan(prefill_rows))
+        self._record_utilization()
+        return plans
+
+    # ------------------------------------------------------------ phases of a running request
+
+    def _prefill_end(self, request: Request) -> int:
+        """Tokens a prefill may cover. In deterministic mode only the prompt: generated tokens, when a
+        preempted request recomputes them, are replayed through decode steps, as they were first computed."""
+        return len(request.prompt_ids) if self.cfg.deterministic and request.output_ids else request.num_tokens
+
+    def _in_decode(self, request: Request) -> bool:
+        """The next step feeds one token: the newest (normal decode) or a generated one being replayed."""
+        if not request.output_ids:
+            return False
+        return request.num_computed_tokens == request.num_tokens - 1 or self._prefill_end(request) <= request.num_computed_tokens < request.num_tokens
+
+    def _pages_needed(self, request: Request, num_tokens: int) -> int:
+        have = len(self.block_pool.pages_of(request.request_id))
+        return max(0, -(-num_tokens // self.cfg.page_size) - have)
+
+    def _reserve_decode_pages(self) -> list[Request]:
+        """Give every decoding request room for one more token, preempting when the pool is full."""
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or not self._in_decode(request):
+                continue
+            needed = request.num_computed_tokens + 1
+            while self._pages_needed(request, needed) and not self._try_allocate(request, needed):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+        return [r for r in self.running if self._in_decode(r)]
+
+    def _try_allocate(self, request: Request, num_tokens: int) -> bool:
+        try:
+            self.block_pool.allocate(request.request_id, self._pages_needed(request, num_tokens))
+            return True
+        except OutOfPagesError:
+            return False
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free the pages, keep the output, re-queue at the front."""
+        self.block_pool.free(request.request_id)  # shared pages stay with their other owners
+        self._num_named.pop(request.request_id, None)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
+        packed row also under its largest chunk bucket and its widest table (pages summed over its sequences)."""
+        tables = self.cfg.tables
+        budget = min(self.cfg.max_prefill_tokens, tables.max_chunk) if tables.packed else self.cfg.max_prefill_tokens
+        pages_left = tables.max_pages if tables.packed else None
+        rows: list[tuple[Request, int]] = []
+        partial = [r for r in self.running if not self._in_decode(r)]
+        for request in itertools.chain(partial, self._waiting_in_order()):
+            if budget <= 0 or len(rows) == tables.max_prefill_rows:
+                break
+            if request.status == RequestStatus.WAITING and not self._prompt_shared(request):
+                break  # a sample of n waits for its first sample's prompt pages; the order is kept
+            hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
+            limit = budget if pages_left is None else min(budget, pages_left * self.cfg.page_size - request.num_computed_tokens)
+            chunk = self._fit_chunk(request, limit) if limit > 0 else 0
+            if chunk == 0:
+                if request.status == RequestStatus.WAITING:
+                    self._release(request)
+                    break  # no room to admit: keep the priority order, do not skip ahead
+                continue
+            if request.status == RequestStatus.WAITING:
+                self._admit(request, hit)
+            rows.append((request, chunk))
+            budget -= chunk
+            if pages_left is not None:
+                pages_left -= len(self.block_pool.pages_of(request.request_id))
+        return rows
+
+    def _prompt_shared(self, request: Request) -> bool:
+        """Whether a later sample of n (SamplingParams.n) may start: its first sample (`fork_of`) has
+        computed its prompt, whose full pages the prefix cache now shares, or will never need to."""
+        first = request.fork_of
+        if first is None or first.status == RequestStatus.FINISHED or not self.cfg.enable_prefix_caching:
+            return True
+        return first.status == RequestStatus.RUNNING and first.num_computed_tokens >= len(first.prompt_ids) - 1
+
+    def _waiting_in_order(self) -> Iterator[Request]:
+        """The waiting requests that may be admitted now, lazily in admission order (request_queue.py):
+        at most one per free sequence slot, and nothing is read from the queue when there is none."""
+        return self.waiting.first(self.cfg.max_num_seqs - len(self.running))
+
+    def _fit_chunk(self, request: Request, budget: int) -> int:
+        """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
+        remaining = self._prefill_end(request) - request.num_computed_tokens
+        chunk = min(remaining, budget, self.cfg.prefill_chunk_buckets[-1])
+        while chunk > 0 and not self._try_allocate(request, request.num_computed_tokens + chunk):
+            free_tokens = self.block_pool.num_free * self.cfg.page_size
+            spare = len(self.block_pool.pages_of(request.request_id)) * self.cfg.page_size - request.num_computed_tokens
+            chunk = min(chunk - 1, spare + free_tokens)
+        return chunk
+
+    # ------------------------------------------------------------ prefix cache
+
+    def _names_of(self, request: Request, num_pages: int) -> list[bytes]:
+        """Names of the request's first `num_pages` full pages (prompt + output), extended as needed."""
+        names = self._page_names.setdefault(request.request_id, [])
+        size = self.cfg.page_size
+        while len(names) < num_pages:
+            start = len(names) * size
+            names.append(page_hash(names[-1] if names else ROOT_HASH, request.tokens_between(start, start + size), request.cache_salt))
+        return names[:num_pages]
+
+    def _reuse_prefix(self, request: Request) -> int:
+        """Share the longest cached run of the request's full pages; returns the tokens it covers.
+        The last token a prefill covers is always computed (it needs logits), so at most
+        (prefill end - 1) // page_size pages. A request that scores its prompt (prompt_logprobs) reuses
+        nothing: every prompt token's logits are computed, as vLLM does."""
+        if not self.cfg.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return 0
+        pages = self.block_pool.lookup(self._names_of(request, (self._prefill_end(request) - 1) // self.cfg.page_size))
+        if pages:
+            self.block_pool.share(request.request_id, pages)
+            self._num_named[request.request_id] = len(pages)
+        request.num_computed_tokens = len(pages) * self.cfg.page_size
+        return request.num_computed_tokens
+
+    def _release(self, request: Request) -> None:
+        """Undo `_reuse_prefix` for a request that could not be admitted after all."""
+        self.block_pool.free(request.request_id)
+        self._num_named.pop(request.request_id, None)
+        request.num_computed_tokens = 0
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        """Name the request's pages that are now full of computed KV, so later requests can share them."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        computed = request.num_computed_tokens
+        if self.cfg.deterministic:  # share only pages a prefill computed: decode-computed KV differs in its bits
+            computed = min(computed, len(request.prompt_ids))
+        num_full = computed // self.cfg.page_size
+        first = self._num_named.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        pages, names = self.block_pool.pages_of(request.request_id), self._names_of(request, num_full)
+        for i in range(first, num_full):
+            self.block_pool.cache_page(pages[i], names[i])
+        self._num_named[request.request_id] = num_full
+
+    def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
+        if self.cfg.enable_prefix_caching:
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += num_cached_tokens
+        if request.admit_index < 0:  # its first admission
+            request.num_cached_tokens = num_cached_tokens
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.admit_index = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+
+    # ------------------------------------------------------------ plan arrays
+
+    def _decode_key(self, requests: list[Request]) -> BucketKey:
+        """The key of a decode step over these requests: rows and pages per row, bucketed."""
+        max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r in requests)
+        return self.cfg.tables.decode_key(len(requests), max_pages)
+
+    def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
+        """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
+        size = self.cfg.tables.max_decode_rows
+        return [requests[i : i + size] for i in range(0, len(requests), size)]
+
+    def _decode_cost(self, requests: list[Request]) -> float:
+        """Modelled cost of decoding a group: per program, a fixed part (weights read once) plus rows x (pages + 2)."""
+        keys = [self._decode_key(piece) for piece in self._decode_programs(requests)]
+        return sum(self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2) for key in keys)
+
+    def _decode_plan(self, requests: list[Request]) -> StepPlan:
+        chunks = [self._chunk(r, r.num_computed_tokens, 1, r.num_computed_tokens == r.num_tokens - 1) for r in requests]
+        return self._build_plan("decode", chunks, self._decode_key(requests))
+
+    def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:
+        """Rows read only the pages they hold (after this chunk's allocation); a packed row holds every
+        chunk, so its tokens and pages are the sums."""
+        tables = self.cfg.tables
+        chunks = [self._chunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens) for r, n in pairs]
+        lengths, pages = [c.length for c in chunks], [len(c.pages) for c in chunks]
+        if tables.packed:
+            key = tables.prefill_key(1, sum(lengths), sum(pages))
+        else:
+            key = tables.prefill_key(len(chunks), max(lengths), max(pages))
+        return self._build_plan("prefill", chunks, key)
+
+    def _chunk(self, request: Request, start: int, length: int, sample: bool) -> RowChunk:
+        return RowChunk(request, start, length, self.block_pool.pages_of(request.request_id), sample)
+
+    def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> StepPlan:
+        self.stats.num_steps += 1
+        self.stats.real_tokens += sum(c.length for c in chunks)
+        self.stats.padded_tokens += shape.num_rows * shape.num_tokens
+        packed = self.cfg.tables.packed_seqs if phase == "prefill" else 0
+        return StepPlan.build(phase, chunks, shape, self.cfg.page_size, packed=packed, bias_width=self.cfg.max_logit_bias)
+
+    def _record_utilization(self) -> None:
+        used_pages = self.block_pool.num_used
+        if used_pages:
+            size, filled = self.cfg.page_size, {}  # page -> tokens it holds (a shared page counts once)
+            for r in self.running:
+                for i, page in enumerate(self.block_pool.pages_of(r.request_id)):
+                    filled[page] = max(filled.get(page, 0), min(size, r.num_tokens - i * size))
+            utilization = sum(filled.values()) / (used_pages * size)
+            self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
+            self.stats.kv_utilization_sum += utilization
+            self.stats.kv_utilization_steps += 1
+
+    # ------------------------------------------------------------ results
+
+    def update(self, plan: StepPlan, result: StepResult | np.ndarray) -> list[Request]:
+        """Apply one step's sampled tokens (int[R], or a StepResult with their log-probabilities); return
+        the requests that got a new output token.
+
+        Whether they are done is the output processor's decision (output.py); it calls `finish`.
+        """
+        result = StepResult.of(result)
+        by_id = {r.request_id: r for r in self.running}
+        sampled = []
+        now = time.perf_counter()
+        for row, (request_id, start) in enumerate(zip(plan.request_ids, plan.chunk_starts())):
+            request = by_id.get(request_id)
+            if request is None:  # preempted after planning: nothing to apply
+                continue
+            if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
+                _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
+            request.num_computed_tokens += plan.num_new_tokens[row]
+            self._cache_computed_pages(request)
+            if plan.samples[row]:
+                request.output_ids.append(int(result.tokens[row]))
+                if result.logprobs is not None and request.params.logprobs is not None:
+                    request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
+                request.first_token_time = request.first_token_time or now
+                sampled.append(request)
+        return sampled
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request (running or waiting) and free its pages (named ones stay cached until evicted)."""
+        self.block_pool.free(request.request_id)
+        self._page_names.pop(request.request_id, None)
+        self._num_named.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
+        request.finish_time = time.perf_counter()
+
+    def abort(self, request_ids, error: str) -> list[Request]:
+        """Finish these requests with reason 'error'; returns them."""
+        wanted = set(request_ids)
+        aborted = [r for r in [*self.running, *self.waiting] if r.request_id in wanted]
+        for request in aborted:
+            self.finish(request, "error", error)
+        return aborted
+
+    def abort_all(self, error: str) -> list[Request]:
+        return self.abort([r.request_id for r in [*self.running, *self.waiting]], error)
+
+
+def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], float]) -> list[list[Request]]:
+    """Decode rows as one group, or two groups split by context length when that is cheaper.
+
+    One long sequence would otherwise make every row of the step read as many pages as it does. Rows
+    are sorted by length and every split point is costed; the cheapest of (no split, best split) wins.
+    """
+    if len(requests) < 2:
+        return [requests] if requests else []
+    ordered = sorted(requests, key=lambda r: r.num_tokens)
+    best, groups = cost(ordered), [ordered]
+    for split in range(1, len(ordered)):
+        total = cost(ordered[:split]) + cost(ordered[split:])
+        if total < best:
+            best, groups = total, [ordered[:split], ordered[split:]]
+    return groups
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the context for a single generated token."""
+
+
+def _keep_prompt_logprobs(request: Request, plan: StepPlan, start: tuple[int, int], length: int, logprobs: Logprobs) -> None:
+    """Store the chunk's prompt log-probabilities by position (a recomputed chunk overwrites its own):
+    entry p + 1 scores prompt token p + 1 from the logits at position p; entry 0 stays None."""
+    row, token = start
+    num_tokens = plan.token_ids.shape[1]
+    if not request.prompt_logprobs:
+        request.prompt_logprobs = [None] * len(request.prompt_ids)
+    first = int(plan.positions[row, token])
+    for offset in range(length):
+        position = first + offset
+        if position + 1 >= len(request.prompt_ids):
+            break
+        request.prompt_logprobs[position + 1] = logprobs.entry(row * num_tokens + token + offset, request.params.prompt_logprobs)
+
+
+def check_sampling_limits(cfg: EngineConfig, params: SamplingParams) -> None:
+    """Raise FieldError if a request asks for more than the engine's static limits allow."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > cfg.max_logprobs:
+            raise FieldError(name, f"({value}) exceeds the engine's max_logprobs ({cfg.max_logprobs})")
+    masked = len(set(params.stop_token_ids)) + 1 if params.min_tokens else 0  # + 1: EOS
+    if len(params.logit_bias) + masked > cfg.max_logit_bias:
+        raise FieldError("logit_bias", f"holds {len(params.logit_bias)} tokens, and min_tokens masks {masked} more; the engine's max_logit_bias is {cfg.max_logit_bias}")
+
+
+def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ValueError if a prompt of this length can never run: empty, over the context, or needing
+    more pages than the whole pool holds."""
+    if num_prompt_tokens == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    if num_prompt_tokens >= cfg.max_context:
+        raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; the context is {cfg.max_context} (prompt + output)")
+    pages = -(-min(num_prompt_tokens + max_tokens, cfg.max_context) // cfg.page_size)
+    if pages > num_pages - 1:
+        raise ValueError(f"request needs {pages} KV pages; the pool has {num_pages - 1}")

@@ -1,0 +1,103 @@
+"""`LLM.stream` over a lazy input: it pulls at most `max_inflight` prompts ahead of the outputs it has
+yielded, yields every output once, and gives the same tokens as a list given whole; with data
+parallelism a lazy input is fed to both replicas in chunks. On the tiny real-vocabulary model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.api import LLM
+from jaxinfer.scheduling.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model, compile_cache):
+    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+
+
+class CountingSource:
+    """A generator of prepared prompts that records how many have been pulled from it."""
+
+    def __init__(self, llm, count: int, params: SamplingParams = PARAMS):
+        self.llm, self.count, self.params, self.pulled = llm, count, params, 0
+
+    def __iter__(self):
+        for i in range(self.count):
+            self.pulled += 1
+            yield self.llm.prepare(f"Question {i}: what comes next?", self.params, index=i)
+
+
+@pytest.mark.parametrize("max_inflight", [1, 3, 7])
+def test_a_generator_is_pulled_at_most_max_inflight_ahead_of_the_outputs(llm, max_inflight):
+    source = CountingSource(llm, 20)
+    seen, ahead = [], []
+    for output in llm.stream(iter(source), progress=False, max_inflight=max_inflight):
+        ahead.append(source.pulled - len(seen))  # pulled but not yet yielded, the moment an output comes
+        seen.append(output.index)
+    assert sorted(seen) == list(range(20))
+    assert max(ahead) <= max_inflight, ahead
+    assert max(ahead) == max_inflight  # and it does keep that many in flight (20 > max_inflight)
+
+
+def test_the_default_for_a_lazy_input_is_a_few_times_max_num_seqs(llm):
+    source = CountingSource(llm, 30)
+    stream = llm.stream(iter(source), progress=False)
+    next(stream)
+    assert source.pulled == 4 * llm.engine_config.max_num_seqs  # 8 of 30: not the whole input
+    assert len(list(stream)) == 29
+
+
+def test_a_lazy_stream_gives_the_tokens_of_the_whole_list(llm):
+    sampled = SamplingParams(temperature=1.0, top_k=20, max_tokens=6)  # unseeded: seeds derive from each index
+    prompts = [llm.prepare(f"Line {i} says", sampled, index=i) for i in range(12)]
+    whole = {o.index: o.token_ids for o in llm.stream(prompts, progress=False)}
+    lazy = {o.index: o.token_ids for o in llm.stream((p for p in prompts), progress=False, max_inflight=2)}
+    assert lazy == whole
+
+
+def test_an_empty_generator_yields_nothing_and_a_bad_max_inflight_is_named(llm):
+    assert list(llm.stream(iter([]), progress=False)) == []
+    with pytest.raises(ValueError, match="max_inflight must be"):
+        list(llm.stream(iter([]), progress=False, max_inflight=0))
+
+
+def test_a_failing_source_stops_the_stream_and_frees_the_llm(llm):
+    def source():
+        yield llm.prepare("Hello", PARAMS, index=0)
+        raise OSError("the input went away")
+
+    with pytest.raises(OSError, match="went away"):
+        list(llm.stream(source(), progress=False, max_inflight=1))
+    assert llm.generate(["Hi"], PARAMS, progress=False)[0].num_generated_tokens == 5  # not left "already generating"
+
+
+def _dp_worker(model: str) -> dict:
+    """Two replicas (two simulated CPU devices) fed a generator in chunks of max_inflight=3."""
+    llm = LLM(model, data_parallel=2, max_context=64, page_size=8, max_num_seqs=2, max_prefill_tokens=32, num_pages=24, compilation_cache_dir=None)
+    prompts = [llm.prepare(f"Question {i}: " + "word " * (i % 5), PARAMS, index=i) for i in range(10)]
+    lazy = {o.index: o.token_ids for o in llm.stream((p for p in prompts), progress=False, max_inflight=3)}
+    routes = list(llm.last_routes)
+    whole = {o.index: o.token_ids for o in llm.stream(prompts, progress=False)}
+    return {"lazy": {str(k): v for k, v in lazy.items()}, "whole": {str(k): v for k, v in whole.items()}, "routes": routes}
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_are_fed_a_lazy_input_in_chunks(tiny_chat_model):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["lazy"] == report["whole"] and sorted(map(int, report["lazy"])) == list(range(10))
+    assert len(report["routes"]) == 10 and set(report["routes"]) == {0, 1}, report["routes"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(_dp_worker(sys.argv[1])))

@@ -1,0 +1,119 @@
+"""Loaders: GGUF written by gguf_convert from the tiny HF Llama (F32, Q8_0, F16), and clear errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gguf_convert
+from conftest import FIXTURES
+from jaxinfer.loading.loading import ModelLoadError, load_model
+from jaxinfer.model.forward import forward
+from tolerances import assert_close, relative_error
+
+TINY = np.load(FIXTURES / "tiny_llama_reference.npz")
+TINY_LLAMA = FIXTURES / "tiny_llama"  # written as a GGUF by gguf_convert, as llama.cpp's converter would
+
+
+def logits_of(model_path, ids):
+    cfg, params = load_model(model_path)
+    logits, _ = forward(params, None, jnp.asarray(ids)[None], jnp.arange(len(ids), dtype=jnp.int32)[None], cfg=cfg)
+    return np.asarray(logits[0])
+
+
+def test_f32_gguf_of_tiny_llama_matches_hf_logits(tmp_path):
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny-f32.gguf")
+    assert_close(logits_of(path, TINY["s1_ids"]), TINY["s1_logits"], 1e-4, "F32 GGUF vs HF")
+
+
+@pytest.mark.parametrize("qtype, tolerance", [(gguf.GGMLQuantizationType.Q8_0, 0.02), (gguf.GGMLQuantizationType.F16, 2e-3)])
+def test_quantized_gguf_of_tiny_llama_is_close_to_hf_logits(tmp_path, qtype, tolerance):
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / f"tiny-{qtype.name}.gguf", qtype)
+    error = relative_error(logits_of(path, TINY["s1_ids"]), TINY["s1_logits"])
+    assert 0 < error <= tolerance, f"{qtype.name}: relative error {error:.3g}"
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist: .*nope.gguf"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_truncated_gguf_is_reported(tmp_path):
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny.gguf")
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(tmp_path / "cut.gguf")
+
+
+def test_non_gguf_file_is_reported(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a model at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(tmp_path / "junk.gguf")
+
+
+def test_corrupt_gguf_header_is_reported(tmp_path):
+    data = bytearray(gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny.gguf").read_bytes())
+    data[8:24] = b"\xff" * 16  # tensor and key-value counts
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_model(tmp_path / "bad.gguf")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "gpt2.gguf", arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_model(path)
+
+
+def test_hf_folder_without_config_is_reported(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_hf_unsupported_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'bert'"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ([1, 2], "must hold a JSON object, got list"),
+        ({"model_type": "llama", "hidden_size": "64", "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 8, "vocab_size": 10, "head_dim": 16}, "embed_dim must be an integer, got '64'"),
+        ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": "4", "num_hidden_layers": 2, "intermediate_size": 8, "vocab_size": 10}, "TypeError"),
+    ],
+)
+def test_hf_config_of_the_wrong_shape_is_a_load_error_naming_the_file(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"config.json: .*{message}"):
+        load_model(tmp_path)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxinfer.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["info", "--model", "/nonexistent/model.gguf"], "does not exist"),
+        (["generate", "--prompt", "", "--compile-cache", ""], "empty prompt"),
+        (["generate", "--input", "/nonexistent.jsonl", "--output", "/tmp/x.jsonl"], "input file not found"),
+    ],
+)
+def test_cli_errors_are_one_line_without_traceback(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_info_prints_config_and_parameter_count():
+    result = cli("info")
+    assert result.returncode == 0, result.stderr
+    assert "num_layers        30" in result.stdout and "parameters        134,515,008" in result.stdout
