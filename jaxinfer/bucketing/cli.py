@@ -165,7 +165,7 @@ longer than a strategy's top bucket are chunked and counted under "over top"."""
 
 _FIT_EPILOG = """\
 example:
-  jaxinfer buckets fit --trace ../shared/data/azure_llm_trace_2023_conv.csv --budget 12 --plot buckets.png"""
+  jaxinfer buckets fit --trace $JAXINFER_TRACE_DIR/azure_llm_trace_2023_conv.csv --budget 12 --plot buckets.png"""
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 
 Owns the `Trace` dataclass, the reader and writer for the Azure LLM inference trace format (CSV with the
 columns `TIMESTAMP,ContextTokens,GeneratedTokens`; extra columns are ignored), and a seeded synthetic
-generator for users with no trace, and the arrival-time replay (`replay`: an LLM admits each request at its
+generator for users with no trace, where the shared traces live (`shared_trace`: the one reader of
+$JAXINFER_TRACE_DIR; they are kept outside the repository), and the arrival-time replay (`replay`: an LLM admits each request at its
 trace time, scaled by a rate; `replay_report`: TTFT, TPOT, throughput and goodput under an SLO). Must not
 import jax; numpy and the stdlib only.
 Invariants: a `Trace` holds three read-only arrays of equal length; timestamps are float64 seconds since
@@ -15,6 +16,7 @@ import csv
 import dataclasses
 import math
 import os
+import pathlib
 from typing import Literal
 
 import numpy as np
@@ -25,6 +27,8 @@ LENGTH_COLUMNS = (CONTEXT_TOKENS, GENERATED_TOKENS)
 CONVERSATION_INPUT_LOG_MEAN, CONVERSATION_INPUT_LOG_SD = 6.63, 0.99
 CONVERSATION_OUTPUT_LOG_MEAN, CONVERSATION_OUTPUT_LOG_SD = 5.02, 0.86
 CONVERSATION_REQUESTS_PER_S = 5.5
+TRACE_DIR_ENV = "JAXINFER_TRACE_DIR"  # the folder of the shared traces (the Makefile sets it)
+CONVERSATION_TRACE = "azure_llm_trace_2023_conv.csv"  # the Azure 2023 conversation trace, 19,366 requests
 
 
 class TraceError(ValueError):
@@ -133,6 +137,21 @@ def _seconds_since_first(timestamps: list) -> np.ndarray:
     else:
         raise TraceError("timestamps mix numbers and date-times")
     return seconds - seconds.min()
+
+
+def shared_trace(name: str = CONVERSATION_TRACE) -> pathlib.Path:
+    """The path of the shared trace file `name` in the folder $JAXINFER_TRACE_DIR names.
+
+    Raises:
+      TraceError: naming the variable, when it is unset or empty or the file is not in that folder.
+    """
+    folder = os.environ.get(TRACE_DIR_ENV, "").strip()
+    if not folder:
+        raise TraceError(f"{TRACE_DIR_ENV} is not set: set it to the folder that holds {name} (the Makefile sets it)")
+    path = pathlib.Path(folder).expanduser() / name
+    if not path.is_file():
+        raise TraceError(f"{path}: no such file ({TRACE_DIR_ENV}={folder!r} does not hold {name})")
+    return path
 
 
 def load_trace(path: str | os.PathLike, column: str = CONTEXT_TOKENS) -> Trace:

@@ -145,7 +145,7 @@ def test_fit_epilog_example_parses_with_the_real_parser():
     command = _FIT_EPILOG.splitlines()[-1].split()
     assert command[:3] == ["jaxinfer", "buckets", "fit"]
     args = _fit_parser().parse_args(command[3:])
-    assert (args.trace, args.budget, args.plot) == ("../shared/data/azure_llm_trace_2023_conv.csv", 12, "buckets.png")
+    assert (args.trace, args.budget, args.plot) == ("$JAXINFER_TRACE_DIR/azure_llm_trace_2023_conv.csv", 12, "buckets.png")
 
 
 def test_format_table_shows_percentages():

@@ -1,13 +1,14 @@
 """Trace reading (Azure format), its error messages, and the synthetic generator."""
 
+import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from jaxinfer.bucketing.traces import Trace, TraceError, load_trace, save_trace, synthetic_trace
-
-CONVERSATION_TRACE = pathlib.Path(__file__).resolve().parents[3] / "shared/data/azure_llm_trace_2023_conv.csv"
+from jaxinfer.bucketing.traces import (
+    CONVERSATION_TRACE, TRACE_DIR_ENV, Trace, TraceError, load_trace, save_trace, shared_trace, synthetic_trace,
+)
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
@@ -136,8 +137,37 @@ def test_trace_arrays_are_read_only():
         trace.context_tokens[0] = 1
 
 
-@pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="conversation trace not present")
+def _conversation_trace() -> pathlib.Path:
+    """The shared conversation trace. Skips when $JAXINFER_TRACE_DIR is unset or lacks the file; under CI=true
+    a variable that is set but names a folder without the file fails instead (a broken setup, not an absence)."""
+    try:
+        return shared_trace(CONVERSATION_TRACE)
+    except TraceError as error:
+        if os.environ.get(TRACE_DIR_ENV) and os.environ.get("CI") == "true":
+            pytest.fail(f"{TRACE_DIR_ENV} is set but the conversation trace is not there: {error}")
+        pytest.skip(f"the conversation trace is not available: {error}")
+
+
+def test_shared_trace_names_the_variable_when_unset(monkeypatch):
+    monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
+    with pytest.raises(TraceError, match=f"{TRACE_DIR_ENV} is not set"):
+        shared_trace("any.csv")
+
+
+def test_shared_trace_names_the_variable_and_file_when_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    with pytest.raises(TraceError, match=rf"absent\.csv.*{TRACE_DIR_ENV}="):
+        shared_trace("absent.csv")
+
+
+def test_shared_trace_finds_the_file_in_the_folder(monkeypatch, tmp_path):
+    (tmp_path / "t.csv").write_text(HEADER + "0,1,1\n")
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    assert shared_trace("t.csv") == tmp_path / "t.csv"
+    assert load_trace(shared_trace("t.csv")).num_requests == 1
+
+
 def test_load_trace_reads_conversation_trace():
-    trace = load_trace(CONVERSATION_TRACE)
+    trace = load_trace(_conversation_trace())
     assert trace.num_requests == 19_366
     assert trace.context_tokens.min() >= 1 and trace.timestamps[-1] == pytest.approx(3501.72, abs=0.01)
