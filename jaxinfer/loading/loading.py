@@ -3,7 +3,7 @@
 Both loaders first produce host arrays in Hugging Face's `[out, in]` layout and names, then share one
 assembly step (`_assemble`) that brings them into the Params layout. Which tensors exist, their HF and
 GGUF names and each one's transform from the file's layout are read from the weight table
-(params.WEIGHTS, or a `table=` argument), never restated here. GGUF weights are
+(params.WEIGHTS), never restated here. GGUF weights are
 dequantized with the `gguf` package. For the `llama` architecture (Llama and Mistral), llama.cpp's
 converter permutes the rows of Q and K so that rotary pairs are adjacent; `_unpermute_rotary` undoes that
 so both paths feed the same rotate-half RoPE. Its qwen2/qwen3 converters write Q and K unpermuted.
@@ -28,7 +28,7 @@ from jaxinfer.model import params as params_lib
 from jaxinfer.model import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
-from jaxinfer.model.params import WEIGHTS, Params, Table, from_numpy, quantize_arrays, weight_format, weight_spec
+from jaxinfer.model.params import Params, from_numpy, quantize_arrays, weight_format, weight_spec
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +234,11 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     return quant.stack(per_layer) if spec.stacked else per_layer[0]
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, table: Table = WEIGHTS) -> dict[str, quant.QuantizedTensor]:
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
     """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
     kept = {}
-    for spec in params_lib.present(cfg, table):
-        if weight_format(spec.name, "gguf", table) == "gguf":
+    for spec in params_lib.present(cfg):
+        if weight_format(spec.name, "gguf") == "gguf":
             q = _kept_gguf_weight(spec, cfg, tensors, path)
             if q is not None:
                 kept[spec.name] = q
@@ -248,12 +248,11 @@ def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, table: Table
 def load_gguf(
     path: Path, *, dtype: str = "float32", max_context: int | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
-    table: Table = WEIGHTS,
 ) -> tuple[ModelConfig, Params]:
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
-    kept = _kept_gguf_weights(cfg, tensors, Path(path), table) if quantization == "gguf" else {}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -261,13 +260,13 @@ def load_gguf(
         return _dequantize(tensors[name])
 
     hf = {}  # the dense tensors, [out, in], under their Hugging Face names
-    for spec in params_lib.present(cfg, table):
+    for spec in params_lib.present(cfg):
         if spec.name in kept:
             continue
         heads = _rotary_heads(spec, cfg)
         for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
             hf[hf_name] = get(gguf_name) if heads is None else _unpermute_rotary(get(gguf_name), heads)
-    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
+    return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -276,7 +275,6 @@ def load_gguf(
 def load_hf_folder(
     folder: Path, *, dtype: str = "float32", max_context: int | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
-    table: Table = WEIGHTS,
 ) -> tuple[ModelConfig, Params]:
     from safetensors.numpy import load_file
 
@@ -296,9 +294,9 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
-    if weight_spec("lm_head", table).hf not in hf and not cfg.tie_embeddings:
+    if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
-    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host, table=table)
+    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
 # ---------------------------------------------------------------- shared assembly
@@ -322,21 +320,20 @@ def _from_file(spec: params_lib.WeightSpec, cfg: ModelConfig, hf: dict[str, np.n
 def _assemble(
     cfg: ModelConfig, hf: dict[str, np.ndarray], *, kept: dict | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
-    table: Table = WEIGHTS,
 ) -> Params:
-    """HF-named [out, in] tensors -> Params of `table`, each entry's `from_file` layout, stacked per layer.
+    """HF-named [out, in] tensors -> Params, each WEIGHTS entry's `from_file` layout, stacked per layer.
 
     `kept`: Params fields already in their final (quantized) form, whose HF tensors `hf` lacks.
     int8 / int4 quantize the f32 matrices here, before the cast to cfg.dtype.
     """
     kept = kept or {}
     arrays = dict(kept)
-    for spec in params_lib.present(cfg, table):
+    for spec in params_lib.present(cfg):
         if spec.name not in kept:
             arrays[spec.name] = _from_file(spec, cfg, hf)
     if quantization in ("int8", "int4"):
-        arrays = quantize_arrays(arrays, quantization, group_size=group_size, table=table)
+        arrays = quantize_arrays(arrays, quantization, group_size=group_size)
     try:
-        return from_numpy(cfg, arrays, on_host=on_host, table=table)
+        return from_numpy(cfg, arrays, on_host=on_host)
     except ValueError as e:
         raise ModelLoadError(f"weights do not match the config: {e}") from None

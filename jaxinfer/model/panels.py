@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxinfer.model import quant
-from jaxinfer.model.params import LayerParams, Params
+from jaxinfer.model.params import WEIGHTS, LayerParams, Params
 
 PANEL_WIDTH = 64  # output columns per panel of a PanelTensor (kPanel in kernels_cpu/layer_matmul.cc)
 QUANT_PANEL_WIDTH = 16  # output columns per panel of a QuantPanelTensor (kPanel in kernels_cpu/quant_matmul.cc)
@@ -160,7 +160,7 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
             return to_panels(value, num_lead, num_in)
         return _to_quant_panels(value) if quantized and _affine(value) else value
 
-    matrices = [spec for spec in params.specs if spec.stacked and spec.num_in]  # the weight table's layer matmuls
+    matrices = [spec for spec in WEIGHTS if spec.stacked and spec.num_in]  # the weight table's layer matmuls
     layers = {spec.name: pack(getattr(params.layers, spec.name), 1, spec.num_in) for spec in matrices}
     head = params.lm_head
     if head is None and _dense_f32(params.embed):

@@ -1,42 +1,53 @@
-"""Params pytrees and the ONE weight-spec table (`WEIGHTS`) they are built from.
+"""Params pytrees (`Params`, `LayerParams`: declared, typed) and the ONE weight-spec table (`WEIGHTS`).
 
 Each Params field has one `WeightSpec` entry: its logical axes (its shape is their sizes under the config,
 `axis_sizes`; a leading "layers" axis stacks it per layer for `lax.scan`), its contracted axes if it is a
 matmul weight, its kind, its Hugging Face and GGUF tensor names, the transform from the file's layout and
-the config condition under which it exists. The pytree classes `LayerParams` and `Params` are built from the
-table (`params_classes`), and every reader (model.py, sharding.py, loading.py, `jaxinfer info`) takes what
-it needs from the entries: adding a weight is one edit here. Functions take the table as an argument with
-`WEIGHTS` as the default, and a Params value carries its table (`Params.specs`), so a test can run a copy.
+the config condition under which it exists. Every reader (forward.py, sharding.py, loading.py, `jaxinfer
+info`) takes what it needs from the entries. Adding a weight is two edits here: its entry and its field
+(tests/model/test_weight_spec.py checks that the fields equal the table's names).
 
-Weights are stored in the layout the einsums in model.py consume, so no transposes happen inside the step.
+Weights are stored in the layout the einsums in forward.py consume, so no transposes happen inside the step.
 Q/K projections are in Hugging Face's rotary layout (rotate-half pairs (i, i + K/2)); the GGUF loader undoes
 llama.cpp's permutation (the entries marked `gguf_rotary`).
 
-A matmul weight may instead be a `quant.QuantizedTensor` of the same logical shape (model.py's qeinsum and
+A matmul weight may instead be a `quant.QuantizedTensor` of the same logical shape (forward.py's qeinsum and
 take accept both). `weight_format` is the one owner of which tensors are quantized, and to what;
-`quantize_arrays` applies it for int8/int4, loading.py for GGUF's own blocks.
+`quantize_arrays` applies it for int8/int4, loading.py for GGUF's own blocks. Imports jax, numpy, config,
+options and quant; never scheduling/ or engine/ (panels.py imports this module, so its types are named
+only for type checkers).
 """
-
 import dataclasses
-import functools
 import math
 import operator
 import typing
 from collections.abc import Callable
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE
+from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE
 from jaxinfer.model import quant
 from jaxinfer.config import ModelConfig
 
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
-Weight = jax.Array | quant.QuantizedTensor
+
+if typing.TYPE_CHECKING:  # panels.py imports this module: its types are named for readers and checkers only
+    from jaxinfer.model import panels
+
+# What one weight field holds: a dense array (on a device, or numpy while on the host), a quantized tensor,
+# or, in the engine's step params for the CPU kernels, panels (panels.py; a StackedWeight inside the layer scan).
+WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, "panels.PanelTensor", "panels.QuantPanelTensor", "panels.StackedWeight"]
+# The same classes also describe weights without holding them: `abstract` fills them with shapes,
+# sharding.param_specs with each weight's PartitionSpec.
+WeightInfo = Union[jax.ShapeDtypeStruct, PartitionSpec]
+Weight = Union[WeightValue, WeightInfo]
 
 
-# Logical axis -> (model.py's axis letter, the ModelConfig field that sizes it).
+# Logical axis -> (forward.py's axis letter, the ModelConfig field that sizes it).
 AXES = {
     "layers": ("N", "num_layers"),
     "embed": ("D", "embed_dim"),
@@ -154,85 +165,82 @@ WEIGHTS: tuple[WeightSpec, ...] = (
     WeightSpec("final_norm", ("embed",), "head", "model.norm.weight", "output_norm.weight", init="ones"),
     WeightSpec("lm_head", ("embed", "vocab"), "head", "lm_head.weight", "output.weight", num_in=1, from_file=transposed, present=untied),
 )
-Table = tuple[WeightSpec, ...]
 
 
-def _pytree_class(name: str, field_names: list[str], table: Table, doc: str) -> type:
-    """A frozen dataclass registered as a pytree; every field defaults to None (a weight the config lacks)."""
-    fields = [(n, typing.Any, dataclasses.field(default=None)) for n in field_names]
-    cls = dataclasses.make_dataclass(name, fields, frozen=True, namespace={"specs": table, "__doc__": doc}, module=__name__)
-    return jax.tree_util.register_dataclass(cls)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """Weights of all layers, stacked: the leading axis is the layer index (N). Inside the layer scan a
+    value holds one layer (the shape without N). One field per stacked WEIGHTS entry, in table order;
+    the optional ones (default None) are the entries with a `present` condition."""
+
+    attn_norm: Weight  # [N, D]
+    wq: Weight  # [N, D, H, K]
+    wk: Weight  # [N, D, G, K]
+    wv: Weight  # [N, D, G, K]
+    wo: Weight  # [N, H, K, D]
+    mlp_norm: Weight  # [N, D]
+    w_gate: Weight  # [N, D, F]
+    w_up: Weight  # [N, D, F]
+    w_down: Weight  # [N, F, D]
+    bq: Weight | None = None  # [N, H, K]; only with cfg.attention_bias
+    bk: Weight | None = None  # [N, G, K]; only with cfg.attention_bias
+    bv: Weight | None = None  # [N, G, K]; only with cfg.attention_bias
+    q_norm: Weight | None = None  # [N, K]; only with cfg.qk_norm
+    k_norm: Weight | None = None  # [N, K]; only with cfg.qk_norm
 
 
-def _fields_doc(specs: list[WeightSpec]) -> str:
-    """One line per field with its shape in model.py's axis letters, e.g. `wq: [N, D, H, K]`."""
-    def line(s: WeightSpec) -> str:
-        optional = "" if s.present is always else " (None unless the config has it)"
-        return f"{s.name}: [{', '.join(AXES[a][0] for a in s.axes)}]{optional}"
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The model's weights: the unstacked WEIGHTS entries, and `layers` where the first stacked entry stands."""
 
-    return "\n".join(line(s) for s in specs)
-
-
-@functools.cache
-def params_classes(table: Table = WEIGHTS) -> tuple[type, type]:
-    """(LayerParams, Params) for `table`: one field per entry, the stacked ones in LayerParams, and
-    Params's `layers` where the first stacked entry stands. Both carry the table as `specs`."""
-    names = [s.name for s in table]
-    if len(set(names)) != len(names):
-        raise ValueError(f"weight names repeat in the table: {names}")
-    stacked = [s for s in table if s.stacked]
-    layer_cls = _pytree_class("LayerParams", [s.name for s in stacked], table,
-                              "Weights of all layers, stacked: the leading axis is the layer index (N).\n\n" + _fields_doc(stacked))
-    top = [s.name for s in table if not s.stacked]
-    top.insert(next((i for i, s in enumerate(table) if s.stacked), len(top)), "layers")  # where the first stacked entry stands
-    params_cls = _pytree_class("Params", top, table, "The model's weights (`layers`: LayerParams).\n\n" + _fields_doc([s for s in table if not s.stacked]))
-    return layer_cls, params_cls
+    embed: Weight  # [V, D]
+    layers: LayerParams
+    final_norm: Weight  # [D]
+    lm_head: Weight | None = None  # [D, V]; None when tied to the embedding (cfg.tie_embeddings)
 
 
-LayerParams, Params = params_classes(WEIGHTS)
-
-
-def weight_spec(name: str, table: Table = WEIGHTS) -> WeightSpec:
-    for spec in table:
+def weight_spec(name: str) -> WeightSpec:
+    for spec in WEIGHTS:
         if spec.name == name:
             return spec
     raise KeyError(f"no weight {name!r} in the table")
 
 
-def present(cfg: ModelConfig, table: Table = WEIGHTS) -> Table:
+def present(cfg: ModelConfig) -> tuple[WeightSpec, ...]:
     """The entries this config has (biases and q/k norms only with their feature, the head only untied)."""
-    return tuple(spec for spec in table if spec.present(cfg))
+    return tuple(spec for spec in WEIGHTS if spec.present(cfg))
 
 
-def build(values: dict[str, object], table: Table = WEIGHTS) -> Params:
-    """Params of `table` from values keyed by field name (a missing field is None)."""
-    layer_cls, params_cls = params_classes(table)
-    layers = layer_cls(**{s.name: values.get(s.name) for s in table if s.stacked})
-    return params_cls(layers=layers, **{s.name: values.get(s.name) for s in table if not s.stacked})
+def build(values: dict[str, object]) -> Params:
+    """Params from values keyed by field name (a missing field is None)."""
+    layers = LayerParams(**{s.name: values.get(s.name) for s in WEIGHTS if s.stacked})
+    return Params(layers=layers, **{s.name: values.get(s.name) for s in WEIGHTS if not s.stacked})
 
 
-def fields_of(params) -> dict[str, object]:
+def fields_of(params: Params) -> dict[str, object]:
     """Field name -> value of every weight the params hold (layer fields stacked), in table order."""
     out = {}
-    for spec in params.specs:
+    for spec in WEIGHTS:
         value = getattr(params.layers if spec.stacked else params, spec.name)
         if value is not None:
             out[spec.name] = value
     return out
 
 
-def num_params(cfg: ModelConfig, table: Table = WEIGHTS) -> int:
+def num_params(cfg: ModelConfig) -> int:
     """Parameter count: the elements of every weight the config has (a tied head counted once)."""
-    return sum(math.prod(spec.shape(cfg)) for spec in present(cfg, table))
+    return sum(math.prod(spec.shape(cfg)) for spec in present(cfg))
 
 
-def abstract(cfg: ModelConfig, table: Table = WEIGHTS) -> Params:
+def abstract(cfg: ModelConfig) -> Params:
     """Params of jax.ShapeDtypeStruct leaves (dense, cfg.dtype): shapes without allocating."""
     dtype = jnp.dtype(cfg.dtype)
-    return build({s.name: jax.ShapeDtypeStruct(s.shape(cfg), dtype) for s in present(cfg, table)}, table)
+    return build({s.name: jax.ShapeDtypeStruct(s.shape(cfg), dtype) for s in present(cfg)})
 
 
-def weight_format(field: str, quantization: str | None, table: Table = WEIGHTS) -> str | None:
+def weight_format(field: str, quantization: str | None) -> str | None:
     """What `field` is stored as under `quantization`: None (dense, cfg.dtype), "gguf" (the file's
     blocks, where their type is kept), "int8" or "int4". The one owner of this choice.
 
@@ -241,7 +249,7 @@ def weight_format(field: str, quantization: str | None, table: Table = WEIGHTS) 
     vocabulary entry keeps the tied [V, D] table at a quarter of f32 (SmolLM2: 28 of 135M parameters) with a
     per-row scale that serves both the lookup and the head. Under gguf they keep the file's own type.
     """
-    spec = weight_spec(field, table)
+    spec = weight_spec(field)
     if quantization is None or not spec.num_in:
         return None
     if quantization == "int4" and spec.kind in ("embedding", "head"):
@@ -259,17 +267,16 @@ def _matmul_rows(spec: WeightSpec, w: np.ndarray) -> tuple[np.ndarray, dict]:
     return np.swapaxes(rows, -1, -2), dict(in_shape=tuple(in_shape), out_shape=tuple(out_shape), layout="in_out")
 
 
-def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size: int = DEFAULT_INT4_GROUP_SIZE,
-                    table: Table = WEIGHTS) -> dict[str, object]:
+def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> dict[str, object]:
     """int8 / int4: replace each host f32 matmul weight (Params layout) chosen by `weight_format` with a
     QuantizedTensor; everything else passes through. An int4 group that does not divide a weight's
     input width is a ValueError naming the weight."""
     out = dict(arrays)
     for field, w in arrays.items():
-        fmt = weight_format(field, quantization, table)
+        fmt = weight_format(field, quantization)
         if fmt not in ("int8", "int4") or isinstance(w, quant.QuantizedTensor):
             continue
-        rows, logical = _matmul_rows(weight_spec(field, table), np.asarray(w, np.float32))
+        rows, logical = _matmul_rows(weight_spec(field), np.asarray(w, np.float32))
         try:
             out[field] = quant.quantize_int8(rows, **logical) if fmt == "int8" else quant.quantize_int4(rows, group_size=group_size, **logical)
         except ValueError as e:
@@ -277,13 +284,13 @@ def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size:
     return out
 
 
-def _to_device(value, dtype) -> Weight:
+def _to_device(value, dtype) -> jax.Array | quant.QuantizedTensor:
     if isinstance(value, quant.QuantizedTensor):
         return jax.device_put(value)
     return jnp.asarray(value, dtype=dtype)
 
 
-def _to_host(value, dtype) -> Weight:
+def _to_host(value, dtype) -> np.ndarray | quant.QuantizedTensor:
     """The weight as host (numpy) leaves, dense ones cast to `dtype` (the same rounding as on a device)."""
     if isinstance(value, quant.QuantizedTensor):
         return jax.device_get(value)
@@ -296,33 +303,33 @@ def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     totals: dict[tuple[str, str], int] = {}
     for field, value in fields_of(params).items():
         fmt = value.format if isinstance(value, quant.QuantizedTensor) else jnp.dtype(value.dtype).name
-        key = (weight_spec(field, params.specs).kind, fmt)
+        key = (weight_spec(field).kind, fmt)
         totals[key] = totals.get(key, 0) + quant.resident_bytes(value)
     return totals
 
 
-def from_numpy(cfg: ModelConfig, arrays: dict[str, object], *, on_host: bool = False, table: Table = WEIGHTS) -> Params:
-    """Build Params from host arrays keyed by field name (every entry of `table` the config has), checking
+def from_numpy(cfg: ModelConfig, arrays: dict[str, object], *, on_host: bool = False) -> Params:
+    """Build Params from host arrays keyed by field name (every WEIGHTS entry the config has), checking
     every shape and casting dense ones to `cfg.dtype`. A value may be a QuantizedTensor (host or device
     leaves) of the expected logical shape; it is put on the device as is.
     `on_host`: keep every leaf in host memory (numpy), for sharding.shard_params to place shard by shard."""
     dtype = jnp.dtype(cfg.dtype)
-    for spec in present(cfg, table):
+    for spec in present(cfg):
         shape = spec.shape(cfg)
         if spec.name not in arrays:
             raise ValueError(f"missing weight {spec.name!r}")
         if tuple(arrays[spec.name].shape) != shape:
             raise ValueError(f"weight {spec.name!r} has shape {tuple(arrays[spec.name].shape)}, expected {shape}")
     place = _to_host if on_host else _to_device
-    return build({spec.name: place(arrays[spec.name], dtype) for spec in present(cfg, table)}, table)
+    return build({spec.name: place(arrays[spec.name], dtype) for spec in present(cfg)})
 
 
-def init_random(key: jax.Array, cfg: ModelConfig, scale: float = 0.02, *, table: Table = WEIGHTS) -> Params:
+def init_random(key: jax.Array, cfg: ModelConfig, scale: float = 0.02) -> Params:
     """Random weights of the given geometry (benchmarks and tests of shapes, never numerics claims)."""
-    specs = sorted(present(cfg, table), key=lambda s: not s.stacked)  # layer weights first, as seeds always drew them
+    specs = sorted(present(cfg), key=lambda s: not s.stacked)  # layer weights first, as seeds always drew them
     keys = jax.random.split(key, len(specs))
     arrays = {}
     for sub, spec in zip(keys, specs):
         shape = spec.shape(cfg)
         arrays[spec.name] = np.ones(shape, np.float32) if spec.init == "ones" else np.asarray(jax.random.normal(sub, shape) * scale)
-    return from_numpy(cfg, arrays, table=table)
+    return from_numpy(cfg, arrays)

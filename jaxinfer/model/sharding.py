@@ -162,11 +162,11 @@ def _weight_spec(value, axes: tuple[str, ...], rules: dict[str, str | None], siz
 
 def param_specs(params: Params, cfg: ModelConfig, size: int) -> Params:
     """A Params-shaped pytree of PartitionSpecs (QuantizedTensor leaves get one spec per array field),
-    from each field's logical axes in the params' own table (`params.specs`)."""
+    from each field's logical axes in the weight table (params.WEIGHTS)."""
     rules = rules_for(cfg, size)
-    specs = {name: _weight_spec(value, params_lib.weight_spec(name, params.specs).axes, rules, size)
+    specs = {name: _weight_spec(value, params_lib.weight_spec(name).axes, rules, size)
              for name, value in params_lib.fields_of(params).items()}
-    return params_lib.build(specs, params.specs)
+    return params_lib.build(specs)
 
 
 def _named(mesh: Mesh, specs):

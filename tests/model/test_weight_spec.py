@@ -1,15 +1,20 @@
-"""The weight table (params.WEIGHTS) is the one owner of the Params layout.
+"""The weight table (params.WEIGHTS) is the one owner of the Params metadata, and the declared Params
+classes match it.
 
-A copy of the table with one more entry, a per-layer bias of the MLP's up projection that no model file
-of ours has, is all it takes for the new field to be abstracted and initialized, loaded from a Hugging
-Face folder that holds it, given its PartitionSpec from its logical axes, counted by `jaxinfer info`'s
-byte table, and carried through `forward`. Nothing else is edited, and no module global is patched.
+On the real table, over the tiny Llama (untied head), Qwen2 (q/k/v biases) and Qwen3 (q/k norms), which
+between them hold every entry: each entry is a field of the declared classes (optional exactly when the
+table gives it a condition), is abstracted and initialized at the shape it loads with, is loaded from the
+Hugging Face tensors it names (layer i from layer i's tensor), is named when missing from the file, gets
+its PartitionSpec from its logical axes, is counted by weight_bytes, and is a leaf of the pytree that jit
+carries.
 """
 
+import dataclasses
+import functools
+import math
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
@@ -19,74 +24,121 @@ from conftest import FIXTURES
 from jaxinfer.loading import loading
 from jaxinfer.model import sharding
 from jaxinfer.model import params as params_lib
-from jaxinfer.model.forward import forward
 
-FAKE = params_lib.WeightSpec("b_up", ("layers", "mlp"), "mlp", "model.layers.{i}.mlp.up_proj.bias", "blk.{i}.ffn_up.bias")
-TABLE = params_lib.WEIGHTS + (FAKE,)
-
-
-def _fake_bias(cfg) -> np.ndarray:
-    """Distinct values per layer and channel [N, F], so a mixed-up layer or a transpose shows."""
-    return np.arange(cfg.num_layers * cfg.ffn_dim, dtype=np.float32).reshape(cfg.num_layers, cfg.ffn_dim) / 1000
+FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
+SPLIT_AXES = {"q_heads", "kv_heads", "mlp", "vocab"}  # the axes tensor parallelism splits where they divide
 
 
-@pytest.fixture(scope="module")
-def folder_with_fake(tmp_path_factory, tiny_llama):
-    """The tiny HF Llama folder plus the fake tensor of every layer."""
-    cfg, _ = tiny_llama
-    folder = tmp_path_factory.mktemp("tiny_llama_with_b_up")
-    shutil.copy(FIXTURES / "tiny_llama" / "config.json", folder / "config.json")
-    weights = {k: np.asarray(v) for k, v in load_file(FIXTURES / "tiny_llama" / "model.safetensors").items()}
-    bias = _fake_bias(cfg)
-    weights |= {FAKE.hf.format(i=i): bias[i] for i in range(cfg.num_layers)}
-    save_file(weights, str(folder / "model.safetensors"))
-    return folder
+@functools.cache
+def _loaded(family: str):
+    """(cfg, params, the file's tensors by HF name) of a tiny fixture family."""
+    cfg, params = loading.load_hf_folder(FIXTURES / family)
+    return cfg, params, {k: np.asarray(v, np.float32) for k, v in load_file(FIXTURES / family / "model.safetensors").items()}
 
 
-def test_a_new_entry_is_a_field_of_abstract_and_random_params(tiny_llama):
-    cfg, _ = tiny_llama
-    shape = (cfg.num_layers, cfg.ffn_dim)
-    assert params_lib.abstract(cfg, TABLE).layers.b_up.shape == shape
-    assert params_lib.init_random(jax.random.key(0), cfg, table=TABLE).layers.b_up.shape == shape
-    assert not hasattr(params_lib.abstract(cfg).layers, "b_up")  # control: the real table has no such field
-    assert params_lib.num_params(cfg, TABLE) == params_lib.num_params(cfg) + cfg.num_layers * cfg.ffn_dim
+def _family_with(spec: params_lib.WeightSpec) -> str:
+    return next(family for family in FAMILIES if spec.present(_loaded(family)[0]))
 
 
-def test_a_new_entry_loads_from_its_hf_tensors(tiny_llama, folder_with_fake):
-    cfg, _ = tiny_llama
-    _, params = loading.load_hf_folder(folder_with_fake, table=TABLE)
-    np.testing.assert_array_equal(np.asarray(params.layers.b_up), _fake_bias(cfg))
-    _, real = loading.load_hf_folder(folder_with_fake)  # the real table ignores the extra tensor
-    np.testing.assert_array_equal(np.asarray(params.layers.w_up), np.asarray(real.layers.w_up))
+def _field(params, spec: params_lib.WeightSpec):
+    return getattr(params.layers if spec.stacked else params, spec.name)
 
 
-def test_a_new_entry_missing_from_the_file_is_named(tmp_path):
-    shutil.copytree(FIXTURES / "tiny_llama", tmp_path / "tiny", dirs_exist_ok=True)
-    with pytest.raises(loading.ModelLoadError, match=r"'model\.layers\.0\.mlp\.up_proj\.bias' is missing"):
-        loading.load_hf_folder(tmp_path / "tiny", table=TABLE)
+ENTRIES = pytest.mark.parametrize("spec", params_lib.WEIGHTS, ids=lambda spec: spec.name)
 
 
-def test_a_new_entry_shards_by_its_logical_axes(tiny_llama, folder_with_fake):
-    cfg, _ = tiny_llama
-    _, params = loading.load_hf_folder(folder_with_fake, table=TABLE)
+def test_declared_fields_equal_the_table_names():
+    layer_fields = dataclasses.fields(params_lib.LayerParams)
+    top_fields = dataclasses.fields(params_lib.Params)
+    assert [f.name for f in layer_fields] == [s.name for s in params_lib.WEIGHTS if s.stacked]
+    assert [f.name for f in top_fields if f.name != "layers"] == [s.name for s in params_lib.WEIGHTS if not s.stacked]
+    assert [f.name for f in top_fields] == ["embed", "layers", "final_norm", "lm_head"]
+    optional = {f.name for f in (*layer_fields, *top_fields) if f.default is None}
+    assert optional == {s.name for s in params_lib.WEIGHTS if s.present is not params_lib.always}
+
+
+def test_the_fixture_families_hold_every_entry():
+    """So that the tests below, one per entry, each run on a model that has it."""
+    held = {spec.name for family in FAMILIES for spec in params_lib.present(_loaded(family)[0])}
+    assert held == {spec.name for spec in params_lib.WEIGHTS}
+
+
+@ENTRIES
+def test_each_entry_is_abstracted_and_initialized_at_the_shape_it_loads_with(spec):
+    cfg, params, _ = _loaded(_family_with(spec))
+    loaded_shape = tuple(_field(params, spec).shape)
+    assert tuple(_field(params_lib.abstract(cfg), spec).shape) == loaded_shape
+    assert tuple(_field(params_lib.init_random(jax.random.key(0), cfg), spec).shape) == loaded_shape
+
+
+def _as_file_layout(value: np.ndarray, spec: params_lib.WeightSpec, cfg, file_shape) -> np.ndarray:
+    """One layer of a field back in the file's layout: [*in, *out] matrices as HF's [out, in], others reshaped."""
+    if spec.from_file is params_lib.transposed:
+        sizes = params_lib.axis_sizes(cfg)
+        return value.reshape(math.prod(sizes[a] for a in spec.in_axes), -1).T
+    return value.reshape(file_shape)
+
+
+@ENTRIES
+def test_each_entry_loads_from_the_hf_tensors_it_names(spec):
+    cfg, params, tensors = _loaded(_family_with(spec))
+    value = np.asarray(_field(params, spec))
+    layers = value if spec.stacked else [value]
+    names = [spec.hf.format(i=i) for i in range(cfg.num_layers)] if spec.stacked else [spec.hf]
+    assert len(layers) == len(names)
+    for layer, name in zip(layers, names):  # layer i from layer i's tensor: a mixed-up layer or name shows
+        np.testing.assert_array_equal(_as_file_layout(layer, spec, cfg, tensors[name].shape), tensors[name], err_msg=name)
+
+
+@ENTRIES
+def test_each_entry_missing_from_the_file_is_named(spec, tmp_path):
+    family = _family_with(spec)
+    cfg, _, tensors = _loaded(family)
+    missing = spec.hf.format(i=cfg.num_layers - 1)  # the last layer's, for a stacked entry
+    shutil.copy(FIXTURES / family / "config.json", tmp_path / "config.json")
+    save_file({k: v for k, v in tensors.items() if k != missing}, str(tmp_path / "model.safetensors"))
+    if spec.name == "lm_head":  # some exports omit a tied head without saying so: the loader ties it
+        assert loading.load_hf_folder(tmp_path)[1].lm_head is None
+        return
+    with pytest.raises(loading.ModelLoadError, match=f"'{missing}' is missing"):
+        loading.load_hf_folder(tmp_path)
+
+
+@ENTRIES
+def test_each_entry_shards_by_its_logical_axes(spec):
+    cfg, params, _ = _loaded(_family_with(spec))
+    sizes = params_lib.axis_sizes(cfg)
+    assert all(sizes[axis] % 2 == 0 for axis in SPLIT_AXES)  # the tiny models split every such axis at TP = 2
+    expected = PartitionSpec(*("model" if axis in SPLIT_AXES else None for axis in spec.axes))
+    assert _field(sharding.param_specs(params, cfg, 2), spec) == expected
+
+
+def test_an_axis_that_does_not_divide_is_replicated_and_placing_keeps_the_values(tiny_llama):
+    cfg, params = tiny_llama
     assert cfg.ffn_dim % 2 == 0 and cfg.ffn_dim % 3 != 0  # the "mlp" rule splits at TP = 2 only
-    assert sharding.param_specs(params, cfg, 2).layers.b_up == PartitionSpec(None, "model")
-    assert sharding.param_specs(params, cfg, 3).layers.b_up == PartitionSpec(None, None)
+    assert sharding.param_specs(params, cfg, 2).layers.w_up == PartitionSpec(None, None, "model")
+    assert sharding.param_specs(params, cfg, 3).layers.w_up == PartitionSpec(None, None, None)
     placed = sharding.shard_params(params, cfg, sharding.make_mesh(1))
-    np.testing.assert_array_equal(np.asarray(placed.layers.b_up), _fake_bias(cfg))
+    for name, value in params_lib.fields_of(params).items():
+        np.testing.assert_array_equal(np.asarray(params_lib.fields_of(placed)[name]), np.asarray(value), err_msg=name)
 
 
-def test_a_new_entry_is_counted_and_forward_still_runs(tiny_llama, folder_with_fake):
-    cfg, _ = tiny_llama
-    _, params = loading.load_hf_folder(folder_with_fake, table=TABLE)
-    _, real = loading.load_hf_folder(folder_with_fake)
-    extra = params_lib.weight_bytes(params)[("mlp", "float32")] - params_lib.weight_bytes(real)[("mlp", "float32")]
-    assert extra == 4 * cfg.num_layers * cfg.ffn_dim
-    tokens = jnp.arange(1, 9, dtype=jnp.int32)[None]
-    positions = jnp.arange(8, dtype=jnp.int32)[None]
-    run = jax.jit(lambda p: forward(p, None, tokens, positions, cfg=cfg)[0])
-    logits, expected = run(params), run(real)  # the model does not read b_up
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
+def test_weight_bytes_count_every_entry_once(tiny_llama):
+    cfg, params = tiny_llama
+    totals = params_lib.weight_bytes(params)
+    assert set(totals) == {(kind, "float32") for kind in params_lib.KINDS}
+    assert sum(totals.values()) == 4 * cfg.num_params()
+    d, f = cfg.embed_dim, cfg.ffn_dim
+    assert totals[("mlp", "float32")] == 4 * cfg.num_layers * (3 * d * f + d)  # gate, up, down and the norm, per layer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_present_entry_is_a_leaf_that_jit_carries(family):
+    cfg, params, _ = _loaded(family)
+    assert len(jax.tree.leaves(params)) == len(params_lib.present(cfg))
+    carried = jax.jit(lambda p: p)(params)
+    for name, value in params_lib.fields_of(params).items():
+        np.testing.assert_array_equal(np.asarray(params_lib.fields_of(carried)[name]), np.asarray(value), err_msg=name)
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
