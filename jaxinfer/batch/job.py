@@ -1,10 +1,13 @@
 """Resumable JSONL batch jobs: exactly one result record per non-blank input line, written as it finishes.
 
 Two input formats: jaxinfer's own lines (below) and OpenAI Batch files (`custom_id`, `method`, `url`,
-`body`; openai_batch.py translates them), detected from the first non-empty line unless `fmt` is given.
+`body`; batch/openai.py translates them), detected from the first non-empty line unless `fmt` is given.
+This module owns running the lines (`LineRunner`) and the job around them (`BatchJob`: its lock, its
+resume, its fsynced writes); batch/input.py reads and keys the lines, batch/records.py builds the records,
+batch/output_file.py owns the output's lock, settings and scan. Imports jaxinfer.api (and through it jax).
 Lines are read, checked and tokenized lazily, with a bounded number in flight (`max_inflight`, default
 LLM.stream's), so a job's memory does not grow with its input; only the keys are held, as 20-byte
-digests (key_table.py: the resume's set of keys done, and the keys seen for numbering repeats). Before the model loads the whole input is
+digests (batch/keys.py: the resume's set of keys done, and the keys seen for numbering repeats). Before the model loads the whole input is
 scanned once: its encoding, its count of lines and of lines to do, and its unknown fields (counted and
 warned about; `strict_fields` makes them line errors). Fields vLLM or OpenAI define that jaxinfer does
 not implement (validation.UNSUPPORTED_REQUEST_FIELDS) are always that line's error.
@@ -42,14 +45,11 @@ The resume contract (also in the README):
   an uninterrupted one.
 """
 
-import array
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
 import shutil
-import stat
 import sys
 import tempfile
 import time
@@ -57,425 +57,20 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
-
+from jaxinfer.api import LLM, Prompt
 from jaxinfer.batch import openai as openai_batch
-from jaxinfer.api import LLM, Prompt, RequestOutput
+from jaxinfer.batch.input import CHAT_FIELDS, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
+from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch.output_file import OutputLock, check_settings, repair_output, scan_output, write_settings
-from jaxinfer.batch.keys import KeyTable
+from jaxinfer.batch.records import JobSummary, error_record, record_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
-from jaxinfer.validation import FieldError, check_int, check_text, unknown_field_error, unsupported_field_error
 from jaxinfer.scheduling.scheduler import PromptTooLongError
+from jaxinfer.validation import FieldError, check_int
 
 FORMATS = openai_batch.INPUT_FORMATS
-_BOM = b"\xef\xbb\xbf"
-_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 _MIN_FREE_BYTES = 1 << 20  # an output directory with less free space is refused before the model loads
-_BLOCK_BYTES = 1 << 20  # the input is read in blocks of this size
 _MAX_PENDING_ERRORS = 1024  # error records held back while a run of bad lines is read (then the stream drains)
-CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")  # LLM.encode_chat's options, with messages
-_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s", "cache_salt", *CHAT_FIELDS})
-KNOWN_FIELDS = _REQUEST_FIELDS | SAMPLING_FIELDS
-
-
-class LineError(ValueError):
-    """A line that cannot run; the message is the reason recorded in its error record. `status_code`
-    and `param` are what an OpenAI-format record reports (400 and the field at fault, by default)."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status_code, self.param = status_code, param
-
-
-class InputFileError(ValueError):
-    """The input file as a whole cannot be read as JSONL (an encoding or line-end problem)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class InputLine:
-    """One non-blank input line: where it is, its key, and its request (or why it has none)."""
-
-    number: int  # 1-based, counting b"\n"
-    key: str
-    obj: dict | None  # its request fields (an OpenAI line: its body's, with messages or prompt)
-    request_id: str | int | None  # its valid id (custom_id), else None
-    problem: str | None  # the line's error, when it cannot run
-    fmt: str = "jaxinfer"
-    status_code: int = 400  # of its problem, in an OpenAI record
-    param: str | None = None  # the field at fault, in an OpenAI record
-    endpoint: dict | None = None  # an OpenAI line's {"url", "model"}
-    ignored: tuple[str, ...] = ()  # its unknown fields, which it runs without
-
-
-@dataclasses.dataclass
-class JobSummary:
-    num_ok: int = 0
-    num_errors: int = 0
-    num_skipped: int = 0  # already in the output (resume)
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    # Per ok record, as float32 arrays (4 bytes a record, not a list's 32: a million-line job's summary stays small)
-    ttfts: array.array = dataclasses.field(default_factory=lambda: array.array("f"))
-    tpots: array.array = dataclasses.field(default_factory=lambda: array.array("f"))  # time per output token
-    queue_times: array.array = dataclasses.field(default_factory=lambda: array.array("f"))
-    ignored_fields: dict[str, int] = dataclasses.field(default_factory=dict)  # unknown field -> lines (to do) that hold it
-    interrupted: bool = False
-
-    def add(self, record: dict) -> None:
-        """Count one written record (of either format)."""
-        fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record["status"] == "ok" else None
-        if fields is None:
-            self.num_errors += 1
-            return
-        self.num_ok += 1
-        self.prompt_tokens += fields["num_prompt_tokens"]
-        self.generated_tokens += fields["num_generated_tokens"]
-        self.ttfts.append(fields["time_to_first_token_s"])
-        self.tpots.append(fields["metrics"]["time_per_output_token_s"])
-        self.queue_times.append(fields["metrics"]["queue_s"])
-
-    def request_counts(self) -> dict:
-        """The lines this run wrote, as OpenAI's batch request counts {"completed", "failed", "total"}."""
-        return {"completed": self.num_ok, "failed": self.num_errors, "total": self.num_ok + self.num_errors}
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-    def ttft_percentile(self, q: float) -> float:
-        return _percentile(self.ttfts, q)
-
-    def tpot_percentile(self, q: float) -> float:
-        return _percentile(self.tpots, q)
-
-    def queue_percentile(self, q: float) -> float:
-        return _percentile(self.queue_times, q)
-
-
-def _percentile(values: array.array, q: float) -> float:
-    return float(np.percentile(np.frombuffer(values, np.float32), q)) if values else float("nan")
-
-
-# ---------------------------------------------------------------- reading lines
-
-
-def iter_lines(blocks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line of the data `blocks` hold in turn; b"\\n" is the only
-    separator, and a UTF-8 BOM at the start is dropped. A line is held whole only once it is complete."""
-    number, pieces, started = 0, [], False
-    for block in blocks:
-        if not started:
-            pieces.append(block)
-            head = b"".join(pieces)
-            if len(head) < len(_BOM) and _BOM.startswith(head):
-                continue  # too short yet to tell whether it starts with a BOM
-            block, pieces, started = head[len(_BOM) :] if head.startswith(_BOM) else head, [], True
-        parts = block.split(b"\n")
-        if len(parts) == 1:
-            pieces.append(block)
-            continue
-        parts[0] = b"".join(pieces) + parts[0]
-        pieces = [parts.pop()]
-        for raw in parts:
-            number += 1
-            if raw.strip():
-                yield number, raw
-    last = b"".join(pieces)
-    if not started and last.startswith(_BOM):
-        last = last[len(_BOM) :]
-    if last.strip():
-        yield number + 1, last
-
-
-def split_lines(data: bytes) -> list[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line; b"\\n" is the only separator."""
-    return list(iter_lines([data]))
-
-
-class EncodingCheck:
-    """Refuse, with one error for the whole file, inputs whose every line would fail the same way:
-    UTF-16 or UTF-32, CR-only line ends, and a byte-order mark in the middle (files concatenated).
-    Fed the input block by block (`feed`), then `finish()`."""
-
-    def __init__(self):
-        self.head, self.tail, self.newlines, self.crs, self._head_checked = b"", b"", 0, 0, False
-
-    def feed(self, block: bytes) -> None:
-        if not self._head_checked:
-            self.head += block[: 8 - len(self.head)]
-            if len(self.head) >= 8:
-                self._check_head()
-        window = self.tail + block
-        middle = window.find(b"\n" + _BOM + b"{")
-        if middle >= 0:
-            number = self.newlines - self.tail.count(b"\n") + window[: middle + 1].count(b"\n") + 1
-            raise InputFileError(f"line {number} starts with a UTF-8 byte-order mark (files concatenated?); remove it (sed -i 's/^\\xEF\\xBB\\xBF//')")
-        self.newlines += block.count(b"\n")
-        self.crs += block.count(b"\r")
-        self.tail = window[-(len(_BOM) + 1) :]
-
-    def _check_head(self) -> None:
-        self._head_checked = True
-        for bom, name in _WIDE_BOMS:
-            if self.head.startswith(bom):
-                raise InputFileError(f"the input is {name}, not UTF-8; convert it first (iconv -f {name} -t UTF-8)")
-        if _looks_like_utf16(self.head[:8]):
-            raise InputFileError("the input alternates NUL bytes and ASCII: it looks like UTF-16 without a byte-order mark; convert it to UTF-8")
-
-    def finish(self) -> None:
-        if not self._head_checked:
-            self._check_head()
-        if not self.newlines and self.crs > 1:
-            raise InputFileError("the input's lines end in CR only (old Mac line ends); convert them to LF (tr '\\r' '\\n')")
-
-
-def check_encoding(data: bytes) -> None:
-    """EncodingCheck over one bytes object."""
-    check = EncodingCheck()
-    check.feed(data)
-    check.finish()
-
-
-def _looks_like_utf16(head: bytes) -> bool:
-    """Eight bytes of ASCII text in UTF-16 (either byte order): every other byte NUL, the rest printable."""
-    if len(head) < 8:
-        return False
-    for text, zeros in ((head[0::2], head[1::2]), (head[1::2], head[0::2])):
-        if zeros == b"\x00" * 4 and all(32 <= byte < 127 for byte in text):
-            return True
-    return False
-
-
-_MAX_INT_DIGITS = 4300  # Python's int-string limit (sys.get_int_max_str_digits); a longer literal is a line error
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, name: str):
-        self.name = name
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    obj = {}
-    for name, value in pairs:
-        if name in obj:
-            raise _DuplicateKey(name)
-        obj[name] = value
-    return obj
-
-
-def _parse_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > _MAX_INT_DIGITS:
-        raise LineError(f"an integer of {len(digits.lstrip('-'))} digits is too long (at most {_MAX_INT_DIGITS})")
-    return int(digits)
-
-
-def _loads(text: str):
-    """json.loads, refusing repeated keys and over-long integers; every failure is a LineError."""
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int)
-    except json.JSONDecodeError as e:
-        raise LineError(f"malformed JSON: {e.msg} at column {e.colno}") from None
-    except RecursionError:
-        raise LineError("malformed JSON: nested too deeply") from None
-    except _DuplicateKey as e:
-        raise LineError(f"duplicate key {e.name!r} in one object (which value is meant is ambiguous)") from None
-    except LineError:
-        raise
-    except Exception as e:  # whatever else the decoder can raise stays this line's problem
-        raise LineError(f"malformed JSON: {e}") from None
-
-
-def parse_line(text: str, fmt: str = "jaxinfer") -> dict:
-    """A line's request: its JSON object with a valid id and exactly one of prompt / messages (an OpenAI
-    line: its body's fields, see openai_batch.parse_request); LineError otherwise (and nothing else: a
-    fuzz test holds it to that)."""
-    return _parse(text, fmt)[0]
-
-
-def _parse(text: str, fmt: str) -> tuple[dict, dict | None]:
-    """(the line's request fields, an OpenAI line's endpoint or None); LineError otherwise."""
-    obj = _loads(text)
-    if fmt == openai_batch.FORMAT:
-        try:
-            return openai_batch.parse_request(obj)
-        except openai_batch.RequestError as e:
-            raise LineError(str(e), status_code=e.status_code, param=e.param) from None
-    if not isinstance(obj, dict):
-        raise LineError(f"expected a JSON object, got {type(obj).__name__}")
-    if not _valid_id(obj.get("id")):
-        raise LineError("missing or invalid 'id' (a string or integer is required)")
-    if ("prompt" in obj) == ("messages" in obj):
-        raise LineError("exactly one of 'prompt' or 'messages' is required")
-    if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
-        raise LineError("'prompt' must be a non-empty string")
-    return obj, None
-
-
-def _valid_id(value) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return False
-    try:
-        return isinstance(value, int) or bool(check_text("id", value))
-    except ValueError:
-        return False
-
-
-_NO_ID = object()  # an integer too long to be an id
-
-
-def _id_of(text: str | None, fmt: str = "jaxinfer") -> str | int | None:
-    """The line's id (custom_id) if its first JSON object has a valid one, even when the rest of the line
-    is bad (a bad field, trailing garbage, an over-long number elsewhere)."""
-    if text is None:
-        return None
-    try:
-        obj, _ = json.JSONDecoder(parse_int=lambda s: int(s) if len(s) <= _MAX_INT_DIGITS else _NO_ID).raw_decode(text.lstrip())
-    except Exception:  # noqa: BLE001 -- any failure only means the line has no id to keep
-        return None
-    if not isinstance(obj, dict):
-        return None
-    if fmt == openai_batch.FORMAT:
-        value = obj.get("custom_id")
-        return value if openai_batch.valid_custom_id(value) and _valid_id(value) else None
-    return obj["id"] if _valid_id(obj.get("id")) else None
-
-
-def check_fields(obj: dict, *, strict: bool = False) -> list[str]:
-    """The one check of a request's field names (both formats): a field vLLM or OpenAI define that jaxinfer
-    does not implement, a misspelt known field (with its hint) and, when `strict`, any unknown field are
-    LineErrors naming it; returns the other unknown fields, which the line runs without."""
-    unknown = {name: value for name, value in obj.items() if name not in KNOWN_FIELDS}
-    unsupported = unsupported_field_error(unknown, SAMPLING_FIELDS)
-    if unsupported is not None:
-        raise LineError(str(unsupported), param=unsupported.field)
-    ignored = []
-    for name in unknown:
-        if unsupported_field_error({name: "set"}, SAMPLING_FIELDS) is not None:
-            continue  # a field jaxinfer does not implement, at its no-op value (n=1, stream=false, ...)
-        error = unknown_field_error(name, KNOWN_FIELDS)
-        if "did you mean" in str(error):
-            raise LineError(str(error), param=name)
-        if strict:
-            raise LineError(f"{name!r} is not a known field (--strict-fields makes unknown fields errors)", param=name)
-        ignored.append(name)
-    return ignored
-
-
-def read_lines(numbered: Iterable[tuple[int, bytes]], fmt: str = "jaxinfer", *, strict_fields: bool = False) -> Iterator[InputLine]:
-    """Each non-blank line with its key (repeats numbered), parsed or with its problem, as it is read.
-    Holds one entry per distinct key (to number repeats), never the lines."""
-    first_line = KeyTable()  # key -> its first line
-    repeats: dict[str, int] = {}  # only the keys seen more than once
-    prefix = "custom_id" if fmt == openai_batch.FORMAT else "id"
-    for number, raw in numbered:
-        text, problem, obj, status, param, endpoint, ignored = None, None, None, 400, None, None, ()
-        try:
-            text = raw.decode("utf-8")
-            obj, endpoint = _parse(text, fmt)
-            ignored = tuple(check_fields(obj, strict=strict_fields))
-        except UnicodeDecodeError as e:
-            problem = f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
-            text = raw.decode("utf-8", "replace")  # only to recover the id, when the bad byte is elsewhere
-        except LineError as e:
-            problem, status, param = str(e), e.status_code, e.param
-        request_id = _id_of(text, fmt)
-        base = f"{prefix}:{json.dumps(request_id, ensure_ascii=False)}" if request_id is not None else f"sha256:{hashlib.sha256(raw.strip()).hexdigest()[:32]}"
-        first = first_line.setdefault(base, number)
-        repeat = 1 if first == number else repeats.setdefault(base, 1) + 1
-        if repeat > 1:
-            repeats[base] = repeat
-        key = base if repeat == 1 else f"{base}#{repeat}"
-        if repeat > 1 and request_id is not None and problem is None:
-            problem, param = f"duplicate {prefix} {request_id!r} (first on line {first})", prefix
-        if problem is not None:
-            obj, ignored = None, ()
-        yield InputLine(number, key, obj, request_id, problem, fmt, status, param, endpoint, ignored)
-
-
-def read_input(data: bytes, fmt: str = "jaxinfer") -> list[InputLine]:
-    """Every non-blank line of `data` with its key (repeats numbered), parsed or with its problem."""
-    return list(read_lines(iter_lines([data]), fmt))
-
-
-def detect_format(numbered: Iterable[tuple[int, bytes]]) -> str:
-    """'openai' when the first non-empty line is an OpenAI batch request, else 'jaxinfer'."""
-    for _, raw in numbered:
-        try:
-            return openai_batch.FORMAT if openai_batch.looks_like(json.loads(raw.decode("utf-8"))) else "jaxinfer"
-        except (ValueError, RecursionError):  # a bad first line: that line's error, in jaxinfer's format
-            return "jaxinfer"
-    return "jaxinfer"
-
-
-def read_done(path: Path) -> KeyTable:
-    """Keys already written to the output. The whole file is checked first; only then is a torn last
-    record (from a kill) cut off, or a whole last record's lost newline restored."""
-    scan = scan_output(path, iter_lines)
-    repair_output(path, scan)
-    return scan.keys
-
-
-class _Input:
-    """The job's input, readable again from its start while the job runs: a regular file through the
-    descriptor opened at the start (so a file replaced meanwhile does not mix in), anything else (a pipe,
-    /dev/stdin) copied to an unnamed temporary file as it is read."""
-
-    def __init__(self, path: Path):
-        with open(path, "rb") as f:
-            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                self._fd = os.dup(f.fileno())
-            else:
-                with tempfile.TemporaryFile() as copy:
-                    shutil.copyfileobj(f, copy, _BLOCK_BYTES)
-                    copy.flush()
-                    self._fd = os.dup(copy.fileno())
-
-    def blocks(self) -> Iterator[bytes]:
-        if self._fd is None:
-            raise ValueError("the job is closed: its input is no longer open")
-        offset = 0
-        while block := os.pread(self._fd, _BLOCK_BYTES, offset):
-            yield block
-            offset += len(block)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-class JobLines:
-    """A job's lines (or those still to do), read again from the input each time they are iterated;
-    its length is the scan's count. Reads like a list where the tests and the CLI look (len, truth,
-    slices, ==), without holding the lines."""
-
-    def __init__(self, job: "BatchJob", done: KeyTable | None, length: int):
-        self._job, self._done, self._length = job, done, length
-
-    def __iter__(self) -> Iterator[InputLine]:
-        job = self._job
-        for line in read_lines(iter_lines(job._input.blocks()), job.format, strict_fields=job.strict_fields):
-            if self._done is None or line.key not in self._done:
-                yield line
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index):
-        if isinstance(index, slice) and (index.start or 0) >= 0 and (index.stop is None or index.stop >= 0) and (index.step or 1) > 0:
-            return list(itertools.islice(self, index.start, index.stop, index.step))
-        return list(self)[index]
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other) if isinstance(other, (list, tuple, JobLines)) else NotImplemented
-
-    def __repr__(self) -> str:
-        return f"JobLines({self._length} lines)"
-
-
-# ---------------------------------------------------------------- the job
 
 
 def check_paths(input_path: Path, output_path: Path, *, resume: bool, overwrite: bool) -> None:
@@ -577,56 +172,24 @@ class LineRunner:
             raise LineError(f"{type(e).__name__}: {e}") from None
 
 
-def error_record(line: InputLine, reason: str, status_code: int = 400, param: str | None = None) -> dict:
-    """The record of a line that could not run, in its format."""
-    if line.fmt == openai_batch.FORMAT:
-        return openai_batch.error_record(line.key, line.request_id, line.number, reason, status_code, param)
-    return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"}
+class JobLines:
+    """A job's lines (or those still to do): a sized, re-iterable view, read again from the input each
+    time it is iterated, never held; its length is the scan's count (so `not job.todo` costs nothing)."""
 
+    def __init__(self, job: "BatchJob", done: KeyTable | None, length: int):
+        self._job, self._done, self._length = job, done, length
 
-def record_of(line: InputLine, output: RequestOutput, token_text=None) -> dict:
-    """The record of a line that ran (or timed out, or failed in a step), in its format. `token_text`
-    (token id -> its text) names the tokens of an OpenAI record's logprobs."""
-    if output.finish_reason == "timeout":
-        return error_record(line, "timed out: its deadline passed before it started", 408)
-    if output.finish_reason == "error":
-        return error_record(line, output.error, 500)
-    if line.fmt == openai_batch.FORMAT:
-        return openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text)
-    return _result_record(line, output)
+    def __iter__(self) -> Iterator[InputLine]:
+        job = self._job
+        for line in read_lines(iter_lines(job._input.blocks()), job.format, strict_fields=job.strict_fields):
+            if self._done is None or line.key not in self._done:
+                yield line
 
+    def __len__(self) -> int:
+        return self._length
 
-def _result_record(line: InputLine, output: RequestOutput) -> dict:
-    """The JSONL record of a line that finished, built from its RequestOutput (jaxinfer's format). With
-    n > 1 its text and tokens are sample 0's and `samples` holds all n; with logprobs / prompt_logprobs,
-    `logprobs` / `prompt_logprobs` list {"token_id", "logprob", "top": [[id, logprob], ...]} per token."""
-    record = {
-        "id": line.request_id, "line": line.number, "key": line.key, "status": "ok",
-        **_sample_fields(output),
-        "num_prompt_tokens": output.num_prompt_tokens, "num_cached_tokens": output.num_cached_tokens,
-        "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
-        "metrics": output.metrics.as_record(),
-    }
-    if output.prompt_logprobs is not None:
-        record["prompt_logprobs"] = _logprob_records(output.prompt_token_ids, output.prompt_logprobs)
-    if output.samples is not None:
-        record["samples"] = [_sample_fields(sample) for sample in output.samples]
-    return record
-
-
-def _sample_fields(output: RequestOutput) -> dict:
-    fields = {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason, "num_generated_tokens": output.num_generated_tokens}
-    if output.logprobs is not None:
-        fields["logprobs"] = _logprob_records(output.token_ids, output.logprobs)
-    return fields
-
-
-def _logprob_records(token_ids: list[int], entries: list) -> list:
-    """RequestOutput's (logprob, {id: logprob}) per token as JSON-ready records (None stays None)."""
-    return [
-        None if entry is None else {"token_id": token, "logprob": round(entry[0], 6), "top": [[t, round(lp, 6)] for t, lp in entry[1].items()]}
-        for token, entry in zip(token_ids, entries)
-    ]
+    def __repr__(self) -> str:
+        return f"JobLines({self._length} lines)"
 
 
 class BatchJob:
@@ -659,7 +222,7 @@ class BatchJob:
         self.summary = JobSummary()
         self._settings = {"sampling": dataclasses.asdict(defaults), "truncate": truncate} | (settings or {})
         self._lock = OutputLock(output)
-        self._input: _Input | None = None
+        self._input: SpooledInput | None = None
         self._file = None
         try:
             self._read(input_path, fmt, force_settings)
@@ -668,7 +231,7 @@ class BatchJob:
             raise
 
     def _read(self, input_path: Path, fmt: str, force_settings: bool) -> None:
-        self._input = _Input(input_path)  # a pipe or /dev/stdin too: copied once
+        self._input = SpooledInput(input_path)  # a pipe or /dev/stdin too: copied once
         check = EncodingCheck()
         for block in self._input.blocks():
             check.feed(block)

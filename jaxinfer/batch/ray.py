@@ -1,11 +1,11 @@
-"""JSONL batch jobs across machines on Ray Data: batch.py's job, with its lines run by a pool of LLM actors.
+"""JSONL batch jobs across machines on Ray Data: batch/job.py's job, with its lines run by a pool of LLM actors.
 
     ray.data.from_items(lines).map_batches(LLMActor, concurrency=A, batch_size=B, num_gpus=G)
 
 The driver does what the local job does: it reads the input and, on resume, the output's done keys,
 ships the lines not done, and writes each record as its batch comes back through `BatchJob.write`, the
 one writer. So the output is the local job's: one record per line, the same keys, the same resume
-contract. Each actor holds one `LLM` and runs its batch through `batch.LineRunner`, so a bad line becomes
+contract. Each actor holds one `LLM` and runs its batch through `job.LineRunner`, so a bad line becomes
 its own error record and the rest of its batch runs. A request without its own seed derives one from its
 line's key, so which actor runs it does not change its tokens.
 
@@ -28,8 +28,10 @@ from jaxinfer.scheduling.request import SamplingParams
 
 from jaxinfer.validation import check_int, check_number
 
-if TYPE_CHECKING:  # batch.py (and through it jax) is imported where it is used: the CLI's --help stays fast
-    from jaxinfer.batch.job import BatchJob, InputLine, JobSummary
+if TYPE_CHECKING:  # batch/job.py (and through it jax) is imported where it is used: the CLI's --help stays fast
+    from jaxinfer.batch.input import InputLine
+    from jaxinfer.batch.job import BatchJob
+    from jaxinfer.batch.records import JobSummary
     from jaxinfer.config import EngineConfig
     from jaxinfer.options import LoadOptions
 
@@ -86,7 +88,7 @@ def line_to_json(line: "InputLine") -> str:
 
 
 def line_from_json(text: str) -> "InputLine":
-    from jaxinfer.batch.job import InputLine
+    from jaxinfer.batch.input import InputLine
 
     return InputLine(**json.loads(text))
 

@@ -14,11 +14,24 @@ import subprocess
 
 from jaxinfer.batch import job as batch_module
 from jaxinfer.batch import output_file as batch_output
-from jaxinfer.batch.job import BatchJob, JobLines, LineRunner, ResumeError, check_paths, read_done, read_input
+from jaxinfer.batch.input import iter_lines, read_lines
+from jaxinfer.batch.job import BatchJob, JobLines, LineRunner, ResumeError, check_paths
 from jaxinfer.scheduling.request import SamplingParams
 from job_records import by_key, records
 
 DEFAULTS = SamplingParams(temperature=0, max_tokens=6)
+
+
+def read_input(data: bytes) -> list:
+    """Every non-blank line of `data`, keyed and parsed, as the job reads them."""
+    return list(read_lines(iter_lines([data])))
+
+
+def read_done(path: Path):
+    """The keys a resume finds done in an output, after its repair (a torn last record cut off)."""
+    scan = batch_output.scan_output(path, iter_lines)
+    batch_output.repair_output(path, scan)
+    return scan.keys
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jaxinfer.batch.job import LineError, parse_line
+from jaxinfer.batch.input import LineError, parse
 from job_records import records
 
 ENGINE_FLAGS = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
@@ -205,7 +205,7 @@ def test_ctrl_c_during_load_exits_130_with_one_line(tmp_path, compile_cache):
 )
 def test_parse_line_names_the_problem(text, reason):
     with pytest.raises(LineError, match=reason):
-        parse_line(text)
+        parse(text)
 
 
 # ------------------------------------------------------------------ hardening, round two (issue 27)

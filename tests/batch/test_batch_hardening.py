@@ -6,6 +6,7 @@ program shape) followed free memory, a resume mixed settings, a whole last recor
 was dropped, and so on down the list.
 """
 
+import itertools
 import json
 import os
 import threading
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 from jaxinfer.engine import engine as engine_module
 from jaxinfer.api import LLM
-from jaxinfer.batch.job import BatchJob, InputFileError, LineError, check_paths, parse_line, read_input
+from jaxinfer.batch.input import InputFileError, LineError, iter_lines, parse, read_lines
+from jaxinfer.batch.job import BatchJob, check_paths
 from jaxinfer.batch.output_file import OutputBusyError, ResumeError, lock_path, meta_path
 from jaxinfer.config import EngineConfig
 from jaxinfer.options import LoadOptions
@@ -75,7 +77,7 @@ _HOSTILE = st.one_of(
 @given(text=_HOSTILE)
 def test_parse_line_returns_a_request_or_raises_line_error_and_nothing_else(text):
     try:
-        obj = parse_line(text)
+        obj, _ = parse(text)
     except LineError:
         return
     assert isinstance(obj, dict) and ("prompt" in obj) != ("messages" in obj)
@@ -84,7 +86,7 @@ def test_parse_line_returns_a_request_or_raises_line_error_and_nothing_else(text
 @settings(max_examples=200, deadline=None)
 @given(lines=st.lists(st.binary(max_size=30) | _HOSTILE.map(str.encode), max_size=6))
 def test_read_input_over_arbitrary_bytes_gives_every_line_a_key_and_never_raises(lines):
-    parsed = read_input(b"\n".join(lines))
+    parsed = list(read_lines(iter_lines([b"\n".join(lines)])))
     assert len({line.key for line in parsed}) == len(parsed)  # keys are unique: one record each
     assert all(line.obj is not None or line.problem for line in parsed)
 
@@ -156,7 +158,7 @@ def test_resume_under_other_settings_is_refused_listing_the_differences(llm, tmp
     inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": f"q{i}", "prompt": f"Question {i}"}) for i in range(3)])
     out = tmp_path / "out.jsonl"
     job = BatchJob(inp, out, DEFAULTS, settings={"model": {"name": "a.gguf"}, "engine_seed": 0})
-    job.write(job.runner.records(llm, job.todo[:1]))
+    job.write(job.runner.records(llm, itertools.islice(job.todo, 1)))
     other = SamplingParams(temperature=0, max_tokens=9)
     with pytest.raises(ResumeError) as refused:
         BatchJob(inp, out, other, resume=True, settings={"model": {"name": "b.gguf"}, "engine_seed": 0})
@@ -174,7 +176,7 @@ def test_resume_of_records_without_a_settings_file_is_refused_unless_forced(tmp_
     with pytest.raises(ResumeError, match="no settings file"):
         BatchJob(inp, out, DEFAULTS, resume=True)
     with BatchJob(inp, out, DEFAULTS, resume=True, force_settings=True) as job:
-        assert job.todo == []
+        assert list(job.todo) == []
 
 
 def test_a_whole_last_record_without_its_newline_is_kept_and_its_newline_restored(llm, tmp_path):
@@ -222,7 +224,7 @@ def _capture(errors: list, call) -> None:
 def test_a_fifo_and_dev_null_are_read_as_inputs(llm, tmp_path):
     check_paths(Path("/dev/null"), tmp_path / "none.jsonl", resume=False, overwrite=False)
     with BatchJob(Path("/dev/null"), tmp_path / "none.jsonl", DEFAULTS) as job:
-        assert job.lines == []
+        assert list(job.lines) == []
     fifo = tmp_path / "in.fifo"
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_text('{"id":"a","prompt":"x"}\n'))
@@ -241,7 +243,7 @@ def test_deadline_zero_is_refused_with_the_interval_the_check_uses():
 
 
 def test_a_duplicate_key_and_trailing_garbage_are_line_errors_that_keep_the_id():
-    lines = read_input(b'{"id": "a", "prompt": "x", "prompt": "y"}\n{"id": "b", "prompt": "x"} garbage\n{"id": "c", "prompt": "x"}\n')
+    lines = list(read_lines(iter_lines([b'{"id": "a", "prompt": "x", "prompt": "y"}\n{"id": "b", "prompt": "x"} garbage\n{"id": "c", "prompt": "x"}\n'])))
     assert [line.request_id for line in lines] == ["a", "b", "c"]
     assert "duplicate key 'prompt'" in lines[0].problem and "Extra data" in lines[1].problem and lines[2].problem is None
 

@@ -14,7 +14,8 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.api import LLM
-from jaxinfer.batch.job import BatchJob, read_input
+from jaxinfer.batch.input import iter_lines, read_lines
+from jaxinfer.batch.job import BatchJob
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.validation import UNSUPPORTED_REQUEST_FIELDS
 from job_records import by_key, records
@@ -178,11 +179,11 @@ def test_unknown_fields_are_warned_about_before_running_and_strict_fields_makes_
 
 
 def test_known_fields_jaxinfer_lacks_are_line_errors_in_both_formats_and_supported_ones_never_are():
-    lines = read_input(b'{"id": "a", "prompt": "x", "best_of": 3}\n{"id": "b", "prompt": "x", "best_of": 1}\n{"id": "c", "prompt": "x", "tools": []}\n')
+    lines = list(read_lines(iter_lines([b'{"id": "a", "prompt": "x", "best_of": 3}\n{"id": "b", "prompt": "x", "best_of": 1}\n{"id": "c", "prompt": "x", "tools": []}\n'])))
     assert "best_of is not supported" in lines[0].problem and lines[1].problem is None and "tools is not supported" in lines[2].problem
     assert not set(UNSUPPORTED_REQUEST_FIELDS) & SAMPLING_FIELDS  # no field is both supported and refused...
     for name in SAMPLING_FIELDS:  # ...and the check consults SamplingParams at runtime, so none could be
-        (line,) = read_input(json.dumps({"id": "s", "prompt": "x", name: "?"}).encode())
+        (line,) = read_lines(iter_lines([json.dumps({"id": "s", "prompt": "x", name: "?"}).encode()]))
         assert line.problem is None or "is not supported by jaxinfer" not in line.problem, (name, line.problem)
 
 

@@ -1,0 +1,118 @@
+"""A batch job's output records, in jaxinfer's format or OpenAI's (batch.openai builds those), and
+`JobSummary`, what a run counts of the records it wrote. Host only, no jax: imports numpy, batch.openai
+and batch.input (InputLine); api's RequestOutput is only read (imported for type checking).
+"""
+
+import array
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxinfer.batch import openai as openai_batch
+from jaxinfer.batch.input import InputLine
+
+if TYPE_CHECKING:
+    from jaxinfer.api import RequestOutput
+
+
+@dataclasses.dataclass
+class JobSummary:
+    num_ok: int = 0
+    num_errors: int = 0
+    num_skipped: int = 0  # already in the output (resume)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    # Per ok record, as float32 arrays (4 bytes a record, not a list's 32: a million-line job's summary stays small)
+    ttfts: array.array = dataclasses.field(default_factory=lambda: array.array("f"))
+    tpots: array.array = dataclasses.field(default_factory=lambda: array.array("f"))  # time per output token
+    queue_times: array.array = dataclasses.field(default_factory=lambda: array.array("f"))
+    ignored_fields: dict[str, int] = dataclasses.field(default_factory=dict)  # unknown field -> lines (to do) that hold it
+    interrupted: bool = False
+
+    def add(self, record: dict) -> None:
+        """Count one written record (of either format)."""
+        fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record["status"] == "ok" else None
+        if fields is None:
+            self.num_errors += 1
+            return
+        self.num_ok += 1
+        self.prompt_tokens += fields["num_prompt_tokens"]
+        self.generated_tokens += fields["num_generated_tokens"]
+        self.ttfts.append(fields["time_to_first_token_s"])
+        self.tpots.append(fields["metrics"]["time_per_output_token_s"])
+        self.queue_times.append(fields["metrics"]["queue_s"])
+
+    def request_counts(self) -> dict:
+        """The lines this run wrote, as OpenAI's batch request counts {"completed", "failed", "total"}."""
+        return {"completed": self.num_ok, "failed": self.num_errors, "total": self.num_ok + self.num_errors}
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    def ttft_percentile(self, q: float) -> float:
+        return _percentile(self.ttfts, q)
+
+    def tpot_percentile(self, q: float) -> float:
+        return _percentile(self.tpots, q)
+
+    def queue_percentile(self, q: float) -> float:
+        return _percentile(self.queue_times, q)
+
+
+def _percentile(values: array.array, q: float) -> float:
+    return float(np.percentile(np.frombuffer(values, np.float32), q)) if values else float("nan")
+
+
+def error_record(line: InputLine, reason: str, status_code: int = 400, param: str | None = None) -> dict:
+    """The record of a line that could not run, in its format."""
+    if line.fmt == openai_batch.FORMAT:
+        return openai_batch.error_record(line.key, line.request_id, line.number, reason, status_code, param)
+    return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"}
+
+
+def record_of(line: InputLine, output: "RequestOutput", token_text=None) -> dict:
+    """The record of a line that ran (or timed out, or failed in a step), in its format. `token_text`
+    (token id -> its text) names the tokens of an OpenAI record's logprobs."""
+    if output.finish_reason == "timeout":
+        return error_record(line, "timed out: its deadline passed before it started", 408)
+    if output.finish_reason == "error":
+        return error_record(line, output.error, 500)
+    if line.fmt == openai_batch.FORMAT:
+        return openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text)
+    return _result_record(line, output)
+
+
+def _result_record(line: InputLine, output: "RequestOutput") -> dict:
+    """The JSONL record of a line that finished, built from its RequestOutput (jaxinfer's format). With
+    n > 1 its text and tokens are sample 0's and `samples` holds all n; with logprobs / prompt_logprobs,
+    `logprobs` / `prompt_logprobs` list {"token_id", "logprob", "top": [[id, logprob], ...]} per token."""
+    record = {
+        "id": line.request_id, "line": line.number, "key": line.key, "status": "ok",
+        **_sample_fields(output),
+        "num_prompt_tokens": output.num_prompt_tokens, "num_cached_tokens": output.num_cached_tokens,
+        "time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4),
+        "metrics": output.metrics.as_record(),
+    }
+    if output.prompt_logprobs is not None:
+        record["prompt_logprobs"] = _logprob_records(output.prompt_token_ids, output.prompt_logprobs)
+    if output.samples is not None:
+        record["samples"] = [_sample_fields(sample) for sample in output.samples]
+    return record
+
+
+def _sample_fields(output) -> dict:
+    fields = {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason, "num_generated_tokens": output.num_generated_tokens}
+    if output.logprobs is not None:
+        fields["logprobs"] = _logprob_records(output.token_ids, output.logprobs)
+    return fields
+
+
+def _logprob_records(token_ids: list[int], entries: list) -> list:
+    """RequestOutput's (logprob, {id: logprob}) per token as JSON-ready records (None stays None)."""
+    return [
+        None if entry is None else {"token_id": token, "logprob": round(entry[0], 6), "top": [[t, round(lp, 6)] for t, lp in entry[1].items()]}
+        for token, entry in zip(token_ids, entries)
+    ]
