@@ -1,16 +1,16 @@
 """Llama-3.2-1B-shaped GGUFs in Q4_0 and Q8_0: jaxinfer's default against llama.cpp and HF on the same work.
 
 Issue 24's 1B-class benchmark. Each format's file holds random weights of the Llama-3.2-1B geometry
-(harness.GEOMETRIES["llama3-1b"], N(0, 0.02) quantized by gguf.quants.quantize) and the Llama 3 tokenizer
+(models.GEOMETRIES["llama3-1b"], N(0, 0.02) quantized by gguf.quants.quantize) and the Llama 3 tokenizer
 of llama.cpp's ggml-vocab-llama-bpe.gguf (`make llama-cpp-models`); the files are written once into
 build/bench_1b/. On the same workload (--num-requests of the conversation trace scaled by --scale,
-harness.build_workload with the Llama 3 tokenizer), in one run:
+workloads.build_workload with the Llama 3 tokenizer), in one run:
   - jaxinfer "default": LLM(path), nothing set (dtype, attention and matmul left to the tuner);
   - jaxinfer "gguf": the file's blocks kept on the device (quantization="gguf"), and for Q8_0 also
     "gguf_int8": those blocks multiplied W8A8 (matmul_impl="int8");
   - llama.cpp sequential (one stream) and batched (--parallel sequence ids), experiments/peers/llamacpp_generate.py;
   - HF transformers generate (the GGUF dequantized to f32), experiments/peers/hf_generate.py.
-Each jaxinfer runner is checked against the dense reference generator first (harness.run_engine), and its
+Each jaxinfer runner is checked against the dense reference generator first (engine_runs.run_engine), and its
 greedy tokens are compared with llama.cpp's. Beside throughput, the decode step at batch 1 is timed on one
 request and its weight bytes (what the chosen format must read) are set against the measured read bandwidth.
 Writes experiments/results/bench_1b.json (machine block: CPU model and flags, the llama.cpp build flags);
@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-import harness
-from harness import REPO_ROOT
+from common import engine_runs, machine, models, paths, peers, report, timing, workloads
+from common.paths import REPO_ROOT
 
-RESULTS = harness.RESULTS_DIR / "bench_1b.json"
+RESULTS = paths.RESULTS_DIR / "bench_1b.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_1b"
 GEOMETRY = "llama3-1b"
 VOCAB_GGUF = REPO_ROOT / "build" / "llama-cpp-python" / "models" / "ggml-vocab-llama-bpe.gguf"
@@ -50,7 +50,7 @@ GOALS = {
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
+    parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
     parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {', '.join(RUNNERS)} (gguf_int8: Q8_0 only)")
     parser.add_argument("--num-requests", type=int, default=16)
@@ -59,8 +59,8 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per runner (the best is kept)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.formats = harness.comma_list(parser, args.formats, FORMATS, "format")
-    args.runners = harness.comma_list(parser, args.runners, RUNNERS, "runner")
+    args.formats = report.comma_list(parser, args.formats, FORMATS, "format")
+    args.runners = report.comma_list(parser, args.runners, RUNNERS, "runner")
     return args
 
 
@@ -74,10 +74,10 @@ def model_file(fmt: str) -> str:
             raise SystemExit(f"error: {VOCAB_GGUF} is missing; run `make llama-cpp-models`")
         WORK_DIR.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        _, seconds = harness.timed(harness.write_random_gguf, partial, harness.GEOMETRIES[GEOMETRY], fmt, loading.open_gguf(VOCAB_GGUF),
+        _, seconds = timing.timed(models.write_random_gguf, partial, models.GEOMETRIES[GEOMETRY], fmt, loading.open_gguf(VOCAB_GGUF),
                                    max_context=MAX_CONTEXT)
         partial.rename(path)
-        harness.log("bench_1b", f"wrote {path.name} ({path.stat().st_size / 2**20:.0f} MiB) in {seconds:.0f}s")
+        report.log("bench_1b", f"wrote {path.name} ({path.stat().st_size / 2**20:.0f} MiB) in {seconds:.0f}s")
     return str(path)
 
 
@@ -89,8 +89,8 @@ def decode_probe(llm, bandwidth: float) -> dict:
     from jaxinfer.model import quant
 
     prompt, output = DECODE_PROBE
-    recorder = harness.StepRecorder(llm.engine_config.page_size)
-    llm.generate([list(range(1000, 1000 + prompt))], harness.greedy(output), progress=False, on_step=recorder)
+    recorder = engine_runs.StepRecorder(llm.engine_config.page_size)
+    llm.generate([list(range(1000, 1000 + prompt))], workloads.greedy(output), progress=False, on_step=recorder)
     step_s = float(np.median(recorder.phase_seconds("decode")))
     params = llm.engine.step_params
     resident = quant.resident_bytes(params)
@@ -101,15 +101,15 @@ def decode_probe(llm, bandwidth: float) -> dict:
 
 
 def run_jaxinfer(name: str, path: str, workload: dict, args, bandwidth: float) -> tuple[dict, list]:
-    engine_cfg = harness.workload_engine_config(max_num_seqs=max(1, min(16, args.num_requests)), max_context=MAX_CONTEXT)
-    result, tokens, llm = harness.run_engine(workload, engine_cfg, args.repeats, model=path, **JAXINFER_LOADS[name])
+    engine_cfg = engine_runs.workload_engine_config(max_num_seqs=max(1, min(16, args.num_requests)), max_context=MAX_CONTEXT)
+    result, tokens, llm = engine_runs.run_engine(workload, engine_cfg, args.repeats, model=path, **JAXINFER_LOADS[name])
     from jaxinfer.loading import loading
     from jaxinfer.model import quant
 
     file_bytes = sum(int(t.n_bytes) for t in loading.open_gguf(loading.resolve_model_path(path)).tensors)
     result |= {"choices": str(llm.choices), "decode_b1": decode_probe(llm, bandwidth), "file_tensor_bytes": file_bytes,
-               "resident_weight_bytes": quant.resident_bytes(llm.engine.params), "peak_rss_bytes": harness.peak_rss_bytes()}
-    harness.log("bench_1b", f"{name}: {result['output_tokens_per_s']:.2f} tok/s, {result['choices']}; decode b1 "
+               "resident_weight_bytes": quant.resident_bytes(llm.engine.params), "peak_rss_bytes": timing.peak_rss_bytes()}
+    report.log("bench_1b", f"{name}: {result['output_tokens_per_s']:.2f} tok/s, {result['choices']}; decode b1 "
                 f"{1e3 * result['decode_b1']['decode_step_s']:.0f} ms, MBU {result['decode_b1']['mbu']:.1%}")
     return result, tokens
 
@@ -122,23 +122,23 @@ def run_format(fmt: str, workload: dict, workload_file, args, bandwidth: float) 
             results[name], tokens[name] = run_jaxinfer(name, path, workload, args, bandwidth)
         except Exception as error:  # noqa: BLE001  (one runner's failure is recorded, the others still run)
             results[name] = {"error": f"{type(error).__name__}: {error}"}
-            harness.log("bench_1b", f"{name}: failed: {results[name]['error'][:300]}")
-    peers = {"llamacpp": ("llamacpp_generate.py", "--parallel", str(args.parallel)), "hf": ("hf_generate.py", "--batch-size", "8")}
-    for name in [r for r in args.runners if r in peers]:
-        script, *extra = peers[name]
-        raw, peer_tokens = harness.run_generate_peer(script, workload_file, WORK_DIR / f"{name}_{fmt}_tokens.json", "--gguf", path,
+            report.log("bench_1b", f"{name}: failed: {results[name]['error'][:300]}")
+    peer_scripts = {"llamacpp": ("llamacpp_generate.py", "--parallel", str(args.parallel)), "hf": ("hf_generate.py", "--batch-size", "8")}
+    for name in [r for r in args.runners if r in peer_scripts]:
+        script, *extra = peer_scripts[name]
+        raw, peer_tokens = peers.run_generate_peer(script, workload_file, WORK_DIR / f"{name}_{fmt}_tokens.json", "--gguf", path,
                                                      "--repeats", str(args.repeats), *extra)
         if "error" in raw:
             results[name] = raw
-            harness.log("bench_1b", f"{name}: failed: {raw['error'][-300:]}")
+            report.log("bench_1b", f"{name}: failed: {raw['error'][-300:]}")
             continue
         for mode, entry in (raw.pop("modes") if "modes" in raw else {None: raw}).items():
             key = name if mode is None else f"{name}_{mode}"
             results[key], tokens[key] = {**entry, "load_s": raw["load_s"], **({"peer": raw} if mode else {})}, peer_tokens[mode] if mode else peer_tokens
-            harness.log("bench_1b", f"{key}: {entry['output_tokens_per_s']:.2f} tok/s")
+            report.log("bench_1b", f"{key}: {entry['output_tokens_per_s']:.2f} tok/s")
     if (reference := tokens.get("llamacpp_batched")) is not None:
         for key, ids in tokens.items():
-            results[key]["agreement_vs_llamacpp_batched"] = harness.agreement(ids, reference)
+            results[key]["agreement_vs_llamacpp_batched"] = workloads.agreement(ids, reference)
     return results
 
 
@@ -153,7 +153,7 @@ def goals(by_format: dict) -> dict:
                      f"default_vs_best_{fmt}": ours / best if ours and best else None}
         if "resident_weight_bytes" in (kept := results.get("gguf", {})):
             measured[f"gguf_resident_{fmt}"] = kept["resident_weight_bytes"] / kept["file_tensor_bytes"] - 1
-    return harness.judge(GOALS, measured)
+    return report.judge(GOALS, measured)
 
 
 def print_table(by_format: dict) -> None:
@@ -167,7 +167,7 @@ def print_table(by_format: dict) -> None:
             rows.append([fmt, name, rate if rate else (r.get("error") or "")[:40], rate / peer if rate and peer else None,
                          1e3 * probe["decode_step_s"] if probe else None, probe.get("mbu"),
                          (r.get("agreement_vs_llamacpp_batched") or {}).get("exact_requests"), r.get("choices")])
-    print("\n" + harness.format_table(columns, rows))
+    print("\n" + report.format_table(columns, rows))
 
 
 def main() -> None:
@@ -176,24 +176,24 @@ def main() -> None:
     args = parse_args()
     start = time.perf_counter()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
-    workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, load_tokenizer(model_file(args.formats[0])),
+    workload = workloads.build_workload(args.trace, args.num_requests, args.scale, args.seed, load_tokenizer(model_file(args.formats[0])),
                                       max_context=MAX_CONTEXT, max_output=MAX_OUTPUT)
     workload_file = WORK_DIR / "workload.json"
     workload_file.write_text(json.dumps(workload))
-    summary = harness.workload_summary(workload["requests"])
-    harness.log("bench_1b", f"workload: {summary}")
-    peaks = {"bandwidth": harness.measure_bandwidth_peak(5)}
+    summary = workloads.workload_summary(workload["requests"])
+    report.log("bench_1b", f"workload: {summary}")
+    peaks = {"bandwidth": machine.measure_bandwidth_peak(5)}
     bandwidth = peaks["bandwidth"]["best_bytes_per_s"]
     by_format = {fmt: run_format(fmt, workload, workload_file, args, bandwidth) for fmt in args.formats}
     print_table(by_format)
     result = {"question": "a 1B-class GGUF (Q4_0, Q8_0): jaxinfer's default vs its other runners, llama.cpp and HF on the same workload",
-              "geometry": harness.GEOMETRIES[GEOMETRY], "workload": {**{k: v for k, v in workload.items() if k != "requests"}, **summary},
+              "geometry": models.GEOMETRIES[GEOMETRY], "workload": {**{k: v for k, v in workload.items() if k != "requests"}, **summary},
               "settings": {k: str(v) for k, v in vars(args).items()}, "results": by_format, "goals": goals(by_format),
               "runtime_s": time.perf_counter() - start}
-    harness.print_goals(result["goals"])
+    report.print_goals(result["goals"])
     checks = [r["reference_check"] for results in by_format.values() for r in results.values() if "reference_check" in r]
     correct = all(c["num_equal"] == c["num_checked"] for c in checks)
-    harness.finish(args.out, result, {"bench": "1b", "correct": correct, "goals": {k: g["measured"] for k, g in result["goals"].items()},
+    report.finish(args.out, result, {"bench": "1b", "correct": correct, "goals": {k: g["measured"] for k, g in result["goals"].items()},
                                       "runtime_s": result["runtime_s"]}, correct=correct, peaks=peaks)
 
 

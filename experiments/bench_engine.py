@@ -1,7 +1,7 @@
 """Does jaxinfer's paged engine beat HF generate, llama.cpp and a naive static batcher on a real trace?
 
 Issue 4's benchmark; the workload, the runners and the committed run are in the README ("Engine on a real
-trace"). The harness's workload is written once as JSON that every runner reads; each runner times it
+trace"). The common workload is written once as JSON that every runner reads; each runner times it
 --repeats times and reports its best run. Correctness first: a few requests must equal the dense
 reference; every runner's agreement with jaxinfer's greedy tokens is reported, not enforced.
 
@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
-from harness import REPO_ROOT, agreement, load_average
+from common import engine_runs, paths, peers, programs, report, timing, workloads
+from common.paths import REPO_ROOT
+from common.timing import load_average
+from common.workloads import agreement
 from jaxinfer.model import kv_pool
 from jaxinfer.api import LLM
 from jaxinfer.config import ATTENTION_IMPLS, EngineConfig
 
-RESULTS = harness.RESULTS_DIR / "bench_engine.json"
+RESULTS = paths.RESULTS_DIR / "bench_engine.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_engine"  # the workload and peers' token files (not committed)
 ALL_RUNNERS = ("jaxinfer", "naive", "jaxinfer_defaults", "hf", "llamacpp")
 NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many positions (bounds score memory)
@@ -50,10 +52,10 @@ def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[
     cache = kv_pool.init_dense_cache(cfg, batch_size, cache_len)
     rows = np.zeros((batch_size,), np.int32)
     zeros = lambda width: np.zeros((batch_size, width), np.int32)  # noqa: E731
-    # the harness's forward over a dense cache (no pages): the greedy token at index last[b]; donates the cache
+    # the common forward (programs.forward_program) over a dense cache (no pages): the greedy token at index last[b]; donates the cache
     static = {"cfg": cfg, "impl": "reference", "output": "greedy"}
-    prefill, _ = harness.compile_timed(harness.forward_program(), params, cache, zeros(NAIVE_PREFILL_CHUNK), zeros(NAIVE_PREFILL_CHUNK), None, rows, **static)
-    decode, _ = harness.compile_timed(harness.forward_program(), params, cache, zeros(1), zeros(1), None, rows, **static)
+    prefill, _ = timing.compile_timed(programs.forward_program(), params, cache, zeros(NAIVE_PREFILL_CHUNK), zeros(NAIVE_PREFILL_CHUNK), None, rows, **static)
+    decode, _ = timing.compile_timed(programs.forward_program(), params, cache, zeros(1), zeros(1), None, rows, **static)
     compile_s = time.perf_counter() - start
 
     times = []
@@ -80,7 +82,7 @@ def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[
 def _naive_batch(prefill, decode, params, cache, batch, batch_size, padded_prompt, max_new):
     """One static batch: chunked prefill of the padded prompts, then max_new decode steps for all rows."""
     padding = [[0]] * (batch_size - len(batch))  # padding rows: a 1-token prompt of id 0
-    tokens, lengths = harness.pad_rows([r["prompt_ids"] for r in batch] + padding, padded_prompt)
+    tokens, lengths = programs.pad_rows([r["prompt_ids"] for r in batch] + padding, padded_prompt)
     first_token = np.zeros((batch_size,), np.int32)
     for chunk_start in range(0, padded_prompt, NAIVE_PREFILL_CHUNK):
         positions = np.broadcast_to(np.arange(chunk_start, chunk_start + NAIVE_PREFILL_CHUNK, dtype=np.int32), (batch_size, NAIVE_PREFILL_CHUNK))
@@ -110,7 +112,7 @@ def print_table(results: dict, base: float | None) -> None:
         table.append([name, "not run: " + entry.get("error", "?")[:60]] if rate is None else [
             name, rate, entry["seconds"], entry.get("load_s", 0.0), entry.get("warmup_s", entry.get("compile_s", 0.0)), base and base / rate,
             agree.get("exact_requests"), agree.get("mean_prefix_fraction")])
-    print("\n" + harness.format_table(columns, table))
+    print("\n" + report.format_table(columns, table))
     print("jaxinfer/x = jaxinfer output tokens/s / runner's; exact / prefix = agreement of greedy tokens with jaxinfer's\n"
           "(share of requests identical / mean share of tokens before the first difference). Warm-up: compiles\n"
           "(jaxinfer: every bucket program, cold; naive: its 2 programs) or an untimed first call (peers).")
@@ -137,11 +139,11 @@ def goals(results: dict) -> dict:
                 "defaults_vs_llamacpp_best": defaults / llamacpp_best if defaults and llamacpp_best else None,
                 "kv_utilization": results.get("jaxinfer", {}).get("stats", {}).get("peak_kv_utilization"),
                 "kv_utilization_mean_decode": results.get("jaxinfer", {}).get("decode_kv_utilization", {}).get("mean_over_decode_steps")}
-    return harness.judge(GOALS, measured | {"padding_waste": results.get("jaxinfer", {}).get("stats", {}).get("padding_waste")})
+    return report.judge(GOALS, measured | {"padding_waste": results.get("jaxinfer", {}).get("stats", {}).get("padding_waste")})
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
+    parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--scale", type=float, default=8.0, help="trace lengths are divided by this")
     parser.add_argument("--seed", type=int, default=0)
@@ -168,12 +170,12 @@ def parse_args():
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.scale, args.repeats = 6, 32.0, 1
-    args.runners = harness.comma_list(parser, args.peers, ALL_RUNNERS, "runners")
+    args.runners = report.comma_list(parser, args.peers, ALL_RUNNERS, "runners")
     return args
 
 
 def engine_config_for(args, tuned: bool = True) -> EngineConfig:
-    """The harness's workload engine config with this run's knobs. Tuned: prefill_seq_buckets=(1,), so
+    """The common workload engine config with this run's knobs. Tuned: prefill_seq_buckets=(1,), so
     prefill packs several sequences' chunks back to back in one row (several unpacked rows cost about as
     many one-row steps on a 2-core CPU, where prefill is compute-bound, and pad every row)."""
     knobs = {"prefill_seq_buckets": tuple(int(r) for r in args.prefill_seqs.split(","))} if tuned else {}
@@ -186,7 +188,7 @@ def engine_config_for(args, tuned: bool = True) -> EngineConfig:
     if args.chunk_buckets and tuned:
         knobs["prefill_chunk_buckets"] = tuple(int(c) for c in args.chunk_buckets.split(","))
     page_size = args.page_size or (16 if jax.default_backend() == "cpu" else 64)  # the Pallas kernel's smallest page is 64
-    return harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=page_size, **knobs)
+    return engine_runs.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=page_size, **knobs)
 
 
 def _record(results: dict, name: str, entry: dict, tokens=None, jax_tokens=None) -> None:
@@ -203,14 +205,14 @@ def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
     jax_tokens, llm = None, None
     if "jaxinfer" in args.runners or "naive" in args.runners:
         load = {"quantization": args.quantization} if args.quantization else {}  # LLM's own default otherwise
-        entry, jax_tokens, llm = harness.run_engine(workload, engine_config_for(args), args.repeats, **load)
+        entry, jax_tokens, llm = engine_runs.run_engine(workload, engine_config_for(args), args.repeats, **load)
         _record(results, "jaxinfer", entry)
     if "naive" in args.runners:
         _record(results, "naive", *run_naive(llm, workload, args.naive_batch, args.repeats), jax_tokens)
     del llm  # frees its KV pool before the next runner
     gc.collect()
     if "jaxinfer_defaults" in args.runners:
-        entry, tokens, _ = harness.run_engine(workload, engine_config_for(args, tuned=False), args.repeats)
+        entry, tokens, _ = engine_runs.run_engine(workload, engine_config_for(args, tuned=False), args.repeats)
         _record(results, "jaxinfer_defaults", entry, tokens, jax_tokens)
         gc.collect()
     return results | run_peers(args, workload_file, jax_tokens)
@@ -218,14 +220,14 @@ def run_all(args, workload: dict, workload_file: pathlib.Path) -> dict:
 
 def run_peers(args, workload_file: pathlib.Path, jax_tokens: list[list[int]] | None) -> dict:
     """The selected peers (HF, llama.cpp's modes) in turn, each with its agreement with jaxinfer's tokens."""
-    peers, results = [], {}
+    selected, results = [], {}
     if "hf" in args.runners:
-        peers.append(("hf", "hf_generate.py", ["--batch-size", str(args.hf_batch)]))
+        selected.append(("hf", "hf_generate.py", ["--batch-size", str(args.hf_batch)]))
     if "llamacpp" in args.runners:
-        peers.append(("llamacpp", "llamacpp_generate.py", ["--parallel", str(args.llamacpp_parallel)]))
-    for name, script, extra in peers:
+        selected.append(("llamacpp", "llamacpp_generate.py", ["--parallel", str(args.llamacpp_parallel)]))
+    for name, script, extra in selected:
         tokens_file = WORK_DIR / f"{pathlib.Path(script).stem}_tokens.json"
-        raw, tokens = harness.run_generate_peer(script, workload_file, tokens_file, *extra, "--repeats", str(args.repeats))
+        raw, tokens = peers.run_generate_peer(script, workload_file, tokens_file, *extra, "--repeats", str(args.repeats))
         if "error" in raw:
             results[name] = raw
             print(f"{name}: failed: {raw['error'][-500:]}", flush=True)
@@ -240,10 +242,10 @@ def main() -> None:
     args = parse_args()
     total_start = time.perf_counter()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
-    workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, max_context=harness.WORKLOAD_MAX_CONTEXT)
+    workload = workloads.build_workload(args.trace, args.num_requests, args.scale, args.seed, max_context=engine_runs.WORKLOAD_MAX_CONTEXT)
     workload_file = WORK_DIR / "workload.json"
     workload_file.write_text(json.dumps(workload))
-    summary = harness.workload_summary(workload["requests"])
+    summary = workloads.workload_summary(workload["requests"])
     print(f"workload: {summary}", flush=True)
 
     results = run_all(args, workload, workload_file)
@@ -260,9 +262,9 @@ def main() -> None:
         "goals": goals(results),
         "runtime_s": time.perf_counter() - total_start,
     }
-    harness.print_goals(result["goals"])
+    report.print_goals(result["goals"])
     jaxinfer = results.get("jaxinfer", {})
-    harness.finish(args.out, result, {
+    report.finish(args.out, result, {
         "bench": "engine", "correct": correct, "output_tokens_per_s": {k: v.get("output_tokens_per_s") for k, v in results.items()},
         "goals": {k: v["measured"] for k, v in result["goals"].items()}, "num_compilations": jaxinfer.get("num_compilations"),
         "padding_waste": jaxinfer.get("stats", {}).get("padding_waste"), "runtime_s": result["runtime_s"]}, correct=correct)

@@ -22,14 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
-from harness import GEOMETRIES, MATMUL_SIZE, REPO_ROOT, forward_flops, matmul_params, relative_error, time_calls
+from common import machine, models, paths, peers, programs, report, timing, workloads
+from common.machine import MATMUL_SIZE
+from common.models import GEOMETRIES
+from common.paths import REPO_ROOT
+from common.programs import forward_flops, matmul_params
+from common.timing import time_calls
+from common.workloads import relative_error
+from jaxinfer.engine import backends
 from jaxinfer.model import attention, kv_pool, forward as model, sampling
 from jaxinfer.loading import loading
 from jaxinfer.config import ATTENTION_IMPLS, ModelConfig, from_hf_config
 from jaxinfer.loading.tokenizer import load_tokenizer
 
-RESULTS = harness.RESULTS_DIR / "bench_forward.json"
+RESULTS = paths.RESULTS_DIR / "bench_forward.json"
 MAX_RELATIVE_ERROR = 1e-3  # ||ours - HF|| / ||HF|| on last-position logits
 FIXTURE_PAD = 640  # fixture prompts are right-padded to this; causal masking keeps the padding inert
 PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default)
@@ -43,13 +49,13 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 
 def check_fixtures(params, cfg: ModelConfig) -> dict:
     """Relative error of our last-position logits vs the committed HF fixtures, per prompt."""
-    with np.load(harness.FIXTURES) as fixtures:
+    with np.load(paths.FIXTURES) as fixtures:
         count = int(fixtures["num_prompts"])
         ids = [fixtures[f"p{i}_ids"] for i in range(count)]
         expected = [fixtures[f"p{i}_last_logits"] for i in range(count)]
-    tokens, lengths = harness.pad_rows(ids, FIXTURE_PAD)
+    tokens, lengths = programs.pad_rows(ids, FIXTURE_PAD)
     positions = np.broadcast_to(np.arange(FIXTURE_PAD, dtype=np.int32), tokens.shape)
-    logits, _ = harness.forward_program()(params, None, tokens, positions, None, lengths - 1, cfg=cfg, impl="reference", output="last_logits")
+    logits, _ = programs.forward_program()(params, None, tokens, positions, None, lengths - 1, cfg=cfg, impl="reference", output="last_logits")
     logits = np.asarray(logits)  # [prompts, V]: at each prompt's last token, no cache
     errors = [relative_error(logits[i], expected[i]) for i in range(count)]
     argmax_equal = [int(np.argmax(logits[i]) == np.argmax(expected[i])) for i in range(count)]
@@ -58,9 +64,9 @@ def check_fixtures(params, cfg: ModelConfig) -> dict:
 
 def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: str) -> dict:
     num_tokens = len(ids)
-    args, num_pages = harness.prefill_args(ids, PAGE_SIZE)
+    args, num_pages = programs.prefill_args(ids, PAGE_SIZE)
     pool = kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)
-    times, compile_s, logits = harness.time_forward(params, cfg, pool, args, impl=impl, output="last_logits", repeats=repeats, warmup=1)
+    times, compile_s, logits = programs.time_forward(params, cfg, pool, args, impl=impl, output="last_logits", repeats=repeats, warmup=1)
     seconds = statistics.median(times)
     flops = forward_flops(cfg, num_tokens, 1, num_tokens * (num_tokens + 1) // 2)
     return {
@@ -70,9 +76,9 @@ def bench_prefill(params, cfg: ModelConfig, ids: list[int], repeats: int, impl: 
 
 
 def bench_decode(params, cfg: ModelConfig, batch: int, context: int, token: int, repeats: int, impl: str) -> dict:
-    args, num_pages = harness.decode_args(batch, context, token, PAGE_SIZE)  # every row attends to all `context` slots
+    args, num_pages = programs.decode_args(batch, context, token, PAGE_SIZE)  # every row attends to all `context` slots
     pool = kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)
-    times, compile_s, _ = harness.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
+    times, compile_s, _ = programs.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
     seconds = statistics.median(times)
     flops = forward_flops(cfg, batch, batch, batch * context)
     num_bytes = decode_bytes(cfg, batch, context)
@@ -104,9 +110,9 @@ def decode_breakdown(params, cfg: ModelConfig, batch: int, context: int, repeats
     q = jax.random.normal(jax.random.key(3), (batch, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
     kv = jax.random.normal(jax.random.key(4), (batch, 1, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     attend = {name: jax.jit(functools.partial(_attention_only, num_layers=cfg.num_layers, impl=name), donate_argnums=0) for name in ("reference", impl)}
-    (_, _, meta, _), num_pages = harness.decode_args(batch, context, 0, PAGE_SIZE)
+    (_, _, meta, _), num_pages = programs.decode_args(batch, context, 0, PAGE_SIZE)
     paged_pool = lambda: kv_pool.init_pool(cfg, num_pages, PAGE_SIZE)  # noqa: E731
-    donating = lambda program, state, pages: statistics.median(harness.time_donating(program, state, q, kv, kv, positions, pages, repeats=repeats)[0])  # noqa: E731
+    donating = lambda program, state, pages: statistics.median(timing.time_donating(program, state, q, kv, kv, positions, pages, repeats=repeats)[0])  # noqa: E731
     seconds = {
         "forward_without_cache": statistics.median(time_calls(lambda: no_cache(params, tokens, positions).block_until_ready(), repeats, 2)),
         "lm_head_argmax": statistics.median(time_calls(lambda: lm_head(params, hidden).block_until_ready(), repeats, 2)),
@@ -122,25 +128,25 @@ def print_table(result: dict) -> None:
     peak, bandwidth = peaks["matmul"]["best_flops_per_s"], peaks["bandwidth"]["best_bytes_per_s"]
     print(f"\nmatmul peak {peak / 1e9:.1f} GFLOP/s (f32 {MATMUL_SIZE}^3), read bandwidth {bandwidth / 1e9:.1f} GB/s; load avg {result['load_average']}")
     prefill = result["prefill"]
-    programs = [(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], None,
+    table_rows = [(f"prefill T={prefill['tokens']}", prefill["median_s"], prefill["tokens_per_s"], prefill["flops_per_s"], None,
                  hf.get("prefill_median_s"), prefill["compile_s"])]
-    programs += [(f"decode B={d['batch']} S={d['context']}", d["median_step_s"], d["tokens_per_s"], d["flops_per_s"], d["bytes_per_s"] / bandwidth,
+    table_rows += [(f"decode B={d['batch']} S={d['context']}", d["median_step_s"], d["tokens_per_s"], d["flops_per_s"], d["bytes_per_s"] / bandwidth,
                   (hf.get("decode_median_step_s") or {}).get(str(d["batch"])), d["compile_s"]) for d in result["decode"]]
     columns = [("program", "<18"), ("ms", "9.1f"), ("tokens/s", "10.1f"), ("GFLOP/s", "8.2f"), ("%peak", "7.1%"), ("MBU", "6.1%"),
                ("compile", "8.2f"), ("HF ms", "9.1f"), ("jax/HF", "6.2f")]
-    print(harness.format_table(columns, [[name, s * 1e3, rate, flops / 1e9, flops / peak, mbu, compile_s, hf_s and hf_s * 1e3, hf_s and hf_s / s]
-                                         for name, s, rate, flops, mbu, hf_s, compile_s in programs]))
+    print(report.format_table(columns, [[name, s * 1e3, rate, flops / 1e9, flops / peak, mbu, compile_s, hf_s and hf_s * 1e3, hf_s and hf_s / s]
+                                         for name, s, rate, flops, mbu, hf_s, compile_s in table_rows]))
     print("jax/HF = HF time / jaxinfer time (>1: jaxinfer faster). MBU = least bytes read / step time / read bandwidth.")
     print(f"prefill and decode run through the paged pool (pages of {PAGE_SIZE}) with attention_impl={impl!r}, as the engine does.")
     print("\ndecode step breakdown, ms (each part jitted alone; the attention block = K/V write + attention, all layers)")
     columns = [("batch", "5d"), ("full step", "10.1f"), ("no-cache fwd", "13.1f"), ("LM head+argmax", "15.1f"), ("attn dense", "11.1f"),
                ("paged jnp", "10.1f"), ("paged " + impl, "12.1f")]
-    print(harness.format_table(columns, [[p["batch"], d["median_step_s"] * 1e3, p["forward_without_cache_ms"], p["lm_head_argmax_ms"], p["attention_dense_ms"],
+    print(report.format_table(columns, [[p["batch"], d["median_step_s"] * 1e3, p["forward_without_cache_ms"], p["lm_head_argmax_ms"], p["attention_dense_ms"],
                                           p["attention_paged_ms"], p["attention_paged_impl_ms"]] for d, p in zip(result["decode"], result["decode_breakdown"])]))
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__)
+    parser = report.arg_parser(__doc__)
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--context", type=int, default=512, help="tokens each decode row attends to")
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto", help="attention_impl, resolved as the engine does (default: %(default)s)")
@@ -160,7 +166,7 @@ def write_random_folder(config: dict, folder: pathlib.Path) -> None:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(0)
-    shapes = harness.file_tensor_shapes(from_hf_config(config), "hf")
+    shapes = models.file_tensor_shapes(from_hf_config(config), "hf")
     weights = {name: np.ones(shape, np.float32) if name.endswith("norm.weight") else (rng.standard_normal(shape, np.float32) * 0.02)
                for name, shape in shapes.items()}
     folder.mkdir(parents=True, exist_ok=True)
@@ -175,7 +181,7 @@ def hf_comparison(ids: list[int], ours_logits: np.ndarray, args, folder: pathlib
         ids_file, logits_file = pathlib.Path(workdir) / "ids.json", pathlib.Path(workdir) / "hf_logits.npy"
         ids_file.write_text(json.dumps(ids))
         folder_args = ["--folder", str(folder)] if folder else []
-        hf_raw = harness.run_peer("hf_forward.py", "--ids", str(ids_file), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+        hf_raw = peers.run_peer("hf_forward.py", "--ids", str(ids_file), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
                                   "--steps", str(args.repeats), "--logits-out", str(logits_file), *folder_args)
         hf_logits = np.load(logits_file)
     return {
@@ -198,9 +204,9 @@ def assemble(cfg: ModelConfig, parts: dict) -> dict:
         "model": parts.get("model") or loading.default_model_path().name, "features": cfg.features(), "dtype": cfg.dtype, "num_params": cfg.num_params(), "matmul_params": matmul_params(cfg),
         "flops_formula": "2*P_matmul*tokens + 2*V*D*rows_with_logits + 4*L*H*K*(query,key) pairs; decode: rows attend to `context` keys; prefill: causal T(T+1)/2",
         "bytes_formula": "decode: 4*(P_matmul + V*D) + B*context*kv_bytes_per_token(f32)",
-        "load_average": harness.load_average(), "load_s": parts["load_s"],
+        "load_average": timing.load_average(), "load_s": parts["load_s"],
         "correctness": {"max_relative_error_allowed": MAX_RELATIVE_ERROR, "fixtures": fixtures, "hf_prefill_relative_error": hf_error, "passed": correct},
-        "machine": {"peaks": peaks},  # the rest of the block is the harness's (write_result)
+        "machine": {"peaks": peaks},  # the rest of the block is report.write_result's
         "prefill": {**prefill, "fraction_of_peak": prefill["flops_per_s"] / peak},
         "decode": [{**d, "fraction_of_peak": d["flops_per_s"] / peak, "mbu": d["bytes_per_s"] / bandwidth} for d in decode],
         "attention_impl": parts["attention_impl"], "decode_breakdown": parts["breakdown"], "hf": hf, "runtime_s": parts["runtime_s"],
@@ -223,7 +229,7 @@ def _load(args, workdir: pathlib.Path) -> tuple:
         fixtures = parts["fixtures"] = check_fixtures(params, cfg)
         print(f"loaded in {parts['load_s']:.1f}s; fixtures: max relative error {fixtures['max_relative_error']:.2e} over "
               f"{fixtures['num_prompts']} prompts, argmax equal {fixtures['argmax_equal']}/{fixtures['num_prompts']}", flush=True)
-        return cfg, params, harness.prefix_ids(load_tokenizer(None), args.prefill_tokens), parts, None
+        return cfg, params, workloads.prefix_ids(load_tokenizer(None), args.prefill_tokens), parts, None
     folder = workdir / args.geometry
     write_random_folder(GEOMETRIES[args.geometry], folder)
     cfg, params = loading.load_model(folder, max_context=max(args.context, args.prefill_tokens))
@@ -242,10 +248,10 @@ def main() -> None:
 
 
 def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
-    parts["peaks"] = harness.measure_peaks(args.repeats * 2)
+    parts["peaks"] = machine.measure_peaks(args.repeats * 2)
     geometry = {"page_size": PAGE_SIZE, "head_dim": cfg.head_dim, "group_size": cfg.num_heads // cfg.num_kv_heads}  # as Engine asks
-    impl = parts["attention_impl"] = attention.resolve_impl(args.attention, dtype=cfg.dtype, **geometry)
-    engine_params = harness.engine_params(params, impl)
+    impl = parts["attention_impl"] = backends.resolve_impl(args.attention, dtype=cfg.dtype, **geometry)
+    engine_params = programs.engine_params(params, impl)
     parts["prefill"] = bench_prefill(engine_params, cfg, ids, args.repeats, impl)
     ours_logits = parts["prefill"].pop("last_logits")
     parts["decode"] = [bench_decode(engine_params, cfg, b, args.context, ids[-1], args.repeats, impl) for b in args.batch_sizes]
@@ -257,7 +263,7 @@ def _measure(cfg, params, ids, parts, folder, args, total_start) -> None:
 
     result = assemble(cfg, parts)
     print_table(result)
-    harness.finish(args.out, result, {
+    report.finish(args.out, result, {
         "bench": "forward", "correct": result["correctness"]["passed"], "matmul_peak_gflops": result["machine"]["peaks"]["matmul"]["best_flops_per_s"] / 1e9,
         "prefill_tokens_per_s": result["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": result["prefill"]["fraction_of_peak"],
         **{f"decode_b{d['batch']}_ms": d["median_step_s"] * 1e3 for d in result["decode"]},

@@ -23,9 +23,9 @@ import sys
 import tempfile
 import time
 
-import harness
+from common import engine_runs, paths, peers, report, timing
 
-RESULTS = harness.RESULTS_DIR / "bench_million.json"
+RESULTS = paths.RESULTS_DIR / "bench_million.json"
 BASELINE_LINES = 1000
 RSS_GOAL = 1.5
 NUM_KILLS = 3
@@ -53,8 +53,8 @@ def child(model: str, num_lines: int, max_tokens: int, workdir: str, compile_cac
     inp, out = work / f"in_{num_lines}.jsonl", work / f"out_{num_lines}.jsonl"
     write_input(inp, num_lines, max_tokens)
     llm = LLM(model, compilation_cache_dir=compile_cache, **ENGINE)
-    rss_loaded = harness.rss_bytes()[0]
-    recorder = harness.StepRecorder(ENGINE["page_size"])
+    rss_loaded = timing.rss_bytes()[0]
+    recorder = engine_runs.StepRecorder(ENGINE["page_size"])
     start = time.perf_counter()
     with BatchJob(inp, out, SamplingParams(temperature=0, max_tokens=max_tokens)) as job:
         job.runner.on_step = recorder
@@ -66,7 +66,7 @@ def child(model: str, num_lines: int, max_tokens: int, workdir: str, compile_cac
         written = sum(1 for _ in f)
     return {
         "lines": num_lines, "records": written, "ok": summary.num_ok, "errors": summary.num_errors, "seconds": seconds,
-        "peak_rss_bytes": harness.peak_rss_bytes(), "rss_after_load_bytes": rss_loaded, "steps": num_steps,
+        "peak_rss_bytes": timing.peak_rss_bytes(), "rss_after_load_bytes": rss_loaded, "steps": num_steps,
         "host_ms_per_step": 1e3 * steps["host_s"] / max(num_steps, 1), "step_ms_mean": 1e3 * (steps["prefill_s"] + steps["decode_s"]) / max(num_steps, 1),
         "lines_per_second": num_lines / seconds,
     }
@@ -74,7 +74,7 @@ def child(model: str, num_lines: int, max_tokens: int, workdir: str, compile_cac
 
 def run_child(model: str, num_lines: int, max_tokens: int, workdir: pathlib.Path, compile_cache: str) -> dict:
     command = [sys.executable, __file__, "--child", model, str(num_lines), str(max_tokens), str(workdir), compile_cache]
-    return harness.run_json(command, f"the {num_lines}-line job")
+    return peers.run_json(command, f"the {num_lines}-line job")
 
 
 def kill_and_resume(model: str, num_lines: int, max_tokens: int, workdir: pathlib.Path, compile_cache: str, seed: int) -> dict:
@@ -110,7 +110,7 @@ def _count(path: pathlib.Path) -> int:
 
 
 def main() -> int:
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the large job (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=2, help="tokens generated per line (default: %(default)s)")
     parser.add_argument("--kill-lines", type=int, default=2000, help="lines of the kill-and-resume job (default: %(default)s)")
@@ -125,27 +125,27 @@ def main() -> int:
         workdir = pathlib.Path(tmp)
         model = str(save_tiny_llama(workdir / "tiny_model", load_tokenizer(None)))
         compile_cache = str(workdir / "xla_cache")
-        harness.log("bench_million", "warming the compile cache (a 100-line job, not reported), so both jobs below read it")
+        report.log("bench_million", "warming the compile cache (a 100-line job, not reported), so both jobs below read it")
         run_child(model, 100, args.max_tokens, workdir, compile_cache)
         jobs = []
         for num_lines in (BASELINE_LINES, args.lines):
-            harness.log("bench_million", f"running the {num_lines}-line job")
+            report.log("bench_million", f"running the {num_lines}-line job")
             jobs.append(run_child(model, num_lines, args.max_tokens, workdir, compile_cache))
-        harness.log("bench_million", f"killing a {args.kill_lines}-line CLI job {NUM_KILLS} times and resuming it")
+        report.log("bench_million", f"killing a {args.kill_lines}-line CLI job {NUM_KILLS} times and resuming it")
         kill = kill_and_resume(model, args.kill_lines, args.max_tokens, workdir, compile_cache, args.seed)
     ratio = jobs[1]["peak_rss_bytes"] / jobs[0]["peak_rss_bytes"]
     columns = [("lines", ">9"), ("records", ">9"), ("peak RSS MiB", ">12.1f"), ("after load MiB", ">14.1f"), ("seconds", ">9.1f"),
                ("lines/s", ">9.0f"), ("steps", ">7"), ("host ms/step", ">12.3f"), ("step ms", ">8.3f")]
     rows = [[j["lines"], j["records"], j["peak_rss_bytes"] / 2**20, j["rss_after_load_bytes"] / 2**20, j["seconds"], j["lines_per_second"], j["steps"],
              j["host_ms_per_step"], j["step_ms_mean"]] for j in jobs]
-    print(harness.format_table(columns, rows))
+    print(report.format_table(columns, rows))
     print(f"peak RSS ratio {args.lines} / {BASELINE_LINES} lines: {ratio:.3f} (goal <= {RSS_GOAL})")
     print(f"kill x{NUM_KILLS} and resume over {kill['lines']} lines: killed at {kill['killed_at_records']} records; "
           f"{kill['records']} records, {kill['lost']} lost, {kill['duplicated']} duplicated")
     met = ratio <= RSS_GOAL and kill["lost"] == 0 and kill["duplicated"] == 0 and all(j["records"] == j["lines"] for j in jobs)
     doc = {"question": __doc__.split("\n")[0], "args": vars(args) | {"out": str(args.out)}, "engine": ENGINE, "jobs": jobs, "peak_rss_ratio": ratio,
            "rss_goal": RSS_GOAL, "kill_and_resume": kill, "goal_met": met}
-    harness.finish(args.out, doc, {"peak_rss_ratio": round(ratio, 3), "lost": kill["lost"], "duplicated": kill["duplicated"], "goal_met": met}, correct=met)
+    report.finish(args.out, doc, {"peak_rss_ratio": round(ratio, 3), "lost": kill["lost"], "duplicated": kill["duplicated"], "goal_met": met}, correct=met)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Does prefix caching pay on shared prompts, cost nothing without sharing, and what does deterministic mode cost?
 
-Issue 10's benchmark. Three workloads of the harness's scaled trace: (a) shared_system, 64 requests behind
+Issue 10's benchmark. Three workloads of the common scaled trace: (a) shared_system, 64 requests behind
 one 400-token system prompt; (b) multi_turn, 16 four-turn conversations, each turn resending the history;
 (c) no_sharing, bench_engine.py's workload. jaxinfer with the prefix cache, without it, and in
 deterministic mode (on c) take turns workload by workload ((c) --repeats times, best kept), each run from
@@ -15,14 +15,14 @@ import time
 
 import numpy as np
 
-import harness
-from harness import REPO_ROOT
+from common import engine_runs, paths, peers, report, timing, workloads
+from common.paths import REPO_ROOT
 from jaxinfer.api import LLM
 from jaxinfer.loading.tokenizer import load_tokenizer
 
-RESULTS = harness.RESULTS_DIR / "bench_prefix.json"
+RESULTS = paths.RESULTS_DIR / "bench_prefix.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_prefix"
-MAX_CONTEXT = harness.WORKLOAD_MAX_CONTEXT
+MAX_CONTEXT = engine_runs.WORKLOAD_MAX_CONTEXT
 SYSTEM_TOKENS = 400
 GOALS = {"a_speedup": ("A: shared system prompt, cache on >= 2x the tok/s of cache off", 2.0, "at_least"),
          "a_ttft_p50_reduction": ("A: TTFT p50 with the cache >= 3x lower", 3.0, "at_least"),
@@ -32,7 +32,7 @@ GOALS = {"a_speedup": ("A: shared system prompt, cache on >= 2x the tok/s of cac
 
 def shared_system_workload(args, tokenizer) -> list[dict]:
     """(a): one 400-token system prompt in front of each trace request's own prompt."""
-    system = harness.text_ids(tokenizer)[:SYSTEM_TOKENS]
+    system = workloads.text_ids(tokenizer)[:SYSTEM_TOKENS]
     turns = _workload(args, args.num_requests, 1, tokenizer)
     return [{"prompt_ids": (system + r["prompt_ids"])[: MAX_CONTEXT - r["max_tokens"]], "max_tokens": r["max_tokens"]} for r in turns]
 
@@ -44,14 +44,14 @@ def conversation_turns(args, tokenizer) -> list[list[dict]]:
 
 
 def _workload(args, num_requests: int, seed: int, tokenizer) -> list[dict]:
-    """bench_engine.py's workload: the harness's scaled trace sample at this seed."""
-    return harness.build_workload(args.trace, num_requests, args.scale, seed, tokenizer, max_context=MAX_CONTEXT)["requests"]
+    """bench_engine.py's workload: the common scaled trace sample at this seed."""
+    return workloads.build_workload(args.trace, num_requests, args.scale, seed, tokenizer, max_context=MAX_CONTEXT)["requests"]
 
 
 def make_llm(args, **fields) -> LLM:
-    """The harness's workload engine with these EngineConfig fields (compile cache under WORK_DIR), warmed up."""
-    cfg = harness.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size, compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
-    llm, seconds = harness.timed(LLM, None, engine_config=cfg)
+    """The common workload engine with these EngineConfig fields (compile cache under WORK_DIR), warmed up."""
+    cfg = engine_runs.workload_engine_config(max_num_seqs=args.max_num_seqs, page_size=args.page_size, compilation_cache_dir=str(WORK_DIR / "xla_cache"), **fields)
+    llm, seconds = timing.timed(LLM, None, engine_config=cfg)
     print(f"jaxinfer {fields}: loaded and compiled {llm.engine.num_compilations} programs in {seconds:.1f}s", flush=True)
     return llm
 
@@ -69,7 +69,7 @@ def _summary(outputs: list, seconds: float, stats: list) -> dict:
 def run_single(llm: LLM, requests: list[dict]) -> tuple[dict, list[list[int]]]:
     """One batch from an empty cache."""
     llm.reset_prefix_cache()
-    outputs, seconds = harness.timed(harness.generate, llm, requests)
+    outputs, seconds = timing.timed(workloads.generate, llm, requests)
     return _summary(outputs, seconds, [llm.last_stats]), [o.token_ids for o in outputs]
 
 
@@ -79,7 +79,7 @@ def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, lis
     histories, all_outputs, stats, seconds = [[] for _ in conversations], [], [], 0.0
     for turn in range(len(conversations[0])):
         requests = [{"prompt_ids": h + c[turn]["user_ids"], "max_tokens": c[turn]["max_tokens"]} for h, c in zip(histories, conversations)]
-        outputs, elapsed = harness.timed(harness.generate, llm, requests)
+        outputs, elapsed = timing.timed(workloads.generate, llm, requests)
         seconds += elapsed
         stats.append(llm.last_stats)
         histories = [r["prompt_ids"] + o.token_ids for r, o in zip(requests, outputs)]
@@ -90,12 +90,12 @@ def run_multi_turn(llm: LLM, conversations: list[list[dict]]) -> tuple[dict, lis
 def run_llamacpp(requests: list[dict], name: str, extra: list[str]) -> dict:
     path = WORK_DIR / f"{name}.json"
     path.write_text(json.dumps({"requests": requests}))
-    raw, _ = harness.run_generate_peer("llamacpp_generate.py", path, WORK_DIR / f"{name}_tokens.json", "--parallel", "32", *extra)
+    raw, _ = peers.run_generate_peer("llamacpp_generate.py", path, WORK_DIR / f"{name}_tokens.json", "--parallel", "32", *extra)
     return {"error": raw["error"][-1500:]} if "error" in raw else raw["modes"]
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
+    parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--scale", type=float, default=8.0)
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -112,15 +112,15 @@ def parse_args():
 RUNNERS = (("cache", {}), ("no_cache", {"enable_prefix_caching": False}), ("deterministic", {"deterministic": True}))
 
 
-def run_jaxinfer(args, workloads: dict) -> tuple[dict, dict]:
+def run_jaxinfer(args, named_workloads: dict) -> tuple[dict, dict]:
     """Every runner on every workload (deterministic: on (c) only). The three engines are built first and
     take turns, workload by workload, so a change in machine load between runners hits all of them. (c),
     whose goal is a 3% bound, runs --repeats times per runner, interleaved, and keeps each runner's best."""
     llms = {name: make_llm(args, **fields) for name, fields in RUNNERS}
     for llm in llms.values():
-        run_single(llm, workloads["no_sharing"][:4])  # untimed: first-call costs out of the way
+        run_single(llm, named_workloads["no_sharing"][:4])  # untimed: first-call costs out of the way
     results, tokens = {}, {}
-    for workload, data in workloads.items():
+    for workload, data in named_workloads.items():
         runner = run_multi_turn if workload == "multi_turn" else run_single
         for repeat in range(args.repeats if workload == "no_sharing" else 1):
             for name, llm in llms.items():
@@ -136,12 +136,12 @@ def run_jaxinfer(args, workloads: dict) -> tuple[dict, dict]:
     return results, tokens
 
 
-def run_peers(args, workloads: dict) -> dict:
-    if args.no_llamacpp or not harness.REF_PYTHON.exists():
+def run_peers(args, named_workloads: dict) -> dict:
+    if args.no_llamacpp or not paths.REF_PYTHON.exists():
         return {}
     results = {}
     for workload, extra in (("shared_system", ["--modes", "batched,batched_prefix", "--shared-prefix", str(SYSTEM_TOKENS)]), ("no_sharing", ["--modes", "batched"])):
-        modes = run_llamacpp(workloads[workload], workload, extra)
+        modes = run_llamacpp(named_workloads[workload], workload, extra)
         for mode, entry in (modes.items() if "error" not in modes else [("error", modes)]):
             results[f"{workload}/llamacpp_{mode}"] = entry
             print(f"{workload:<14} llamacpp_{mode:<14} {entry.get('output_tokens_per_s', float('nan')):7.1f} tokens/s", flush=True)
@@ -157,21 +157,21 @@ def goals(results: dict) -> dict:
         "c_within": 1 - c_on["output_tokens_per_s"] / c_off["output_tokens_per_s"],
         "deterministic_cost_c": 1 - c_det["output_tokens_per_s"] / c_off["output_tokens_per_s"],
     }
-    return harness.judge(GOALS, measured)
+    return report.judge(GOALS, measured)
 
 
 def main() -> None:
     args = parse_args()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(None)
-    workloads = {"shared_system": shared_system_workload(args, tokenizer), "multi_turn": conversation_turns(args, tokenizer),
+    named_workloads = {"shared_system": shared_system_workload(args, tokenizer), "multi_turn": conversation_turns(args, tokenizer),
                  "no_sharing": _workload(args, args.num_requests, 0, tokenizer)}
     start = time.perf_counter()
-    results, tokens = run_jaxinfer(args, workloads)
-    exact = lambda a, b: harness.agreement(a, b)["exact_requests"]  # noqa: E731  (share of requests with identical tokens)
-    correctness = {w: exact(tokens[(w, "cache")], tokens[(w, "no_cache")]) for w in workloads}
+    results, tokens = run_jaxinfer(args, named_workloads)
+    exact = lambda a, b: workloads.agreement(a, b)["exact_requests"]  # noqa: E731  (share of requests with identical tokens)
+    correctness = {w: exact(tokens[(w, "cache")], tokens[(w, "no_cache")]) for w in named_workloads}
     correctness["no_sharing_deterministic"] = exact(tokens[("no_sharing", "deterministic")], tokens[("no_sharing", "no_cache")])
-    results |= run_peers(args, workloads)
+    results |= run_peers(args, named_workloads)
     result = {
         "question": "prefix caching's gain on shared prompts and cost without sharing; deterministic mode's cost",
         "settings": {k: str(v) for k, v in vars(args).items()},
@@ -179,11 +179,11 @@ def main() -> None:
         "runtime_s": time.perf_counter() - start,
     }
     columns = [("workload/runner", "<42"), ("tok/s", "8.1f"), ("TTFT p50", "9.2f"), ("TTFT p99", "9.2f"), ("hit rate", "9.1%"), ("saved", "7d")]
-    print("\n" + harness.format_table(columns, [[key, r["output_tokens_per_s"], r.get("ttft_p50_s"), r.get("ttft_p99_s"), r.get("hit_rate"),
+    print("\n" + report.format_table(columns, [[key, r["output_tokens_per_s"], r.get("ttft_p50_s"), r.get("ttft_p99_s"), r.get("hit_rate"),
                                                  r.get("prefill_tokens_saved", 0)] for key, r in results.items() if "output_tokens_per_s" in r]))
     print(f"greedy agreement, cache vs no cache: {correctness}")
-    harness.print_goals(result["goals"])
-    result = harness.write_result(args.out, result)
+    report.print_goals(result["goals"])
+    result = report.write_result(args.out, result)
     print(json.dumps({"bench": "prefix", "agreement": correctness, "goals": {k: g["measured"] for k, g in result["goals"].items()}}))
 
 

@@ -4,7 +4,7 @@ Issue 8's benchmark; what it reports, and the committed run, are in the README (
 Every format of FORMATS, each also with the paged pool's int8 KV cache, runs in its own --worker subprocess
 (so its peak RSS is its own): measure_row's correctness (f32 greedy tokens == HF's fixture tokens; gguf
 logits == f32's within GGUF_LOGITS_TOLERANCE), accuracy over WINDOW-token windows of the held-out text,
-prefill and decode speed through the paged pool, and (--e2e-requests) the harness's engine run. Beside
+prefill and decode speed through the paged pool, and (--e2e-requests) the common engine run (engine_runs.run_engine). Beside
 them: llama.cpp on the same GGUF, windows and workload. The 1B-class GGUFs (resident bytes against the
 file's, speed) are bench_1b.py's. GOALS print as met / not met; progress goes to stderr.
 
@@ -23,11 +23,11 @@ import subprocess
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
-import harness
-from harness import REPO_ROOT, peak_rss_bytes, reset_peak_rss
+from common import engine_runs, machine, paths, peers, programs, report, timing, workloads
+from common.paths import REPO_ROOT
+from common.timing import peak_rss_bytes, reset_peak_rss
 from jaxinfer.model import kv_pool, panels, params as params_lib, quant
 from jaxinfer.loading import loading
 from jaxinfer.api import LLM, SamplingParams
@@ -36,7 +36,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.loading.tokenizer import load_tokenizer
 
 HELDOUT_TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
-RESULTS = harness.RESULTS_DIR / "bench_quant.json"
+RESULTS = paths.RESULTS_DIR / "bench_quant.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_quant"  # plan, reference logits (git-ignored)
 FORMATS = {  # name: (compute dtype, load_model quantization, int4 group size)
     "f32": ("float32", None, None),
@@ -53,7 +53,7 @@ KERNEL_ROWS = ("int8_cpu_int8", "gguf_cpu_int8")  # packed with panels.pack_pane
 REFERENCE = "f32"  # the baseline every other row is compared with; always run, and first
 QUICK_FORMATS = ("f32", "int8", "gguf")
 WINDOW = 512  # tokens per perplexity window
-MAX_CONTEXT = harness.WORKLOAD_MAX_CONTEXT  # context the model is loaded with (the e2e engine needs 2048)
+MAX_CONTEXT = engine_runs.WORKLOAD_MAX_CONTEXT  # context the model is loaded with (the e2e engine needs 2048)
 PAGE_SIZE = 64  # tokens per page of the paged pool (the engine's default, as bench_forward.py)
 GREEDY_PROMPTS = (0, 1, 3, 7)  # fixture prompts of 46-59 tokens (padded to GREEDY_PAD)
 GREEDY_PAD, GREEDY_TOKENS = 64, 32  # the fixture holds HF's first 32 greedy tokens (--quick: 8)
@@ -74,7 +74,7 @@ GOALS = {  # name: (what, target, how the measured value must compare: |m| <= t,
 }
 
 
-log = functools.partial(harness.log, "bench_quant")
+log = functools.partial(report.log, "bench_quant")
 
 
 # ------------------------------------------------------------------------------------------ memory and the paged pool
@@ -104,16 +104,15 @@ def make_pool(cfg, params, num_pages: int, kv_cache_dtype: str | None) -> tuple[
 def greedy_tokens(cfg, params, kv: str | None, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     """num_tokens greedy tokens per prompt, all prompts as rows of one batch through the paged pool."""
     rows, pages_per_row = len(prompts), -(-(GREEDY_PAD + num_tokens) // PAGE_SIZE)
-    pool, impl = make_pool(cfg, params, rows * pages_per_row + 1, kv)
-    tables, forward = harness.row_tables(rows, pages_per_row), functools.partial(harness.forward_program(), cfg=cfg, impl=impl, output="greedy")
-    tokens, lengths = harness.pad_rows(prompts, GREEDY_PAD)
-    positions = np.broadcast_to(np.arange(GREEDY_PAD, dtype=np.int32), tokens.shape)
-    meta = harness.page_meta(tables, positions, PAGE_SIZE, valid=positions < lengths[:, None])
-    token, pool = forward(params, pool, tokens, positions, meta, lengths - 1)  # donates the pool
+    pool, impl = make_pool(cfg, params, programs.num_pool_pages(rows, pages_per_row), kv)
+    forward = functools.partial(programs.forward_program(), cfg=cfg, impl=impl, output="greedy")
+    step_args = functools.partial(programs.step_args, pages_per_row=pages_per_row, page_size=PAGE_SIZE)
+    token, pool = forward(params, pool, *step_args("prefill", [(p, 0) for p in prompts], num_tokens=GREEDY_PAD))  # donates the pool
     generated = [np.asarray(token)]
-    for step in range(1, num_tokens):
-        positions = (lengths + step - 1)[:, None]
-        token, pool = forward(params, pool, token[:, None], positions, harness.page_meta(tables, positions, PAGE_SIZE), np.zeros(rows, np.int32))
+    for _ in range(1, num_tokens):
+        sequences = [prompt + out for prompt, out in zip(prompts, np.stack(generated, axis=1).tolist())]
+        _, positions, pages, last = step_args("decode", [(ids, len(ids) - 1) for ids in sequences], num_tokens=1)
+        token, pool = forward(params, pool, token[:, None], positions, pages, last)  # the token stays on the device
         generated.append(np.asarray(token))
     return np.stack(generated, axis=1).tolist()
 
@@ -134,7 +133,7 @@ def score_window(logits: np.ndarray, window: list[int], reference: np.ndarray | 
         ref_log_probs = log_softmax(reference[:-1])
         scores |= {"kl_sum": float((np.exp(ref_log_probs) * (ref_log_probs - log_probs)).sum()),
                    "argmax_equal": int((logits[:-1].argmax(-1) == reference[:-1].argmax(-1)).sum()),
-                   "logits_relative_error": harness.relative_error(logits, reference)}
+                   "logits_relative_error": workloads.relative_error(logits, reference)}
     return scores
 
 
@@ -156,15 +155,14 @@ def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_
     the others are scored against them (KL, argmax agreement), and the forward's own perplexity must
     equal the prompt_logprobs one (PPL_PATHS_TOLERANCE)."""
     pages = WINDOW // PAGE_SIZE
-    pool, impl = make_pool(cfg, params, pages + 1, kv)
+    pool, impl = make_pool(cfg, params, programs.num_pool_pages(1, pages), kv)
     start = time.perf_counter()
     nll = prompt_logprob_nll(cfg, params, kv, windows, impl)
     logprob_s = time.perf_counter() - start
-    positions = np.arange(WINDOW, dtype=np.int32)[None]
-    meta = harness.page_meta(harness.row_tables(1, pages), positions, PAGE_SIZE)
     per_window = []
     for i, window in enumerate(windows):
-        logits, pool = harness.forward_program()(params, pool, jnp.asarray([window], jnp.int32), positions, meta, None, cfg=cfg, impl=impl, output="logits")
+        tokens, positions, meta, _ = programs.step_args("prefill", [(window, 0)], num_tokens=WINDOW, pages_per_row=pages, page_size=PAGE_SIZE)
+        logits, pool = programs.forward_program()(params, pool, tokens, positions, meta, None, cfg=cfg, impl=impl, output="logits")
         logits = np.asarray(logits[0], np.float32)  # [T, V]
         if write_reference:
             np.save(reference_dir / f"w{i}.npy", logits)
@@ -207,19 +205,19 @@ def _timed_program(cfg, params, kv, paged_args: tuple[tuple, int], repeats: int)
     args, num_pages = paged_args
     pool, impl = make_pool(cfg, params, num_pages, kv)
     kv_bytes_per_token = quant.resident_bytes(pool) / (num_pages * PAGE_SIZE)
-    times, compile_s, _ = harness.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
+    times, compile_s, _ = programs.time_forward(params, cfg, pool, args, impl=impl, output="greedy", repeats=repeats, warmup=2)
     return {"compile_s": compile_s, "median_s": statistics.median(times), "kv_bytes_per_token": kv_bytes_per_token}
 
 
 def time_prefill(cfg, params, kv, ids: list[int], repeats: int) -> dict:
-    timed = _timed_program(cfg, params, kv, harness.prefill_args(ids, PAGE_SIZE), repeats)
-    flops = harness.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
+    timed = _timed_program(cfg, params, kv, programs.prefill_args(ids, PAGE_SIZE), repeats)
+    flops = programs.forward_flops(cfg, len(ids), 1, len(ids) * (len(ids) + 1) // 2)
     return {"tokens": len(ids), **timed, "tokens_per_s": len(ids) / timed["median_s"], "flops_per_s": flops / timed["median_s"]}
 
 
 def time_decode(cfg, params, kv, batch: int, context: int, token: int, repeats: int, weight_bytes: int) -> dict:
     """One token per row, every row at position context - 1 of its own pages (attends to `context` keys)."""
-    timed = _timed_program(cfg, params, kv, harness.decode_args(batch, context, token, PAGE_SIZE), repeats)
+    timed = _timed_program(cfg, params, kv, programs.decode_args(batch, context, token, PAGE_SIZE), repeats)
     seconds = timed.pop("median_s")
     num_bytes = weight_bytes + batch * context * timed["kv_bytes_per_token"]  # weights once + the K/V read
     return {"batch": batch, "context": context, **timed, "median_step_s": seconds, "tokens_per_s": batch / seconds, "bytes": num_bytes}
@@ -250,12 +248,12 @@ def measure_row(name: str, cfg, params, kv: str | None, plan: dict, workdir: pat
 
 
 def run_e2e(name: str, kv: str | None, plan: dict) -> dict:
-    """The harness's engine run (page size 16, 32 sequences, packed prefill) on the workload, in this format."""
+    """The common engine run (page size 16, 32 sequences, packed prefill) on the workload, in this format."""
     extra = ({"kv_cache_dtype": kv} if kv else {}) | ({"matmul_impl": "cpu_int8"} if name in KERNEL_ROWS else {})
-    engine_config = harness.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **extra)
+    engine_config = engine_runs.workload_engine_config(max_num_seqs=32, page_size=16, prefill_seq_buckets=(1,), **extra)
     workload = json.loads(pathlib.Path(plan["e2e_workload"]).read_text())
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the worker's JSON
-        result, tokens, llm = harness.run_engine(workload, engine_config, plan["e2e_repeats"], **_load_kwargs(name))
+        result, tokens, llm = engine_runs.run_engine(workload, engine_config, plan["e2e_repeats"], **_load_kwargs(name))
     del llm
     keep = ("load_s", "warmup_s", "num_compilations", "compiles_during_timed_run", "seconds", "seconds_per_repeat", "num_output_tokens",
             "output_tokens_per_s", "all_lengths_exact", "reference_check", "time_split")
@@ -268,7 +266,7 @@ def run_worker(name: str, workdir: pathlib.Path) -> dict:
     result = {"format": name, "dtype": FORMATS[name][0], "quantization": FORMATS[name][1], "group_size": FORMATS[name][2],
               "peak_rss_reset_works": reset_peak_rss()}
     try:
-        (cfg, params), load_s = harness.timed(loading.load_model, None, max_context=MAX_CONTEXT, **_load_kwargs(name))
+        (cfg, params), load_s = timing.timed(loading.load_model, None, max_context=MAX_CONTEXT, **_load_kwargs(name))
     except ValueError as error:  # an int4 group that does not divide a width
         return result | {"status": "not available", "reason": str(error)}
     result |= {"status": "ok", "load_s": load_s, "memory": weight_memory(params), "peak_rss_bytes": {"load": peak_rss_bytes()}}
@@ -303,14 +301,14 @@ def run_worker_process(name: str, workdir: pathlib.Path) -> dict:
     completed = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # stderr: progress, passed through
     if completed.returncode != 0:
         return {"format": name, "status": "failed", "returncode": completed.returncode, "stdout_tail": completed.stdout[-2000:]}
-    return harness.last_json(completed.stdout)
+    return peers.last_json(completed.stdout)
 
 
 def run_llamacpp(args, workdir: pathlib.Path, plan: dict) -> dict:
     """experiments/peers/llamacpp_perplexity.py on the same windows, reference logits and prefill ids."""
     (workdir / "llamacpp").mkdir(exist_ok=True)
     try:
-        raw = harness.run_peer("llamacpp_perplexity.py", "--windows", str(workdir / "windows.json"), "--logits-dir", str(workdir / "llamacpp"),
+        raw = peers.run_peer("llamacpp_perplexity.py", "--windows", str(workdir / "windows.json"), "--logits-dir", str(workdir / "llamacpp"),
                                "--prefill-ids", str(workdir / "prefill_ids.json"), "--kv-types", args.llamacpp_kv_types,
                                "--batch-sizes", ",".join(map(str, plan["batch_sizes"])), "--context", str(plan["context"]), "--repeats", str(plan["repeats"]))
     except RuntimeError as error:
@@ -323,7 +321,7 @@ def run_llamacpp(args, workdir: pathlib.Path, plan: dict) -> dict:
 
 def run_llamacpp_e2e(plan: dict) -> dict:
     """bench_engine.py's llama.cpp peer (sequential and batched over 32 sequence ids) on the same workload."""
-    raw, _ = harness.run_generate_peer("llamacpp_generate.py", plan["e2e_workload"], WORK_DIR / "llamacpp_generate_tokens.json",
+    raw, _ = peers.run_generate_peer("llamacpp_generate.py", plan["e2e_workload"], WORK_DIR / "llamacpp_generate_tokens.json",
                                        "--parallel", "32", "--repeats", str(plan["e2e_repeats"]))
     return {"status": "failed", "error": raw["error"][-3000:]} if "error" in raw else {"status": "ok", **raw}
 
@@ -336,21 +334,21 @@ def build_plan(args, workdir: pathlib.Path) -> dict:
     tokenizer = load_tokenizer(None)
     ids = tokenizer.encode(HELDOUT_TEXT.read_text(), add_bos=False)
     num_windows = len(ids) // WINDOW if not args.num_windows else min(args.num_windows, len(ids) // WINDOW)
-    with np.load(harness.FIXTURES) as fixtures:
+    with np.load(paths.FIXTURES) as fixtures:
         prompts = [fixtures[f"p{i}_ids"].tolist() for i in GREEDY_PROMPTS]
         fixture_tokens = [fixtures[f"p{i}_greedy_ids"][: args.greedy_tokens].tolist() for i in GREEDY_PROMPTS]
     plan = {"heldout_text": str(HELDOUT_TEXT.relative_to(REPO_ROOT)), "heldout_tokens": len(ids), "window": WINDOW,
             "windows": [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(num_windows)], "greedy_prompt_indices": list(GREEDY_PROMPTS),
             "greedy_prompts": prompts, "greedy_tokens": args.greedy_tokens, "fixture_greedy_tokens": fixture_tokens, "quick": args.quick,
-            "prefill_ids": harness.prefix_ids(tokenizer, args.prefill_tokens),
+            "prefill_ids": workloads.prefix_ids(tokenizer, args.prefill_tokens),
             "batch_sizes": args.batch_sizes, "context": args.context, "repeats": args.repeats, "page_size": PAGE_SIZE,
             "kv_cache_dtypes": [None if k == "none" else k for k in args.kv_cache_dtypes], "e2e_requests": args.e2e_requests,
             "e2e_scale": args.e2e_scale, "e2e_repeats": args.e2e_repeats, "e2e_workload": None}
     if args.e2e_requests:
-        workload = harness.build_workload(args.trace, args.e2e_requests, args.e2e_scale, 0, tokenizer, max_context=MAX_CONTEXT)
+        workload = workloads.build_workload(args.trace, args.e2e_requests, args.e2e_scale, 0, tokenizer, max_context=MAX_CONTEXT)
         plan["e2e_workload"] = str(workdir / "workload.json")
         pathlib.Path(plan["e2e_workload"]).write_text(json.dumps(workload))
-        plan["e2e_summary"] = harness.workload_summary(workload["requests"])
+        plan["e2e_summary"] = workloads.workload_summary(workload["requests"])
     (workdir / "reference").mkdir(parents=True, exist_ok=True)
     for stale in (workdir / "reference").glob("w*.npy"):
         stale.unlink()
@@ -378,7 +376,7 @@ def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, 
         "perplexity": accuracy["perplexity"], "perplexity_change_vs_f32": accuracy["perplexity"] / base["accuracy"]["perplexity"] - 1,
         "mean_kl_vs_f32": accuracy.get("mean_kl_vs_f32", 0.0), "argmax_agreement_vs_f32": accuracy.get("argmax_agreement_vs_f32", 1.0),
         "max_logits_relative_error_vs_f32": accuracy.get("max_logits_relative_error_vs_f32", 0.0),
-        "greedy_agreement_vs_f32": harness.agreement(base["greedy_tokens"], row["greedy_tokens"]),
+        "greedy_agreement_vs_f32": workloads.agreement(base["greedy_tokens"], row["greedy_tokens"]),
         "prefill_tokens_per_s": speed["prefill"]["tokens_per_s"], "prefill_fraction_of_peak": speed["prefill"]["flops_per_s"] / peak,
         "decode_ms": {d["batch"]: d["median_step_s"] * 1e3 for d in speed["decode"]},
         "decode_speedup_vs_f32": {d["batch"]: base_decode[d["batch"]] / d["median_step_s"] for d in speed["decode"]},
@@ -391,7 +389,7 @@ def summarize_row(fmt: str, kv: str, worker: dict, base: dict, base_bytes: int, 
     if "e2e" in row:
         summary["e2e_output_tokens_per_s"] = row["e2e"]["output_tokens_per_s"]
         if "e2e" in base:
-            summary["e2e_tokens_vs_f32"] = harness.agreement(base["e2e"]["tokens"], row["e2e"]["tokens"])
+            summary["e2e_tokens_vs_f32"] = workloads.agreement(base["e2e"]["tokens"], row["e2e"]["tokens"])
     return summary
 
 
@@ -424,7 +422,7 @@ def goals(rows: list[dict], workers: dict) -> dict:
     }
     b1 = {row: (by_name.get(row) or {}).get("decode_speedup_vs_f32", {}).get(1) for row in ("int8_cpu_int8", "bf16")}
     measured["kernel_int8_decode_b1_vs_bf16"] = b1["int8_cpu_int8"] / b1["bf16"] if None not in b1.values() else None
-    result = harness.judge(GOALS, measured)
+    result = report.judge(GOALS, measured)
     if slowest:
         result["none_slower_b32"] |= {"slowest_row": slowest[1], "rows_slower_than_f32": sorted(name for speedup, name in b32 if speedup < 1.0)}
     return result
@@ -458,7 +456,7 @@ def print_accuracy_table(rows: list[dict], llamacpp: dict | None) -> None:
     for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
         ppl = entry["perplexity"]
         table.append(["llama.cpp kv " + kv, "", "", "", "", ppl["perplexity"], ppl["perplexity"] / base - 1, ppl["mean_kl_vs_f32"], ppl["argmax_agreement_vs_f32"]])
-    print("\n" + harness.format_table(columns, table))
+    print("\n" + report.format_table(columns, table))
     print("change: perplexity vs f32; KL: mean KL(p_f32 || p_row) per predicted token; argmax: positions whose top token is f32's;\n"
           "greedy / prefix: greedy generations identical to f32's / mean share of tokens before the first difference.")
 
@@ -471,7 +469,7 @@ def print_speed_table(rows: list[dict], llamacpp: dict | None, llamacpp_e2e: dic
     for kv, entry in ((llamacpp or {}).get("kv_types") or {}).items():
         steps = {d["batch"]: d["median_step_s"] * 1e3 for d in entry["decode"]}
         table.append(["llama.cpp kv " + kv, entry["prefill"]["tokens_per_s"], "", *(steps.get(b) for b in batch_sizes)])
-    print("\n" + harness.format_table(columns, table))
+    print("\n" + report.format_table(columns, table))
     for mode, entry in ((llamacpp_e2e or {}).get("modes") or {}).items():
         print(f"{'llama.cpp e2e ' + mode:<32} output tokens/s {entry['output_tokens_per_s']:.1f}")
     print("x bN: f32's step time / the row's (>1: faster than f32). MBU: (resident weight bytes + K/V read) / step time / read bandwidth.")
@@ -485,7 +483,7 @@ def print_report(result: dict) -> None:
           f"({result['settings']['num_predicted']} predicted tokens); correctness passed: {result['correctness']['passed']}")
     print_accuracy_table(result["rows"], result.get("llamacpp"))
     print_speed_table(result["rows"], result.get("llamacpp"), result.get("llamacpp_e2e"), result["settings"]["batch_sizes"])
-    harness.print_goals(result["goals"])
+    report.print_goals(result["goals"])
     if slowest := result["goals"]["none_slower_b32"].get("slowest_row"):
         print(f"  slowest row at batch-32 decode: {slowest}")
 
@@ -494,7 +492,7 @@ def print_report(result: dict) -> None:
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, trace=True)
+    parser = report.arg_parser(__doc__, trace=True)
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {','.join(QUICK_FORMATS)} (KV variants on {REFERENCE} only), 1 window, "
                         "8 greedy tokens, batches 1,8, 1 repeat, llama.cpp f16 KV only, no e2e")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)} ({REFERENCE} is always run, first)")
@@ -520,7 +518,7 @@ def parse_args():
         if "--formats" not in sys.argv:
             args.formats = ",".join(QUICK_FORMATS)
     args.out = args.out or (WORK_DIR / "bench_quant_quick.json" if args.quick else RESULTS)
-    args.formats = [REFERENCE] + [f for f in harness.comma_list(parser, args.formats, FORMATS, "formats") if f != REFERENCE]
+    args.formats = [REFERENCE] + [f for f in report.comma_list(parser, args.formats, FORMATS, "formats") if f != REFERENCE]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.kv_cache_dtypes = ["none"] + [k for k in args.kv_cache_dtypes.split(",") if k and k != "none"]  # the model-dtype row is the baseline
     return args
@@ -529,25 +527,25 @@ def parse_args():
 def run_all(args) -> dict:
     start = time.perf_counter()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    machine = {"load_average_start": harness.load_average()}  # the rest of the block is the harness's (write_result)
+    machine_block = {"load_average_start": timing.load_average()}  # the rest of the block is report.write_result's
     plan = build_plan(args, args.workdir)
     log(f"plan: {len(plan['windows'])} windows, formats {args.formats}, KV {args.kv_cache_dtypes}, e2e requests {args.e2e_requests}")
-    peaks = harness.measure_peaks(2 * args.repeats)
+    peaks = machine.measure_peaks(2 * args.repeats)
     workers = {}
     for name in args.formats:
         log(f"worker {name} ...")
         workers[name] = run_worker_process(name, args.workdir)
     if workers[REFERENCE]["status"] != "ok":
         raise SystemExit(f"the {REFERENCE} worker failed: {workers[REFERENCE]}")
-    use_llamacpp = not args.no_llamacpp and harness.REF_PYTHON.exists()
+    use_llamacpp = not args.no_llamacpp and paths.REF_PYTHON.exists()
     llamacpp = run_llamacpp(args, args.workdir, plan) if use_llamacpp else None
     llamacpp_e2e = run_llamacpp_e2e(plan) if use_llamacpp and args.e2e_requests else None
     rows = summarize(plan, workers, peaks)
-    machine |= {"load_average_end": harness.load_average(), "peaks": peaks}
+    machine_block |= {"load_average_end": timing.load_average(), "peaks": peaks}
     settings = {k: v for k, v in plan.items() if k not in ("windows", "greedy_prompts", "fixture_greedy_tokens", "prefill_ids")}
     settings |= {"formats": args.formats, "num_windows": len(plan["windows"]), "num_predicted": len(plan["windows"]) * (WINDOW - 1), "quick": args.quick}
     return {"question": "accuracy, memory and speed of quantized weights and an int8 KV cache vs f32, and vs llama.cpp on the same GGUF",
-            "model": loading.default_model_path().name, "machine": machine, "settings": settings,
+            "model": loading.default_model_path().name, "machine": machine_block, "settings": settings,
             "correctness": correctness(plan, workers, rows), "rows": rows, "goals": goals(rows, workers), "llamacpp": llamacpp,
             "llamacpp_e2e": llamacpp_e2e, "workers": workers, "runtime_s": time.perf_counter() - start}
 
@@ -560,7 +558,7 @@ def main() -> None:
         return
     result = run_all(args)
     print_report(result)
-    harness.finish(args.out, result, {"bench": "quant", "correct": result["correctness"]["passed"],
+    report.finish(args.out, result, {"bench": "quant", "correct": result["correctness"]["passed"],
                                       "perplexity": {r["row"]: r["perplexity"] for r in result["rows"] if r["status"] == "ok"},
                                       "goals": {k: g["measured"] for k, g in result["goals"].items()}, "runtime_s": result["runtime_s"]},
                    correct=result["correctness"]["passed"], indent=1)

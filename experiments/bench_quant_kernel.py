@@ -5,7 +5,7 @@ kernels_cpu/quant_matmul on Llama-3.2-1B's layer shapes (2,048 x 8,192 gate/up, 
 Each shape is stacked over 16 layers, more than the L3 holds, and one jitted loop multiplies every layer
 in turn, as a decode step does. Each format and shape is first checked against the kernel's jnp reference
 on the same packed arrays (up to 17 rows). In the same run: XLA's f32 dot on f32 weights of the same shapes (the dense path
-the kernel replaces), and the machine's read bandwidth (harness.measure_bandwidth_peak), against which the
+the kernel replaces), and the machine's read bandwidth (machine.measure_bandwidth_peak), against which the
 kernel's bytes per second are reported. The codes are random bytes: every byte is a valid code.
 Writes experiments/results/bench_quant_kernel.json; the last stdout line is one JSON document.
 
@@ -14,9 +14,9 @@ Writes experiments/results/bench_quant_kernel.json; the last stdout line is one 
 
 import numpy as np
 
-import harness
+from common import machine, paths, report, timing
 
-RESULTS = harness.RESULTS_DIR / "bench_quant_kernel.json"
+RESULTS = paths.RESULTS_DIR / "bench_quant_kernel.json"
 LAYERS = 16
 SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048), "q_o": (2048, 2048)}  # (inputs K, outputs N)
 FORMATS = {"q4_0": (4, 8), "q8_0": (8, 128)}  # bits, zero point
@@ -57,7 +57,7 @@ def every_layer(matmul):
 
 
 def seconds_per_layer(program, repeats: int) -> float:
-    return min(harness.time_calls(lambda: program().block_until_ready(), repeats, warmup=1)) / LAYERS
+    return min(timing.time_calls(lambda: program().block_until_ready(), repeats, warmup=1)) / LAYERS
 
 
 def measure_shape(rng, name: str, rows_list: list[int], repeats: int) -> list[dict]:
@@ -80,7 +80,7 @@ def measure_shape(rng, name: str, rows_list: list[int], repeats: int) -> list[di
             seconds = seconds_per_layer(program, repeats)
             row[fmt] = {"ms": 1e3 * seconds, "gop_per_s": 2 * rows * num_in * num_out / seconds / 1e9,
                         "bytes_per_s": (codes.nbytes + scale.nbytes) / LAYERS / seconds, "relative_error_vs_reference": error}
-        harness.log("bench_quant_kernel", f"{name} rows {rows}: " + ", ".join(f"{fmt} {row[fmt]['ms']:.3f} ms" for fmt in FORMATS) + f", XLA f32 {row['xla_f32_ms']:.3f} ms")
+        report.log("bench_quant_kernel", f"{name} rows {rows}: " + ", ".join(f"{fmt} {row[fmt]['ms']:.3f} ms" for fmt in FORMATS) + f", XLA f32 {row['xla_f32_ms']:.3f} ms")
         out.append(row)
     return out
 
@@ -88,7 +88,7 @@ def measure_shape(rng, name: str, rows_list: list[int], repeats: int) -> list[di
 def print_table(rows: list[dict], bandwidth: float) -> None:
     columns = [("shape", "<8"), ("rows", ">5"), ("q4_0 ms", ">8.3f"), ("GOP/s", ">6.0f"), ("read", ">6.1%"),
                ("q8_0 ms", ">8.3f"), ("GOP/s", ">6.0f"), ("read", ">6.1%"), ("f32 ms", ">8.3f"), ("q4_0 x f32", ">10.2f")]
-    print(harness.format_table(columns, [
+    print(report.format_table(columns, [
         [r["shape"], r["rows"], r["q4_0"]["ms"], r["q4_0"]["gop_per_s"], r["q4_0"]["bytes_per_s"] / bandwidth,
          r["q8_0"]["ms"], r["q8_0"]["gop_per_s"], r["q8_0"]["bytes_per_s"] / bandwidth, r["xla_f32_ms"], r["xla_f32_ms"] / r["q4_0"]["ms"]]
         for r in rows]))
@@ -96,7 +96,7 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
 
 
 def main():
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--rows", default="1,4,8,16,512", help="comma list of activation rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (the best is kept)")
     args = parser.parse_args()
@@ -106,13 +106,13 @@ def main():
         raise SystemExit("bench_quant_kernel: the CPU quantized-matmul kernel could not be built (see the warning above)")
     rows_list = [int(r) for r in args.rows.split(",") if r]
     rng = np.random.default_rng(0)
-    bandwidth = harness.measure_bandwidth_peak(args.repeats)
+    bandwidth = machine.measure_bandwidth_peak(args.repeats)
     rows = [row for name in SHAPES for row in measure_shape(rng, name, rows_list, args.repeats)]
     print_table(rows, bandwidth["best_bytes_per_s"])
     worst = max(row[fmt]["relative_error_vs_reference"] for row in rows for fmt in FORMATS)
     doc = {"question": "the CPU quantized-matmul kernel on 1B shapes, weights out of the L3, against XLA's f32 dot",
            "layers": LAYERS, "results": rows, "worst_relative_error_vs_reference": worst}
-    harness.finish(args.out, doc, {"bench": "quant_kernel", "worst_relative_error_vs_reference": worst,
+    report.finish(args.out, doc, {"bench": "quant_kernel", "worst_relative_error_vs_reference": worst,
                                    "q4_0_ms": {f"{r['shape']}/{r['rows']}": round(r["q4_0"]["ms"], 3) for r in rows}},
                    correct=worst <= 1e-5, peaks={"bandwidth": bandwidth})
 

@@ -13,13 +13,13 @@ import json
 import statistics
 import time
 
-import harness
+from common import paths, report, workloads
 import jsonschema
 import numpy as np
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 24, "maxItems": 24}
 PROMPT = [{"role": "user", "content": "List some numbers as a JSON array."}]
-OUT = harness.RESULTS_DIR / "bench_sampling.json"
+OUT = paths.RESULTS_DIR / "bench_sampling.json"
 
 
 def modes(args):
@@ -77,7 +77,7 @@ def n_versus_separate(llm, uncached, args) -> dict:
     prompt tokens computed."""
     from jaxinfer import SamplingParams
 
-    text = harness.text_ids(llm.tokenizer)
+    text = workloads.text_ids(llm.tokenizer)
     prompts = [text[i * 97 : i * 97 + args.n_prompt_tokens] for i in range(args.n_prompts)]
     runs = {}
     for name, engine, params, copies in (("n", llm, SamplingParams(temperature=0.8, max_tokens=args.n_max_tokens, ignore_eos=True, n=args.n), 1),
@@ -110,7 +110,7 @@ def check(outputs: dict) -> dict:
 
 
 def main() -> None:
-    parser = harness.arg_parser(__doc__, out=OUT)
+    parser = report.arg_parser(__doc__, out=OUT)
     parser.add_argument("--batch", type=int, default=32, help="rows per decode step (default 32)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt in the n section (default 4)")
@@ -131,7 +131,7 @@ def main() -> None:
     checks = check(outputs)
     base = statistics.mean(steps["plain"])
     rows = [[name, len(s), f"{statistics.mean(s) * 1e3:.1f}", f"{statistics.median(s) * 1e3:.1f}", f"{statistics.mean(s) / base:.3f}"] for name, s in steps.items()]
-    print(harness.format_table([("mode", "<"), ("steps", ">"), ("mean ms", ">"), ("p50 ms", ">"), ("vs plain", ">")], rows))
+    print(report.format_table([("mode", "<"), ("steps", ">"), ("mean ms", ">"), ("p50 ms", ">"), ("vs plain", ">")], rows))
     fanout = n_versus_separate(llm, LLM(None, max_num_seqs=args.batch, page_size=16, enable_prefix_caching=False), args)
     print(f"n={args.n} on {args.n_prompts} prompts of {args.n_prompt_tokens} tokens: {fanout['n']['output_tokens_per_s']:.1f} output tok/s, "
           f"{fanout['n']['prompt_tokens_computed']} prompt tokens computed; separate: {fanout['separate']['output_tokens_per_s']:.1f} tok/s, "
@@ -147,7 +147,7 @@ def main() -> None:
     }
     summary = {name: f"{(statistics.mean(s) / base - 1) * 100:+.1f}%" for name, s in steps.items()} | {"n_speedup": round(fanout["speedup"], 2), "n_speedup_vs_no_cache": round(fanout["speedup_vs_no_cache"], 2)}
     correct = checks["constrained_valid"] == args.batch // 2 and all(checks[k] for k in ("unconstrained_unchanged", "logprobs_per_token", "overlap_outputs_identical"))
-    harness.finish(args.out, doc, summary, correct=correct)
+    report.finish(args.out, doc, summary, correct=correct)
 
 
 if __name__ == "__main__":

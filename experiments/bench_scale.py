@@ -26,14 +26,14 @@ import time
 
 import numpy as np
 
-import harness
-from harness import REPO_ROOT
+from common import engine_runs, paths, peers, report, timing, workloads
+from common.paths import REPO_ROOT
 
-RESULTS = harness.RESULTS_DIR / "bench_scale.json"
+RESULTS = paths.RESULTS_DIR / "bench_scale.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_scale"
 
 
-log = functools.partial(harness.log, "bench_scale")
+log = functools.partial(report.log, "bench_scale")
 
 
 def engine_config(max_context: int, cache_dir: str):
@@ -44,8 +44,8 @@ def engine_config(max_context: int, cache_dir: str):
 
 
 def trace_workload(num_requests: int, scale: float, max_context: int) -> dict:
-    """The harness's scaled trace sample (seed 0), outputs capped at a quarter of the benchmark's context."""
-    return harness.build_workload(harness.DEFAULT_TRACE, num_requests, scale, 0, max_context=max_context, max_output=max_context // 4)
+    """The common scaled trace sample (seed 0), outputs capped at a quarter of the benchmark's context."""
+    return workloads.build_workload(None, num_requests, scale, 0, max_context=max_context, max_output=max_context // 4)
 
 
 def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
@@ -53,9 +53,9 @@ def run_layout(tp: int, dp: int, workload: dict, max_context: int) -> dict:
     from jaxinfer.api import LLM
 
     cfg = engine_config(max_context, tempfile.mkdtemp(prefix="bench_scale_xla_"))
-    llm, load_s = harness.timed(LLM, None, tensor_parallel=tp, data_parallel=dp, engine_config=cfg, warmup=False)
-    _, warmup_s = harness.timed(lambda: [replica.engine.warmup() for replica in llm.replicas])
-    run = harness.timed_generate(llm, workload["requests"])
+    llm, load_s = timing.timed(LLM, None, tensor_parallel=tp, data_parallel=dp, engine_config=cfg, warmup=False)
+    _, warmup_s = timing.timed(lambda: [replica.engine.warmup() for replica in llm.replicas])
+    run = engine_runs.timed_generate(llm, workload["requests"])
     outputs, seconds = run["outputs"], run["wall_s"]
     steps = {phase: run["recorder"].phase_seconds(phase) for phase in ("prefill", "decode")}
     num_output = sum(o.num_generated_tokens for o in outputs)
@@ -84,7 +84,7 @@ def measure_layouts(args, workload_file: pathlib.Path) -> list[dict]:
     for layout in args.layouts.split(","):
         log(f"layout TP x DP = {layout} ...")
         cmd = [sys.executable, __file__, "--worker", layout, "--workload", str(workload_file), "--max-context", str(args.max_context)]
-        row = harness.run_json(cmd, f"layout {layout}", env=env, timeout=1800)
+        row = peers.run_json(cmd, f"layout {layout}", env=env, timeout=1800)
         log(f"  compile {row['warmup_compile_s']:.1f}s ({row['programs']} programs), run {row['seconds']:.1f}s, decode step {row['median_decode_step_ms']:.0f} ms")
         rows.append(row)
     base = rows[0]
@@ -92,7 +92,7 @@ def measure_layouts(args, workload_file: pathlib.Path) -> list[dict]:
     for row in rows:
         name = f"{row['tensor_parallel']}x{row['data_parallel']}"
         assert row["compiles_after_warmup"] == 0, f"{name}: {row['compiles_after_warmup']} compiles after warm-up"
-        row["agreement_with_1x1"] = harness.agreement(base["tokens"], row["tokens"])
+        row["agreement_with_1x1"] = workloads.agreement(base["tokens"], row["tokens"])
         # Sharded sums add in another order: a near-tie may flip late in a long greedy run, so the share is
         # reported; a layout that is wrong (not reordered) disagrees from the first tokens on.
         assert row["agreement_with_1x1"]["mean_prefix_fraction"] >= 0.9, f"{name}: greedy tokens diverge from one device: {row['agreement_with_1x1']}"
@@ -185,23 +185,23 @@ def print_tables(result: dict) -> None:
     if result.get("layouts"):
         columns = [("TP x DP", "<8"), ("compile s", "9.1f"), ("programs", "8d"), ("run s", "7.1f"), ("tok/s", "7.1f"), ("decode ms", "9.0f"),
                    ("prefill ms", "10.0f"), ("run/1x1", "8.2f"), ("decode/1x1", "10.2f"), ("compile/1x1", "11.2f"), ("same tokens", "11.1%")]
-        print("\n" + harness.format_table(columns, [[f"{r['tensor_parallel']}x{r['data_parallel']}", r["warmup_compile_s"], r["programs"], r["seconds"],
+        print("\n" + report.format_table(columns, [[f"{r['tensor_parallel']}x{r['data_parallel']}", r["warmup_compile_s"], r["programs"], r["seconds"],
                                                      r["output_tokens_per_s"], r["median_decode_step_ms"], r["median_prefill_step_ms"], r["seconds_vs_1x1"],
                                                      r["decode_step_vs_1x1"], r["compile_vs_1x1"], r["agreement_with_1x1"]["mean_prefix_fraction"]]
                                                     for r in result["layouts"]]))
     if result.get("router"):
         columns = [("workload", "<36"), ("router max/mean", "15.3f"), ("round-robin", "11.3f")]
-        print("\n" + harness.format_table(columns, [[r["workload"], r["router"]["largest_over_mean"], r["round_robin"]["largest_over_mean"]]
+        print("\n" + report.format_table(columns, [[r["workload"], r["router"]["largest_over_mean"], r["round_robin"]["largest_over_mean"]]
                                                     for r in result["router"]]))
     if result.get("ray"):
         columns = [(f"job ({result['settings']['ray_requests']} requests)", "<20"), ("process s", "9.1f"), ("job s", "7.1f"), ("vs local", "8.2f"),
                    ("overhead s", "10.1f")]
-        print("\n" + harness.format_table(columns, [[r["run"], r["process_wall_s"], r["job_wall_s"], r["process_vs_local"], r["overhead_s"]]
+        print("\n" + report.format_table(columns, [[r["run"], r["process_wall_s"], r["job_wall_s"], r["process_vs_local"], r["overhead_s"]]
                                                     for r in result["ray"]]))
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--quick", action="store_true", help="smoke run: layouts 1x1,2x1,1x2, 4 requests, 8 Ray requests, 1 and 2 actors")
     parser.add_argument("--layouts", default="1x1,2x1,4x1,1x2", help="TP x DP layouts; the first must be 1x1 (default: %(default)s)")
     parser.add_argument("--devices", type=int, default=4, help="simulated CPU devices (default: %(default)s)")
@@ -227,13 +227,13 @@ def main() -> None:
         return
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    load_before = harness.load_average()
+    load_before = timing.load_average()
     sections = set(args.sections.split(","))
     result = json.loads(args.out.read_text()) if args.out.exists() and sections != {"layouts", "router", "ray"} else {}
     result |= {
         "question": "what do TP, DP, the router and Ray cost on this machine (simulated devices: overheads, not speed-ups)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "out")} | {"out": str(args.out)},
-        "machine": {"load_average_before": load_before},  # the rest of the block is the harness's (write_result)
+        "machine": {"load_average_before": load_before},  # the rest of the block is report.write_result's
     }
     if "layouts" in sections:
         workload_file = WORK_DIR / "workload.json"
@@ -245,9 +245,9 @@ def main() -> None:
         result["router"] = measure_router(trace_workload(64, 8.0, 2048), 2)
     if "ray" in sections:
         result["ray"] = measure_ray(trace_workload(args.ray_requests, args.scale, args.max_context), args)
-    result["machine"]["load_average_after"] = harness.load_average()
+    result["machine"]["load_average_after"] = timing.load_average()
     result["runtime_s"] = time.perf_counter() - start
-    result = harness.write_result(args.out, result, indent=1)
+    result = report.write_result(args.out, result, indent=1)
     print_tables(result)
     print(f"\nwrote {args.out}")
 

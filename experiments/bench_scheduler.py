@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-import harness
+from common import paths, report
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.request_queue import RequestQueue
 from jaxinfer.scheduling.scheduler import Scheduler
 
-RESULTS = harness.RESULTS_DIR / "bench_scheduler.json"
+RESULTS = paths.RESULTS_DIR / "bench_scheduler.json"
 GOAL_SCHEDULE_S = 1e-3  # schedule() at 100,000 waiting
 GOAL_SIZE = 100_000
 PROMPT_TOKENS = 4
@@ -146,7 +146,7 @@ def run_case(num_waiting: int, case: str, args) -> dict:
     for name, baseline in (("queue", False), ("baseline", True)):
         scheduler = build_scheduler(num_waiting, args.max_num_seqs, baseline)
         out[name] = timed_steps(scheduler, args.steps, admits=case == "admits")
-        harness.log("bench_scheduler", f"{case} {num_waiting} {name}: schedule {out[name]['schedule_ms_median']:.3f} ms")
+        report.log("bench_scheduler", f"{case} {num_waiting} {name}: schedule {out[name]['schedule_ms_median']:.3f} ms")
     same = out["queue"].pop("trace") == out["baseline"].pop("trace")
     return {"num_waiting": num_waiting, "case": case, "same_plans": same, **out,
             "speedup": out["baseline"]["schedule_ms_median"] / out["queue"]["schedule_ms_median"]}
@@ -156,14 +156,14 @@ def print_table(rows: list[dict]) -> None:
     columns = [("case", "<7"), ("waiting", ">8d"), ("old sched ms", ">12.3f"), ("new sched ms", ">12.3f"), ("new max ms", ">10.3f"),
                ("old queue ms", ">12.3f"), ("new queue ms", ">12.3f"), ("old expire ms", ">13.3f"), ("new expire ms", ">13.3f"),
                ("speedup", ">8.1f"), ("same plans", ">10")]
-    print(harness.format_table(columns, [[r["case"], r["num_waiting"], r["baseline"]["schedule_ms_median"], r["queue"]["schedule_ms_median"],
+    print(report.format_table(columns, [[r["case"], r["num_waiting"], r["baseline"]["schedule_ms_median"], r["queue"]["schedule_ms_median"],
                                           r["queue"]["schedule_ms_max"], r["baseline"]["queue_ms_median"], r["queue"]["queue_ms_median"],
                                           r["baseline"]["expire_ms_median"], r["queue"]["expire_ms_median"],
                                           r["speedup"], str(r["same_plans"])] for r in rows]))
 
 
 def main() -> None:
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--sizes", default="1000,10000,100000", help="waiting requests, comma-separated")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per case")
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -183,7 +183,7 @@ def main() -> None:
                   for r in rows}}
     doc = {"question": __doc__.split("\n")[0], "steps": args.steps, "max_num_seqs": args.max_num_seqs, "prompt_tokens": PROMPT_TOKENS,
            "page_size": PAGE_SIZE, "max_context": MAX_CONTEXT, "rows": rows, "summary": summary}
-    harness.finish(args.out, doc, summary, correct=correct)
+    report.finish(args.out, doc, summary, correct=correct)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Issue 24's runtime tuning, on SmolLM2-135M-Instruct. In one run:
      The same table over quantization='int8' weights;
   3. output tokens/s of the default configuration (dtype, attention and matmul "auto": the tuned choice)
      against the fixed f32 configuration (JAXINFER_TUNE=0: float32, the CPU kernels as before tuning), on
-     --num-requests requests of the conversation trace scaled by --scale (harness.build_workload), each
+     --num-requests requests of the conversation trace scaled by --scale (workloads.build_workload), each
      checked against the dense reference first.
 Writes experiments/results/bench_tune.json (with the machine block: CPU model and flags); the last stdout
 line is one JSON document.
@@ -26,15 +26,15 @@ import time
 
 import numpy as np
 
-import harness
+from common import engine_runs, paths, report, timing, workloads
 
-RESULTS = harness.RESULTS_DIR / "bench_tune.json"
+RESULTS = paths.RESULTS_DIR / "bench_tune.json"
 GREEDY_TOKENS = 32  # tokens of each fixture prompt's greedy continuation
 MAX_PERPLEXITY_RATIO = 1.005  # issue 24: the bf16 default within 0.5% of f32's perplexity
 
 
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS, trace=True)
+    parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--scale", type=float, default=8.0, help="trace lengths are divided by this")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per configuration")
@@ -43,19 +43,19 @@ def parse_args():
 
 
 def engine_config(compile_dir: str, num_requests: int):
-    return harness.workload_engine_config(max_num_seqs=max(4, min(32, num_requests)), compilation_cache_dir=compile_dir)
+    return engine_runs.workload_engine_config(max_num_seqs=max(4, min(32, num_requests)), compilation_cache_dir=compile_dir)
 
 
 def time_tuning(cfg, params, tokenizer, engine_cfg, cache_dir: str) -> dict:
     """Tuning from scratch into `cache_dir`, then the cached start: seconds of each and the table."""
     from jaxinfer.engine import tuning
 
-    pins = tuning.Pins()  # what LLM(None) asks: everything auto
+    pins = tuning.Impls()  # what LLM(None) asks: everything auto
     kwargs = dict(tokenizer=tokenizer, enabled=True, directory=cache_dir)
-    first, first_s = harness.timed(tuning.choose_for_model, cfg, params, engine_cfg, pins, **kwargs)
-    cached, cached_s = harness.timed(tuning.choose_for_model, cfg, params, engine_cfg, pins, **kwargs)
+    first, first_s = timing.timed(tuning.choose_for_model, cfg, params, engine_cfg, pins, **kwargs)
+    cached, cached_s = timing.timed(tuning.choose_for_model, cfg, params, engine_cfg, pins, **kwargs)
     print(tuning.format_table(first), flush=True)
-    harness.log("bench_tune", f"first tuning {first_s:.1f}s, cached start {cached_s * 1e3:.1f} ms")
+    report.log("bench_tune", f"first tuning {first_s:.1f}s, cached start {cached_s * 1e3:.1f} ms")
     return {"first_tuning_s": first_s, "cached_start_s": cached_s, "cached_from_cache": cached.from_cache, "choice": vars_of(first.choice),
             "prefill_key": str(first.prefill_key), "decode_key": str(first.decode_key), "table": [vars_of(m) for m in first.measurements],
             "table_text": tuning.format_table(first), "fingerprint": tuning.machine_fingerprint(), "cache_key": first.key}
@@ -69,7 +69,7 @@ def vars_of(obj) -> dict:
 
 def fixture_prompts() -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, HF's greedy ids) of every fixture prompt with at least 2 tokens."""
-    with np.load(harness.FIXTURES) as fixtures:
+    with np.load(paths.FIXTURES) as fixtures:
         count = int(fixtures["num_prompts"])
         pairs = [(fixtures[f"p{i}_ids"].astype(np.int32).tolist(), fixtures[f"p{i}_greedy_ids"].astype(np.int32).tolist()) for i in range(count)]
     pairs = [(ids, greedy) for ids, greedy in pairs if len(ids) >= 2]
@@ -117,16 +117,16 @@ def fidelity(cfg, params) -> dict:
     for dtype in ("float32", "bfloat16"):
         dtype_cfg, dtype_params = tuning.cast_model(cfg, params, dtype)
         per_dtype[dtype] = perplexity(dtype_cfg, dtype_params, prompts)
-        runs = generate.generate(dtype_params, dtype_cfg, prompts, harness.greedy(GREEDY_TOKENS))
+        runs = generate.generate(dtype_params, dtype_cfg, prompts, workloads.greedy(GREEDY_TOKENS))
         greedy[dtype] = [run.token_ids for run in runs]
-        harness.log("bench_tune", f"{dtype}: perplexity {per_dtype[dtype]['perplexity']:.4f}")
+        report.log("bench_tune", f"{dtype}: perplexity {per_dtype[dtype]['perplexity']:.4f}")
     hf_steps = min(len(g) for g in hf_greedy)
     ratio = per_dtype["bfloat16"]["perplexity"] / per_dtype["float32"]["perplexity"]
     return {
         "prompts": len(prompts), "greedy_tokens": GREEDY_TOKENS, "perplexity": per_dtype, "bf16_perplexity_ratio": ratio,
         "bf16_within_0_5_percent": ratio <= MAX_PERPLEXITY_RATIO,
-        "bf16_vs_f32_greedy": harness.agreement(greedy["bfloat16"], greedy["float32"]),
-        "f32_vs_hf_greedy": harness.agreement([g[:hf_steps] for g in greedy["float32"]], [g[:hf_steps] for g in hf_greedy]),
+        "bf16_vs_f32_greedy": workloads.agreement(greedy["bfloat16"], greedy["float32"]),
+        "f32_vs_hf_greedy": workloads.agreement([g[:hf_steps] for g in greedy["float32"]], [g[:hf_steps] for g in hf_greedy]),
         "hf_greedy_steps": hf_steps,
     }
 
@@ -138,11 +138,11 @@ def throughput(workload: dict, engine_cfg, repeats: int) -> dict:
     runs = {}
     for name, tune, load in (("default", "1", {}), ("fixed_f32", "0", {"dtype": "float32"})):
         os.environ[tuning.TUNE_ENV] = tune
-        result, _, llm = harness.run_engine(workload, engine_cfg, repeats, **load)
-        runs[name] = {"choices": vars_of(llm.choices), "tuning_source": llm.tuning.choice.source, **{k: result[k] for k in (
+        result, _, llm = engine_runs.run_engine(workload, engine_cfg, repeats, **load)
+        runs[name] = {"choices": vars_of(llm.choices), "tuning_source": llm.tuning.source, **{k: result[k] for k in (
             "output_tokens_per_s", "seconds", "seconds_per_repeat", "num_output_tokens", "warmup_s", "load_s", "num_compilations", "reference_check",
             "all_lengths_exact", "compiles_during_timed_run")}}
-        harness.log("bench_tune", f"{name} ({llm.choices.describe()}): {result['output_tokens_per_s']:.1f} output tokens/s")
+        report.log("bench_tune", f"{name} ({llm.choices.describe()}): {result['output_tokens_per_s']:.1f} output tokens/s")
         del llm
     runs["default_over_fixed_f32"] = runs["default"]["output_tokens_per_s"] / runs["fixed_f32"]["output_tokens_per_s"]
     return runs
@@ -165,18 +165,18 @@ def main() -> None:
         tuned_int8 = time_tuning(int8_cfg, int8_params, tokenizer, engine_cfg, os.path.join(scratch, "tuner_int8"))
         del int8_params
         faithful = fidelity(cfg, params)
-        workload = harness.build_workload(args.trace, args.num_requests, args.scale, args.seed, tokenizer, max_context=harness.WORKLOAD_MAX_CONTEXT)
+        workload = workloads.build_workload(args.trace, args.num_requests, args.scale, args.seed, tokenizer, max_context=engine_runs.WORKLOAD_MAX_CONTEXT)
         speed = throughput(workload, engine_cfg, args.repeats)
     checks_ok = all(run["reference_check"]["num_equal"] == run["reference_check"]["num_checked"] for run in (speed["default"], speed["fixed_f32"]))
     doc = {
         "question": "runtime tuner: its cost (first and cached start), its choice, bf16 fidelity vs f32, default vs fixed f32 tokens/s",
         "model": loading.default_model_path().name, "tuning": tuned, "tuning_int8_weights": tuned_int8, "fidelity": faithful, "throughput": speed,
-        "workload": {**harness.workload_summary(workload["requests"]), "trace": workload["trace"], "scale": args.scale, "seed": args.seed},
+        "workload": {**workloads.workload_summary(workload["requests"]), "trace": workload["trace"], "scale": args.scale, "seed": args.seed},
         "targets": {"first_tuning_s_max": 60.0, "cached_start_s_max": 1.0, "bf16_perplexity_ratio_max": MAX_PERPLEXITY_RATIO},
         "runtime_s": time.perf_counter() - start,
     }
-    harness.finish(args.out, doc, {
-        "bench": "tune", "choice": tuning.Choice(**tuned["choice"]).describe(), "choice_int8_weights": tuning.Choice(**tuned_int8["choice"]).describe(), "first_tuning_s": tuned["first_tuning_s"], "cached_start_s": tuned["cached_start_s"],
+    report.finish(args.out, doc, {
+        "bench": "tune", "choice": tuning.Impls(**tuned["choice"]).describe(), "choice_int8_weights": tuning.Impls(**tuned_int8["choice"]).describe(), "first_tuning_s": tuned["first_tuning_s"], "cached_start_s": tuned["cached_start_s"],
         "f32_perplexity": faithful["perplexity"]["float32"]["perplexity"], "bf16_perplexity": faithful["perplexity"]["bfloat16"]["perplexity"],
         "bf16_greedy_exact": faithful["bf16_vs_f32_greedy"]["exact_requests"], "bf16_greedy_prefix": faithful["bf16_vs_f32_greedy"]["mean_prefix_fraction"],
         "default_tokens_per_s": speed["default"]["output_tokens_per_s"], "fixed_f32_tokens_per_s": speed["fixed_f32"]["output_tokens_per_s"],

@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 
-import harness
-from harness import DEFAULT_TRACE, REPO_ROOT, RESULTS_DIR, agreement
+from common import engine_runs, report, timing, workloads
+from common.paths import REPO_ROOT, RESULTS_DIR, trace_or_default
+from common.workloads import agreement
 from jaxinfer.scheduling import runloop
 from jaxinfer.bucketing.strategies import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
@@ -84,14 +85,14 @@ class Workload:
         return [{"prompt_ids": p, "max_tokens": n} for p, n in zip(self.prompts, self.max_tokens)]
 
 
-def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_requests: int, scale: float, seed: int, tokenizer, limits: Limits) -> list[Workload]:
+def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path | None, num_requests: int, scale: float, seed: int, tokenizer, limits: Limits) -> list[Workload]:
     """The conversation trace (a seeded sample of rows, kept in trace order) and/or a synthetic trace."""
-    text_ids = harness.text_ids(tokenizer)
-    workloads = []
+    text_ids = workloads.text_ids(tokenizer)
+    built = []
     for name in traces:
         if name == "conversation":
-            full = load_trace(trace_path)
-            trace = full.take(harness.sample_rows(full.num_requests, num_requests, np.random.default_rng(seed)))
+            full = load_trace(trace_or_default(trace_path))
+            trace = full.take(workloads.sample_rows(full.num_requests, num_requests, np.random.default_rng(seed)))
             start = int(np.random.default_rng(seed).integers(0, full.num_requests - num_requests))
             arrivals = full.timestamps[start : start + num_requests]  # real gaps: consecutive rows of the trace
         elif name == "synthetic":
@@ -100,10 +101,10 @@ def build_workloads(traces: tuple[str, ...], trace_path: pathlib.Path, num_reque
         else:
             raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
         # outputs capped at half the context; the prompt offsets come from a generator of their own
-        requests = harness.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=limits.max_context,
+        requests = workloads.scaled_requests(trace, scale, np.random.default_rng(seed), text_ids, max_context=limits.max_context,
                                            max_output=limits.max_context // 2)
-        workloads.append(Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests], unit_rate(arrivals)))
-    return workloads
+        built.append(Workload(name, [r["prompt_ids"] for r in requests], [r["max_tokens"] for r in requests], unit_rate(arrivals)))
+    return built
 
 
 def unit_rate(timestamps: np.ndarray) -> list[float]:
@@ -174,8 +175,8 @@ def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict
 
 def fresh_compilation_cache() -> str:
     """A new, empty persistent-cache directory for the engines built next. JAX reads the cache dir once;
-    the private `reset_cache` (as JAX's own tests use it) makes it read the new one."""
-    from jax._src import compilation_cache
+    the public `jax.experimental.compilation_cache.compilation_cache.reset_cache` makes it read the new one."""
+    from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()
     return tempfile.mkdtemp(prefix="jaxinfer_xla_")
@@ -211,8 +212,8 @@ def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) 
     if tables_of(cfg) != config["tables"]:
         raise RuntimeError(f"tables differ from the planned ones: {tables_of(cfg)} != {config['tables']}")
     gc.collect()
-    harness.reset_peak_rss()
-    before, _ = harness.rss_bytes()
+    timing.reset_peak_rss()
+    before, _ = timing.rss_bytes()
     llm = LLM.from_params(*model, engine_config=cfg, warmup=False)
     with cache_events() as cold_cache:
         llm.engine.warmup()
@@ -224,7 +225,7 @@ def compile_config(model, config: dict, limits: Limits, samples: dict, **impls) 
     warm_s = warm_engine.compile_seconds
     del warm_engine
     gc.collect()
-    _, peak = harness.rss_bytes()
+    _, peak = timing.rss_bytes()
     shutil.rmtree(cache_dir, ignore_errors=True)
     return llm, {
         "programs": programs, "compile_cold_s": llm.engine.compile_seconds, "compile_warm_s": warm_s,
@@ -239,7 +240,7 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
 
     best = min(runs, key=lambda run: run["wall_s"])
     outputs, stats, recorder, engine = best["outputs"], best["stats"], best["recorder"], llm.engine
-    summary = harness.best_run(runs, workload.max_tokens)
+    summary = engine_runs.best_run(runs, workload.max_tokens)
     ttft = np.array([o.time_to_first_token for o in outputs])
     token_bytes = pool_bytes(llm.model_config, 1, 1, engine.engine_cfg.kv_cache_dtype)
     return {
@@ -258,7 +259,7 @@ def summarize_runs(runs: list[dict], llm, workload: Workload, limits: Limits) ->
     }
 
 
-def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]:
+def _compile_all(spec: dict, limits: Limits, progress_line) -> tuple[dict, dict, tuple]:
     """compile_config over every configuration, the model loaded once and every later LLM built over the
     first engine's params: ({id: LLM}, {id: measurements or error}, the model as the engines hold it)."""
     from jaxinfer.loading import loading
@@ -276,45 +277,45 @@ def _compile_all(spec: dict, limits: Limits, report) -> tuple[dict, dict, tuple]
         except Exception as error:  # one failing configuration is reported, the others still run
             results[config["id"]] = {"error": f"{type(error).__name__}: {error}"}
         r = results[config["id"]]
-        report(f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s"))
+        progress_line(f"compiled {config['id']}: " + (r["error"] if "error" in r else f"{r['programs']} programs, cold {r['compile_cold_s']:.1f} s, warm {r['compile_warm_s']:.1f} s"))
     return llms, results, model
 
 
-def run_trace(spec: dict, report=print) -> list[dict]:
+def run_trace(spec: dict, progress_line=print) -> list[dict]:
     """Every configuration of one trace: compile all, then `repeats` rounds of runs in alternating order (so
     other load on the machine falls on all alike), then the first one's tokens against the dense reference.
-    report(text) is called once per compile, timed run and replay."""
+    progress_line(text) is called once per compile, timed run and replay."""
     limits, workload = Limits(**spec["limits"]), Workload(**spec["workload"])
-    llms, results, model = _compile_all(spec, limits, report)
+    llms, results, model = _compile_all(spec, limits, progress_line)
     runs = {config_id: [] for config_id in llms}
     for round_index in range(spec["repeats"]):
         for config_id in list(llms) if round_index % 2 == 0 else list(reversed(llms)):
             try:
-                runs[config_id].append(harness.timed_generate(llms[config_id], workload.requests, llms[config_id].block_pool))
+                runs[config_id].append(engine_runs.timed_generate(llms[config_id], workload.requests, llms[config_id].block_pool))
                 line = f"run {round_index + 1} {config_id}: {runs[config_id][-1]['wall_s']:.1f} s"
             except Exception as error:
                 results[config_id] = {**results[config_id], "error": f"{type(error).__name__}: {error}"}
                 line = f"run {round_index + 1} {config_id}: {results[config_id]['error']}"
-            report(line)
+            progress_line(line)
     for config_id, llm in llms.items():
         if "error" not in results[config_id]:
             results[config_id] |= summarize_runs(runs[config_id], llm, workload, limits)
     first = spec["configs"][0]["id"]
     if spec.get("replay_loads") and "output_tokens_per_s" in results[first]:
-        replay_all(spec, llms, results, workload, capacity=len(workload.prompts) / results[first]["seconds"], report=report)
+        replay_all(spec, llms, results, workload, capacity=len(workload.prompts) / results[first]["seconds"], progress_line=progress_line)
     if "tokens" in results[first]:
         model_cfg, params, tokenizer = model  # the shortest requests' tokens as the engine computed them inside the full batch
-        results[first]["reference_check"] = harness.reference_check(params, model_cfg, tokenizer.eos_id, workload.requests,
+        results[first]["reference_check"] = engine_runs.reference_check(params, model_cfg, tokenizer.eos_id, workload.requests,
                                                                     lambda chosen: [results[first]["tokens"][i] for i in chosen])
     return [{"id": c["id"], **results[c["id"]]} for c in spec["configs"]]
 
 
-def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, capacity: float, report) -> None:
+def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, capacity: float, progress_line) -> None:
     """Each configuration under arrivals: the workload's arrival shape at each load x `capacity` (the first
     configuration's offline requests per second), by traces.replay; rows gain {"replay": {load: report}}."""
     from jaxinfer.bucketing.traces import replay
 
-    params = [harness.greedy(n) for n in workload.max_tokens]
+    params = [workloads.greedy(n) for n in workload.max_tokens]
     for config_id, llm in llms.items():
         if "error" in results[config_id]:
             continue
@@ -324,7 +325,7 @@ def replay_all(spec: dict, llms: dict, results: dict, workload: Workload, *, cap
             outputs, summary = replay(llm, workload.prompts, params, workload.arrival_shape, rate=load * capacity, slo_ttft_s=spec["slo_ttft_s"], slo_tpot_s=spec["slo_tpot_s"])
             summary |= {"tokens_as_offline": [o.token_ids for o in outputs] == results[config_id]["tokens"], "offered_requests_per_s": load * capacity}
             results[config_id]["replay"][str(load)] = summary
-            report(f"replay {config_id} load {load}: {summary['output_tokens_per_s']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, goodput {summary['goodput_requests_per_s']:.2f} req/s")
+            progress_line(f"replay {config_id} load {load}: {summary['output_tokens_per_s']:.1f} tok/s, TTFT p99 {summary['ttft_p99_s']:.2f} s, goodput {summary['goodput_requests_per_s']:.2f} req/s")
 
 
 def run_trace_in_subprocess(spec: dict, work_dir: pathlib.Path, on_line) -> list[dict]:
@@ -406,7 +407,7 @@ def format_table(rows: list[dict]) -> str:
             r["output_tokens_per_cpu_s"], r["ttft_p50_s"], r["ttft_p99_s"], r["mean_kv_utilization"], r["peak_kv_utilization"], r["fragmentation_mean"],
             r["pool_bytes_peak_held"] / 2**20, r["peak_resident_bytes"] / 2**20, (r["peak_resident_bytes"] - r["resident_bytes_before"]) / 2**20,
             r["agreement"]["exact_requests"], note])
-    return harness.format_table(TABLE_COLUMNS, table)
+    return report.format_table(TABLE_COLUMNS, table)
 
 
 def format_baselines(trace: dict) -> str:
@@ -539,7 +540,7 @@ def trace_result(workload: Workload, samples: dict, rows: list[dict], configs: l
     distinct = distinct_rows(rows)
     points = replay_points(distinct)  # under arrivals; replay_frontier is each strategy's TTFT p99 / throughput frontier of them
     return {
-        "workload": {"name": workload.name, **harness.workload_summary(workload.requests)}, "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
+        "workload": {"name": workload.name, **workloads.workload_summary(workload.requests)}, "samples": {k: {"count": len(v), "min": min(v), "max": max(v), "median": float(np.median(v))} for k, v in samples.items()},
         "reference_check": by_id[configs[0]["id"]].get("reference_check"), "rows": rows,
         "agreement_all_configurations": {"exact_requests": float(np.mean(all_same)) if all_same else None, "against": configs[0]["id"]},
         "baselines": memory_baselines(workload, limits, ok[0]["kv_bytes_per_token"]) if ok else None,
@@ -563,7 +564,7 @@ def replay_points(rows: list[dict]) -> list[dict]:
 
 
 def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=BUDGETS, traces=DEFAULT_TRACES, num_requests: int = 12,
-                   scale: float = 16.0, seed: int = 0, limits: Limits = Limits(), repeats: int = 2, trace_path=DEFAULT_TRACE,
+                   scale: float = 16.0, seed: int = 0, limits: Limits = Limits(), repeats: int = 2, trace_path=None,
                    out_dir: pathlib.Path = RESULTS_DIR, progress: bool = True, replay_loads=REPLAY_LOADS, slo=SLO) -> dict:
     """The whole experiment: returns the result document (also written to out_dir with the plots)."""
     from tqdm import tqdm  # text bars (tqdm.auto wants ipywidgets in a notebook)
@@ -575,8 +576,8 @@ def run_experiment(*, model: str | None = None, strategies=STRATEGIES, budgets=B
     model = resolve_model(model)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workloads = build_workloads(tuple(traces), pathlib.Path(trace_path), num_requests, scale, seed, load_tokenizer(model), limits)
-    plans = [(workload, *plan_trace(workload, strategies, budgets, limits)) for workload in workloads]
+    built = build_workloads(tuple(traces), trace_path, num_requests, scale, seed, load_tokenizer(model), limits)
+    plans = [(workload, *plan_trace(workload, strategies, budgets, limits)) for workload in built]
     bar = tqdm(total=sum(len(p[3]) for p in plans) * (1 + repeats + len(replay_loads)), unit="step", disable=not progress, desc="compile + timed runs + replays")
     traces_out = []
     for workload, samples, rows, configs in plans:
@@ -643,13 +644,13 @@ def print_report(result: dict) -> None:
             slo = result["settings"]["slo"]
             print(f"\nreplayed under arrivals (load x the first configuration's offline requests/s; goodput: requests/s within TTFT {slo['ttft_s']} s and TPOT {slo['tpot_s']} s):")
             rows = [[p["strategy"], p["budget"], p["load"], p["output_tokens_per_s"], p["ttft_p99_s"], p["tpot_p99_s"], p["goodput_requests_per_s"]] for p in points]
-            print(harness.format_table(REPLAY_COLUMNS, rows))
+            print(report.format_table(REPLAY_COLUMNS, rows))
             for strategy, frontier in trace["replay_frontier"].items():
                 print(f"  {strategy} frontier: " + ", ".join(f"B={p['budget']} load {p['load']:g} ({p['output_tokens_per_s']:.1f} tok/s, {p['ttft_p99_s']:.2f} s)" for p in frontier))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = harness.arg_parser(__doc__, trace=True)
+    parser = report.arg_parser(__doc__, trace=True)
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder; 'tiny' builds a random tiny Llama; default SmolLM2-135M")
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 requests, pad-to-max and fitted at budgets 4 and 16")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -676,8 +677,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--replay-loads and --slo take comma-separated numbers")
     if len(args.slo) != 2 or any(x <= 0 for x in (*args.replay_loads, *args.slo)):
         parser.error("--slo takes TTFT,TPOT seconds and --replay-loads positive numbers")
-    args.strategies = harness.comma_list(parser, args.strategies, STRATEGY_KINDS, "strategies")
-    args.traces = harness.comma_list(parser, args.traces, TRACES, "traces")
+    args.strategies = report.comma_list(parser, args.strategies, STRATEGY_KINDS, "strategies")
+    args.traces = report.comma_list(parser, args.traces, TRACES, "traces")
     return args
 
 
@@ -685,7 +686,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         spec_file, out_file = args.worker
-        results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), report=lambda line: print(json.dumps({"line": line}), flush=True))
+        results = run_trace(json.loads(pathlib.Path(spec_file).read_text()), progress_line=lambda line: print(json.dumps({"line": line}), flush=True))
         pathlib.Path(out_file).write_text(json.dumps(results))
         return
     result = run_experiment(model=args.model, strategies=tuple(args.strategies), budgets=tuple(int(b) for b in args.budgets.split(",")),
@@ -693,7 +694,7 @@ def main(argv=None) -> None:
                             repeats=args.repeats, trace_path=args.trace, out_dir=args.out_dir, replay_loads=args.replay_loads, slo=args.slo)
     print_report(result)
     print(f"\nresults: {args.out_dir / f'{NAME}.json'} and {len(result['plots'])} plots")
-    harness.finish(args.out_dir / f"{NAME}.json", result, summary_line(result), correct=result["correct"])
+    report.finish(args.out_dir / f"{NAME}.json", result, summary_line(result), correct=result["correct"])
 
 
 if __name__ == "__main__":

@@ -8,15 +8,13 @@ tables and the targets as the last stdout line; writes JSON and PNG plots. Host 
     .venv/bin/python experiments/compare_buckets.py [--trace PATH] [--out DIR]
 """
 
-import os
 import pathlib
 import sys
 
 import numpy as np
 from matplotlib.figure import Figure
 
-import harness
-from harness import REPO_ROOT
+from common import paths, report, timing
 from jaxinfer.bucketing.strategies import PREFILL, TOKENS, Fitted, batch_padding, fit_buckets, packing
 from jaxinfer.bucketing.cli import compare_strategies, plot_length_cdf, plot_waste_curves
 from jaxinfer.bucketing.traces import TraceError, load_trace, synthetic_trace
@@ -84,7 +82,7 @@ def _fit_timings() -> list[dict]:
     samples = [(synthetic_trace(size, seed=1).context_tokens, "synthetic", 3) for size in TIMING_SIZES]
     samples.append((np.random.default_rng(1).permutation(100_000) + 1, "all distinct (worst case)", 1))
     return [{"lengths": lengths.size, "distinct": int(np.unique(lengths).size), "kind": kind,
-             "seconds": min(harness.time_calls(lambda: fit_buckets(lengths, TIMING_BUDGET), repeats, warmup=0))}
+             "seconds": min(timing.time_calls(lambda: fit_buckets(lengths, TIMING_BUDGET), repeats, warmup=0))}
             for lengths, kind, repeats in samples]  # fmt: skip
 
 
@@ -94,14 +92,14 @@ def _print_tables(rows: list[dict], trace: str, cost: str) -> None:
     by_strategy = {name: [r for r in selected if r["strategy"] == name] for name in dict.fromkeys(r["strategy"] for r in selected)}
     print(f"\n{trace} trace, {cost} waste (programs used), strategies fitted to the whole trace")
     columns = [("strategy", "<14"), *((f"K={b}", "14") for b in BUDGETS), ("over top", "10d")]
-    print(harness.format_table(columns, [[s, *(f"{r[WASTE_FIELDS[cost]]:.1%} ({r['programs']:>2})" for r in cells), max(r["over_top"] for r in cells)]
+    print(report.format_table(columns, [[s, *(f"{r[WASTE_FIELDS[cost]]:.1%} ({r['programs']:>2})" for r in cells), max(r["over_top"] for r in cells)]
                                          for s, cells in by_strategy.items()]))
     print(f"\n{trace} trace, {cost} waste, built from the first half in time: in sample / out of sample"
           " (second half) / oracle (built from the second half); random halves: in / out")  # fmt: skip
     views = ("in_sample_waste", "out_of_sample_waste", "oracle_second_half_waste")
     control = {s: next(r for r in cells if r["budget"] == TARGET_BUDGET) for s, cells in by_strategy.items()}
     columns = [("strategy", "<14"), *((f"K={b}", "22") for b in BUDGETS), (f"random K={TARGET_BUDGET}", "16")]
-    print(harness.format_table(columns, [[s, *("/".join(f"{100 * r[v]:.1f}" for v in views) for r in cells),
+    print(report.format_table(columns, [[s, *("/".join(f"{100 * r[v]:.1f}" for v in views) for r in cells),
                                           f"{control[s]['random_split_in_waste']:.1%}/{control[s]['random_split_out_waste']:.1%}"]
                                          for s, cells in by_strategy.items()]))
 
@@ -185,11 +183,12 @@ def _write_plots(out: pathlib.Path, traces: dict, rows: list[dict]) -> list[path
 
 
 def main(argv=None) -> int:
-    parser = harness.arg_parser(__doc__, out=harness.RESULTS_DIR, trace=True)  # --out: a folder
+    parser = report.arg_parser(__doc__, out=paths.RESULTS_DIR, trace=True)  # --out: a folder
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     args = parser.parse_args(argv)
     try:
-        conversation = load_trace(args.trace)
+        trace_path = paths.trace_or_default(args.trace)
+        conversation = load_trace(trace_path)
     except (TraceError, OSError) as error:
         print(f"compare_buckets: {error}", file=sys.stderr)
         return 2
@@ -203,12 +202,12 @@ def main(argv=None) -> int:
     _print_batching_and_timings(batching, timings)
     plots = _write_plots(args.out, traces, rows)
     targets = _targets(rows, batching, timings)
-    results = {"trace": os.path.relpath(args.trace, REPO_ROOT), "synthetic_seed": args.seed, "budgets": list(BUDGETS),
+    results = {"trace": trace_path.name, "synthetic_seed": args.seed, "budgets": list(BUDGETS),
                "rows": rows, "batching": batching, "fit_timings": timings, "targets": targets}  # fmt: skip
     summary = {k: v for k, v in targets.items() if k != "fitted_out_of_sample"}  # the details are in the file
     summary["fitted_stale_fit_regret_at_12"] = targets["fitted_out_of_sample"]["conversation"]["12"]["stale_fit_regret"]
     last_line = {"experiment": "compare_buckets", "targets": summary, "plots": [p.name for p in plots]}
-    harness.finish(args.out / "compare_buckets.json", results, last_line, indent=1)  # the JSON, then the last stdout line
+    report.finish(args.out / "compare_buckets.json", results, last_line, indent=1)  # the JSON, then the last stdout line
     return 0
 
 

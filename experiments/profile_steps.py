@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-import harness
+from common import engine_runs, paths, report, timing
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.scheduling import guided
 from jaxinfer.engine import profiling
@@ -28,7 +28,7 @@ from jaxinfer.api import LLM
 from jaxinfer.engine.engine import StepInputs
 from jaxinfer.scheduling.plan import BucketKey
 
-RESULTS = harness.RESULTS_DIR / "profile_steps.json"
+RESULTS = paths.RESULTS_DIR / "profile_steps.json"
 DEFAULT_KEYS = "prefill/1/512/64,prefill/1/512/32,prefill/1/160/16,decode/32/1/16,decode/8/1/16"
 PAGE_SIZE = 16  # bench_engine's
 PACKED_SEQS = 8  # sequences of a profiled packed prefill row
@@ -106,7 +106,7 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
         tokens, _ = draw(logits.adjusted, logits.raw, inputs.sampling)
         np.asarray(tokens)
 
-    seconds = harness.time_calls(run, repeats, warmup=2)
+    seconds = timing.time_calls(run, repeats, warmup=2)
     totals = profile_call(run)
     names = op_names(program.as_text())
     cost = (program.cost_analysis() or {}) if hasattr(program, "cost_analysis") else {}
@@ -122,7 +122,7 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
 
 
 def main() -> None:
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--keys", default=DEFAULT_KEYS, help="comma list of phase/rows/tokens/pages bucket keys")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=8, help="ops listed per key")
@@ -130,25 +130,25 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="attention_impl (auto: the tuner's choice, or the fixed rule with JAXINFER_TUNE=0)")
     parser.add_argument("--matmul", default="auto", help="matmul_impl, as --attention")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's rows (its pool holds this many full contexts)")
-    parser.add_argument("--max-context", type=int, default=harness.WORKLOAD_MAX_CONTEXT, help="the engine's context limit (bench_1b's files: 1024)")
+    parser.add_argument("--max-context", type=int, default=engine_runs.WORKLOAD_MAX_CONTEXT, help="the engine's context limit (bench_1b's files: 1024)")
     args = parser.parse_args()
     keys = [parse_key(k) for k in args.keys.split(",") if k]
-    engine_cfg = harness.workload_engine_config(max_num_seqs=args.max_num_seqs, max_context=args.max_context, page_size=PAGE_SIZE, attention_impl=args.attention, matmul_impl=args.matmul)
+    engine_cfg = engine_runs.workload_engine_config(max_num_seqs=args.max_num_seqs, max_context=args.max_context, page_size=PAGE_SIZE, attention_impl=args.attention, matmul_impl=args.matmul)
     llm = LLM(args.model, engine_config=engine_cfg, warmup=False)
-    harness.log("profile_steps", f"running {llm.choices.describe()}")
+    report.log("profile_steps", f"running {llm.choices.describe()}")
     results = []
     for key in keys:
         entry = profile_key(llm, key, args.repeats, args.top)
         results.append(entry)
         print(f"\n{entry['key']}: median {entry['median_ms']:.1f} ms (traced ops {entry['traced_op_ms']:.1f} ms, both cores summed); "
               f"XLA cost analysis {(entry['flops'] or 0) / 1e9:.1f} GFLOP, {(entry['bytes_accessed'] or 0) / 1e6:.0f} MB")
-        print(harness.format_table([("ms", "10.1f"), ("share", "6.1%"), ("HLO op", "<30"), ("jax op", "<")],
+        print(report.format_table([("ms", "10.1f"), ("share", "6.1%"), ("HLO op", "<30"), ("jax op", "<")],
                                    [[op["ms"], op["share_of_traced"], op["op"], op["jax_op"][:80]] for op in entry["top_ops"]]))
-        print(harness.format_table([("ms", "10.1f"), ("share", "6.1%"), ("by jax op", "<")],
+        print(report.format_table([("ms", "10.1f"), ("share", "6.1%"), ("by jax op", "<")],
                                    [[op["ms"], op["share_of_traced"], op["jax_op"][:110]] for op in entry["top_jax_ops"]]))
     document = {"question": "where one engine step's time goes, per HLO op (jax.profiler)", "model": args.model or "SmolLM2-135M-Instruct", "choices": llm.choices.describe(),
                 "page_size": PAGE_SIZE, "packed_seqs": PACKED_SEQS, "keys": results}
-    harness.write_result(args.out, document)
+    report.write_result(args.out, document)
     print(json.dumps({"profile_steps": {r["key"]: round(r["median_ms"], 1) for r in results}}))
 
 

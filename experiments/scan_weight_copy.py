@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+from common import machine, paths, report, timing
 
-RESULTS = harness.RESULTS_DIR / "scan_weight_copy.json"
+RESULTS = paths.RESULTS_DIR / "scan_weight_copy.json"
 
 
 def _body(h, weights):
@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=8192)
@@ -49,7 +49,7 @@ def main() -> None:
     ups, downs = [up[i] for i in range(args.layers)], [down[i] for i in range(args.layers)]
     x = jnp.asarray(rng.standard_normal((1, args.width), np.float32))  # [1, D]
     weight_bytes = up.nbytes + down.nbytes
-    peaks = {"bandwidth": harness.measure_bandwidth_peak(7, num_bytes=1 << 30, warmup=1)}  # a full reduction over 1 GiB of f32
+    peaks = {"bandwidth": machine.measure_bandwidth_peak(7, num_bytes=1 << 30, warmup=1)}  # a full reduction over 1 GiB of f32
     bandwidth = peaks["bandwidth"]["best_bytes_per_s"]
 
     rows, outputs = [], {}
@@ -57,7 +57,7 @@ def main() -> None:
         jitted = jax.jit(fn)
         hlo = jitted.lower(x, up, down, ups, downs).compile().as_text()
         outputs[name] = np.asarray(jitted(x, up, down, ups, downs))
-        seconds = min(harness.time_calls(lambda: jitted(x, up, down, ups, downs).block_until_ready(), 7, warmup=1))  # the least of 7
+        seconds = min(timing.time_calls(lambda: jitted(x, up, down, ups, downs).block_until_ready(), 7, warmup=1))  # the least of 7
         rows.append({"variant": name, "ms": seconds * 1e3, "weight_gb_per_s": weight_bytes / seconds / 1e9,
                      "share_of_bandwidth": weight_bytes / seconds / bandwidth,
                      "slice_fusions_in_hlo": len(re.findall(r"slice[\w.-]*fusion[\w.]* = ", hlo))})
@@ -67,13 +67,13 @@ def main() -> None:
     print(f"{args.layers} layers of [{args.width}, {args.ffn}] + [{args.ffn}, {args.width}] f32 ({weight_bytes / 1e9:.2f} GB), batch 1; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; outputs agree: {correct}")
     columns = [("variant", "<44"), ("ms", "8.1f"), ("GB/s", "6.1f"), ("share", "6.1%"), ("slice fusions", "14d")]
-    print(harness.format_table(columns, [[r["variant"], r["ms"], r["weight_gb_per_s"], r["share_of_bandwidth"], r["slice_fusions_in_hlo"]] for r in rows]))
+    print(report.format_table(columns, [[r["variant"], r["ms"], r["weight_gb_per_s"], r["share_of_bandwidth"], r["slice_fusions_in_hlo"]] for r in rows]))
     speedup = rows[0]["ms"] / rows[-1]["ms"]
     print(f"separate arrays vs scan over the stack: {speedup:.2f}x")
     result = {"question": "cost of lax.scan's per-layer weight slice on the CPU backend at batch 1",
               "settings": vars(args) | {"out": str(args.out)}, "correct": correct, "read_bandwidth_bytes_per_s": bandwidth,
               "weight_bytes": weight_bytes, "rows": rows, "separate_vs_scan_speedup": speedup}
-    harness.write_result(args.out, result, peaks=peaks)
+    report.write_result(args.out, result, peaks=peaks)
 
 
 if __name__ == "__main__":
