@@ -1,17 +1,19 @@
-"""Frozen configuration dataclasses.
+"""Frozen configuration values and the shared vocabularies; a leaf of the import graph.
 
 `ModelConfig` describes the network. It is hashable and passed to jit as a static argument, so it holds
-only shapes and constants, never per-request values. `EngineConfig` (host side) lives in engine.py's
-neighbourhood and never reaches a traced function. Converting a Hugging Face `config.json` dict or GGUF
-metadata happens once at the edge (`from_hf_config`, loading.py); the rest of the code never sees dicts.
+only shapes and constants, never per-request values. `EngineConfig` (host side) holds what the user gave
+and never reaches a traced function; the bucket tables derived from it are `BucketTables.from_config`'s
+(scheduling/bucket_tables.py), which the scheduler and the engine call. Converting a Hugging Face
+`config.json` dict or GGUF metadata happens once at the edge (`from_hf_config`, loading.py); the rest of
+the code never sees dicts. The vocabularies (dtypes, impl names, quantizations, int4 group sizes) live
+here so that model/, scheduling/ and the front end share them without importing one another.
+Imports: the stdlib and `jaxinfer.validation`, nothing else of the package (a test checks it).
 """
 
 import dataclasses
 import math
 from typing import Any
 
-from jaxinfer.scheduling.bucket_tables import TABLE_FIELDS, BucketTables, TableLimits
-from jaxinfer.bucketing.strategies import EngineBuckets
 from jaxinfer.validation import FieldError, check_bool, check_int, check_number, unknown_field_error
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "cpu")
@@ -22,6 +24,17 @@ KV_CACHE_DTYPES = ("int8", "fp8_e4m3")  # quantized KV pools (kv_pool.KV_CODE_FO
 
 LOGPROBS_MODES = ("raw", "processed")  # EngineConfig.logprobs_mode (vLLM's raw_logprobs / processed_logprobs)
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes (LoadOptions.dtype, --dtype)
+# Weight quantizations, besides None (dense weights in the compute dtype). "auto" (the default): a GGUF file's
+# blocks are kept where the runtime tuner may multiply them with the CPU quantized-matmul kernel, and the tuner
+# keeps them only if that kernel wins on this machine; everywhere else the weights load dense
+# (tuning.load_quantization owns the rule).
+QUANTIZATIONS = ("auto", "gguf", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)  # input elements per int4 scale
+DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not 128
+# EngineConfig's bucket tables that a user may give or leave at None (BucketTables.from_config derives those).
+TABLE_FIELDS = ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets")
+# Pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK): its page widths are multiples.
+DETERMINISTIC_PAGES_PER_BLOCK = 8
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type / GGUF general.architecture families
@@ -217,11 +230,12 @@ def _check_hf_unsupported(config: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Host-side knobs of the paged engine: pool size, budgets and the bucket tables of every program.
+    """Host-side knobs of the paged engine, as the user gave them: pool size, budgets, bucket tables.
 
-    Every jitted program's shape comes from these tables, and all of them are compiled at warm-up.
+    Every jitted program's shape comes from the bucket tables, and all of them are compiled at warm-up.
     Every field is checked here, where it is built; errors name the field (`FieldError`). Tables left at
-    None are derived from the limits, so any valid set of limits builds an engine that warms up.
+    None stay None here; `BucketTables.from_config(cfg)` derives them from the limits (any valid set of
+    limits derives tables that warm up), and the scheduler and the engine read the tables only there.
     """
 
     page_size: int = 64  # tokens per KV page
@@ -230,23 +244,24 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences at most (largest decode batch)
     max_prefill_tokens: int = 512  # prefill token budget per step (sum of chunk lengths)
     max_context: int = 2048  # tokens per sequence (prompt + generated) at most
-    # Padded chunk lengths. None: DEFAULT_CHUNK_BUCKETS, fitted to a conversation-like trace, plus a 32-token
+    # Padded chunk lengths. None: bucket_tables.DEFAULT_CHUNK_BUCKETS, fitted to a conversation-like trace, plus a 32-token
     # bucket because chat prompts typed in notebooks (30-60 tokens) are rarer in that trace than in
     # interactive use; buckets over min(max_prefill_tokens, max_context) are dropped.
     prefill_chunk_buckets: tuple[int, ...] | None = None
     prefill_seq_buckets: tuple[int, ...] = (1,)  # rows of an unpacked prefill step (one sequence each)
     decode_batch_buckets: tuple[int, ...] | None = None  # sequences per decode step; None: 1, 4, 8, 16, 32 cut at max_num_seqs
     decode_page_buckets: tuple[int, ...] | None = None  # pages read per sequence; None: powers of two
-    # A jaxinfer.bucketing.strategies.EngineBuckets: a strategy for the chunk, rows and pages tables left at None above.
+    # A jaxinfer.bucketing.strategies.EngineBuckets (checked by duck type): a strategy for the chunk, rows and
+    # pages tables left at None above.
     buckets: Any = None
     # Pack several sequences' prefill chunks into one row (segment-aware causal mask), so a step pads only
     # its end. None: packed, unless deterministic or prefill_seq_buckets asks for several unpacked rows.
     prefill_packing: bool | None = None
     max_prefill_seqs: int = 8  # sequences one packed prefill row holds at most (its logits rows)
     decode_split_overhead: float = 44.0  # fixed cost of a decode step in row-page units (SmolLM2 f32, 2-core CPU)
-    attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); attention.resolve_impl
+    attention_impl: str = "auto"  # auto | reference | pallas (GPU kernel) | cpu (CPU kernel); engine/backends.resolve_impl
     # auto | xla (XLA dot on the loaded params) | cpu (panels for kernels_cpu/layer_matmul) | int8 (quantization="int8"
-    # weights times activations quantized in blocks, XLA's int8 dot: quant.with_int8_activations); matmul_impl.resolve_matmul_impl
+    # weights times activations quantized in blocks, XLA's int8 dot: quant.with_int8_activations); backends.resolve_matmul_impl
     matmul_impl: str = "auto"
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.
@@ -265,12 +280,10 @@ class EngineConfig:
     # The grammar's masks (structured output) are filled on the host while the device runs the step's forward
     # program, and read by its draw program; False fills them before the forward (the same programs and outputs).
     overlap_masks: bool = True
-    _derived: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)  # tables filled in here
-    _tables: BucketTables | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check_limits()
-        self._derive_tables()
+        self._check_tables()
 
     def _check_limits(self) -> None:
         check_int("page_size", self.page_size, low=1)
@@ -303,47 +316,65 @@ class EngineConfig:
             check_bool("prefill_packing", self.prefill_packing)
         if self.prefill_packing and self.deterministic:
             raise FieldError("prefill_packing", "cannot be combined with deterministic mode, whose prefill rows hold one sequence each")
-        if self.buckets is not None and not isinstance(self.buckets, EngineBuckets):
+        if self.buckets is not None and not _is_engine_buckets(self.buckets):
             raise FieldError("buckets", f"must be a jaxinfer.bucketing.strategies.EngineBuckets or None, got {self.buckets!r}")
         # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
 
-    def _derive_tables(self) -> None:
-        """Fill the tables left at None from the limits (BucketTables.from_limits owns the rules)."""
-        object.__setattr__(self, "_derived", tuple(n for n in TABLE_FIELDS if getattr(self, n) is None))
-        limits = TableLimits(
-            page_size=self.page_size, max_num_seqs=self.max_num_seqs, max_prefill_tokens=self.max_prefill_tokens,
-            max_context=self.max_context, max_prefill_seqs=self.max_prefill_seqs,
-        )
-        tables = BucketTables.from_limits(
-            limits, prefill_chunk_buckets=self.prefill_chunk_buckets, prefill_seq_buckets=self.prefill_seq_buckets,
-            decode_batch_buckets=self.decode_batch_buckets, decode_page_buckets=self.decode_page_buckets,
-            prefill_packing=self.prefill_packing, buckets=self.buckets, deterministic=self.deterministic,
-        )
-        derived = {
-            "prefill_chunk_buckets": tables.chunk_tokens, "prefill_seq_buckets": tables.prefill_rows, "decode_batch_buckets": tables.decode_rows,
-            "decode_page_buckets": tables.pages, "prefill_packing": tables.packed, "_tables": tables,
-        }
-        for name, value in derived.items():
-            object.__setattr__(self, name, value)
+    def _check_tables(self) -> None:
+        """The tables given, against the limits and each other; those left at None are derived later
+        (BucketTables.from_config), and any valid set of limits derives tables that warm up."""
+        given = sorted(name for name in TABLE_FIELDS if getattr(self, name) is not None)
+        if self.deterministic:
+            if given or self.prefill_seq_buckets not in ((1,), [1]):
+                raise FieldError("deterministic", f"fixes the bucket tables itself; leave them unset (got {given or ['prefill_seq_buckets']})")
+            if self.buckets is not None:
+                raise FieldError("buckets", "deterministic mode fixes the bucket tables itself; leave buckets unset")
+            pages = self.max_pages_per_seq
+            if pages > DETERMINISTIC_PAGES_PER_BLOCK and pages % DETERMINISTIC_PAGES_PER_BLOCK:
+                raise FieldError("deterministic", f"needs max_context / page_size ({pages} pages) to be a multiple of {DETERMINISTIC_PAGES_PER_BLOCK}")
+        if self.buckets is not None:
+            for dimension, name in zip(("chunk", "rows", "pages"), TABLE_FIELDS):
+                if getattr(self.buckets, dimension) is not None and getattr(self, name) is not None:
+                    raise FieldError("buckets", f"sets the {dimension} table, so leave {name} unset (got {getattr(self, name)!r})")
+        for name in (*given, "prefill_seq_buckets"):
+            object.__setattr__(self, name, check_table(name, getattr(self, name)))  # a list given becomes a tuple
+        self._check_table_reach()
+
+    def _check_table_reach(self) -> None:
+        """Given tables reach the limits they serve (decode rows and pages) or stay within them (chunks)."""
+        if self.decode_batch_buckets is not None and self.decode_batch_buckets[-1] < self.max_num_seqs:
+            raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({self.max_num_seqs}); its largest is {self.decode_batch_buckets[-1]}")
+        max_chunk = min(self.max_prefill_tokens, self.max_context)
+        if self.prefill_chunk_buckets is not None and self.prefill_chunk_buckets[-1] > max_chunk:
+            raise FieldError("prefill_chunk_buckets", f"must not exceed max_prefill_tokens ({self.max_prefill_tokens}) or max_context ({self.max_context}); its largest is {self.prefill_chunk_buckets[-1]}")
+        if self.prefill_packing and self.prefill_seq_buckets != (1,):
+            raise FieldError("prefill_seq_buckets", f"must be (1,) with prefill_packing, whose one row holds several sequences; got {self.prefill_seq_buckets}")
+        if self.decode_page_buckets is not None and self.decode_page_buckets[-1] < self.max_pages_per_seq:
+            raise FieldError("decode_page_buckets", f"must reach max_context / page_size ({self.max_pages_per_seq} pages); its largest is {self.decode_page_buckets[-1]}")
 
     @classmethod
     def with_overrides(cls, base: "EngineConfig | None" = None, **overrides) -> "EngineConfig":
-        """`base` (or the defaults) with some fields replaced; an unknown name is an error with a hint."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        """`base` (or the defaults) with some fields replaced; an unknown name is an error with a hint.
+        Tables the base left at None stay None, so they are derived again from the new limits."""
+        names = {f.name for f in dataclasses.fields(cls)}
         for name in overrides:
             if name not in names:
                 raise unknown_field_error(name, names)
-        if base is None:
-            return cls(**overrides)
-        # Tables the base derived from its limits are derived again from the new ones.
-        fields = {n: None if n in base._derived else getattr(base, n) for n in names} | overrides
-        return cls(**fields)
-
-    @property
-    def tables(self) -> BucketTables:
-        """The bucket geometry of every program (bucket_tables.py): the scheduler's keys and the engine's."""
-        return self._tables
+        return cls(**overrides) if base is None else dataclasses.replace(base, **overrides)
 
     @property
     def max_pages_per_seq(self) -> int:
         return self.max_context // self.page_size
+
+
+def check_table(name: str, table) -> tuple[int, ...]:
+    """A bucket table: a non-empty increasing tuple of positive integers (FieldError naming `name`)."""
+    if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
+        raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
+    return tuple(table)
+
+
+def _is_engine_buckets(value) -> bool:
+    """Duck type of jaxinfer.bucketing.strategies.EngineBuckets (the runtime never imports bucketing/):
+    a strategy or None per dimension."""
+    return all(hasattr(value, dimension) for dimension in ("chunk", "rows", "pages")) and hasattr(value, "describe")

@@ -1,26 +1,22 @@
 """How a model is loaded: `LoadOptions`, the one validated set of load options (compute dtype, weight
 quantization, int4 group size, tensor and data parallelism, control-token parsing) that `LLM`, the CLI
-and the Ray actors share, and the choices they are checked against. The CLI takes its choices and
-defaults from here. No jax at import (the CLI's --help stays fast): the device count is read only when a
-parallel layout needs checking.
+and the Ray actors share, and the choices they are checked against (the vocabularies are config.py's).
+The CLI takes its choices and defaults from here. Imports config and validation only; no jax at import
+(the CLI's --help stays fast): the device count is read only when a parallel layout needs checking.
 """
 
 import dataclasses
 
-from jaxinfer.config import DTYPES
+from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE, DTYPES, INT4_GROUP_SIZES, QUANTIZATIONS
 from jaxinfer.validation import FieldError
 
 # Compute dtypes a user may ask for. "auto" (the default, vLLM's dtype="auto" convention): the runtime tuner
 # (tuning.py) measures float32 and bfloat16 on this machine and keeps the faster one that passes its numerics
 # check against float32; with JAXINFER_TUNE=0, float32. A dtype given explicitly is pinned, never changed.
 DTYPE_CHOICES = ("auto", *DTYPES)
-# Weight quantizations, besides None (dense weights in the compute dtype). "auto" (the default): a GGUF file's
-# blocks are kept where the runtime tuner may multiply them with the CPU quantized-matmul kernel, and the tuner
-# keeps them only if that kernel wins on this machine; everywhere else the weights load dense
-# (tuning.load_quantization owns the rule).
-QUANTIZATIONS = ("auto", "gguf", "int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)  # input elements per int4 scale
-DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not 128
+# QUANTIZATIONS, INT4_GROUP_SIZES and DEFAULT_INT4_GROUP_SIZE are config.py's (the model reads them too);
+# they are named here as well because the CLI takes every load choice from this module.
+__all__ = ["DEFAULT_INT4_GROUP_SIZE", "DTYPE_CHOICES", "INT4_GROUP_SIZES", "QUANTIZATIONS", "LoadOptions", "check_parallel", "check_quantization", "check_tensor_parallel"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

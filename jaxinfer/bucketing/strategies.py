@@ -7,21 +7,24 @@ strategies serve the token axis (prompt tokens in a prefill) and the batch axis 
 
 Owns: the strategies, the exact fitted strategy (`fit_buckets`, a dynamic programme over the distinct
 lengths), cost models, and padding metrics per request, per batch and per packed step.
-Must not import: jax, or anything that does. This module is host-only and imports only numpy (a test
-enforces it), so the scheduler and offline tools can use it without a device.
+Must not import: jax, or anything that does. This module is host-only and imports numpy and the
+runtime's table helpers (`pad_to_bucket`, `cut_table`, `sorted_table` of scheduling/bucket_tables.py; a
+test enforces it), so offline tools can use it without a device. The runtime never imports this module:
+`EngineConfig.buckets` is read by duck type.
 Invariants: every bucket tuple is sorted, unique and positive; `bucket_for(n) >= n` for every n the
 strategy accepts; a length above the largest bucket is either an error naming it or, where a policy
 says so, chunked, and metrics always count such requests (`num_over_top`), never drop them silently.
 """
 
-import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import ClassVar, Literal, Protocol
 
 import numpy as np
+
+from jaxinfer.scheduling.bucket_tables import pad_to_bucket, sorted_table
 
 CostFunction = Callable[[np.ndarray], np.ndarray]  # float64[N] cost of running N lengths, nondecreasing
 Overflow = Literal["error", "chunk"]
@@ -94,23 +97,6 @@ def _as_lengths(lengths, what: str = "lengths") -> np.ndarray:
     if values.min() < 1:
         raise ValueError(f"{what} must be positive, found {values.min()}")
     return values
-
-
-def _as_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
-    table = tuple(int(b) for b in buckets)
-    if not table or table[0] < 1 or any(b >= c for b, c in zip(table, table[1:])):
-        raise ValueError(f"buckets must be a non-empty, strictly increasing tuple of positive ints: {table}")
-    return table
-
-
-def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """Returns the smallest bucket >= n; raises ValueError naming n and the largest bucket if none is."""
-    if n < 0:
-        raise ValueError(f"length must be non-negative, got {n=}")
-    index = bisect.bisect_left(buckets, n)
-    if index == len(buckets):
-        raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}; chunk it or refit the buckets")
-    return buckets[index]
 
 
 def chunk_buckets(n: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
@@ -186,7 +172,7 @@ class PadToMax(_TableLookup):
     max_length: int
 
     def __post_init__(self):
-        _as_buckets((self.max_length,))
+        sorted_table((self.max_length,))
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -232,7 +218,7 @@ class FixedList(_TableLookup):
     buckets: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "buckets", _as_buckets(self.buckets))
+        object.__setattr__(self, "buckets", sorted_table(self.buckets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,14 +561,6 @@ def strategy_from_sample(kind: str, lengths, budget: int) -> BucketStrategy:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"a program budget must be a positive int, got {budget!r}")
     return STRATEGY_KINDS[kind].from_sample(lengths, budget)
-
-
-def cut_table(buckets: Sequence[int], top: int, *, reach: bool) -> tuple[int, ...]:
-    """A strategy's table for a dimension whose largest size is `top`: buckets above it dropped, and
-    `top` added when the table must reach it (`reach`) or some bucket was over it."""
-    table = _as_buckets(buckets)
-    below = tuple(b for b in table if b < top)
-    return below + (top,) if reach or table[-1] >= top else below
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from jaxinfer.model import sharding as shd
 from jaxinfer.model.attention import resolve_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
 from jaxinfer.validation import FieldError
 
@@ -282,14 +283,14 @@ class Engine:
 
     def bucket_keys(self) -> list[BucketKey]:
         """Every key a plan can have (the engine config's BucketTables owns them)."""
-        return self.engine_cfg.tables.all_keys()
+        return BucketTables.from_config(self.engine_cfg).all_keys()
 
     def program_keys(self) -> list:
         """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count."""
         return self.bucket_keys() + sorted({self._num_slots(k) for k in self.bucket_keys()})
 
     def _num_slots(self, key: BucketKey) -> int:
-        return key.num_rows * self.engine_cfg.tables.samples_per_row(key.phase)
+        return key.num_rows * BucketTables.from_config(self.engine_cfg).samples_per_row(key.phase)
 
     def _abstract_inputs(self, key: BucketKey) -> StepInputs:
         rows, tokens, width, samples = key.num_rows, key.num_tokens, key.num_pages, self._num_slots(key)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, UInt8
 
-from jaxinfer.options import INT4_GROUP_SIZES
+from jaxinfer.config import INT4_GROUP_SIZES
 
 # ggml type id -> (format name, elements per block, bytes per block); the ids are llama.cpp's (stable).
 GGUF_KEPT_TYPES = {

@@ -1,10 +1,10 @@
 """The one owner of bucket geometry: which program shapes exist, and which one a step gets.
 
-`BucketTables` is frozen and derived once, by `BucketTables.from_limits`, from an EngineConfig's limits
-and whatever tables it was given (`EngineConfig.tables`): the default tables, deterministic mode's fixed
-ones and a bucket strategy's are all derived here. The scheduler asks it for the key of every plan it
-builds (`prefill_key`, `decode_key`) and the engine compiles `all_keys()` at warm-up, so the two can
-never disagree: a plan's key is always one of the compiled keys.
+`BucketTables` is frozen and derived by `BucketTables.from_config(cfg)` (memoised per EngineConfig) from
+the config's limits and whatever tables it was given: the default tables, deterministic mode's fixed
+ones and a bucket strategy's are all derived here, never in EngineConfig. The scheduler asks it for the
+key of every plan it builds (`prefill_key`, `decode_key`) and the engine compiles `all_keys()` at
+warm-up, so the two can never disagree: a plan's key is always one of the compiled keys.
 
 A key is a `BucketKey` (phase, rows, tokens per row, pages per row). Prefill comes in two layouts:
 - packed (the default): one row holds the chunks of up to `packed_seqs` sequences back to back, each
@@ -12,18 +12,22 @@ A key is a `BucketKey` (phase, rows, tokens per row, pages per row). Prefill com
   table is the concatenation of the sequences' pages. Keys are ("prefill", 1, T, W).
 - unpacked: one sequence per row, `prefill_rows` rows, every row padded to the longest chunk.
 Decode is one token per row: ("decode", R, 1, W).
-Host-only: imports numpy-free helpers from buckets.py and never jax.
+Host-only: imports the stdlib, config, validation and plan; never jax, and never jaxinfer.bucketing (a
+bucket strategy, `EngineConfig.buckets`, is read by duck type: its `chunk`/`rows`/`pages` each have
+`.buckets`). `pad_to_bucket` and `cut_table` live here, and the offline strategies use them.
 """
 
+import bisect
 import dataclasses
 import functools
+from collections.abc import Sequence
 
-from jaxinfer.bucketing.strategies import EngineBuckets, cut_table, pad_to_bucket
+from jaxinfer.config import DETERMINISTIC_PAGES_PER_BLOCK, TABLE_FIELDS, EngineConfig, check_table
 from jaxinfer.scheduling.plan import BucketKey
 from jaxinfer.validation import FieldError
 
 # The default prefill chunk buckets, chosen by experiments/buckets_on_engine.py (fitted and quantile pad least
-# at each program budget; README "Bucket strategies on the engine"): the fit of tests/test_config_defaults.py
+# at each program budget; README "Bucket strategies on the engine"): the fit of tests/bucketing/test_config_defaults.py
 # (which checks that it still gives them), plus a 32-token bucket for short chat prompts typed alone; cut at
 # min(max_prefill_tokens, max_context), which is always added as the largest.
 DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
@@ -32,9 +36,7 @@ DEFAULT_CHUNK_BUCKETS = (32, 80, 160, 224, 304, 416, 512)
 # (experiments/profile_steps.py, AMD EPYC 2 cores).
 _DEFAULT_DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32)
 _DETERMINISTIC_CHUNK = 64  # the one prefill chunk length of deterministic mode (tokens)
-_DETERMINISTIC_BLOCK = 8  # pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK)
 _DETERMINISTIC_ROWS = 8  # rows of every decode program in deterministic mode; more rows run as more programs
-TABLE_FIELDS = ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets")  # EngineConfig's names
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,9 +120,14 @@ class BucketTables:
         return list(self._keys)
 
     @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "BucketTables":
+        """The tables of an engine with this config (memoised: equal configs share one BucketTables)."""
+        return _tables_of_config(cfg)
+
+    @classmethod
     def from_limits(
         cls, limits: TableLimits, *, prefill_chunk_buckets=None, prefill_seq_buckets=(1,), decode_batch_buckets=None, decode_page_buckets=None,
-        prefill_packing: bool | None = None, buckets: EngineBuckets | None = None, deterministic: bool = False,
+        prefill_packing: bool | None = None, buckets=None, deterministic: bool = False,
     ) -> "BucketTables":
         """The tables of an engine: those given, and the others derived from the limits (deterministic
         mode's fixed tables, a bucket strategy's, or the defaults). Raises FieldError in EngineConfig's
@@ -141,6 +148,45 @@ class BucketTables:
         )
 
 
+@functools.lru_cache(maxsize=64)
+def _tables_of_config(cfg: EngineConfig) -> BucketTables:
+    limits = TableLimits(
+        page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
+        max_context=cfg.max_context, max_prefill_seqs=cfg.max_prefill_seqs,
+    )
+    return BucketTables.from_limits(
+        limits, prefill_chunk_buckets=cfg.prefill_chunk_buckets, prefill_seq_buckets=cfg.prefill_seq_buckets,
+        decode_batch_buckets=cfg.decode_batch_buckets, decode_page_buckets=cfg.decode_page_buckets,
+        prefill_packing=cfg.prefill_packing, buckets=cfg.buckets, deterministic=cfg.deterministic,
+    )
+
+
+def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Returns the smallest bucket >= n; raises ValueError naming n and the largest bucket if none is."""
+    if n < 0:
+        raise ValueError(f"length must be non-negative, got {n=}")
+    index = bisect.bisect_left(buckets, n)
+    if index == len(buckets):
+        raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}; chunk it or refit the buckets")
+    return buckets[index]
+
+
+def sorted_table(buckets: Sequence[int]) -> tuple[int, ...]:
+    """`buckets` as a tuple of ints; ValueError unless non-empty, strictly increasing and positive."""
+    table = tuple(int(b) for b in buckets)
+    if not table or table[0] < 1 or any(b >= c for b, c in zip(table, table[1:])):
+        raise ValueError(f"buckets must be a non-empty, strictly increasing tuple of positive ints: {table}")
+    return table
+
+
+def cut_table(buckets: Sequence[int], top: int, *, reach: bool) -> tuple[int, ...]:
+    """A strategy's table for a dimension whose largest size is `top`: buckets above it dropped, and
+    `top` added when the table must reach it (`reach`) or some bucket was over it."""
+    table = sorted_table(buckets)
+    below = tuple(b for b in table if b < top)
+    return below + (top,) if reach or table[-1] >= top else below
+
+
 def _default_tables(limits: TableLimits) -> dict[str, tuple[int, ...]]:
     """Default chunks cut at the largest chunk (always added); rows 1, 4, 8, 16, 32 cut at max_num_seqs; page
     widths powers of two up to a whole context."""
@@ -151,9 +197,9 @@ def _default_tables(limits: TableLimits) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _strategy_tables(limits: TableLimits, given: dict, buckets: EngineBuckets, deterministic: bool) -> dict[str, tuple[int, ...]]:
-    """The tables a bucket strategy gives, each cut to its limit (buckets.cut_table); a table given too
-    must be that same cut (dataclasses.replace passes it back)."""
+def _strategy_tables(limits: TableLimits, given: dict, buckets, deterministic: bool) -> dict[str, tuple[int, ...]]:
+    """The tables a bucket strategy (an EngineBuckets, by duck type) gives, each cut to its limit
+    (cut_table); a table given too must be that same cut."""
     if deterministic:
         raise FieldError("buckets", "deterministic mode fixes the bucket tables itself; leave buckets unset")
     dimensions = (
@@ -193,9 +239,7 @@ def _checked(limits: TableLimits, tables: dict, *, packing: bool, deterministic:
     """Each table as an increasing tuple of positive integers that reaches (or stays within) its limit."""
     out = {}
     for name, table in tables.items():
-        if not isinstance(table, (tuple, list)) or not table or any(isinstance(b, bool) or not isinstance(b, int) for b in table) or list(table) != sorted(set(table)) or table[0] < 1:
-            raise FieldError(name, f"must be a non-empty increasing tuple of positive integers, got {table!r}")
-        out[name] = tuple(table)
+        out[name] = check_table(name, table)
     if out["decode_batch_buckets"][-1] < limits.max_num_seqs and not deterministic:
         raise FieldError("decode_batch_buckets", f"must reach max_num_seqs ({limits.max_num_seqs}); its largest is {out['decode_batch_buckets'][-1]}")
     if out["prefill_chunk_buckets"][-1] > limits.max_chunk:
@@ -210,11 +254,11 @@ def _checked(limits: TableLimits, tables: dict, *, packing: bool, deterministic:
 def _block_multiples(max_pages: int) -> tuple[int, ...]:
     """Page widths for deterministic mode: powers of two times the attention block, up to max_pages
     (which must be a multiple of the block, or smaller than it)."""
-    if max_pages <= _DETERMINISTIC_BLOCK:
+    if max_pages <= DETERMINISTIC_PAGES_PER_BLOCK:
         return (max_pages,)
-    if max_pages % _DETERMINISTIC_BLOCK:
-        raise FieldError("deterministic", f"needs max_context / page_size ({max_pages} pages) to be a multiple of {_DETERMINISTIC_BLOCK}")
-    widths, width = [], _DETERMINISTIC_BLOCK
+    if max_pages % DETERMINISTIC_PAGES_PER_BLOCK:
+        raise FieldError("deterministic", f"needs max_context / page_size ({max_pages} pages) to be a multiple of {DETERMINISTIC_PAGES_PER_BLOCK}")
+    widths, width = [], DETERMINISTIC_PAGES_PER_BLOCK
     while width < max_pages:
         widths.append(width)
         width *= 2

@@ -195,6 +195,9 @@ class Request:
     # Per generated token with params.logprobs: (its log-probability, {token id: log-probability} of the top ones)
     logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = dataclasses.field(default_factory=list)  # per prompt token; None for the first
+    # Names of its full pages so far (the prefix cache's hash chain, kv_manager.name_pages), shared by the
+    # scheduler and the replica router; extended as pages fill, valid across preemption (tokens never change).
+    page_names: list[bytes] = dataclasses.field(default_factory=list, repr=False)
 
     def next_token_bias(self) -> dict[int, float]:
         """The sparse bias of its next token: logit_bias, plus -inf on the stop ids and EOS while fewer than

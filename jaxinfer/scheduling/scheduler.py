@@ -12,9 +12,10 @@ Each call to `schedule()` returns the plans of one engine iteration:
      prefill). The waiting queue (request_queue.py) is a heap: a step costs O(log n) per admission and
      per expiry, and a step with no free sequence slot does not read it.
 
-`update(plan, tokens)` applies the sampled tokens; the output processor (output.py) decides which
+`update(plan, tokens)` applies the sampled tokens; the output processor (stopping.py) decides which
 requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
-Plans are shaped by the bucket tables of EngineConfig, so the engine only ever sees known shapes.
+Pages go through the KV manager (kv_manager.py: allocate-or-None, prefix cache, release), never the block
+pool directly. Plans are shaped by `BucketTables.from_config(cfg)`, so the engine only sees known shapes.
 """
 
 import dataclasses
@@ -24,8 +25,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxinfer.scheduling.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
 from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.block_pool import BlockPool
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.kv_manager import KVManager
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, RowChunk, StepPlan, StepResult
 from jaxinfer.scheduling.request import Request, RequestStatus, SamplingParams
 from jaxinfer.validation import FieldError
@@ -62,21 +65,26 @@ class Scheduler:
         """`block_pool` may be shared by successive schedulers over the same KV pool, so that cached
         prefixes outlive one batch; it must have no owners left when handed over."""
         self.cfg = cfg
-        self.block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
-        if self.block_pool.num_pages != num_pages or self.block_pool.num_used:
+        self.tables = BucketTables.from_config(cfg)
+        block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
+        if block_pool.num_pages != num_pages or block_pool.num_used:
             raise ValueError("a shared block pool must match the KV pool and hold no pages")
+        self.kv = KVManager(block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic)
         self.waiting = RequestQueue()  # in admission order; reads like a list (len, in, iteration)
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
-        self._page_names: dict[str, list[bytes]] = {}  # request -> names of its full pages so far
-        self._num_named: dict[str, int] = {}  # request -> how many of its pages are in the cache map
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The pool under the KV manager (tests and the run loop's callers inspect it; policy goes through `kv`)."""
+        return self.kv.block_pool
 
     # ------------------------------------------------------------ intake
 
     def check(self, request: Request) -> None:
         """Raise ValueError if the request can never run under this configuration."""
-        check_request(self.cfg, self.block_pool.num_pages, len(request.prompt_ids), request.params.max_tokens)
+        check_request(self.cfg, self.kv.num_pages, len(request.prompt_ids), request.params.max_tokens)
 
     def add(self, request: Request) -> None:
         self.check(request)
@@ -129,34 +137,22 @@ class Scheduler:
             return False
         return request.num_computed_tokens == request.num_tokens - 1 or self._prefill_end(request) <= request.num_computed_tokens < request.num_tokens
 
-    def _pages_needed(self, request: Request, num_tokens: int) -> int:
-        have = len(self.block_pool.pages_of(request.request_id))
-        return max(0, -(-num_tokens // self.cfg.page_size) - have)
-
     def _reserve_decode_pages(self) -> list[Request]:
         """Give every decoding request room for one more token, preempting when the pool is full."""
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or not self._in_decode(request):
                 continue
             needed = request.num_computed_tokens + 1
-            while self._pages_needed(request, needed) and not self._try_allocate(request, needed):
+            while self.kv.num_new_pages(request, needed) and self.kv.try_allocate(request, needed) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     break
         return [r for r in self.running if self._in_decode(r)]
 
-    def _try_allocate(self, request: Request, num_tokens: int) -> bool:
-        try:
-            self.block_pool.allocate(request.request_id, self._pages_needed(request, num_tokens))
-            return True
-        except OutOfPagesError:
-            return False
-
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the pages, keep the output, re-queue at the front."""
-        self.block_pool.free(request.request_id)  # shared pages stay with their other owners
-        self._num_named.pop(request.request_id, None)
+        self.kv.release(request)  # shared pages stay with their other owners
         self.running.remove(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -167,7 +163,7 @@ class Scheduler:
     def _plan_prefill(self) -> list[tuple[Request, int]]:
         """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
         packed row also under its largest chunk bucket and its widest table (pages summed over its sequences)."""
-        tables = self.cfg.tables
+        tables = self.tables
         budget = min(self.cfg.max_prefill_tokens, tables.max_chunk) if tables.packed else self.cfg.max_prefill_tokens
         pages_left = tables.max_pages if tables.packed else None
         rows: list[tuple[Request, int]] = []
@@ -177,12 +173,13 @@ class Scheduler:
                 break
             if request.status == RequestStatus.WAITING and not self._prompt_shared(request):
                 break  # a sample of n waits for its first sample's prompt pages; the order is kept
-            hit = self._reuse_prefix(request) if request.status == RequestStatus.WAITING else 0
+            hit = self.kv.share_cached_prefix(request, self._prefill_end(request)) if request.status == RequestStatus.WAITING else 0
             limit = budget if pages_left is None else min(budget, pages_left * self.cfg.page_size - request.num_computed_tokens)
             chunk = self._fit_chunk(request, limit) if limit > 0 else 0
             if chunk == 0:
-                if request.status == RequestStatus.WAITING:
-                    self._release(request)
+                if request.status == RequestStatus.WAITING:  # undo the prefix it shared
+                    self.kv.release(request)
+                    request.num_computed_tokens = 0
                     break  # no room to admit: keep the priority order, do not skip ahead
                 continue
             if request.status == RequestStatus.WAITING:
@@ -190,7 +187,7 @@ class Scheduler:
             rows.append((request, chunk))
             budget -= chunk
             if pages_left is not None:
-                pages_left -= len(self.block_pool.pages_of(request.request_id))
+                pages_left -= len(self.kv.pages_of(request))
         return rows
 
     def _prompt_shared(self, request: Request) -> bool:
@@ -209,59 +206,12 @@ class Scheduler:
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
         remaining = self._prefill_end(request) - request.num_computed_tokens
-        chunk = min(remaining, budget, self.cfg.prefill_chunk_buckets[-1])
-        while chunk > 0 and not self._try_allocate(request, request.num_computed_tokens + chunk):
-            free_tokens = self.block_pool.num_free * self.cfg.page_size
-            spare = len(self.block_pool.pages_of(request.request_id)) * self.cfg.page_size - request.num_computed_tokens
+        chunk = min(remaining, budget, self.tables.max_chunk)
+        while chunk > 0 and self.kv.try_allocate(request, request.num_computed_tokens + chunk) is None:
+            free_tokens = self.kv.num_free_pages * self.cfg.page_size
+            spare = len(self.kv.pages_of(request)) * self.cfg.page_size - request.num_computed_tokens
             chunk = min(chunk - 1, spare + free_tokens)
         return chunk
-
-    # ------------------------------------------------------------ prefix cache
-
-    def _names_of(self, request: Request, num_pages: int) -> list[bytes]:
-        """Names of the request's first `num_pages` full pages (prompt + output), extended as needed."""
-        names = self._page_names.setdefault(request.request_id, [])
-        size = self.cfg.page_size
-        while len(names) < num_pages:
-            start = len(names) * size
-            names.append(page_hash(names[-1] if names else ROOT_HASH, request.tokens_between(start, start + size), request.cache_salt))
-        return names[:num_pages]
-
-    def _reuse_prefix(self, request: Request) -> int:
-        """Share the longest cached run of the request's full pages; returns the tokens it covers.
-        The last token a prefill covers is always computed (it needs logits), so at most
-        (prefill end - 1) // page_size pages. A request that scores its prompt (prompt_logprobs) reuses
-        nothing: every prompt token's logits are computed, as vLLM does."""
-        if not self.cfg.enable_prefix_caching or request.params.prompt_logprobs is not None:
-            return 0
-        pages = self.block_pool.lookup(self._names_of(request, (self._prefill_end(request) - 1) // self.cfg.page_size))
-        if pages:
-            self.block_pool.share(request.request_id, pages)
-            self._num_named[request.request_id] = len(pages)
-        request.num_computed_tokens = len(pages) * self.cfg.page_size
-        return request.num_computed_tokens
-
-    def _release(self, request: Request) -> None:
-        """Undo `_reuse_prefix` for a request that could not be admitted after all."""
-        self.block_pool.free(request.request_id)
-        self._num_named.pop(request.request_id, None)
-        request.num_computed_tokens = 0
-
-    def _cache_computed_pages(self, request: Request) -> None:
-        """Name the request's pages that are now full of computed KV, so later requests can share them."""
-        if not self.cfg.enable_prefix_caching:
-            return
-        computed = request.num_computed_tokens
-        if self.cfg.deterministic:  # share only pages a prefill computed: decode-computed KV differs in its bits
-            computed = min(computed, len(request.prompt_ids))
-        num_full = computed // self.cfg.page_size
-        first = self._num_named.get(request.request_id, 0)
-        if num_full <= first:
-            return
-        pages, names = self.block_pool.pages_of(request.request_id), self._names_of(request, num_full)
-        for i in range(first, num_full):
-            self.block_pool.cache_page(pages[i], names[i])
-        self._num_named[request.request_id] = num_full
 
     def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
         if self.cfg.enable_prefix_caching:
@@ -279,12 +229,12 @@ class Scheduler:
 
     def _decode_key(self, requests: list[Request]) -> BucketKey:
         """The key of a decode step over these requests: rows and pages per row, bucketed."""
-        max_pages = max(len(self.block_pool.pages_of(r.request_id)) for r in requests)
-        return self.cfg.tables.decode_key(len(requests), max_pages)
+        max_pages = max(len(self.kv.pages_of(r)) for r in requests)
+        return self.tables.decode_key(len(requests), max_pages)
 
     def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
         """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
-        size = self.cfg.tables.max_decode_rows
+        size = self.tables.max_decode_rows
         return [requests[i : i + size] for i in range(0, len(requests), size)]
 
     def _decode_cost(self, requests: list[Request]) -> float:
@@ -299,7 +249,7 @@ class Scheduler:
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:
         """Rows read only the pages they hold (after this chunk's allocation); a packed row holds every
         chunk, so its tokens and pages are the sums."""
-        tables = self.cfg.tables
+        tables = self.tables
         chunks = [self._chunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens) for r, n in pairs]
         lengths, pages = [c.length for c in chunks], [len(c.pages) for c in chunks]
         if tables.packed:
@@ -309,21 +259,21 @@ class Scheduler:
         return self._build_plan("prefill", chunks, key)
 
     def _chunk(self, request: Request, start: int, length: int, sample: bool) -> RowChunk:
-        return RowChunk(request, start, length, self.block_pool.pages_of(request.request_id), sample)
+        return RowChunk(request, start, length, self.kv.pages_of(request), sample)
 
     def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> StepPlan:
         self.stats.num_steps += 1
         self.stats.real_tokens += sum(c.length for c in chunks)
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
-        packed = self.cfg.tables.packed_seqs if phase == "prefill" else 0
+        packed = self.tables.packed_seqs if phase == "prefill" else 0
         return StepPlan.build(phase, chunks, shape, self.cfg.page_size, packed=packed, bias_width=self.cfg.max_logit_bias)
 
     def _record_utilization(self) -> None:
-        used_pages = self.block_pool.num_used
+        used_pages = self.kv.num_used_pages
         if used_pages:
             size, filled = self.cfg.page_size, {}  # page -> tokens it holds (a shared page counts once)
             for r in self.running:
-                for i, page in enumerate(self.block_pool.pages_of(r.request_id)):
+                for i, page in enumerate(self.kv.pages_of(r)):
                     filled[page] = max(filled.get(page, 0), min(size, r.num_tokens - i * size))
             utilization = sum(filled.values()) / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
@@ -349,7 +299,7 @@ class Scheduler:
             if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
                 _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
             request.num_computed_tokens += plan.num_new_tokens[row]
-            self._cache_computed_pages(request)
+            self.kv.cache_computed_pages(request)
             if plan.samples[row]:
                 request.output_ids.append(int(result.tokens[row]))
                 if result.logprobs is not None and request.params.logprobs is not None:
@@ -360,9 +310,7 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request (running or waiting) and free its pages (named ones stay cached until evicted)."""
-        self.block_pool.free(request.request_id)
-        self._page_names.pop(request.request_id, None)
-        self._num_named.pop(request.request_id, None)
+        self.kv.release(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

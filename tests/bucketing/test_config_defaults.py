@@ -7,7 +7,7 @@ the package it closed the one import cycle, config -> runloop -> scheduler -> co
 import numpy as np
 import pytest
 
-from jaxinfer.scheduling.bucket_tables import DEFAULT_CHUNK_BUCKETS
+from jaxinfer.scheduling.bucket_tables import DEFAULT_CHUNK_BUCKETS, BucketTables
 from jaxinfer.bucketing.strategies import fit_buckets
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.runloop import dry_run
@@ -35,6 +35,7 @@ def test_default_chunk_buckets_are_the_fit_plus_the_chat_bucket():
 
 
 def test_default_chunk_buckets_are_cut_at_the_prefill_budget_and_context():
-    assert EngineConfig().prefill_chunk_buckets == DEFAULT_CHUNK_BUCKETS
-    assert EngineConfig(max_prefill_tokens=256).prefill_chunk_buckets == (32, 80, 160, 224, 256)
-    assert EngineConfig(max_context=64, page_size=16).prefill_chunk_buckets == (32, 64)
+    chunks = lambda **limits: BucketTables.from_config(EngineConfig(**limits)).chunk_tokens  # noqa: E731
+    assert chunks() == DEFAULT_CHUNK_BUCKETS
+    assert chunks(max_prefill_tokens=256) == (32, 80, 160, 224, 256)
+    assert chunks(max_context=64, page_size=16) == (32, 64)

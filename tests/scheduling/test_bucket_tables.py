@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.scheduling import runloop
-from jaxinfer.bucketing.strategies import STRATEGY_KINDS, EngineBuckets, FixedList, PowersOfTwo, cut_table
+from jaxinfer.bucketing.strategies import STRATEGY_KINDS, EngineBuckets, FixedList, PowersOfTwo
+from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.scheduling.plan import BucketKey
@@ -58,7 +59,7 @@ def run_fake(cfg: EngineConfig, lengths: list[tuple[int, int]], num_pages: int):
 @given(cfg=engine_configs(), lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40)), min_size=1, max_size=12), data=st.data())
 def test_every_plan_of_any_config_has_a_compiled_key(cfg, lengths, data):
     num_pages = data.draw(st.integers(cfg.max_pages_per_seq + 1, cfg.max_pages_per_seq * 3 + 2))
-    tables = cfg.tables
+    tables = BucketTables.from_config(cfg)
     keys = set(tables.all_keys())
     assert all(isinstance(k, BucketKey) for k in keys) and len(keys) == len(tables.all_keys())
     requests, plans = run_fake(cfg, lengths, num_pages)
@@ -77,7 +78,8 @@ def test_strategies_cut_to_the_limits():
     assert cut_table((16, 64), 512, reach=False) == (16, 64)  # longer prompts are chunked at 64
     assert cut_table((16, 64), 512, reach=True) == (16, 64, 512)
     cfg = EngineConfig(max_num_seqs=24, max_context=512, page_size=16, buckets=EngineBuckets(chunk=FixedList((48, 100, 900)), rows=PowersOfTwo(8, 2), pages=FixedList((3,))))
-    assert (cfg.prefill_chunk_buckets, cfg.decode_batch_buckets, cfg.decode_page_buckets) == ((48, 100, 512), (2, 4, 8, 24), (3, 32))
+    tables = BucketTables.from_config(cfg)
+    assert (tables.chunk_tokens, tables.decode_rows, tables.pages) == ((48, 100, 512), (2, 4, 8, 24), (3, 32))
 
 
 def test_strategies_and_tables_are_one_or_the_other():
@@ -91,14 +93,15 @@ def test_strategies_and_tables_are_one_or_the_other():
         EngineConfig(prefill_packing=True, deterministic=True)
     with pytest.raises(FieldError, match="prefill_seq_buckets"):
         EngineConfig(prefill_packing=True, prefill_seq_buckets=(1, 2))
-    assert EngineConfig(prefill_seq_buckets=(1, 2)).prefill_packing is False  # several rows asked for: unpacked
-    assert EngineConfig().prefill_packing is True and EngineConfig(deterministic=True).prefill_packing is False
+    packed = lambda **fields: BucketTables.from_config(EngineConfig(**fields)).packed  # noqa: E731
+    assert packed(prefill_seq_buckets=(1, 2)) is False  # several rows asked for: unpacked
+    assert packed() is True and packed(deterministic=True) is False
 
 
 def test_overrides_rederive_tables_from_the_strategies():
     base = EngineConfig(max_num_seqs=16, buckets=EngineBuckets(rows=FixedList((2, 8))))
-    assert base.decode_batch_buckets == (2, 8, 16)
-    assert EngineConfig.with_overrides(base, max_num_seqs=64).decode_batch_buckets == (2, 8, 64)
+    assert BucketTables.from_config(base).decode_rows == (2, 8, 16)
+    assert BucketTables.from_config(EngineConfig.with_overrides(base, max_num_seqs=64)).decode_rows == (2, 8, 64)
 
 
 @pytest.mark.slow
@@ -108,7 +111,7 @@ def test_overrides_rederive_tables_from_the_strategies():
 def test_any_config_warms_up_and_runs_on_the_tiny_model(tiny_llama, compile_cache, cfg, seed):
     import dataclasses
 
-    from jaxinfer.api import Prompt
+    from jaxinfer.scheduling.request import Prompt
     from jaxinfer.engine.engine import CompileCounter, Engine
     from test_engine import assert_greedy_is_dense_argmax, run_engine
 

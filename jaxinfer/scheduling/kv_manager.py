@@ -1,0 +1,99 @@
+"""The KV manager between the scheduler (policy: who runs, who is preempted) and the block pool (mechanism).
+
+It owns prefix naming (the hash chain over a request's full pages, kept on `Request.page_names` so that
+the scheduler and the replica router share one chain), allocate-or-None (`try_allocate`: the scheduler
+preempts on None; `BlockPool.allocate` raises), prefix lookup and sharing at admission, naming pages
+once their KV is computed, and release. As vLLM v1's KVCacheManager sits between its Scheduler and
+BlockPool. Host-only: imports the stdlib and scheduling/ only, never jax.
+Invariants: a request's named pages are a prefix of its block table (`_num_named` counts them); a
+request whose pages are released has nothing named (its next admission looks its prefix up again).
+"""
+
+from jaxinfer.scheduling.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
+from jaxinfer.scheduling.request import Request
+
+
+def name_pages(request: Request, num_pages: int, page_size: int) -> list[bytes]:
+    """Names of the request's first `num_pages` full pages (prompt + output), extending the chain kept on
+    the request (`Request.page_names`); a page is named by its parent's name, its tokens and the salt."""
+    names = request.page_names
+    while len(names) < num_pages:
+        start = len(names) * page_size
+        names.append(page_hash(names[-1] if names else ROOT_HASH, request.tokens_between(start, start + page_size), request.cache_salt))
+    return names[:num_pages]
+
+
+class KVManager:
+    """A request's pages in one block pool: allocation, the prefix cache, release."""
+
+    def __init__(self, block_pool: BlockPool, *, page_size: int, enable_prefix_caching: bool, deterministic: bool = False):
+        self.block_pool = block_pool
+        self.page_size = page_size  # tokens per page
+        self.enable_prefix_caching = enable_prefix_caching
+        self.deterministic = deterministic  # name only pages a prefill computed (decode-computed KV differs in its bits)
+        self._num_named: dict[str, int] = {}  # request id -> how many of its pages are in the cache map
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the pool, the null page included."""
+        return self.block_pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages with no owner, cached ones included (evicted on demand)."""
+        return self.block_pool.num_free
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.block_pool.num_used
+
+    def pages_of(self, request: Request) -> list[int]:
+        return self.block_pool.pages_of(request.request_id)
+
+    def num_new_pages(self, request: Request, num_tokens: int) -> int:
+        """Pages the request lacks to hold `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.page_size) - len(self.pages_of(request)))
+
+    def try_allocate(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Grow the request's table to hold `num_tokens` tokens; the new pages ([] when none are needed),
+        or None when the pool has too few free pages (nothing is allocated then)."""
+        try:
+            return self.block_pool.allocate(request.request_id, self.num_new_pages(request, num_tokens))
+        except OutOfPagesError:
+            return None
+
+    def share_cached_prefix(self, request: Request, prefill_end: int) -> int:
+        """Share the longest cached run of the request's full pages; returns the tokens it covers, which
+        become its computed tokens. The last token a prefill covers (up to `prefill_end`) is always
+        computed, as it needs logits, so at most (prefill_end - 1) // page_size pages. A request that
+        scores its prompt (prompt_logprobs) reuses nothing: every prompt token's logits are computed."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return 0
+        pages = self.block_pool.lookup(name_pages(request, (prefill_end - 1) // self.page_size, self.page_size))
+        if pages:
+            self.block_pool.share(request.request_id, pages)
+            self._num_named[request.request_id] = len(pages)
+        request.num_computed_tokens = len(pages) * self.page_size
+        return request.num_computed_tokens
+
+    def cache_computed_pages(self, request: Request) -> None:
+        """Name the request's pages that are now full of computed KV, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        computed = request.num_computed_tokens
+        if self.deterministic:
+            computed = min(computed, len(request.prompt_ids))
+        num_full = computed // self.page_size
+        first = self._num_named.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        pages, names = self.pages_of(request), name_pages(request, num_full, self.page_size)
+        for i in range(first, num_full):
+            self.block_pool.cache_page(pages[i], names[i])
+        self._num_named[request.request_id] = num_full
+
+    def release(self, request: Request) -> None:
+        """Drop the request's pages (shared ones stay with their other owners; named ones stay cached
+        until evicted). Its page names stay on the request: its tokens, and so their names, never change."""
+        self.block_pool.free(request.request_id)
+        self._num_named.pop(request.request_id, None)
