@@ -790,7 +790,7 @@ def test_race_detector_is_live():
 def _device_check_module():
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "device_check.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "device_check.py"
     spec = importlib.util.spec_from_file_location("device_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -798,7 +798,7 @@ def _device_check_module():
 
 
 def test_device_check_plan_is_valid():
-    """The GPU-only branches of experiments/device_check.py, planned on CPU: every correctness
+    """The GPU-only branches of scripts/device_check.py, planned on CPU: every correctness
     case and timing shape has a valid config, and lengths stay in range."""
     dc = _device_check_module()
     rng = np.random.default_rng(0)
@@ -831,7 +831,7 @@ def test_device_check_dry_run(tmp_path):
     root = pathlib.Path(__file__).resolve().parents[2]
     code = ("import runpy, sys; sys.modules['jaxtyping'] = None; "
             "sys.argv = ['device_check.py', '--dry-run']; "
-            "runpy.run_path('experiments/device_check.py', run_name='__main__')")
+            "runpy.run_path('scripts/device_check.py', run_name='__main__')")
     env = dict(os.environ, PYTHONPATH=str(root), OUT=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -8,17 +8,22 @@ One script for one H200 session, under a global time budget (--budget-s) and a w
      also with int8 and fp8 pools); bandwidth = K+V bytes read / time, as a share of the copy rate;
   4. tuning: alternative configs at the milestone shape, so TUNED_TABLE can be re-seeded.
 Each phase records its errors in the JSON instead of crashing; writes device_check.json under $OUT
-(default experiments/results/gpu/). Needs only jax, numpy and absl-py (no jaxinfer install):
+(default experiments/results/gpu/). Needs only jax, numpy and absl-py (no jaxinfer install), and the
+repository root on the path for kernels_pallas; it imports nothing from experiments/ or tests/:
 
-    PYTHONPATH=. python3 experiments/device_check.py            # on the GPU box
-    PYTHONPATH=. python3 experiments/device_check.py --dry-run  # CPU: tiny shapes, interpreter
+    PYTHONPATH=. python3 scripts/device_check.py            # on the GPU box
+    PYTHONPATH=. python3 scripts/device_check.py --dry-run  # CPU: tiny shapes, interpreter
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
+import platform
+import subprocess
 import sys
 import threading
 import time
@@ -29,11 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # harness.py, also under runpy
-import harness  # noqa: E402  (stdlib + numpy at import: no jaxinfer needed)
-from kernels_pallas import paged_attention as pa  # noqa: E402
+from kernels_pallas import paged_attention as pa
 
-REPO_ROOT = harness.REPO_ROOT
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192)
 MILESTONE = (64, 4096)  # (batch, context tokens)
@@ -58,7 +61,9 @@ def _error(e: BaseException) -> str:
 
 
 def _wall(fn, *args) -> float:
-    return harness.timed(lambda: jax.block_until_ready(fn(*args)))[1]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
 
 
 def time_chained(fn, args, *, calls: int = 8) -> float:
@@ -183,15 +188,36 @@ def awkward_lengths(shape: Shape, config: pa.PagedAttentionConfig, rng) -> np.nd
 
 
 def check_one(shape: Shape, config, seed: int, q_scale: float, interpret) -> dict:
+    """The kernel against the reference on awkward lengths: relative error norm, finiteness, and (under
+    the interpreter) whether its race detector reported a race while the kernel ran."""
     rng = np.random.default_rng(seed)
     lengths = awkward_lengths(shape, config, rng)
     q, k, v, bt, lens, scales = make_inputs(shape, lengths, seed, q_scale)
     pa.validate_block_tables(np.asarray(bt), k.shape[1], np.asarray(lens), shape.page_size)
-    out = pa.paged_attention(q, k, v, bt, lens, **scales, config=config, interpret=interpret)
-    ref = pa.paged_attention_reference(q, k, v, bt, lens, **scales)
-    err = harness.relative_error(out, ref)
+    with _races_reported() as races:
+        out = jax.block_until_ready(pa.paged_attention(q, k, v, bt, lens, **scales, config=config, interpret=interpret))
+    ref = np.asarray(pa.paged_attention_reference(q, k, v, bt, lens, **scales), np.float64)
+    err = float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))  # relative error norm
     finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
-    return dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
+    row = dict(rel_err=err, finite=finite, ok=finite and err <= REL_ERR_LIMIT)
+    if interpret:
+        row.update(races=races["found"], ok=row["ok"] and not races["found"])
+    return row
+
+
+@contextlib.contextmanager
+def _races_reported():
+    """{"found": bool}, set on exit: whether the GPU interpreter's race detector printed "RACE DETECTED"
+    while the block ran. That message is its public report (InterpretGPUParams(detect_races=True)); the
+    flag behind it lives in a private module. What the block printed is passed on to stdout."""
+    result, captured = {"found": False}, io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield result
+    finally:
+        text = captured.getvalue()
+        result["found"] = "RACE DETECTED" in text
+        sys.stdout.write(text)
 
 
 def correctness_cases(dry_run: bool):
@@ -232,12 +258,8 @@ def run_correctness(rows: list, budget: Budget, reserve_s: float, dry_run: bool,
         try:
             row.update(check_one(shape, config, seed=100 + i, q_scale=5.0 if i % 2 else 1.0,
                                  interpret=interpret))
-            if interpret:
-                row["races"] = _races_found()
-                row["ok"] = row["ok"] and not row["races"]
-        except Exception as e:
+        except Exception as e:  # the interpreter cleans its state up after a failed kernel
             row.update(ok=False, error=_error(e))
-            _reset_interpreter()
         rows.append(row)
         print(f"correctness {i:2d} {shape} {config}: "
               f"{row.get('rel_err', row.get('error', row.get('skipped')))}", flush=True)
@@ -333,29 +355,39 @@ def print_timing_row(row: dict) -> None:
     print("  ".join(cells), flush=True)
 
 
-def _races_found() -> bool:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # private: races
-    return bool(interpret_pallas_call.get_races().races_found)
+def device_info() -> dict:
+    """JAX's backend, the first device's kind, the device count and its peak bytes in use (where reported)."""
+    devices = jax.devices()
+    stats = (devices[0].memory_stats() or {}) if hasattr(devices[0], "memory_stats") else {}
+    return {"backend": jax.default_backend(), "kind": devices[0].device_kind, "count": len(devices),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
-def _reset_interpreter() -> None:
+def _commit() -> str | None:
+    """The checked-out commit, or None where there is no git (the GPU box may have none)."""
     try:
-        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-        interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
-    except Exception:
-        pass
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
-def write_doc(doc: dict, out_dir: str, dry_run: bool) -> dict:
-    """With the harness's "machine" block (commit, CPU, device and its peak bytes); the measured peaks stay under "ceilings"."""
-    return harness.write_result(pathlib.Path(out_dir) / f"device_check{'_dry_run' if dry_run else ''}.json", doc, indent=1)
+def write_doc(doc: dict, out_dir: str, dry_run: bool) -> pathlib.Path:
+    """The document as JSON under `out_dir`, with a "machine" block (commit, platform, device and its
+    peak bytes); the measured peaks stay under "ceilings"."""
+    machine = {"commit": _commit(), "platform": platform.platform(), "python": platform.python_version(),
+               "jax": jax.__version__, "device": device_info()}
+    path = pathlib.Path(out_dir) / f"device_check{'_dry_run' if dry_run else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**doc, "machine": machine}, indent=1, default=str) + "\n")
+    return path
 
 
 def finish(doc: dict, budget: Budget, args) -> int:
     doc["elapsed_s"] = budget.seconds - budget.left()
     doc["ok"] = not doc["errors"] and all(r.get("ok", True) for r in doc.get("correctness", []))
     try:
-        doc = write_doc(doc, args.out, args.dry_run)
+        write_doc(doc, args.out, args.dry_run)
     except Exception as e:
         doc["errors"].append(f"write: {_error(e)}")
     print(json.dumps(doc, default=str), flush=True)
@@ -385,7 +417,7 @@ def main(argv=None) -> int:
                ceilings={}, correctness=[], timing=[], tuning=[])
     start_watchdog(doc, budget, args)
     try:
-        doc["device"] = harness.device_info()
+        doc["device"] = device_info()
     except Exception as e:
         doc["errors"].append(f"device: {_error(e)}")
     if doc.get("device", {}).get("backend") != "gpu" and not args.dry_run:
