@@ -3,7 +3,10 @@
 #   make test       same set-up with dev + ray extras, rebuild the HF references, run every test
 #   make reference  build .venv-ref (Python 3.11, CPU torch, transformers) and rewrite tests/fixtures
 #   make bench      run the benchmarks in experiments/ (peers from .venv-ref)
+#   make soak       kill and resume the batch CLI on a seeded, partly poisoned input (tests/soak/soak_batch.py)
 # PYTHON=/path/to/python3.12 overrides the search for a working interpreter.
+# JAXINFER_TRACE_DIR: the folder of the shared request traces (kept outside the repository); the trace test
+# and the trace-driven experiments read it through jaxinfer.bucketing.traces.shared_trace.
 
 SHELL := /bin/bash
 PYTHON ?= $(shell scripts/find_python.sh 3.12)
@@ -13,8 +16,10 @@ VENV_REF := .venv-ref
 PIP_FLAGS := --disable-pip-version-check --quiet
 REF_OUT := build/reference
 LLAMA_CPP_MODELS := build/llama-cpp-python/models
+JAXINFER_TRACE_DIR ?= $(abspath ../shared/data)
+SOAK_ARGS ?=
 
-.PHONY: run test test-fast reference reference-check bench setup setup-ref setup-bench llama-cpp-models clean
+.PHONY: run test test-fast reference reference-check bench soak setup setup-ref setup-bench llama-cpp-models clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
@@ -53,7 +58,7 @@ reference: $(VENV_REF)/.stamp $(LLAMA_CPP_MODELS)/.complete
 	JAXINFER_LLAMA_CPP_MODELS=$(LLAMA_CPP_MODELS) $(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
 
 test: $(VENV)/.stamp reference-check $(LLAMA_CPP_MODELS)/.complete
-	JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q --durations=25
+	JAXINFER_TRACE_DIR=$(JAXINFER_TRACE_DIR) JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q --durations=25
 
 test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"
@@ -70,10 +75,17 @@ $(VENV_REF)/.stamp-bench: $(VENV_REF)/.stamp
 setup-bench: $(VENV_REF)/.stamp-bench
 
 # Benchmarks are never part of `make test`; each prints a table and writes experiments/results/*.json.
+bench: export JAXINFER_TRACE_DIR := $(JAXINFER_TRACE_DIR)
 bench: $(VENV)/.stamp $(VENV_REF)/.stamp-bench
 	$(VENV)/bin/python experiments/bench_forward.py
 	$(VENV)/bin/python experiments/bench_engine.py
 	$(VENV)/bin/python experiments/compare_buckets.py
+
+# The soak is never part of `make test` (about an hour at the defaults); SOAK_ARGS="--lines 100 --sigkills 1
+# --sigints 1" is a quick look. It writes build/soak/soak_batch.json and exits 1 when its goal is not met.
+soak: export JAXINFER_TRACE_DIR := $(JAXINFER_TRACE_DIR)
+soak: $(VENV)/.stamp
+	$(VENV)/bin/python tests/soak/soak_batch.py $(SOAK_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(VENV_REF)

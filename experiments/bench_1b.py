@@ -37,16 +37,13 @@ JAXINFER_LOADS = {"default": {}, "gguf": {"quantization": "gguf"}, "gguf_int8": 
 MAX_CONTEXT = 1024
 MAX_OUTPUT = 32  # output tokens per request at most (the 1B runs at a few tokens/s on 2 cores)
 DECODE_PROBE = (32, 24)  # the batch-1 probe: prompt tokens, output tokens
-GOALS = {
-    "default_vs_llamacpp_Q4_0": ("Q4_0: default output tok/s >= 2x llama.cpp's best mode", 2.0, "at_least"),
-    "default_vs_llamacpp_Q8_0": ("Q8_0: default output tok/s >= 2x llama.cpp's best mode", 2.0, "at_least"),
-    "default_mbu_b1_Q4_0": ("Q4_0: default decode at batch 1 reads >= 60% of the read bandwidth", 0.6, "at_least"),
-    "default_mbu_b1_Q8_0": ("Q8_0: default decode at batch 1 reads >= 60% of the read bandwidth", 0.6, "at_least"),
-    "default_vs_best_Q4_0": ("Q4_0: default within 10% of the best jaxinfer runner", 0.9, "at_least"),
-    "default_vs_best_Q8_0": ("Q8_0: default within 10% of the best jaxinfer runner", 0.9, "at_least"),
-    "gguf_resident_Q4_0": ("Q4_0 kept (quantization='gguf'): resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
-    "gguf_resident_Q8_0": ("Q8_0 kept (quantization='gguf'): resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
+_GOALS_PER_FORMAT = {  # name: (what, target, how), each goal once per format
+    "default_vs_llamacpp": ("default output tok/s >= 2x llama.cpp's best mode", 2.0, "at_least"),
+    "default_mbu_b1": ("default decode at batch 1 reads >= 60% of the read bandwidth", 0.6, "at_least"),
+    "default_vs_best": ("default within 10% of the best jaxinfer runner", 0.9, "at_least"),
+    "gguf_resident": ("kept (quantization='gguf'): resident weight bytes within 15% of the file's tensor bytes", 0.15, "within"),
 }
+GOALS = {f"{name}_{fmt}": (f"{fmt}: {what}", target, how) for name, (what, target, how) in _GOALS_PER_FORMAT.items() for fmt in FORMATS}
 
 
 def parse_args():

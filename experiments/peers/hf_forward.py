@@ -25,12 +25,6 @@ import torch
 from hf_common import describe, load_model  # noqa: E402  (the script's folder is on sys.path)
 
 
-def _cache_of(output):
-    # transformers 5.x returns the KV cache as `cache`; `past_key_values` is the older name.
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
 @torch.inference_mode()
 def time_prefill(model, ids: list[int], repeats: int) -> tuple[np.ndarray, list[float]]:
     """Last-position logits [V] and the wall time of each full-prompt forward."""
@@ -47,7 +41,7 @@ def time_prefill(model, ids: list[int], repeats: int) -> tuple[np.ndarray, list[
 def time_decode(model, ids: list[int], batch_sizes: list[int], warmup: int, steps: int) -> dict:
     """Seconds per decode step at each batch size, over a cache of len(ids) - 1 tokens."""
     prefix = torch.tensor([ids[:-1]], dtype=torch.long)
-    base_cache = _cache_of(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
+    base_cache = model(input_ids=prefix, use_cache=True, logits_to_keep=1).cache  # transformers 5.24 (the pin) names it `cache`
     results = {}
     for batch in batch_sizes:
         cache = copy.deepcopy(base_cache)
@@ -60,7 +54,7 @@ def time_decode(model, ids: list[int], batch_sizes: list[int], warmup: int, step
             out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - start)
-            cache = _cache_of(out)
+            cache = out.cache
         results[str(batch)] = {"step_s": times[warmup:], "median_step_s": statistics.median(times[warmup:])}
         del cache
     return results

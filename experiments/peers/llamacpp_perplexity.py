@@ -24,13 +24,14 @@ import time
 import llama_cpp as lc
 import numpy as np
 
-from llamacpp_generate import Context, _decode_prefix, gguf_path, llama_cpp_build
+from hf_common import gguf_path, llama_cpp_build
+from llamacpp_common import Context, decode_prefix
 
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
 
 class KVTypeContext(Context):
-    """llamacpp_generate.Context with a chosen KV cache type and flash attention on, `n_seq_max` sequence
+    """llamacpp_common.Context with a chosen KV cache type and flash attention on, `n_seq_max` sequence
     ids in one unified KV buffer (MAX_CONTEXT cells each, Context's sizing)."""
 
     def __init__(self, model, kv_type: int, n_seq_max: int, threads: int):
@@ -79,7 +80,7 @@ def time_decode(model, kv_type: int, batch: int, prefix: list[int], threads: int
     are removed after each call."""
     context = KVTypeContext(model, kv_type, batch, threads)
     try:
-        _decode_prefix(context, prefix, 0)
+        decode_prefix(context, prefix, 0)
         for seq in range(1, batch):
             context.copy_prefix(0, seq)
         position = len(prefix)

@@ -282,12 +282,6 @@ def topk_np(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return v.numpy().astype(np.float32), i.numpy().astype(np.int32)
 
 
-def _cache_of(output):
-    # transformers 5.24 names the returned KV cache `cache` (`past_key_values` is a deprecated alias).
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
 @torch.inference_mode()
 def smollm2_fixtures(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -329,7 +323,7 @@ def smollm2_fixtures(out: Path) -> None:
         last = logits[-1].numpy().astype(np.float32)
 
         # Greedy continuation: manual argmax loop with a KV cache, never stops at EOS.
-        cache = _cache_of(out_p)
+        cache = out_p.cache  # transformers 5.24 (requirements.txt) names the KV cache `cache`
         step_logits = logits[-1]
         g_ids, g_v, g_i = [], [], []
         for _ in range(GREEDY_STEPS):
@@ -339,7 +333,7 @@ def smollm2_fixtures(out: Path) -> None:
             nxt = int(torch.argmax(step_logits).item())
             g_ids.append(nxt)
             out_s = model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True)
-            cache = _cache_of(out_s)
+            cache = out_s.cache
             step_logits = out_s.logits[0, -1].float()
         assert cache.get_seq_length() == len(ids) + GREEDY_STEPS
 

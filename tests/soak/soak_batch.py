@@ -8,14 +8,21 @@ load, resumed after each. Two probes must be refused at once, the output untouch
 soak output, and a resume under a changed --temperature and --engine-seed. A crash or timeout of an
 invocation is recorded, never raised. Exit 0 when the goal is met, 1 when not, 2 for a bad flag.
 
-    .venv/bin/python experiments/soak_batch.py [--lines 2000] [--sigkills 5] [--sigints 2] [--seed 0]
-    .venv/bin/python experiments/soak_batch.py --lines 100 --sigkills 1 --sigints 1   # a quick look
+    make soak                                        # the default run below, the result in build/soak/
+    .venv/bin/python tests/soak/soak_batch.py [--lines 2000] [--sigkills 5] [--sigints 2] [--seed 0]
+    .venv/bin/python tests/soak/soak_batch.py --lines 100 --sigkills 1 --sigints 1   # a quick look
+
+A soak, not a unit test: pytest does not collect it (no test_ prefix). Each generated `SoakLine` is raw
+bytes with the status it must get; the CLI's own parsed form of a line is jaxinfer.batch.input.InputLine.
+It imports nothing from experiments/.
 """
 
+import argparse
 import collections
 import dataclasses
 import json
 import pathlib
+import platform
 import random
 import shutil
 import signal
@@ -24,9 +31,8 @@ import sys
 import tempfile
 import time
 
-import harness
-
-RESULTS = harness.RESULTS_DIR / "soak_batch.json"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = REPO_ROOT / "build" / "soak" / "soak_batch.json"
 MAX_CONTEXT = 256  # tokens per sequence; the 400-word prompt is well over it
 # --deterministic: a resumed invocation batches the remaining lines differently, and only deterministic mode
 # promises the same logits whatever else runs (with the tuner's bf16, 10 of 97 records differed without it).
@@ -57,7 +63,9 @@ CLAUSES = ("Keep it {adj}.", "Mention a {noun} somewhere.", "Imagine the {noun} 
 
 
 @dataclasses.dataclass
-class InputLine:
+class SoakLine:
+    """One generated input line and the record status it must get."""
+
     data: bytes  # the raw line, without its newline
     kind: str
     expect: str  # "ok" | "error" | "either" | "none" (blank: no record)
@@ -183,16 +191,16 @@ def _single_line_kinds(rng: random.Random, request_id: str) -> dict[str, tuple[s
     return {kind: (expect, _dumps(obj)) for kind, (expect, obj) in _field_poison(base).items()} | _text_poison(rng, base)
 
 
-def _poison_group(rng: random.Random, kind: str, request_id: str) -> list[InputLine]:
+def _poison_group(rng: random.Random, kind: str, request_id: str) -> list[SoakLine]:
     """One occurrence of `kind`: one line, or the two lines of a pair (kept in this order)."""
     pairs = {"duplicate_id": ((request_id, "duplicate_id_first", "ok"), (request_id, "duplicate_id_second", "error")),
              "ids_1_and_string_1": ((1, "id_int_1", "ok"), ("1", "id_string_1", "ok"))}
     if kind in pairs:
-        return [InputLine(_dumps(_good_request(rng, line_id)), line_kind, expect) for line_id, line_kind, expect in pairs[kind]]
+        return [SoakLine(_dumps(_good_request(rng, line_id)), line_kind, expect) for line_id, line_kind, expect in pairs[kind]]
     if kind == "blank_line":
-        return [InputLine(rng.choice((b"", b"   ", b"\t")), "blank_line", "none")]
+        return [SoakLine(rng.choice((b"", b"   ", b"\t")), "blank_line", "none")]
     expect, data = _single_line_kinds(rng, request_id)[kind]
-    return [InputLine(data, kind, expect)]
+    return [SoakLine(data, kind, expect)]
 
 
 def line_kinds() -> list[str]:
@@ -200,7 +208,7 @@ def line_kinds() -> list[str]:
     return ["bom_first_line", "ids_1_and_string_1", "blank_line", "duplicate_id", *_single_line_kinds(random.Random(0), "x")]
 
 
-def _special_groups(rng: random.Random, num_lines: int, excluded: set[str]) -> list[list[InputLine]]:
+def _special_groups(rng: random.Random, num_lines: int, excluded: set[str]) -> list[list[SoakLine]]:
     """Every odd/poison kind once, then repeats (not of the once-only ones) up to POISON_FRACTION."""
     repeatable = [kind for kind in line_kinds()[3:] if kind not in excluded]
     kinds = repeatable + [kind for kind in ("ids_1_and_string_1",) if kind not in excluded]
@@ -211,7 +219,7 @@ def _special_groups(rng: random.Random, num_lines: int, excluded: set[str]) -> l
     return groups
 
 
-def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset()) -> list[InputLine]:
+def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset()) -> list[SoakLine]:
     """num_lines lines; line 1 is a good request behind a UTF-8 BOM (unless excluded)."""
     rng = random.Random(seed)
     groups = _special_groups(rng, num_lines, excluded)
@@ -220,15 +228,15 @@ def build_input(num_lines: int, seed: int, excluded: frozenset[str] = frozenset(
         raise ValueError(f"--lines must be at least {num_special + 2} to hold every kind of line")
     slots = sorted(rng.sample(range(1, num_lines), num_special))  # line 0 holds the BOM line
     rng.shuffle(groups)
-    lines: list[InputLine | None] = [None] * num_lines
+    lines: list[SoakLine | None] = [None] * num_lines
     for slot, line in zip(slots, [line for group in groups for line in group]):  # each pair keeps its order: slots are sorted
         lines[slot] = line
     for slot in range(num_lines):
         if lines[slot] is None:
             request_id = 100_000 + slot if rng.random() < 0.15 else f"req-{slot:05d}-{rng.choice(NOUNS)}"
-            lines[slot] = InputLine(_dumps(_good_request(rng, request_id)), "good", "ok")
+            lines[slot] = SoakLine(_dumps(_good_request(rng, request_id)), "good", "ok")
     if "bom_first_line" not in excluded:
-        lines[0] = InputLine(b"\xef\xbb\xbf" + lines[0].data, "bom_first_line", "ok")
+        lines[0] = SoakLine(b"\xef\xbb\xbf" + lines[0].data, "bom_first_line", "ok")
     return lines
 
 
@@ -379,7 +387,7 @@ def record_key(record: dict) -> str:
     return f"id:{json.dumps(record['id'])}" if record.get("id") is not None else f"line:{record.get('line')}"
 
 
-def _expectation_mismatches(lines: list[InputLine], by_line: dict) -> list[dict]:
+def _expectation_mismatches(lines: list[SoakLine], by_line: dict) -> list[dict]:
     mismatches = []
     for number, line in enumerate(lines, start=1):
         record = by_line.get(number, [{"status": "missing"}])[0]  # a line's first record
@@ -389,7 +397,7 @@ def _expectation_mismatches(lines: list[InputLine], by_line: dict) -> list[dict]
     return mismatches
 
 
-def _unique_ids_to_lines(lines: list[InputLine]) -> dict[str, int]:
+def _unique_ids_to_lines(lines: list[SoakLine]) -> dict[str, int]:
     """json.dumps(id) -> line number, for ids (string or integer) that occur on exactly one line."""
     id_to_lines = collections.defaultdict(list)
     for number, line in enumerate(lines, start=1):
@@ -399,7 +407,7 @@ def _unique_ids_to_lines(lines: list[InputLine]) -> dict[str, int]:
     return {request_id: numbers[0] for request_id, numbers in id_to_lines.items() if len(numbers) == 1}
 
 
-def group_by_input_line(records: list[dict], lines: list[InputLine]) -> tuple[dict[int, list[dict]], int]:
+def group_by_input_line(records: list[dict], lines: list[SoakLine]) -> tuple[dict[int, list[dict]], int]:
     """Input line -> its records, by unique id where there is one, else by the record's "line"; and the count
     of records whose "line" is not the line their id is on."""
     id_to_line = _unique_ids_to_lines(lines)
@@ -411,7 +419,7 @@ def group_by_input_line(records: list[dict], lines: list[InputLine]) -> tuple[di
     return by_line, num_wrong_line
 
 
-def summarize_output(path: pathlib.Path, lines: list[InputLine]) -> tuple[dict, list[dict], dict]:
+def summarize_output(path: pathlib.Path, lines: list[SoakLine]) -> tuple[dict, list[dict], dict]:
     """Accounting of one output against the input: counts, duplicates, losses, expectations."""
     records, damage = read_records(path)
     non_blank = {number for number, line in enumerate(lines, start=1) if line.expect != "none"}
@@ -451,7 +459,7 @@ def _brief(record: dict) -> dict:
     return {field: str(record.get(field))[:80] for field in COMPARED_FIELDS if field in record}
 
 
-def _kind_table(lines: list[InputLine], ref_by_line: dict[int, list[dict]]) -> dict:
+def _kind_table(lines: list[SoakLine], ref_by_line: dict[int, list[dict]]) -> dict:
     """kind -> {lines, expect, statuses seen in ref}."""
     status_by_line = {number: str(records[0].get("status")) for number, records in ref_by_line.items()}
     table = {}
@@ -502,8 +510,18 @@ INVOCATION_COLUMNS = [("run", "<5"), ("#", "2d"), ("mode", "<11"), ("event", "<9
 KIND_COLUMNS = [("line kind", "<28"), ("lines", "5d"), ("expect", ">7"), ("ref statuses", "<")]
 
 
+def _cell(value, spec: str) -> str:
+    """One table cell in `spec` ("<5", "6d", "7.1f"): None prints as "-", a string as text; right-aligned unless "<"."""
+    align, spec = ("<", spec[1:]) if spec.startswith("<") else (">", spec)
+    width = spec.rstrip("dfs%").split(".")[0]
+    text = "-" if value is None else value if isinstance(value, str) else format(value, spec)
+    return f"{text:{align}{width}}"
+
+
 def _table(columns: list[tuple[str, str]], rows: list[list]) -> None:
-    print("\n" + harness.format_table(columns, rows))
+    """A header line, then a line per row."""
+    lines = [[header for header, _ in columns], *rows]
+    print("\n" + "\n".join(" ".join(_cell(value, spec) for value, (_, spec) in zip(row, columns)) for row in lines))
 
 
 def _invocation_row(inv: Invocation) -> list:
@@ -542,8 +560,17 @@ def _print_results(kinds: dict, ref: dict, comparison: dict, checks: dict, cover
     print(f"goal {'met' if all(checks.values()) else 'NOT met'}")
 
 
+def _comma_list(parser: argparse.ArgumentParser, text: str, choices: list[str], what: str) -> list[str]:
+    """The non-empty items of a comma list; a usage error naming `what` if one is not in `choices`."""
+    items = [item for item in text.split(",") if item]
+    if unknown := sorted(set(items) - set(choices)):
+        parser.error(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+    return items
+
+
 def parse_args():
-    parser = harness.arg_parser(__doc__, out=RESULTS)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="the result JSON (default: %(default)s)")
     parser.add_argument("--lines", type=int, default=2000, help="input lines, blank ones included (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the input and the kill plan (default: %(default)s)")
     parser.add_argument("--sigkills", type=int, default=5, help="SIGKILLs at random record counts (default: %(default)s)")
@@ -555,11 +582,11 @@ def parse_args():
     parser.add_argument("--compile-cache", type=pathlib.Path, help="XLA cache shared by the invocations (default: WORKDIR/xla_cache)")
     parser.add_argument("--exclude-kinds", default="", metavar="K1,K2", help="leave out these odd/poison kinds, to isolate a failure")
     args = parser.parse_args()
-    args.exclude_kinds = harness.comma_list(parser, args.exclude_kinds, line_kinds(), "kinds")
+    args.exclude_kinds = _comma_list(parser, args.exclude_kinds, line_kinds(), "kinds")
     return args
 
 
-def _prepare_workdir(args, lines: list[InputLine]) -> dict:
+def _prepare_workdir(args, lines: list[SoakLine]) -> dict:
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_batch_"))
     workdir.mkdir(parents=True, exist_ok=True)
     paths = {"workdir": workdir, "input": workdir / "input.jsonl", "ref": workdir / "ref.jsonl",
@@ -572,7 +599,7 @@ def _prepare_workdir(args, lines: list[InputLine]) -> dict:
     return paths
 
 
-def run_all(args, paths: dict, lines: list[InputLine]) -> tuple[list[Invocation], list[dict]]:
+def run_all(args, paths: dict, lines: list[SoakLine]) -> tuple[list[Invocation], list[dict]]:
     """The reference run, then the soak run; returns every invocation and the probes (with "refused")."""
     num_expected = sum(line.expect != "none" for line in lines)
     print(f"workdir {paths['workdir']}: {len(lines)} lines, {num_expected} non-blank", file=sys.stderr, flush=True)
@@ -587,6 +614,15 @@ def run_all(args, paths: dict, lines: list[InputLine]) -> tuple[list[Invocation]
             probes.append(_run_probe("changed_settings", "other settings", paths["soak"], paths, ("--temperature", "0.5", "--engine-seed", "7")))
     probes = [inv.probe for inv in soak if inv.probe] + probes
     return [ref] + soak, [p | {"refused": p["returncode"] == 2 and p["expected_text"] in p["stderr"] and p["output_unchanged"]} for p in probes]
+
+
+def _write_result(path: pathlib.Path, doc: dict) -> dict:
+    """`doc` as JSON at `path`, with the commit and platform it ran on; returns what was written."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    doc = {**doc, "machine": {"commit": commit or None, "platform": platform.platform(), "python": platform.python_version()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return doc
 
 
 def main() -> int:
@@ -607,7 +643,7 @@ def main() -> int:
     _print_runs(ref, soak, invocations, probes)
     _print_results(kinds, ref, comparison, checks, coverage)
     params = {key: str(value) if isinstance(value, pathlib.Path) else value for key, value in vars(args).items()}
-    result = harness.write_result(args.out, {
+    result = _write_result(args.out, {
         "bench": "soak_batch", "goal_met": goal_met, "checks": checks, "coverage": coverage,
         "parameters": {**params, "workdir": str(paths["workdir"]), "engine_flags": list(ENGINE_FLAGS)},
         "wall_s": round(time.perf_counter() - start, 3), "reference": ref, "soak": soak, "comparison": comparison,
