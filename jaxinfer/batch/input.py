@@ -286,13 +286,24 @@ def read_lines(numbered: Iterable[tuple[int, bytes]], fmt: str = "jaxinfer", *, 
 
 
 def detect_format(numbered: Iterable[tuple[int, bytes]]) -> str:
-    """'openai' when the first non-empty line is an OpenAI batch request, else 'jaxinfer'."""
-    for _, raw in numbered:
+    """The format the lines that parse agree on: 'openai' when they are OpenAI batch requests, else
+    'jaxinfer' (also when no line parses). A line that is not a JSON object, or names neither format's
+    fields, has no say: it becomes an error record in the format of the others. Lines that disagree
+    are an InputFileError naming one of each, raised before the model loads."""
+    first: dict[str, int] = {}  # format -> the first line of it
+    for number, raw in numbered:
         try:
-            return openai_batch.FORMAT if openai_batch.looks_like(json.loads(raw.decode("utf-8"))) else "jaxinfer"
-        except (ValueError, RecursionError):  # a bad first line: that line's error, in jaxinfer's format
-            return "jaxinfer"
-    return "jaxinfer"
+            fmt = openai_batch.line_format(json.loads(raw.decode("utf-8")))
+        except (ValueError, RecursionError):  # a bad line: its own error record, in the file's format
+            continue
+        if fmt is not None:
+            first.setdefault(fmt, number)
+        if len(first) > 1:
+            raise InputFileError(
+                f"line {first[openai_batch.FORMAT]} is an OpenAI batch request but line {first['jaxinfer']} is a jaxinfer line; "
+                "a file holds one format (split it, or pass --format to make the other lines errors)"
+            )
+    return openai_batch.FORMAT if openai_batch.FORMAT in first else "jaxinfer"
 
 
 class SpooledInput:

@@ -1,7 +1,9 @@
 """Resumable JSONL batch jobs: exactly one result record per non-blank input line, written as it finishes.
 
 Two input formats: jaxinfer's own lines (below) and OpenAI Batch files (`custom_id`, `method`, `url`,
-`body`; batch/openai.py translates them), detected from the first non-empty line unless `fmt` is given.
+`body`; batch/openai.py translates them), detected from the lines that parse unless `fmt` is given (lines
+that disagree refuse the file before the model loads; a line that does not parse is an error record in
+the file's format).
 This module owns running the lines (`LineRunner`) and the job around them (`BatchJob`: its lock, its
 resume, its fsynced writes); batch/input.py reads and keys the lines, batch/records.py builds the records,
 batch/output_file.py owns the output's lock, settings and scan. Imports jaxinfer.api (and through it jax).
@@ -205,8 +207,8 @@ class BatchJob:
     `settings` are what decide a line's tokens besides the line itself (the CLI passes the model's
     identity and the engine's numerics); the sampling defaults and `truncate` are always included, and
     the format and `strict_fields` when not the defaults. A resume under other settings raises
-    ResumeError listing them, unless `force_settings`. `fmt`: 'auto' (detected from the first non-empty
-    line), 'jaxinfer' or 'openai'. `max_inflight`: lines in flight at most (None: LLM.stream's default).
+    ResumeError listing them, unless `force_settings`. `fmt`: 'auto' (detected from the lines that
+    parse), 'jaxinfer' or 'openai'. `max_inflight`: lines in flight at most (None: LLM.stream's default).
     """
 
     def __init__(

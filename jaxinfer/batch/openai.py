@@ -27,7 +27,7 @@ import itertools
 import time
 
 FORMAT = "openai"
-INPUT_FORMATS = ("auto", "jaxinfer", FORMAT)  # a batch job's input formats (auto: detected from the first non-empty line)
+INPUT_FORMATS = ("auto", "jaxinfer", FORMAT)  # a batch job's input formats (auto: detected from the lines that parse)
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _MODEL_DEFAULT = "jaxinfer"  # the body's `model` when a request names none
@@ -42,9 +42,18 @@ class RequestError(ValueError):
         self.status_code, self.param, self.code = status_code, param, code
 
 
-def looks_like(obj) -> bool:
-    """Whether a parsed first line is an OpenAI batch request (the format detection)."""
-    return isinstance(obj, dict) and "custom_id" in obj and ("body" in obj or "url" in obj)
+_JAXINFER_FIELDS = frozenset({"id", "prompt", "messages"})  # what marks a jaxinfer line
+
+
+def line_format(obj) -> str | None:
+    """The format a parsed line is written in (the format detection): 'openai' when it holds any of the
+    envelope's fields (custom_id, method, url, body), 'jaxinfer' when it holds id, prompt or messages
+    instead, None when it says neither (not an object, or neither format's fields)."""
+    if not isinstance(obj, dict):
+        return None
+    if not _ENVELOPE_FIELDS.isdisjoint(obj):
+        return FORMAT
+    return "jaxinfer" if not _JAXINFER_FIELDS.isdisjoint(obj) else None
 
 
 def valid_custom_id(value) -> bool:

@@ -14,7 +14,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.api import LLM
-from jaxinfer.batch.input import iter_lines, read_lines
+from jaxinfer.batch.input import InputFileError, iter_lines, read_lines
 from jaxinfer.batch.job import BatchJob
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.validation import UNSUPPORTED_REQUEST_FIELDS
@@ -245,3 +245,36 @@ def test_a_jaxinfer_record_holds_samples_logprobs_and_the_chat_options(llm, tmp_
     continued = llm.encode_chat(messages, continue_final_message=True, add_generation_prompt=False)
     assert by_id["c"]["status"] == "ok" and by_id["c"]["num_prompt_tokens"] == len(continued)
     assert by_id["bad"]["status"] == "error" and "add_generation_prompt applies to 'messages'" in by_id["bad"]["error"]
+
+
+def test_a_bad_first_line_of_an_openai_file_is_one_error_record_in_the_files_format(llm, tmp_path):
+    lines = [
+        '{"custom_id": "torn", "method": "POST", "url": "/v1/chat/co',  # malformed JSON, first
+        json.dumps({"method": "POST", "url": CHAT, "body": {"messages": [{"role": "user", "content": "x"}]}}),  # no custom_id
+        json.dumps(chat_request("c1", "Hi")),
+        json.dumps(completion_request("c2", "Once upon")),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    with BatchJob(inp, out, DEFAULTS) as job:
+        assert job.format == "openai"
+        job.run(llm, progress=False)
+    written = sorted(records(out), key=lambda r: r.get("error") and r["error"]["line"] or 99)
+    assert len(written) == 4
+    for record in written:
+        check_output_line(record)
+    assert [r["response"]["status_code"] for r in written] == [400, 400, 200, 200]
+    assert "malformed JSON" in written[0]["error"]["message"] and written[0]["error"]["line"] == 1
+    assert written[1]["error"]["param"] == "custom_id" and written[1]["error"]["line"] == 2
+    with BatchJob(inp, out, DEFAULTS, resume=True) as job:  # the same format again: nothing is left to do
+        assert job.format == "openai" and job.summary.num_skipped == 4 and len(job.todo) == 0
+
+
+def test_a_file_whose_lines_disagree_on_the_format_is_refused_before_anything_runs(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("not json\n" + json.dumps({"id": "j1", "prompt": "x"}) + "\n" + json.dumps(chat_request("c1", "Hi")) + "\n")
+    with pytest.raises(InputFileError, match=r"line 3 is an OpenAI batch request but line 2 is a jaxinfer line"):
+        BatchJob(inp, out, DEFAULTS)
+    assert not out.exists()
+    with BatchJob(inp, out, DEFAULTS, fmt="openai") as job:  # a forced format is not second-guessed: the other lines are errors
+        assert job.format == "openai" and len(job.todo) == 3
