@@ -422,7 +422,7 @@ def _generate_one(args, defaults, load_options, engine_config) -> int:
     if output.finish_reason == "error":
         raise ValueError(f"--prompt failed: {output.error}")
     print(output.text)
-    print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s; {llm.choices.describe()}]", file=sys.stderr)
+    print(f"[{output.num_prompt_tokens} prompt tokens, {output.num_generated_tokens} generated, finish: {output.finish_reason}, {output.latency:.2f}s; {llm.choices.describe()} ({llm.tuning.source})]", file=sys.stderr)
     return 0
 
 
@@ -439,7 +439,7 @@ def _summary_table(summary, llm) -> str:
         ("time per output token p50 / p99", f"{summary.tpot_percentile(50) * 1e3:.1f} / {summary.tpot_percentile(99) * 1e3:.1f} ms"),
         ("queue time p50 / p99", f"{summary.queue_percentile(50):.3f} / {summary.queue_percentile(99):.3f} s"),
         ("padding waste (token slots)", f"{stats.padding_waste:.1%}" if stats else "-"),
-        ("choices (dtype, attention, matmul)", llm.choices.describe() if llm is not None else "- (in each Ray actor)"),
+        ("choices (dtype, attention, matmul)", f"{llm.choices.describe()} ({llm.tuning.source})" if llm is not None else "- (in each Ray actor)"),
         ("compilations (all at warm-up)", f"{sum(r.engine.num_compilations for r in llm.replicas)} in {sum(r.engine.compile_seconds for r in llm.replicas):.1f} s" if llm is not None else "- (in each Ray actor)"),
         ("KV utilization peak / mean", f"{stats.peak_kv_utilization:.1%} / {stats.mean_kv_utilization:.1%}" if stats else "-"),
         ("preemptions", f"{stats.num_preemptions}" if stats else "-"),
@@ -483,7 +483,7 @@ def _run_tune(args) -> int:
 
     load_options, engine_config = _load_options(args), _engine_config(args)
     cfg, params = tuning.load_model(args.model, load_options, engine_config)
-    pins = tuning.Pins(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
+    pins = tuning.Impls(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
     if pins.all_pinned:
         raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")
     print(f"tuning on {tuning.machine_fingerprint().get('cpu') or tuning.machine_fingerprint().get('device')}...", file=sys.stderr)

@@ -405,7 +405,7 @@ def supports(head_dim: int, page_size: int, group_size: int = 1, *, dtype=None, 
              ) -> str | None:
     """Why the kernel cannot serve this geometry, or None if it can: the one rule that
     `config_for`, `deterministic_config` and `paged_attention` enforce, and that jaxinfer's
-    `attention.resolve_impl` asks before it picks the kernel. All arguments are static.
+    `jaxinfer.engine.backends.resolve_impl` asks before it picks the kernel. All arguments are static.
 
     Args:
       head_dim: K. page_size: L, tokens per page. group_size: query heads per kv head.

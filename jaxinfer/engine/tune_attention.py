@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine import backends
 from jaxinfer.model import attention
 from jaxinfer.scheduling import runloop
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import inputs_from_plan
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.plan import StepPlan
 
 NUM_DECODE_STEPS = 4  # decode steps of the workload, after its prompts are prefilled
@@ -63,9 +65,10 @@ def attention_workload(engine_cfg: EngineConfig) -> tuple[EngineConfig, list[Ste
     """(engine config, the real scheduler's plans, pool pages) of the workload: a middle decode-row bucket of
     prompts whose contexts end at a middle page bucket (at most max_context), prefilled in the engine's own
     chunks and packed rows, then NUM_DECODE_STEPS decode steps of all rows."""
-    rows = middle_bucket(engine_cfg.decode_batch_buckets)
+    tables = BucketTables.from_config(engine_cfg)
+    rows = middle_bucket(tables.decode_rows)
     page = engine_cfg.page_size
-    context = min(middle_bucket(engine_cfg.decode_page_buckets) * page, engine_cfg.max_context)
+    context = min(middle_bucket(tables.pages) * page, engine_cfg.max_context)
     prompt_tokens = max(1, context - NUM_DECODE_STEPS)
     num_pages = rows * -(-context // page) + 1
     workload_cfg = EngineConfig.with_overrides(engine_cfg, max_num_seqs=rows, enable_prefix_caching=False, num_pages=num_pages)
@@ -130,7 +133,7 @@ def measure_attention(cfg: ModelConfig, engine_cfg: EngineConfig, dtype: str, im
     prefill ms per prompt token + decode ms per output token. One that cannot run gets a note and no score."""
     cfg = dataclasses.replace(cfg, dtype=dtype)
     try:
-        resolved = attention.resolve_impl(impl, dtype=dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype, page_size=engine_cfg.page_size,
+        resolved = backends.resolve_impl(impl, dtype=dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype, page_size=engine_cfg.page_size,
                                           head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads)
         workload_cfg, plans, num_pages = attention_workload(engine_cfg)
         per_token = time_attention(cfg, workload_cfg, resolved, plans, num_pages)

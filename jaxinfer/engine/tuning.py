@@ -20,7 +20,7 @@ candidate with the least `score` wins; one whose first generation scores above P
 far is not timed again and cannot win. The choice is cached per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
 
-Weights under quantization='auto' (the default; `load_quantization`): a GGUF's blocks are loaded kept where the
+Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
 CPU quantized-matmul kernel may run; its candidates (matmul 'cpu_int8') multiply them as they are, every other
 candidate runs them dequantized, which is the dense load bit for bit (`dense_params`), and `apply_choice`
 keeps the blocks only if a kernel candidate won.
@@ -36,6 +36,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -45,19 +46,20 @@ import numpy as np
 from jaxinfer.model import forward as model, panels, quant
 from jaxinfer.scheduling import runloop
 from jaxinfer.engine import tune_attention
-from jaxinfer.model.attention import CPU_IMPL
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import ATTENTION_IMPLS, DTYPES, MATMUL_IMPLS, EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
-from jaxinfer.engine.backends import packer
+from jaxinfer.engine import backends
+from jaxinfer.engine.backends import Impls, packer
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.model.params import Params
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
 from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 5  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 6  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
@@ -89,47 +91,11 @@ TOLERANCES = {
 }
 
 
-# ------------------------------------------------------------------ choices, pins, candidates
+# ------------------------------------------------------------------ candidates
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What an engine runs. `source`: 'tuned' (measured now), 'cached' (measured before, read from the
-    cache), 'fixed' (not measured: JAXINFER_TUNE=0, every field pinned, or a layout the tuner leaves alone)."""
-
-    dtype: str
-    attention_impl: str
-    matmul_impl: str
-    source: str = "fixed"
-
-    def describe(self) -> str:
-        return f"dtype {self.dtype}, attention {self.attention_impl}, matmul {self.matmul_impl} ({self.source})"
-
-
-@dataclasses.dataclass(frozen=True)
-class Pins:
-    """What the user asked for: 'auto' (the tuner decides) or a pinned value, per field."""
-
-    dtype: str = "auto"
-    attention_impl: str = "auto"
-    matmul_impl: str = "auto"
-
-    @property
-    def all_pinned(self) -> bool:
-        return "auto" not in (self.dtype, self.attention_impl, self.matmul_impl)
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One implementation to time: the model cast to `dtype`, run with `attention_impl` and `matmul_impl`."""
-
-    dtype: str
-    attention_impl: str
-    matmul_impl: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.dtype}/{self.attention_impl}/{self.matmul_impl}"
+class Candidate(Impls):
+    """One implementation to time (backends.Impls), with how the model is prepared for it."""
 
     def prepare(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> tuple[ModelConfig, Params]:
         """The (config, params) this candidate runs: the model in its dtype. `auto_weights`: the params are a
@@ -157,31 +123,11 @@ class Candidate:
             total += nbytes(jax.eval_shape(packer(self.matmul_impl), stage))
         return total
 
-    def fits(self, pins: Pins) -> bool:
-        return all(pin in ("auto", value) for pin, value in zip(
-            (pins.dtype, pins.attention_impl, pins.matmul_impl), (self.dtype, self.attention_impl, self.matmul_impl)))
 
-
-def default_candidates(pins: Pins, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Candidate]:
-    """The candidates of this backend that keep the pins. CPU: f32 with every mix of the CPU kernels and
-    XLA/jnp, and bf16 through XLA (bf16 dots accumulate in f32; norms, rope and softmax run in f32; the CPU
-    kernels are f32 only). GPU: f32 and bf16 through XLA, and bf16 with the Pallas decode kernel. W8A8
-    (matmul 'int8': activations quantized in int8 blocks of 64, XLA's int8 dot) wherever the weights hold
-    int8 codes (quantization 'int8', or a GGUF's Q8_0 kept): its perplexity is +0.62% over f32 on SmolLM2
-    (experiments/results/bench_quant_w8a8.json), inside the 1% the tuner may trade for speed. (With
-    per-token scales it was +3.65%, and the tuner offered it only where pinned.) On a CPU, the quantized-matmul
-    kernel (matmul 'cpu_int8': the same W8A8 in blocks of 32) wherever the weights hold int8, Q8_0, Q4_0 or
-    Q4_1 matrices (`affine_weights`)."""
-    backend = backend or jax.default_backend()
-    if backend == "cpu":
-        combos = [("float32", a, m) for a in ("reference", CPU_IMPL) for m in ("xla", "cpu")] + [("bfloat16", "reference", "xla")]
-        combos += [("float32", a, "int8") for a in ("reference", CPU_IMPL)] if int8_weights else []
-        combos += [("float32", a, "cpu_int8") for a in ("reference", CPU_IMPL)] if affine_weights else []
-    else:
-        combos = [("float32", "reference", "xla"), ("bfloat16", "reference", "xla"), ("bfloat16", "pallas", "xla")]
-        combos += [("bfloat16", "reference", "int8")] if int8_weights else []
-    pinned_dtype = [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]  # float16
-    return [c for c in (Candidate(*combo) for combo in combos + pinned_dtype) if c.fits(pins)]
+def default_candidates(pins: Impls, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Candidate]:
+    """backends.candidates as the tuner's Candidates."""
+    found = backends.candidates(pins, backend, int8_weights=int8_weights, affine_weights=affine_weights)
+    return [Candidate(c.dtype, c.attention_impl, c.matmul_impl) for c in found]
 
 
 def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, bool]:
@@ -190,35 +136,19 @@ def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, boo
     return dict(int8_weights=not auto_weights and quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
 
 
-def load_quantization(quantization: str | None, model_path, pins: Pins, *, on_mesh: bool = False) -> str | None:
-    """What loading.load_model gets for a LoadOptions.quantization: 'auto' (the default) keeps a GGUF file's
-    blocks ('gguf') where the tuner may run them through the CPU quantized-matmul kernel (matmul 'cpu_int8':
-    a CPU backend, one device, a float32-compatible dtype pin, the kernel built, and matmul pinned to
-    'cpu_int8' or left at 'auto' with tuning on), and loads dense (None) everywhere else. The tuner then
-    runs every other candidate on the dense weights (`Candidate.prepare`) and keeps whichever is fastest."""
-    if quantization != "auto":
-        return quantization
-    from kernels_cpu import quant_matmul  # noqa: PLC0415  (built on first use)
-
-    gguf_file = model_path is not None and Path(model_path).is_file()
-    kernel_may_run = pins.matmul_impl == "cpu_int8" or (pins.matmul_impl == "auto" and tuning_enabled())
-    usable = gguf_file and kernel_may_run and not on_mesh and pins.dtype in ("auto", "float32") and jax.default_backend() == "cpu"
-    return "gguf" if usable and quant_matmul.available() else None
-
-
 def load_model(model, options, engine_cfg: EngineConfig) -> tuple[ModelConfig, Params]:
     """loading.load_model for a LoadOptions and the engine config's pins, with quantization='auto' resolved
-    (`load_quantization`)."""
+    (backends.resolve_quantization)."""
     from jaxinfer.loading import loading  # noqa: PLC0415
 
     path = loading.resolve_model_path(model)
-    pins = Pins(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
-    quantization = load_quantization(options.quantization, path, pins, on_mesh=options.on_mesh)
+    pins = Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
+    quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_enabled())
     return loading.load_model(path, **{**options.load_kwargs, "quantization": quantization})
 
 
 def keeps_blocks(quantization: str | None, params: Params) -> bool:
-    """Whether `params` are a GGUF's blocks kept for quantization='auto' (see `load_quantization`)."""
+    """Whether `params` are a GGUF's blocks kept for quantization='auto' (see backends.resolve_quantization)."""
     return quantization == "auto" and panels.has_affine_weights(params)
 
 
@@ -257,10 +187,9 @@ def tuning_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """$JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "jaxinfer"
+    """The cache root (kernels_cpu.build.cache_root owns the rule: $JAXINFER_CACHE_DIR, else
+    $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer)."""
+    return kernel_build.cache_root()  # the kernels' module owns the root: it may not import jaxinfer
 
 
 def machine_fingerprint() -> dict:
@@ -296,15 +225,21 @@ def _engine_limits(engine_cfg: EngineConfig) -> dict:
     return {name: getattr(engine_cfg, name) for name in names}
 
 
-def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Pins, quantization: str | None = None) -> str:
+def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None) -> str:
     """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
     but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
     the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
     document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
                 "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
-                "kernels": kernel_build.sources_digest()}
+                "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cpu_kernels_built() -> bool | None:
+    """Whether the CPU kernels can run here now (None off the CPU backend): a choice measured with them is not
+    the answer where the compiler is gone, and one measured without them is not the answer once it is back."""
+    return backends.cpu_kernel_obstacle("float32", quantized=True) is None if jax.default_backend() == "cpu" else None
 
 
 def _cache_path(directory: Path, key: str) -> Path:
@@ -316,22 +251,45 @@ def read_cached(directory: Path, key: str) -> "TuneResult | None":
     path = _cache_path(directory, key)
     try:
         doc = json.loads(path.read_text())
-        choice = Choice(**{**doc["choice"], "source": "cached"})
-        measurements = [Measurement(**m) for m in doc["measurements"]]
+        choice = Impls(**doc["choice"])
+        measurements = [Measurement(**{**m, "impls": Impls(**m["impls"])}) for m in doc["measurements"]]
         attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention)
+    if (problem := unrunnable(choice)) is not None:
+        warnings.warn(f"jaxinfer: the cached tuning choice in {path} ({choice.describe()}) cannot run here: {problem}; measuring again",
+                      stacklevel=2)
+        return None
+    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention,
+                      source="cached")
+
+
+def unrunnable(choice: Impls) -> str | None:
+    """Why a choice read from the cache cannot run on this machine now, or None: a value outside the
+    vocabularies (a damaged or hand-edited file), or a CPU kernel that cannot be built here any more (the
+    compiler gone, the kernel cache unwritable)."""
+    for field, allowed in (("dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS)):
+        if getattr(choice, field) not in allowed or getattr(choice, field) == "auto":
+            return f"{field} {getattr(choice, field)!r} is not one of {[a for a in allowed if a != 'auto']}"
+    uses_kernels = choice.attention_impl == "cpu" or choice.matmul_impl in ("cpu", "cpu_int8")
+    if uses_kernels and (obstacle := backends.cpu_kernel_obstacle(choice.dtype, quantized=choice.matmul_impl == "cpu_int8")):
+        return f"the CPU kernels {obstacle}"
+    if choice.attention_impl == "pallas" and jax.default_backend() != "gpu":
+        return "the Pallas kernel runs on a GPU only"
+    return None
 
 
 def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Path:
     path = _cache_path(directory, result.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"choice": dataclasses.asdict(result.choice), "measurements": [dataclasses.asdict(m) for m in result.measurements],
+    doc = {"choice": dataclasses.asdict(result.choice.impls()), "measurements": [dataclasses.asdict(m) for m in result.measurements],
            "attention": [dataclasses.asdict(m) for m in result.attention],
            "seconds": result.seconds, "fingerprint": fingerprint, "jaxlib": _version("jaxlib")}
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(doc, indent=1))
+    with open(temporary, "w") as f:
+        f.write(json.dumps(doc, indent=1))
+        f.flush()
+        os.fsync(f.fileno())  # a power cut leaves the old file or the new one, never an empty one
     temporary.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
     return path
 
@@ -343,10 +301,7 @@ def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Pa
 class Measurement:
     """One candidate's row of the tuner's table (prefill ms: its fastest step; decode ms: the median step)."""
 
-    candidate: str
-    dtype: str
-    attention_impl: str
-    matmul_impl: str
+    impls: Impls
     prefill_ms: float | None = None
     decode_ms: float | None = None
     score: float | None = None  # ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens + 1 output token
@@ -356,13 +311,20 @@ class Measurement:
     note: str = ""  # why it failed or could not run
 
     @property
+    def candidate(self) -> str:
+        return self.impls.name
+
+    @property
     def status(self) -> str:
         return "pass" if self.passed else f"FAIL ({self.note})" if self.note else "FAIL"
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneResult:
-    choice: Choice
+    """What the tuner chose (`choice`), how (`source`: 'tuned' measured now, 'cached' measured before and read
+    from the cache, 'fixed' not measured), and its table."""
+
+    choice: Impls
     measurements: list[Measurement]  # empty when nothing was measured now (cached or fixed)
     key: str | None = None
     path: Path | None = None
@@ -372,6 +334,10 @@ class TuneResult:
     decode_key: object = None
     reason: str = ""  # why nothing was measured, for a fixed choice
     attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
+    source: str = "fixed"
+
+    def describe(self) -> str:
+        return f"{self.choice.describe()} ({self.source})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,16 +353,17 @@ def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
     then NUM_GENERATED decode steps of those rows: each a key of the user's tables but for its page width
     (a context of one chunk plus the generation, or of the pages the packed row's table needs: it holds
     every sequence's pages)."""
-    packed = engine_cfg.prefill_packing
-    rows = min(tune_attention.middle_bucket(engine_cfg.decode_batch_buckets), engine_cfg.max_prefill_seqs if packed else 1)
-    chunk = tune_attention.middle_bucket(engine_cfg.prefill_chunk_buckets)
+    tables = BucketTables.from_config(engine_cfg)
+    packed = tables.packed
+    rows = min(tune_attention.middle_bucket(tables.decode_rows), engine_cfg.max_prefill_seqs if packed else 1)
+    chunk = tune_attention.middle_bucket(tables.chunk_tokens)
     page = engine_cfg.page_size
     longest = chunk // rows if packed else chunk
     context = page * max(-(-(chunk + NUM_GENERATED) // page), rows * -(-longest // page) if packed else 0)
     probe_cfg = EngineConfig.with_overrides(
         engine_cfg, max_context=context, max_num_seqs=rows, max_prefill_tokens=chunk, prefill_chunk_buckets=(chunk,),
         decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), buckets=None, num_pages=rows * (context // page) * 2 + 1,
-        enable_prefix_caching=False, max_prefill_seqs=rows if engine_cfg.prefill_packing else engine_cfg.max_prefill_seqs,
+        enable_prefix_caching=False, max_prefill_seqs=rows if packed else engine_cfg.max_prefill_seqs,
     )
     per_prompt = _prompt_length(probe_cfg, rows, longest)
     ids = list(prompt_ids) * (-(-per_prompt * rows // max(len(prompt_ids), 1)) + 1)
@@ -498,7 +465,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
     against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
     first generation scores above PRUNE_FACTOR times it is not timed again and does not pass (note 'pruned')."""
-    row = dict(candidate=candidate.name, dtype=candidate.dtype, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
+    row = dict(impls=candidate.impls())
     try:
         cand_cfg, cand_params = candidate.prepare(cfg, params, auto_weights=auto_weights)
         engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
@@ -541,8 +508,7 @@ def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, p
 
 def too_large(candidate: Candidate, need: int, budget: float) -> Measurement:
     """The row of a candidate not built for want of memory (it does not pass)."""
-    return Measurement(candidate.name, candidate.dtype, candidate.attention_impl, candidate.matmul_impl,
-                       note=f"not built: its weights need {need / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
+    return Measurement(candidate.impls(), note=f"not built: its weights need {need / 2**30:.2f} GiB, the budget is {budget / 2**30:.2f} GiB")
 
 
 def _timings(runs: list) -> tuple[float, float]:
@@ -553,7 +519,7 @@ def _timings(runs: list) -> tuple[float, float]:
 
 def _score(probe: Probe, prefill: float, decode: float) -> float:
     """ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens and one output token."""
-    chunk, rows = probe.engine_cfg.prefill_chunk_buckets[0], probe.engine_cfg.decode_batch_buckets[0]
+    chunk, rows = probe.engine_cfg.prefill_chunk_buckets[0], probe.engine_cfg.decode_batch_buckets[0]  # make_probe gives both
     return PROMPT_TOKENS_PER_OUTPUT_TOKEN * prefill / chunk + decode / rows
 
 
@@ -583,12 +549,12 @@ def narrow_attention(cfg: ModelConfig, engine_cfg: EngineConfig, candidates: lis
     return [c for c in candidates if c.attention_impl == chosen[c.dtype]], rows
 
 
-def fixed_choice(pins: Pins) -> Choice:
+def fixed_choice(pins: Impls) -> Impls:
     """The choice without measuring: float32 for an auto dtype, the engine's fixed rules for the rest."""
-    return Choice("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl, "fixed")
+    return Impls("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl)
 
 
-def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, prompt_ids: list[int] | None = None,
+def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls, *, prompt_ids: list[int] | None = None,
          candidates: list[Candidate] | None = None, progress=None, quantization: str | None = None, memory_budget: float | None = None) -> TuneResult:
     """Measure every candidate now (nothing cached is read or written). `progress(measurement)` is called
     after each. The pins are filled in from the winner; the result's choice has source 'tuned'.
@@ -613,13 +579,12 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins,
     budget = MEMORY_SHARE * available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
     measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
     best = pick(measurements)
-    keys = probe.engine_cfg.tables.all_keys()
-    choice = Choice(best.dtype, best.attention_impl, best.matmul_impl, "tuned")
-    return TuneResult(choice, measurements, seconds=time.perf_counter() - start, attention=attention,
+    keys = BucketTables.from_config(probe.engine_cfg).all_keys()
+    return TuneResult(best.impls, measurements, source="tuned", seconds=time.perf_counter() - start, attention=attention,
                       prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"))
 
 
-def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, quantization: str | None = None,
+def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls, *, quantization: str | None = None,
            on_mesh: bool = False, prompt_ids: list[int] | None = None, enabled: bool | None = None, directory: Path | None = None,
            candidates: list[Candidate] | None = None, use_cache: bool = True, refresh: bool = False, progress=None) -> TuneResult:
     """The choice for an engine: the fixed rule (tuning off, everything pinned, a mesh or deterministic mode,
@@ -632,7 +597,7 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
     if reason:
         return TuneResult(fixed_choice(pins), [], reason=reason)
     if candidates is None and len(only := default_candidates(pins, **weight_kinds(params, auto_weights=keeps_blocks(quantization, params)))) == 1:  # nothing to compare
-        return TuneResult(Choice(only[0].dtype, only[0].attention_impl, only[0].matmul_impl, "fixed"), [], reason="one candidate keeps the pins")
+        return TuneResult(only[0].impls(), [], reason="one candidate keeps the pins")
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()
     loaded = None if quantization == "auto" and not keeps_blocks(quantization, params) else quantization  # 'auto' loaded dense is None
@@ -641,7 +606,10 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pin
         return cached
     result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress, quantization=quantization), key=key)
     if use_cache:
-        result = dataclasses.replace(result, path=write_cached(directory, result, fingerprint))
+        try:
+            result = dataclasses.replace(result, path=write_cached(directory, result, fingerprint))
+        except OSError as e:  # a read-only home: the choice holds for this run, uncached
+            warnings.warn(f"jaxinfer: the tuning cache {directory} is not writable ({e}); the choice is not cached", stacklevel=2)
     return result
 
 
@@ -652,13 +620,13 @@ def format_table(result: TuneResult) -> str:
     if result.prefill_key is not None:
         lines.append(f"programs: prefill {result.prefill_key}, decode {result.decode_key}")
     lines += [header, "-" * len(header)]
-    chosen = Candidate(result.choice.dtype, result.choice.attention_impl, result.choice.matmul_impl).name
+    chosen = result.choice.name
     cell = lambda value, fmt: format(value, fmt) if value is not None else "-"  # noqa: E731
     for m in result.measurements:
         mark = "  <- chosen" if m.candidate == chosen else ""
         lines.append(f"{m.candidate:<28} {cell(m.prefill_ms, '10.1f')} {cell(m.decode_ms, '10.1f')} {cell(m.score, '8.3f')} "
                      f"{cell(m.relative_error, '10.2e')} {cell(m.greedy_agreement, '7.2f')}  {m.status}{mark}")
-    lines.append(f"score = {PROMPT_TOKENS_PER_OUTPUT_TOKEN} x prefill ms per token + decode ms per token; chosen: {result.choice.describe()}")
+    lines.append(f"score = {PROMPT_TOKENS_PER_OUTPUT_TOKEN} x prefill ms per token + decode ms per token; chosen: {result.describe()}")
     return "\n".join(_attention_lines(result.attention) + lines)
 
 
@@ -680,17 +648,17 @@ def _attention_lines(rows: list) -> list[str]:
     return lines + [""]
 
 
-def choose_for_model(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Pins, *, tokenizer=None, **kwargs) -> TuneResult:
+def choose_for_model(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls, *, tokenizer=None, **kwargs) -> TuneResult:
     """`choose` with the probe prompts cut from PROBE_TEXT in the model's own tokenizer (random ids without one)."""
     prompt_ids = None if tokenizer is None else tokenizer.encode(PROBE_TEXT, add_bos=False, parse_special=False)
     return choose(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, **kwargs)
 
 
-def apply_choice(choice: Choice, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, quantization: str | None = None) -> tuple[ModelConfig, Params, EngineConfig]:
+def apply_choice(choice: Impls, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, quantization: str | None = None) -> tuple[ModelConfig, Params, EngineConfig]:
     """(cfg, params, engine_cfg) as `choice` says: the model cast to its dtype (and, for blocks kept under
     quantization='auto', dense unless the choice multiplies them: `Candidate.prepare`), its impls set on the
     engine config (left as it is when they already are, so a fixed choice changes nothing)."""
-    candidate = Candidate(choice.dtype, choice.attention_impl, choice.matmul_impl)
+    candidate = Candidate(*dataclasses.astuple(choice.impls()))
     cfg, params = candidate.prepare(cfg, params, auto_weights=keeps_blocks(quantization, params))
     impls = {"attention_impl": choice.attention_impl, "matmul_impl": choice.matmul_impl}
     if any(getattr(engine_cfg, name) != value for name, value in impls.items()):

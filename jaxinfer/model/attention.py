@@ -8,7 +8,7 @@ paged step (prefill, packed rows, decode) of an f32 model goes to the C++ kernel
 kernels take the whole pool and the layer index and read the layer's pages in place (under tensor
 parallelism too, on each device's own kv heads). The model never imports a kernel directly.
 
-Deterministic mode (the two DETERMINISTIC_* impls, from `resolve_impl(..., deterministic=True)`)
+Deterministic mode (the two DETERMINISTIC_* impls, from `engine/backends.resolve_impl(..., deterministic=True)`)
 keeps a sequence's output bitwise the same in any batch, at any row and under any page width: the
 jnp paths become `attention_over_page_blocks`, and the kernel runs its fixed-split config.
 
@@ -29,8 +29,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxinfer.model import kv_pool as kvp
-from jaxinfer.config import ATTENTION_IMPLS
-from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -41,70 +39,6 @@ DETERMINISTIC_PALLAS_IMPL = "deterministic_pallas"  # ... with the kernel's dete
 _KERNEL_IMPLS = ("pallas", DETERMINISTIC_PALLAS_IMPL)
 CPU_IMPL = "cpu"  # kernels_cpu/paged_attention: every step on a CPU, prefill and decode
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def resolve_impl(
-    impl: str,
-    *,
-    deterministic: bool = False,
-    dtype=None,
-    kv_cache_dtype: str | None = None,
-    tensor_parallel: int = 1,
-    page_size: int | None = None,
-    head_dim: int | None = None,
-    group_size: int = 1,
-) -> str:
-    """The impl `attend` runs for an EngineConfig.attention_impl: 'reference', 'pallas' or 'cpu', or in
-    deterministic mode DETERMINISTIC_IMPL or DETERMINISTIC_PALLAS_IMPL.
-
-    'auto' picks the Pallas kernel on a GPU where the kernel module says it serves the geometry
-    (`kernels_pallas.paged_attention.supports`: page_size, head_dim, group_size = query heads per kv
-    head, dtype = the model's if known, and the pool's kv_cache_dtype); on a CPU, the CPU kernel for an
-    f32 model over an unquantized pool on one device, if it builds; else the jnp reference. An explicit
-    'pallas' or 'cpu' that cannot run raises here, naming why, before anything compiles. The kernel
-    needs the geometry to be asked: without page_size and head_dim, 'pallas' (and 'auto' on a GPU)
-    raises. Deterministic mode keeps its jnp path on a CPU (the kernels' results do not depend on the
-    batch either, but that is only tested for Pallas)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    geometry = dict(page_size=page_size, head_dim=head_dim, group_size=group_size)
-    if impl == "auto":
-        if jax.default_backend() == "gpu":
-            impl = "pallas" if _pallas_kernel_obstacle(dtype, kv_cache_dtype, **geometry) is None else "reference"
-        else:
-            impl = CPU_IMPL if not deterministic and not _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel) else "reference"
-    elif impl == "pallas" and (obstacle := _pallas_kernel_obstacle(dtype, kv_cache_dtype, **geometry)):
-        raise ValueError(f"attention_impl='pallas': the kernel {obstacle}; use attention_impl='auto' or 'reference'")
-    elif impl == CPU_IMPL and (obstacle := _cpu_kernel_obstacle(dtype, kv_cache_dtype, tensor_parallel)):
-        raise ValueError(f"attention_impl='cpu' {obstacle}; use attention_impl='auto' or 'reference'")
-    if deterministic:
-        return DETERMINISTIC_PALLAS_IMPL if impl == "pallas" else DETERMINISTIC_IMPL
-    return impl
-
-
-def _pallas_kernel_obstacle(dtype, kv_cache_dtype: str | None, *, page_size: int | None, head_dim: int | None, group_size: int) -> str | None:
-    """Why the Pallas kernel cannot serve this engine, or None if it can: the kernel module owns the rule."""
-    if page_size is None or head_dim is None:
-        raise ValueError("resolve_impl needs page_size and head_dim to ask the Pallas kernel whether it serves them")
-    from kernels_pallas import paged_attention as kernel  # GPU only; keeps CPU imports light
-
-    kv_dtype = None if kv_cache_dtype is None else kvp.KV_CODE_FORMATS[kv_cache_dtype][0]
-    return kernel.supports(head_dim, page_size, group_size, dtype=dtype, kv_dtype=kv_dtype)
-
-
-def _cpu_kernel_obstacle(dtype, kv_cache_dtype: str | None, tensor_parallel: int) -> str | None:
-    """Why the CPU kernel cannot serve this engine, or None if it can."""
-    if jax.default_backend() != "cpu":
-        return f"runs on the CPU backend only, not {jax.default_backend()!r}"
-    if dtype is not None and jnp.dtype(dtype) != jnp.float32:
-        return f"needs a float32 model, got {jnp.dtype(dtype)}"
-    if kv_cache_dtype is not None:
-        return f"reads an unquantized pool, got kv_cache_dtype={kv_cache_dtype!r}"
-    if tensor_parallel != 1:
-        return f"runs on one device, got tensor_parallel={tensor_parallel}"
-    if not (cpu_kernel.available() and cpu_layer_matmul.available()):  # the engine packs weights for the second
-        return "could not be built (no C++ compiler?)"
-    return None
 
 
 def attention_reference(
@@ -269,7 +203,7 @@ def attention_over_page_blocks(
 
 def _use_kernel(impl: str, q: jax.Array) -> bool:
     """The kernel serves single-token decode in 16-bit dtypes (in deterministic mode too: prefill stays
-    on attention_over_page_blocks). `impl` is resolved already (resolve_impl refuses f32 for 'pallas'
+    on attention_over_page_blocks). `impl` is resolved already (backends.resolve_impl refuses f32 for 'pallas'
     when it knows the dtype; the kernel's tensor-core matmuls would round f32 to tf32); a 'pallas' that
     reaches an f32 model here refuses too."""
     if impl not in _KERNEL_IMPLS or q.shape[1] != 1:

@@ -16,7 +16,8 @@ from jaxinfer.loading import loading
 from jaxinfer.engine import tuning
 from jaxinfer.model.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.backends import resolve_matmul_impl
+from jaxinfer.engine.backends import Impls, resolve_matmul_impl
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from kernels_cpu import build as kernel_build
 
 SMALL_ENGINE = dict(max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64)
@@ -60,25 +61,25 @@ class WrongCandidate(tuning.Candidate):
 
 def test_cache_key_changes_with_fingerprint_geometry_limits_pins_and_kernels(monkeypatch, tmp_path):
     cfg, engine = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, ffn_dim=64, num_heads=4, num_kv_heads=2, head_dim=8), EngineConfig(**SMALL_ENGINE)
-    base = tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins())
-    assert base == tuning.cache_key(dict(FINGERPRINT), cfg, EngineConfig(**SMALL_ENGINE), tuning.Pins())  # stable
+    base = tuning.cache_key(FINGERPRINT, cfg, engine, Impls())
+    assert base == tuning.cache_key(dict(FINGERPRINT), cfg, EngineConfig(**SMALL_ENGINE), Impls())  # stable
     changed = {
-        "cpu model": tuning.cache_key({**FINGERPRINT, "cpu": "Other CPU"}, cfg, engine, tuning.Pins()),
-        "cpu flags": tuning.cache_key({**FINGERPRINT, "flags": "avx2 avx512f fma"}, cfg, engine, tuning.Pins()),
-        "geometry": tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, num_layers=3), engine, tuning.Pins()),
-        "limits": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 8}), tuning.Pins()),
-        "pins": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(dtype="float32")),
-        "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins(), "int8"),
+        "cpu model": tuning.cache_key({**FINGERPRINT, "cpu": "Other CPU"}, cfg, engine, Impls()),
+        "cpu flags": tuning.cache_key({**FINGERPRINT, "flags": "avx2 avx512f fma"}, cfg, engine, Impls()),
+        "geometry": tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, num_layers=3), engine, Impls()),
+        "limits": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 8}), Impls()),
+        "pins": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(dtype="float32")),
+        "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(), "int8"),
     }
     # the dtype is a choice, not geometry: a bf16-loaded model shares the key of its f32 load
-    assert tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, dtype="bfloat16"), engine, tuning.Pins()) == base
+    assert tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, dtype="bfloat16"), engine, Impls()) == base
     for source in (*kernel_build.HERE.glob("*.cc"), *kernel_build.HERE.glob("*.h")):  # the kernels as they are, then one edited
         (tmp_path / source.name).write_bytes(source.read_bytes())
     monkeypatch.setattr(kernel_build, "HERE", tmp_path)
-    assert tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins()) == base
+    assert tuning.cache_key(FINGERPRINT, cfg, engine, Impls()) == base
     with open(tmp_path / "quant_matmul.cc", "a") as f:
         f.write("// edited\n")
-    changed["kernels"] = tuning.cache_key(FINGERPRINT, cfg, engine, tuning.Pins())
+    changed["kernels"] = tuning.cache_key(FINGERPRINT, cfg, engine, Impls())
     assert base not in changed.values() and len(set(changed.values())) == len(changed), changed
 
 
@@ -92,43 +93,43 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 def test_tuning_off_keeps_the_fixed_rule(tiny, engine_cfg, tmp_path):
     assert not tuning.tuning_enabled()  # conftest.py sets JAXINFER_TUNE=0 for the whole suite
-    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(), directory=tmp_path)
-    assert result.choice == tuning.Choice("float32", "auto", "auto", "fixed") and result.measurements == []
+    result = tuning.choose(*tiny, engine_cfg, Impls(), directory=tmp_path)
+    assert result.choice == Impls("float32", "auto", "auto") and result.source == "fixed" and result.measurements == []
     assert not (tmp_path / "tuning").exists()
 
 
 def test_cached_choice_is_reused_without_timing(tiny, engine_cfg, tmp_path):
     prepared = []
     candidates = [CountingCandidate("float32", "reference", "xla", prepared=prepared)]
-    first = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
-    assert prepared == ["float32/reference/xla"] and not first.from_cache and first.choice.source == "tuned"
+    first = tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path, candidates=candidates)
+    assert prepared == ["float32/reference/xla"] and not first.from_cache and first.source == "tuned"
     assert first.path.is_file() and json.loads(first.path.read_text())["choice"]["dtype"] == "float32"
-    second = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
+    second = tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path, candidates=candidates)
     assert prepared == ["float32/reference/xla"], "a cached choice was timed again"
-    assert second.from_cache and second.choice == dataclasses.replace(first.choice, source="cached")
+    assert second.from_cache and second.choice == first.choice and second.source == "cached"
     assert [m.candidate for m in second.measurements] == ["float32/reference/xla"]  # the table travels with it
     other_limits = EngineConfig.with_overrides(engine_cfg, max_num_seqs=2)  # another key: measured again
-    tuning.choose(*tiny, other_limits, tuning.Pins(), enabled=True, directory=tmp_path, candidates=candidates)
+    tuning.choose(*tiny, other_limits, Impls(), enabled=True, directory=tmp_path, candidates=candidates)
     assert len(prepared) == 2
 
 
 def test_pinned_float32_is_never_changed_to_bfloat16(tiny, engine_cfg, tmp_path):
-    assert {c.dtype for c in tuning.default_candidates(tuning.Pins(dtype="float32"), "cpu")} == {"float32"}
-    assert {c.dtype for c in tuning.default_candidates(tuning.Pins(), "cpu")} == {"float32", "bfloat16"}
-    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(dtype="float32"), enabled=True, directory=tmp_path, candidates=[BF16_XLA, F32_XLA])
+    assert {c.dtype for c in tuning.default_candidates(Impls(dtype="float32"), "cpu")} == {"float32"}
+    assert {c.dtype for c in tuning.default_candidates(Impls(), "cpu")} == {"float32", "bfloat16"}
+    result = tuning.choose(*tiny, engine_cfg, Impls(dtype="float32"), enabled=True, directory=tmp_path, candidates=[BF16_XLA, F32_XLA])
     assert result.choice.dtype == "float32"
     assert [m.candidate for m in result.measurements] == [F32_XLA.name]  # the bf16 candidate is not even timed
 
 
 def test_a_candidate_failing_the_numerics_check_is_never_chosen(tiny, engine_cfg, tmp_path, cpu_kernels):
     wrong = WrongCandidate("float32", "cpu", "cpu")  # the CPU kernels: the faster path on the tiny model
-    result = tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path, candidates=[wrong, F32_XLA])
+    result = tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path, candidates=[wrong, F32_XLA])
     by_name = {m.candidate: m for m in result.measurements}
     assert not by_name[wrong.name].passed and by_name[wrong.name].relative_error > 0.1  # far outside f32's 1e-3
     assert by_name[F32_XLA.name].passed and by_name[F32_XLA.name].relative_error < 1e-4
     assert result.choice.attention_impl == "reference" and result.choice.matmul_impl == "xla"
     with pytest.raises(tuning.NoCandidatePassed, match="no candidate passed"):
-        tuning.choose(*tiny, engine_cfg, tuning.Pins(), enabled=True, directory=tmp_path / "other", candidates=[wrong])
+        tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path / "other", candidates=[wrong])
 
 
 def test_cpu_attention_runs_with_xla_dots(tiny, engine_cfg, cpu_kernels):
@@ -155,10 +156,10 @@ def test_llm_applies_a_cached_bfloat16_choice_for_auto_dtype(tiny_chat_model, ti
     monkeypatch.setenv(tuning.TUNE_ENV, "1")
     monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
     engine_cfg = EngineConfig(compilation_cache_dir=compile_cache, **SMALL_ENGINE)
-    seeded = tuning.choose(*tiny, engine_cfg, tuning.Pins(), candidates=[BF16_XLA])  # LLM's key: auto pins, no quantization
+    seeded = tuning.choose(*tiny, engine_cfg, Impls(), candidates=[BF16_XLA])  # LLM's key: auto pins, no quantization
     assert seeded.choice.dtype == "bfloat16" and seeded.path.parent.parent == tmp_path
     llm = LLM(tiny_chat_model, engine_config=engine_cfg, warmup=False)
-    assert llm.choices == tuning.Choice("bfloat16", "reference", "xla", "cached")
+    assert llm.choices == Impls("bfloat16", "reference", "xla") and llm.tuning.source == "cached"
     assert llm.model_config.dtype == "bfloat16" and llm.engine.params.layers.wq.dtype == jnp.bfloat16
 
 
@@ -193,19 +194,61 @@ def test_probe_prefills_every_prompt_in_one_step_of_a_table_key(limits):
     plans, _ = dry_run(probe.engine_cfg, probe.prompts, [tuning.NUM_GENERATED] * len(probe.prompts))
     assert plans[0].bucket.phase == "prefill" and len(plans[0].request_ids) == len(probe.prompts) > 1
     assert all(plan.bucket.phase == "decode" and len(plan.request_ids) == len(probe.prompts) for plan in plans[1:])
-    assert plans[0].bucket.num_tokens in engine_cfg.prefill_chunk_buckets and plans[1].bucket.num_rows in engine_cfg.decode_batch_buckets
+    tables = BucketTables.from_config(engine_cfg)
+    assert plans[0].bucket.num_tokens in tables.chunk_tokens and plans[1].bucket.num_rows in tables.decode_rows
 
 
 def test_w8a8_is_a_candidate_exactly_where_the_weights_hold_int8_codes():
     """With activation blocks of 64 its perplexity cost (+0.62% on SmolLM2) is inside the 1% the tuner may
     trade for speed: auto offers it over int8 weights, never over others, and a pinned 'xla' keeps it out."""
-    auto = tuning.default_candidates(tuning.Pins(), "cpu", int8_weights=True)
+    auto = tuning.default_candidates(Impls(), "cpu", int8_weights=True)
     assert "int8" in {c.matmul_impl for c in auto} and {"xla", "cpu"} <= {c.matmul_impl for c in auto}
-    assert "int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "cpu", int8_weights=False)}
-    assert "int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(matmul_impl="xla"), "cpu", int8_weights=True)}
-    pinned = tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=True)
+    assert "int8" not in {c.matmul_impl for c in tuning.default_candidates(Impls(), "cpu", int8_weights=False)}
+    assert "int8" not in {c.matmul_impl for c in tuning.default_candidates(Impls(matmul_impl="xla"), "cpu", int8_weights=True)}
+    pinned = tuning.default_candidates(Impls(matmul_impl="int8"), "cpu", int8_weights=True)
     assert pinned and {c.matmul_impl for c in pinned} == {"int8"}
-    assert not tuning.default_candidates(tuning.Pins(matmul_impl="int8"), "cpu", int8_weights=False)
+    assert not tuning.default_candidates(Impls(matmul_impl="int8"), "cpu", int8_weights=False)
+
+
+def test_an_explicit_float32_dtype_means_float32_compute_and_offers_no_w8a8():
+    """dtype="float32" asked for by name is f32 arithmetic for every matmul, as `dtype` is in vLLM: the W8A8
+    paths (activations quantized to int8) are offered under dtype="auto", or where the matmul is pinned to one."""
+    for backend in ("cpu", "gpu"):
+        auto = {c.matmul_impl for c in tuning.default_candidates(Impls(), backend, int8_weights=True, affine_weights=True)}
+        f32 = {c.matmul_impl for c in tuning.default_candidates(Impls(dtype="float32"), backend, int8_weights=True, affine_weights=True)}
+        assert "int8" in auto and not f32 & {"int8", "cpu_int8"}, (backend, auto, f32)
+    pinned = tuning.default_candidates(Impls(dtype="float32", matmul_impl="cpu_int8"), "cpu", affine_weights=True)
+    assert pinned and {c.matmul_impl for c in pinned} == {"cpu_int8"}
+
+
+@pytest.mark.parametrize("choice, why", [
+    ({"dtype": "int8", "attention_impl": "reference", "matmul_impl": "xla"}, "dtype 'int8'"),
+    ({"dtype": "float32", "attention_impl": "reference", "matmul_impl": "bogus"}, "matmul_impl 'bogus'"),
+    ({"dtype": "float32", "attention_impl": "auto", "matmul_impl": "xla"}, "attention_impl 'auto'"),
+    ({"dtype": "bfloat16", "attention_impl": "cpu", "matmul_impl": "xla"}, "needs a float32 model"),
+    ({"dtype": "float32", "attention_impl": "pallas", "matmul_impl": "xla"}, "GPU only"),
+])
+def test_a_cached_choice_that_cannot_run_here_is_measured_again_with_a_warning(tiny, engine_cfg, tmp_path, choice, why):
+    """A damaged or stale cache file never becomes a pin that kills the run: it is read as no cache, with a
+    warning naming the file and the reason, and the choice is measured again."""
+    candidates = [CountingCandidate("float32", "reference", "xla", prepared=[])]
+    first = tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path, candidates=candidates)
+    doc = json.loads(first.path.read_text())
+    first.path.write_text(json.dumps({**doc, "choice": choice}))
+    with pytest.warns(UserWarning, match=why):
+        again = tuning.choose(*tiny, engine_cfg, Impls(), enabled=True, directory=tmp_path, candidates=candidates)
+    assert again.source == "tuned" and again.choice == Impls("float32", "reference", "xla")
+    assert json.loads(first.path.read_text())["choice"] == dataclasses.asdict(again.choice)  # the file is repaired
+
+
+def test_the_cache_key_changes_when_the_cpu_kernels_stop_building(tiny, engine_cfg, monkeypatch, cpu_kernels):
+    """A choice measured where the kernels built is not applied where they cannot be (a runtime image
+    without the compiler): the key differs, so the choice is measured again there."""
+    from kernels_cpu import paged_attention
+
+    built = tuning.cache_key(FINGERPRINT, tiny[0], engine_cfg, Impls())
+    monkeypatch.setattr(paged_attention, "available", lambda: False)
+    assert tuning.cache_key(FINGERPRINT, tiny[0], engine_cfg, Impls()) != built
 
 
 def test_a_candidate_far_slower_than_the_best_so_far_is_pruned_after_one_generation(tiny, engine_cfg, cpu_kernels):
@@ -228,9 +271,10 @@ def test_attention_is_timed_on_the_engine_contexts_not_the_probe():
     _, plans, num_pages = tune_attention.attention_workload(engine_cfg)
     decode = [p.bucket for p in plans if p.bucket.phase == "decode"]
     prefill = [p.bucket for p in plans if p.bucket.phase == "prefill"]
-    middle_pages = tune_attention.middle_bucket(engine_cfg.decode_page_buckets)
+    tables = BucketTables.from_config(engine_cfg)
+    middle_pages = tune_attention.middle_bucket(tables.pages)
     assert decode and {key.num_pages for key in decode} == {middle_pages} and max(key.num_rows for key in decode) == 8
-    assert prefill and all(key.num_tokens in engine_cfg.prefill_chunk_buckets for key in prefill)
+    assert prefill and all(key.num_tokens in tables.chunk_tokens for key in prefill)
     assert max(key.num_pages for key in prefill) > middle_pages  # a packed row reads several sequences' pages
     probe = tuning.make_probe(engine_cfg, list(range(1, 300)))
     context = max(int(p.positions.max()) + 1 for p in plans)
@@ -241,7 +285,7 @@ def test_attention_is_timed_on_the_engine_contexts_not_the_probe():
 def test_the_tuner_times_attention_alone_then_only_the_winner_whole(tiny, engine_cfg, tmp_path, cpu_kernels):
     """Default candidates: both attentions of float32 are timed alone (tune_attention), and only the one of
     least score is timed with the whole model; the timings travel with the cache and print in the table."""
-    pins = tuning.Pins(dtype="float32", matmul_impl="xla")  # candidates f32/reference/xla and f32/cpu/xla
+    pins = Impls(dtype="float32", matmul_impl="xla")  # candidates f32/reference/xla and f32/cpu/xla
     result = tuning.choose(*tiny, engine_cfg, pins, enabled=True, directory=tmp_path)
     assert [row.attention_impl for row in result.attention] == ["reference", CPU_IMPL]
     assert all(row.score > 0 and row.prefill_ms > 0 and row.decode_ms > 0 for row in result.attention)
@@ -271,7 +315,7 @@ def test_a_candidate_whose_weights_do_not_fit_the_memory_budget_is_not_built(tin
     assert F32_XLA.extra_bytes(cfg, params) == 0
     assert BF16_XLA.extra_bytes(cfg, params) == f32_bytes // 2
     assert tuning.Candidate("float32", "reference", "cpu").extra_bytes(cfg, params) >= f32_bytes - params.embed.size * 4  # the matrices, repacked
-    result = tuning.tune(cfg, params, engine_cfg, tuning.Pins(attention_impl="reference"), memory_budget=f32_bytes // 4)
+    result = tuning.tune(cfg, params, engine_cfg, Impls(attention_impl="reference"), memory_budget=f32_bytes // 4)
     by_name = {m.candidate: m for m in result.measurements}
     assert by_name[F32_XLA.name].passed and result.choice.matmul_impl == "xla" and result.choice.dtype == "float32"
     for name in (BF16_XLA.name, "float32/reference/cpu"):

@@ -27,12 +27,12 @@ import json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import jaxinfer, kernels_cpu
-    from jaxinfer.model import attention
+    from jaxinfer.engine import backends
     from kernels_cpu import layer_matmul, paged_attention
     result = {
         "files": [jaxinfer.__file__, kernels_cpu.__file__],
         "available": [paged_attention.available(), layer_matmul.available()],
-        "auto_impl": attention.resolve_impl("auto", dtype="float32"),
+        "auto_impl": backends.resolve_impl("auto", dtype="float32"),
     }
 result["warnings"] = [str(w.message) for w in caught]
 print(json.dumps(result))

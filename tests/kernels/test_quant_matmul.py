@@ -4,7 +4,7 @@ quantized per block of 32 in the kernel. Checked three ways: the kernel against 
 same packed arrays; the reference against a numpy int64 transcription of the arithmetic on the GGUF file's
 own block bytes (so the packing is checked too). End to end, an engine on matmul_impl='cpu_int8' against the
 same int8 weights multiplied in f32 is tests/test_int8_dot.py's, beside XLA's W8A8. Also quantization='auto'
-(tuning.load_quantization), which keeps a GGUF's blocks for this kernel."""
+(backends.resolve_quantization), which keeps a GGUF's blocks for this kernel."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 
 from jaxinfer.model import panels, quant
 from jaxinfer.engine import tuning
-from jaxinfer.engine.backends import resolve_matmul_impl
+from jaxinfer.engine.backends import Impls, resolve_matmul_impl, resolve_quantization
 from kernels_cpu import quant_matmul
 
 GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -151,14 +151,14 @@ def test_cpu_int8_without_quantized_weights_or_in_bf16_is_refused():
 
 
 def test_cpu_int8_is_a_candidate_exactly_where_the_kernel_reads_the_weights():
-    offered = lambda **kinds: {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "cpu", **kinds)}  # noqa: E731
+    offered = lambda **kinds: {c.matmul_impl for c in tuning.default_candidates(Impls(), "cpu", **kinds)}  # noqa: E731
     assert "cpu_int8" in offered(affine_weights=True) and "cpu_int8" not in offered(affine_weights=False)
-    assert "cpu_int8" not in {c.matmul_impl for c in tuning.default_candidates(tuning.Pins(), "gpu", affine_weights=True)}
+    assert "cpu_int8" not in {c.matmul_impl for c in tuning.default_candidates(Impls(), "gpu", affine_weights=True)}
     q4 = jax.tree.map(jnp.asarray, quant.from_gguf(quants.quantize(np.ones((32, 64), np.float32), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0))
     assert panels.has_affine_weights({"w": q4}) and not quant.has_int8_weights({"w": q4})
 
 
-# ------------------------------------------------------------------ quantization="auto" (tuning.load_quantization)
+# ------------------------------------------------------------------ quantization="auto" (backends.resolve_quantization)
 
 
 @pytest.fixture(scope="module")
@@ -181,28 +181,29 @@ def test_auto_keeps_a_gguf_s_blocks_only_where_the_kernel_may_run(monkeypatch, t
     from jaxinfer.loading import loading
 
     gguf_file = loading.default_model_path()
-    monkeypatch.setenv(tuning.TUNE_ENV, "1")
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins()) == "gguf"
-    assert tuning.load_quantization("auto", tiny_chat_model, tuning.Pins()) is None  # a Hugging Face folder
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(dtype="bfloat16")) is None  # the kernel computes in f32
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(matmul_impl="cpu")) is None
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(), on_mesh=True) is None
-    assert tuning.load_quantization(None, gguf_file, tuning.Pins()) is None and tuning.load_quantization("int8", gguf_file, tuning.Pins()) == "int8"
-    monkeypatch.setenv(tuning.TUNE_ENV, "0")  # nothing measured: dense, as before, unless the kernel is pinned
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins()) is None
-    assert tuning.load_quantization("auto", gguf_file, tuning.Pins(matmul_impl="cpu_int8")) == "gguf"
+    assert resolve_quantization("auto", gguf_file, Impls()) == "gguf"
+    assert resolve_quantization("auto", tiny_chat_model, Impls()) is None  # a Hugging Face folder
+    assert resolve_quantization("auto", gguf_file, Impls(dtype="bfloat16")) is None  # the kernel computes in f32
+    assert resolve_quantization("auto", gguf_file, Impls(matmul_impl="cpu")) is None
+    assert resolve_quantization("auto", gguf_file, Impls(), on_mesh=True) is None
+    assert resolve_quantization(None, gguf_file, Impls()) is None and resolve_quantization("int8", gguf_file, Impls()) == "int8"
+    # nothing measured (JAXINFER_TUNE=0): dense, as before, unless the kernel is pinned
+    assert resolve_quantization("auto", gguf_file, Impls(), tuning=False) is None
+    assert resolve_quantization("auto", gguf_file, Impls(matmul_impl="cpu_int8"), tuning=False) == "gguf"
+    # an explicit float32 means f32 compute: no W8A8 kernel unless the matmul is pinned to it
+    assert resolve_quantization("auto", gguf_file, Impls(dtype="float32")) is None
 
 
 def test_auto_runs_kept_blocks_dense_unless_the_choice_is_the_kernel(smollm2_kept):
     cfg, params = smollm2_kept
     from jaxinfer.config import EngineConfig
 
-    kernel = tuning.Choice("float32", "cpu", "cpu_int8", "tuned")
+    kernel = Impls("float32", "cpu", "cpu_int8")
     _, kept, engine_cfg = tuning.apply_choice(kernel, cfg, params, EngineConfig(), "auto")
     assert isinstance(kept.layers.wq, quant.QuantizedTensor) and engine_cfg.matmul_impl == "cpu_int8"
-    _, dense, _ = tuning.apply_choice(tuning.Choice("float32", "cpu", "cpu", "tuned"), cfg, params, EngineConfig(), "auto")
+    _, dense, _ = tuning.apply_choice(Impls("float32", "cpu", "cpu"), cfg, params, EngineConfig(), "auto")
     assert not any(isinstance(leaf, quant.QuantizedTensor) for leaf in jax.tree.leaves(dense, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor)))
-    _, still_kept, _ = tuning.apply_choice(tuning.Choice("float32", "cpu", "cpu", "tuned"), cfg, params, EngineConfig(), "gguf")
+    _, still_kept, _ = tuning.apply_choice(Impls("float32", "cpu", "cpu"), cfg, params, EngineConfig(), "gguf")
     assert isinstance(still_kept.layers.wq, quant.QuantizedTensor)  # an explicit gguf is never densified
     kinds = tuning.weight_kinds(params, auto_weights=True)
     assert kinds == {"int8_weights": False, "affine_weights": True}  # XLA's W8A8 would run on the dense copy: not offered

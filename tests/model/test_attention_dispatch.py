@@ -17,7 +17,8 @@ from jaxtyping import jaxtyped
 
 from jaxinfer.model import sharding
 from jaxinfer.model import kv_pool as kvp
-from jaxinfer.model.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages, resolve_impl
+from jaxinfer.engine.backends import resolve_impl
+from jaxinfer.model.attention import DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL, attention_over_pages
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.forward import forward
 from jaxinfer.model.panels import pack_panels
