@@ -8,7 +8,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "jaxinfer.api",
-    "RequestOutput": "jaxinfer.api",
+    "RequestOutput": "jaxinfer.outputs",
     "SamplingParams": "jaxinfer.scheduling.request",
     "EngineConfig": "jaxinfer.config",
     "ModelConfig": "jaxinfer.config",

@@ -6,47 +6,50 @@ text) through the one run loop, `runloop.run`. `prepare` is the request boundary
 batch reader share: it encodes, truncates on request, and checks token ids against the vocabulary and
 the request against the engine's limits, raising a `ValueError` that names the problem. `stream()`
 yields each request's output as soon as it finishes, which the batch CLI writes at once; `generate()`
-collects them back into input order.
+collects them back into input order. With data parallelism each replica (`Replica`: an engine and its
+block pool) has its own scheduler, and scheduling/replicas.py's `Router` picks each request's replica.
+Owns: LLM and one stream's state (`_StreamRun`). What a request gives back is outputs.py's (`RequestOutput`);
+`Prompt` and `truncate_prompt` are scheduling/request.py's (both re-exported here).
 """
 
 import dataclasses
 import functools
 import heapq
 import itertools
-import math
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence, Sized
 
 from tqdm.auto import tqdm
 
-from jaxinfer.scheduling import guided, runloop
-from jaxinfer.loading import loading, tokenizer as tok
-from jaxinfer.engine import profiling, tuning
-from jaxinfer.model import sharding
-from jaxinfer.scheduling.block_pool import BlockPool, page_hashes
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine import profiling, tuning
 from jaxinfer.engine.engine import Engine
-from jaxinfer.options import LoadOptions
-from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.loading import loading, tokenizer as tok  # noqa: F401  (loading: tests/front/test_import_graph.py's control reads this edge)
+from jaxinfer.model import sharding
 from jaxinfer.model.params import Params
-from jaxinfer.scheduling.replicas import Replica, ReplicaLoad, route
-from jaxinfer.scheduling.request import TRUNCATE_SIDES, Request, SamplingParams, derive_seed
-from jaxinfer.validation import FieldError, check_bool, check_int, check_number, check_text, check_token_ids
+from jaxinfer.options import LoadOptions
+from jaxinfer.outputs import RequestOutput, Samples, output_of
+from jaxinfer.scheduling import guided, runloop
+from jaxinfer.scheduling.block_pool import BlockPool
+from jaxinfer.scheduling.replicas import Router
+from jaxinfer.scheduling.request import Prompt, Request, SamplingParams, derive_seed, truncate_prompt
 from jaxinfer.scheduling.scheduler import Scheduler, check_request, check_sampling_limits
+from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.validation import FieldError, check_bool, check_int, check_text, check_token_ids
+
+__all__ = ["LLM", "Prompt", "Replica", "RequestOutput", "truncate_prompt"]  # Prompt, RequestOutput, truncate_prompt: re-exported
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica
-_MAX_ROUTED_PAGES = 1 << 16  # prefix names a stream's router remembers before forgetting them (they are cached by then)
 
 
-class _RouteState:
-    """What `LLM._route` carries from one chunk of a stream to the next: the load routed to each replica
-    and the prefix pages sent to it."""
+@dataclasses.dataclass
+class Replica:
+    """One model replica: an engine on its own devices and the block pool of its KV pool."""
 
-    def __init__(self, num_replicas: int):
-        self.loads: list[int] = [0] * num_replicas
-        self.routed_pages: list[set[bytes]] = [set() for _ in range(num_replicas)]
+    engine: Engine
+    block_pool: BlockPool
 
 
 class _Arrivals:
@@ -81,101 +84,6 @@ class _Arrivals:
         return None if prompt.arrival_s is None else self.start + prompt.arrival_s
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestMetrics:
-    """Where a request's time went, in seconds from its submission. queue + prefill + decode is its
-    latency exactly: queue until a step first computed its tokens, prefill from there to its first
-    token, decode from there to its end. A request that never ran spends it all queued."""
-
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-    time_per_output_token_s: float  # decode_s per token after the first (0.0 with one token or none)
-    num_steps: int  # engine steps that computed its tokens
-    num_preemptions: int
-
-    @classmethod
-    def of(cls, request: Request) -> "RequestMetrics":
-        arrival, finish = request.arrival_time, request.finish_time
-        scheduled = request.first_scheduled_time or finish
-        first_token = request.first_token_time or finish
-        decode = finish - first_token
-        per_token = decode / (len(request.output_ids) - 1) if len(request.output_ids) > 1 else 0.0
-        return cls(scheduled - arrival, first_token - scheduled, decode, per_token, request.num_steps, request.num_preemptions)
-
-    def as_record(self) -> dict:
-        return {name: round(value, 6) if isinstance(value, float) else value for name, value in dataclasses.asdict(self).items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    index: int  # position in the input
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "timeout" (its deadline passed before it started) | "error"
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    time_to_first_token: float  # seconds from submission
-    latency: float  # seconds from submission to finish
-    num_preemptions: int = 0
-    error: str | None = None  # why it failed, when finish_reason is "error"
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    metrics: RequestMetrics | None = None  # where its latency went
-    # With SamplingParams.logprobs: per generated token, (its log-probability, {token id: log-probability}
-    # of the top `logprobs`, most likely first). With prompt_logprobs: the same per prompt token, None for
-    # the first (nothing scores it). EngineConfig.logprobs_mode says which distribution.
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
-    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
-    # With SamplingParams.n > 1 the prompt's output is sample 0's, and `samples` holds all n in order.
-    sample_index: int = 0
-    num_samples: int = 1
-    samples: "list[RequestOutput] | None" = None
-    prompt_token_ids: list[int] | None = None  # the prompt as the engine saw it (after the chat template, truncation)
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """One unit of work: token ids plus its sampling parameters. `index` orders the outputs.
-
-    `identity` names the request stably across runs (a batch line's key); a request without its own
-    seed derives one from it (or from `index` when it is None), so reruns draw the same tokens.
-    """
-
-    index: int
-    token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0  # lower runs first
-    deadline_s: float | None = None  # seconds after submission by which it must start
-    identity: str | None = None
-    cache_salt: str | None = None  # prefix-cache pages are shared only between prompts with equal salts
-    arrival_s: float | None = None  # replay: seconds after the stream starts at which it arrives (None: at once)
-
-    def __post_init__(self):
-        check_int("priority", self.priority, low=-(2**62), high=2**62)
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise FieldError("cache_salt", f"must be a string, got {self.cache_salt!r}")
-        if self.cache_salt is not None:
-            check_text("cache_salt", self.cache_salt)
-        if self.deadline_s is not None:
-            object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
-        if self.arrival_s is not None:
-            object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s, low=0.0, high=1e9))
-
-
-def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
-    """Cut a prompt that does not fit the context; prompts that fit are never cut.
-
-    A cut prompt keeps room for max_tokens of output, but at least half the context for itself. 'left'
-    keeps the end of the prompt (the usual choice for chats), 'right' its start.
-    """
-    if side not in TRUNCATE_SIDES:
-        raise FieldError("truncate", f"must be one of {TRUNCATE_SIDES}, got {side!r}")
-    if len(ids) < max_context or side == "none":
-        return ids
-    keep = max_context - min(max_tokens, max_context // 2)
-    return ids[-keep:] if side == "left" else ids[:keep]
-
-
 class LLM:
     """A loaded model with a warmed-up paged engine.
 
@@ -185,7 +93,7 @@ class LLM:
         machine and keeps the faster that passes its numerics check against float32, cached per machine;
         float32 with JAXINFER_TUNE=0), or "float32", "bfloat16", "float16", pinned (never changed).
         attention_impl and matmul_impl (EngineConfig fields, as keywords) left at "auto" are tuned too;
-        `llm.choices` names what runs (tuning.Choice) and `llm.tuning` holds the tuner's table.
+        `llm.choices` names what runs (backends.Impls) and `llm.tuning` holds the tuner's table.
       quantization: how weights are held on the device: "auto" (the default: a GGUF file's blocks are kept
         where the tuner may multiply them W8A8 with the CPU quantized-matmul kernel, matmul_impl 'cpu_int8',
         and kept only if it measures that fastest; dense everywhere else, and with JAXINFER_TUNE=0), None
@@ -239,7 +147,7 @@ class LLM:
         """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own.
         `quantization`: what the params were loaded for (LoadOptions.quantization; None for params given as
         they are, whose quantized matrices are never made dense)."""
-        pins = tuning.Pins(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
+        pins = tuning.Impls(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
         self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=quantization, on_mesh=options.on_mesh)
         model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, quantization)
         self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
@@ -354,144 +262,62 @@ class LLM:
         finally:
             self._running.release()
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=True)
+
     def _stream(self, prompts: Iterator[Prompt], *, total: int | None, max_inflight: int, progress, on_step) -> Iterator[RequestOutput]:
         """Prompts are pulled in chunks that refill the in-flight set up to `max_inflight`; each goes to
-        the replica `_route` picks (the one replica, without data parallelism). The replicas' run loops
+        the replica the router picks (the one replica, without data parallelism). The replicas' run loops
         are advanced in turn, each output yielded as it finishes; a replica's loop that ran out of work
         is started again when new prompts reach it."""
-        schedulers = [Scheduler(self.engine_config, r.engine.num_pages, block_pool=r.block_pool) for r in self.replicas]
-        processors = [OutputProcessor(self._decode, self.tokenizer.eos_id, self.engine_config.max_context) for _ in self.replicas]
-        self.last_routes = []
-        routing = _RouteState(len(self.replicas))
-        inflight, exhausted = 0, False
+        run = _StreamRun(self, on_step)
+        self.last_routes = run.routes
         show = progress if progress is not None else total is None or total >= _PROGRESS_MIN_REQUESTS
         bar = tqdm(total=total, unit="req", disable=not show)
-        loops: dict[int, Iterator[Request]] = {}
-        samples = _Samples()
-        arrivals = _Arrivals(time.perf_counter())
-
-        def submit(chunk: list[Prompt]) -> int:
-            routes = self._route(chunk, routing)
-            self.last_routes.extend(routes)
-            return sum(len(self._submit(schedulers[i], [prompt], arrivals.time_of(prompt))) for prompt, i in zip(chunk, routes))  # n requests for n samples
-
-        def admit() -> None:  # between steps: the prompts whose arrival time has come (a heap peek when none wait)
-            nonlocal inflight
-            if arrivals:
-                inflight += submit(arrivals.due())
-
         try:
             while True:
-                if not exhausted and inflight + len(arrivals) < max_inflight:
-                    chunk = list(itertools.islice(prompts, max_inflight - inflight - len(arrivals)))
-                    exhausted = len(chunk) < max_inflight - inflight - len(arrivals)
-                    inflight += submit(arrivals.hold(chunk))
-                for i, replica in enumerate(self.replicas):
-                    if i not in loops and schedulers[i].has_work():
-                        loops[i] = runloop.run(schedulers[i], replica.engine.step, processors[i], on_step=on_step, admit=admit)
-                if not loops:
-                    if not arrivals:
+                run.refill(prompts, max_inflight)
+                if not run.start_loops():
+                    if not run.arrivals:
                         break
-                    arrivals.wait()  # nothing runs until the next prompt arrives
-                    admit()
+                    run.arrivals.wait()  # nothing runs until the next prompt arrives
+                    run.admit()
                     continue
-                for i in list(loops):
-                    request = next(loops[i], None)
-                    if request is None:
-                        del loops[i]
-                        continue
-                    inflight -= 1
-                    output = samples.add(self._output(request, processors[i].text(request)))
-                    if output is not None:  # the prompt's last sample has finished
-                        bar.update(1)
-                        yield output
+                for output in run.advance():
+                    bar.update(1)
+                    yield output
         finally:  # an interrupted or abandoned stream gives its pages back (cached ones stay named)
-            for scheduler in schedulers:
-                scheduler.abort_all("the run was stopped before this request finished")
-            bar.close()
-            self.replica_stats = [scheduler.stats for scheduler in schedulers]
+            self.replica_stats = run.close()
             self.last_stats = self.replica_stats[0]
-
-    def _route(self, prompts: list[Prompt], state: "_RouteState | None" = None) -> list[int]:
-        """The replica of each prompt, by `replicas.route`: load plus what each replica caches of its
-        prefix, counting the prefixes routed earlier in this stream. `state` carries the loads and the
-        routed prefixes from one chunk of a stream to the next (None: a fresh one)."""
-        if len(self.replicas) == 1:
-            return [0] * len(prompts)
-        state = state or _RouteState(len(self.replicas))
-        page_size, caching = self.engine_config.page_size, self.engine_config.enable_prefix_caching
-        loads, routed_pages = state.loads, state.routed_pages
-        if sum(map(len, routed_pages)) > _MAX_ROUTED_PAGES:  # a long stream: what ran is in the pools' caches by now
-            for pages in routed_pages:
-                pages.clear()
-        routes = []
-        for prompt in prompts:
-            names = page_hashes(prompt.token_ids, page_size, prompt.cache_salt) if caching else []
-            states = []
-            for i, replica in enumerate(self.replicas):
-                cached = len(replica.block_pool.lookup(names))
-                while cached < len(names) and names[cached] in routed_pages[i]:
-                    cached += 1
-                states.append(ReplicaLoad(loads[i], replica.block_pool.num_free, cached * page_size))
-            i = route(states, len(prompt.token_ids), prompt.params.max_tokens)
-            loads[i] += len(prompt.token_ids) - states[i].cached_tokens + prompt.params.max_tokens
-            routed_pages[i].update(names)
-            routes.append(i)
-        return routes
+            bar.close()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=True)
 
-    def _submit(self, scheduler: Scheduler, prompts: list[Prompt], arrival: float | None = None) -> list[Request]:
+    def _requests(self, prompt: Prompt, arrival: float | None = None) -> list[Request]:
         """One request per sample: n of a prompt share its prompt pages (the later ones wait for the
         first's prefill, scheduler._prompt_shared); sample i > 0 draws from a seed derived from the
         prompt's and i, so each sample is reproducible on its own and sample 0 is the n = 1 output.
-        `arrival`: when they arrived (perf_counter; a replayed prompt's due time), else now."""
+        `arrival`: when it arrived (perf_counter; a replayed prompt's due time), else now."""
         now = time.perf_counter() if arrival is None else arrival
-        requests = []
-        for prompt in prompts:
-            deadline = None if prompt.deadline_s is None else now + prompt.deadline_s
-            identity = f"index:{prompt.index}" if prompt.identity is None else prompt.identity
-            seed = prompt.params.seed if prompt.params.seed is not None else derive_seed(self.engine_config.seed, identity)
-            first = None
-            for sample in range(prompt.params.n):
-                request = Request(
-                    str(prompt.index) if sample == 0 else f"{prompt.index}:{sample}", prompt.token_ids, prompt.params,
-                    seed if sample == 0 else derive_seed(seed, f"sample:{sample}"), priority=prompt.priority,
-                    deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
-                    eos_id=self.tokenizer.eos_id, guide=self._guides.guide(prompt.params),
-                    fork_of=first, sample_index=sample,
-                )
-                first = first or request
-                scheduler.add(request)
-                requests.append(request)
+        deadline = None if prompt.deadline_s is None else now + prompt.deadline_s
+        identity = f"index:{prompt.index}" if prompt.identity is None else prompt.identity
+        seed = prompt.params.seed if prompt.params.seed is not None else derive_seed(self.engine_config.seed, identity)
+        requests: list[Request] = []
+        for sample in range(prompt.params.n):
+            requests.append(Request(
+                str(prompt.index) if sample == 0 else f"{prompt.index}:{sample}", prompt.token_ids, prompt.params,
+                seed if sample == 0 else derive_seed(seed, f"sample:{sample}"), priority=prompt.priority,
+                deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
+                eos_id=self.tokenizer.eos_id, guide=self._guides.guide(prompt.params),
+                fork_of=requests[0] if requests else None, sample_index=sample,
+            ))
         return requests
 
     @functools.cached_property
     def _guides(self) -> guided.Guides:
         """llguidance's tokenizer, built on the first constrained request (about a second)."""
         return guided.Guides(self.tokenizer, self.model_config.vocab_size)
-
-    def _output(self, request: Request, text: str) -> RequestOutput:
-        return RequestOutput(
-            index=request.arrival_index,
-            text=text,
-            token_ids=list(request.output_ids),
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=len(request.prompt_ids),
-            num_generated_tokens=len(request.output_ids),
-            time_to_first_token=(request.first_token_time or request.finish_time) - request.arrival_time,
-            latency=request.finish_time - request.arrival_time,
-            num_preemptions=request.num_preemptions,
-            error=request.error,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=RequestMetrics.of(request),
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-            prompt_logprobs=_prompt_logprobs(request),
-            sample_index=request.sample_index,
-            num_samples=request.params.n,
-            prompt_token_ids=list(request.prompt_ids),
-        )
 
     def start_profile(self, directory) -> None:
         """Start a jax.profiler trace of what runs until stop_profile(), written under `directory` (TensorBoard, Perfetto)."""
@@ -543,6 +369,73 @@ class LLM:
         return sorted(self.stream(work, progress=progress, on_step=on_step), key=lambda o: o.index)
 
 
+class _StreamRun:
+    """One stream's state over the replicas: a scheduler and an output processor per replica, the router,
+    the prompts in flight and those not yet arrived, the run loops under way, and samples not yet merged."""
+
+    def __init__(self, llm: LLM, on_step: runloop.OnStep | None):
+        cfg = llm.engine_config
+        self.llm, self.on_step = llm, on_step
+        self.schedulers = [Scheduler(cfg, r.engine.num_pages, block_pool=r.block_pool) for r in llm.replicas]
+        self.processors = [OutputProcessor(llm._decode, llm.tokenizer.eos_id, cfg.max_context) for _ in llm.replicas]
+        self.router = Router([r.block_pool for r in llm.replicas], page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.arrivals = _Arrivals(time.perf_counter())
+        self.samples = Samples()
+        self.loops: dict[int, Iterator[Request]] = {}  # replica -> its run loop, while it has work
+        self.routes: list[int] = []  # replica of each prompt, in submission order
+        self.inflight = 0  # requests submitted and not yet finished
+        self.exhausted = False  # the input has no more prompts
+
+    def refill(self, prompts: Iterator[Prompt], max_inflight: int) -> None:
+        """Pull prompts until `max_inflight` are in flight or held for their arrival; submit those due."""
+        room = max_inflight - self.inflight - len(self.arrivals)
+        if self.exhausted or room <= 0:
+            return
+        chunk = list(itertools.islice(prompts, room))
+        self.exhausted = len(chunk) < room
+        self.submit(self.arrivals.hold(chunk))
+
+    def submit(self, prompts: list[Prompt]) -> None:
+        """Each prompt's n requests go to the replica the router picks for its first."""
+        groups = [self.llm._requests(prompt, self.arrivals.time_of(prompt)) for prompt in prompts]
+        routes = self.router.assign([group[0] for group in groups])
+        for group, replica in zip(groups, routes):
+            for request in group:
+                self.schedulers[replica].add(request)
+        self.routes.extend(routes)
+        self.inflight += sum(map(len, groups))
+
+    def admit(self) -> None:
+        """Between steps: the prompts whose arrival time has come (a heap peek when none wait)."""
+        if self.arrivals:
+            self.submit(self.arrivals.due())
+
+    def start_loops(self) -> bool:
+        """Start the run loop of each replica that has work and no loop; whether any loop runs."""
+        for i, replica in enumerate(self.llm.replicas):
+            if i not in self.loops and self.schedulers[i].has_work():
+                self.loops[i] = runloop.run(self.schedulers[i], replica.engine.step, self.processors[i], on_step=self.on_step, admit=self.admit)
+        return bool(self.loops)
+
+    def advance(self) -> Iterator[RequestOutput]:
+        """Advance each loop by one finished request; yield the output of each prompt whose last sample it was."""
+        for i in list(self.loops):
+            request = next(self.loops[i], None)
+            if request is None:
+                del self.loops[i]
+                continue
+            self.inflight -= 1
+            output = self.samples.add(output_of(request, self.processors[i].text(request)))
+            if output is not None:
+                yield output
+
+    def close(self) -> list:
+        """Abort what is left (its pages come back; cached ones stay named); the schedulers' stats."""
+        for scheduler in self.schedulers:
+            scheduler.abort_all("the run was stopped before this request finished")
+        return [scheduler.stats for scheduler in self.schedulers]
+
+
 _TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "continue_final_message")
 
 
@@ -556,31 +449,6 @@ def _template_kwargs(value) -> dict:
     if reserved:
         raise FieldError("chat_template_kwargs", f"cannot set {reserved}: give them as their own fields")
     return value
-
-
-class _Samples:
-    """Holds a prompt's samples until all n have finished; `add` returns the prompt's output then."""
-
-    def __init__(self):
-        self._waiting: dict[int, list[RequestOutput]] = {}
-
-    def add(self, output: RequestOutput) -> RequestOutput | None:
-        if output.num_samples == 1:
-            return output
-        done = self._waiting.setdefault(output.index, [])
-        done.append(output)
-        if len(done) < output.num_samples:
-            return None
-        ordered = sorted(self._waiting.pop(output.index), key=lambda o: o.sample_index)
-        return dataclasses.replace(ordered[0], samples=ordered)
-
-
-def _prompt_logprobs(request: Request) -> list | None:
-    """Its prompt log-probabilities, one entry per prompt token (None for the first, and for any a failed
-    request never reached)."""
-    if request.params.prompt_logprobs is None:
-        return None
-    return list(request.prompt_logprobs) or [None] * len(request.prompt_ids)
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

@@ -1,15 +1,18 @@
-"""Data-parallel replicas: one engine and block pool per replica, and the router that assigns each request
-at admission (`route`, by load and prefix-cache affinity). Host-side; no jax at import.
+"""Data-parallel routing: which replica (engine + block pool, held by api.py's `Replica`) each request goes
+to at admission. `route` decides from per-replica loads (by load and prefix-cache affinity); `Router`
+carries one stream's routing state (the load and the prefix pages sent to each replica so far) and reads
+each request's prefix names from the one hash chain the scheduler uses (`Request.page_names`,
+kv_manager.name_pages). Host-only: imports scheduling/ only, never jax and never engine/.
 """
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from jaxinfer.scheduling.block_pool import BlockPool
+from jaxinfer.scheduling.kv_manager import name_pages
+from jaxinfer.scheduling.request import Request
 
-if TYPE_CHECKING:
-    from jaxinfer.engine.engine import Engine
+MAX_ROUTED_PAGES = 1 << 16  # prefix names a stream's router remembers before forgetting them (they are cached by then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,37 @@ def route(replicas: Sequence[ReplicaLoad], prompt_tokens: int, max_tokens: int) 
     return min(range(len(replicas)), key=key)
 
 
-@dataclasses.dataclass
-class Replica:
-    """One model replica: an engine on its own devices and the block pool of its KV pool."""
+class Router:
+    """One stream's routing over the replicas' block pools: `assign` gives each request its replica by
+    `route`, counting what each replica caches of its prefix and the prefixes routed to it earlier in
+    this stream (not yet computed, but they will be by the time it runs)."""
 
-    engine: "Engine"
-    block_pool: BlockPool
+    def __init__(self, block_pools: Sequence[BlockPool], *, page_size: int, enable_prefix_caching: bool):
+        self.block_pools = list(block_pools)
+        self.page_size = page_size  # tokens per KV page
+        self.enable_prefix_caching = enable_prefix_caching
+        self.loads: list[int] = [0] * len(self.block_pools)  # tokens routed to each replica
+        self.routed_pages: list[set[bytes]] = [set() for _ in self.block_pools]  # prefix names sent to each
+
+    def assign(self, requests: Sequence[Request]) -> list[int]:
+        """The replica of each request (a prompt's first sample: its other samples follow it)."""
+        if len(self.block_pools) == 1:
+            return [0] * len(requests)
+        if sum(map(len, self.routed_pages)) > MAX_ROUTED_PAGES:  # a long stream: what ran is in the pools' caches by now
+            for pages in self.routed_pages:
+                pages.clear()
+        return [self._assign_one(request) for request in requests]
+
+    def _assign_one(self, request: Request) -> int:
+        prompt_tokens, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        names = name_pages(request, prompt_tokens // self.page_size, self.page_size) if self.enable_prefix_caching else []
+        states = []
+        for pool, routed in zip(self.block_pools, self.routed_pages):
+            cached = len(pool.lookup(names))
+            while cached < len(names) and names[cached] in routed:
+                cached += 1
+            states.append(ReplicaLoad(self.loads[len(states)], pool.num_free, cached * self.page_size))
+        i = route(states, prompt_tokens, max_tokens)
+        self.loads[i] += prompt_tokens - states[i].cached_tokens + max_tokens
+        self.routed_pages[i].update(names)
+        return i

@@ -1,5 +1,5 @@
-"""User-facing request types: `SamplingParams` (validated where built), `Request` (host state of one
-request) and the derived seed; no jax.
+"""User-facing request types: `SamplingParams` (validated where built), `Prompt` (one prepared unit of
+work, and `truncate_prompt`), `Request` (host state of one request) and the derived seed; no jax.
 
 `SamplingParams` is what a user passes per prompt, from Python or from a JSONL line. It checks every
 field where it is built (validation.py: type, range, finiteness) and names the field in its errors
@@ -14,11 +14,11 @@ import math
 
 from jaxinfer.scheduling import guided
 from jaxinfer.validation import (
-    FieldError, check_bool, check_int, check_logit_bias, check_number, check_stop_strings, check_stop_token_ids, check_token_list,
-    unknown_field_error,
+    FieldError, check_bool, check_int, check_logit_bias, check_number, check_stop_strings, check_stop_token_ids, check_text,
+    check_token_list, unknown_field_error,
 )
 
-TRUNCATE_SIDES = ("none", "left", "right")  # what a prompt over the context does: an error, or cut (api.truncate_prompt)
+TRUNCATE_SIDES = ("none", "left", "right")  # what a prompt over the context does: an error, or cut (truncate_prompt)
 MAX_SEED = 2**31  # seeds are int32 on the device
 MAX_TOP_K = 2**31 - 1  # top_k is int32 on the device
 MAX_N = 1024  # samples per prompt at most
@@ -154,6 +154,49 @@ def derive_seed(base_seed: int, identity: str) -> int:
     so that the same request draws the same tokens in every run, resumed or not."""
     digest = hashlib.blake2b(f"{base_seed}\x00{identity}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % MAX_SEED
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One unit of work: token ids plus its sampling parameters. `index` orders the outputs.
+
+    `identity` names the request stably across runs (a batch line's key); a request without its own
+    seed derives one from it (or from `index` when it is None), so reruns draw the same tokens.
+    """
+
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first
+    deadline_s: float | None = None  # seconds after submission by which it must start
+    identity: str | None = None
+    cache_salt: str | None = None  # prefix-cache pages are shared only between prompts with equal salts
+    arrival_s: float | None = None  # replay: seconds after the stream starts at which it arrives (None: at once)
+
+    def __post_init__(self):
+        check_int("priority", self.priority, low=-(2**62), high=2**62)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise FieldError("cache_salt", f"must be a string, got {self.cache_salt!r}")
+        if self.cache_salt is not None:
+            check_text("cache_salt", self.cache_salt)
+        if self.deadline_s is not None:
+            object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
+        if self.arrival_s is not None:
+            object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s, low=0.0, high=1e9))
+
+
+def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
+    """Cut a prompt that does not fit the context; prompts that fit are never cut.
+
+    A cut prompt keeps room for max_tokens of output, but at least half the context for itself. 'left'
+    keeps the end of the prompt (the usual choice for chats), 'right' its start.
+    """
+    if side not in TRUNCATE_SIDES:
+        raise FieldError("truncate", f"must be one of {TRUNCATE_SIDES}, got {side!r}")
+    if len(ids) < max_context or side == "none":
+        return ids
+    keep = max_context - min(max_tokens, max_context // 2)
+    return ids[-keep:] if side == "left" else ids[:keep]
 
 
 class RequestStatus:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.api import LLM, truncate_prompt
+from jaxinfer.api import LLM
+from jaxinfer.scheduling.request import truncate_prompt
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.request import SamplingParams
 from jaxinfer.validation import FieldError
