@@ -12,6 +12,11 @@ under a `lax.cond` taken only when some row is constrained (sampling.process). T
 feeds each drawn token to the guide (`Guide.advance`); a matcher that has stopped ends the request ('stop').
 The same masks carry `allowed_token_ids` and `bad_words` (a `Guide` without a grammar), so a request
 with any of them costs no program of its own.
+
+No constraint is broken silently: a spec is checked in a child process (grammar_check.py: a grammar deep
+enough to overflow llguidance's stack is an error, not a crash), a matcher in an error state, and a step
+whose grammar, allowed_token_ids, bad_words and -inf biases (min_tokens) leave no token, set `Guide.error`,
+which the output processor turns into the request's error (stopping.py) instead of a 'stop'.
 """
 
 import functools
@@ -19,6 +24,7 @@ import json
 
 import numpy as np
 
+from jaxinfer.scheduling import grammar_check
 from jaxinfer.validation import FieldError
 
 SPEC_KINDS = ("json", "regex", "choice", "grammar")
@@ -47,23 +53,18 @@ def check_spec(value) -> tuple[str, str] | None:
         text = source
     else:
         raise FieldError("structured_outputs", f"{kind!r} must be a string, got {source!r}")
-    _compile(kind, text)
+    error = grammar_check.CHECKER.check(_FORMATS[kind], text)
+    if error is not None:
+        raise FieldError("structured_outputs", f"{kind} {error}")
     return kind, text
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(kind: str, text: str) -> str:
-    """The llguidance grammar of a spec (cached: a job's lines often share a schema)."""
+def _grammar(kind: str, text: str) -> str:
+    """The llguidance grammar of a checked spec (cached: a job's lines often share a schema)."""
     import llguidance
 
-    try:
-        grammar = llguidance.grammar_from(_FORMATS[kind], text)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise FieldError("structured_outputs", f"{kind} cannot be compiled: {e}") from None
-    if is_error:
-        raise FieldError("structured_outputs", f"{kind} cannot be compiled: {'; '.join(messages)}")
-    return grammar
+    return llguidance.grammar_from(_FORMATS[kind], text)
 
 
 class Guides:
@@ -81,16 +82,25 @@ class Guides:
 
     def guide(self, params) -> "Guide | None":
         """A fresh guide for a request's SamplingParams (its grammar, allowed_token_ids, bad_words), or
-        None when it has none of them. Each request (each sample of n) gets its own: a guide has state."""
+        None when it has none of them. Each request (each sample of n) gets its own: a guide has state.
+        A matcher that cannot be made gives a guide in its error state (the request's error), never a raise."""
         spec, allowed, words = params.structured_outputs, params.allowed_token_ids, params.bad_words
         if spec is None and allowed is None and not words:
             return None
-        matcher = None
+        matcher, error = None, None
         if spec is not None:
-            import llguidance
+            try:
+                matcher = grammar_check.run_with_large_stack(self._matcher, *spec)
+            except Exception as e:  # llguidance refused a spec its check passed: this request's error
+                error = f"the grammar's matcher could not be made: {type(e).__name__}: {e}"
+        guide = Guide(matcher, None if allowed is None else self._allowed_bits(allowed), self._bad_word_ids(words), self.vocab_size)
+        guide.error = error
+        return guide
 
-            matcher = llguidance.LLMatcher(self._lltokenizer, _compile(*spec), log_level=0)
-        return Guide(matcher, None if allowed is None else self._allowed_bits(allowed), self._bad_word_ids(words))
+    def _matcher(self, kind: str, text: str):
+        import llguidance
+
+        return llguidance.LLMatcher(self._lltokenizer, _grammar(kind, text), log_level=0)
 
     @functools.lru_cache(maxsize=64)
     def _allowed_bits(self, allowed: tuple[int, ...]) -> np.ndarray:
@@ -111,25 +121,63 @@ class Guides:
 
 
 class Guide:
-    """What one request may generate next: a grammar matcher, an allowed set of ids, banned word sequences."""
+    """What one request may generate next: a grammar matcher, an allowed set of ids, banned word sequences.
 
-    def __init__(self, matcher, allowed: np.ndarray | None, bad_words: tuple[tuple[int, ...], ...]):
-        self.matcher, self.allowed, self.bad_words, self.output = matcher, allowed, bad_words, []
+    `error` is None while the request may go on; else why no allowed token can follow (the matcher failed,
+    or the constraints together leave no token), which makes the request an error (stopping.py).
+    """
 
-    def fill_mask(self, row: np.ndarray) -> None:
-        """Write the bitmask of allowed next tokens into `row` (int32[mask_words], contiguous, all ones on entry)."""
+    def __init__(self, matcher, allowed: np.ndarray | None, bad_words: tuple[tuple[int, ...], ...], vocab_size: int):
+        self.matcher, self.allowed, self.bad_words, self.vocab_size = matcher, allowed, bad_words, vocab_size
+        self.output: list[int] = []
+        self.error: str | None = None
+
+    def fill_mask(self, row: np.ndarray, banned=()) -> None:
+        """Write the bitmask of allowed next tokens into `row` (int32[mask_words], contiguous, all ones on
+        entry). `banned`: ids whose logit bias is -inf at this step (min_tokens' EOS and stop ids), int[N].
+        When nothing is left, `error` names the constraints that left nothing."""
         if self.matcher is not None:
             self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if self.error is None and self.matcher.is_error():
+                self.error = self._matcher_error()
         if self.allowed is not None:
             row &= self.allowed
         for ids in self.bad_words:
             if len(ids) == 1 or tuple(self.output[-(len(ids) - 1) :]) == ids[:-1]:
-                row.view(np.uint32)[ids[-1] // 32] &= ~np.uint32(1 << (ids[-1] % 32))
+                _clear_bit(row, ids[-1])
+        for token in banned:
+            _clear_bit(row, int(token))
+        if self.error is None and not _any_below(row, self.vocab_size):
+            self.error = self._nothing_left(banned)
 
     def advance(self, token: int) -> bool:
-        """Feed the drawn token; True when the grammar is done (or cannot go on), so the request stops."""
+        """Feed the drawn token; True when the grammar is done (or cannot go on, `error`), so the request stops."""
         self.output.append(token)
-        if self.matcher is None:
-            return False
+        if self.matcher is None or self.error is not None:
+            return self.error is not None
         self.matcher.consume_token(token)
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        if self.matcher.is_error():
+            self.error = self._matcher_error()
+        return self.matcher.is_stopped() or self.error is not None
+
+    def _matcher_error(self) -> str:
+        first_line = (self.matcher.get_error().strip().splitlines() or ["?"])[0]
+        if first_line == "NoExtensionBias":  # llguidance: no string of the language continues the output
+            return f"the grammar allows no string that continues the {len(self.output)} tokens so far (its language is empty or has no finite string)"
+        return f"the grammar's matcher failed after {len(self.output)} tokens: {first_line[:300]}"
+
+    def _nothing_left(self, banned) -> str:
+        causes = [name for name, active in (("the grammar", self.matcher is not None), ("allowed_token_ids", self.allowed is not None),
+                                             ("bad_words", bool(self.bad_words)), ("min_tokens (EOS and stop_token_ids are banned until it is reached)", len(banned) > 0))
+                  if active]
+        return f"no token may follow the {len(self.output)} tokens so far: {' + '.join(causes)} leave none allowed"
+
+
+def _clear_bit(row: np.ndarray, token: int) -> None:
+    row.view(np.uint32)[token // 32] &= ~np.uint32(1 << (token % 32))
+
+
+def _any_below(row: np.ndarray, vocab_size: int) -> bool:
+    """Whether some bit of a token id < vocab_size is set (the last word's higher bits are padding)."""
+    full, rest = divmod(vocab_size, 32)
+    return bool(row[:full].any()) or bool(rest and row.view(np.uint32)[full] & np.uint32((1 << rest) - 1))

@@ -66,7 +66,7 @@ def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, pla
             finished += scheduler.abort([request.request_id], f"output processing failed: {type(e).__name__}: {e}")
             continue
         if reason is not None:
-            scheduler.finish(request, reason)
+            scheduler.finish(request, reason, request.error)  # check() names the cause of an 'error'
             finished.append(request)
     return finished
 

@@ -5,6 +5,10 @@ a stop token id or EOS (unless `ignore_eos`), `max_tokens`, the context limit, o
 text so far. Text is detokenized incrementally (`IncrementalDetokenizer`): each token decodes a short
 window of ids rather than the whole output, so a long generation costs O(n), not O(n^2), and the final
 text equals decoding all ids at once. A stop string cuts the text just before it.
+
+A request whose guide has an error (guided.Guide.error: its matcher failed, or its constraints left no
+token to draw) finishes with reason 'error' and that cause in `Request.error`, never as a 'stop'; a token
+drawn when no token was allowed is dropped, since no constraint allowed it.
 """
 
 import dataclasses
@@ -68,6 +72,18 @@ class _TextState:
     stop_end: int | None = None  # and where that stop string ends
 
 
+def _guide_failed(request: Request) -> bool:
+    """Whether the guide had no allowed token for the draw just made (its error set while filling the
+    mask); if so the drawn token, which nothing allowed, is dropped and `request.error` names the cause."""
+    if request.guide.error is None:
+        return False
+    request.output_ids.pop()
+    if len(request.logprobs) > len(request.output_ids):
+        request.logprobs.pop()
+    request.error = request.guide.error
+    return True
+
+
 class OutputProcessor:
     """Decides when each request is done and owns its text.
 
@@ -83,9 +99,15 @@ class OutputProcessor:
         self._texts: dict[str, _TextState] = {}
 
     def check(self, request: Request) -> str | None:
-        """After a new output token: the finish reason ('stop' | 'length'), or None to go on."""
+        """After a new output token: the finish reason ('stop' | 'length' | 'error', with `request.error`
+        set), or None to go on."""
+        if request.guide is not None and _guide_failed(request):
+            return "error"
         reason = token_stop_reason(request.output_ids, request.params, self.eos_id)
         if request.guide is not None and request.guide.advance(request.output_ids[-1]):
+            if request.guide.error is not None:  # the matcher failed on this (allowed) token
+                request.error = request.guide.error
+                return "error"
             reason = reason or "stop"  # the grammar is complete: nothing more may follow
         if self.decode is not None and self._stop_string_found(request):
             reason = "stop"
