@@ -112,7 +112,7 @@ def token_masks(plan: StepPlan, vocab_size: int) -> np.ndarray:
     masks = np.full((plan.seeds.shape[0], guided.mask_words(vocab_size)), -1, np.int32)
     for slot, (guide, sample) in enumerate(zip(plan.guides, plan.samples)):
         if guide is not None and sample:
-            guide.fill_mask(masks[slot])
+            guide.fill_mask(masks[slot], plan.bias_ids[slot][np.isneginf(plan.bias_values[slot])])  # -inf: min_tokens' bans
     return masks
 
 
