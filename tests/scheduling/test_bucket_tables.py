@@ -130,3 +130,20 @@ def test_any_config_warms_up_and_runs_on_the_tiny_model(tiny_llama, compile_cach
     assert counter.count == 0, counter.events
     assert {p.bucket for p in plans} <= set(engine.bucket_keys())
     assert_greedy_is_dense_argmax(model_cfg, params, prompts, outputs)
+
+
+def test_config_is_a_leaf_and_keeps_only_the_tables_given():
+    """EngineConfig imports nothing of the package but validation, and holds what the user gave: tables
+    left at None stay None there, and BucketTables.from_config derives them (one object per config)."""
+    import subprocess
+    import sys
+
+    code = "import sys, jaxinfer.config; print(sorted(m for m in sys.modules if m.startswith('jaxinfer')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "['jaxinfer', 'jaxinfer.config', 'jaxinfer.validation']", loaded
+    cfg = EngineConfig(max_num_seqs=6, max_context=256, page_size=16)
+    assert (cfg.prefill_chunk_buckets, cfg.decode_batch_buckets, cfg.decode_page_buckets) == (None, None, None)
+    tables = BucketTables.from_config(cfg)
+    assert (tables.decode_rows, tables.pages) == ((1, 4, 6), (1, 2, 4, 8, 16))
+    assert BucketTables.from_config(EngineConfig(max_num_seqs=6, max_context=256, page_size=16)) is tables
+    assert EngineConfig(decode_batch_buckets=[4, 32]).decode_batch_buckets == (4, 32)  # a list given is kept as a tuple
