@@ -3,8 +3,9 @@
 Owns `QuantizedTensor` (a pytree: integer codes and per-group scales as arrays, the format and the
 logical shape as static metadata), the host converters into it (GGUF blocks kept as they are, and the
 int8 / int4 quantizers), `dequantize` in plain jnp, the quant-aware matmul `qeinsum` / lookup `take`, and
-device-byte accounting (`resident_bytes`). Imports only jax and numpy (not gguf, not the rest of
-jaxinfer). The CPU kernels' panel layout lives in panels.py, the KV pool's per-token codes in kv_pool.py.
+device-byte accounting (`resident_bytes`). Imports jax, numpy and kernels_cpu.quant_matmul (the one
+W8A8 rule: its activation quantizer and block dot), not gguf, not the rest of jaxinfer. The CPU kernels'
+panel layout lives in panels.py, the KV pool's per-token codes in kv_pool.py.
 
 Orientation. Every matrix is stored as GGUF and Hugging Face store it: rows are output channels (O),
 and the groups that share a scale run along the input (contraction) axis I. Every array field is
@@ -32,6 +33,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, UInt8
 
 from jaxinfer.config import INT4_GROUP_SIZES
+from kernels_cpu import quant_matmul
 
 # ggml type id -> (format name, elements per block, bytes per block); the ids are llama.cpp's (stable).
 GGUF_KEPT_TYPES = {
@@ -286,45 +288,36 @@ def _weight_first_dot(dense, w_subs: str, x, x_subs: str, output: str, preferred
     return jnp.transpose(y, tuple(y_subs.index(c) for c in output))
 
 
-INT8_ACTIVATION_BLOCK = 64  # activation entries per int8 scale in W8A8 (at most; see _int8_dot)
 INT8_PARTIAL_BYTES = 64 * 2**20  # above this, W8A8's per-block int32 sums are not materialized (_int8_dot)
 _INT8_CODE_FORMATS = ("int8", "q8_0")  # formats whose codes are plain int8 with per-row or per-block scales
 
 
 def _int8_dot(w: QuantizedTensor, w_subs: str, x, x_subs: str, output: str) -> Float[Array, "..."]:
-    """W8A8, llama.cpp's Q8_0 x Q8_1 arithmetic: the contraction runs in blocks of
-    b = gcd(I, INT8_ACTIVATION_BLOCK, w.group_size) entries. Each block of each token of `x` is quantized
-    to int8 with the symmetric scale max|x| / 127; XLA's integer dot multiplies it with the weight's int8
-    codes into an exact int32 per (block, output, token); both scales are applied in f32 and the blocks
-    summed. Per-token scales (one block of I) cost SmolLM2 +3.5% perplexity, blocks of 64 +0.65%: a few
-    outlier channels no longer set every other channel's step. q8_0 codes are read as stored, so the
-    dot is exact on a GGUF Q8_0 tensor's blocks; the int8 format's per-row scale applies after the sum.
+    """W8A8, llama.cpp's Q8_0 x Q8_0 arithmetic, by the one rule of kernels_cpu/quant_matmul (which the CPU
+    kernel runs too): each block of quant_matmul.BLOCK = 32 entries of each token of `x` is quantized to
+    int8 with the symmetric scale max|x| / 127 (`quant_matmul.quantize_activations`); XLA's integer dot
+    multiplies it with the weight's stored int8 codes into an exact int32 per (block, output, token), and
+    both scales are applied in f32 (`quant_matmul.block_dot`). Per-token scales (one block of I) cost
+    SmolLM2 +3.5% perplexity, blocks of 32 +0.69% (64: +0.65%; the probe of commit 2d2d0b2): a few outlier
+    channels no longer set every other channel's step. q8_0 codes are read as stored, so the dot is exact
+    on a GGUF Q8_0 tensor's blocks; the int8 format's per-row scale applies after the sum.
 
-    XLA has no fused block dot: the sums are a [nb, O, R] array. Where it would pass INT8_PARTIAL_BYTES
+    XLA has no fused block dot: the sums are an [I/32, O, R] array. Where it would pass INT8_PARTIAL_BYTES
     (a long prefill chunk of a 1B model: gigabytes), the same quantized activations are multiplied in f32
     with the dequantized weight instead: the same values up to f32 rounding, at the float path's speed."""
     contracted = [c for c in w_subs if c in x_subs and c not in output]
     rest = [c for c in x_subs if c not in contracted]
     num_in, num_out = math.prod(w.in_shape), math.prod(w.out_shape)
-    block = math.gcd(num_in, INT8_ACTIVATION_BLOCK, w.group_size)
+    block = math.gcd(num_in, quant_matmul.BLOCK, w.group_size)
     xt = jnp.transpose(x.astype(jnp.float32), [x_subs.index(c) for c in rest + contracted])
     rest_shape = xt.shape[: len(rest)]
-    xt = xt.reshape(-1, num_in // block, block)  # [R, nb, b]
-    x_scale = jnp.max(jnp.abs(xt), axis=-1, keepdims=True) / 127.0
-    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
-    x_codes = jnp.clip(jnp.round(xt / x_scale), -127, 127).astype(jnp.int8)
-    if 4 * num_out * xt.shape[0] * (num_in // block) > INT8_PARTIAL_BYTES:
-        dequantized_x = (x_codes.astype(jnp.float32) * x_scale).reshape(-1, num_in)  # [R, I]
+    x_codes, x_scale = quant_matmul.quantize_activations(xt.reshape(-1, num_in), block)  # [R, I/b, b], [R, I/b]
+    if 4 * num_out * x_codes.shape[0] * (num_in // block) > INT8_PARTIAL_BYTES:
+        dequantized_x = (x_codes.astype(jnp.float32) * x_scale[..., None]).reshape(-1, num_in)  # [R, I]
         y = jax.lax.dot_general(_dequantize_rows(w).reshape(num_out, num_in), dequantized_x, (((1,), (1,)), ((), ())))  # [O, R]
         return _to_output(y, w, contracted, rest, rest_shape, w_subs, output)
-    codes = w.codes.reshape(num_out, num_in // block, block)  # [O, nb, b]: the stored rows, no copy
-    partial = jax.lax.dot_general(codes, x_codes, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32)  # [nb, O, R]
-    w_scale = w.scales.astype(jnp.float32).reshape(num_out, -1)  # [O, 1] (int8) or [O, I/32] (q8_0)
-    if w_scale.shape[1] == 1:
-        y = jnp.einsum("bor,rb->or", partial.astype(jnp.float32), x_scale[..., 0]) * w_scale
-    else:
-        w_scale = jnp.repeat(w_scale, w.group_size // block, axis=1)  # [O, nb]
-        y = jnp.einsum("bor,ob,rb->or", partial.astype(jnp.float32), w_scale, x_scale[..., 0])
+    codes = w.codes.reshape(num_out, num_in)  # [O, I]: the stored rows, no copy
+    y = quant_matmul.block_dot(x_codes, x_scale, codes, w.scales.reshape(num_out, -1))  # [O, R]; scales [O, 1] (int8) or [O, I/32] (q8_0)
     return _to_output(y, w, contracted, rest, rest_shape, w_subs, output)
 
 

@@ -1,26 +1,32 @@
-"""W8A8 (issue 24): weights of int8 codes (the int8 format, GGUF Q8_0) times activations quantized per
-block, through XLA's int8 x int8 -> int32 dot (quant._int8_dot, EngineConfig.matmul_impl='int8'). Checked
-against a numpy transcription of the same integer arithmetic in int64 (exact up to the final f32 scaling),
-against the float64 dot of the dequantized weights (the error W8A8 adds), and end to end against the same
-int8 weights multiplied in f32."""
+"""W8A8: weights of int8 codes (the int8 format, GGUF Q8_0) times activations quantized per block of 32,
+through XLA's int8 x int8 -> int32 dot (quant._int8_dot, EngineConfig.matmul_impl='int8'), by the same rule
+as the CPU quantized-matmul kernel (kernels_cpu/quant_matmul: one block size, one activation quantizer).
+Checked against a numpy transcription of the same integer arithmetic in int64 (exact up to the final f32
+scaling), against the float64 dot of the dequantized weights (the error W8A8 adds), and end to end against
+the same int8 weights multiplied in f32."""
 
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType, quants
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model import panels, quant
+from kernels_cpu import quant_matmul
 
 
 def numpy_w8a8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray, block: int) -> np.ndarray:
     """x [T, I] f32, codes int8 [O, I], w_scale [O, I / g] (g a multiple of `block`): each `block` entries
-    of a row of x rounded to int8 (scale max|x| / 127), an int64 dot per block, both scales, summed."""
+    of a row of x rounded to int8 (codes round(x * (127 / max|x|)) in f32, half to even, as the CPU kernel
+    rounds them; scale max|x| / 127), an int64 dot per block, both scales, summed."""
     t, i = x.shape
     xb = x.reshape(t, i // block, block)
-    x_scale = np.abs(xb).max(axis=-1, keepdims=True).astype(np.float32) / np.float32(127)  # [T, nb, 1]
-    x_codes = np.clip(np.round(xb / x_scale), -127, 127).astype(np.int64)
+    amax = np.abs(xb).max(axis=-1, keepdims=True).astype(np.float32)  # [T, nb, 1]
+    x_scale = amax / np.float32(127)
+    inverse = (np.float32(127) / np.where(amax > 0, amax, np.float32(1))).astype(np.float32)
+    x_codes = np.clip(np.round(xb * inverse), -127, 127).astype(np.int64)
     cb = codes.astype(np.int64).reshape(codes.shape[0], i // block, block)
     partial = np.einsum("tbk,obk->tob", x_codes, cb).astype(np.float64)  # exact integers
     w_block = np.repeat(w_scale.astype(np.float64), i // block // w_scale.shape[1], axis=1)  # [O, nb]
@@ -40,13 +46,34 @@ def test_int8_dot_is_the_integer_arithmetic_it_claims(layout, spec):
     x = _rows_of_different_scales(rng, (7, 512))
     q = quant.quantize_int8(jnp.asarray(w), layout=layout)
     ours = np.asarray(quant.qeinsum(spec, jnp.asarray(x), quant.with_int8_activations(q)), np.float64)
-    expected = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), quant.INT8_ACTIVATION_BLOCK)
+    expected = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), 32)
     assert np.abs(ours - expected).max() <= 1e-5 * np.abs(expected).max()
     dense = np.einsum(spec, x.astype(np.float64), np.asarray(quant.dequantize(q), np.float64))
     error = np.linalg.norm(ours - dense) / np.linalg.norm(dense)
     per_token = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), 512)  # one scale per token: the outlier sets it
     assert 1e-4 < error < 0.02  # the activations' rounding: visible, and small
     assert error < 0.5 * np.linalg.norm(per_token - dense) / np.linalg.norm(dense)  # blocks confine the outlier
+    coarser = numpy_w8a8(x, np.asarray(q.codes), np.asarray(q.scales), 64)  # control: a block size other than the rule's
+    assert np.abs(ours - coarser).max() > 1e-5 * np.abs(coarser).max()  # the tolerance above tells 32 from 64
+
+
+def test_xla_w8a8_and_the_kernel_reference_are_one_rule():
+    """The same int8 weights through XLA's W8A8 (quant._int8_dot) and through the CPU kernel's jnp reference on
+    the packed panels agree to f32 rounding: the same activation quantizer, blocks of 32 and exact block
+    dots. Each row's largest weight is 127 * 2^-7, so its int8 scale 2^-7 survives the panels' float16."""
+    rng = np.random.default_rng(5)
+    w = rng.uniform(-0.5, 0.5, (2, 96, 128)).astype(np.float32)  # [L, O, I]
+    w[..., 7] = 127 * 2.0**-7
+    x = _rows_of_different_scales(rng, (6, 128))
+    q = quant.quantize_int8(jnp.asarray(w), layout="in_out")
+    assert np.all(np.asarray(q.scales) == 2.0**-7)
+    xla = np.asarray(quant.qeinsum("ti,io->to", jnp.asarray(x), quant.with_int8_activations(jax.tree.map(lambda leaf: leaf[1], q))))
+    packed = panels.to_quant_panels(q)
+    kernel_reference = np.asarray(quant_matmul.reference(jnp.asarray(x), packed.codes, packed.scale, packed.offset, jnp.int32(1), zero_point=packed.zero_point))
+    assert np.abs(kernel_reference - xla).max() <= 1e-5 * np.abs(xla).max()
+    expected = numpy_w8a8(x, np.asarray(q.codes[1]), np.asarray(q.scales[1]), 32)
+    assert np.abs(xla - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert np.abs(numpy_w8a8(x, np.asarray(q.codes[1]), np.asarray(q.scales[1]), 64) - expected).max() > 1e-5 * np.abs(expected).max()  # control
 
 
 def test_q8_0_blocks_are_multiplied_as_stored():
@@ -70,8 +97,6 @@ def test_q8_0_blocks_are_multiplied_as_stored():
 def test_past_the_partial_sum_bound_the_same_quantized_activations_meet_the_f32_weight(fmt, monkeypatch):
     """Above INT8_PARTIAL_BYTES the per-block int32 sums are not built; the result is the integer
     arithmetic's up to f32 rounding, and the lowered program then has no integer dot."""
-    import jax
-
     rng = np.random.default_rng(4)
     w = rng.standard_normal((96, 128)).astype(np.float32)
     q = quant.quantize_int8(jnp.asarray(w), layout="in_out") if fmt == "int8" else \
@@ -127,12 +152,11 @@ def test_int8_matmul_without_int8_weights_is_refused(tiny_chat_model, compile_ca
         LLM(str(tiny_chat_model), matmul_impl="int8", max_context=128, page_size=16, compilation_cache_dir=compile_cache)
 
 
-@pytest.mark.parametrize("fmt,blocks", [("int8", "256x8x64"), ("q8_0", "256x16x32")])  # [O, I / b, b]: b = 64, or Q8_0's 32
+@pytest.mark.parametrize("fmt,blocks", [("int8", "256x16x32"), ("q8_0", "256x16x32")])  # [O, I / b, b]: b = 32, the one W8A8 block
 def test_w8a8_lowers_for_cuda_to_an_integer_dot_on_the_stored_codes(fmt, blocks):
     """Exported for CUDA (as the other GPU code is tested, on this CPU): the dot's operands are i8 and its
     result i32, and no f32 copy of the weight is built: the codes reach the dot as stored (the scales are
     applied by a small f32 contraction after it)."""
-    import jax
     from jax import export
 
     rng = np.random.default_rng(3)
