@@ -17,7 +17,7 @@ implementation is chosen first, per compute dtype, by timing each one alone on c
 own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
 with the winner are then timed whole. The passing
 candidate with the least `score` wins; one whose first generation scores above PRUNE_FACTOR times the best so
-far is not timed again and cannot win. The choice is cached per machine fingerprint, jaxlib version, model
+far is not timed again and cannot win. The choice is cached (tuning_cache.py) per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
 
 Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
@@ -29,11 +29,6 @@ Imports jax and the engine (it builds one per candidate); api.py imports this mo
 """
 
 import dataclasses
-import hashlib
-import importlib.metadata
-import json
-import os
-import platform
 import statistics
 import time
 import warnings
@@ -46,20 +41,19 @@ import numpy as np
 from jaxinfer.model import forward as model, panels, quant
 from jaxinfer.scheduling import runloop
 from jaxinfer.engine import tune_attention
-from jaxinfer.config import ATTENTION_IMPLS, DTYPES, MATMUL_IMPLS, EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
+from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
+    CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, tuning_enabled, write_cached,
+)
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
-from kernels_cpu import build as kernel_build
 
-TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
-CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 6  # part of the cache key: a change of the candidates or the check invalidates old choices
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
@@ -178,167 +172,7 @@ def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfi
     return dataclasses.replace(cfg, dtype=dtype), dataclasses.replace(params, layers=layers, **top)
 
 
-# ------------------------------------------------------------------ the cache
-
-
-def tuning_enabled() -> bool:
-    """Whether "auto" choices are measured (JAXINFER_TUNE unset or not '0')."""
-    return os.environ.get(TUNE_ENV, "1").strip() != "0"
-
-
-def cache_dir() -> Path:
-    """The cache root (kernels_cpu.build.cache_root owns the rule: $JAXINFER_CACHE_DIR, else
-    $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer)."""
-    return kernel_build.cache_root()  # the kernels' module owns the root: it may not import jaxinfer
-
-
-def machine_fingerprint() -> dict:
-    """What decides which implementation is fastest here: the CPU model, flags and core count (from
-    /proc/cpuinfo), or the accelerators' name and count."""
-    backend = jax.default_backend()
-    if backend != "cpu":
-        devices = jax.devices()
-        return {"backend": backend, "device": devices[0].device_kind, "num_devices": len(devices)}
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "flags") and key.strip() not in info:
-                    info[key.strip()] = value.strip()
-    except OSError:
-        pass
-    flags = " ".join(sorted(info.get("flags", "").split()))
-    return {"backend": "cpu", "cpu": info.get("model name") or platform.processor() or platform.machine(), "flags": flags, "num_cpus": os.cpu_count()}
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _engine_limits(engine_cfg: EngineConfig) -> dict:
-    names = ("page_size", "max_num_seqs", "max_prefill_tokens", "max_context", "max_prefill_seqs", "kv_cache_dtype",
-             "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets", "prefill_packing")
-    return {name: getattr(engine_cfg, name) for name in names}
-
-
-def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None) -> str:
-    """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
-    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
-    the CPU kernels' sources."""
-    geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
-    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
-                "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
-                "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
-    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def _cpu_kernels_built() -> bool | None:
-    """Whether the CPU kernels can run here now (None off the CPU backend): a choice measured with them is not
-    the answer where the compiler is gone, and one measured without them is not the answer once it is back."""
-    return backends.cpu_kernel_obstacle("float32", quantized=True) is None if jax.default_backend() == "cpu" else None
-
-
-def _cache_path(directory: Path, key: str) -> Path:
-    return directory / "tuning" / f"{key}.json"
-
-
-def read_cached(directory: Path, key: str) -> "TuneResult | None":
-    """The cached result of `key`, or None when there is none (or it is unreadable: then it is measured again)."""
-    path = _cache_path(directory, key)
-    try:
-        doc = json.loads(path.read_text())
-        choice = Impls(**doc["choice"])
-        measurements = [Measurement(**{**m, "impls": Impls(**m["impls"])}) for m in doc["measurements"]]
-        attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if (problem := unrunnable(choice)) is not None:
-        warnings.warn(f"jaxinfer: the cached tuning choice in {path} ({choice.describe()}) cannot run here: {problem}; measuring again",
-                      stacklevel=2)
-        return None
-    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention,
-                      source="cached")
-
-
-def unrunnable(choice: Impls) -> str | None:
-    """Why a choice read from the cache cannot run on this machine now, or None: a value outside the
-    vocabularies (a damaged or hand-edited file), or a CPU kernel that cannot be built here any more (the
-    compiler gone, the kernel cache unwritable)."""
-    for field, allowed in (("dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS)):
-        if getattr(choice, field) not in allowed or getattr(choice, field) == "auto":
-            return f"{field} {getattr(choice, field)!r} is not one of {[a for a in allowed if a != 'auto']}"
-    uses_kernels = choice.attention_impl == "cpu" or choice.matmul_impl in ("cpu", "cpu_int8")
-    if uses_kernels and (obstacle := backends.cpu_kernel_obstacle(choice.dtype, quantized=choice.matmul_impl == "cpu_int8")):
-        return f"the CPU kernels {obstacle}"
-    if choice.attention_impl == "pallas" and jax.default_backend() != "gpu":
-        return "the Pallas kernel runs on a GPU only"
-    return None
-
-
-def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Path:
-    path = _cache_path(directory, result.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"choice": dataclasses.asdict(result.choice.impls()), "measurements": [dataclasses.asdict(m) for m in result.measurements],
-           "attention": [dataclasses.asdict(m) for m in result.attention],
-           "seconds": result.seconds, "fingerprint": fingerprint, "jaxlib": _version("jaxlib")}
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(temporary, "w") as f:
-        f.write(json.dumps(doc, indent=1))
-        f.flush()
-        os.fsync(f.fileno())  # a power cut leaves the old file or the new one, never an empty one
-    temporary.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
-    return path
-
-
 # ------------------------------------------------------------------ measuring
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-    """One candidate's row of the tuner's table (prefill ms: its fastest step; decode ms: the median step)."""
-
-    impls: Impls
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
-    score: float | None = None  # ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens + 1 output token
-    relative_error: float | None = None
-    greedy_agreement: float | None = None
-    passed: bool = False
-    note: str = ""  # why it failed or could not run
-
-    @property
-    def candidate(self) -> str:
-        return self.impls.name
-
-    @property
-    def status(self) -> str:
-        return "pass" if self.passed else f"FAIL ({self.note})" if self.note else "FAIL"
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-    """What the tuner chose (`choice`), how (`source`: 'tuned' measured now, 'cached' measured before and read
-    from the cache, 'fixed' not measured), and its table."""
-
-    choice: Impls
-    measurements: list[Measurement]  # empty when nothing was measured now (cached or fixed)
-    key: str | None = None
-    path: Path | None = None
-    seconds: float = 0.0  # time spent measuring (of the original run, for a cached result)
-    from_cache: bool = False
-    prefill_key: object = None
-    decode_key: object = None
-    reason: str = ""  # why nothing was measured, for a fixed choice
-    attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
-    source: str = "fixed"
-
-    def describe(self) -> str:
-        return f"{self.choice.describe()} ({self.source})"
-
 
 @dataclasses.dataclass(frozen=True)
 class Probe:

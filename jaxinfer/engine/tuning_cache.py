@@ -1,0 +1,187 @@
+"""The tuner's record and its cache: `Measurement` (one candidate's row), `TuneResult` (the choice, how it
+was made, and the table), and the per-machine cache of results under the cache root.
+
+A result is cached per machine fingerprint, jaxlib version, model geometry, engine limits, pins, weight
+format, tuner version, the CPU kernels' sources and whether they build here now (`cache_key`); a cached start
+reads one small JSON file. A cached file that cannot be read, holds a value outside the vocabularies, or
+names an implementation that cannot run here now is no cache (with a warning naming the file): the choice is
+measured again. Files are written to a temporary name, fsynced and renamed into place.
+
+Imports jax (the backend and the fingerprint) and engine/backends.py; tuning.py imports this module.
+"""
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import jax
+
+from jaxinfer.config import ATTENTION_IMPLS, DTYPES, MATMUL_IMPLS, EngineConfig, ModelConfig
+from jaxinfer.engine import backends, tune_attention
+from jaxinfer.engine.backends import Impls
+from kernels_cpu import build as kernel_build
+
+TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
+CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
+TUNER_VERSION = 6  # part of the cache key: a change of the candidates or the check invalidates old choices
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One candidate's row of the tuner's table (prefill ms: its fastest step; decode ms: the median step)."""
+
+    impls: Impls
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    score: float | None = None  # ms per PROMPT_TOKENS_PER_OUTPUT_TOKEN prompt tokens + 1 output token
+    relative_error: float | None = None
+    greedy_agreement: float | None = None
+    passed: bool = False
+    note: str = ""  # why it failed or could not run
+
+    @property
+    def candidate(self) -> str:
+        return self.impls.name
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.passed else f"FAIL ({self.note})" if self.note else "FAIL"
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """What the tuner chose (`choice`), how (`source`: 'tuned' measured now, 'cached' measured before and read
+    from the cache, 'fixed' not measured), and its table."""
+
+    choice: Impls
+    measurements: list[Measurement]  # empty when nothing was measured now (cached or fixed)
+    key: str | None = None
+    path: Path | None = None
+    seconds: float = 0.0  # time spent measuring (of the original run, for a cached result)
+    from_cache: bool = False
+    prefill_key: object = None
+    decode_key: object = None
+    reason: str = ""  # why nothing was measured, for a fixed choice
+    attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
+    source: str = "fixed"
+
+    def describe(self) -> str:
+        return f"{self.choice.describe()} ({self.source})"
+
+
+def tuning_enabled() -> bool:
+    """Whether "auto" choices are measured (JAXINFER_TUNE unset or not '0')."""
+    return os.environ.get(TUNE_ENV, "1").strip() != "0"
+
+
+def cache_dir() -> Path:
+    """The cache root (kernels_cpu.build.cache_root owns the rule: $JAXINFER_CACHE_DIR, else
+    $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer)."""
+    return kernel_build.cache_root()  # the kernels' module owns the root: it may not import jaxinfer
+
+
+def machine_fingerprint() -> dict:
+    """What decides which implementation is fastest here: the CPU model, flags and core count (from
+    /proc/cpuinfo), or the accelerators' name and count."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        devices = jax.devices()
+        return {"backend": backend, "device": devices[0].device_kind, "num_devices": len(devices)}
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "flags") and key.strip() not in info:
+                    info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = " ".join(sorted(info.get("flags", "").split()))
+    return {"backend": "cpu", "cpu": info.get("model name") or platform.processor() or platform.machine(), "flags": flags, "num_cpus": os.cpu_count()}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _engine_limits(engine_cfg: EngineConfig) -> dict:
+    names = ("page_size", "max_num_seqs", "max_prefill_tokens", "max_context", "max_prefill_seqs", "kv_cache_dtype",
+             "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets", "prefill_packing")
+    return {name: getattr(engine_cfg, name) for name in names}
+
+
+def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None) -> str:
+    """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
+    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
+    the CPU kernels' sources."""
+    geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
+    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
+                "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
+                "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _cpu_kernels_built() -> bool | None:
+    """Whether the CPU kernels can run here now (None off the CPU backend): a choice measured with them is not
+    the answer where the compiler is gone, and one measured without them is not the answer once it is back."""
+    return backends.cpu_kernel_obstacle("float32", quantized=True) is None if jax.default_backend() == "cpu" else None
+
+
+def _cache_path(directory: Path, key: str) -> Path:
+    return directory / "tuning" / f"{key}.json"
+
+
+def read_cached(directory: Path, key: str) -> "TuneResult | None":
+    """The cached result of `key`, or None when there is none (or it is unreadable: then it is measured again)."""
+    path = _cache_path(directory, key)
+    try:
+        doc = json.loads(path.read_text())
+        choice = Impls(**doc["choice"])
+        measurements = [Measurement(**{**m, "impls": Impls(**m["impls"])}) for m in doc["measurements"]]
+        attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (problem := unrunnable(choice)) is not None:
+        warnings.warn(f"jaxinfer: the cached tuning choice in {path} ({choice.describe()}) cannot run here: {problem}; measuring again",
+                      stacklevel=2)
+        return None
+    return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention,
+                      source="cached")
+
+
+def unrunnable(choice: Impls) -> str | None:
+    """Why a choice read from the cache cannot run on this machine now, or None: a value outside the
+    vocabularies (a damaged or hand-edited file), or a CPU kernel that cannot be built here any more (the
+    compiler gone, the kernel cache unwritable)."""
+    for field, allowed in (("dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS), ("matmul_impl", MATMUL_IMPLS)):
+        if getattr(choice, field) not in allowed or getattr(choice, field) == "auto":
+            return f"{field} {getattr(choice, field)!r} is not one of {[a for a in allowed if a != 'auto']}"
+    uses_kernels = choice.attention_impl == "cpu" or choice.matmul_impl in ("cpu", "cpu_int8")
+    if uses_kernels and (obstacle := backends.cpu_kernel_obstacle(choice.dtype, quantized=choice.matmul_impl == "cpu_int8")):
+        return f"the CPU kernels {obstacle}"
+    if choice.attention_impl == "pallas" and jax.default_backend() != "gpu":
+        return "the Pallas kernel runs on a GPU only"
+    return None
+
+
+def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Path:
+    path = _cache_path(directory, result.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"choice": dataclasses.asdict(result.choice.impls()), "measurements": [dataclasses.asdict(m) for m in result.measurements],
+           "attention": [dataclasses.asdict(m) for m in result.attention],
+           "seconds": result.seconds, "fingerprint": fingerprint, "jaxlib": _version("jaxlib")}
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        f.write(json.dumps(doc, indent=1))
+        f.flush()
+        os.fsync(f.fileno())  # a power cut leaves the old file or the new one, never an empty one
+    temporary.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
+    return path
