@@ -64,7 +64,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.input import CHAT_FIELDS, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
-from jaxinfer.batch.output_file import OutputLock, check_settings, repair_output, scan_output, write_settings
+from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, repair_output, scan_output, write_settings
 from jaxinfer.batch.records import JobSummary, error_record, record_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.scheduling.scheduler import PromptTooLongError
@@ -227,6 +227,7 @@ class BatchJob:
         self._input: SpooledInput | None = None
         self._file = None
         try:
+            check_settings_path(output)
             self._read(input_path, fmt, force_settings)
         except BaseException:
             self.close()
@@ -266,8 +267,9 @@ class BatchJob:
             print(f"jaxinfer: warning: unknown fields, which those lines run without: {names}; --strict-fields makes them errors", file=sys.stderr)
 
     def close(self) -> None:
-        """Release the output's lock and close the input (idempotent)."""
-        self._lock.release()
+        """Release the output's lock and close the input (idempotent). An output this job created is
+        removed again when nothing was written to it (the job was refused or closed before it ran)."""
+        self._lock.release(keep_output=self._file is not None)
         if self._input is not None:
             self._input.close()
 

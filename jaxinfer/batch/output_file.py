@@ -1,9 +1,10 @@
 """The output file of a batch job: its lock, its settings, and the scan that a resume starts from.
 
 A job owns its output for as long as it runs:
-- **Lock.** `OutputLock` holds an exclusive `flock` on `<output>.lock`, which names the holder's pid. A
-  second job on the same output fails at once, naming that pid. The lock file is removed on release.
-- **Settings.** `<output>.meta.json` records the settings that decide a line's tokens (the model's
+- **Lock.** `OutputLock` holds an exclusive `flock` on the output file itself, so a second job on it
+  fails at once, by whatever name (a symlink, a hard link) it reaches the file. `<output>.lock` names
+  the holder's pid; it is created by the job, never followed, and removed on release.
+- **Settings.** `<output>.meta.json` (beside the output's real path, so symlinks share it) records the settings that decide a line's tokens (the model's
   identity, dtype, quantization, seeds, sampling defaults, ...). A resume under other settings is
   refused with the differences listed, unless forced.
 - **Scan before repair.** `scan_output` reads the whole file (in blocks, keeping only the keys) and changes nothing. Only when every complete
@@ -18,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from jaxinfer.batch.keys import KeyTable
@@ -35,60 +37,146 @@ class OutputBusyError(ValueError):
     """Another job holds the output's lock."""
 
 
+def _real(output: Path) -> Path:
+    """The output's own path, symlinks resolved: every name of one output shares its side files."""
+    return Path(os.path.realpath(output))
+
+
 def lock_path(output: Path) -> Path:
-    return output.with_name(output.name + ".lock")
+    real = _real(output)
+    return real.with_name(real.name + ".lock")
 
 
 def meta_path(output: Path) -> Path:
-    return output.with_name(output.name + ".meta.json")
+    real = _real(output)
+    return real.with_name(real.name + ".meta.json")
 
 
 class OutputLock:
-    """An exclusive lock on an output, held from construction until `release()`.
+    """An exclusive lock on an output file, held from construction until `release()`.
 
-    The lock file is re-checked after locking: if another job removed and recreated it in between, the
-    lock is taken again on the new file, so two jobs never both hold a lock.
+    The lock is an `flock` on the output file itself (created empty when it does not exist yet), so
+    every name that reaches it (a symlink, a hard link) shares one lock; it is re-checked after locking
+    that the name still leads to the locked file. Beside the output, `<output>.lock` holds the holder's
+    pid, for a second job's message. The job creates that note itself (O_EXCL, never following a link)
+    and removes it on release. A note left by a killed job is replaced; a link, a directory, a file with
+    more than one name or of another owner there is refused, never followed or truncated.
     """
 
     def __init__(self, output: Path):
-        self.path = lock_path(output)
+        self.output, self.path = Path(output), lock_path(output)
+        self.created = False  # whether this job created the output (release may then remove it, if empty)
+        self._note_fd: int | None = None
+        self._fd: int | None = self._lock_output()
+        try:
+            self._note_fd = self._write_note()
+        except BaseException:
+            self.release(keep_output=False)
+            raise
+
+    def _lock_output(self) -> int:
         while True:
-            fd = self._open()
+            fd, created = _open_output(self.output)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
                 os.close(fd)
-                raise OutputBusyError(f"{output} is in use by another jaxinfer job (pid {holder}); wait for it to finish, or write to another --output") from None
-            if self._still_ours(fd):
-                break
+                raise OutputBusyError(
+                    f"{self.output} is in use by another jaxinfer job (pid {self._holder()}); wait for it to finish, or write to another --output"
+                ) from None
+            if _same_file(self.output, fd):
+                self.created = created
+                return fd
+            os.close(fd)  # replaced between the open and the lock: lock the file the name leads to now
+
+    def _holder(self) -> str:
+        """The pid the holder's note names ('unknown' when it took the output through a hard link's name)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return "unknown"
+        try:
+            return os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+        except OSError:
+            return "unknown"
+        finally:
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd: int | None = fd
 
-    def _open(self) -> int:
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ValueError(f"cannot write to {self.path.parent}: {e.strerror}") from None
+    def _write_note(self) -> int:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                self._remove_stale_note()
+                continue
+            except OSError as e:
+                raise ValueError(f"cannot create the lock file {self.path}: {e.strerror}") from None
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        raise ValueError(f"cannot create the lock file {self.path}: it keeps reappearing")
 
-    def _still_ours(self, fd: int) -> bool:
-        try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            return False
+    def _remove_stale_note(self) -> None:
+        """Remove the note a killed job left (this job holds the output's lock, so no running job owns
+        it); refuse anything else there, untouched."""
+        st, name = os.lstat(self.path), self.path.name
+        why = None
+        if stat.S_ISLNK(st.st_mode):
+            why = "is a symlink (a lock file is never followed)"
+        elif stat.S_ISDIR(st.st_mode):
+            why = "is a directory, not a lock file"
+        elif not stat.S_ISREG(st.st_mode):
+            why = "is not a regular file"
+        elif st.st_nlink > 1:
+            why = f"is a hard link ({st.st_nlink} names for one file; a lock file has one)"
+        elif st.st_uid != os.geteuid():
+            why = f"belongs to another user (uid {st.st_uid})"
+        if why is not None:
+            raise ValueError(f"{name} {why}; remove {self.path} and run again")
+        os.unlink(self.path)
 
-    def release(self) -> None:
-        """Remove the lock file, then unlock (idempotent)."""
+    def release(self, *, keep_output: bool = True) -> None:
+        """Remove the note, then unlock (idempotent). `keep_output=False`: an output this job created
+        and left empty is removed too (a job refused before it ran leaves nothing behind)."""
+        if self._note_fd is not None:
+            if _same_file(self.path, self._note_fd, follow=False):
+                os.unlink(self.path)
+            os.close(self._note_fd)
+            self._note_fd = None
         if self._fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if not keep_output and self.created and os.fstat(self._fd).st_size == 0 and _same_file(self.output, self._fd):
+            os.unlink(self.output)
         os.close(self._fd)
         self._fd = None
+
+
+def _open_output(output: Path) -> tuple[int, bool]:
+    """(a descriptor of the output, whether this call created it)."""
+    try:
+        try:
+            return os.open(output, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            return os.open(output, os.O_RDWR), False
+    except IsADirectoryError:
+        raise ValueError(f"--output {output} is a directory; results (and --resume) need a regular file") from None
+    except OSError as e:
+        raise ValueError(f"--output {output} cannot be opened: {e.strerror}") from None
+
+
+def _same_file(path: Path, fd: int, *, follow: bool = True) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=follow)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def check_settings_path(output: Path) -> None:
+    """Refuse, before the model loads, a settings path that cannot be a settings file."""
+    path = meta_path(output)
+    if path.is_dir():
+        raise ValueError(f"{path.name} is a directory, not a settings file; remove {path} and run again")
 
 
 # ---------------------------------------------------------------- settings
