@@ -215,10 +215,26 @@ def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.De
 
 
 def enable_compilation_cache(directory: str | None) -> None:
+    """Point JAX's persistent compilation cache at `directory`; None disables it. EngineConfig's default
+    names `<cache root>/xla` (kernels_cpu.build.cache_root owns the root: $JAXINFER_CACHE_DIR, else
+    $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer). A folder that cannot be made or written warns and
+    leaves the cache as it was (off, unless an earlier engine enabled one): never an error."""
+    import tempfile  # noqa: PLC0415  (this function's own needs; the module's imports belong to the step loop)
+    import warnings  # noqa: PLC0415
+
+    from kernels_cpu import build  # noqa: PLC0415
+
     if directory is None:
         return
-    path = Path(os.path.expanduser(directory))
-    path.mkdir(parents=True, exist_ok=True)
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "compilation_cache_dir")
+    path = build.cache_root() / "xla" if directory == default else Path(os.path.expanduser(directory))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # an existing read-only folder passes mkdir
+            pass
+    except OSError as err:
+        warnings.warn(f"the XLA compilation cache {path} is not writable ({err}); compiling without it", stacklevel=3)
+        return
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
