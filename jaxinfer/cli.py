@@ -150,12 +150,33 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA batch inference for Llama-family LLMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log compile times and engine events")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate_parser(commands)
+    info = commands.add_parser("info", help="print a model's configuration, parameter count and memory", description="Print a model's configuration, parameter count and memory.")
+    _add_model_args(info)
+    info.set_defaults(func=_run_info)
+    _add_tune_parser(commands)
+    from jaxinfer.bucketing import cli as cli_buckets
 
+    cli_buckets.add_subparser(commands)
+    return parser
+
+
+def _add_generate_parser(commands) -> None:
     gen = commands.add_parser(
         "generate", help="generate for one prompt or a JSONL file of prompts",
         description="Generate text with the paged engine, for one --prompt or every line of an --input JSONL file.",
         epilog=_GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_generate_io_args(gen)
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    _add_engine_args(gen)
+    _add_ray_args(gen)
+    gen.set_defaults(func=_run_generate)
+
+
+def _add_generate_io_args(gen: argparse.ArgumentParser) -> None:
+    """generate's input, output, resume and progress flags."""
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="a single prompt; the reply is printed")
     source.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of requests")
@@ -181,7 +202,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--format", default="auto", choices=INPUT_FORMATS,
         help="--input format: jaxinfer's lines, or OpenAI Batch requests (custom_id, method, url, body) as vllm run-batch reads them, "
-        "answered in OpenAI's batch output format; auto: from the first non-empty line (default: %(default)s)",
+        "answered in OpenAI's batch output format; auto: from the lines that parse, a file whose lines disagree is refused (default: %(default)s)",
     )
     gen.add_argument(
         "--max-inflight", type=int, default=None, metavar="N",
@@ -193,32 +214,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--profile", type=Path, default=None, metavar="DIR", help="write a jax.profiler trace of --profile-steps to DIR (opens in TensorBoard and Perfetto)")
     gen.add_argument("--profile-steps", default="1:10", metavar="A:B", help="engine steps A to B (1-based, inclusive) that --profile traces (default: %(default)s)")
-    _add_model_args(gen)
-    _add_sampling_args(gen)
-    _add_engine_args(gen)
-    _add_ray_args(gen)
-    gen.set_defaults(func=_run_generate)
 
-    info = commands.add_parser("info", help="print a model's configuration, parameter count and memory", description="Print a model's configuration, parameter count and memory.")
-    _add_model_args(info)
-    info.set_defaults(func=_run_info)
 
+def _add_tune_parser(commands) -> None:
     tune = commands.add_parser(
         "tune", help="measure which dtype, matmul and attention run fastest here, and cache the choice",
         description="Time the attention implementations alone on contexts of the engine's size, then every candidate "
         "(dtype, matmul path) with the fastest one on a prefill and a decode program on this machine, check each against "
-        "float32, print both tables and cache the choice under $JAXINFER_CACHE_DIR (default ~/.cache/jaxinfer), where LLM "
+        "float32, print both tables and cache the choice under the cache root ($JAXINFER_CACHE_DIR, else $XDG_CACHE_HOME/jaxinfer, else ~/.cache/jaxinfer), where LLM "
         "and `generate` read it. A candidate whose weight copies would not fit in memory is not built. Measures even where "
         "a choice is cached.",
     )
     _add_model_args(tune)
     _add_engine_args(tune)
     tune.set_defaults(func=_run_tune)
-
-    from jaxinfer.bucketing import cli as cli_buckets
-
-    cli_buckets.add_subparser(commands)
-    return parser
 
 
 # Field names of SamplingParams / EngineConfig -> the flag that sets them, so errors use the user's words.
@@ -477,7 +486,6 @@ def _run_info(args) -> int:
 
 def _run_tune(args) -> int:
     """Measure the candidates now, print the tuner's table and write the cache."""
-    from jaxinfer.loading import loading
     from jaxinfer.engine import tuning
     from jaxinfer.loading.tokenizer import load_tokenizer
 
