@@ -36,6 +36,7 @@ from common import engine_runs, report, timing, workloads
 from common.paths import REPO_ROOT, RESULTS_DIR, trace_or_default
 from common.workloads import agreement
 from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.bucketing.strategies import STRATEGY_KINDS, EngineBuckets, strategy_from_sample
 from jaxinfer.config import EngineConfig
 from jaxinfer.bucketing.traces import load_trace, synthetic_trace
@@ -132,7 +133,8 @@ def schedule_samples(workload: Workload, limits: Limits) -> dict[str, list[int]]
 
 
 DIMENSIONS = ("chunk", "rows", "pages")  # EngineBuckets fields, in the order leftover budget is spent on them
-_TABLE_FIELDS = {"chunk": "prefill_chunk_buckets", "rows": "decode_batch_buckets", "pages": "decode_page_buckets"}
+_TABLE_FIELDS = {"chunk": "prefill_chunk_buckets", "rows": "decode_batch_buckets", "pages": "decode_page_buckets"}  # EngineConfig's
+_TABLE_ATTRS = {"chunk": "chunk_tokens", "rows": "decode_rows", "pages": "pages"}  # the same tables in BucketTables
 
 
 def engine_config(limits: Limits, kind: str, counts: dict[str, int], samples: dict, **fields) -> EngineConfig:
@@ -142,18 +144,19 @@ def engine_config(limits: Limits, kind: str, counts: dict[str, int], samples: di
 
 
 def tables_of(cfg: EngineConfig) -> dict[str, list[int]]:
-    return {d: list(getattr(cfg, _TABLE_FIELDS[d])) for d in DIMENSIONS}
+    tables = BucketTables.from_config(cfg)  # the engine's tables: what cfg gave, and what it derives
+    return {d: list(getattr(tables, _TABLE_ATTRS[d])) for d in DIMENSIONS}
 
 
 def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict:
     """Buckets per dimension for a total program budget: the largest uniform count whose tables compile at
     most `budget` programs, then the leftover spent one table step at a time on chunk, rows, pages in turn.
     Returns {"counts", "programs", "tables", "fits"}; fits is False when one bucket each is over budget."""
-    tables = {(d, k): getattr(limits.config(buckets=EngineBuckets(**{d: strategy_from_sample(kind, samples[d], k)})), _TABLE_FIELDS[d])
+    tables = {(d, k): tables_of(limits.config(buckets=EngineBuckets(**{d: strategy_from_sample(kind, samples[d], k)})))[d]
               for d in DIMENSIONS for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1)}  # (dimension, count) -> its cut table, only it set
 
     def programs(counts):
-        return len(limits.config(**{_TABLE_FIELDS[d]: tables[d, counts[d]] for d in DIMENSIONS}).tables.all_keys())
+        return len(BucketTables.from_config(limits.config(**{_TABLE_FIELDS[d]: tables[d, counts[d]] for d in DIMENSIONS})).all_keys())
 
     uniform = [k for k in range(1, MAX_BUCKETS_PER_DIMENSION + 1) if programs(dict.fromkeys(DIMENSIONS, k)) <= budget]
     counts = dict.fromkeys(DIMENSIONS, uniform[-1] if uniform else 1)
@@ -166,7 +169,7 @@ def choose_counts(kind: str, budget: int, samples: dict, limits: Limits) -> dict
                 counts[d], improved = bigger, True
     counts = {d: next(k for k in range(1, counts[d] + 1) if tables[d, k] == tables[d, counts[d]]) for d in DIMENSIONS}  # saturated: the least k
     cfg = engine_config(limits, kind, counts, samples)
-    found = len(cfg.tables.all_keys())
+    found = len(BucketTables.from_config(cfg).all_keys())
     return {"counts": counts, "programs": found, "tables": tables_of(cfg), "fits": found <= budget}
 
 

@@ -26,6 +26,7 @@ from jaxinfer.engine import profiling
 from jaxinfer.model import sampling
 from jaxinfer.api import LLM
 from jaxinfer.engine.engine import StepInputs
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.plan import BucketKey
 
 RESULTS = paths.RESULTS_DIR / "profile_steps.json"
@@ -98,7 +99,7 @@ def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     engine = llm.engine
     _, program, compile_s = engine._compile(key)
     _, draw, _ = engine._compile(engine._num_slots(key))  # the step's second program (Engine.step)
-    inputs = step_inputs(key, engine.num_pages, engine.engine_cfg.tables.samples_per_row(key.phase), engine)
+    inputs = step_inputs(key, engine.num_pages, BucketTables.from_config(engine.engine_cfg).samples_per_row(key.phase), engine)
     forward_inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(inputs.sampling, token_mask=None))  # the mask is the draw's
 
     def run():
