@@ -3,27 +3,31 @@
 // It reads each row's pages straight from the pool, in the pool's own layout (kv_pool.py), and keeps an
 // online softmax per query, so no page is copied or transposed: the jnp path gathers every page of the
 // step into a new array and transposes it for the dot, several passes over memory for one read.
+// Axis letters: the table in kernels_cpu/__init__.py.
 //
 //   q        f32[B, T, H, K]     this step's queries (T = 1 in decode)
 //   k_pool   f32[N, G, P, K, L]  every layer's keys, K transposed per page
 //   v_pool   f32[N, G, P, L, K]
 //   layer    s32[]               which layer of the pool
-//   tables   s32[B, M]           each row's pages
-//   page_pos s32[B, M]           position of entry m's first slot
-//   page_seg s32[B, M]           sequence of the row that entry m belongs to
+//   tables   s32[B, E]           each row's pages: every id in [0, P), checked (kInvalidArgument otherwise)
+//   page_pos s32[B, E]           position of entry e's first slot
+//   page_seg s32[B, E]           sequence of the row that entry e belongs to
 //   q_pos    s32[B, T]           each query's position
 //   q_seg    s32[B, T]           each query's sequence within its row
 //   out      f32[B, T, H, K]
 //
-// Slot l of entry m is visible to query t iff page_seg[m] == q_seg[t] and page_pos[m] + l <= q_pos[t]:
+// Slot l of entry e is visible to query t iff page_seg[e] == q_seg[t] and page_pos[e] + l <= q_pos[t]:
 // causal by position, and in a packed row (several sequences back to back) block-diagonal by sequence, so
 // a query skips other sequences' pages entirely. A query that sees nothing (a padding lane) gets zeros.
+// kernels_cpu/paged_attention.py's `reference` is the same rule in jnp.
 //
 // Work is split into tasks of (row, kv head, tile of queries) and run on XLA's intra-op thread pool.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -36,7 +40,7 @@ namespace {
 constexpr int64_t kQueryTile = 16;  // queries per task: a page is read once per tile (it stays in L1)
 
 struct Geometry {
-  int64_t B, T, H, K, G, P, L, M, N;
+  int64_t B, T, H, K, G, P, L, E, N;
   int64_t group() const { return H / G; }
 };
 
@@ -98,12 +102,28 @@ inline void page_update(const float* __restrict s, const float* __restrict vp, i
   }
 }
 
+// Per-thread scratch of run_task, grown to the largest task seen and then reused: no allocation per task
+// (the pool's threads live as long as the process).
+float* scratch(int64_t size) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
 // One task: row b, kv head kv, queries [t0, t1).
 template <int LT, int KT>
 void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_t t0, int64_t t1) {
   const int64_t L = LT ? LT : g.L, K = KT ? KT : g.K, group = g.group(), tiles = t1 - t0;
+  const int64_t width = tiles * group * K, heads = tiles * group;
   const float neg = -0.5f * 3.0e38f;  // finite: a query that sees nothing keeps m here and d = 0
-  std::vector<float> qs(tiles * group * K), acc(tiles * group * K, 0.0f), m(tiles * group, neg), d(tiles * group, 0.0f), s(group * L);
+  float* const qs = scratch(2 * width + 2 * heads + group * L);  // [tiles, group, K] scaled queries
+  float* const acc = qs + width;                                   // [tiles, group, K] running outputs
+  float* const m = acc + width;                                    // [tiles, group] running maxima
+  float* const d = m + heads;                                      // [tiles, group] running sums
+  float* const s = d + heads;                                      // [group, L] one page's scores
+  std::fill(acc, acc + width, 0.0f);
+  std::fill(m, m + heads, neg);
+  std::fill(d, d + heads, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(K));
   int32_t last = -1;  // the latest position among the tile's queries
   for (int64_t t = 0; t < tiles; ++t) {
@@ -112,18 +132,18 @@ void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_
     last = std::max(last, in.q_pos[b * g.T + t0 + t]);
   }
   const int64_t head_pages = (in.layer * g.G + kv) * g.P;
-  for (int64_t e = 0; e < g.M; ++e) {
-    const int32_t first = in.page_pos[b * g.M + e], seg = in.page_seg[b * g.M + e];
+  for (int64_t e = 0; e < g.E; ++e) {
+    const int32_t first = in.page_pos[b * g.E + e], seg = in.page_seg[b * g.E + e];
     if (first > last) continue;
-    const int64_t page = in.tables[b * g.M + e];
+    const int64_t page = in.tables[b * g.E + e];  // in [0, P): check_pages ran before any task
     const float* kp = in.k_pool + (head_pages + page) * K * L;  // [K, L]
     const float* vp = in.v_pool + (head_pages + page) * L * K;  // [L, K]
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t qi = b * g.T + t0 + t;
       const int64_t n = std::min<int64_t>(L, static_cast<int64_t>(in.q_pos[qi]) - first + 1);
       if (in.q_seg[qi] != seg || n <= 0) continue;
-      page_scores<LT, KT>(&qs[t * group * K], kp, s.data(), group, g);
-      page_update<LT, KT>(s.data(), vp, n, &m[t * group], &d[t * group], &acc[t * group * K], group, g);
+      page_scores<LT, KT>(qs + t * group * K, kp, s, group, g);
+      page_update<LT, KT>(s, vp, n, m + t * group, d + t * group, acc + t * group * K, group, g);
     }
   }
   for (int64_t t = 0; t < tiles; ++t) {
@@ -144,17 +164,39 @@ void run_all(ffi::ThreadPool& pool, const Inputs& in, const Geometry& g) {
   });
 }
 
+// Every id of the block tables in [0, P), or an error naming the first one that is not: the pool is
+// indexed with these ids, and one out of range would read another layer's pages or outside the pool.
+ffi::Error check_pages(const int32_t* tables, const Geometry& g) {
+  for (int64_t i = 0; i < g.B * g.E; ++i) {
+    const int32_t page = tables[i];
+    if (page < 0 || page >= g.P)
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "paged_attention_cpu: page id " + std::to_string(page) + " at row " + std::to_string(i / g.E) + ", entry " +
+                            std::to_string(i % g.E) + " of block_tables is outside the pool of " + std::to_string(g.P) + " pages");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename A>
+bool dims_are(const A& dims, std::initializer_list<int64_t> expected) {
+  return dims.size() == expected.size() && std::equal(dims.begin(), dims.end(), expected.begin());
+}
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> page_pos,
                               ffi::Buffer<ffi::S32> page_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
-  if (auto e = jaxinfer::check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,M]"); e.failure()) return e;
+  if (auto e = jaxinfer::check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,E]"); e.failure()) return e;
   const Geometry g{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[4], td[1], kd[0]};
   if (auto e = jaxinfer::check(kd[3] == g.K && td[0] == g.B && g.H % g.G == 0, "paged_attention_cpu: head dims, batch or head groups disagree"); e.failure()) return e;
+  const bool shapes = dims_are(v_pool.dimensions(), {g.N, g.G, g.P, g.L, g.K}) && dims_are(page_pos.dimensions(), {g.B, g.E}) &&
+                      dims_are(page_seg.dimensions(), {g.B, g.E}) && dims_are(q_pos.dimensions(), {g.B, g.T}) && dims_are(q_seg.dimensions(), {g.B, g.T});
+  if (auto e = jaxinfer::check(shapes, "paged_attention_cpu: v_pool must be [N,G,P,L,K], page_pos and page_seg [B,E], q_pos and q_seg [B,T]"); e.failure()) return e;
   if (auto e = jaxinfer::check(g.L <= 256, "paged_attention_cpu: page_size above 256"); e.failure()) return e;
   const int64_t index = layer.typed_data()[0];
   if (auto e = jaxinfer::check(0 <= index && index < g.N, "paged_attention_cpu: layer out of range"); e.failure()) return e;
+  if (auto e = check_pages(tables.typed_data(), g); e.failure()) return e;
   const Inputs in{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), index, tables.typed_data(), page_pos.typed_data(),
                   page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), out->typed_data()};
   if (g.L == 64 && g.K == 64) {

@@ -1,30 +1,33 @@
 // One layer's matmul on quantized weights, W8A8 in blocks of 32, as an XLA FFI custom call:
 // out = x @ w[layer], with x quantized to int8 per block of 32 inputs of a row (llama.cpp's Q8_0 x Q8_0 idea).
+// Axis letters: the table in kernels_cpu/__init__.py; quant_matmul.py's `reference` is the same arithmetic
+// in jnp (and XLA's W8A8 path, jaxinfer's quant._int8_dot, runs the same rule).
 //
-//   x      f32[M, K]            activations
-//   codes  u8[N, P, S, 64]      every layer's unsigned weight codes in panels of 16 output columns; a row of 64
-//                               bytes holds 4 consecutive inputs of each of the 16 columns (byte 4c + i: input
-//                               4s + i of column c). 8-bit: S = K / 4. 4-bit: S = K / 8, and the low nibbles are
-//                               inputs 8s .. 8s+3, the high nibbles 8s+4 .. 8s+7.
-//   scale  f16[N, P, K/32, 16]  per block of 32 inputs and column: w = code * scale + offset
-//   offset f16[N, P, K/32, 16]  (JaxinferQuantMatmul) or none, with w = (code - zero_point) * scale
+//   x      f32[M, I]            activations
+//   codes  u8[N, C, U, 64]      every layer's unsigned weight codes in C panels of 16 output columns; a row of
+//                               64 bytes holds 4 consecutive inputs of each of the 16 columns (byte 4c + i: input
+//                               4u + i of column c). 8-bit: U = I / 4. 4-bit: U = I / 8, and the low nibbles are
+//                               inputs 8u .. 8u+3, the high nibbles 8u+4 .. 8u+7.
+//   scale  f16[N, C, A, 16]     per block of 32 inputs (A = I / 32) and column: w = code * scale + offset
+//   offset f16[N, C, A, 16]     (JaxinferQuantMatmul) or none, with w = (code - zero_point) * scale
 //                               (JaxinferQuantMatmulSymmetric: Q8_0 and int8 have zero point 128, Q4_0 8)
 //   layer  s32[]
-//   out    f32[M, 16 P]
+//   out    f32[M, F]            F = 16 C
 //
-// Per block b of a row r: x ~ sx * q with q = round(x * 127 / max|x|) in [-127, 127]. Then
-//   sum_k w x = sx * (scale * sum_k code q + offset * sum_k q)            (with offsets)
-//   sum_k w x = sx * scale * (sum_k code q - zero_point * sum_k q)        (symmetric: the subtraction is in int32)
+// Per block a of a row m: x ~ sx * q with q = round(x * 127 / max|x|) in [-127, 127]. Then
+//   sum_i w x = sx * (scale * sum_i code q + offset * sum_i q)            (with offsets)
+//   sum_i w x = sx * scale * (sum_i code q - zero_point * sum_i q)        (symmetric: the subtraction is in int32)
 // an exact int32 dot per block (AVX512-VNNI's u8 x s8 dot, vpdpbusd), then a conversion, a multiply and one
 // or two fused multiply-adds: the symmetric form saves one floating-point op per 8 (4-bit: 8, 8-bit: 8) dots
 // and the offsets' bytes. Activation codes are broadcast straight from memory (a load, not a vector-pipe
 // shuffle from a general register). Column tiles of kPanels panels are split across XLA's intra-op threads;
 // each is multiplied by kRows rows at a time in registers. At decode's few rows of 4-bit codes a task is
 // a run of kRun adjacent tiles, and each tile's last pass prefetches the next one's codes into L2, so the
-// read of the weights from memory overlaps the arithmetic (without it the two add up: 0.56-0.59 against
-// 0.49-0.51 ms for a 2,048 x 8,192 Q4_0 matrix at 8 rows, out of the L3). The layer's slice is read in
-// place (see layer_matmul.cc for why). Without VNNI a plain loop computes the same sums; the tuner decides
-// whether either wins on the machine (jaxinfer/tuning.py).
+// read of the weights from memory overlaps the arithmetic instead of adding to it (the microbenchmark that
+// decided it is in the message of commit 77aeb0b; the kernel's timings as it stands are
+// experiments/results/bench_quant_kernel.json). The layer's slice is read in place (see layer_matmul.cc for
+// why). Without VNNI a plain loop computes the same sums; the tuner decides whether either wins on the
+// machine (jaxinfer/engine/tuning.py).
 
 #include <algorithm>
 #include <cmath>
@@ -51,21 +54,21 @@ constexpr int64_t kRun = 4;  // column tiles per task at up to 4 kRows rows
 using Codes = ffi::Buffer<ffi::U8, 4>;
 using Scales = ffi::Buffer<ffi::F16, 4>;
 
-// x quantized per block: int8 codes [M, K], and per (row, block) sx and the sum of the codes.
+// x quantized per block: int8 codes [M, I], and per (row, block) sx and the sum of the codes.
 struct Activations {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int32_t> sum;
-  int64_t K, blocks;
+  int64_t I, blocks;
 };
 
 void quantize_row(const float* x, int64_t row, Activations& a) {
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const float* xb = x + row * a.K + b * kBlock;
+    const float* xb = x + row * a.I + b * kBlock;
     float amax = 0.0f;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t* q = a.codes.data() + row * a.K + b * kBlock;
+    int8_t* q = a.codes.data() + row * a.I + b * kBlock;
     int32_t sum = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -127, 127);
@@ -99,7 +102,7 @@ struct Layer {
   const uint8_t* codes;
   const uint16_t* scale;
   const uint16_t* offset;  // nullptr in the symmetric form
-  int64_t K, blocks, steps, F;  // steps: rows of 64 bytes per panel (S)
+  int64_t I, blocks, steps, F;  // steps: rows of 64 bytes per panel (U)
   int bits, zero_point;
 };
 
@@ -117,13 +120,13 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
     __m512i dot[R][kPanels];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_setzero_si512();
-    const int8_t* xb = a.codes.data() + m0 * a.K + b * kBlock;
+    const int8_t* xb = a.codes.data() + m0 * a.I + b * kBlock;
     if constexpr (Bits == 8) {
       for (int s = 0; s < kBlock / 4; ++s) {
         __m512i wv[kPanels];
         for (int v = 0; v < kPanels; ++v) wv[v] = _mm512_loadu_si512(w.codes + ((p0 + v) * w.steps + b * 8 + s) * 64);
         for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_broadcastd_epi32(_mm_loadu_si32(xb + r * a.K + 4 * s));
+          const __m512i xv = _mm512_broadcastd_epi32(_mm_loadu_si32(xb + r * a.I + 4 * s));
           for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
         }
       }
@@ -138,7 +141,7 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
         }
         for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xb + r * a.K + 8 * s;
+          const int8_t* xr = xb + r * a.I + 8 * s;
           const __m512i x0 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr)), x1 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + 4));
           for (int v = 0; v < kPanels; ++v) dot[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v], lo[v], x0), hi[v], x1);
         }
@@ -207,7 +210,7 @@ void column_tile_plain(const Activations& a, const Layer& w, int64_t p0, int64_t
         float acc = 0.0f;
         for (int64_t b = 0; b < w.blocks; ++b) {
           int32_t dot = 0;
-          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) dot += static_cast<int32_t>(code_at(w, p, c, k)) * a.codes[m * a.K + k];
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) dot += static_cast<int32_t>(code_at(w, p, c, k)) * a.codes[m * a.I + k];
           const int64_t at = (p * w.blocks + b) * kPanel + c, row_block = m * a.blocks + b;
           const float sum = static_cast<float>(a.sum[row_block]);
           const float offset = w.offset ? half_to_float(w.offset[at]) : -static_cast<float>(w.zero_point) * half_to_float(w.scale[at]);
@@ -226,26 +229,26 @@ bool same_shape(const A& a, const B& b) {
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, Codes codes, Scales scale, const Scales* offset, int zero_point,
                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32>& out) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (auto e = jaxinfer::check(xd.size() == 2 && xd[1] % kBlock == 0 && cd[3] == 64 && cd[1] % kPanels == 0, "quant_matmul: x must be [M, 32 B], codes [N, 2 Q, S, 64]"); e.failure()) return e;
-  const int64_t M = xd[0], K = xd[1], index = layer.typed_data()[0];
-  const int bits = cd[2] == K / 4 ? 8 : 4;
-  if (auto e = jaxinfer::check(cd[2] == K / (bits == 8 ? 4 : 8) && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == K / kBlock && sd[3] == kPanel && (!offset || same_shape(offset->dimensions(), sd)),
-                               "quant_matmul: codes must be [N, P, K/4 or K/8, 64] and scale, offset [N, P, K/32, 16]"); e.failure()) return e;
+  if (auto e = jaxinfer::check(xd.size() == 2 && xd[1] % kBlock == 0 && cd[3] == 64 && cd[1] % kPanels == 0, "quant_matmul: x must be [M, I] with I a multiple of 32, codes [N, C, U, 64] with C even"); e.failure()) return e;
+  const int64_t M = xd[0], I = xd[1], index = layer.typed_data()[0];
+  const int bits = cd[2] == I / 4 ? 8 : 4;
+  if (auto e = jaxinfer::check(cd[2] == I / (bits == 8 ? 4 : 8) && sd[0] == cd[0] && sd[1] == cd[1] && sd[2] == I / kBlock && sd[3] == kPanel && (!offset || same_shape(offset->dimensions(), sd)),
+                               "quant_matmul: codes must be [N, C, I/4 or I/8, 64] and scale, offset [N, C, I/32, 16]"); e.failure()) return e;
   if (auto e = jaxinfer::check(0 <= index && index < cd[0], "quant_matmul: layer out of range"); e.failure()) return e;
   if (auto e = jaxinfer::check(0 <= zero_point && zero_point < (1 << bits), "quant_matmul: zero_point must be a code"); e.failure()) return e;
-  const int64_t P = cd[1], layer_codes = P * cd[2] * 64, layer_scales = P * (K / kBlock) * kPanel;
+  const int64_t C = cd[1], layer_codes = C * cd[2] * 64, layer_scales = C * (I / kBlock) * kPanel;
   const uint16_t* offsets = offset ? reinterpret_cast<const uint16_t*>(offset->untyped_data()) + index * layer_scales : nullptr;
   const Layer w{codes.typed_data() + index * layer_codes, reinterpret_cast<const uint16_t*>(scale.untyped_data()) + index * layer_scales,
-                offsets, K, K / kBlock, cd[2], P * kPanel, bits, zero_point};
-  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * w.blocks), std::vector<int32_t>(M * w.blocks), K, w.blocks};
+                offsets, I, I / kBlock, cd[2], C * kPanel, bits, zero_point};
+  Activations a{std::vector<int8_t>(M * I), std::vector<float>(M * w.blocks), std::vector<int32_t>(M * w.blocks), I, w.blocks};
   const float* xp = x.typed_data();
   jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, a); });
   float* op = out->typed_data();
   // A task is a run of adjacent column tiles: kRun of them for 4-bit codes at decode's few rows, where a
   // tile's codes come from memory and the next one's are prefetched while it computes; one otherwise: at
   // many rows the codes are reused from L2 and small tasks balance the cores, and 8-bit tiles (twice the
-  // bytes) measured slower with the prefetch (0.77-0.82 against 0.65 ms for 8,192 x 2,048 at 8 rows).
-  const int64_t tiles = P / kPanels, run = M <= 4 * kRows && bits == 4 ? kRun : 1, chunks = (tiles + run - 1) / run;
+  // bytes) measured slower with the prefetch (the microbenchmark is in the message of commit 18916b1).
+  const int64_t tiles = C / kPanels, run = M <= 4 * kRows && bits == 4 ? kRun : 1, chunks = (tiles + run - 1) / run;
   jaxinfer::parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t first = c * run, last = std::min(tiles, first + run);
     for (int64_t t = first; t < last; ++t) {

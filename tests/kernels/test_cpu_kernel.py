@@ -1,7 +1,8 @@
 """The CPU kernels (kernels_cpu/). Paged attention against a float64 numpy reference written from the
-visibility rule, and against the jnp path it replaces: decode, chunked prefill and packed rows, on the
-compiled-in geometries and the generic one. The layer matmul against float64 numpy, directly and through
-panels.einsum on the model's einsum specs."""
+visibility rule, against its own jnp `reference` (itself checked against the float64 one), and against the
+jnp path it replaces: decode, chunked prefill and packed rows, on the compiled-in geometries and the
+generic one; a page id outside the pool is refused, naming it. The layer matmul against float64 numpy and
+its own `reference`, directly and through panels.einsum on the model's einsum specs."""
 
 import sys
 
@@ -68,6 +69,9 @@ def test_one_sequence_per_row_matches_float64(seed, b, t, g, group, geometry):
     page_pos = np.broadcast_to(np.arange(width) * page_size, (b, width))
     expected = reference_f64(q, k_pool, v_pool, 1, tables, q_pos, page_pos, np.zeros((b, width), int), np.zeros((b, t), int))
     assert_close(np.asarray(out), expected, KERNEL_F32, "kernel vs float64")
+    jnp_reference = cpu.reference(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(1), jnp.asarray(tables), jnp.asarray(q_pos))
+    assert_close(np.asarray(jnp_reference), expected, KERNEL_F32, "reference vs float64")
+    assert_close(np.asarray(out), np.asarray(jnp_reference), KERNEL_F32, "kernel vs its reference")
 
 
 def test_packed_row_sees_only_its_own_sequence():
@@ -86,6 +90,9 @@ def test_packed_row_sees_only_its_own_sequence():
     expected = reference_f64(q, k_pool, v_pool, 0, tables, q_pos, page_pos, page_seg, q_seg)
     real = q_seg[0] >= 0
     assert_close(out[:, real], expected[:, real], KERNEL_F32, "packed row vs float64")
+    jnp_reference = np.asarray(cpu.reference(*args))
+    assert_close(jnp_reference[:, real], expected[:, real], KERNEL_F32, "packed row: reference vs float64")
+    assert_close(out, jnp_reference, KERNEL_F32, "packed row: kernel vs its reference, padding lanes included")
     # the padding queries' segment (-1) owns the null entry: they see it, finitely
     assert np.isfinite(out).all()
 
@@ -110,6 +117,51 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert tiny / 2 > 0.0 and np.float32(1e-38) / np.float32(10) > 0
 
 
+def test_a_query_that_sees_nothing_gets_zeros_in_kernel_and_reference():
+    """A query whose segment owns no entry of its row (a padding lane) sees no key: zeros, not NaN."""
+    rng = np.random.default_rng(3)
+    q, k_pool, v_pool, tables = random_case(rng, b=1, t=2, h=2, g=1, k=8, page_size=4, width=2)
+    args = [jnp.asarray(x) for x in (q, k_pool, v_pool, np.int32(0), tables, np.array([[5, 5]], np.int32),
+                                     np.array([[0, 4]], np.int32), np.array([[0, 0]], np.int32), np.array([[0, 1]], np.int32))]
+    for out in (cpu.paged_attention(*args), cpu.reference(*args)):
+        out = np.asarray(out)
+        assert np.isfinite(out).all() and not out[0, 1].any() and np.abs(out[0, 0]).max() > 0
+
+
+# In jax 0.11 an FFI error with kInvalidArgument reaches Python as a ValueError; other versions raise
+# JaxRuntimeError. Either way the message is the kernel's.
+FFI_ERRORS = (ValueError, jax.errors.JaxRuntimeError)
+
+
+@pytest.mark.parametrize("bad_page", [24, 1000, -1])  # the pool holds 24 pages: one past the end, far past, negative
+def test_rejects_a_page_id_outside_the_pool_naming_it(bad_page):
+    """Called directly (no engine, no host check in front), the kernel refuses an id outside [0, P) before it
+    reads the pool, and says which id, where, and how many pages there are; valid ids are the control."""
+    rng = np.random.default_rng(5)
+    q, k_pool, v_pool, tables = random_case(rng, b=2, t=3, h=4, g=2, k=16, page_size=8, width=3, pages=24)
+    q_pos = np.array([[20, 21, 22], [5, 6, 7]], np.int32)
+    call = lambda tables: cpu.paged_attention(*map(jnp.asarray, (q, k_pool, v_pool, np.int32(1), tables, q_pos))).block_until_ready()  # noqa: E731
+    page_pos = np.broadcast_to(np.arange(3) * 8, (2, 3))
+    expected = reference_f64(q, k_pool, v_pool, 1, tables, q_pos, page_pos, np.zeros((2, 3), int), np.zeros((2, 3), int))
+    assert_close(np.asarray(call(tables)), expected, KERNEL_F32, "valid ids: kernel vs float64")
+    jnp_reference = cpu.reference(*map(jnp.asarray, (q, k_pool, v_pool, np.int32(1), tables, q_pos)))
+    assert_close(np.asarray(call(tables)), np.asarray(jnp_reference), KERNEL_F32, "valid ids: kernel vs its reference")
+    bad = tables.copy()
+    bad[1, 2] = bad_page
+    with pytest.raises(FFI_ERRORS, match=rf"page id {bad_page} at row 1, entry 2 of block_tables is outside the pool of 24 pages"):
+        call(bad)
+
+
+def test_rejects_a_page_id_in_an_entry_no_query_reads():
+    """Every entry is checked, not only those a query reaches: entry 2 of a row whose queries see only
+    entry 0 still names its bad id."""
+    rng = np.random.default_rng(6)
+    q, k_pool, v_pool, tables = random_case(rng, b=1, t=1, h=2, g=1, k=8, page_size=4, width=3, pages=6)
+    tables[0, 2] = 6
+    with pytest.raises(FFI_ERRORS, match="page id 6 at row 0, entry 2"):
+        cpu.paged_attention(*map(jnp.asarray, (q, k_pool, v_pool, np.int32(0), tables, np.zeros((1, 1), np.int32)))).block_until_ready()
+
+
 def test_rejects_a_layer_outside_the_pool():
     rng = np.random.default_rng(2)
     q, k_pool, v_pool, tables = random_case(rng, b=1, t=1, h=2, g=1, k=8, page_size=4, width=2)
@@ -124,8 +176,12 @@ def test_layer_matmul_matches_float64(seed, rows, depth, width):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     w = rng.standard_normal((3, depth, width)).astype(np.float32)
-    out = layer_matmul.layer_matmul(jnp.asarray(x), panels.to_panels(jnp.asarray(w), 1, 1).panels, jnp.int32(2))
+    packed = panels.to_panels(jnp.asarray(w), 1, 1).panels
+    out = layer_matmul.layer_matmul(jnp.asarray(x), packed, jnp.int32(2))
     assert_close(np.asarray(out)[:, :width], x.astype(np.float64) @ w[2].astype(np.float64), KERNEL_F32, "layer_matmul vs float64")
+    jnp_reference = np.asarray(layer_matmul.reference(jnp.asarray(x), packed, jnp.int32(2)))
+    assert_close(jnp_reference[:, :width], x.astype(np.float64) @ w[2].astype(np.float64), KERNEL_F32, "reference vs float64")
+    assert_close(np.asarray(out), jnp_reference, KERNEL_F32, "layer_matmul vs its reference, padding columns included")
 
 
 @pytest.mark.parametrize("spec,num_in,x_shape,w_shape", [
