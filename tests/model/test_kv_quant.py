@@ -21,10 +21,12 @@ from jaxinfer.scheduling.scheduler import Scheduler
 SMOLLM2 = np.load(FIXTURES / "smollm2_reference.npz")
 # A quantized pool on SmolLM2 over the 8 fixture prompts of <= 99 tokens: the mean share of the 32 greedy
 # tokens before the first divergence from HF's f32 greedy tokens (an f32 pool matches all of them,
-# tests/test_engine.py). Measured at 2026-12-01: int8 0.705, fp8 0.728, diverging at margins <= 0.021 (int8) and <= 0.079 (fp8). A divergence must also
-# fall where HF's top two logits are within NEAR_TIE of each other: a layout or scale bug diverges at a
-# wide margin (the median margin of these steps is about 1.2).
-AGREEMENT_FLOOR = {"int8": 0.6, "fp8_e4m3": 0.4}
+# tests/test_engine.py). Measured at 2026-12-01: int8 0.705, fp8 0.728, diverging at margins <= 0.021
+# (int8) and <= 0.079 (fp8). Each floor sits within about 0.1 of its measured figure (int8 0.6 of 0.705,
+# fp8 0.65 of 0.728), so a change that loses a tenth of the agreement fails. A divergence must also fall
+# where HF's top two logits are within NEAR_TIE of each other: a layout or scale bug diverges at a wide
+# margin (the median margin of these steps is about 1.2).
+AGREEMENT_FLOOR = {"int8": 0.6, "fp8_e4m3": 0.65}
 NEAR_TIE = {"int8": 0.1, "fp8_e4m3": 0.25}
 
 
