@@ -13,6 +13,10 @@ row uses it, so a step without them computes exactly what it did before they exi
 
 Log-probabilities (`top_logprobs`) come from the raw logits, or in "processed" mode from the logits after
 the bias, the penalties and the temperature (before the top-k/top-p/min_p cuts), as vLLM's logprobs_mode.
+
+The arrays are packed on the host by the one per-row packer, scheduling/plan.py's `place_sampling` (the
+engine through StepPlan, the reference generator through `pack_sampling`). This module imports only jax
+and jaxtyping: never scheduling/ or engine/.
 """
 
 import dataclasses
@@ -20,10 +24,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
-
-from jaxinfer.scheduling.request import SamplingParams
 
 _MIN_TEMPERATURE = 1e-5
 
@@ -36,7 +37,7 @@ class SamplingArrays:
     top_p: jax.Array  # f32[B]; 1 = off
     seed: jax.Array  # i32[B]
     step: jax.Array  # i32[B]; index of the token being drawn (0 for the first generated token)
-    # The logit processing of `process` (None: none, as the reference generator and benchmarks pack them).
+    # The logit processing of `process` (None: none, as the benchmarks pack them).
     min_p: jax.Array | None = None  # f32[B]; 0 = off
     presence: jax.Array | None = None  # f32[B]
     frequency: jax.Array | None = None  # f32[B]
@@ -64,17 +65,6 @@ class TokenCounts:
 
     output: jax.Array  # i32[B, V]
     in_prompt: jax.Array  # bool[B, V]
-
-
-def pack(params: list[SamplingParams], seeds: np.ndarray, steps: np.ndarray) -> SamplingArrays:
-    """Host-side packing of per-request parameters into numpy arrays (one row each)."""
-    return SamplingArrays(
-        temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([p.top_k for p in params], np.int32),
-        top_p=np.array([p.top_p for p in params], np.float32),
-        seed=np.asarray(seeds, np.int32),
-        step=np.asarray(steps, np.int32),
-    )
 
 
 def argmax(x: Float[Array, "B V"]) -> Int[Array, "B"]:

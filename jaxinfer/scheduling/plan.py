@@ -2,6 +2,9 @@
 `StepPlan`, the only thing the scheduler hands the engine, which lays out its own numpy arrays. No jax.
 
 Padding lanes point at the null page (block_pool.NULL_PAGE), so padded slots never touch real data.
+`place_sampling` is the ONE per-row sampling packer: a request's SamplingParams and host state (seed, step,
+bias with min_tokens, prompt length) into one slot of the sampling arrays. `StepPlan.build` calls it per
+chunk, and the dense reference generator (engine/generate.py) per step through `pack_sampling`.
 """
 
 import dataclasses
@@ -11,6 +14,8 @@ import numpy as np
 
 from jaxinfer.scheduling.block_pool import NULL_PAGE
 from jaxinfer.scheduling.request import Request
+from jaxinfer.validation import FieldError
+
 
 class BucketKey(NamedTuple):
     """The shape of a step's program: phase, rows, tokens per row, pages per row."""
@@ -163,7 +168,6 @@ class _Cursor:
 def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page_size: int, *, packed: bool, bias_width: int) -> dict[str, np.ndarray]:
     zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     samples = num_rows * slots
-    floats = lambda value: np.full(samples, value, np.float32)  # noqa: E731
     return {
         "token_ids": zeros(num_rows, num_tokens),
         "positions": zeros(num_rows, num_tokens),
@@ -174,19 +178,7 @@ def _padding_arrays(num_rows: int, num_tokens: int, width: int, slots: int, page
         "page_segments": np.full((num_rows, width), -1 if packed else 0, np.int32),
         "token_segments": np.full((num_rows, num_tokens), -2 if packed else 0, np.int32),
         "logit_indices": zeros(num_rows, slots),
-        "temperature": np.zeros(samples, np.float32),
-        "top_k": zeros(samples),
-        "top_p": np.ones(samples, np.float32),
-        "seeds": zeros(samples),
-        "steps": zeros(samples),
-        "min_p": floats(0.0),
-        "presence": floats(0.0),
-        "frequency": floats(0.0),
-        "repetition": floats(1.0),
-        "bias_ids": zeros(samples, bias_width),
-        "bias_values": np.zeros((samples, bias_width), np.float32),
-        "num_logprobs": np.full(samples, -1, np.int32),
-        "prompt_lens": zeros(samples),
+        **sampling_padding(samples, bias_width),
         "targets": np.full((num_rows, num_tokens), -1, np.int32),
     }
 
@@ -206,28 +198,64 @@ def _place(arrays: dict[str, np.ndarray], chunk: RowChunk, at: _Cursor, index: i
     arrays["page_positions"][row, table] = np.arange(len(pages), dtype=np.int32) * page_size
     arrays["page_segments"][row, table] = slot
     arrays["logit_indices"][row, slot] = at.token + chunk.length - 1
-    params = chunk.request.params
-    arrays["temperature"][index] = params.temperature
-    arrays["top_k"][index] = params.top_k
-    arrays["top_p"][index] = params.top_p
-    arrays["seeds"][index] = chunk.request.seed
-    arrays["steps"][index] = len(chunk.request.output_ids)
-    _place_processing(arrays, chunk, index)
-    if params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token
+    place_sampling(arrays, index, chunk.request)
+    if chunk.request.params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token
         prompt = chunk.request.prompt_ids
         scored = positions[positions < len(prompt) - 1]
         arrays["targets"][row, at.token : at.token + len(scored)] = np.asarray(prompt, np.int32)[scored + 1]
 
 
-def _place_processing(arrays: dict[str, np.ndarray], chunk: RowChunk, index: int) -> None:
-    """The slot's logit processing (sampling.process) and log-probability request."""
-    request, params = chunk.request, chunk.request.params
+def sampling_padding(num_slots: int, bias_width: int) -> dict[str, np.ndarray]:
+    """The sampling arrays (StepPlan's names) of `num_slots` padding slots: greedy, no cut, no logit
+    processing, no log-probabilities. `bias_width`: NB, the sparse bias entries a slot can hold."""
+    floats = lambda value: np.full(num_slots, value, np.float32)  # noqa: E731
+    ints = lambda value, *shape: np.full((num_slots, *shape), value, np.int32)  # noqa: E731
+    return {
+        "temperature": floats(0.0),  # f32[S]; 0 = greedy
+        "top_k": ints(0),  # i32[S]; 0 = off
+        "top_p": floats(1.0),  # f32[S]; 1 = off
+        "seeds": ints(0),  # i32[S]
+        "steps": ints(0),  # i32[S]; index of the output token the slot draws
+        "min_p": floats(0.0),  # f32[S]; 0 = off
+        "presence": floats(0.0),  # f32[S]
+        "frequency": floats(0.0),  # f32[S]
+        "repetition": floats(1.0),  # f32[S]; 1 = off
+        "bias_ids": ints(0, bias_width),  # i32[S, NB]; padding entries are token 0 with bias 0
+        "bias_values": np.zeros((num_slots, bias_width), np.float32),  # f32[S, NB]
+        "num_logprobs": ints(-1),  # i32[S]; -1: none wanted
+        "prompt_lens": ints(0),  # i32[S]; positions below are prompt tokens (the penalties' split)
+    }
+
+
+def place_sampling(arrays: dict[str, np.ndarray], index: int, request: Request) -> None:
+    """THE per-row sampling packer: write `request`'s sampling into slot `index` of `arrays` (from
+    `sampling_padding`): its parameters, its seed and step (the output token it draws next), its sparse
+    bias (logit_bias, and min_tokens' -inf on EOS and the stop ids: Request.next_token_bias), its
+    log-probability request and its prompt length. Every SamplingParams field that acts on the logits or
+    the draw is packed here; the grammar, allowed_token_ids and bad_words travel as the request's guide
+    (a mask the engine fills, `Request.guide`), stop conditions stay on the host (stopping.py)."""
+    params = request.params
+    arrays["temperature"][index] = params.temperature
+    arrays["top_k"][index] = params.top_k
+    arrays["top_p"][index] = params.top_p
+    arrays["seeds"][index] = request.seed
+    arrays["steps"][index] = len(request.output_ids)
     arrays["min_p"][index] = params.min_p
     arrays["presence"][index] = params.presence_penalty
     arrays["frequency"][index] = params.frequency_penalty
     arrays["repetition"][index] = params.repetition_penalty
     bias = request.next_token_bias()
+    if len(bias) > arrays["bias_ids"].shape[1]:
+        raise FieldError("logit_bias", f"needs {len(bias)} bias entries (with min_tokens' masked ids); the arrays hold {arrays['bias_ids'].shape[1]}")
     arrays["bias_ids"][index, : len(bias)] = list(bias)
     arrays["bias_values"][index, : len(bias)] = list(bias.values())
     arrays["num_logprobs"][index] = -1 if params.logprobs is None else params.logprobs
     arrays["prompt_lens"][index] = len(request.prompt_ids)
+
+
+def pack_sampling(requests: list[Request], *, bias_width: int) -> dict[str, np.ndarray]:
+    """The sampling arrays of `requests`, one slot each (S = len(requests)), by `place_sampling`."""
+    arrays = sampling_padding(len(requests), bias_width)
+    for index, request in enumerate(requests):
+        place_sampling(arrays, index, request)
+    return arrays

@@ -8,15 +8,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.model import sampling
-from jaxinfer.scheduling.request import SamplingParams
+from jaxinfer.scheduling import plan
+from jaxinfer.scheduling.request import Request, SamplingParams
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03]))  # probabilities chosen by hand
+
+
+def pack(params: list[SamplingParams], seeds, steps) -> sampling.SamplingArrays:
+    """Temperature, top-k, top-p, seed and step of each row, packed by the engine's per-row packer
+    (plan.pack_sampling): row i is a request with seed seeds[i] that has generated steps[i] tokens."""
+    requests = [Request(str(i), [0], p, int(seed), output_ids=[0] * int(step)) for i, (p, seed, step) in enumerate(zip(params, seeds, steps))]
+    packed = plan.pack_sampling(requests, bias_width=1)
+    return sampling.SamplingArrays(packed["temperature"], packed["top_k"], packed["top_p"], packed["seeds"], packed["steps"])
 
 
 def draw(params: SamplingParams, num_draws: int, logits=LOGITS) -> np.ndarray:
     """num_draws tokens from identical rows that differ only in seed."""
     rows = [params] * num_draws
-    arrays = sampling.pack(rows, np.arange(num_draws), np.zeros(num_draws))
+    arrays = pack(rows, np.arange(num_draws), np.zeros(num_draws))
     batch = jnp.asarray(np.tile(logits, (num_draws, 1)), jnp.float32)
     return np.asarray(jax.jit(sampling.next_tokens)(batch, arrays))
 
@@ -27,7 +36,7 @@ def frequencies(tokens: np.ndarray) -> np.ndarray:
 
 def test_greedy_is_argmax():
     logits = np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32)
-    arrays = sampling.pack([SamplingParams(temperature=0)] * 6, np.zeros(6), np.zeros(6))
+    arrays = pack([SamplingParams(temperature=0)] * 6, np.zeros(6), np.zeros(6))
     np.testing.assert_array_equal(sampling.next_tokens(jnp.asarray(logits), arrays), logits.argmax(-1))
 
 
@@ -56,8 +65,8 @@ def test_same_seed_same_token_whatever_the_other_rows():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(4, 1000)).astype(np.float32)
     params = [SamplingParams(temperature=1.0, seed=42)] + [SamplingParams(temperature=t) for t in (0.0, 0.5, 2.0)]
-    first = sampling.next_tokens(jnp.asarray(logits), sampling.pack(params, np.array([42, 1, 2, 3]), np.full(4, 7)))
-    alone = sampling.next_tokens(jnp.asarray(logits[:1]), sampling.pack(params[:1], np.array([42]), np.array([7])))
+    first = sampling.next_tokens(jnp.asarray(logits), pack(params, np.array([42, 1, 2, 3]), np.full(4, 7)))
+    alone = sampling.next_tokens(jnp.asarray(logits[:1]), pack(params[:1], np.array([42]), np.array([7])))
     assert int(first[0]) == int(alone[0])
 
 
