@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+
 class FieldError(ValueError):
     """A user-set field (a SamplingParams, request or EngineConfig field) has a bad value.
 
@@ -31,11 +32,19 @@ def check_int(field: str, value, *, low: int | None = None, high: int | None = N
     return int(value)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32; below it a value flushes or loses its digits
+
+
 def check_number(field: str, value, *, low: float, high: float, low_open: bool = False) -> float:
-    """`value` as a finite float in [low, high] (or (low, high] with low_open); NaN and inf are refused."""
+    """`value` as a finite float in [low, high] (or (low, high] with low_open); NaN and inf are refused, and so
+    is a value the device cannot hold: float32 overflows past FLOAT32_MAX and flushes below FLOAT32_TINY (a
+    repetition_penalty of 1e-300 would reach the sampler as 0, a division by zero)."""
     if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_)):
         raise FieldError(field, f"must be a number, got {value!r}")
     number = float(value)
+    if math.isfinite(number) and (abs(number) > FLOAT32_MAX or 0 < abs(number) < FLOAT32_TINY):
+        raise FieldError(field, f"must be 0 or of magnitude in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (float32, as the device computes), got {value!r}")
     if not math.isfinite(number) or number > high or number < low or (low_open and number == low):
         bracket = "(" if low_open else "["
         interval = f"{bracket}{low:g}, {high:g}]" if math.isfinite(high) else f"{'>' if low_open else '>='} {low:g}"
@@ -82,7 +91,7 @@ def check_logit_bias(value) -> tuple[tuple[int, float], ...]:
         raise FieldError("logit_bias", f"must map token ids to numbers, got {value!r}")
     checked = {}
     for token, bias in pairs:
-        if isinstance(token, str) and token.strip().isdigit():
+        if isinstance(token, str) and token.strip().isascii() and token.strip().isdigit():  # "²" and "٣" are digits to str, not ids
             token = int(token)
         token = check_int("logit_bias", token, low=0)
         checked[token] = check_number(f"logit_bias[{token}]", bias, low=-100.0, high=100.0)
