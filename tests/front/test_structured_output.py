@@ -1,8 +1,11 @@
 """Structured output (guided.py, llguidance): on the real model, every output parses and validates against
-its JSON schema, regex or choice list; a schema that cannot be compiled is that request's error."""
+its JSON schema, regex or choice list; a schema that cannot be compiled is that request's error, and one
+that crashes llguidance's checker is a batch line's error record, never the job's end."""
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 from jaxinfer import SamplingParams
 from jaxinfer.scheduling import guided
 from jaxinfer.validation import FieldError
+from job_records import by_key, records
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}
 SCHEMAS = [
@@ -127,3 +131,56 @@ def test_masks_filled_during_the_forward_give_the_outputs_of_masks_filled_before
         assert pairs and set(pairs) == {("forward", "masks") if overlap else ("masks", "forward")}, events[:6]
     assert runs[True] == runs[False]
     assert any(ids for ids, _ in runs[True]) and all(len(lp) == len(ids) for ids, lp in runs[True])
+
+
+def _deep_schema_line(depth: int) -> dict:
+    """A 100 KB schema: `$defs` d0 .. d{depth}, each an object whose one property refers to the next."""
+    defs = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["next"]} for i in range(depth)}
+    return {"structured_outputs": {"json": {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{depth}": {"type": "integer"}}}}}
+
+
+def _deep_lark_line(depth: int) -> dict:
+    return {"guided_grammar": "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(depth)), f'r{depth}: "a"'])}
+
+
+def _run_job(model, input_path, output_path, cache, *extra) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(model), "--input", str(input_path), "--output", str(output_path),
+               "--compile-cache", cache, "--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress", *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_job_with_grammars_that_crash_the_checker_writes_their_error_records_and_resumes(tmp_path, tiny_chat_model, compile_cache):
+    """A 1,000-deep $defs chain and a 4,000-rule Lark chain used to SIGSEGV the job (and every --resume)
+    with 0 records: now exit 0, one record per line, theirs errors naming the crash, the others' as alone."""
+    lines = {
+        "deep_schema": _deep_schema_line(1000),
+        "good": {"guided_regex": "[0-9]{3}"},
+        "deep_lark": _deep_lark_line(4000),
+        "no_token": {"allowed_token_ids": [2], "min_tokens": 3},
+        "empty": {"guided_json": {"$ref": "#"}},
+    }
+    input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    input_path.write_text("".join(json.dumps({"id": key, "prompt": "Hi", "max_tokens": 8, **fields}) + "\n" for key, fields in lines.items()))
+    first = _run_job(tiny_chat_model, input_path, output_path, compile_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = records(output_path)
+    assert sorted(r["id"] for r in written) == sorted(lines)  # one record per line, in the order they finished
+    _check_records({r["id"]: r for r in written})
+    output_path.write_bytes(b"".join(line + b"\n" for line in output_path.read_bytes().split(b"\n")[:1]))  # only the first record
+    resumed = _run_job(tiny_chat_model, input_path, output_path, compile_cache, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = {r["id"]: r for r in by_key(output_path).values()}
+    assert sorted(again) == sorted(lines)
+    _check_records(again)
+    assert again["good"]["text"] == {r["id"]: r for r in written}["good"]["text"]
+
+
+def _check_records(by_id: dict) -> None:
+    errors = {key: record["error"] for key, record in by_id.items() if record["status"] == "error"}
+    assert set(errors) == {"deep_schema", "deep_lark", "no_token", "empty"}, by_id
+    for key in ("deep_schema", "deep_lark"):
+        assert "structured_outputs" in errors[key] and "the grammar checker crashed (signal 11, SIGSEGV)" in errors[key], errors[key]
+    assert "its language is empty" in errors["empty"], errors["empty"]
+    assert "no token may follow the 0 tokens so far: allowed_token_ids + min_tokens" in errors["no_token"], errors["no_token"]
+    assert re.fullmatch("[0-9]{3}", by_id["good"]["text"]), by_id["good"]
