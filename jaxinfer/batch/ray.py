@@ -9,9 +9,13 @@ contract. Each actor holds one `LLM` and runs its batch through `job.LineRunner`
 its own error record and the rest of its batch runs. A request without its own seed derives one from its
 line's key, so which actor runs it does not change its tokens.
 
-When an actor dies, Ray Data restarts it and runs its unfinished batch again (the actors are created
-with `max_restarts=-1, max_task_retries=-1`, pinned in `map_batches`' remote args); a record whose
-key was already written is dropped by the writer, so a retried batch never writes a line twice. When the driver dies, `--resume` continues.
+When an actor dies, Ray restarts it and runs its unfinished batch again, at most MAX_TASK_RETRIES times
+(`max_restarts=-1, max_task_retries=MAX_TASK_RETRIES`, pinned in `map_batches`' remote args); a record
+whose key was already written is dropped by the writer, so a retried batch never writes a line twice. A
+batch that still fails is skipped (`max_errored_blocks=-1`), and its lines are run again one a batch, so
+a line that kills its actor (a segfault, out of memory) ends as its own error record (500) after
+1 + MAX_TASK_RETRIES tries alone, and the other lines' records are written. When the driver dies,
+`--resume` continues.
 
 Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
 """
@@ -36,6 +40,7 @@ if TYPE_CHECKING:  # batch/job.py (and through it jax) is imported where it is u
     from jaxinfer.options import LoadOptions
 
 DEFAULT_BATCH_SIZE = 16  # lines per actor call: enough for continuous batching inside each actor
+MAX_TASK_RETRIES = 2  # a batch whose actor dies is run again this many times (on the restarted actor)
 
 
 def _import_ray():
@@ -95,26 +100,51 @@ def line_from_json(text: str) -> "InputLine":
 
 def run_job(
     job: "BatchJob", options: RayOptions, *, model=None, load_options: "LoadOptions | None" = None, engine_config: "EngineConfig | None" = None, progress: bool = True,
+    actor: type = LLMActor,
 ) -> "JobSummary":
-    """Run a BatchJob's remaining lines on a Ray cluster; the records land in the job's output."""
+    """Run a BatchJob's remaining lines on a Ray cluster; the records land in the job's output. `actor`:
+    the Ray Data callable class that runs a batch (LLMActor, or a subclass of it)."""
     ray = _import_ray()
     if not ray.is_initialized():
         ray.init(address=options.address, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = progress
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = progress
+    context.max_errored_blocks = -1  # a batch whose actor died too often is skipped; its lines are tried again alone
     actor_kwargs = {"model": None if model is None else str(model), "load_options": load_options, "engine_config": engine_config}
-    return job.write(_records(ray, job, options, actor_kwargs))
+    return job.write(_records(ray, job, options, actor, actor_kwargs))
 
 
-def _records(ray, job: "BatchJob", options: RayOptions, actor_kwargs: dict) -> Iterator[dict]:
-    if not job.todo:
-        return
-    items = [{"line": line_to_json(line)} for line in job.todo]
+def _records(ray, job: "BatchJob", options: RayOptions, actor: type, actor_kwargs: dict) -> Iterator[dict]:
+    """Every line's record: the lines run in batches; the lines of a batch that kept killing its actor
+    run again one a batch; a line that still kills its actor gets its error record."""
+    from jaxinfer.batch.records import error_record
+
+    pending, num_ran = list(job.todo), 0
+    for batch_size in dict.fromkeys((options.batch_size, 1)):
+        if not pending:
+            return
+        done = set()
+        for record in _run_lines(ray, job, pending, dataclasses.replace(options, batch_size=batch_size), actor, actor_kwargs):
+            done.add(record["key"])
+            yield record
+        num_ran += len(done)
+        pending = [line for line in pending if line.key not in done]
+    if num_ran == 0 and len(pending) > 1:  # not one line ran, alone or in a batch: the actors cannot run at all
+        raise RuntimeError(f"every batch failed on Ray ({len(pending)} lines, none ran): see the actors' errors in the Ray logs (`ray logs`)")
+    attempts = 1 + MAX_TASK_RETRIES
+    for line in pending:
+        yield error_record(line, f"its Ray actor died running it ({attempts} times, alone in its batch: a crash, or out of memory); the other lines ran", 500)
+
+
+def _run_lines(ray, job: "BatchJob", lines: list, options: RayOptions, actor: type, actor_kwargs: dict) -> Iterator[dict]:
+    items = [{"line": line_to_json(line)} for line in lines]
     ds = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / options.batch_size))
     ds = ds.map_batches(
-        LLMActor, batch_size=options.batch_size, batch_format="numpy", concurrency=options.num_actors,
+        actor, batch_size=options.batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=options.num_actors, max_tasks_in_flight_per_actor=1),  # a crash takes only its own batch down
         num_cpus=options.num_cpus, num_gpus=options.num_gpus or None,
         fn_constructor_kwargs=actor_kwargs | {"defaults": job.runner.defaults, "truncate": job.runner.truncate},
-        max_restarts=-1, max_task_retries=-1,  # Ray Data passes extra keywords to the actors as their remote args
+        max_restarts=-1, max_task_retries=MAX_TASK_RETRIES,  # Ray Data passes extra keywords to the actors as their remote args
     )
     for row in ds.iter_rows():
         yield json.loads(row["record"])

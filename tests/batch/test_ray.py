@@ -188,3 +188,43 @@ def test_ray_flags_are_checked_before_anything_loads(tmp_path, flags, message):
 def test_ray_with_one_prompt_is_refused(tmp_path):
     result = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", "hi", "--ray"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--ray runs an --input FILE job" in result.stderr, result.stderr
+
+
+_CRASHING_JOB = """
+import os, signal, sys
+from pathlib import Path
+from jaxinfer.batch import ray as ray_jobs
+from jaxinfer.batch.job import BatchJob
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.request import SamplingParams
+
+class CrashingActor(ray_jobs.LLMActor):
+    def __call__(self, batch):
+        if any("CRASH" in text for text in batch["line"]):
+            os.kill(os.getpid(), signal.SIGSEGV)  # what a native crash does to the actor's process
+        return super().__call__(batch)
+
+inp, out, model, cache = sys.argv[1:5]
+engine = EngineConfig(max_context=128, max_num_seqs=2, page_size=16, compilation_cache_dir=cache)
+with BatchJob(Path(inp), Path(out), SamplingParams(temperature=0, max_tokens=4)) as job:
+    summary = ray_jobs.run_job(job, ray_jobs.RayOptions(num_actors=1, batch_size=4), model=model, engine_config=engine, progress=False, actor=CrashingActor)
+print("counts", summary.num_ok, summary.num_errors)
+"""
+
+
+@pytest.mark.slow
+def test_a_line_that_kills_its_actor_is_retried_a_bounded_number_of_times_then_is_its_error_record(tmp_path, compile_cache, tiny_chat_model):
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"Question {i}"}) for i in range(5)]
+    lines.insert(2, json.dumps({"id": "crash", "prompt": "CRASH"}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-c", _CRASHING_JOB, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), str(tiny_chat_model), compile_cache],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "counts 5 1" in result.stdout, result.stdout
+    got = by_key(tmp_path / "out.jsonl")
+    assert sorted(got) == sorted(['id:"crash"'] + [f'id:"q{i}"' for i in range(5)])  # every line once
+    crash = got['id:"crash"']
+    assert crash["status"] == "error" and "actor died running it (3 times" in crash["error"] and crash["line"] == 3
+    assert all(got[f'id:"q{i}"']["status"] == "ok" for i in range(5))
