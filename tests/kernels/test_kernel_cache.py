@@ -8,6 +8,7 @@ subprocess whose cache root (JAXINFER_CACHE_DIR) and temporary folder (TMPDIR) a
 """
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -131,8 +132,6 @@ def test_verified_library_is_loaded_as_it_is(cache, tmp_path):
 
 
 def test_digest_names_the_library_its_size_and_sha256(cache):
-    import hashlib
-
     path = library(cache, "paged_attention")
     data = path.read_bytes()
     assert build.digest_path(path).read_text() == f"{path.name} {len(data)} {hashlib.sha256(data).hexdigest()}\n"
