@@ -38,11 +38,12 @@ LogprobEntry = tuple[float, dict[int, float]]  # a token's log-probability and t
 @dataclasses.dataclass(frozen=True)
 class Generation:
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "error" (a guide with no allowed token, or whose matcher failed)
     text: str = ""  # with a tokenizer: the output's text, cut at a stop string as RequestOutput.text; else ""
     logprobs: list[LogprobEntry] | None = None  # with SamplingParams.logprobs: one entry per generated token
     prompt_logprobs: list[LogprobEntry | None] | None = None  # with prompt_logprobs: per prompt token, None for the first
     samples: "list[Generation] | None" = None  # with n > 1: all n samples in order (this one is sample 0)
+    error: str | None = None  # why, when finish_reason is "error" (as RequestOutput.error)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_top", "mode"), donate_argnames=("cache",))
@@ -102,11 +103,12 @@ class _Reference:
         return sampling.TokenCounts(output, in_prompt)
 
     def arrays(self, request: Request, bias_width: int) -> sampling.SamplingArrays:
-        """The row's sampling arrays, packed by the engine's per-row packer, and its guide's mask."""
+        """The row's sampling arrays, packed by the engine's per-row packer, and its guide's mask (with
+        min_tokens' -inf bans, as engine.token_masks fills it)."""
         packed = plan.pack_sampling([request], bias_width=bias_width)
         mask = np.full((1, guided.mask_words(self.cfg.vocab_size)), -1, np.int32)  # all ones: free
         if request.guide is not None:
-            request.guide.fill_mask(mask[0])
+            request.guide.fill_mask(mask[0], packed["bias_ids"][0][np.isneginf(packed["bias_values"][0])])
         return sampling.SamplingArrays(
             temperature=packed["temperature"], top_k=packed["top_k"], top_p=packed["top_p"], seed=packed["seeds"], step=packed["steps"],
             min_p=packed["min_p"], presence=packed["presence"], frequency=packed["frequency"], repetition=packed["repetition"],
@@ -132,7 +134,7 @@ class _Reference:
             tokens, start = request.output_ids[-1:], request.num_tokens - 1
         text = self.output.text(request)
         logprobs = list(request.logprobs) if sp.logprobs is not None else None
-        return Generation(list(request.output_ids), reason, text, logprobs, self.prompt_logprobs(prompt_ids, sp))
+        return Generation(list(request.output_ids), reason, text, logprobs, self.prompt_logprobs(prompt_ids, sp), error=request.error)
 
     def prompt_logprobs(self, prompt_ids: list[int], sp: SamplingParams) -> list[LogprobEntry | None] | None:
         if sp.prompt_logprobs is None:
@@ -149,7 +151,7 @@ def generate_one(
 ) -> Generation:
     """Generate for one prompt: its n samples (sample i > 0 seeded from `seed` and i, as LLM.generate), each
     stopped as the engine stops it (EOS unless ignore_eos, a stop token or string, a finished grammar,
-    max_tokens). Raises FieldError naming a field it cannot honour (module docstring)."""
+    max_tokens; 'error' when its constraints leave no token). Raises FieldError naming a field it cannot honour (module docstring)."""
     return _generate_one(_Reference(params, cfg, eos_id=eos_id, tokenizer=tokenizer, logprobs_mode=logprobs_mode), prompt_ids, sp, seed, 0)
 
 

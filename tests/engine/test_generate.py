@@ -46,7 +46,7 @@ class Runs:
         """(engine output, reference output), asserting equal tokens, finish reason and text."""
         engine, reference = self.engine(sp), self.reference(sp)
         assert reference.token_ids == engine.token_ids, (sp, engine.token_ids, reference.token_ids)
-        assert (reference.finish_reason, reference.text) == (engine.finish_reason, engine.text)
+        assert (reference.finish_reason, reference.text, reference.error) == (engine.finish_reason, engine.text, engine.error)
         return engine, reference
 
 
@@ -234,6 +234,13 @@ def test_reference_honours_the_field_as_the_engine_does(field, runs, greedy):
     if field not in CASES:
         pytest.fail(f"no case for SamplingParams.{field}: show that generate() honours it (equal to the engine) or refuses it")
     CASES[field](runs, greedy)
+
+
+def test_constraints_that_leave_no_token_end_in_the_engines_error(runs):
+    """allowed_token_ids = (EOS,) while min_tokens bans EOS: no token may be drawn, an error naming both."""
+    _, out = runs.both(_with(allowed_token_ids=(runs.eos_id,), min_tokens=1))
+    assert (out.token_ids, out.finish_reason) == ([], "error")
+    assert "allowed_token_ids" in out.error and "min_tokens" in out.error
 
 
 TEXT_VALUES = {"stop": ("fox",), "bad_words": ("fox",), "structured_outputs": {"choice": ["yes", "no"]}}
