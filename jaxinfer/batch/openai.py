@@ -30,6 +30,11 @@ FORMAT = "openai"
 INPUT_FORMATS = ("auto", "jaxinfer", FORMAT)  # a batch job's input formats (auto: detected from the lines that parse)
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+# Body fields OpenAI marks nullable: null there means the default, as if the field were absent.
+NULLABLE_FIELDS = frozenset({
+    "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty",
+    "seed", "logprobs", "top_logprobs", "response_format",
+})
 _MODEL_DEFAULT = "jaxinfer"  # the body's `model` when a request names none
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 500: "server_error"}
 
@@ -57,7 +62,16 @@ def line_format(obj) -> str | None:
 
 
 def valid_custom_id(value) -> bool:
-    return isinstance(value, str) and bool(value)
+    return isinstance(value, str) and bool(value) and _is_unicode(value)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (a JSON escape like \\ud800 that is no character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_request(obj) -> tuple[dict, dict]:
@@ -67,7 +81,10 @@ def parse_request(obj) -> tuple[dict, dict]:
     batch.py to check (supported, unsupported, misspelt or unknown) exactly as it checks its own lines."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
-    if not valid_custom_id(obj.get("custom_id")):
+    custom_id = obj.get("custom_id")
+    if isinstance(custom_id, str) and custom_id and not _is_unicode(custom_id):
+        raise RequestError("'custom_id' is not valid Unicode (it holds a lone surrogate escape)", param="custom_id")
+    if not valid_custom_id(custom_id):
         raise RequestError("missing or invalid 'custom_id' (a non-empty string is required)", param="custom_id")
     extra = sorted(set(obj) - _ENVELOPE_FIELDS)
     if extra:
@@ -83,7 +100,7 @@ def parse_request(obj) -> tuple[dict, dict]:
     model = body.get("model", _MODEL_DEFAULT)
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, got {model!r}", param="model")
-    fields = {name: value for name, value in body.items() if name != "model"}
+    fields = {name: value for name, value in body.items() if name != "model" and not (value is None and name in NULLABLE_FIELDS)}
     if ENDPOINTS[url] == "chat":
         if "prompt" in fields or "messages" not in fields:
             raise RequestError(f"{url} needs 'messages' (and no 'prompt')", param="messages")

@@ -278,3 +278,31 @@ def test_a_file_whose_lines_disagree_on_the_format_is_refused_before_anything_ru
     assert not out.exists()
     with BatchJob(inp, out, DEFAULTS, fmt="openai") as job:  # a forced format is not second-guessed: the other lines are errors
         assert job.format == "openai" and len(job.todo) == 3
+
+
+def test_null_fields_mean_the_default_a_seed_is_any_64_bit_integer_and_a_custom_id_must_be_unicode(llm, tmp_path):
+    nulls = dict.fromkeys(("temperature", "top_p", "max_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty", "seed"))
+    lines = [
+        chat_request("plain", "Hi"), chat_request("nulls", "Hi") | {"body": chat_request("nulls", "Hi")["body"] | nulls},
+        completion_request("big1", "Once upon", temperature=1.0, seed=2**63 - 1, max_tokens=6),
+        completion_request("big2", "Once upon", temperature=1.0, seed=2**63 - 1, max_tokens=6),
+        completion_request("neg", "Once upon", temperature=1.0, seed=-(2**63), max_tokens=6),
+        completion_request("over", "Once upon", seed=2**64),
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    text += '{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(text)
+    with BatchJob(inp, out, DEFAULTS) as job:
+        job.run(llm, progress=False)
+    written = records(out)
+    by_id = {r["custom_id"]: r for r in written if r["custom_id"] is not None}
+    for record in written:
+        check_output_line(record)
+    plain, nulled = by_id["plain"]["response"]["body"], by_id["nulls"]["response"]["body"]
+    assert by_id["nulls"]["response"]["status_code"] == 200 and nulled["choices"] == plain["choices"] and nulled["usage"] == plain["usage"]
+    assert by_id["big1"]["response"]["status_code"] == by_id["neg"]["response"]["status_code"] == 200
+    assert by_id["big1"]["response"]["body"]["choices"] == by_id["big2"]["response"]["body"]["choices"]  # the seed, not the custom_id, draws
+    assert by_id["over"]["response"]["status_code"] == 400 and by_id["over"]["error"]["param"] == "seed"
+    (bad,) = [r for r in written if r["custom_id"] is None]
+    assert bad["response"]["status_code"] == 400 and bad["error"]["param"] == "custom_id" and "not valid Unicode" in bad["error"]["message"]
