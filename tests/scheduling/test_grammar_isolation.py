@@ -1,6 +1,7 @@
 """The grammar check runs in a child process (grammar_check.py): a grammar deep enough to overflow
 llguidance's native stack kills the child, never this process, and is that request's FieldError naming the
-crash; a spec that passes the check compiles here and gives a usable mask."""
+crash; a spec that passes the check compiles here and gives a usable mask, or a guide whose error names
+llguidance's refusal (the request's error)."""
 
 import json
 
@@ -115,5 +116,8 @@ def test_fuzzed_specs_give_a_request_or_a_field_error_and_the_checker_never_dies
     guide = guides.guide(params)  # compiled in this process: a crash here would end the test run
     row = np.full(guided.mask_words(smollm2_tokenizer.vocab_size), -1, np.int32)
     guide.fill_mask(row)
-    assert guide.error is None, guide.error
+    if guide.error is not None:  # llguidance's own limits with the real vocabulary (too many items): this request's error
+        event("matcher error")
+        assert guide.error.startswith("the grammar"), guide.error
+        return
     assert allowed_ids(row, smollm2_tokenizer.vocab_size).size > 0
