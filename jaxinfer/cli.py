@@ -40,7 +40,9 @@ resume: a line is identified by its id (1 and "1" differ; a repeated id is an er
   with its "key". --resume first checks that every line of --output is a record (else it refuses
   and changes nothing), drops a torn last record and runs exactly the lines not done, so the
   output ends with one record per non-blank input line. Unseeded requests derive their seed from
-  the key, so a resumed job equals an uninterrupted one. FILE.meta.json holds the settings that
+  the key, so a resumed job draws from the same random keys as an uninterrupted one; its tokens
+  are equal too only with --deterministic (otherwise other batch neighbours can round near-tied
+  logits differently). FILE.meta.json holds the settings that
   decide the tokens (model, dtype, quantization, seeds, sampling defaults, ...); a resume under
   other settings is refused with the differences listed (--force-settings overrides). FILE.lock
   keeps a second job off the same --output while one runs. --input may be a pipe; a resume
