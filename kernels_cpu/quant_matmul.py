@@ -66,13 +66,14 @@ def block_dot(
     x_codes: Int8[Array, "M A b"], x_scale: Float[Array, "M A"], codes: Int[Array, "F I"], scale: Float[Array, "F Z"],
     offset: Float[Array, "F Z"] | None = None,
 ) -> Float[Array, "F M"]:
-    """W8A8 on quantized activations: sum over blocks a of x_scale[m, a] * (sum_i w_code[f, i] x_code[m, i]
-    times the weight's scale, + offset * sum_i x_code[m, i]), the inner sums exact in int32.
+    """W8A8 on quantized activations, [F, M]: out[f, m] = sum_a x_scale[m, a] * (scale[f, a] * sum_i
+    codes[f, i] x_codes[m, a, i] + offset[f, a] * sum_i x_codes[m, a, i]), i over block a's inputs, each
+    inner sum an exact int32.
 
     The weight is w[f, i] = codes[f, i] * scale[f, i // g] (+ offset[f, i // g]), g = I / Z a multiple of
     the activations' block b: Z = 1 (one scale per output column, applied once after the sum over blocks),
     Z = A, or anything between. Signed int8 codes meet the activations in an int8 x int8 -> int32 dot on
-    the stored rows [F, A, b] (weight first: XLA:CPU's canonical [M, K] operand, no copy); other integer
+    the stored rows [F, A, b] (weight first: XLA:CPU's canonical left operand, no copy); other integer
     codes (the kernel's unsigned ones) in int32. Returns [F, M], the weight's orientation."""
     num_out, num_in = codes.shape
     num_blocks, block = x_codes.shape[1:]
