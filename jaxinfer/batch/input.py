@@ -69,32 +69,74 @@ class InputLine:
 # ---------------------------------------------------------------- bytes to lines
 
 
-def iter_lines(blocks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+DEFAULT_MAX_LINE_BYTES = 16 << 20  # an input line longer than this is an error record, dropped as it is read
+
+
+@dataclasses.dataclass(frozen=True)
+class LongLine:
+    """A line over the length limit, never held whole: its length and a hash of its bytes (its key)."""
+
+    num_bytes: int
+    sha256: str
+
+
+def iter_lines(blocks: Iterable[bytes], max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes | LongLine]]:
     """(line number, bytes) of each non-blank line of the data `blocks` hold in turn; b"\\n" is the only
-    separator, and a UTF-8 BOM at the start is dropped. A line is held whole only once it is complete."""
-    number, pieces, started = 0, [], False
+    separator, and a UTF-8 BOM at the start is dropped. A line is held whole only once it is complete,
+    and only up to `max_line_bytes`: a longer one comes as a LongLine (None: no limit)."""
+    splitter = _LineSplitter(max_line_bytes)
+    for block in _without_bom(blocks):
+        yield from splitter.feed(block)
+    yield from splitter.end_line()
+
+
+def _without_bom(blocks: Iterable[bytes]) -> Iterator[bytes]:
+    blocks, head = iter(blocks), b""
     for block in blocks:
-        if not started:
-            pieces.append(block)
-            head = b"".join(pieces)
-            if len(head) < len(_BOM) and _BOM.startswith(head):
-                continue  # too short yet to tell whether it starts with a BOM
-            block, pieces, started = head[len(_BOM) :] if head.startswith(_BOM) else head, [], True
-        parts = block.split(b"\n")
-        if len(parts) == 1:
-            pieces.append(block)
-            continue
-        parts[0] = b"".join(pieces) + parts[0]
-        pieces = [parts.pop()]
-        for raw in parts:
-            number += 1
-            if raw.strip():
-                yield number, raw
-    last = b"".join(pieces)
-    if not started and last.startswith(_BOM):
-        last = last[len(_BOM) :]
-    if last.strip():
-        yield number + 1, last
+        head += block
+        if len(head) >= len(_BOM) or not _BOM.startswith(head):
+            break  # long enough to tell whether it starts with a BOM
+    yield head[len(_BOM) :] if head.startswith(_BOM) else head
+    yield from blocks
+
+
+class _LineSplitter:
+    """Cuts blocks into numbered lines, holding the current line's pieces up to the limit, and past it
+    only their running hash and length."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.number, self.pieces, self.held, self.long = limit, 0, [], 0, None
+
+    def feed(self, block: bytes) -> Iterator[tuple[int, bytes | LongLine]]:
+        *ended, rest = block.split(b"\n")
+        for part in ended:
+            self._add(part)
+            yield from self.end_line()
+        self._add(rest)
+
+    def _add(self, part: bytes) -> None:
+        if self.long is not None:
+            self.long[0].update(part)
+            self.long[1] += len(part)
+            return
+        self.pieces.append(part)
+        self.held += len(part)
+        if self.limit is not None and self.held > self.limit:
+            digest = hashlib.sha256()
+            for piece in self.pieces:
+                digest.update(piece)
+            self.long, self.pieces, self.held = [digest, self.held], [], 0
+
+    def end_line(self) -> Iterator[tuple[int, bytes | LongLine]]:
+        """The line ends here (a newline, or the end of the data): its entry, unless it is blank."""
+        self.number += 1
+        if self.long is not None:
+            (digest, size), self.long = self.long, None
+            yield self.number, LongLine(size, digest.hexdigest()[:32])
+            return
+        raw, self.pieces, self.held = b"".join(self.pieces), [], 0
+        if raw.strip():
+            yield self.number, raw
 
 
 class EncodingCheck:
@@ -271,44 +313,67 @@ def check_fields(obj: dict, *, strict: bool = False) -> list[str]:
     return ignored
 
 
-def read_lines(numbered: Iterable[tuple[int, bytes]], fmt: str = "jaxinfer", *, strict_fields: bool = False) -> Iterator[InputLine]:
+def read_lines(
+    numbered: Iterable[tuple[int, bytes | LongLine]], fmt: str = "jaxinfer", *, strict_fields: bool = False, max_line_bytes: int | None = None,
+) -> Iterator[InputLine]:
     """Each non-blank line with its key (repeats numbered), parsed or with its problem, as it is read.
-    Holds one entry per distinct key (to number repeats), never the lines."""
-    first_line = KeyTable()  # key -> its first line
-    repeats: dict[str, int] = {}  # only the keys seen more than once
-    prefix = "custom_id" if fmt == openai_batch.FORMAT else "id"
+    Holds one entry per distinct key (to number repeats), never the lines. `max_line_bytes`: the limit
+    iter_lines cut at, named in a LongLine's error."""
+    numbering = _RepeatNumbering("custom_id" if fmt == openai_batch.FORMAT else "id")
     for number, raw in numbered:
-        text, problem, obj, status, param, endpoint, ignored = None, None, None, 400, None, None, ()
-        try:
-            text = raw.decode("utf-8")
-            obj, endpoint = parse(text, fmt)
-            ignored = tuple(check_fields(obj, strict=strict_fields))
-        except UnicodeDecodeError as e:
-            problem = f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
-            text = raw.decode("utf-8", "replace")  # only to recover the id, when the bad byte is elsewhere
-        except LineError as e:
-            problem, status, param = str(e), e.status_code, e.param
-        request_id = _id_of(text, fmt)
-        base = f"{prefix}:{json.dumps(request_id, ensure_ascii=False)}" if request_id is not None else f"sha256:{hashlib.sha256(raw.strip()).hexdigest()[:32]}"
-        first = first_line.setdefault(base, number)
-        repeat = 1 if first == number else repeats.setdefault(base, 1) + 1
+        yield numbering.keyed(*_parse_line(number, raw, fmt, strict_fields, max_line_bytes))
+
+
+def _parse_line(number: int, raw: bytes | LongLine, fmt: str, strict_fields: bool, limit: int | None) -> tuple[InputLine, str]:
+    """The line parsed, or with its problem, and its key before repeats are numbered."""
+    if isinstance(raw, LongLine):
+        problem = f"the line is {raw.num_bytes} bytes, over the line-length limit of {limit} bytes (max_line_bytes); split the request or raise the limit"
+        return InputLine(number, "", None, None, problem, fmt), f"sha256:{raw.sha256}"
+    text, problem, obj, status, param, endpoint, ignored = None, None, None, 400, None, None, ()
+    try:
+        text = raw.decode("utf-8")
+        obj, endpoint = parse(text, fmt)
+        ignored = tuple(check_fields(obj, strict=strict_fields))
+    except UnicodeDecodeError as e:
+        problem = f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        text = raw.decode("utf-8", "replace")  # only to recover the id, when the bad byte is elsewhere
+    except LineError as e:
+        problem, status, param = str(e), e.status_code, e.param
+    request_id = _id_of(text, fmt)
+    prefix = "custom_id" if fmt == openai_batch.FORMAT else "id"
+    base = f"{prefix}:{json.dumps(request_id, ensure_ascii=False)}" if request_id is not None else f"sha256:{hashlib.sha256(raw.strip()).hexdigest()[:32]}"
+    return InputLine(number, "", obj, request_id, problem, fmt, status, param, endpoint, ignored), base
+
+
+class _RepeatNumbering:
+    """Numbers the repeats of a key (`#2`, `#3`, ...); a repeated valid id is an error for each repeat."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.first_line, self.repeats = prefix, KeyTable(), {}  # key -> its first line; keys seen more than once
+
+    def keyed(self, line: InputLine, base: str) -> InputLine:
+        first = self.first_line.setdefault(base, line.number)
+        repeat = 1 if first == line.number else self.repeats.setdefault(base, 1) + 1
         if repeat > 1:
-            repeats[base] = repeat
+            self.repeats[base] = repeat
         key = base if repeat == 1 else f"{base}#{repeat}"
-        if repeat > 1 and request_id is not None and problem is None:
-            problem, param = f"duplicate {prefix} {request_id!r} (first on line {first})", prefix
-        if problem is not None:
-            obj, ignored = None, ()
-        yield InputLine(number, key, obj, request_id, problem, fmt, status, param, endpoint, ignored)
+        problem, param = line.problem, line.param
+        if repeat > 1 and line.request_id is not None and problem is None:
+            problem, param = f"duplicate {self.prefix} {line.request_id!r} (first on line {first})", self.prefix
+        if problem is None:
+            return dataclasses.replace(line, key=key)
+        return dataclasses.replace(line, key=key, obj=None, problem=problem, param=param, ignored=())
 
 
-def detect_format(numbered: Iterable[tuple[int, bytes]]) -> str:
+def detect_format(numbered: Iterable[tuple[int, bytes | LongLine]]) -> str:
     """The format the lines that parse agree on: 'openai' when they are OpenAI batch requests, else
     'jaxinfer' (also when no line parses). A line that is not a JSON object, or names neither format's
     fields, has no say: it becomes an error record in the format of the others. Lines that disagree
     are an InputFileError naming one of each, raised before the model loads."""
     first: dict[str, int] = {}  # format -> the first line of it
     for number, raw in numbered:
+        if isinstance(raw, LongLine):
+            continue
         try:
             fmt = openai_batch.line_format(json.loads(raw.decode("utf-8")))
         except (ValueError, RecursionError):  # a bad line: its own error record, in the file's format

@@ -61,7 +61,7 @@ from pathlib import Path
 
 from jaxinfer.api import LLM, Prompt
 from jaxinfer.batch import openai as openai_batch
-from jaxinfer.batch.input import CHAT_FIELDS, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
+from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, repair_output, scan_output, write_settings
@@ -183,7 +183,7 @@ class JobLines:
 
     def __iter__(self) -> Iterator[InputLine]:
         job = self._job
-        for line in read_lines(iter_lines(job._input.blocks()), job.format, strict_fields=job.strict_fields):
+        for line in job.read_lines():
             if self._done is None or line.key not in self._done:
                 yield line
 
@@ -209,17 +209,20 @@ class BatchJob:
     the format and `strict_fields` when not the defaults. A resume under other settings raises
     ResumeError listing them, unless `force_settings`. `fmt`: 'auto' (detected from the lines that
     parse), 'jaxinfer' or 'openai'. `max_inflight`: lines in flight at most (None: LLM.stream's default).
+    `max_line_bytes`: a longer input line is its error record, never held whole.
     """
 
     def __init__(
         self, input_path: Path, output: Path, defaults: SamplingParams, *, resume: bool = False, truncate: str = "none",
         settings: dict | None = None, force_settings: bool = False, fmt: str = "auto", strict_fields: bool = False, max_inflight: int | None = None,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ):
         if fmt not in FORMATS:
             raise FieldError("format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
         if max_inflight is not None:
             check_int("max_inflight", max_inflight, low=1)  # here too, so that the CLI refuses it before the model loads
-        self.output, self.resume, self.strict_fields = output, resume, strict_fields
+        check_int("max_line_bytes", max_line_bytes, low=1)
+        self.output, self.resume, self.strict_fields, self.max_line_bytes = output, resume, strict_fields, max_line_bytes
         self.runner = LineRunner(defaults, truncate, max_inflight)
         self.summary = JobSummary()
         self._settings = {"sampling": dataclasses.asdict(defaults), "truncate": truncate} | (settings or {})
@@ -239,7 +242,7 @@ class BatchJob:
         for block in self._input.blocks():
             check.feed(block)
         check.finish()
-        self.format = detect_format(iter_lines(self._input.blocks())) if fmt == "auto" else fmt
+        self.format = detect_format(iter_lines(self._input.blocks(), self.max_line_bytes)) if fmt == "auto" else fmt
         if self.format != "jaxinfer":
             self._settings["format"] = self.format
         if self.strict_fields:
@@ -252,7 +255,7 @@ class BatchJob:
             repair_output(self.output, scan)
         done = scan.keys if scan is not None else KeyTable()
         num_lines, num_todo, ignored = 0, 0, {}
-        for line in read_lines(iter_lines(self._input.blocks()), self.format, strict_fields=self.strict_fields):
+        for line in self.read_lines():
             num_lines += 1
             if line.key in done:
                 continue
@@ -265,6 +268,11 @@ class BatchJob:
         if ignored:
             names = ", ".join(f"{k!r} ({n} lines)" for k, n in sorted(ignored.items()))
             print(f"jaxinfer: warning: unknown fields, which those lines run without: {names}; --strict-fields makes them errors", file=sys.stderr)
+
+    def read_lines(self) -> Iterator[InputLine]:
+        """The input's lines, read again from its start, each keyed and parsed (batch/input.py)."""
+        numbered = iter_lines(self._input.blocks(), self.max_line_bytes)
+        return read_lines(numbered, self.format, strict_fields=self.strict_fields, max_line_bytes=self.max_line_bytes)
 
     def close(self) -> None:
         """Release the output's lock and close the input (idempotent). An output this job created is

@@ -283,3 +283,17 @@ def test_parse_special_false_keeps_control_text_in_plain_prompts_literal(llm):
     assert im_start not in literal.encode("<|im_start|>user")
     with pytest.raises(FieldError, match="parse_special"):
         LoadOptions(parse_special="no")
+
+
+def test_a_line_over_the_length_limit_is_its_error_record_and_is_never_held_whole(llm, tmp_path):
+    long_line = json.dumps({"id": "long", "prompt": "word " * 5000})  # 25 kB
+    inp = write_lines(tmp_path / "in.jsonl", ['{"id":"a","prompt":"x"}', long_line, '{"id":"b","prompt":"y"}'])
+    split = list(iter_lines([inp.read_bytes()[i : i + 100] for i in range(0, inp.stat().st_size, 100)], max_line_bytes=1000))
+    assert [number for number, _ in split] == [1, 2, 3] and all(not isinstance(raw, bytes) or len(raw) <= 1000 for _, raw in split)
+    summary = run(llm, inp, tmp_path / "out.jsonl", max_line_bytes=1000)
+    written = records(tmp_path / "out.jsonl")
+    (error,) = [r for r in written if r["status"] == "error"]
+    assert summary.num_ok == 2 and summary.num_errors == 1 and error["line"] == 2
+    assert f"{len(long_line)} bytes, over the line-length limit of 1000" in error["error"]
+    summary = run(llm, inp, tmp_path / "out.jsonl", max_line_bytes=1000, resume=True)  # the long line's key is stable
+    assert summary.num_skipped == 3 and summary.num_ok + summary.num_errors == 0
