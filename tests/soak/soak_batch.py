@@ -4,7 +4,8 @@ The input, the goal and the committed run are in the README ("Soak: the batch CL
 --lines seeded lines (about 10% odd or poison, every kind of line_kinds() at least once, each with its
 expected status) go through `python -m jaxinfer.cli generate` once uninterrupted (ref.jsonl), then again
 (soak.jsonl) under --sigkills / --sigints signals at random record counts and --load-kills during model
-load, resumed after each. Two probes must be refused at once, the output untouched: a second job on the
+load, resumed after each; before the middle resume every compiled kernel in the soak's own cache root is
+truncated (--damage-kernel-cache), and the job must run on. Two probes must be refused at once, the output untouched: a second job on the
 soak output, and a resume under a changed --temperature and --engine-seed. A crash or timeout of an
 invocation is recorded, never raised. Exit 0 when the goal is met, 1 when not, 2 for a bad flag.
 
@@ -21,6 +22,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import random
@@ -45,6 +47,9 @@ LOAD_KILL_DELAY_S = (0.3, 3.0)  # after the loading message; a warm load + compi
 LOAD_FALLBACK_S = 10.0  # a CLI silent on stderr this long is taken to be loading
 COMPARED_FIELDS = ("status", "token_ids", "text", "error")
 MAX_LISTED = 20  # examples kept per list in the report
+DEEP_SCHEMA_DEPTH = 1000  # a $defs chain this deep killed the process by SIGSEGV in llguidance's check
+DEEP_GRAMMAR_RULES = 4000  # a chained Lark grammar this long did too
+EOS_ID = 2  # SmolLM2's <|im_end|>: allowed_token_ids=[EOS] with min_tokens=3 leaves no token to draw
 
 NOUNS = ("river", "castle", "robot", "garden", "violin", "comet", "library", "forest", "teacher", "dragon",
          "bicycle", "ocean", "market", "lantern", "volcano", "penguin", "bridge", "kitchen", "island", "clock")
@@ -93,6 +98,7 @@ class Invocation:
     stderr_tail: list[str] = dataclasses.field(default_factory=list)
     probe_second_job: bool = False  # start a second job on the same output once this one writes (it must be refused)
     probe: dict | None = None  # what that second job did (see _run_probe)
+    damaged_kernels: list[str] = dataclasses.field(default_factory=list)  # compiled kernels truncated just before it
 
 
 def _dumps(obj, ascii_only: bool = False) -> bytes:
@@ -167,7 +173,24 @@ def _field_poison(base: dict) -> dict[str, tuple[str, dict]]:
         "deadline_nan": ("either", _with(base, deadline_s=float("nan"))),
         "deadline_negative": ("either", _with(base, deadline_s=-1)),
         "unknown_field_typo": ("either", _with(base, drop=("max_tokens",), max_token=5)),
+        # grammars that crash llguidance's checker (a native stack overflow) and constraints that leave no token
+        "deep_json_schema": ("error", _with(base, guided_json=_defs_chain_schema(DEEP_SCHEMA_DEPTH))),
+        "deep_lark_grammar": ("error", _with(base, guided_grammar=_lark_chain(DEEP_GRAMMAR_RULES))),
+        "empty_language_grammar": ("error", _with(base, guided_grammar='start: x\nx: x "a"')),
+        "impossible_constraints": ("error", _with(base, allowed_token_ids=[EOS_ID], min_tokens=3)),
+        "null_sampling_fields": ("either", _with(base, temperature=None, top_p=None, stop=None, logit_bias=None)),
     }
+
+
+def _defs_chain_schema(depth: int) -> dict:
+    """A JSON schema whose `$defs` chain each object to the next, `depth` deep (75 KB at 1,000)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["next"]} for i in range(depth)}
+    return {"$ref": "#/$defs/d0", "$defs": defs | {f"d{depth}": {"type": "integer"}}}
+
+
+def _lark_chain(rules: int) -> str:
+    """A Lark grammar of `rules` rules, each naming the next, ending in "a"."""
+    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(rules)), f'r{rules}: "a"'])
 
 
 def _text_poison(rng: random.Random, base: dict) -> dict[str, tuple[str, bytes]]:
@@ -323,7 +346,8 @@ def run_invocation(inv: Invocation, output: pathlib.Path, paths: dict, args) -> 
     inv.records_before = _count_records(output)
     start = time.perf_counter()
     with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
-        proc = subprocess.Popen(_command(paths, output, inv.mode), cwd=paths["workdir"], stdin=subprocess.DEVNULL,
+        env = {**os.environ, "JAXINFER_CACHE_DIR": str(paths["cache_root"])}  # kernels and tuning: the soak's own, to be damaged
+        proc = subprocess.Popen(_command(paths, output, inv.mode), cwd=paths["workdir"], stdin=subprocess.DEVNULL, env=env,
                                 stdout=stdout, stderr=stderr, start_new_session=True)  # our Ctrl-C is not its
         try:
             _watch(proc, inv, output, paths, stderr_path, args)
@@ -493,6 +517,8 @@ def goal_checks(ref: dict, soak: dict, comparison: dict, invocations: list[Invoc
         "sigint_exit_130": all(inv.returncode == 130 for inv in invocations if inv.event == "sigint" and inv.signal_sent),
         "no_tracebacks": not any(inv.traceback for inv in invocations),
         "no_timeouts": not any(inv.timed_out or inv.stuck_after_sigint for inv in invocations),
+        "ran_on_after_the_kernel_cache_was_damaged": all(inv.returncode == inv.expected_returncode and not inv.traceback
+                                                         for inv in invocations if inv.damaged_kernels),
         **{f"{name}_refused": any(p["name"] == name and p["refused"] for p in probes) for name in ("second_job", "changed_settings")},
     }
 
@@ -527,6 +553,7 @@ def _table(columns: list[tuple[str, str]], rows: list[list]) -> None:
 def _invocation_row(inv: Invocation) -> list:
     notes = [name for name in ("timed_out", "stuck_after_sigint", "traceback") if getattr(inv, name)]
     notes += ["exited before its signal"] if inv.event != "none" and not inv.signal_sent else []
+    notes += [f"after {len(inv.damaged_kernels)} kernels were truncated"] if inv.damaged_kernels else []
     trigger = f"{inv.delay_s:.1f}s" if inv.delay_s is not None else inv.threshold
     return [inv.run, inv.index, inv.mode, inv.event, trigger, inv.records_before, inv.records_at_signal, inv.records_after,
             inv.returncode, inv.expected_returncode, inv.seconds_to_first_record, inv.seconds, " ".join(notes)]
@@ -580,6 +607,8 @@ def parse_args():
     parser.add_argument("--sigint-grace-s", type=float, default=120.0, help="wait for exit after SIGINT (default: %(default)s)")
     parser.add_argument("--workdir", type=pathlib.Path, help="inputs, outputs and logs (default: a new temp dir, removed when the goal is met)")
     parser.add_argument("--compile-cache", type=pathlib.Path, help="XLA cache shared by the invocations (default: WORKDIR/xla_cache)")
+    parser.add_argument("--damage-kernel-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="truncate every compiled kernel before the middle resume (default: %(default)s)")
     parser.add_argument("--exclude-kinds", default="", metavar="K1,K2", help="leave out these odd/poison kinds, to isolate a failure")
     args = parser.parse_args()
     args.exclude_kinds = _comma_list(parser, args.exclude_kinds, line_kinds(), "kinds")
@@ -590,7 +619,7 @@ def _prepare_workdir(args, lines: list[SoakLine]) -> dict:
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_batch_"))
     workdir.mkdir(parents=True, exist_ok=True)
     paths = {"workdir": workdir, "input": workdir / "input.jsonl", "ref": workdir / "ref.jsonl",
-             "soak": workdir / "soak.jsonl", "compile_cache": args.compile_cache or workdir / "xla_cache"}
+             "soak": workdir / "soak.jsonl", "compile_cache": args.compile_cache or workdir / "xla_cache", "cache_root": workdir / "cache"}
     for name in ("ref", "soak"):  # a reused workdir: the first invocations would count stale records
         paths[name].unlink(missing_ok=True)
     paths["input"].write_bytes(b"\n".join(line.data for line in lines) + b"\n")
@@ -607,13 +636,25 @@ def run_all(args, paths: dict, lines: list[SoakLine]) -> tuple[list[Invocation],
     soak = plan_soak(args, num_expected, random.Random(args.seed + 1))
     probed = next(inv for inv in soak if inv.event != "load_kill")  # one that writes records
     probed.probe_second_job = True  # once it writes, a second job tries the same output
-    probes = []
+    probes, damage_before = [], len(soak) // 2 if args.damage_kernel_cache else None
     for inv in soak:
+        if inv.index == damage_before:  # between two resumes: every compiled kernel truncated, as a full disk or a crash leaves it
+            inv.damaged_kernels = damage_kernel_cache(paths["cache_root"])
         run_invocation(inv, paths["soak"], paths, args)
         if inv is probed:  # the output now holds records (and a torn tail, if a kill tore one)
             probes.append(_run_probe("changed_settings", "other settings", paths["soak"], paths, ("--temperature", "0.5", "--engine-seed", "7")))
     probes = [inv.probe for inv in soak if inv.probe] + probes
     return [ref] + soak, [p | {"refused": p["returncode"] == 2 and p["expected_text"] in p["stderr"] and p["output_unchanged"]} for p in probes]
+
+
+def damage_kernel_cache(cache_root: pathlib.Path) -> list[str]:
+    """Truncates every compiled CPU kernel under the cache root to half its size; returns their names."""
+    damaged = []
+    for library in sorted((cache_root / "kernels").glob("*.so")):
+        library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+        damaged.append(library.name)
+    print(f"  damaged {len(damaged)} compiled kernels: {damaged}", file=sys.stderr, flush=True)
+    return damaged
 
 
 def _write_result(path: pathlib.Path, doc: dict) -> dict:
