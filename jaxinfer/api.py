@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import profiling, tuning
 from jaxinfer.engine.engine import Engine
-from jaxinfer.loading import loading, tokenizer as tok  # noqa: F401  (loading: tests/front/test_import_graph.py's control reads this edge)
+from jaxinfer.loading import tokenizer as tok
 from jaxinfer.model import sharding
 from jaxinfer.model.params import Params
 from jaxinfer.options import LoadOptions
@@ -290,9 +290,6 @@ class LLM:
             self.replica_stats = run.close()
             self.last_stats = self.replica_stats[0]
             bar.close()
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special=True)
 
     def _requests(self, prompt: Prompt, arrival: float | None = None) -> list[Request]:
         """One request per sample: n of a prompt share its prompt pages (the later ones wait for the

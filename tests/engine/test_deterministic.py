@@ -9,6 +9,7 @@ import pytest
 from jaxinfer.scheduling import runloop
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -94,7 +95,7 @@ def test_needle_logits_are_bitwise_equal_in_any_batch_in_deterministic_mode(dete
         assert crowd_tokens == tokens, f"trial {trial}"
         assert len(crowd) == len(alone) and all(np.array_equal(a, b) for a, b in zip(alone, crowd)), f"trial {trial}: max |diff| {max_difference(alone, crowd)}"
     assert hits > 0 and preemptions > 0, "the trials were meant to include cache hits and preemptions"
-    assert max_decoding > engine.engine_cfg.tables.max_decode_rows, "the trials were meant to split a decode batch into programs"
+    assert max_decoding > BucketTables.from_config(engine.engine_cfg).max_decode_rows, "the trials were meant to split a decode batch into programs"
 
 
 @pytest.mark.slow
@@ -115,8 +116,9 @@ def test_outside_deterministic_mode_the_needle_logits_differ_across_batches(tiny
 
 def test_deterministic_mode_fixes_the_tables_and_refuses_given_ones():
     cfg = EngineConfig(max_context=128, page_size=8, max_num_seqs=8, deterministic=True, compilation_cache_dir=None)
-    assert (cfg.prefill_chunk_buckets, cfg.prefill_seq_buckets, cfg.decode_batch_buckets, cfg.decode_page_buckets) == ((64,), (1,), (8,), (8, 16))
-    assert EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True).tables.max_decode_rows == 8
+    tables = BucketTables.from_config(cfg)
+    assert (tables.chunk_tokens, tables.prefill_rows, tables.decode_rows, tables.pages) == ((64,), (1,), (8,), (8, 16))
+    assert BucketTables.from_config(EngineConfig(max_context=128, page_size=8, max_num_seqs=32, deterministic=True)).max_decode_rows == 8
     with pytest.raises(ValueError, match="deterministic fixes the bucket tables"):
         EngineConfig(deterministic=True, decode_batch_buckets=(4, 32))
 

@@ -152,7 +152,7 @@ def test_the_layer_checks_find_a_deferred_cycle_and_a_long_chain():
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert longest_chain({"a": {"b", "d"}, "b": {"c"}, "c": set(), "d": set()}) == ["a", "b", "c"]
     source = ROOT / "jaxinfer" / "api.py"
-    assert "jaxinfer.loading.loading" in imported_modules(source, {"jaxinfer.loading.loading", "jaxinfer.api"})
+    assert "jaxinfer.engine.tuning" in imported_modules(source, {"jaxinfer.engine.tuning", "jaxinfer.api"})
     assert layer_of("jaxinfer.scheduling.plan") == "jaxinfer.scheduling" and layer_of("jaxinfer.cli") == "jaxinfer.cli"
 
 
