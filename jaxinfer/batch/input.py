@@ -26,7 +26,7 @@ from pathlib import Path
 
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.keys import KeyTable
-from jaxinfer.scheduling.request import MAX_SEED, SAMPLING_FIELDS
+from jaxinfer.scheduling.request import GUIDED_ALIASES, MAX_SEED, SAMPLING_FIELDS
 from jaxinfer.validation import check_text, unknown_field_error, unsupported_field_error
 
 _BOM = b"\xef\xbb\xbf"
@@ -296,6 +296,7 @@ def check_fields(obj: dict, *, strict: bool = False) -> list[str]:
     """The one check of a request's field names (both formats): a field vLLM or OpenAI define that jaxinfer
     does not implement, a misspelt known field (with its hint) and, when `strict`, any unknown field are
     LineErrors naming it; returns the other unknown fields, which the line runs without."""
+    _check_one_grammar(obj)
     unknown = {name: value for name, value in obj.items() if name not in KNOWN_FIELDS}
     unsupported = unsupported_field_error(unknown, SAMPLING_FIELDS)
     if unsupported is not None:
@@ -311,6 +312,17 @@ def check_fields(obj: dict, *, strict: bool = False) -> list[str]:
             raise LineError(f"{name!r} is not a known field (--strict-fields makes unknown fields errors)", param=name)
         ignored.append(name)
     return ignored
+
+
+def _check_one_grammar(obj: dict) -> None:
+    """A response_format that asks for a grammar beside structured_outputs (or a guided_* field) is an
+    error: which of the two should win is ambiguous."""
+    fmt = obj.get("response_format")
+    if fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text":
+        return
+    for name in ("structured_outputs", *GUIDED_ALIASES):
+        if obj.get(name) is not None:
+            raise LineError(f"response_format and {name} both ask for a grammar; give one of them", param="response_format")
 
 
 def read_lines(

@@ -47,13 +47,16 @@ The resume contract (also in the README):
   an uninterrupted one.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -64,7 +67,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
-from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, repair_output, scan_output, write_settings
+from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
 from jaxinfer.batch.records import JobSummary, error_record, record_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.scheduling.scheduler import PromptTooLongError
@@ -91,6 +94,7 @@ def check_paths(input_path: Path, output_path: Path, *, resume: bool, overwrite:
     if output_path.exists() and not output_path.is_file():
         kind = "a directory" if output_path.is_dir() else "not a regular file"
         raise ValueError(f"--output {output_path} is {kind}; results (and --resume) need a regular file")
+    check_side_file_names(output_path)
     if output_path.exists() and not (resume or overwrite):
         raise ValueError(f"{output_path} exists; pass --resume to continue it or --overwrite to replace it")
     _check_writable(output_path)
@@ -121,7 +125,10 @@ class LineRunner:
         self.defaults, self.truncate, self.max_inflight = defaults, truncate, max_inflight
         self.on_step = None  # LLM.stream's on_step hook (benchmarks time the steps here)
 
-    def records(self, llm: LLM, lines: Iterable[InputLine], *, progress: bool = False) -> Iterator[dict]:
+    def records(self, llm: LLM | None, lines: Iterable[InputLine], *, progress: bool = False) -> Iterator[dict]:
+        if llm is None:  # every line is an error (BatchJob.num_runnable == 0): no model is needed
+            yield from map(_error_of, lines)
+            return
         lines, pending = iter(lines), deque()
         index_to_line: dict[int, InputLine] = {}
         counter, done = itertools.count(), [False]
@@ -172,6 +179,12 @@ class LineRunner:
             raise LineError(str(e)) from None
         except (OverflowError, RecursionError, KeyError, AttributeError) as e:  # one odd value never stops the job
             raise LineError(f"{type(e).__name__}: {e}") from None
+
+
+def _error_of(line: InputLine) -> dict:
+    if line.problem is None:
+        raise ValueError(f"line {line.number} can run: a job with lines to run needs a model (llm=None only when num_runnable == 0)")
+    return error_record(line, line.problem, line.status_code, line.param)
 
 
 class JobLines:
@@ -226,11 +239,11 @@ class BatchJob:
         self.runner = LineRunner(defaults, truncate, max_inflight)
         self.summary = JobSummary()
         self._settings = {"sampling": dataclasses.asdict(defaults), "truncate": truncate} | (settings or {})
+        check_settings_path(output)
         self._lock = OutputLock(output)
         self._input: SpooledInput | None = None
         self._file = None
         try:
-            check_settings_path(output)
             self._read(input_path, fmt, force_settings)
         except BaseException:
             self.close()
@@ -255,11 +268,13 @@ class BatchJob:
             repair_output(self.output, scan)
         done = scan.keys if scan is not None else KeyTable()
         num_lines, num_todo, ignored = 0, 0, {}
+        self.num_runnable = 0  # lines to do that parsed (the others are error records that need no model)
         for line in self.read_lines():
             num_lines += 1
             if line.key in done:
                 continue
             num_todo += 1
+            self.num_runnable += line.problem is None
             for name in line.ignored:
                 ignored[name] = ignored.get(name, 0) + 1
         self.lines, self.todo = JobLines(self, None, num_lines), JobLines(self, done, num_todo)
@@ -297,21 +312,27 @@ class BatchJob:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def run(self, llm: LLM, *, progress: bool = True) -> JobSummary:
-        """Write a record for every line not yet done; Ctrl-C stops cleanly (summary.interrupted)."""
+    def run(self, llm: LLM | None, *, progress: bool = True) -> JobSummary:
+        """Write a record for every line not yet done; Ctrl-C or SIGTERM stops cleanly (summary.interrupted).
+        `llm` may be None when no line can run (`num_runnable == 0`): their error records need no model."""
         return self.write(self.runner.records(llm, self.todo, progress=progress))
 
     def write(self, records: Iterable[dict]) -> JobSummary:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a
-        retry ran twice), so every line gets exactly one record."""
+        retry ran twice), so every line gets exactly one record. Ctrl-C or SIGTERM stops cleanly
+        (summary.interrupted). A resume records its settings only with its first record, so one with
+        nothing to do leaves the recorded settings as they were."""
         start, written = time.perf_counter(), KeyTable()
         try:
-            write_settings(self.output, self.settings)
-            with open(self.output, "ab" if self.resume else "wb") as self._file:
+            if not self.resume:
+                write_settings(self.output, self.settings)
+            with open(self.output, "ab" if self.resume else "wb") as self._file, _sigterm_interrupts():
                 try:
                     for record in records:
                         if record["key"] in written:
                             continue
+                        if self.resume and not written:
+                            write_settings(self.output, self.settings)
                         self._write(record)
                         written.add(record["key"])
                         self.summary.add(record)
@@ -321,3 +342,21 @@ class BatchJob:
             self.close()
         self.summary.seconds = time.perf_counter() - start
         return self.summary
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM, while the job writes, stops it as Ctrl-C does (the records so far kept, the summary
+    printed); only the main thread can take a signal, elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

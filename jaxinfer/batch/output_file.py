@@ -172,8 +172,28 @@ def _same_file(path: Path, fd: int, *, follow: bool = True) -> bool:
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
+_LONGEST_SUFFIX = ".meta.json.4194304.tmp"  # the settings file's temporary name, with the largest pid
+
+
+def check_side_file_names(output: Path) -> None:
+    """Refuse an output whose lock and settings files' names would be too long for its file system."""
+    real = _real(output)
+    try:
+        name_max = os.pathconf(real.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    longest = len(os.fsencode(real.name + _LONGEST_SUFFIX))
+    if longest > name_max:
+        raise ValueError(
+            f"--output {output}: its name is too long for the job's side files ({real.name}{_LONGEST_SUFFIX} would be {longest} bytes, "
+            f"the file system allows {name_max}); use a name at most {name_max - len(_LONGEST_SUFFIX)} bytes long"
+        )
+
+
 def check_settings_path(output: Path) -> None:
-    """Refuse, before the model loads, a settings path that cannot be a settings file."""
+    """Refuse, before the model loads, side-file names that are too long and a settings path that
+    cannot be a settings file."""
+    check_side_file_names(output)
     path = meta_path(output)
     if path.is_dir():
         raise ValueError(f"{path.name} is a directory, not a settings file; remove {path} and run again")

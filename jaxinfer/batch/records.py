@@ -39,7 +39,7 @@ class JobSummary:
             return
         self.num_ok += 1
         self.prompt_tokens += fields["num_prompt_tokens"]
-        self.generated_tokens += fields["num_generated_tokens"]
+        self.generated_tokens += sum(sample["num_generated_tokens"] for sample in fields.get("samples") or [fields])  # every sample of n
         self.ttfts.append(fields["time_to_first_token_s"])
         self.tpots.append(fields["metrics"]["time_per_output_token_s"])
         self.queue_times.append(fields["metrics"]["queue_s"])

@@ -116,6 +116,11 @@ def test_sigint_stops_cleanly_and_resume_matches_full_run(full_run, tmp_path, co
     assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGINT) == 130
 
 
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_like_sigint_and_resume_matches_full_run(full_run, tmp_path, compile_cache):
+    assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGTERM) == 130  # 130: the summary was printed
+
+
 def run_fast(*args) -> subprocess.CompletedProcess:
     """A CLI call that must fail before any model loads."""
     return subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", *map(str, args)], capture_output=True, text=True, timeout=60)

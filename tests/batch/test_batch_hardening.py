@@ -297,3 +297,44 @@ def test_a_line_over_the_length_limit_is_its_error_record_and_is_never_held_whol
     assert f"{len(long_line)} bytes, over the line-length limit of 1000" in error["error"]
     summary = run(llm, inp, tmp_path / "out.jsonl", max_line_bytes=1000, resume=True)  # the long line's key is stable
     assert summary.num_skipped == 3 and summary.num_ok + summary.num_errors == 0
+
+
+def test_a_forced_resume_with_nothing_to_do_leaves_the_recorded_settings_alone(llm, tmp_path):
+    inp, out = write_lines(tmp_path / "in.jsonl", ['{"id":"a","prompt":"x"}']), tmp_path / "out.jsonl"
+    run(llm, inp, out, settings={"model": {"name": "a.gguf"}})
+    before = meta_path(out).read_bytes()
+    summary = run(llm, inp, out, resume=True, settings={"model": {"name": "b.gguf"}}, force_settings=True)
+    assert summary.num_skipped == 1 and meta_path(out).read_bytes() == before  # no record was made under b.gguf
+
+
+def test_response_format_beside_structured_outputs_is_a_line_error_naming_both():
+    text = json.dumps({"id": "a", "prompt": "x", "structured_outputs": {"regex": "[0-9]+"}, "response_format": {"type": "json_object"}})
+    (line,) = read_lines(iter_lines([text.encode()]))
+    assert line.param == "response_format" and "structured_outputs" in line.problem
+    (plain,) = read_lines(iter_lines([json.dumps({"id": "b", "prompt": "x", "structured_outputs": {"regex": "[0-9]+"}, "response_format": {"type": "text"}}).encode()]))
+    assert plain.problem is None  # a text response_format asks for nothing: no conflict
+
+
+def test_the_summary_counts_the_tokens_of_every_sample_of_an_n_line(llm, tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": "s", "prompt": "Once upon", "n": 3, "temperature": 1.0, "seed": 1, "max_tokens": 4})])
+    summary = run(llm, inp, tmp_path / "out.jsonl")
+    (record,) = records(tmp_path / "out.jsonl")
+    assert summary.generated_tokens == sum(s["num_generated_tokens"] for s in record["samples"]) > record["num_generated_tokens"]
+
+
+def test_an_output_name_too_long_for_its_side_files_is_refused_before_the_model_loads(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", ['{"id":"a","prompt":"x"}'])
+    out = tmp_path / ("o" * 245 + ".jsonl")  # 251 bytes: 256 with ".lock", and the settings file's name is longer still
+    with pytest.raises(ValueError, match="name is too long"):
+        check_paths(inp, out, resume=False, overwrite=False)
+    with pytest.raises(ValueError, match="name is too long"):
+        BatchJob(inp, out, DEFAULTS)
+    assert not out.exists()
+
+
+def test_a_job_whose_every_line_is_an_error_runs_without_a_model(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", ['{"id":"a","prompt":""}', "not json", '{"id":"b","prompt":"x","max_token":3}'])
+    with BatchJob(inp, tmp_path / "out.jsonl", DEFAULTS) as job:
+        assert job.num_runnable == 0 and len(job.todo) == 3
+        summary = job.run(None, progress=False)
+    assert summary.num_errors == 3 and [r["status"] for r in records(tmp_path / "out.jsonl")] == ["error"] * 3
