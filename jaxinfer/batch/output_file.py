@@ -5,13 +5,13 @@ A job owns its output for as long as it runs:
   fails at once, by whatever name (a symlink, a hard link) it reaches the file. `<output>.lock` names
   the holder's pid; it is created by the job, never followed, and removed on release.
 - **Settings.** `<output>.meta.json` (beside the output's real path, so symlinks share it) records the settings that decide a line's tokens (the model's
-  identity, dtype, quantization, seeds, sampling defaults, ...). A resume under other settings is
+  identity (a hash of its files, cached by size and mtime), dtype, quantization, seeds, sampling defaults, ...). A resume under other settings is
   refused with the differences listed, unless forced.
 - **Scan before repair.** `scan_output` reads the whole file (in blocks, keeping only the keys) and changes nothing. Only when every complete
   line is a record does `repair_output` cut off a torn last record (or restore the newline of a whole
   one), so a file that is not jaxinfer's is never touched.
 
-Imports only the standard library (the CLI checks files before jax loads).
+Imports only the standard library and kernels_cpu.build's cache_root (the CLI checks files before jax loads).
 """
 
 import dataclasses
@@ -26,7 +26,6 @@ from jaxinfer.batch.keys import KeyTable
 
 META_FORMAT = "jaxinfer-batch-settings/1"
 RECORD_START = b'{"id": '  # every record is written as json.dumps of a dict whose first key is "id"
-_FINGERPRINT_BYTES = 1 << 22  # the model file's leading bytes that its identity hashes (GGUF header and metadata)
 
 
 class ResumeError(ValueError):
@@ -202,20 +201,67 @@ def check_settings_path(output: Path) -> None:
 # ---------------------------------------------------------------- settings
 
 
-def model_identity(path: Path | None) -> dict:
-    """What names a model across runs: its file's name, size and a hash of its first 4 MiB (a Hugging
-    Face folder: the hash of its config.json and the size of all its files)."""
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # a Hugging Face folder's weight files
+_HASH_BLOCK = 1 << 22
+_HASH_CACHE_NAME = "model_hashes.json"
+
+
+def model_identity(path: Path | None, *, cache: Path | None = None) -> dict:
+    """What names a model across runs: its name, its size and a sha256 of its whole files (tensor data
+    included; a Hugging Face folder: its config.json and every weight file, by name). Each file is read
+    once: its hash is cached by path, size and mtime in `cache` (default: <cache root>/model_hashes.json)."""
     if path is None:
         return {"name": None}
     path = Path(path)
+    cache = _default_hash_cache() if cache is None else Path(cache)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file())
-        config = path / "config.json"
-        digest = hashlib.sha256(config.read_bytes() if config.exists() else b"").hexdigest()[:16]
-        return {"name": path.name, "bytes": sum(p.stat().st_size for p in files), "sha256_head": digest}
+        files = sorted(p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(_MODEL_FILE_SUFFIXES)))
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(f"{file.name}\0{_file_sha256(file, cache)}\n".encode())
+        return {"name": path.name, "bytes": sum(p.stat().st_size for p in files), "sha256": digest.hexdigest()}
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": _file_sha256(path, cache)}
+
+
+def _default_hash_cache() -> Path:
+    from kernels_cpu.build import cache_root  # the one rule for jaxinfer's cache folder (standard library only)
+
+    return cache_root() / _HASH_CACHE_NAME
+
+
+def _file_sha256(path: Path, cache: Path) -> str:
+    """The file's sha256, from the cache when its size and mtime are those it was hashed at."""
+    st, key = path.stat(), os.path.realpath(path)
+    entries = _read_hash_cache(cache)
+    entry = entries.get(key)
+    if isinstance(entry, dict) and entry.get("bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read(_FINGERPRINT_BYTES)).hexdigest()[:16]
-    return {"name": path.name, "bytes": path.stat().st_size, "sha256_head": digest}
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    entries[key] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+    _write_hash_cache(cache, entries)
+    return entries[key]["sha256"]
+
+
+def _read_hash_cache(cache: Path) -> dict:
+    try:
+        entries = json.loads(cache.read_text("utf-8"))
+    except (OSError, ValueError):  # missing, unreadable or damaged: hash again
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_hash_cache(cache: Path, entries: dict) -> None:
+    """Best effort, atomically: a cache that cannot be written only means hashing again next time."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, sort_keys=True), "utf-8")
+        os.replace(tmp, cache)
+    except OSError:
+        pass
 
 
 def read_settings(output: Path) -> dict | None:
