@@ -68,7 +68,7 @@ from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCh
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
-from jaxinfer.batch.records import JobSummary, error_record, record_of
+from jaxinfer.batch.records import JobSummary, error_record, record_of, token_bytes_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.scheduling.scheduler import PromptTooLongError
 from jaxinfer.validation import FieldError, check_int
@@ -129,7 +129,7 @@ class LineRunner:
         if llm is None:  # every line is an error (BatchJob.num_runnable == 0): no model is needed
             yield from map(_error_of, lines)
             return
-        lines, pending = iter(lines), deque()
+        lines, pending, token_bytes = iter(lines), deque(), token_bytes_of(llm.tokenizer)
         index_to_line: dict[int, InputLine] = {}
         counter, done = itertools.count(), [False]
         while not done[0]:
@@ -137,7 +137,7 @@ class LineRunner:
             for output in llm.stream(prompts, progress=progress, max_inflight=self.max_inflight, on_step=self.on_step):
                 while pending:
                     yield pending.popleft()
-                yield record_of(index_to_line.pop(output.index), output, llm.token_text)
+                yield record_of(index_to_line.pop(output.index), output, llm.token_text, token_bytes)
             while pending:  # the stream ended: the input did, or a long run of bad lines filled `pending`
                 yield pending.popleft()
 

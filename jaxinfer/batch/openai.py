@@ -121,36 +121,42 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
-def response_body(key: str, endpoint: dict, output, token_text=None) -> dict:
+def response_body(key: str, endpoint: dict, output, token_text=None, token_bytes=None) -> dict:
     """The OpenAI `chat.completion` or `text_completion` object of a finished RequestOutput: one choice
     per sample (n), each with its logprobs in the endpoint's shape when they were asked for.
-    `token_text` (token id -> text) names the tokens there."""
+    `token_text` (token id -> text) names the tokens there; `token_bytes` (token id -> its own bytes)
+    fills a chat logprob's `bytes` (default: its text's UTF-8)."""
     samples = output.samples or [output]
     completion = sum(sample.num_generated_tokens for sample in samples)
     usage = {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion, "total_tokens": output.num_prompt_tokens + completion}
     chat = ENDPOINTS[endpoint["url"]] == "chat"
-    choices = [_choice(sample, chat, token_text or str) for sample in samples]
+    token_text = token_text or str
+    token_bytes = token_bytes or (lambda token: token_text(token).encode("utf-8", "surrogatepass"))
+    choices = [_choice(sample, chat, token_text, token_bytes) for sample in samples]
     kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     return {"id": prefix + _digest(key), "object": kind, "created": int(time.time()), "model": endpoint["model"], "choices": choices, "usage": usage}
 
 
-def _choice(sample, chat: bool, token_text) -> dict:
+def _choice(sample, chat: bool, token_text, token_bytes) -> dict:
     choice = {"index": sample.sample_index, "finish_reason": sample.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": sample.text}
     else:
         choice["text"] = sample.text
     if sample.logprobs is not None:
-        choice["logprobs"] = (_chat_logprobs if chat else _completion_logprobs)(sample.token_ids, sample.logprobs, token_text)
+        if chat:
+            choice["logprobs"] = _chat_logprobs(sample.token_ids, sample.logprobs, token_text, token_bytes)
+        else:
+            choice["logprobs"] = _completion_logprobs(sample.token_ids, sample.logprobs, token_text)
     return choice
 
 
-def _chat_logprobs(token_ids: list[int], entries: list, token_text) -> dict:
+def _chat_logprobs(token_ids: list[int], entries: list, token_text, token_bytes) -> dict:
     """A chat choice's logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}."""
 
     def entry(token: int, logprob: float) -> dict:
         text = token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(token))}
 
     return {"content": [entry(t, lp) | {"top_logprobs": [entry(u, v) for u, v in top.items()]} for t, (lp, top) in zip(token_ids, entries)]}
 
@@ -163,12 +169,12 @@ def _completion_logprobs(token_ids: list[int], entries: list, token_text) -> dic
     return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
 
 
-def result_record(key: str, custom_id: str, endpoint: dict, output, token_text=None) -> dict:
+def result_record(key: str, custom_id: str, endpoint: dict, output, token_text=None, token_bytes=None) -> dict:
     """The output line of a request that ran."""
     digest = _digest(key)
     metrics = output.metrics.as_record() | {"time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4)}
     return {
-        "id": f"batch_req_{digest}", "custom_id": custom_id, "response": {"status_code": 200, "request_id": f"req_{digest}", "body": response_body(key, endpoint, output, token_text)},
+        "id": f"batch_req_{digest}", "custom_id": custom_id, "response": {"status_code": 200, "request_id": f"req_{digest}", "body": response_body(key, endpoint, output, token_text, token_bytes)},
         "error": None, "key": key, "metrics": metrics,
     }
 

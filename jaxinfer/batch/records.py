@@ -5,6 +5,8 @@ and batch.input (InputLine); api's RequestOutput is only read (imported for type
 
 import array
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +68,45 @@ def _percentile(values: array.array, q: float) -> float:
     return float(np.percentile(np.frombuffer(values, np.float32), q)) if values else float("nan")
 
 
+def token_bytes_of(tokenizer) -> Callable[[int], bytes]:
+    """token id -> the token's own bytes (what an OpenAI logprobs entry's `bytes` holds, so characters split
+    across tokens can be rebuilt), from the vocabulary of `tokenizer` (a TextTokenizer): a byte-level BPE
+    token through GPT-2's byte alphabet, a byte-fallback token `<0xNN>` as its byte, a SentencePiece
+    piece with its word mark as a space; a special token as its text."""
+    hf = tokenizer.tokenizer
+    byte_level = type(hf.decoder).__name__ == "ByteLevel"
+    alphabet = _byte_alphabet()
+    special = {token.content for token in hf.get_added_tokens_decoder().values()} if hasattr(hf, "get_added_tokens_decoder") else set()
+
+    def token_bytes(token_id: int) -> bytes:
+        piece = hf.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if piece in special:
+            return piece.encode("utf-8")
+        if byte_level and all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    return token_bytes
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
 def error_record(line: InputLine, reason: str, status_code: int = 400, param: str | None = None) -> dict:
     """The record of a line that could not run, in its format."""
     if line.fmt == openai_batch.FORMAT:
@@ -73,15 +114,15 @@ def error_record(line: InputLine, reason: str, status_code: int = 400, param: st
     return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"}
 
 
-def record_of(line: InputLine, output: "RequestOutput", token_text=None) -> dict:
+def record_of(line: InputLine, output: "RequestOutput", token_text=None, token_bytes=None) -> dict:
     """The record of a line that ran (or timed out, or failed in a step), in its format. `token_text`
-    (token id -> its text) names the tokens of an OpenAI record's logprobs."""
+    (token id -> its text) names the tokens of an OpenAI record's logprobs, `token_bytes` gives their bytes."""
     if output.finish_reason == "timeout":
         return error_record(line, "timed out: its deadline passed before it started", 408)
     if output.finish_reason == "error":
         return error_record(line, output.error, 500)
     if line.fmt == openai_batch.FORMAT:
-        return openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text)
+        return openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text, token_bytes)
     return _result_record(line, output)
 
 

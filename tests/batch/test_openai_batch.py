@@ -16,6 +16,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.api import LLM
 from jaxinfer.batch.input import InputFileError, iter_lines, read_lines
 from jaxinfer.batch.job import BatchJob
+from jaxinfer.batch.records import token_bytes_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.validation import UNSUPPORTED_REQUEST_FIELDS
 from job_records import by_key, records
@@ -306,3 +307,26 @@ def test_null_fields_mean_the_default_a_seed_is_any_64_bit_integer_and_a_custom_
     assert by_id["over"]["response"]["status_code"] == 400 and by_id["over"]["error"]["param"] == "seed"
     (bad,) = [r for r in written if r["custom_id"] is None]
     assert bad["response"]["status_code"] == 400 and bad["error"]["param"] == "custom_id" and "not valid Unicode" in bad["error"]["message"]
+
+
+def test_logprobs_bytes_hold_each_token_s_own_bytes_so_a_split_character_is_rebuilt(llm, tmp_path):
+    emoji = "😀".encode()  # F0 9F 98 80
+    pieces = llm.tokenizer.encode("😀", add_bos=False)  # split over several tokens, none a whole character
+    assert len(pieces) > 1
+    bias = {str(token): 100.0 for token in pieces}  # the model can only say these tokens
+    line = chat_request("e", "Hi", logprobs=True, top_logprobs=1, logit_bias=bias, max_completion_tokens=4)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(line) + "\n")
+    with BatchJob(inp, out, DEFAULTS) as job:
+        job.run(llm, progress=False)
+    (record,) = records(out)
+    content = ChatCompletion.model_validate(record["response"]["body"]).choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:  # each token is a piece of the emoji: its bytes are a proper slice of the emoji's UTF-8, not U+FFFD's
+        assert entry.bytes and len(entry.bytes) < len(emoji) and bytes(entry.bytes) in emoji, entry
+
+
+def test_the_bytes_of_a_text_s_tokens_join_to_the_text_s_utf8(smollm2_tokenizer):
+    text = "Héllo 😀 中文 wörld<|im_start|>\n\ttabs"
+    token_bytes = token_bytes_of(smollm2_tokenizer)
+    assert b"".join(map(token_bytes, smollm2_tokenizer.encode(text, add_bos=False))) == text.encode("utf-8")
