@@ -20,7 +20,6 @@ only for type checkers).
 import dataclasses
 import math
 import operator
-import typing
 from collections.abc import Callable
 from typing import Union
 
@@ -31,16 +30,14 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE
 from jaxinfer.model import quant
+from jaxinfer.model.panel_tensors import PanelTensor, QuantPanelTensor, StackedWeight
 from jaxinfer.config import ModelConfig
 
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
 
-if typing.TYPE_CHECKING:  # panels.py imports this module: its types are named for readers and checkers only
-    from jaxinfer.model import panels
-
 # What one weight field holds: a dense array (on a device, or numpy while on the host), a quantized tensor,
-# or, in the engine's step params for the CPU kernels, panels (panels.py; a StackedWeight inside the layer scan).
-WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, "panels.PanelTensor", "panels.QuantPanelTensor", "panels.StackedWeight"]
+# or, in the engine's step params for the CPU kernels, panels (panel_tensors.py; a StackedWeight inside the layer scan).
+WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, PanelTensor, QuantPanelTensor, StackedWeight]
 # The same classes also describe weights without holding them: `abstract` fills them with shapes,
 # sharding.param_specs with each weight's PartitionSpec.
 WeightInfo = Union[jax.ShapeDtypeStruct, PartitionSpec]
