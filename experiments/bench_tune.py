@@ -110,12 +110,13 @@ def perplexity(cfg, params, prompts: list[list[int]]) -> dict:
 
 def fidelity(cfg, params) -> dict:
     """bf16 against f32: perplexity on the fixture prompts and greedy agreement of the dense reference."""
-    from jaxinfer.engine import generate, tuning
+    from jaxinfer.engine import generate
+    from jaxinfer.model.params import cast_model
 
     prompts, hf_greedy = fixture_prompts()
     per_dtype, greedy = {}, {}
     for dtype in ("float32", "bfloat16"):
-        dtype_cfg, dtype_params = tuning.cast_model(cfg, params, dtype)
+        dtype_cfg, dtype_params = cast_model(cfg, params, dtype)
         per_dtype[dtype] = perplexity(dtype_cfg, dtype_params, prompts)
         runs = generate.generate(dtype_params, dtype_cfg, prompts, workloads.greedy(GREEDY_TOKENS))
         greedy[dtype] = [run.token_ids for run in runs]

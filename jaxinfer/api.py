@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import profiling, tuning
 from jaxinfer.engine.engine import Engine
-from jaxinfer.loading import tokenizer as tok
+from jaxinfer.loading import loading, tokenizer as tok
 from jaxinfer.model import sharding
 from jaxinfer.model.params import Params
 from jaxinfer.options import LoadOptions
@@ -124,7 +124,7 @@ class LLM:
             raise FieldError("options", "replaces dtype, quantization, group_size, tensor_parallel, data_parallel and parse_special; pass one or the other")
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        model_config, params = tuning.load_model(model, options, engine_config)
+        model_config, params = loading.load_for_engine(model, options, engine_config)
         self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype,
                     quantization=options.quantization)
 

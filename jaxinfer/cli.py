@@ -489,10 +489,11 @@ def _run_info(args) -> int:
 def _run_tune(args) -> int:
     """Measure the candidates now, print the tuner's table and write the cache."""
     from jaxinfer.engine import tuning
+    from jaxinfer.loading.loading import load_for_engine
     from jaxinfer.loading.tokenizer import load_tokenizer
 
     load_options, engine_config = _load_options(args), _engine_config(args)
-    cfg, params = tuning.load_model(args.model, load_options, engine_config)
+    cfg, params = load_for_engine(args.model, load_options, engine_config)
     pins = tuning.Impls(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
     if pins.all_pinned:
         raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")

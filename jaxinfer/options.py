@@ -47,7 +47,7 @@ class LoadOptions:
     def load_kwargs(self) -> dict:
         """loading.load_model's keyword arguments. An "auto" dtype loads float32 (the tuner's reference);
         the tuner casts the loaded params if it picks another dtype. An "auto" quantization loads dense here:
-        tuning.load_model resolves it where the kernel may run."""
+        loading.load_for_engine resolves it where the kernel may run."""
         group = {} if self.group_size is None else {"group_size": self.group_size}
         quantization = None if self.quantization == "auto" else self.quantization
         return {"dtype": "float32" if self.dtype == "auto" else self.dtype, "quantization": quantization, "on_host": self.on_mesh, **group}

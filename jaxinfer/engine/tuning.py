@@ -22,7 +22,7 @@ geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start re
 
 Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
 CPU quantized-matmul kernel may run; its candidates (matmul 'cpu_int8') multiply them as they are, every other
-candidate runs them dequantized, which is the dense load bit for bit (`dense_params`), and `apply_choice`
+candidate runs them dequantized, which is the dense load bit for bit (params.dense_params), and `apply_choice`
 keeps the blocks only if a kernel candidate won.
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
@@ -49,7 +49,7 @@ from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV a
     CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, tuning_enabled, write_cached,
 )
 from jaxinfer.scheduling.stopping import OutputProcessor
-from jaxinfer.model.params import Params
+from jaxinfer.model.params import Params, cast_model, dense_params
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -130,46 +130,9 @@ def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, boo
     return dict(int8_weights=not auto_weights and quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
 
 
-def load_model(model, options, engine_cfg: EngineConfig) -> tuple[ModelConfig, Params]:
-    """loading.load_model for a LoadOptions and the engine config's pins, with quantization='auto' resolved
-    (backends.resolve_quantization)."""
-    from jaxinfer.loading import loading  # noqa: PLC0415
-
-    path = loading.resolve_model_path(model)
-    pins = Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
-    quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_enabled())
-    return loading.load_model(path, **{**options.load_kwargs, "quantization": quantization})
-
-
 def keeps_blocks(quantization: str | None, params: Params) -> bool:
     """Whether `params` are a GGUF's blocks kept for quantization='auto' (see backends.resolve_quantization)."""
     return quantization == "auto" and panels.has_affine_weights(params)
-
-
-def dense_params(params: Params) -> Params:
-    """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
-    values the dense load gives, bit for bit)."""
-    def dense(leaf):
-        return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
-
-    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
-
-
-def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
-    """`cfg` and `params` in compute dtype `dtype`: every dense floating array cast (as loading with that
-    dtype would), quantized tensors kept as they are."""
-    if cfg.dtype == dtype:
-        return cfg, params
-    target = jnp.dtype(dtype)
-
-    def cast(value):
-        if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
-            return value.astype(target)
-        return value
-
-    layers = dataclasses.replace(params.layers, **{f.name: cast(getattr(params.layers, f.name)) for f in dataclasses.fields(params.layers)})
-    top = {f.name: cast(getattr(params, f.name)) for f in dataclasses.fields(params) if f.name != "layers"}
-    return dataclasses.replace(cfg, dtype=dtype), dataclasses.replace(params, layers=layers, **top)
 
 
 # ------------------------------------------------------------------ measuring

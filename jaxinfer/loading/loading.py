@@ -57,6 +57,18 @@ def load_model(
     return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
 
 
+def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
+    """`load_model` for a LoadOptions and an EngineConfig's pins, with quantization='auto' resolved to what
+    the engine may run (engine/backends.resolve_quantization owns the rule): a GGUF's blocks kept where the
+    CPU quantized-matmul kernel may multiply them, dense weights everywhere else."""
+    from jaxinfer.engine import backends, tuning_cache  # noqa: PLC0415  (jax; loading itself stays light)
+
+    path = resolve_model_path(model)
+    pins = backends.Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
+    quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_cache.tuning_enabled())
+    return load_model(path, **{**options.load_kwargs, "quantization": quantization})
+
+
 # ---------------------------------------------------------------- GGUF
 
 

@@ -330,3 +330,29 @@ def init_random(key: jax.Array, cfg: ModelConfig, scale: float = 0.02) -> Params
         shape = spec.shape(cfg)
         arrays[spec.name] = np.ones(shape, np.float32) if spec.init == "ones" else np.asarray(jax.random.normal(sub, shape) * scale)
     return from_numpy(cfg, arrays)
+
+
+def dense_params(params: Params) -> Params:
+    """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
+    values the dense load gives, bit for bit)."""
+    def dense(leaf):
+        return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
+
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
+
+
+def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
+    """`cfg` and `params` in compute dtype `dtype`: every dense floating array cast (as loading with that
+    dtype would), quantized tensors kept as they are."""
+    if cfg.dtype == dtype:
+        return cfg, params
+    target = jnp.dtype(dtype)
+
+    def cast(value):
+        if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating):
+            return value.astype(target)
+        return value
+
+    layers = dataclasses.replace(params.layers, **{f.name: cast(getattr(params.layers, f.name)) for f in dataclasses.fields(params.layers)})
+    top = {f.name: cast(getattr(params, f.name)) for f in dataclasses.fields(params) if f.name != "layers"}
+    return dataclasses.replace(cfg, dtype=dtype), dataclasses.replace(params, layers=layers, **top)

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, quants
 from jaxinfer.model import panels, quant
 from jaxinfer.engine import tuning
 from jaxinfer.engine.backends import Impls, resolve_matmul_impl, resolve_quantization
+from jaxinfer.model.params import dense_params
 from kernels_cpu import quant_matmul
 
 GGUF_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
@@ -170,7 +171,7 @@ def smollm2_kept():
 
 def test_dense_params_of_kept_blocks_are_the_dense_load_bit_for_bit(smollm2_kept, smollm2):
     """What the tuner's non-kernel candidates run under quantization='auto' is exactly the dense load."""
-    dense = tuning.dense_params(smollm2_kept[1])
+    dense = dense_params(smollm2_kept[1])
     ours, theirs = jax.tree_util.tree_leaves_with_path(dense), jax.tree_util.tree_leaves_with_path(smollm2[1])
     assert [p for p, _ in ours] == [p for p, _ in theirs]
     for (path, a), (_, b) in zip(ours, theirs):
