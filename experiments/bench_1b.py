@@ -1,6 +1,6 @@
 """Llama-3.2-1B-shaped GGUFs in Q4_0 and Q8_0: jaxinfer's default against llama.cpp and HF on the same work.
 
-Issue 24's 1B-class benchmark. Each format's file holds random weights of the Llama-3.2-1B geometry
+The 1B-class benchmark. Each format's file holds random weights of the Llama-3.2-1B geometry
 (models.GEOMETRIES["llama3-1b"], N(0, 0.02) quantized by gguf.quants.quantize) and the Llama 3 tokenizer
 of llama.cpp's ggml-vocab-llama-bpe.gguf (`make llama-cpp-models`); the files are written once into
 build/bench_1b/. On the same workload (--num-requests of the conversation trace scaled by --scale,

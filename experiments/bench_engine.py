@@ -1,6 +1,6 @@
 """Does jaxinfer's paged engine beat HF generate, llama.cpp and a naive static batcher on a real trace?
 
-Issue 4's benchmark; the workload, the runners and the committed run are in the README ("Engine on a real
+The engine benchmark; the workload, the runners and the committed run are in docs/benchmarks.md ("Engine on a real
 trace"). The common workload is written once as JSON that every runner reads; each runner times it
 --repeats times and reports its best run. Correctness first: a few requests must equal the dense
 reference; every runner's agreement with jaxinfer's greedy tokens is reported, not enforced.
@@ -33,8 +33,8 @@ NAIVE_PREFILL_CHUNK = 256  # the naive prefill runs in chunks of this many posit
 GOALS = {"vs_hf": ("output tok/s >= 2x HF generate", 2.0, "at_least"), "vs_llamacpp_best": ("output tok/s >= 2x llama.cpp's best mode", 2.0, "at_least"),
          "vs_naive": ("output tok/s >= 3x the naive static batcher", 3.0, "at_least"), "kv_utilization": ("peak KV utilization >= 90%", 0.9, "at_least"),
          "kv_utilization_mean_decode": ("mean KV utilization over decode steps >= 90%", 0.9, "at_least"),
-         "padding_waste": ("token-slot padding waste <= 10% (issue 15)", 0.10, "at_most"),
-         "defaults_vs_llamacpp_best": ("the default configuration (LLM(), nothing set) >= 2x llama.cpp's best mode (issue 24)", 2.0, "at_least")}
+         "padding_waste": ("token-slot padding waste <= 10% ", 0.10, "at_most"),
+         "defaults_vs_llamacpp_best": ("the default configuration (LLM(), nothing set) >= 2x llama.cpp's best mode", 2.0, "at_least")}
 
 
 def run_naive(llm: LLM, workload: dict, batch_size: int, repeats: int) -> tuple[dict, list[list[int]]]:
@@ -128,7 +128,7 @@ def print_table(results: dict, base: float | None) -> None:
 
 
 def goals(results: dict) -> dict:
-    """Issue 4's, 15's and 24's targets with their measured values (None where the runner did not run). KV utilization is
+    """The targets with their measured values (None where the runner did not run). KV utilization is
     SchedulerStats' peak over steps; the stricter mean over decode steps is held to the same target."""
     rate = lambda name: results.get(name, {}).get("output_tokens_per_s")  # noqa: E731
     ours = rate("jaxinfer")

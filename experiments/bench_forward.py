@@ -1,6 +1,6 @@
 """How fast is jaxinfer's forward on this machine, as a fraction of its measured matmul peak, and vs HF?
 
-Issue 2's benchmark; what it reports, and the committed runs, are in the README ("Forward pass"). On
+The forward-pass benchmark; what it reports, and the committed runs, are in docs/benchmarks.md ("Forward pass"). On
 SmolLM2-135M-Instruct or, with --geometry, random weights of a real shape written as a HF folder (about
 3x the f32 weight bytes of memory). Correctness first: last-position logits vs the HF fixtures (SmolLM2)
 and vs HF's on the prefill ids, within MAX_RELATIVE_ERROR. Prefill and decode run through the engine's

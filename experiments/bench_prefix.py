@@ -1,6 +1,6 @@
 """Does prefix caching pay on shared prompts, cost nothing without sharing, and what does deterministic mode cost?
 
-Issue 10's benchmark. Three workloads of the common scaled trace: (a) shared_system, 64 requests behind
+Three workloads of the common scaled trace: (a) shared_system, 64 requests behind
 one 400-token system prompt; (b) multi_turn, 16 four-turn conversations, each turn resending the history;
 (c) no_sharing, bench_engine.py's workload. jaxinfer with the prefix cache, without it, and in
 deterministic mode (on c) take turns workload by workload ((c) --repeats times, best kept), each run from

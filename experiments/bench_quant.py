@@ -1,6 +1,6 @@
 """What do quantized weights and an int8 KV cache cost in accuracy, and what do they save in memory and time?
 
-Issue 8's benchmark; what it reports, and the committed run, are in the README ("Quantization benchmark").
+The quantization benchmark; what it reports, and the committed run, are in docs/benchmarks.md ("Quantization benchmark").
 Every format of FORMATS, each also with the paged pool's int8 KV cache, runs in its own --worker subprocess
 (so its peak RSS is its own): measure_row's correctness (f32 greedy tokens == HF's fixture tokens; gguf
 logits == f32's within GGUF_LOGITS_TOLERANCE), accuracy over WINDOW-token windows of the held-out text,

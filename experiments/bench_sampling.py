@@ -1,4 +1,4 @@
-"""What the request surface of issue 25 costs per decode step at batch 32 on SmolLM2: structured output
+"""What the request surface (structured output, penalties, logprobs) costs per decode step at batch 32 on SmolLM2: structured output
 (half the rows under a JSON schema), penalties + logit bias + logprobs on every row, against plain
 sampling; and n samples per prompt against n separate requests (`.venv/bin/python experiments/bench_sampling.py`).
 

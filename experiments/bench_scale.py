@@ -1,6 +1,6 @@
 """What do tensor and data parallelism, the router and Ray cost on this machine?
 
-Issue 11's benchmark, on CPU with simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count),
+The scaling benchmark, on CPU with simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count),
 which share this machine's cores: every figure is an overhead, never a speed-up.
   1. layouts: LLM(tensor_parallel=TP, data_parallel=DP) for each of --layouts in its own subprocess: load,
      cold warm-up, then a greedy run of --requests trace requests. Correctness first: greedy tokens vs

@@ -1,6 +1,6 @@
 """Is the scheduler's host time per step flat in the number of waiting requests?
 
-Issue 26's benchmark, host only (no model, no jax). --max-num-seqs running sequences decode for ever
+The scheduler benchmark, host only (no model, no jax). --max-num-seqs running sequences decode for ever
 behind 1,000 / 10,000 / 100,000 waiting requests (priorities 0-3, half with a far deadline); in case
 "full" a step admits nothing, in "admits" one running request is finished before each step. Per step it
 times expire() and schedule() (with "queue ms", the waiting queue's own calls) for request_queue.py's

@@ -1,6 +1,6 @@
 """What does the runtime tuner cost and choose on this machine, how faithful is bf16, and how fast is the default?
 
-Issue 24's runtime tuning, on SmolLM2-135M-Instruct. In one run:
+Runtime tuning, on SmolLM2-135M-Instruct. In one run:
   1. tuning from scratch: an empty tuner cache and an empty XLA compilation cache, for the engine config of
      the throughput run below; then the same start again, read from the cache (the cached start's cost);
   2. fidelity of bf16 against f32 on the HF fixture prompts (tests/fixtures/smollm2_reference.npz):
@@ -30,7 +30,7 @@ from common import engine_runs, paths, report, timing, workloads
 
 RESULTS = paths.RESULTS_DIR / "bench_tune.json"
 GREEDY_TOKENS = 32  # tokens of each fixture prompt's greedy continuation
-MAX_PERPLEXITY_RATIO = 1.005  # issue 24: the bf16 default within 0.5% of f32's perplexity
+MAX_PERPLEXITY_RATIO = 1.005  # the bf16 default within 0.5% of f32's perplexity
 
 
 def parse_args():

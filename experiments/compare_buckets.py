@@ -141,7 +141,7 @@ def _out_of_sample(rows: list[dict], trace: str) -> dict:
 
 
 def _targets(rows: list[dict], batching: list[dict], timings: list[dict]) -> dict:
-    """The issue's targets, measured on the conversation trace (prompt lengths, token waste)."""
+    """The bucket targets, measured on the conversation trace (prompt lengths, token waste)."""
     conversation = dict(trace="conversation", cost="tokens")
     fitted_12 = _select(rows, **conversation, budget=TARGET_BUDGET, strategy="fitted")[0]
     powers_12 = _select(rows, **conversation, budget=TARGET_BUDGET, strategy="powers-of-two")[0]

@@ -318,7 +318,7 @@ class EngineConfig:
             raise FieldError("prefill_packing", "cannot be combined with deterministic mode, whose prefill rows hold one sequence each")
         if self.buckets is not None and not _is_engine_buckets(self.buckets):
             raise FieldError("buckets", f"must be a jaxinfer.bucketing.strategies.EngineBuckets or None, got {self.buckets!r}")
-        # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config (issue 10).
+        # Any attention_impl suits deterministic mode: 'pallas' runs the kernel's fixed-split config.
 
     def _check_tables(self) -> None:
         """The tables given, against the limits and each other; those left at None are derived later

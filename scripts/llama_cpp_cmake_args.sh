@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Print the CMAKE_ARGS that build llama-cpp-python for this machine without GGML_NATIVE.
-# A native build segfaults in llama_decode on Intel CPUs with AMX (issue 24), so the SIMD levels are named
+# A native build segfaults in llama_decode on Intel CPUs with AMX, so the SIMD levels are named
 # one by one from /proc/cpuinfo's flags and the AMX kernels stay off. The build recorded in
 # .venv-ref/llama_cpp_build.txt says which flags ran, for the benchmark results.
 set -u

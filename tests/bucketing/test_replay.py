@@ -1,4 +1,4 @@
-"""Arrival-time replay (issue 26): LLM.generate(arrival_times=...) admits each prompt at its time, between
+"""Arrival-time replay: LLM.generate(arrival_times=...) admits each prompt at its time, between
 steps, and times it from then; traces.replay scales a trace's times by a rate and reports TTFT, TPOT,
 throughput and goodput, here checked against the outputs by hand."""
 

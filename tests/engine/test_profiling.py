@@ -1,4 +1,4 @@
-"""jax.profiler traces of chosen engine steps (issue 26): from LLM.start_profile / stop_profile, from a
+"""jax.profiler traces of chosen engine steps: from LLM.start_profile / stop_profile, from a
 StepProfiler hook, and from `jaxinfer generate --profile DIR --profile-steps A:B`. Each trace must hold
 a TensorBoard file (*.xplane.pb) and a Perfetto file that parses, with the engine's step programs in it."""
 

@@ -1,4 +1,4 @@
-"""Quantized weights through the one forward (issue 8): GGUF blocks kept, int8 and int4.
+"""Quantized weights through the one forward: GGUF blocks kept, int8 and int4.
 
 - quantization="gguf" keeps SmolLM2's Q4_1 / Q8_0 blocks: the same greedy tokens and logits (within the
   f32 tolerance) as the dense f32 path and the HF fixtures; its resident bytes are the file's.

@@ -1,4 +1,4 @@
-"""The CPU quantized-matmul kernel (kernels_cpu/quant_matmul, issue 24): int8, Q8_0, Q4_0 and Q4_1 weights
+"""The CPU quantized-matmul kernel (kernels_cpu/quant_matmul): int8, Q8_0, Q4_0 and Q4_1 weights
 packed as unsigned codes with a scale and offset per block of 32 (panels.to_quant_panels), times activations
 quantized per block of 32 in the kernel. Checked three ways: the kernel against its jnp reference on the
 same packed arrays; the reference against a numpy int64 transcription of the arithmetic on the GGUF file's

@@ -1,4 +1,4 @@
-"""Logit processing (bias, min_tokens, the three penalties, min_p) and log-probabilities (issue 25).
+"""Logit processing (bias, min_tokens, the three penalties, min_p) and log-probabilities.
 
 Each is checked against an independent reference: a numpy transcription of vLLM's definitions on random
 logits, a greedy loop over the dense reference forward (conftest.padded_logits) with those definitions
@@ -147,7 +147,7 @@ def test_penalties_bias_and_min_tokens_match_the_reference_end_to_end(tiny_llm):
 
 
 def test_min_tokens_holds_off_an_eos_biased_up(smollm2_llm):
-    """The issue's example: min_tokens=20 with EOS biased up still yields 20 tokens, then EOS."""
+    """min_tokens=20 with EOS biased up still yields 20 tokens, then EOS."""
     llm = smollm2_llm
     eos = llm.tokenizer.eos_id
     out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=40, min_tokens=20, logit_bias={eos: 100.0}))[0]

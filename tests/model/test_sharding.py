@@ -377,7 +377,7 @@ def _dp_worker(model: str, extra: dict) -> dict:
 
 
 def _features_worker(model: str, tps: list[int]) -> dict:
-    """The request surface of issue 25 (logprobs, prompt logprobs, penalties, bias, min_p, min_tokens, a
+    """The request surface (logprobs, prompt logprobs, penalties, bias, min_p, min_tokens, a
     grammar, n, allowed ids, bad words) through LLM at each tensor-parallel size, and in deterministic mode
     alone and inside a batch of other requests."""
     from jaxinfer.api import LLM
