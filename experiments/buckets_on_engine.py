@@ -1,6 +1,6 @@
 """Bucket strategies measured on the real engine: what does each strategy cost and buy at a program budget?
 
-What is reported, and the committed run, are in the README ("Bucket strategies on the engine"). Per trace,
+What is reported, and the committed run, are in docs/benchmarks.md ("buckets_on_engine.py"). Per trace,
 plan_trace fits every (strategy, budget) to the step sizes of a dry scheduling pass (identical tables run
 once); one worker subprocess (run_trace) loads the model once, compiles every configuration, then times
 --repeats rounds over all of them in alternating order and keeps each one's best run. Correctness first:

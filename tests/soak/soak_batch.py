@@ -1,6 +1,6 @@
 """Does the resumable JSONL batch CLI lose, duplicate or change records when it is killed and resumed?
 
-The input, the goal and the committed run are in the README ("Soak: the batch CLI killed and resumed").
+The input, the goal and the committed run are in docs/benchmarks.md ("soak_batch.py").
 --lines seeded lines (about 10% odd or poison, every kind of line_kinds() at least once, each with its
 expected status) go through `python -m jaxinfer.cli generate` once uninterrupted (ref.jsonl), then again
 (soak.jsonl) under --sigkills / --sigints signals at random record counts and --load-kills during model
