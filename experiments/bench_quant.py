@@ -170,7 +170,7 @@ def perplexity(cfg, params, kv: str | None, windows: list[list[int]], reference_
     forward = aggregate_scores(per_window, time.perf_counter() - start - logprob_s)
     result = aggregate_scores([w | {"nll_sum": n} for w, n in zip(per_window, nll)], logprob_s)
     result["perplexity_of_the_forward_logits"] = forward["perplexity"]
-    if quant.has_int8_weights(params) and kv is None:  # W8A8 (matmul 'int8': activations quantized in blocks of 64) on the same weights
+    if quant.has_int8_weights(params) and kv is None:  # W8A8 (matmul 'int8': activations quantized in blocks of 32) on the same weights
         w8a8 = prompt_logprob_nll(cfg, params, kv, windows, impl, matmul="int8")
         result["w8a8_perplexity"] = math.exp(math.fsum(w8a8) / result["num_predicted"])
     result["prompt_logprobs_vs_forward"] = result["perplexity"] / forward["perplexity"] - 1
