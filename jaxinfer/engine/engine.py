@@ -34,7 +34,7 @@ from jaxinfer.model import kv_pool as kvp
 from jaxinfer.scheduling import guided
 from jaxinfer.model import forward as model, panels, quant, sampling
 from jaxinfer.model import sharding as shd
-from jaxinfer.model.attention import resolve_impl
+from jaxinfer.engine.backends import packer, resolve_impl, resolve_matmul_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
@@ -250,7 +250,7 @@ class Engine:
         if engine_cfg.max_context > cfg.max_context:
             raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
-        # attention.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
+        # backends.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
         # runs its fixed-split config, and everything else attention_over_page_blocks.
         self.impl = resolve_impl(
             engine_cfg.attention_impl, deterministic=engine_cfg.deterministic, dtype=cfg.dtype, kv_cache_dtype=engine_cfg.kv_cache_dtype,
@@ -258,9 +258,8 @@ class Engine:
             page_size=engine_cfg.page_size, head_dim=cfg.head_dim, group_size=cfg.num_heads // cfg.num_kv_heads,
         )
         # The CPU layer-matmul kernel reads the matrices in its own panel layout (one device only, so never with
-        # a mesh); matmul_impl.resolve_matmul_impl owns whether it runs. The loaded params stay as they are. Packed
+        # a mesh); backends.resolve_matmul_impl owns whether it runs. The loaded params stay as they are. Packed
         # before the pool is sized, so free memory counts the panels.
-        from jaxinfer.engine.backends import packer, resolve_matmul_impl  # noqa: PLC0415  (kept inside the packing choice)
 
         self.matmul_impl = resolve_matmul_impl(engine_cfg.matmul_impl, self.impl, dtype=cfg.dtype, on_mesh=mesh is not None,
                                                int8_weights=quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
