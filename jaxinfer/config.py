@@ -266,7 +266,7 @@ class EngineConfig:
     # KV pool storage: None (the model's dtype), "int8" (a scale per token and kv head, taken at write) or
     # "fp8_e4m3" (float8_e4m3fn codes with a per-token scale). Scales live in the pool and count in its bytes.
     kv_cache_dtype: str | None = None
-    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables
+    compilation_cache_dir: str | None = "~/.cache/jaxinfer/xla"  # JAX persistent cache; None disables; this default means <cache root>/xla (engine.enable_compilation_cache)
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
