@@ -24,6 +24,7 @@ The resume contract (also in the README):
 - Lines are split on b"\\n" only and decoded one by one, so a bad byte spoils only its own line. A UTF-8
   BOM at the start of the file is ignored. Blank lines get no record. A file every line of which would
   fail alike (UTF-16, CR-only line ends, a BOM in the middle) is refused whole, before the model loads.
+  A line over `max_line_bytes` (16 MiB) is its error record, never held whole.
 - Each line is its own: whatever parsing or validating it raises (a 5000-digit number, a repeated key,
   nesting too deep) becomes that line's error record, with its id when its first JSON object has one.
 - A line's identity is its `key`: `id:<the id as JSON>` (so 1 and "1" differ) for a line with a valid
@@ -32,11 +33,14 @@ The resume contract (also in the README):
   output: every line must be a record, else nothing is changed and the resume is refused. Only then is
   a torn last record (from a kill) cut off, or the lost newline of a whole last record restored. It
   then runs exactly the lines that are not done, appending their records.
-- One job at a time per output: `<output>.lock` (flock) is held for the whole job; a second job fails
-  at once, naming the first one's pid.
-- `<output>.meta.json` records the settings that decide the tokens (model identity, dtype,
-  quantization, seeds, sampling defaults, ...); a resume under other settings is refused with the
-  differences listed (the CLI's --force-settings overrides).
+- One job at a time per output: an flock on the output file itself is held for the whole job, so a
+  second job fails at once by whatever name (a symlink, a hard link) it reaches the file, naming the
+  first one's pid (from `<output>.lock`, a note the job creates and never follows or truncates).
+- `<output>.meta.json` (beside the output's real path) records the settings that decide the tokens
+  (model identity, dtype, quantization, seeds, sampling defaults, ...); a resume under other settings is
+  refused with the differences listed (the CLI's --force-settings overrides). A resume records them
+  only with its first record, so one with nothing to do leaves them as they were.
+- Ctrl-C and SIGTERM stop the job cleanly: the records written are kept and `summary.interrupted` set.
 - The input may be a pipe or /dev/stdin (copied to an unnamed temporary file as it is read, so the job
   can read it again after its scan); a resume reads the input again, so it needs the same lines again
   (a regular file). The output must be a regular file.
