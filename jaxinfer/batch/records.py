@@ -68,12 +68,15 @@ def _percentile(values: array.array, q: float) -> float:
     return float(np.percentile(np.frombuffer(values, np.float32), q)) if values else float("nan")
 
 
-def token_bytes_of(tokenizer) -> Callable[[int], bytes]:
+def token_bytes_of(tokenizer) -> Callable[[int], bytes] | None:
     """token id -> the token's own bytes (what an OpenAI logprobs entry's `bytes` holds, so characters split
     across tokens can be rebuilt), from the vocabulary of `tokenizer` (a TextTokenizer): a byte-level BPE
     token through GPT-2's byte alphabet, a byte-fallback token `<0xNN>` as its byte, a SentencePiece
-    piece with its word mark as a space; a special token as its text."""
-    hf = tokenizer.tokenizer
+    piece with its word mark as a space; a special token as its text. None for a tokenizer without a
+    Hugging Face vocabulary (the records then give each token's text's UTF-8)."""
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is None or not hasattr(hf, "id_to_token"):
+        return None
     byte_level = type(hf.decoder).__name__ == "ByteLevel"
     alphabet = _byte_alphabet()
     special = {token.content for token in hf.get_added_tokens_decoder().values()} if hasattr(hf, "get_added_tokens_decoder") else set()
