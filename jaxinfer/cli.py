@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, MATMUL_IMPLS
+from jaxinfer.batch.input import DEFAULT_MAX_LINE_BYTES
 from jaxinfer.batch.openai import INPUT_FORMATS
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
 from jaxinfer.scheduling.request import TRUNCATE_SIDES, SamplingParams
@@ -211,6 +212,10 @@ def _add_generate_io_args(gen: argparse.ArgumentParser) -> None:
         help="input lines read, checked and tokenized ahead of their results at most, so memory stays bounded on any input (default: 4 x --max-num-seqs per replica)",
     )
     gen.add_argument(
+        "--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, metavar="N",
+        help="an input line longer than this is its own error record, read past without being held (default: %(default)s, 16 MiB)",
+    )
+    gen.add_argument(
         "--strict-fields", action="store_true",
         help="an unknown field in a line is that line's error (default: counted and warned about before the model loads, and the line runs without it)",
     )
@@ -363,10 +368,10 @@ def _run_generate(args) -> int:
     try:
         job = BatchJob(
             args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,
-            fmt=args.format, strict_fields=args.strict_fields, max_inflight=args.max_inflight,
+            fmt=args.format, strict_fields=args.strict_fields, max_inflight=args.max_inflight, max_line_bytes=args.max_line_bytes,
         )
     except FieldError as e:
-        raise _with_flag_names(e, {"max_inflight": "--max-inflight", "format": "--format"}) from None
+        raise _with_flag_names(e, {"max_inflight": "--max-inflight", "format": "--format", "max_line_bytes": "--max-line-bytes"}) from None
     with job:
         summary, llm = _run_job(job, args, load_options, engine_config, ray_options)
     print(_summary_table(summary, llm), file=sys.stderr)
@@ -387,6 +392,9 @@ def _run_job(job, args, load_options, engine_config, ray_options):
         why = f"{args.input} has no lines" if not job.lines else f"every line of {args.input} has its record in {args.output}"
         print(f"nothing to do: {why}", file=sys.stderr)
         return job.write([]), None
+    if job.num_runnable == 0:  # every line left is an error record: no model is needed to write them
+        print(f"no line of {args.input} can run: writing their error records without loading the model", file=sys.stderr)
+        return job.run(None, progress=not args.no_progress), None
     if ray_options is None:
         llm = _make_llm(args, load_options, engine_config)
         with _profiler(args) as profiler:
@@ -413,6 +421,7 @@ def _job_settings(args) -> dict:
 def _generate_one(args, defaults, load_options, engine_config) -> int:
     batch_only = (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings))
     batch_only += (("--format", args.format != "auto"), ("--max-inflight", args.max_inflight is not None), ("--strict-fields", args.strict_fields))
+    batch_only += (("--max-line-bytes", args.max_line_bytes != DEFAULT_MAX_LINE_BYTES),)
     for flag, value in batch_only:
         if value:
             raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")

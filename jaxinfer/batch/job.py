@@ -131,7 +131,7 @@ class LineRunner:
 
     def records(self, llm: LLM | None, lines: Iterable[InputLine], *, progress: bool = False) -> Iterator[dict]:
         if llm is None:  # every line is an error (BatchJob.num_runnable == 0): no model is needed
-            yield from map(_error_of, lines)
+            yield from (self._error_of(line) for line in lines)
             return
         lines, pending, token_bytes = iter(lines), deque(), token_bytes_of(llm.tokenizer)
         index_to_line: dict[int, InputLine] = {}
@@ -162,11 +162,30 @@ class LineRunner:
             yield prompt
         done[0] = True
 
+    def host_error(self, line: InputLine) -> LineError | None:
+        """The error a parsed line's sampling fields give before any model is needed (None: it may run)."""
+        if line.problem is not None:
+            return LineError(line.problem, line.status_code, line.param)
+        try:
+            self._sampling_params(line.obj)
+        except FieldError as e:
+            return LineError(str(e), param=e.field)
+        except (TypeError, ValueError, OverflowError) as e:
+            return LineError(str(e))
+        return None
+
+    def _error_of(self, line: InputLine) -> dict:
+        if (error := self.host_error(line)) is None:
+            raise ValueError(f"line {line.number} can run: a job with lines to run needs a model (llm=None only when num_runnable == 0)")
+        return error_record(line, str(error), error.status_code, error.param)
+
+    def _sampling_params(self, obj: dict) -> SamplingParams:
+        return SamplingParams.from_fields({name: obj[name] for name in SAMPLING_FIELDS if name in obj}, self.defaults)
+
     def _prepare(self, llm: LLM, line: InputLine, *, index: int) -> Prompt:
         obj = line.obj
-        sampling = {name: obj[name] for name in SAMPLING_FIELDS if name in obj}
         try:
-            params = SamplingParams.from_fields(sampling, self.defaults)
+            params = self._sampling_params(obj)
             chat = "messages" in obj
             chat_options = {name: obj[name] for name in CHAT_FIELDS if name in obj}
             if chat_options and not chat:
@@ -183,12 +202,6 @@ class LineRunner:
             raise LineError(str(e)) from None
         except (OverflowError, RecursionError, KeyError, AttributeError) as e:  # one odd value never stops the job
             raise LineError(f"{type(e).__name__}: {e}") from None
-
-
-def _error_of(line: InputLine) -> dict:
-    if line.problem is None:
-        raise ValueError(f"line {line.number} can run: a job with lines to run needs a model (llm=None only when num_runnable == 0)")
-    return error_record(line, line.problem, line.status_code, line.param)
 
 
 class JobLines:
@@ -278,7 +291,7 @@ class BatchJob:
             if line.key in done:
                 continue
             num_todo += 1
-            self.num_runnable += line.problem is None
+            self.num_runnable += self.runner.host_error(line) is None
             for name in line.ignored:
                 ignored[name] = ignored.get(name, 0) + 1
         self.lines, self.todo = JobLines(self, None, num_lines), JobLines(self, done, num_todo)

@@ -317,3 +317,16 @@ def test_an_openai_batch_file_runs_warning_of_unknown_fields_before_the_model_lo
     assert Completion.model_validate(out["c"]["response"]["body"]).object == "text_completion"
     assert out["n2"]["response"]["status_code"] == 400 and out["n2"]["error"]["param"] == "n"
     assert re.search(r"requests ok / error / skipped +6 / 1 / 0\n", result.stderr), result.stderr[-1500:]
+
+
+def test_a_job_whose_every_line_is_an_error_writes_its_records_without_loading_a_model(tmp_path, compile_cache, tiny_chat_model):
+    """Bad JSON, a missing prompt and a sampling field out of range: each its error record, and no model
+    loads for them (no loading message, no compile). --max-line-bytes makes a long line one more."""
+    lines = ['{"id": 1, "prompt": "hi", "temperature": -1}', '{"id": 2}', "not json", json.dumps({"id": 4, "prompt": "x" * 300})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    result = run_cli(tmp_path / "in.jsonl", tmp_path / "out.jsonl", compile_cache, tiny_chat_model, "--max-line-bytes", "256")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "without loading the model" in result.stderr and "loading" not in result.stderr.replace("without loading", "")
+    out = records(tmp_path / "out.jsonl")
+    assert [r["line"] for r in out] == [1, 2, 3, 4] and all(r["status"] == "error" for r in out)
+    assert "temperature" in out[0]["error"] and "256" in out[3]["error"]
