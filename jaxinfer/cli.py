@@ -397,6 +397,7 @@ def _run_job(job, args, load_options, engine_config, ray_options):
         return job.run(None, progress=not args.no_progress), None
     if ray_options is None:
         llm = _make_llm(args, load_options, engine_config)
+        job.record_resolved(_resolved(llm), force=args.force_settings)
         with _profiler(args) as profiler:
             job.runner.on_step = profiler
             return job.run(llm, progress=not args.no_progress), llm
@@ -405,6 +406,14 @@ def _run_job(job, args, load_options, engine_config, ray_options):
     print(f"running on Ray: {ray_options.num_actors} actor(s), each loading {args.model or 'the default model'} and compiling its programs...", file=sys.stderr)
     summary = ray_jobs.run_job(job, ray_options, model=args.model, load_options=load_options, engine_config=engine_config, progress=not args.no_progress)
     return summary, None
+
+
+def _resolved(llm) -> dict:
+    """What the engine made of "auto": compute dtype, attention and matmul, and the weights' stored formats."""
+    from jaxinfer.model.params import weight_bytes
+
+    formats = sorted({str(fmt) for _, fmt in weight_bytes(llm.engine.params)})
+    return {"dtype": llm.choices.dtype, "attention_impl": llm.choices.attention_impl, "matmul_impl": llm.choices.matmul_impl, "weights": formats}
 
 
 # The flags that decide a line's tokens besides the line itself; a resume must keep them (--force-settings).

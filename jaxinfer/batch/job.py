@@ -71,7 +71,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
-from jaxinfer.batch.output_file import OutputLock, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
+from jaxinfer.batch.output_file import RESOLVED, OutputLock, check_resolved, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
 from jaxinfer.batch.records import JobSummary, error_record, record_of, token_bytes_of
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.scheduling.scheduler import PromptTooLongError
@@ -328,6 +328,13 @@ class BatchJob:
         self._file.write(data)
         self._file.flush()
         os.fsync(self._file.fileno())
+
+    def record_resolved(self, resolved: dict, *, force: bool = False) -> None:
+        """Add what the engine resolved "auto" to to the settings written with the records; a resume whose
+        engine resolved otherwise is refused (ResumeError) unless `force`."""
+        if self.resume and not force:
+            check_resolved(self.output, resolved)
+        self.settings[RESOLVED] = json.loads(json.dumps(resolved))
 
     def run(self, llm: LLM | None, *, progress: bool = True) -> JobSummary:
         """Write a record for every line not yet done; Ctrl-C or SIGTERM stops cleanly (summary.interrupted).

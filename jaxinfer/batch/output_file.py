@@ -295,8 +295,21 @@ def settings_differences(recorded: dict, current: dict) -> list[str]:
     return [f"{n}: {json.dumps(recorded.get(n, missing))} -> {json.dumps(current.get(n, missing))}" for n in names if recorded.get(n, missing) != current.get(n, missing)]
 
 
+RESOLVED = "resolved"  # the settings entry of what "auto" resolved to; known only once the model has loaded
+
+
+def check_resolved(output: Path, resolved: dict) -> None:
+    """Refuse a resume whose engine resolved "auto" otherwise (compute dtype, attention, matmul, weight
+    formats) than the one its records were made under: the same flags, other numerics."""
+    recorded = (read_settings(output) or {}).get(RESOLVED)
+    if recorded is not None and (differences := settings_differences(recorded, json.loads(json.dumps(resolved)))):
+        raise ResumeError(f"cannot resume: {output} was written by an engine that resolved otherwise ({'; '.join(differences)}); "
+                          "pin --dtype, --attention and --matmul to the recorded values, or pass --force-settings to resume anyway")
+
+
 def check_settings(output: Path, current: dict, *, has_records: bool) -> None:
-    """Refuse a resume whose settings differ from those its records were made under."""
+    """Refuse a resume whose settings differ from those its records were made under (what the engine
+    resolved is checked once it has loaded: `check_resolved`)."""
     recorded = read_settings(output)
     if recorded is None:
         if has_records:
@@ -305,7 +318,7 @@ def check_settings(output: Path, current: dict, *, has_records: bool) -> None:
                 "jaxinfer, or removed), so its settings cannot be checked; pass --force-settings to resume anyway"
             )
         return
-    differences = settings_differences(recorded, current)
+    differences = settings_differences({k: v for k, v in recorded.items() if k != RESOLVED}, current)
     if differences:
         listed = "; ".join(differences)
         raise ResumeError(f"cannot resume: {output} was written under other settings ({listed}); rerun with the same settings, or pass --force-settings to resume anyway")

@@ -330,3 +330,22 @@ def test_a_job_whose_every_line_is_an_error_writes_its_records_without_loading_a
     out = records(tmp_path / "out.jsonl")
     assert [r["line"] for r in out] == [1, 2, 3, 4] and all(r["status"] == "error" for r in out)
     assert "temperature" in out[0]["error"] and "256" in out[3]["error"]
+
+
+def test_a_resume_whose_engine_resolves_otherwise_is_refused(tmp_path, compile_cache, tiny_chat_model):
+    """The settings record what "auto" resolved to (dtype, attention, matmul, weight formats), so a resume
+    under the same flags but other numerics (here the attention pinned to the jnp reference, where auto chose
+    the CPU kernel) is refused, exit 2, the output untouched; the same engine resumes."""
+    write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    first = run_cli(tmp_path / "in.jsonl", out, compile_cache, tiny_chat_model, "--attention", "cpu")
+    assert first.returncode == 0, first.stderr[-2000:]
+    meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())["settings"]
+    assert meta["resolved"]["attention_impl"] == "cpu" and meta["resolved"]["dtype"] == "float32"
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]))
+    refused = run_cli(tmp_path / "in.jsonl", out, compile_cache, tiny_chat_model, "--attention", "reference", "--resume")
+    assert refused.returncode == 2 and "resolved otherwise" in refused.stderr and "attention_impl" in refused.stderr, refused.stderr[-2000:]
+    assert out.read_text() == "".join(lines[:2])
+    resumed = run_cli(tmp_path / "in.jsonl", out, compile_cache, tiny_chat_model, "--attention", "cpu", "--resume")
+    assert resumed.returncode == 0 and len(records(out)) == len(lines), resumed.stderr[-2000:]
