@@ -41,14 +41,14 @@ def check_spec(value) -> tuple[str, str] | None:
     if value is None:
         return None
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] in SPEC_KINDS:  # already normalized
-        value = {value[0]: value[1] if value[0] in ("regex", "grammar") else json.loads(value[1])}
+        value = {value[0]: value[1] if value[0] in ("regex", "grammar") else _json_value(value[1])}
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in SPEC_KINDS:
         raise FieldError("structured_outputs", f"must be one of {{'json': schema}}, {{'regex': ...}}, {{'choice': [...]}}, {{'grammar': ...}}, got {value!r}")
     kind, source = next(iter(value.items()))
     if kind in ("json", "choice"):
         if kind == "choice" and (not isinstance(source, list) or not source or not all(isinstance(c, str) for c in source)):
             raise FieldError("structured_outputs", f"'choice' must be a non-empty list of strings, got {source!r}")
-        text = source if isinstance(source, str) else json.dumps(source, sort_keys=True, ensure_ascii=False)
+        text = source if isinstance(source, str) else _json_text(source)
     elif isinstance(source, str):
         text = source
     else:
@@ -57,6 +57,21 @@ def check_spec(value) -> tuple[str, str] | None:
     if error is not None:
         raise FieldError("structured_outputs", f"{kind} {error}")
     return kind, text
+
+
+def _json_text(source) -> str:
+    """A schema or choice list as JSON text; one nested past Python's recursion limit is the field's error."""
+    try:
+        return json.dumps(source, sort_keys=True, ensure_ascii=False)
+    except RecursionError:
+        raise FieldError("structured_outputs", "is nested too deeply to encode as JSON") from None
+
+
+def _json_value(text: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise FieldError("structured_outputs", "is nested too deeply to decode as JSON") from None
 
 
 @functools.lru_cache(maxsize=256)

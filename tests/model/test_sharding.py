@@ -514,7 +514,7 @@ def _worker(model: str, tps: list[int], extra: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(TESTS), str(TESTS / "kernels")]  # the package, the shared helpers, test_kernels' cases
     extra = json.loads(sys.argv[3])
     if sys.argv[1] == "kernel":
         print(json.dumps(_kernel_worker()))
