@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence, Sized
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -189,6 +190,10 @@ class LLM:
             if not prompt:
                 raise FieldError("prompt", "is empty")
             return self.tokenizer.encode(check_text("prompt", prompt), parse_special=self.options.parse_special is not False)
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+                raise FieldError("prompt", f"must be text or token ids (a list of ints or a 1-D integer array), got a {prompt.ndim}-D {prompt.dtype} array")
+            prompt = prompt.tolist()
         if not isinstance(prompt, Sequence):
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
@@ -338,9 +343,7 @@ class LLM:
         (between steps), and its timings (RequestOutput.metrics) count from then; traces.replay drives it
         from a trace and reports TTFT, TPOT and goodput.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._generate(list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
+        return self._generate(_prompt_list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
 
     def chat(
         self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None,
@@ -446,6 +449,21 @@ def _template_kwargs(value) -> dict:
     if reserved:
         raise FieldError("chat_template_kwargs", f"cannot set {reserved}: give them as their own fields")
     return value
+
+
+def _prompt_list(prompts) -> list:
+    """generate's prompts as a list: one text, or one prompt's token ids (ints, numpy ints, a 1-D integer
+    array), is one prompt; a 2-D array is a prompt per row; any other iterable is a prompt per item."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim > 2:
+            raise FieldError("prompts", f"must be text, token ids or a list of them, got a {prompts.ndim}-D array")
+        return [prompts] if prompts.ndim <= 1 else list(prompts)
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], (int, np.integer)):
+        return [prompts]
+    return prompts
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

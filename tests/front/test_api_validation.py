@@ -5,6 +5,7 @@ import math
 import signal
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,6 +49,34 @@ def test_out_of_range_or_mistyped_token_ids_are_errors_naming_them(llm, bad):
 def test_the_largest_valid_token_id_runs(llm):
     (out,) = llm.generate([[5, 49151]], GREEDY)
     assert out.num_generated_tokens == 4
+
+
+def test_numpy_token_id_prompts_run_as_their_list_of_ints(llm):
+    (expected,) = llm.generate([[5, 6, 7]], GREEDY)
+    cases = [
+        np.array([5, 6, 7]),  # one 1-D array: one prompt
+        [np.array([5, 6, 7], dtype=np.int32)],  # a list of arrays
+        [np.int64(5), np.int64(6), np.int64(7)],  # numpy ints as one prompt's ids
+        [[np.int64(5), 6, np.uint16(7)]],
+        np.array([[5, 6, 7]]),  # a 2-D array: one prompt per row
+    ]
+    for prompts in cases:
+        (out,) = llm.generate(prompts, GREEDY)
+        assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == expected.token_ids, prompts
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ([np.array([5.0, 6.0])], r"prompt 0: prompt must be text or token ids .*float64"),
+        ([np.array([[5, 6]])], r"prompt 0: prompt must be text or token ids .*2-D"),
+        ([np.array([5, 49152])], r"prompt 0: prompt holds 49152 at index 1"),
+        (np.zeros((1, 2, 2), dtype=np.int64), r"prompts must be .*3-D"),
+    ],
+)
+def test_numpy_prompts_that_are_not_token_ids_are_errors_naming_the_prompt(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY)
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_errors(llm):
