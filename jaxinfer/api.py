@@ -244,6 +244,7 @@ class LLM:
 
     def stream(
         self, prompts: Iterable[Prompt], *, progress: bool | None = None, on_step: runloop.OnStep | None = None, max_inflight: int | None = None,
+        total: int | None = None,
     ) -> Iterator[RequestOutput]:
         """Run prepared prompts through the engine, yielding each output as soon as it finishes.
 
@@ -254,12 +255,14 @@ class LLM:
         full while finished requests are replaced). A request's deadline and timings count from when
         it is pulled. `on_step(plan, tokens, seconds)` is called after every engine step (for timing
         and counting). One stream runs at a time: a second one, from another thread or while an
-        earlier stream is left unfinished, raises RuntimeError at once.
+        earlier stream is left unfinished, raises RuntimeError at once. `total`: the prompts expected, for
+        the progress bar only (default: the length of a sized input; a lazy input's caller may know it).
         """
-        total = len(prompts) if isinstance(prompts, Sized) else None
+        size = len(prompts) if isinstance(prompts, Sized) else None
         if max_inflight is None:
-            max_inflight = max(total, 1) if total is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
+            max_inflight = max(size, 1) if size is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
         max_inflight = check_int("max_inflight", max_inflight, low=1)
+        total = size if total is None else check_int("total", total, low=0)
         if not self._running.acquire(blocking=False):
             raise RuntimeError("this LLM is already generating (in another thread, or an unfinished stream(): finish or close() it first)")
         try:
