@@ -286,7 +286,7 @@ class EngineConfig:
     # tokens through decode steps.
     deterministic: bool = False
     max_logprobs: int = 20  # top log-probabilities a request may ask for (static: the programs return this many)
-    max_logit_bias: int = 64  # biased tokens per request, counting EOS and stop ids that min_tokens masks
+    max_logit_bias: int = 64  # logit_bias entries per request (min_tokens' bans on EOS and the stop ids are the token mask's)
     logprobs_mode: str = "raw"  # raw: from the model's logits; processed: after bias, penalties and temperature
     # The grammar's masks (structured output) are filled on the host while the device runs the step's forward
     # program, and read by its draw program; False fills them before the forward (the same programs and outputs).
