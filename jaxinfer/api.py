@@ -43,6 +43,7 @@ __all__ = ["LLM", "Prompt", "Replica", "RequestOutput", "truncate_prompt"]  # Pr
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica
+_TRUNCATE_MARGIN = 64  # tokens past the ones kept that a cut text prompt must still give (a cut changes only the last few)
 
 
 @dataclasses.dataclass
@@ -198,6 +199,27 @@ class LLM:
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
 
+    def _encode_to_cut(self, text: str, side: str) -> list[int]:
+        """`encode(text)` for truncate_prompt to cut on `side`, tokenizing only the part of a long text it can
+        keep: its start ('right') or its end ('left'), `limit` characters at most (max_context +
+        _TRUNCATE_MARGIN tokens, at max_token_chars characters a token at most), cut at a space between two
+        words in the half of the part farther from the tokens kept. The pre-tokenizer splits there, so the
+        part's tokens are the whole text's up to that word (a cut inside a word could change all its tokens:
+        a run of one letter is chunked from the word's start). Without such a space, or when the part gives
+        fewer than max_context + _TRUNCATE_MARGIN tokens (a normalizer that shrinks text), the whole text is
+        tokenized."""
+        check_text("prompt", text)  # the whole of it, as encode would
+        need = self.engine_config.max_context + _TRUNCATE_MARGIN
+        limit = need * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            start = len(text) - limit
+            cut = _word_gap(text, limit // 2, limit, last=True) if side == "right" else _word_gap(text, start, start + limit // 2, last=False)
+            if cut is not None:
+                ids = self.encode(text[:cut] if side == "right" else text[cut:])
+                if len(ids) >= need:
+                    return ids
+        return self.encode(text)
+
     def encode_chat(
         self, messages: list[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
     ) -> list[int]:
@@ -235,7 +257,12 @@ class LLM:
         check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
         check_sampling_limits(self.engine_config, params)
-        ids = self.encode_chat(prompt, **(chat_options or {})) if chat else self.encode(prompt)
+        if chat:
+            ids = self.encode_chat(prompt, **(chat_options or {}))
+        elif isinstance(prompt, str) and truncate in ("left", "right"):
+            ids = self._encode_to_cut(prompt, truncate)
+        else:
+            ids = self.encode(prompt)
         ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
         check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
         return Prompt(index, ids, params, **request_fields)
@@ -452,6 +479,17 @@ def _template_kwargs(value) -> dict:
     if reserved:
         raise FieldError("chat_template_kwargs", f"cannot set {reserved}: give them as their own fields")
     return value
+
+
+def _word_gap(text: str, lo: int, hi: int, *, last: bool) -> int | None:
+    """The last (or first) i in [lo, hi) where text[i] is a space between two characters that are not
+    whitespace: every pre-tokenizer splits a text there (byte-level regexes, SentencePiece's `▁`); None if none."""
+    i = text.rfind(" ", lo, hi) if last else text.find(" ", lo, hi)
+    while i != -1:
+        if 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", lo, i) if last else text.find(" ", i + 1, hi)
+    return None
 
 
 def _prompt_list(prompts) -> list:
