@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence, Sized
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -42,6 +43,7 @@ __all__ = ["LLM", "Prompt", "Replica", "RequestOutput", "truncate_prompt"]  # Pr
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica
+_TRUNCATE_MARGIN = 64  # tokens past the ones kept that a cut text prompt must still give (a cut changes only the last few)
 
 
 @dataclasses.dataclass
@@ -189,9 +191,34 @@ class LLM:
             if not prompt:
                 raise FieldError("prompt", "is empty")
             return self.tokenizer.encode(check_text("prompt", prompt), parse_special=self.options.parse_special is not False)
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+                raise FieldError("prompt", f"must be text or token ids (a list of ints or a 1-D integer array), got a {prompt.ndim}-D {prompt.dtype} array")
+            prompt = prompt.tolist()
         if not isinstance(prompt, Sequence):
             raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
+
+    def _encode_to_cut(self, text: str, side: str) -> list[int]:
+        """`encode(text)` for truncate_prompt to cut on `side`, tokenizing only the part of a long text it can
+        keep: its start ('right') or its end ('left'), `limit` characters at most (max_context +
+        _TRUNCATE_MARGIN tokens, at max_token_chars characters a token at most), cut at a space between two
+        words in the half of the part farther from the tokens kept. The pre-tokenizer splits there, so the
+        part's tokens are the whole text's up to that word (a cut inside a word could change all its tokens:
+        a run of one letter is chunked from the word's start). Without such a space, or when the part gives
+        fewer than max_context + _TRUNCATE_MARGIN tokens (a normalizer that shrinks text), the whole text is
+        tokenized."""
+        check_text("prompt", text)  # the whole of it, as encode would
+        need = self.engine_config.max_context + _TRUNCATE_MARGIN
+        limit = need * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            start = len(text) - limit
+            cut = _word_gap(text, limit // 2, limit, last=True) if side == "right" else _word_gap(text, start, start + limit // 2, last=False)
+            if cut is not None:
+                ids = self.encode(text[:cut] if side == "right" else text[cut:])
+                if len(ids) >= need:
+                    return ids
+        return self.encode(text)
 
     def encode_chat(
         self, messages: list[dict], *, add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
@@ -230,7 +257,12 @@ class LLM:
         check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
         check_sampling_limits(self.engine_config, params)
-        ids = self.encode_chat(prompt, **(chat_options or {})) if chat else self.encode(prompt)
+        if chat:
+            ids = self.encode_chat(prompt, **(chat_options or {}))
+        elif isinstance(prompt, str) and truncate in ("left", "right"):
+            ids = self._encode_to_cut(prompt, truncate)
+        else:
+            ids = self.encode(prompt)
         ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
         check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
         return Prompt(index, ids, params, **request_fields)
@@ -239,6 +271,7 @@ class LLM:
 
     def stream(
         self, prompts: Iterable[Prompt], *, progress: bool | None = None, on_step: runloop.OnStep | None = None, max_inflight: int | None = None,
+        total: int | None = None,
     ) -> Iterator[RequestOutput]:
         """Run prepared prompts through the engine, yielding each output as soon as it finishes.
 
@@ -249,12 +282,14 @@ class LLM:
         full while finished requests are replaced). A request's deadline and timings count from when
         it is pulled. `on_step(plan, tokens, seconds)` is called after every engine step (for timing
         and counting). One stream runs at a time: a second one, from another thread or while an
-        earlier stream is left unfinished, raises RuntimeError at once.
+        earlier stream is left unfinished, raises RuntimeError at once. `total`: the prompts expected, for
+        the progress bar only (default: the length of a sized input; a lazy input's caller may know it).
         """
-        total = len(prompts) if isinstance(prompts, Sized) else None
+        size = len(prompts) if isinstance(prompts, Sized) else None
         if max_inflight is None:
-            max_inflight = max(total, 1) if total is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
+            max_inflight = max(size, 1) if size is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
         max_inflight = check_int("max_inflight", max_inflight, low=1)
+        total = size if total is None else check_int("total", total, low=0)
         if not self._running.acquire(blocking=False):
             raise RuntimeError("this LLM is already generating (in another thread, or an unfinished stream(): finish or close() it first)")
         try:
@@ -338,9 +373,7 @@ class LLM:
         (between steps), and its timings (RequestOutput.metrics) count from then; traces.replay drives it
         from a trace and reports TTFT, TPOT and goodput.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._generate(list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
+        return self._generate(_prompt_list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
 
     def chat(
         self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None,
@@ -446,6 +479,32 @@ def _template_kwargs(value) -> dict:
     if reserved:
         raise FieldError("chat_template_kwargs", f"cannot set {reserved}: give them as their own fields")
     return value
+
+
+def _word_gap(text: str, lo: int, hi: int, *, last: bool) -> int | None:
+    """The last (or first) i in [lo, hi) where text[i] is a space between two characters that are not
+    whitespace: every pre-tokenizer splits a text there (byte-level regexes, SentencePiece's `▁`); None if none."""
+    i = text.rfind(" ", lo, hi) if last else text.find(" ", lo, hi)
+    while i != -1:
+        if 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", lo, i) if last else text.find(" ", i + 1, hi)
+    return None
+
+
+def _prompt_list(prompts) -> list:
+    """generate's prompts as a list: one text, or one prompt's token ids (ints, numpy ints, a 1-D integer
+    array), is one prompt; a 2-D array is a prompt per row; any other iterable is a prompt per item."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim > 2:
+            raise FieldError("prompts", f"must be text, token ids or a list of them, got a {prompts.ndim}-D array")
+        return [prompts] if prompts.ndim <= 1 else list(prompts)
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], (int, np.integer)):
+        return [prompts]
+    return prompts
 
 
 def _broadcast_params(sampling_params, count: int) -> list[SamplingParams]:

@@ -6,6 +6,7 @@ to stderr and exit with status 2, without a traceback.
 """
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -298,13 +299,33 @@ def _make_llm(args, load_options: LoadOptions, engine_config):
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 
 
-def _on_ctrl_c(signum, frame):
-    """SIGINT: KeyboardInterrupt, except inside a gc callback (jax registers one), where Python would print
-    the exception as ignored and drop it: there the signal is sent again a moment later."""
-    if frame is not None and any(frame.f_code is getattr(callback, "__code__", None) for callback in gc.callbacks):
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
-        return
-    raise KeyboardInterrupt
+class _CtrlC:
+    """main's SIGINT handler. The first Ctrl-C is a KeyboardInterrupt, which stops the run cleanly (a batch
+    job keeps its records and prints its summary), except inside a gc callback (jax registers one), where
+    Python would print the exception as ignored and drop it: there the signal is sent again a moment later.
+    A second one, while that clean stop or the interpreter's exit runs, leaves at once with 130 and no
+    traceback (the records written so far are fsynced one by one; --resume continues)."""
+
+    def __init__(self):
+        self.taken = False  # a KeyboardInterrupt was raised: the clean stop is under way
+
+    def __call__(self, signum, frame):
+        if self.taken:
+            _exit_now(130)
+        if frame is not None and any(frame.f_code is getattr(callback, "__code__", None) for callback in gc.callbacks):
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        self.taken = True
+        raise KeyboardInterrupt
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process at once (no atexit handlers, no traceback), after one line and the streams' buffers."""
+    with contextlib.suppress(Exception):
+        print("jaxinfer: interrupted again: exiting now", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 _RAY_FLAGS = {"num_actors": "--ray-actors", "batch_size": "--ray-batch-size", "num_gpus": "--ray-gpus-per-actor", "num_cpus": "--ray-cpus-per-actor"}
@@ -542,13 +563,32 @@ def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `jaxinfer` command. Without `argv` it is the process's entry point, and a run stopped by Ctrl-C
+    ends in `_leave_after_interrupt`, so that a second Ctrl-C exits 130 quietly however late it comes; an
+    in-process caller (argv given) gets its own SIGINT handler back and the code returned."""
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, _on_ctrl_c) if in_main_thread else None
+    ctrl_c = _CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c) if in_main_thread else None
+    entry = in_main_thread and argv is None
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
-        if in_main_thread:
+        if in_main_thread and not (ctrl_c.taken and entry):
             signal.signal(signal.SIGINT, previous)
+    if ctrl_c.taken and entry:
+        _leave_after_interrupt(code)
+    return code
+
+
+def _leave_after_interrupt(code: int) -> None:
+    """The end of a process whose run Ctrl-C stopped: the atexit handlers (jax's, Ray's) run under the Ctrl-C
+    handler, then the process leaves without the interpreter's teardown, where Python puts SIGINT back to
+    its default and a second Ctrl-C would kill it (exit -2) or print a traceback from a cleanup."""
+    atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -161,22 +161,29 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads {', '.join(ARCHITECTURES)}")
     _check_hf_unsupported(config)
-    num_heads = config["num_attention_heads"]
-    embed_dim = config["hidden_size"]
+
+    def required(key: str):
+        if key not in config:
+            raise ValueError(f"config.json has no {key!r}, which a {model_type} model needs")
+        return config[key]
+
+    num_heads = required("num_attention_heads")
+    embed_dim = required("hidden_size")
     # transformers >= 5 nests rotary settings under `rope_parameters`; older files keep them at top level.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_field) or {}
     max_position = int(config.get("max_position_embeddings", 2048))
     window = _hf_sliding_window(config)
     return ModelConfig(
-        vocab_size=config["vocab_size"],
-        num_layers=config["num_hidden_layers"],
+        vocab_size=required("vocab_size"),
+        num_layers=required("num_hidden_layers"),
         embed_dim=embed_dim,
-        ffn_dim=config["intermediate_size"],
+        ffn_dim=required("intermediate_size"),
         num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=config.get("head_dim") or embed_dim // num_heads,
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
-        rope_scaling=rope_scaling_from_hf(rope, max_position),
+        rope_scaling=rope_scaling_from_hf(rope, max_position, field=rope_field),
         attention_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases (and none on o)
         qk_norm=model_type == "qwen3",
         sliding_window=window,
@@ -189,13 +196,17 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     )
 
 
-def rope_scaling_from_hf(rope: dict[str, Any], max_position: int) -> RopeScaling | None:
-    """HF `rope_parameters` (or the older `rope_scaling`) -> RopeScaling; None for plain rotary."""
+def rope_scaling_from_hf(rope: dict[str, Any], max_position: int, *, field: str = "rope_parameters") -> RopeScaling | None:
+    """HF `rope_parameters` (or the older `rope_scaling`, named by `field` in errors) -> RopeScaling; None for plain rotary."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return None
     if kind not in ROPE_TYPES[:3]:
         raise ValueError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_TYPES[:3])}")
+    needs = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if kind == "llama3" else ("factor",)
+    missing = [key for key in needs if key not in rope]
+    if missing:
+        raise ValueError(f"{field} has no {missing[0]!r}, which rope_type {kind!r} needs")
     factor = float(rope["factor"])
     if kind == "linear":
         return RopeScaling(kind=kind, factor=factor)
@@ -275,7 +286,7 @@ class EngineConfig:
     # tokens through decode steps.
     deterministic: bool = False
     max_logprobs: int = 20  # top log-probabilities a request may ask for (static: the programs return this many)
-    max_logit_bias: int = 64  # biased tokens per request, counting EOS and stop ids that min_tokens masks
+    max_logit_bias: int = 64  # logit_bias entries per request (min_tokens' bans on EOS and the stop ids are the token mask's)
     logprobs_mode: str = "raw"  # raw: from the model's logits; processed: after bias, penalties and temperature
     # The grammar's masks (structured output) are filled on the host while the device runs the step's forward
     # program, and read by its draw program; False fills them before the forward (the same programs and outputs).

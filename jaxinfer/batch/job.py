@@ -129,18 +129,21 @@ class LineRunner:
         self.defaults, self.truncate, self.max_inflight = defaults, truncate, max_inflight
         self.on_step = None  # LLM.stream's on_step hook (benchmarks time the steps here)
 
-    def records(self, llm: LLM | None, lines: Iterable[InputLine], *, progress: bool = False) -> Iterator[dict]:
+    def records(self, llm: LLM | None, lines: Iterable[InputLine], *, progress: bool = False, total: int | None = None) -> Iterator[dict]:
+        """`total`: the lines expected to run, for the progress bar (BatchJob.num_runnable)."""
         if llm is None:  # every line is an error (BatchJob.num_runnable == 0): no model is needed
             yield from (self._error_of(line) for line in lines)
             return
         lines, pending, token_bytes = iter(lines), deque(), token_bytes_of(llm.tokenizer)
         index_to_line: dict[int, InputLine] = {}
-        counter, done = itertools.count(), [False]
+        counter, done, num_outputs = itertools.count(), [False], 0
         while not done[0]:
             prompts = self._prompts(llm, lines, index_to_line, pending, counter, done)
-            for output in llm.stream(prompts, progress=progress, max_inflight=self.max_inflight, on_step=self.on_step):
+            left = None if total is None else max(total - num_outputs, 0)  # a stream after a long run of bad lines counts the rest
+            for output in llm.stream(prompts, progress=progress, max_inflight=self.max_inflight, on_step=self.on_step, total=left):
                 while pending:
                     yield pending.popleft()
+                num_outputs += 1
                 yield record_of(index_to_line.pop(output.index), output, llm.token_text, token_bytes)
             while pending:  # the stream ended: the input did, or a long run of bad lines filled `pending`
                 yield pending.popleft()
@@ -338,8 +341,9 @@ class BatchJob:
 
     def run(self, llm: LLM | None, *, progress: bool = True) -> JobSummary:
         """Write a record for every line not yet done; Ctrl-C or SIGTERM stops cleanly (summary.interrupted).
+        The progress bar's total is the lines to do that parsed (`num_runnable`; the others' error records need no step).
         `llm` may be None when no line can run (`num_runnable == 0`): their error records need no model."""
-        return self.write(self.runner.records(llm, self.todo, progress=progress))
+        return self.write(self.runner.records(llm, self.todo, progress=progress, total=self.num_runnable))
 
     def write(self, records: Iterable[dict]) -> JobSummary:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a

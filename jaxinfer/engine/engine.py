@@ -108,11 +108,12 @@ def inputs_from_plan(plan: StepPlan) -> StepInputs:
 
 
 def token_masks(plan: StepPlan, vocab_size: int) -> np.ndarray:
-    """i32[R * J, ceil(V / 32)]: the grammar's mask of each constrained slot that samples; all ones elsewhere."""
+    """i32[R * J, ceil(V / 32)]: each sampling slot's mask (its guide's, less min_tokens' bans: guided.fill_mask); all ones elsewhere."""
     masks = np.full((plan.seeds.shape[0], guided.mask_words(vocab_size)), -1, np.int32)
-    for slot, (guide, sample) in enumerate(zip(plan.guides, plan.samples)):
-        if guide is not None and sample:
-            guide.fill_mask(masks[slot], plan.bias_ids[slot][np.isneginf(plan.bias_values[slot])])  # -inf: min_tokens' bans
+    bans = plan.bans or ((),) * len(plan.guides)
+    for slot, (guide, banned, sample) in enumerate(zip(plan.guides, bans, plan.samples)):
+        if sample and (guide is not None or banned):
+            guided.fill_mask(masks[slot], guide, banned)
     return masks
 
 

@@ -103,12 +103,11 @@ class _Reference:
         return sampling.TokenCounts(output, in_prompt)
 
     def arrays(self, request: Request, bias_width: int) -> sampling.SamplingArrays:
-        """The row's sampling arrays, packed by the engine's per-row packer, and its guide's mask (with
-        min_tokens' -inf bans, as engine.token_masks fills it)."""
+        """The row's sampling arrays, packed by the engine's per-row packer, and its token mask (its guide's,
+        less min_tokens' bans, as engine.token_masks fills it)."""
         packed = plan.pack_sampling([request], bias_width=bias_width)
         mask = np.full((1, guided.mask_words(self.cfg.vocab_size)), -1, np.int32)  # all ones: free
-        if request.guide is not None:
-            request.guide.fill_mask(mask[0], packed["bias_ids"][0][np.isneginf(packed["bias_values"][0])])
+        guided.fill_mask(mask[0], request.guide, request.next_token_bans())
         return sampling.SamplingArrays(
             temperature=packed["temperature"], top_k=packed["top_k"], top_p=packed["top_p"], seed=packed["seeds"], step=packed["steps"],
             min_p=packed["min_p"], presence=packed["presence"], frequency=packed["frequency"], repetition=packed["repetition"],
@@ -119,7 +118,7 @@ class _Reference:
         """One sample: prefill, then decode until the output processor stops it."""
         cfg, total = self.cfg, len(prompt_ids) + sp.max_tokens
         request = Request(request_id, list(prompt_ids), sp, seed, eos_id=self.eos_id, guide=self.guides.guide(sp))
-        bias_width = -(-(len(sp.logit_bias) + len(sp.stop_token_ids) + 1) // _BIAS_ROUND) * _BIAS_ROUND  # + 1: EOS under min_tokens
+        bias_width = max(-(-len(sp.logit_bias) // _BIAS_ROUND) * _BIAS_ROUND, _BIAS_ROUND)
         cache = kv_pool.init_dense_cache(cfg, 1, min(-(-total // _CACHE_ROUND) * _CACHE_ROUND, max(cfg.max_context, total)))
         num_top = max(sp.logprobs or 0, 1)
         tokens, start, reason = list(prompt_ids), 0, None

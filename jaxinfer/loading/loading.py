@@ -233,7 +233,8 @@ def load_hf_folder(
     try:
         cfg = from_hf_config(json.loads(config_path.read_text()), dtype=dtype, max_context=max_context)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError, AttributeError) as e:
-        raise ModelLoadError(f"{config_path}: {type(e).__name__}: {e}") from None
+        kind = "" if type(e) is ValueError else f"{type(e).__name__}: "  # from_hf_config's own errors read as they are
+        raise ModelLoadError(f"{config_path}: {kind}{e}") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weight files")

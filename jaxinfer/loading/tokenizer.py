@@ -13,6 +13,7 @@ sandbox with the globals transformers provides. The engine never sees text: it t
 
 import dataclasses
 import datetime
+import functools
 import json
 import secrets
 from pathlib import Path
@@ -65,6 +66,14 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can cover: its longest vocabulary string (added tokens
+        included), in characters. A byte-level string has a character per byte, SentencePiece's one per
+        character (`▁` for a space) and a byte-fallback `<0xXX>` six for one byte, so each covers at most that
+        many characters of the text as the normalizer left it."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; control tokens written in the text are matched only with `parse_special`."""

@@ -5,7 +5,7 @@ derived from (seed, step) only, so a seeded request draws the same tokens whatev
 Greedy rows (temperature 0) take the argmax. When no row samples, a `lax.cond` skips the sort.
 
 Before sampling, `process` changes the logits as vLLM defines it, in this order: the sparse bias
-(logit_bias, and -inf on the ids min_tokens masks), the repetition penalty (over prompt and output
+(logit_bias), the repetition penalty (over prompt and output
 tokens: a positive logit is divided by it, a negative one multiplied), then the frequency and presence
 penalties (over output tokens: minus penalty x count, minus penalty if present). Temperature, then
 min_p, top-k and top-p cut the distribution the draw uses. Each stage is skipped by a `lax.cond` when no
@@ -115,14 +115,15 @@ def adjust(logits: Float[Array, "B V"], s: SamplingArrays, counts: Callable[[], 
 
 
 def apply_mask(logits: Float[Array, "B V"], token_mask: Int[Array, "B W"] | None) -> Float[Array, "B V"]:
-    """The grammar's mask (None: none), under a `lax.cond` taken only when some row is constrained."""
+    """The token mask (None: none): a grammar's, allowed_token_ids, bad_words and min_tokens' bans on EOS and
+    the stop ids, under a `lax.cond` taken only when some row is constrained."""
     if token_mask is None:
         return logits
     return jax.lax.cond(jnp.any(token_mask != -1), lambda l: _mask(l, token_mask), lambda l: l, logits)
 
 
 def _mask(logits: Float[Array, "B V"], words: Int[Array, "B W"]) -> Float[Array, "B V"]:
-    """-inf where a row's grammar forbids the token (structured output, guided.py)."""
+    """-inf where a row's mask forbids the token (guided.fill_mask)."""
     token = jnp.arange(logits.shape[1])
     allowed = (words[:, token // 32] >> (token % 32)) & 1  # [B, V]; arithmetic shift, then the low bit
     return jnp.where(allowed == 1, logits, -jnp.inf)

@@ -188,6 +188,16 @@ class Guide:
         return f"no token may follow the {len(self.output)} tokens so far: {' + '.join(causes)} leave none allowed"
 
 
+def fill_mask(row: np.ndarray, guide: "Guide | None", banned=()) -> None:
+    """One slot's token mask (int32[mask_words], all ones on entry): its guide's, with the `banned` ids
+    (min_tokens' EOS and stop ids, Request.next_token_bans) cleared; without a guide, only those cleared."""
+    if guide is not None:
+        guide.fill_mask(row, np.asarray(banned, np.int64))
+        return
+    for token in banned:
+        _clear_bit(row, int(token))
+
+
 def _clear_bit(row: np.ndarray, token: int) -> None:
     row.view(np.uint32)[token // 32] &= ~np.uint32(1 << (token % 32))
 

@@ -3,7 +3,7 @@
 
 Padding lanes point at the null page (block_pool.NULL_PAGE), so padded slots never touch real data.
 `place_sampling` is the ONE per-row sampling packer: a request's SamplingParams and host state (seed, step,
-bias with min_tokens, prompt length) into one slot of the sampling arrays. `StepPlan.build` calls it per
+bias, prompt length) into one slot of the sampling arrays. `StepPlan.build` calls it per
 chunk, and the dense reference generator (engine/generate.py) per step through `pack_sampling`.
 """
 
@@ -66,7 +66,7 @@ class StepPlan:
     presence: np.ndarray  # f32[R * J]
     frequency: np.ndarray  # f32[R * J]
     repetition: np.ndarray  # f32[R * J]
-    bias_ids: np.ndarray  # i32[R * J, NB]; the slot's sparse bias (Request.next_token_bias), padded with (0, 0)
+    bias_ids: np.ndarray  # i32[R * J, NB]; the slot's logit_bias, padded with (0, 0)
     bias_values: np.ndarray  # f32[R * J, NB]
     num_logprobs: np.ndarray  # i32[R * J]; log-probabilities wanted per slot, -1 none
     prompt_lens: np.ndarray  # i32[R * J]; positions below are prompt tokens (the penalties' split)
@@ -75,6 +75,7 @@ class StepPlan:
     num_new_tokens: tuple[int, ...]  # tokens of each real sequence computed by this step
     samples: tuple[bool, ...]  # whether each real sequence's drawn token is kept
     guides: tuple = ()  # each real sequence's guide.Guide (Request.guide) or None; the engine fills the masks
+    bans: tuple = ()  # each real sequence's ids banned from its next token (min_tokens: Request.next_token_bans), in the masks too
 
     @classmethod
     def build(cls, phase: str, rows: list[RowChunk], shape: BucketKey, page_size: int, *, packed: int = 0, bias_width: int = 1) -> "StepPlan":
@@ -93,6 +94,7 @@ class StepPlan:
             num_new_tokens=tuple(c.length for c in rows),
             samples=tuple(c.sample for c in rows),
             guides=tuple(c.request.guide for c in rows),
+            bans=tuple(c.request.next_token_bans() for c in rows),
             **arrays,
         )
 
@@ -230,10 +232,10 @@ def sampling_padding(num_slots: int, bias_width: int) -> dict[str, np.ndarray]:
 def place_sampling(arrays: dict[str, np.ndarray], index: int, request: Request) -> None:
     """THE per-row sampling packer: write `request`'s sampling into slot `index` of `arrays` (from
     `sampling_padding`): its parameters, its seed and step (the output token it draws next), its sparse
-    bias (logit_bias, and min_tokens' -inf on EOS and the stop ids: Request.next_token_bias), its
-    log-probability request and its prompt length. Every SamplingParams field that acts on the logits or
-    the draw is packed here; the grammar, allowed_token_ids and bad_words travel as the request's guide
-    (a mask the engine fills, `Request.guide`), stop conditions stay on the host (stopping.py)."""
+    bias (logit_bias), its log-probability request and its prompt length. Every SamplingParams field that
+    acts on the logits or the draw is packed here but those of the token mask, which the engine fills: the
+    grammar, allowed_token_ids and bad_words (the request's guide, `Request.guide`) and min_tokens' bans on
+    EOS and the stop ids (`Request.next_token_bans`, StepPlan.bans); stop conditions stay on the host (stopping.py)."""
     params = request.params
     arrays["temperature"][index] = params.temperature
     arrays["top_k"][index] = params.top_k
@@ -244,11 +246,11 @@ def place_sampling(arrays: dict[str, np.ndarray], index: int, request: Request) 
     arrays["presence"][index] = params.presence_penalty
     arrays["frequency"][index] = params.frequency_penalty
     arrays["repetition"][index] = params.repetition_penalty
-    bias = request.next_token_bias()
+    bias = params.logit_bias
     if len(bias) > arrays["bias_ids"].shape[1]:
-        raise FieldError("logit_bias", f"needs {len(bias)} bias entries (with min_tokens' masked ids); the arrays hold {arrays['bias_ids'].shape[1]}")
-    arrays["bias_ids"][index, : len(bias)] = list(bias)
-    arrays["bias_values"][index, : len(bias)] = list(bias.values())
+        raise FieldError("logit_bias", f"holds {len(bias)} tokens; the arrays hold {arrays['bias_ids'].shape[1]}")
+    arrays["bias_ids"][index, : len(bias)] = [token for token, _ in bias]
+    arrays["bias_values"][index, : len(bias)] = [value for _, value in bias]
     arrays["num_logprobs"][index] = -1 if params.logprobs is None else params.logprobs
     arrays["prompt_lens"][index] = len(request.prompt_ids)
 

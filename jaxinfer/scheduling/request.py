@@ -242,15 +242,14 @@ class Request:
     # scheduler and the replica router; extended as pages fill, valid across preemption (tokens never change).
     page_names: list[bytes] = dataclasses.field(default_factory=list, repr=False)
 
-    def next_token_bias(self) -> dict[int, float]:
-        """The sparse bias of its next token: logit_bias, plus -inf on the stop ids and EOS while fewer than
-        min_tokens are generated (the one owner of min_tokens)."""
-        bias = dict(self.params.logit_bias)
-        if len(self.output_ids) < self.params.min_tokens:
-            eos = () if self.eos_id is None or self.params.ignore_eos else (self.eos_id,)
-            for token in (*self.params.stop_token_ids, *eos):
-                bias[token] = -math.inf
-        return bias
+    def next_token_bans(self) -> tuple[int, ...]:
+        """The ids its next token may not be: the stop ids and EOS while fewer than min_tokens are generated
+        (the one owner of min_tokens). They reach the draw in the token mask (engine.token_masks), apart
+        from logit_bias's slots, so any number of stop ids fits."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return ()
+        eos = () if self.eos_id is None or self.params.ignore_eos else (self.eos_id,)
+        return tuple(dict.fromkeys((*self.params.stop_token_ids, *eos)))
 
     @property
     def num_tokens(self) -> int:

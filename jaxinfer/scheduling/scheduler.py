@@ -372,9 +372,8 @@ def check_sampling_limits(cfg: EngineConfig, params: SamplingParams) -> None:
         value = getattr(params, name)
         if value is not None and value > cfg.max_logprobs:
             raise FieldError(name, f"({value}) exceeds the engine's max_logprobs ({cfg.max_logprobs})")
-    masked = len(set(params.stop_token_ids)) + 1 if params.min_tokens else 0  # + 1: EOS
-    if len(params.logit_bias) + masked > cfg.max_logit_bias:
-        raise FieldError("logit_bias", f"holds {len(params.logit_bias)} tokens, and min_tokens masks {masked} more; the engine's max_logit_bias is {cfg.max_logit_bias}")
+    if len(params.logit_bias) > cfg.max_logit_bias:  # min_tokens' bans on EOS and the stop ids are the token mask's, not these slots
+        raise FieldError("logit_bias", f"holds {len(params.logit_bias)} tokens; the engine's max_logit_bias is {cfg.max_logit_bias}")
 
 
 def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max_tokens: int) -> None:

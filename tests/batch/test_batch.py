@@ -296,6 +296,43 @@ def test_lines_are_prepared_lazily_at_most_max_inflight_ahead_of_the_records(llm
     assert max(job.ahead) <= 3 and job.runner.prepared == 40, job.ahead
 
 
+class RecordedBar:
+    """Stands in for tqdm: records each bar's total and count."""
+
+    bars: list = []
+
+    def __init__(self, *, total=None, disable=False, **_):
+        self.total, self.disable, self.n = total, disable, 0
+        RecordedBar.bars.append(self)
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        pass
+
+
+def test_the_progress_bar_total_is_the_lines_to_run_and_the_input_stays_lazy(llm, tmp_path, monkeypatch):
+    from jaxinfer import api
+
+    monkeypatch.setattr(api, "tqdm", RecordedBar)
+    monkeypatch.setattr(RecordedBar, "bars", [])
+    inflight, original = [], api.LLM._stream
+    monkeypatch.setattr(api.LLM, "_stream", lambda self, prompts, **kw: inflight.append(kw["max_inflight"]) or original(self, prompts, **kw))
+    lines = [good(i) for i in range(12)]
+    inp = write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    run_job(llm, inp, out, kill_after=5)
+    write(inp, lines + [{"id": "bad", "prompt": "x", "temperature": -1}])
+    job = BatchJob(inp, out, DEFAULTS, resume=True)
+    assert len(job.todo) == 8 and job.num_runnable == 7  # the bad line's error record needs no step
+    summary = job.run(llm, progress=True)
+    assert summary.num_ok == 7 and summary.num_errors == 1
+    (bar,) = RecordedBar.bars[-1:]
+    assert not bar.disable and bar.total == 7 and bar.n == 7
+    assert inflight[-1] == 4 * llm.engine_config.max_num_seqs  # the default for a lazy input, unchanged by the total
+
+
 def test_a_long_run_of_bad_lines_drains_in_bounded_batches_and_loses_none(llm, tmp_path, monkeypatch):
     monkeypatch.setattr(batch_module, "_MAX_PENDING_ERRORS", 3)  # error records held back before the stream drains
     lines = [good(0)] + [{"id": f"bad{i}", "prompt": "x", "top_p": 0} for i in range(11)] + [good(i) for i in range(1, 6)]

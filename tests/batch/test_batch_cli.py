@@ -121,6 +121,28 @@ def test_sigterm_stops_cleanly_like_sigint_and_resume_matches_full_run(full_run,
     assert interrupt_then_resume(full_run, tmp_path, compile_cache, signal.SIGTERM) == 130  # 130: the summary was printed
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("gap_s", [0.0, 0.02, 0.1, 0.4])
+def test_a_second_ctrl_c_during_the_clean_stop_exits_130_without_a_traceback(tmp_path, compile_cache, tiny_chat_model, gap_s):
+    input_path, output_path = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(input_path)
+    cmd = [
+        sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(tiny_chat_model), "--input", str(input_path), "--output", str(output_path),
+        "--compile-cache", compile_cache, *ENGINE_FLAGS,
+    ]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None and not (output_path.exists() and output_path.stat().st_size):
+        time.sleep(0.01)
+    assert process.poll() is None, "the job finished before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    time.sleep(gap_s)  # the second one lands in the clean stop, the summary, or the interpreter's exit
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    assert all(r["status"] in ("ok", "error") for r in records(output_path))  # every record written is whole
+
+
 def run_fast(*args) -> subprocess.CompletedProcess:
     """A CLI call that must fail before any model loads."""
     return subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", *map(str, args)], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,9 @@ naming it, raised before any work; every valid one runs to completion (never a h
 import math
 import signal
 from contextlib import contextmanager
+from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,6 +50,34 @@ def test_out_of_range_or_mistyped_token_ids_are_errors_naming_them(llm, bad):
 def test_the_largest_valid_token_id_runs(llm):
     (out,) = llm.generate([[5, 49151]], GREEDY)
     assert out.num_generated_tokens == 4
+
+
+def test_numpy_token_id_prompts_run_as_their_list_of_ints(llm):
+    (expected,) = llm.generate([[5, 6, 7]], GREEDY)
+    cases = [
+        np.array([5, 6, 7]),  # one 1-D array: one prompt
+        [np.array([5, 6, 7], dtype=np.int32)],  # a list of arrays
+        [np.int64(5), np.int64(6), np.int64(7)],  # numpy ints as one prompt's ids
+        [[np.int64(5), 6, np.uint16(7)]],
+        np.array([[5, 6, 7]]),  # a 2-D array: one prompt per row
+    ]
+    for prompts in cases:
+        (out,) = llm.generate(prompts, GREEDY)
+        assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == expected.token_ids, prompts
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ([np.array([5.0, 6.0])], r"prompt 0: prompt must be text or token ids .*float64"),
+        ([np.array([[5, 6]])], r"prompt 0: prompt must be text or token ids .*2-D"),
+        ([np.array([5, 49152])], r"prompt 0: prompt holds 49152 at index 1"),
+        (np.zeros((1, 2, 2), dtype=np.int64), r"prompts must be .*3-D"),
+    ],
+)
+def test_numpy_prompts_that_are_not_token_ids_are_errors_naming_the_prompt(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY)
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_errors(llm):
@@ -101,6 +131,36 @@ def test_truncate_never_cuts_a_prompt_that_fits_and_keeps_half_when_output_is_hu
     assert truncate_prompt(list(range(300)), 256, 50, "right") == list(range(206))  # room for 50 tokens
     with pytest.raises(FieldError, match="truncate must be one of"):
         truncate_prompt(ids, 10, 1, "middle")
+
+
+REAL_TEXT = "\n\n".join(path.read_text() for path in [Path(__file__).parents[2] / "README.md", *sorted((Path(__file__).parents[2] / "docs").glob("*.md"))])
+LONG_WORD = "".join(np.random.default_rng(0).choice(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"), 60_000))  # a base64 blob
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("shape", ["prose", "cut_in_a_long_word", "kept_in_a_long_word", "repeated_letter"])
+def test_truncate_tokenizes_only_what_it_keeps_and_keeps_the_same_tokens(llm, monkeypatch, side, shape):
+    limit = (llm.engine_config.max_context + 64) * llm.tokenizer.max_token_chars  # the part of the text tokenized
+    body = (REAL_TEXT * (1 + 3 * limit // len(REAL_TEXT)))[: 3 * limit]
+    if shape == "cut_in_a_long_word":  # the part's end falls inside the word, well past the tokens kept
+        word = LONG_WORD[:2000]
+        text = body[: limit - 1000] + word + body if side == "right" else body + word + body[: limit - 1000]
+    elif shape == "kept_in_a_long_word":  # the kept tokens and the cut are all inside one word
+        text = "Hello " + LONG_WORD + " " + body if side == "right" else body + " " + LONG_WORD + " the end."
+    elif shape == "repeated_letter":
+        text = "Hello " + "a" * (2 * limit) + " " + body if side == "right" else body + " " + "a" * (2 * limit)
+    else:
+        text = body
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = truncate_prompt(llm.encode(text), llm.engine_config.max_context, params.max_tokens, side)
+    seen, encode = [], type(llm.tokenizer).encode
+    monkeypatch.setattr(type(llm.tokenizer), "encode", lambda self, t, **kw: seen.append(len(t)) or encode(self, t, **kw))
+    prompt = llm.prepare(text, params, index=0, truncate=side)
+    assert prompt.token_ids == expected and len(expected) == llm.engine_config.max_context - 16
+    if shape in ("prose", "cut_in_a_long_word"):  # cut at a space in the part's far half: only that part is tokenized
+        assert len(seen) == 1 and limit / 2 <= seen[0] <= limit and limit < len(text) / 2, seen
+    else:  # no space where the part may be cut: the whole text, never a cut inside the word
+        assert seen == [len(text)]
 
 
 def test_truncated_prompt_runs(llm):

@@ -54,6 +54,16 @@ def test_the_default_for_a_lazy_input_is_a_few_times_max_num_seqs(llm):
     assert len(list(stream)) == 29
 
 
+def test_a_total_for_the_progress_bar_leaves_a_lazy_input_lazy(llm):
+    source = CountingSource(llm, 30)
+    stream = llm.stream(iter(source), progress=False, total=30)
+    next(stream)
+    assert source.pulled == 4 * llm.engine_config.max_num_seqs
+    assert len(list(stream)) == 29
+    with pytest.raises(ValueError, match="total must be"):
+        list(llm.stream(iter([]), progress=False, total=-1))
+
+
 def test_a_lazy_stream_gives_the_tokens_of_the_whole_list(llm):
     sampled = SamplingParams(temperature=1.0, top_k=20, max_tokens=6)  # unseeded: seeds derive from each index
     prompts = [llm.prepare(f"Line {i} says", sampled, index=i) for i in range(12)]

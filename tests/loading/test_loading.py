@@ -1,6 +1,7 @@
 """Loaders: GGUF written by gguf_convert from the tiny HF Llama (F32, Q8_0, F16), and clear errors on bad input."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -93,6 +94,27 @@ def test_hf_config_of_the_wrong_shape_is_a_load_error_naming_the_file(tmp_path, 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=f"config.json: .*{message}"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "vocab_size"])
+def test_hf_config_missing_a_key_is_a_load_error_naming_the_file_and_the_key(tmp_path, key):
+    folder = tmp_path / "model"
+    shutil.copytree(TINY_LLAMA, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"^{folder / 'config.json'}: config.json has no {key!r}, which a llama model needs$"):
+        load_model(folder)
+
+
+def test_hf_rope_parameters_missing_a_key_is_a_load_error_naming_it(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(TINY_LLAMA, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config.json: rope_parameters has no 'low_freq_factor', which rope_type 'llama3' needs"):
+        load_model(folder)
 
 
 def cli(*args):

@@ -5,6 +5,7 @@ logits, a greedy loop over the dense reference forward (conftest.padded_logits) 
 applied in numpy, and HF transformers' log-softmax on the same ids (tests/fixtures/smollm2_reference.npz).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -101,12 +102,13 @@ def test_engine_limits_are_errors_naming_the_field(tiny_llm):
     for params, name in [
         (SamplingParams(logprobs=6), "logprobs"), (SamplingParams(prompt_logprobs=6), "prompt_logprobs"),
         (SamplingParams(logit_bias={t: 1.0 for t in range(9)}), "logit_bias"),
-        (SamplingParams(logit_bias={t: 1.0 for t in range(7)}, min_tokens=1, stop_token_ids=(20, 21)), "logit_bias"),
         (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
     ]:
         with pytest.raises(FieldError) as e:
             tiny_llm.prepare("hello", params, index=0)
         assert e.value.field == name, str(e.value)
+    with pytest.raises(FieldError, match=r"logit_bias holds 9 tokens; the engine's max_logit_bias is 8"):
+        tiny_llm.prepare("hello", SamplingParams(logit_bias={t: 1.0 for t in range(9)}), index=0)
 
 
 def reference_greedy(llm, prompt_ids: list, params: SamplingParams) -> list:
@@ -144,6 +146,22 @@ def test_penalties_bias_and_min_tokens_match_the_reference_end_to_end(tiny_llm):
         for prompt, output, base in zip(prompts, outputs, plain):
             assert output.token_ids == reference_greedy(tiny_llm, tiny_llm.encode(prompt), params), params
             assert output.token_ids != base.token_ids, f"{params} changed nothing: the check could not fail"
+
+
+def test_min_tokens_masks_stop_ids_beyond_the_bias_budget_without_a_compile(tiny_llm):
+    """100 stop ids under min_tokens, with a full logit_bias (max_logit_bias is 8): the bans are a mask apart
+    from the bias slots, so it runs on the programs already compiled and none of them comes before min_tokens."""
+    prompts = ["The cat sat on the mat", "one two three four"]
+    lure = {100: 15.0, 200: 14.0} | {300 + i: 0.5 for i in range(6)}  # 8 entries; the lure makes 100 and 200 come first
+    stops = (100, 200, *range(1000, 1098))
+    params = SamplingParams(temperature=0, max_tokens=8, logit_bias=lure, min_tokens=3, stop_token_ids=stops)
+    unheld = tiny_llm.generate(prompts, dataclasses.replace(params, min_tokens=0))
+    assert all(len(o.token_ids) == 1 and o.token_ids[0] in stops for o in unheld)  # so the check can fail
+    compiled = tiny_llm.engine.num_compilations
+    for prompt, output in zip(prompts, tiny_llm.generate(prompts, params)):
+        assert len(output.token_ids) >= 3 and not set(output.token_ids[:3]) & set(stops), output.token_ids
+        assert output.token_ids == reference_greedy(tiny_llm, tiny_llm.encode(prompt), params)
+    assert tiny_llm.engine.num_compilations == compiled
 
 
 def test_min_tokens_holds_off_an_eos_biased_up(smollm2_llm):
