@@ -502,64 +502,15 @@ def _summary_table(summary, llm) -> str:
 
 
 def _run_info(args) -> int:
-    from jaxinfer.model import kv_pool
-    from jaxinfer.loading import loading
-    from jaxinfer.model import params as params_module
-    from jaxinfer.loading.tokenizer import describe_tokenizer
+    from jaxinfer import model_commands
 
-    path = loading.resolve_model_path(args.model)
-    cfg, params = loading.load_model(path, **_load_options(args).load_kwargs)
-    print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
-    print(f"{'family':<17} {cfg.architecture}")
-    for feature, value in cfg.features().items():
-        print(f"{feature:<17} {value}")
-    print(f"{'tokenizer':<17} {describe_tokenizer(path)}")
-    for field in dataclasses.fields(cfg):
-        print(f"{field.name:<17} {getattr(cfg, field.name)}")
-    print(f"{'parameters':<17} {cfg.num_params():,}")
-    print(_weight_table(params_module.weight_bytes(params), args.quantization, tied=cfg.tie_embeddings))
-    for kv_cache_dtype in (None, *KV_CACHE_DTYPES):
-        per_token = kv_pool.token_bytes(cfg, kv_cache_dtype)
-        kind = f"--kv-cache-dtype {kv_cache_dtype} (codes + f32 scales)" if kv_cache_dtype else f"{cfg.dtype} (default)"
-        print(f"{'KV per token':<17} {per_token:>6} bytes = {per_token * 2048 / 2**20:5.1f} MiB per 2048-token sequence, {kind}")
-    return 0
+    return model_commands.info(args.model, _load_options(args), quantization=args.quantization)
 
 
 def _run_tune(args) -> int:
-    """Measure the candidates now, print the tuner's table and write the cache."""
-    from jaxinfer.engine import tuning
-    from jaxinfer.loading.loading import load_for_engine
-    from jaxinfer.loading.tokenizer import load_tokenizer
+    from jaxinfer import model_commands
 
-    load_options, engine_config = _load_options(args), _engine_config(args)
-    cfg, params = load_for_engine(args.model, load_options, engine_config)
-    pins = tuning.Impls(load_options.dtype, engine_config.attention_impl, engine_config.matmul_impl)
-    if pins.all_pinned:
-        raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")
-    print(f"tuning on {tuning.machine_fingerprint().get('cpu') or tuning.machine_fingerprint().get('device')}...", file=sys.stderr)
-    progress = lambda m: print(f"  {m.candidate}: {m.status}", file=sys.stderr, flush=True)  # noqa: E731
-    result = tuning.choose_for_model(cfg, params, engine_config, pins, tokenizer=load_tokenizer(args.model), enabled=True,
-                                     quantization=load_options.quantization, on_mesh=load_options.on_mesh, progress=progress, refresh=True)
-    if not result.measurements:
-        raise ValueError(f"nothing to tune with {result.reason}: the fixed rule applies")
-    print(tuning.format_table(result))
-    print(f"tuned in {result.seconds:.1f} s; cached at {result.path}")
-    return 0
-
-
-def _weight_table(by_kind_and_format: dict[tuple[str, str], int], quantization: str | None, *, tied: bool) -> str:
-    """Resident weight bytes, one row per tensor kind, one column per storage format, with totals."""
-    from jaxinfer.model.params import KINDS as kinds
-    formats = sorted({fmt for _, fmt in by_kind_and_format})
-    cell = lambda n: f"{n / 2**20:.2f} MiB" if n else "-"  # noqa: E731
-    lines = [f"{'weights in memory':<17} quantization: {quantization or 'none (dense)'}", f"  {'kind':<11}" + "".join(f"{f:>13}" for f in formats) + f"{'total':>13}"]
-    for kind in kinds:
-        row = [by_kind_and_format.get((kind, f), 0) for f in formats]
-        note = "  (tied: the embedding; final norm only)" if kind == "head" and tied else ""
-        lines.append(f"  {kind:<11}" + "".join(f"{cell(n):>13}" for n in row) + f"{cell(sum(row)):>13}{note}")
-    totals = [sum(n for (_, f), n in by_kind_and_format.items() if f == fmt) for fmt in formats]
-    lines.append(f"  {'total':<11}" + "".join(f"{cell(n):>13}" for n in totals) + f"{cell(sum(totals)):>13}")
-    return "\n".join(lines)
+    return model_commands.tune(args.model, _load_options(args), _engine_config(args))
 
 
 def main(argv: list[str] | None = None) -> int:
