@@ -26,6 +26,7 @@ OnStep = Callable[[StepPlan, np.ndarray, float], None]  # (plan, tokens, seconds
 
 def run(
     scheduler: Scheduler, step: StepFn, processor: OutputProcessor, *, on_step: OnStep | None = None, admit: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Request]:
     """Run until the scheduler has no work; yield each request as soon as it has finished.
 
@@ -35,29 +36,34 @@ def run(
       processor: decides when a request is done.
       on_step: called with (plan, tokens, seconds) after every step (benchmarks time and count steps here).
       admit: called before every step, to add the requests that have arrived since (arrival-time replay).
+      clock: seconds now; times the steps, the requests' timings and the deadlines (the scheduler reads it
+        too). The simulator (simulator.py) passes a virtual clock that its fake step advances.
     """
+    scheduler.clock = clock
     while scheduler.has_work():
         if admit is not None:
             admit()
-        finished = scheduler.expire()
+        finished = scheduler.expire(clock())
         plans = scheduler.schedule()
         if not plans and not finished:
             finished = scheduler.abort_all("no step could be planned for this request (the pool or the limits are too small for it)")
         for plan in plans:
-            finished += run_plan(scheduler, step, processor, plan, on_step)
+            finished += run_plan(scheduler, step, processor, plan, on_step, clock)
         yield from finished
 
 
-def run_plan(scheduler: Scheduler, step: StepFn, processor: OutputProcessor, plan: StepPlan, on_step: OnStep | None = None) -> list[Request]:
+def run_plan(
+    scheduler: Scheduler, step: StepFn, processor: OutputProcessor, plan: StepPlan, on_step: OnStep | None = None, clock: Callable[[], float] = time.perf_counter,
+) -> list[Request]:
     """Run one plan and apply its tokens; returns the requests it finished."""
-    start = time.perf_counter()
+    start = clock()
     _count_step(scheduler, plan, start)
     try:
         result = StepResult.of(step(plan))
     except Exception as e:  # one bad step fails its own rows, not the job
         return scheduler.abort(plan.request_ids, f"the step failed: {type(e).__name__}: {e}")
     if on_step is not None:
-        on_step(plan, result.tokens, time.perf_counter() - start)
+        on_step(plan, result.tokens, clock() - start)
     finished = []
     for request in scheduler.update(plan, result):
         try:

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
+        self.clock: Callable[[], float] = time.perf_counter  # read by expire, update and finish (runloop.run sets it; the simulator's is virtual)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -98,7 +99,7 @@ class Scheduler:
 
     def expire(self, now: float | None = None) -> list[Request]:
         """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started."""
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         expired = self.waiting.expire(now)  # taken out of the queue, in its line order
         for request in expired:
             self.finish(request, "timeout")
@@ -291,7 +292,7 @@ class Scheduler:
         result = StepResult.of(result)
         by_id = {r.request_id: r for r in self.running}
         sampled = []
-        now = time.perf_counter()
+        now = self.clock()
         for row, (request_id, start) in enumerate(zip(plan.request_ids, plan.chunk_starts())):
             request = by_id.get(request_id)
             if request is None:  # preempted after planning: nothing to apply
@@ -316,7 +317,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
-        request.finish_time = time.perf_counter()
+        request.finish_time = self.clock()
 
     def abort(self, request_ids, error: str) -> list[Request]:
         """Finish these requests with reason 'error'; returns them."""
