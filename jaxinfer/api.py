@@ -375,6 +375,13 @@ class LLM:
         """
         return self._generate(_prompt_list(prompts), sampling_params, chat=False, progress=progress, on_step=on_step, arrival_times=arrival_times)
 
+    def score(self, context, continuations, *, on_step: runloop.OnStep | None = None, progress: bool | None = False) -> list:
+        """log P(continuation | context) per continuation (texts or token ids): scoring.ScoreResult each, with
+        `logprob` and `token_logprobs`; the context is prefilled once, shared through the prefix cache."""
+        from jaxinfer import scoring  # noqa: PLC0415  (scoring sits on LLM)
+
+        return scoring.score(self, context, continuations, on_step=on_step, progress=progress)
+
     def chat(
         self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, progress: bool | None = None,
         add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,

@@ -136,20 +136,31 @@ def _draw_step(adjusted: jax.Array, raw: jax.Array | None, arrays: sampling.Samp
     return sampling.draw(raw, adjusted, arrays, num_top=num_top, mode=mode)
 
 
+_LOGIT_BLOCK = 64  # tokens whose vocabulary projection runs (or is skipped) together in a step's prompt logprobs
+
+
 def _prompt_logprobs(params: Params, x, targets, cfg: ModelConfig, num_top: int) -> sampling.Logprobs:
-    """Raw log-probabilities of each token's target (the next prompt token) and the top ones, [R * T];
-    the vocabulary projection of every token runs only when some token has a target."""
-    flat_targets = jnp.maximum(targets, 0).reshape(-1)
+    """Raw log-probabilities of each token's target (the next prompt token) and the top ones, [R * T].
+    The tokens go in blocks of _LOGIT_BLOCK, and only a block holding a target runs the vocabulary
+    projection: a scoring request (logprob_start) or a padded bucket computes the logits it needs, not
+    the whole step's. Block shapes are fixed by the bucket, so nothing compiles per request."""
+    num_tokens = targets.size
+    block = np.gcd(num_tokens, _LOGIT_BLOCK)
+    blocks = (num_tokens // block, block)
+    hidden = x.reshape(*blocks, x.shape[-1])  # [N / b, b, D]
+    flat_targets = jnp.maximum(targets, 0).reshape(blocks)  # [N / b, b]
+    wanted = (targets >= 0).reshape(blocks).any(axis=1)  # [N / b]
 
-    def scored():
-        logits = model.logits_from_hidden(params, x, cfg)  # [R, T, V]
-        return sampling.top_logprobs(logits.reshape(-1, logits.shape[-1]), flat_targets, num_top)
+    def scored(h, t):
+        logits = model.logits_from_hidden(params, h[None], cfg)[0]  # [b, V]
+        return sampling.top_logprobs(logits, t, num_top)
 
-    def empty():
-        zeros = lambda dtype, *shape: jnp.zeros((flat_targets.shape[0], *shape), dtype)  # noqa: E731
+    def empty(h, t):
+        zeros = lambda dtype, *shape: jnp.zeros((block, *shape), dtype)  # noqa: E731
         return sampling.Logprobs(zeros(jnp.float32), zeros(jnp.int32, num_top), zeros(jnp.float32, num_top))
 
-    return jax.lax.cond(jnp.any(targets >= 0), scored, empty)
+    out = jax.lax.map(lambda args: jax.lax.cond(args[2], scored, empty, args[0], args[1]), (hidden, flat_targets, wanted))
+    return jax.tree.map(lambda a: a.reshape(num_tokens, *a.shape[2:]), out)  # [N], [N, K]
 
 
 def token_counts(history: jax.Array, inputs: StepInputs, vocab_size: int) -> sampling.TokenCounts:

@@ -65,11 +65,12 @@ class KVManager:
     def share_cached_prefix(self, request: Request, prefill_end: int) -> int:
         """Share the longest cached run of the request's full pages; returns the tokens it covers, which
         become its computed tokens. The last token a prefill covers (up to `prefill_end`) is always
-        computed, as it needs logits, so at most (prefill_end - 1) // page_size pages. A request that
-        scores its prompt (prompt_logprobs) reuses nothing: every prompt token's logits are computed."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        computed, as it needs logits, so at most (prefill_end - 1) // page_size pages; a request that
+        scores its prompt (prompt_logprobs) from token i computes from position i - 1 on
+        (Request.first_logits_position)."""
+        if not self.enable_prefix_caching:
             return 0
-        pages = self.block_pool.lookup(name_pages(request, (prefill_end - 1) // self.page_size, self.page_size))
+        pages = self.block_pool.lookup(name_pages(request, request.first_logits_position(prefill_end) // self.page_size, self.page_size))
         if pages:
             self.block_pool.share(request.request_id, pages)
             self._num_named[request.request_id] = len(pages)

@@ -201,10 +201,11 @@ def _place(arrays: dict[str, np.ndarray], chunk: RowChunk, at: _Cursor, index: i
     arrays["page_segments"][row, table] = slot
     arrays["logit_indices"][row, slot] = at.token + chunk.length - 1
     place_sampling(arrays, index, chunk.request)
-    if chunk.request.params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token
+    params = chunk.request.params
+    if params.prompt_logprobs is not None:  # each prompt token's successor, where it is a prompt token from logprob_start on
         prompt = chunk.request.prompt_ids
-        scored = positions[positions < len(prompt) - 1]
-        arrays["targets"][row, at.token : at.token + len(scored)] = np.asarray(prompt, np.int32)[scored + 1]
+        scored = (positions < len(prompt) - 1) & (positions + 1 >= params.logprob_start)
+        arrays["targets"][row, at.token + np.flatnonzero(scored)] = np.asarray(prompt, np.int32)[positions[scored] + 1]
 
 
 def sampling_padding(num_slots: int, bias_width: int) -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # 1 means no nucleus cut
     seed: int | None = None  # None: derived from the engine seed and the request's identity
-    max_tokens: int = 128  # generated tokens at most
+    max_tokens: int = 128  # generated tokens at most; 0 (with prompt_logprobs) scores the prompt and generates nothing
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept in the output)
     stop: tuple[str, ...] = ()  # finish when the text contains one of these (the text is cut before it)
     ignore_eos: bool = False  # keep going past the end-of-sequence token
@@ -44,6 +44,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit; a dict is accepted
     logprobs: int | None = None  # per generated token: its log-probability and the top `logprobs` (0: its own only)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (scoring)
+    # With prompt_logprobs: the first prompt token scored (0 and 1: every token after the first). Only the
+    # positions from logprob_start - 1 need logits, so the prefix cache may serve the tokens before them.
+    logprob_start: int = 0
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     n: int = 1  # samples of the prompt; they share its KV pages (computed once), sample i seeded from i
     # A grammar the output must follow (guided.py): {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": Lark/GBNF}
@@ -57,7 +60,7 @@ class SamplingParams:
             "top_k": check_int("top_k", self.top_k, low=0, high=MAX_TOP_K),
             "top_p": check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True),
             "seed": None if self.seed is None else check_int("seed", self.seed, low=0, high=MAX_SEED - 1),
-            "max_tokens": check_int("max_tokens", self.max_tokens, low=1),
+            "max_tokens": check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1),
             "stop_token_ids": check_stop_token_ids(self.stop_token_ids),
             "stop": check_stop_strings(self.stop),
             "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
@@ -69,6 +72,7 @@ class SamplingParams:
             "logit_bias": check_logit_bias(self.logit_bias),
             "logprobs": None if self.logprobs is None else check_int("logprobs", self.logprobs, low=0),
             "prompt_logprobs": None if self.prompt_logprobs is None else check_int("prompt_logprobs", self.prompt_logprobs, low=0),
+            "logprob_start": check_int("logprob_start", self.logprob_start, low=0),
             "include_stop_str_in_output": check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
             "structured_outputs": guided.check_spec(self.structured_outputs),
             "allowed_token_ids": None if self.allowed_token_ids is None else check_token_list("allowed_token_ids", self.allowed_token_ids, nonempty=True),
@@ -77,6 +81,8 @@ class SamplingParams:
         checked["n"] = check_int("n", self.n, low=1, high=MAX_N)
         if checked["n"] > 1 and checked["temperature"] == 0:
             raise FieldError("n", f"({checked['n']}) with greedy sampling (temperature 0) gives {checked['n']} identical outputs; set a temperature > 0")
+        if checked["logprob_start"] and checked["prompt_logprobs"] is None:
+            raise FieldError("logprob_start", f"({checked['logprob_start']}) applies to prompt_logprobs, which is not set")
         if checked["min_tokens"] > checked["max_tokens"]:
             raise FieldError("min_tokens", f"({checked['min_tokens']}) exceeds max_tokens ({checked['max_tokens']})")
         for name, value in checked.items():
@@ -183,6 +189,8 @@ class Prompt:
             object.__setattr__(self, "deadline_s", check_number("deadline_s", self.deadline_s, low=0.0, high=math.inf, low_open=True))
         if self.arrival_s is not None:
             object.__setattr__(self, "arrival_s", check_number("arrival_s", self.arrival_s, low=0.0, high=1e9))
+        if self.params.logprob_start > len(self.token_ids):
+            raise FieldError("logprob_start", f"({self.params.logprob_start}) is past the prompt's {len(self.token_ids)} tokens")
 
 
 def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str) -> list[int]:
@@ -250,6 +258,16 @@ class Request:
             return ()
         eos = () if self.eos_id is None or self.params.ignore_eos else (self.eos_id,)
         return tuple(dict.fromkeys((*self.params.stop_token_ids, *eos)))
+
+    def first_logits_position(self, prefill_end: int) -> int:
+        """The first position of a prefill up to `prefill_end` whose logits are needed: its last token's
+        (the draw), or with prompt_logprobs the token before the first one scored (logprob_start). The
+        prefix cache may serve only the full pages before it (kv_manager.share_cached_prefix), the one rule
+        by which a scoring request shares cached pages like any other."""
+        first = prefill_end - 1
+        if self.params.prompt_logprobs is not None:
+            first = min(first, max(self.params.logprob_start, 1) - 1)
+        return first
 
     @property
     def num_tokens(self) -> int:

@@ -301,7 +301,9 @@ class Scheduler:
                 _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
             request.num_computed_tokens += plan.num_new_tokens[row]
             self.kv.cache_computed_pages(request)
-            if plan.samples[row]:
+            if plan.samples[row] and request.params.max_tokens == 0:  # a scored prompt: done, nothing generated
+                sampled.append(request)
+            elif plan.samples[row]:
                 request.output_ids.append(int(result.tokens[row]))
                 if result.logprobs is not None and request.params.logprobs is not None:
                     request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
@@ -364,6 +366,8 @@ def _keep_prompt_logprobs(request: Request, plan: StepPlan, start: tuple[int, in
         position = first + offset
         if position + 1 >= len(request.prompt_ids):
             break
+        if position + 1 < request.params.logprob_start:  # before logprob_start: not scored, stays None
+            continue
         request.prompt_logprobs[position + 1] = logprobs.entry(row * num_tokens + token + offset, request.params.prompt_logprobs)
 
 

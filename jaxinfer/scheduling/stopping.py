@@ -100,7 +100,9 @@ class OutputProcessor:
 
     def check(self, request: Request) -> str | None:
         """After a new output token: the finish reason ('stop' | 'length' | 'error', with `request.error`
-        set), or None to go on."""
+        set), or None to go on. A prompt scored with max_tokens=0 ends with its prefill, as 'length'."""
+        if not request.output_ids:
+            return "length"
         if request.guide is not None and _guide_failed(request):
             return "error"
         reason = token_stop_reason(request.output_ids, request.params, self.eos_id)
