@@ -1,0 +1,250 @@
+"""The simulator: the real scheduler, bucket tables and policy on a virtual clock. Host only, no jax, no model.
+
+`simulate(engine_cfg, requests, costs)` submits each `SimRequest` (its prompt and output lengths, and when it
+arrives) to a real `Scheduler` and drives it with the one run loop, `runloop.run`, whose step is a fake that
+advances a virtual clock by the step-cost table's seconds for the plan (`StepCosts.step_seconds`: the host's
+time for its rows, then its program's time) and draws token 0. Every request generates exactly its output
+length (greedy, EOS ignored), as a finished job's records say it did, so the schedule (keys, padding,
+preemptions, page use) is the one a real run of those lengths makes; only the clock is modelled.
+
+Requests arrive at their `arrival_s` (trace replay, as LLM.generate(arrival_times=...)), or, without one, as
+a batch job pulls its lines: whenever fewer than `max_inflight` are in flight (LLM.stream's rule). Timings
+count from a request's arrival, as RequestOutput's do.
+
+Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
+(ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision.
+Each prompt is `[i, 0, 0, ...]`, so with prefix caching on its pages hash apart from every other's.
+"""
+
+import dataclasses
+import heapq
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.plan import BucketKey, RowChunk
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.step_costs import StepCosts
+from jaxinfer.scheduling.stopping import OutputProcessor
+
+_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines of a lazy input, per max_num_seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+    """One request to simulate: token counts, and when it arrives (seconds from the start; None: when a
+    batch job would pull it)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float | None = None
+    priority: int = 0
+    deadline_s: float | None = None  # seconds after its arrival by which it must start
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """What a simulated run measured, per request in submission order (seconds on the virtual clock)."""
+
+    wall_s: float  # from the first step's start to the last step's end
+    ttft_s: np.ndarray  # f64[N]; from arrival to first token (NaN: never got one)
+    tpot_s: np.ndarray  # f64[N]; decode seconds per token after the first
+    queue_s: np.ndarray  # f64[N]; from arrival to its first step
+    latency_s: np.ndarray  # f64[N]; from arrival to finish
+    finish_reasons: dict[str, int]
+    num_steps: int
+    steps_by_key: dict[BucketKey, int]
+    padding: float  # 1 - real tokens / token slots computed
+    num_preemptions: int
+    peak_kv_utilization: float
+    mean_kv_utilization: float
+    generated_tokens: int
+    seconds: float = 0.0  # real seconds the simulation took
+
+    def summary(self) -> dict:
+        """The headline figures as JSON-ready numbers."""
+        pct = lambda values, q: round(float(np.nanpercentile(values, q)), 6) if np.isfinite(values).any() else None  # noqa: E731
+        return {
+            "wall_s": round(self.wall_s, 6), "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
+            "tpot_p50_s": pct(self.tpot_s, 50), "queue_p50_s": pct(self.queue_s, 50), "padding": round(self.padding, 6),
+            "num_requests": int(self.ttft_s.size), "num_steps": self.num_steps, "num_preemptions": self.num_preemptions,
+            "peak_kv_utilization": round(self.peak_kv_utilization, 6), "mean_kv_utilization": round(self.mean_kv_utilization, 6),
+            "output_tokens_per_s": round(self.generated_tokens / self.wall_s, 3) if self.wall_s > 0 else None,
+            "finish_reasons": dict(self.finish_reasons),
+        }
+
+
+class VirtualClock:
+    """Seconds on the simulation's clock; only `advance` moves it."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class _SketchPlan:
+    """A plan without arrays: what the run loop and Scheduler.update read of a StepPlan."""
+
+    phase: str
+    bucket: BucketKey
+    request_ids: tuple[str, ...]
+    num_new_tokens: tuple[int, ...]
+    samples: tuple[bool, ...]
+
+    def chunk_starts(self) -> list[tuple[int, int]]:
+        return [(i, 0) for i in range(len(self.request_ids))]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.bucket.num_rows * self.bucket.num_tokens
+
+
+class _SketchScheduler(Scheduler):
+    """The real scheduler (every decision its own) whose plans are sketches (no arrays)."""
+
+    def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> _SketchPlan:
+        self.stats.num_steps += 1
+        lengths = tuple(c.length for c in chunks)
+        self.stats.real_tokens += sum(lengths)
+        self.stats.padded_tokens += shape.num_rows * shape.num_tokens
+        return _SketchPlan(phase, shape, tuple(c.request.request_id for c in chunks), lengths, tuple(c.sample for c in chunks))
+
+    def _reserve_decode_pages(self) -> list[Request]:
+        rows = super()._reserve_decode_pages()
+        self._pages = {r: len(self.kv.pages_of(r)) for r in rows}  # read by _decode_key for every split costed
+        return rows
+
+    def _decode_key(self, requests: list[Request]) -> BucketKey:
+        """The real key, with each row's page count looked up once per planning instead of per split costed."""
+        pages = getattr(self, "_pages", {})
+        if not all(r in pages for r in requests):
+            return super()._decode_key(requests)
+        return self.tables.decode_key(len(requests), max(map(pages.__getitem__, requests)))
+
+    def _record_utilization(self) -> None:
+        """The real statistic in O(running): the simulator's prompts never share a page (each starts with
+        its own token), so a page's tokens are its one owner's."""
+        used_pages, size = self.kv.num_used_pages, self.cfg.page_size
+        if used_pages:
+            filled = sum(min(r.num_tokens, len(self.kv.pages_of(r)) * size) for r in self.running)
+            utilization = filled / (used_pages * size)
+            self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
+            self.stats.kv_utilization_sum += utilization
+            self.stats.kv_utilization_steps += 1
+
+
+class _Run:
+    """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
+
+    def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int):
+        self.cfg, self.requests, self.costs, self.max_inflight = cfg, requests, costs, max_inflight
+        self.clock = VirtualClock()
+        self.scheduler = _SketchScheduler(cfg, num_pages)
+        self.timed = sorted((r.arrival_s, i) for i, r in enumerate(requests) if r.arrival_s is not None)
+        self.timed.reverse()  # popped from the end, earliest first
+        self.pulled = [i for i, r in enumerate(requests) if r.arrival_s is None]
+        self.pulled.reverse()
+        self.inflight = 0
+        self.done: list[Request | None] = [None] * len(requests)
+        self.steps_by_key: dict[BucketKey, int] = {}
+        self.first_step: float | None = None
+        self.last_step = 0.0
+
+    def submit(self, index: int, now: float) -> None:
+        spec = self.requests[index]
+        params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        deadline = None if spec.deadline_s is None else now + spec.deadline_s
+        prompt = [index] + [0] * (spec.prompt_tokens - 1)
+        try:
+            self.scheduler.add(Request(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now))
+        except ValueError as e:
+            raise ValueError(f"request {index} cannot run under these settings: {e}") from None
+        self.inflight += 1
+
+    def admit(self) -> None:
+        """Requests whose arrival time has come, and pulled ones up to max_inflight (between steps)."""
+        now = self.clock.now
+        while self.timed and self.timed[-1][0] <= now:
+            self.submit(self.timed.pop()[1], now)
+        while self.pulled and self.inflight < self.max_inflight:
+            self.submit(self.pulled.pop(), now)
+
+    def step(self, plan: _SketchPlan) -> np.ndarray:
+        start = self.clock.now
+        self.first_step = start if self.first_step is None else self.first_step
+        self.clock.advance(self.costs.step_seconds(plan.bucket, len(plan.request_ids)))
+        self.last_step = self.clock.now
+        self.steps_by_key[plan.bucket] = self.steps_by_key.get(plan.bucket, 0) + 1
+        return np.zeros(len(plan.request_ids), np.int32)
+
+    def run(self) -> None:
+        processor = OutputProcessor(None, None, self.cfg.max_context)
+        while True:
+            self.admit()
+            if not self.scheduler.has_work():
+                if not self.timed:
+                    return
+                self.clock.now = max(self.clock.now, self.timed[-1][0])  # idle until the next arrival
+                continue
+            for request in runloop.run(self.scheduler, self.step, processor, admit=self.admit, clock=self.clock):
+                self.done[request.arrival_index] = request
+                self.inflight -= 1
+
+
+def simulate(
+    engine_cfg: EngineConfig, requests: Iterable[SimRequest], costs: StepCosts, *, num_pages: int | None = None, max_inflight: int | None = None,
+) -> SimResult:
+    """Run `requests` through the real scheduler on a virtual clock priced by `costs`.
+
+    Args:
+      engine_cfg: the engine's settings (limits, bucket tables, policy) to simulate.
+      requests: what to run, in submission order.
+      costs: seconds per program key and host seconds per step.
+      num_pages: the KV pool's pages (None: engine_cfg.num_pages, or enough for max_num_seqs full contexts).
+      max_inflight: requests without an arrival time in flight at most (None: 4 x max_num_seqs, LLM.stream's
+        default for a batch job).
+    """
+    started = time.perf_counter()
+    requests = list(requests)
+    for i, r in enumerate(requests):
+        if r.prompt_tokens < 1 or r.output_tokens < 0 or (r.arrival_s is not None and not r.arrival_s >= 0):
+            raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 0 and arrival_s >= 0 or None, got {r}")
+    pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs)
+    run.run()
+    return _result(run, time.perf_counter() - started)
+
+
+def _result(run: _Run, seconds: float) -> SimResult:
+    ttft, tpot, queue, latency, reasons, generated = [], [], [], [], {}, 0
+    for request in run.done:
+        finish = request.finish_time
+        first = request.first_token_time
+        ttft.append(first - request.arrival_time if first is not None else np.nan)
+        tokens = len(request.output_ids)
+        tpot.append((finish - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0)
+        queue.append((request.first_scheduled_time or finish) - request.arrival_time)
+        latency.append(finish - request.arrival_time)
+        reasons[request.finish_reason] = reasons.get(request.finish_reason, 0) + 1
+        generated += tokens
+    stats = run.scheduler.stats
+    return SimResult(
+        wall_s=run.last_step - (run.first_step or 0.0), ttft_s=np.array(ttft), tpot_s=np.array(tpot), queue_s=np.array(queue), latency_s=np.array(latency),
+        finish_reasons=reasons, num_steps=stats.num_steps, steps_by_key=run.steps_by_key, padding=stats.padding_waste,
+        num_preemptions=stats.num_preemptions, peak_kv_utilization=stats.peak_kv_utilization, mean_kv_utilization=stats.mean_kv_utilization,
+        generated_tokens=generated, seconds=seconds,
+    )

@@ -1,0 +1,193 @@
+"""The step-cost model: seconds per compiled program, and the host's seconds per step. Host only, no jax.
+
+jaxinfer runs a finite set of compiled programs, one per bucket key, so the device cost of a step is close
+to a lookup: `StepCosts` keeps, per `BucketKey`, the most recent measured seconds of that program (a few
+timed runs at warm-up, `Engine.time_programs`, then every step a job runs, `Engine.step`) and answers with
+their median. A key never measured is estimated from the measured keys of its phase, by a least-squares
+line in the key's work (`work`: token slots computed plus page slots read). The host's time per step
+(planning, sampling masks, detokenizing, writing records: the gap between one step's end and the next one's
+start) is a line in the step's rows, fitted through the median gap at each row count (`HostModel`), so a
+stray long gap (an idle wait, a fsync) moves it little.
+
+The table is plain data: `to_json` / `from_json` (tuning_cache.py persists it per machine and model,
+batch/step_log.py writes it beside a job's output, the simulator reads it).
+"""
+
+import dataclasses
+import math
+import statistics
+
+from jaxinfer.scheduling.plan import BucketKey
+
+FORMAT = "jaxinfer-step-costs/1"
+KEEP = 32  # most recent observations kept per program (and per host row count); the median is over these
+DEFAULT_STEP_S = 0.01  # seconds of a step when nothing at all was measured
+MAX_HOST_GAP_S = 1.0  # host gaps longer than this are waits (an arrival, a new batch), not host work
+
+
+@dataclasses.dataclass
+class Observations:
+    """The count of observations and the most recent KEEP of them (seconds)."""
+
+    count: int = 0
+    recent: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.recent.append(float(seconds))
+        if len(self.recent) > KEEP:
+            del self.recent[0]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.recent)
+
+
+def work(key: BucketKey) -> int:
+    """What a program computes, in slots: rows x (tokens + pages read), the estimate's one variable."""
+    return key.num_rows * (key.num_tokens + key.num_pages)
+
+
+def _line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the weighted least-squares line through (x, y, weight) points; flat when the
+    points have one x. Never negative at x = 0 or in slope (a cost does not fall as work grows)."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread) if spread > 0 else 0.0
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+class HostModel:
+    """Host seconds per step as a line in the step's rows, through the median gap at each row count."""
+
+    def __init__(self):
+        self.by_rows: dict[int, Observations] = {}
+        self._fit: tuple[float, float] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        if not 0.0 <= seconds <= MAX_HOST_GAP_S:
+            return
+        self.by_rows.setdefault(int(rows), Observations()).add(seconds)
+        self._fit = None
+
+    @property
+    def line(self) -> tuple[float, float]:
+        """(seconds at 0 rows, seconds per row); (0, 0) with no observation."""
+        if self._fit is None:
+            points = [(rows, obs.median, len(obs.recent)) for rows, obs in self.by_rows.items()]
+            self._fit = _line(points) if points else (0.0, 0.0)
+        return self._fit
+
+    def seconds(self, rows: int) -> float:
+        intercept, slope = self.line
+        return intercept + slope * rows
+
+
+class StepCosts:
+    """Measured seconds per program key (median of the recent ones), an estimate for a key never
+    measured, and the host's seconds per step (HostModel)."""
+
+    def __init__(self):
+        self.programs: dict[BucketKey, Observations] = {}
+        self.host = HostModel()
+        self._estimates: dict[str, tuple[float, float] | None] = {}
+        self._cache: dict[BucketKey, float] = {}
+
+    def observe(self, key: BucketKey, seconds: float) -> None:
+        """One run of the program `key` took `seconds` (device time as the step loop sees it)."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"step seconds must be finite and >= 0, got {seconds!r}")
+        self.programs.setdefault(BucketKey(*key), Observations()).add(seconds)
+        self._estimates.clear()
+        self._cache.clear()
+
+    def observe_host(self, rows: int, seconds: float) -> None:
+        self.host.add(rows, seconds)
+
+    def measured(self, key: BucketKey) -> bool:
+        return BucketKey(*key) in self.programs
+
+    def device_seconds(self, key: BucketKey) -> float:
+        """The median of the key's recent runs, else the estimate from its phase's measured keys."""
+        cached = self._cache.get(key)
+        if cached is None:
+            observed = self.programs.get(key)
+            cached = self._cache[key] = observed.median if observed is not None else self.estimate(key)
+        return cached
+
+    def host_seconds(self, rows: int) -> float:
+        return self.host.seconds(rows)
+
+    def step_seconds(self, key: BucketKey, rows: int) -> float:
+        """Host and device seconds of a step of `rows` real sequences on program `key`."""
+        return self.host_seconds(rows) + self.device_seconds(key)
+
+    def estimate(self, key: BucketKey) -> float:
+        """A key never measured: the line (seconds against `work`) through its phase's measured keys,
+        else through every measured key, else DEFAULT_STEP_S."""
+        fit = self._phase_line(key.phase) or self._phase_line(None)
+        if fit is None:
+            return DEFAULT_STEP_S
+        return fit[0] + fit[1] * work(key)
+
+    def _phase_line(self, phase: str | None) -> tuple[float, float] | None:
+        name = phase or "*"
+        if name not in self._estimates:
+            points = [(work(k), obs.median, 1.0) for k, obs in self.programs.items() if phase is None or k.phase == phase]
+            self._estimates[name] = _line(points) if points else None
+        return self._estimates[name]
+
+    def merge(self, other: "StepCosts") -> None:
+        """Add `other`'s observations (its recent ones) to this table."""
+        for key, obs in other.programs.items():
+            for seconds in obs.recent:
+                self.observe(key, seconds)
+        for rows, obs in other.host.by_rows.items():
+            for seconds in obs.recent:
+                self.host.add(rows, seconds)
+
+    def table(self) -> list[tuple[BucketKey, int, float]]:
+        """(key, runs observed, median seconds) per measured program, in key order."""
+        return [(key, obs.count, obs.median) for key, obs in sorted(self.programs.items())]
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "programs": [{"key": list(key), "count": obs.count, "recent": [round(s, 7) for s in obs.recent]} for key, obs in sorted(self.programs.items())],
+            "host": [{"rows": rows, "count": obs.count, "recent": [round(s, 7) for s in obs.recent]} for rows, obs in sorted(self.host.by_rows.items())],
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "StepCosts":
+        """The table `to_json` wrote; ValueError naming what is wrong with any other document."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"not a step-cost table (expected format {FORMAT!r})")
+        costs = cls()
+        for i, entry in enumerate(doc.get("programs", [])):
+            key = _key_of(entry.get("key"), f"programs[{i}].key")
+            costs.programs[key] = _observations(entry, f"programs[{i}]")
+        for i, entry in enumerate(doc.get("host", [])):
+            rows = entry.get("rows")
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+                raise ValueError(f"host[{i}].rows must be an int >= 0, got {rows!r}")
+            costs.host.by_rows[rows] = _observations(entry, f"host[{i}]")
+        return costs
+
+
+def _key_of(value, where: str) -> BucketKey:
+    ok = isinstance(value, list) and len(value) == 4 and value[0] in ("prefill", "decode")
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value[1:]):
+        raise ValueError(f"{where} must be [phase, rows, tokens, pages], got {value!r}")
+    return BucketKey(*value)
+
+
+def _observations(entry: dict, where: str) -> Observations:
+    recent, count = entry.get("recent"), entry.get("count")
+    if not isinstance(recent, list) or not recent or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0 for s in recent):
+        raise ValueError(f"{where}.recent must be a non-empty list of seconds >= 0, got {recent!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < len(recent):
+        raise ValueError(f"{where}.count must be an int >= len(recent), got {count!r}")
+    return Observations(count, [float(s) for s in recent[-KEEP:]])
+
