@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, MATMUL_IMPLS
+from jaxinfer.config import ATTENTION_IMPLS, KV_CACHE_DTYPES, MATMUL_IMPLS, POLICIES
 from jaxinfer.batch.input import DEFAULT_MAX_LINE_BYTES
 from jaxinfer.batch.openai import INPUT_FORMATS
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, DTYPE_CHOICES, INT4_GROUP_SIZES, QUANTIZATIONS, LoadOptions
@@ -127,6 +127,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-cache", default=_engine_default("compilation_cache_dir"), metavar="DIR", help="persistent XLA cache directory, '' disables (default: %(default)s)")
     group.add_argument("--deterministic", action="store_true", help="bitwise-reproducible logits whatever else is in the batch (fixed program shapes; slower)")
     group.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt instead of sharing the KV pages of equal prefixes")
+    group.add_argument(
+        "--policy", default=_engine_default("policy"), choices=POLICIES,
+        help="scheduling policy (docs/scheduling.md): fcfs (priority, deadline, arrival), shortest-prompt, edf (early timeouts "
+        "for deadlines that cannot be met), prefix (shared prefixes together), adaptive (budgets steered to a step-latency target) (default: %(default)s)",
+    )
     group.add_argument(
         "--tensor-parallel", type=int, default=_LOAD_DEFAULTS.tensor_parallel, metavar="N",
         help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
@@ -272,7 +277,7 @@ def _engine_config(args):
         return EngineConfig(
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, matmul_impl=args.matmul, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
-            enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic,
+            enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic, policy=args.policy,
         )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None

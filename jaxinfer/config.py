@@ -35,6 +35,9 @@ DEFAULT_INT4_GROUP_SIZE = 32  # SmolLM2's widths (576, 1536) allow 32 or 64, not
 TABLE_FIELDS = ("prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets")
 # Pages per attention block in deterministic mode (attention.PAGES_PER_BLOCK): its page widths are multiples.
 DETERMINISTIC_PAGES_PER_BLOCK = 8
+# EngineConfig.policy: the scheduling policies by name (scheduling/policies.py registers one class per name;
+# a test checks that the two agree). "fcfs" is the scheduler's own order.
+POLICIES = ("fcfs", "shortest-prompt", "edf", "prefix", "adaptive")
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type / GGUF general.architecture families
@@ -291,6 +294,11 @@ class EngineConfig:
     # The grammar's masks (structured output) are filled on the host while the device runs the step's forward
     # program, and read by its draw program; False fills them before the forward (the same programs and outputs).
     overlap_masks: bool = True
+    # Scheduling policy (scheduling/policies.py), one of POLICIES: admission order, preemption victim, prefill
+    # budget and decode width. "fcfs": priority, then deadline, then arrival; the others never change a token
+    # in deterministic mode, only which step computes it.
+    policy: str = "fcfs"
+    latency_target_s: float = 0.25  # seconds: the p99 step latency the "adaptive" policy steers toward
 
     def __post_init__(self):
         self._check_limits()
@@ -318,6 +326,9 @@ class EngineConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("overlap_masks", self.overlap_masks)
         check_bool("deterministic", self.deterministic)
+        if self.policy not in POLICIES:
+            raise FieldError("policy", f"must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        check_number("latency_target_s", self.latency_target_s, low=0.0, high=math.inf, low_open=True)
         check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
         check_int("max_logprobs", self.max_logprobs, low=0)
         check_int("max_logit_bias", self.max_logit_bias, low=1)

@@ -77,6 +77,11 @@ class KVManager:
         request.num_computed_tokens = len(pages) * self.page_size
         return request.num_computed_tokens
 
+    def num_cached_pages(self, names: list[bytes]) -> int:
+        """How many of these page names, from the first, the prefix cache holds now (read only: nothing is
+        shared or evicted); a scheduling policy's look at the cache (policies.PrefixAware)."""
+        return len(self.block_pool.lookup(names))
+
     def cache_computed_pages(self, request: Request) -> None:
         """Name the request's pages that are now full of computed KV, so later requests can share them."""
         if not self.enable_prefix_caching:

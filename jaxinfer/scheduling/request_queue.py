@@ -1,23 +1,24 @@
 """The scheduler's waiting queue: admission order in O(log n), deadline expiry in O(expired). Host only:
 imports the stdlib and jaxinfer.scheduling.request, never jax or numpy.
 
-Admission order is `admission_key(request)` = (priority, deadline or +inf, arrival index), then the
-place the request holds in the queue's line. The line is what a list with `append` at the back and
+Admission order is the queue's key, by default `admission_key(request)` = (priority, deadline or +inf,
+arrival index) (a scheduling policy may give another: policies.py), then the place the request holds in
+the queue's line. The line is what a list with `append` at the back and
 `insert(0, ...)` at the front would hold: requests re-queued at the front (preempted ones) come first,
 the most recently re-queued first, then the others in the order they were added. Each push gets a
 sequence number that encodes that place (-1, -2, ... at the front; 0, 1, ... at the back), so the
-line order is the sequence order and the heap key (priority, deadline, arrival, sequence) is unique.
+line order is the sequence order and the heap key (key, sequence) is unique.
 
 Two heaps with lazy deletion: `_order` (the admission key) and `_deadlines` (deadline, sequence). A
 removed request leaves stale entries, told apart by their sequence number (`_seq_of` maps each queued
 request to its live one) and dropped when they reach a top, or all at once when they are more than
-half a heap (amortized O(1) per removal). Invariant: a request's priority, deadline and arrival index
-do not change while it is queued.
+half a heap (amortized O(1) per removal). Invariant: a request's key (its priority, deadline and arrival
+index by default) does not change while it is queued.
 """
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from jaxinfer.scheduling.request import Request
 
@@ -34,9 +35,10 @@ class RequestQueue:
     """Waiting requests, popped in admission order. Reads like the list it replaces: `len`, `bool`,
     `in`, iteration (in line order, O(n)), `append`, `remove`; plus `appendleft`, `first`, `expire`."""
 
-    def __init__(self):
+    def __init__(self, key: Callable[[Request], tuple] = admission_key):
+        self._key = key  # admission order, lower first; a key need not have a fixed length (its own tuple)
         self._seq_of: dict[Request, int] = {}  # queued request -> its live sequence number
-        self._order: list[tuple] = []  # heap of (*admission_key, seq, request)
+        self._order: list[tuple] = []  # heap of (key, seq, request)
         self._deadlines: list[tuple] = []  # heap of (deadline, seq, request), requests with a deadline
         self._num_front = 0  # pushes to the front so far
         self._num_back = 0  # pushes to the back so far
@@ -71,7 +73,7 @@ class RequestQueue:
         if request in self._seq_of:
             raise ValueError(f"request {request.request_id!r} is already queued")
         self._seq_of[request] = seq
-        heapq.heappush(self._order, (*admission_key(request), seq, request))
+        heapq.heappush(self._order, (self._key(request), seq, request))
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request))
 
@@ -128,6 +130,10 @@ class RequestQueue:
                 yield entry[-1]
 
     # ------------------------------------------------------------ deadlines
+
+    def has_deadlines(self) -> bool:
+        """Whether a queued request may have a deadline (stale entries count until they reach the top). O(1)."""
+        return bool(self._deadlines)
 
     def expire(self, now: float) -> list[Request]:
         """Take out and return, in line order, the requests whose deadline is before `now` and that have

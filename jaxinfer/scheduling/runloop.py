@@ -62,6 +62,7 @@ def run_plan(
         result = StepResult.of(step(plan))
     except Exception as e:  # one bad step fails its own rows, not the job
         return scheduler.abort(plan.request_ids, f"the step failed: {type(e).__name__}: {e}")
+    scheduler.observe(plan, clock() - start)  # the policy learns from step times (policies.py)
     if on_step is not None:
         on_step(plan, result.tokens, clock() - start)
     finished = []

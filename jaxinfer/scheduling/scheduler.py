@@ -16,6 +16,10 @@ Each call to `schedule()` returns the plans of one engine iteration:
 requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
 Pages go through the KV manager (kv_manager.py: allocate-or-None, prefix cache, release), never the block
 pool directly. Plans are shaped by `BucketTables.from_config(cfg)`, so the engine only sees known shapes.
+
+The decisions above that are policy (admission order, early timeouts, the preemption victim, the prefill
+budget and the decode width) are the scheduling policy's (policies.py, `EngineConfig.policy`); the
+default, "fcfs", is the behaviour described here. The run loop reports each step to `observe`.
 """
 
 import dataclasses
@@ -30,6 +34,7 @@ from jaxinfer.scheduling.block_pool import BlockPool
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.kv_manager import KVManager
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, RowChunk, StepPlan, StepResult
+from jaxinfer.scheduling.policies import SchedulingPolicy, make_policy
 from jaxinfer.scheduling.request import Request, RequestStatus, SamplingParams
 from jaxinfer.validation import FieldError
 from jaxinfer.scheduling.request_queue import RequestQueue
@@ -61,16 +66,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, num_pages: int, *, block_pool: BlockPool | None = None):
+    def __init__(self, cfg: EngineConfig, num_pages: int, *, block_pool: BlockPool | None = None, policy: SchedulingPolicy | None = None):
         """`block_pool` may be shared by successive schedulers over the same KV pool, so that cached
-        prefixes outlive one batch; it must have no owners left when handed over."""
+        prefixes outlive one batch; it must have no owners left when handed over. `policy`: a policy object
+        (None: `make_policy(cfg.policy, cfg)`); a policy holds state, so one serves one scheduler."""
         self.cfg = cfg
         self.tables = BucketTables.from_config(cfg)
         block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
         if block_pool.num_pages != num_pages or block_pool.num_used:
             raise ValueError("a shared block pool must match the KV pool and hold no pages")
         self.kv = KVManager(block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic)
-        self.waiting = RequestQueue()  # in admission order; reads like a list (len, in, iteration)
+        self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
+        self.waiting = RequestQueue(self.policy.queue_key)  # in admission order; reads like a list (len, in, iteration)
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
@@ -98,19 +105,25 @@ class Scheduler:
     # ------------------------------------------------------------ planning
 
     def expire(self, now: float | None = None) -> list[Request]:
-        """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started."""
+        """Finish, with reason 'timeout', waiting requests whose deadline has passed before they started,
+        and those the policy sheds (their deadline can no longer be met)."""
         now = self.clock() if now is None else now
         expired = self.waiting.expire(now)  # taken out of the queue, in its line order
+        expired += self.policy.shed(self, now)
         for request in expired:
             self.finish(request, "timeout")
         return expired
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A step of this scheduler's plans ran in `seconds` (the run loop calls this after each step)."""
+        self.policy.observe(plan, seconds)
 
     def schedule(self) -> list[StepPlan]:
         """The plans of one iteration; never empty while requests are running (see _plan_step)."""
         plans = self._plan_step()
         while not plans and self.running:
-            # Partial prefills can hold every page while none can grow: free the latest admitted one.
-            self._preempt(self.running[-1])
+            # Partial prefills can hold every page while none can grow: free the policy's victim.
+            self._preempt(self.policy.victim(self.running))
             plans = self._plan_step()
         return plans
 
@@ -145,7 +158,7 @@ class Scheduler:
                 continue
             needed = request.num_computed_tokens + 1
             while self.kv.num_new_pages(request, needed) and self.kv.try_allocate(request, needed) is None:
-                victim = self.running[-1]
+                victim = self.policy.victim(self.running)
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -165,7 +178,8 @@ class Scheduler:
         """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
         packed row also under its largest chunk bucket and its widest table (pages summed over its sequences)."""
         tables = self.tables
-        budget = min(self.cfg.max_prefill_tokens, tables.max_chunk) if tables.packed else self.cfg.max_prefill_tokens
+        budget = self.policy.prefill_budget()
+        budget = min(budget, tables.max_chunk) if tables.packed else budget
         pages_left = tables.max_pages if tables.packed else None
         rows: list[tuple[Request, int]] = []
         partial = [r for r in self.running if not self._in_decode(r)]
@@ -200,9 +214,9 @@ class Scheduler:
         return first.status == RequestStatus.RUNNING and first.num_computed_tokens >= len(first.prompt_ids) - 1
 
     def _waiting_in_order(self) -> Iterator[Request]:
-        """The waiting requests that may be admitted now, lazily in admission order (request_queue.py):
-        at most one per free sequence slot, and nothing is read from the queue when there is none."""
-        return self.waiting.first(self.cfg.max_num_seqs - len(self.running))
+        """The waiting requests that may be admitted now, lazily in the policy's admission order
+        (request_queue.py): at most one per free sequence slot under the policy's decode width."""
+        return self.policy.admission_order(self, self.policy.decode_width() - len(self.running))
 
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""

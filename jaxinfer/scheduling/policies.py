@@ -1,0 +1,267 @@
+"""Scheduling policies: the decisions the scheduler leaves open, behind one small protocol. Host only, no jax.
+
+The scheduler (scheduler.py) owns the mechanism: the waiting queue, chunked prefill under a token budget,
+pages and preemption by recompute. A `SchedulingPolicy` decides
+
+- admission order: the waiting queue's sort key (`queue_key`, fixed while a request is queued), and which
+  of the queued requests are offered this step (`admission_order`, lazily, at most one per free slot);
+- early timeouts (`shed`): waiting requests to finish as 'timeout' now, before their deadline passes;
+- the preemption victim (`victim`);
+- the prefill token budget (`prefill_budget`, the chunk size) and the decode width (`decode_width`, the
+  running sequences at most), each at most the configured limit: the bucket tables are fixed at start-up,
+  so a policy changes budgets and never a program shape;
+- what it learns from each step (`observe(plan, seconds)`, which the run loop calls after every step).
+
+The base class is first-come-first-served, the scheduler's own behaviour: (priority, deadline, arrival)
+order, most recently admitted preempted first, the configured limits. Policies are chosen by name
+(`EngineConfig.policy`, `make_policy`), so the same policy runs in a real job, a replay and a simulation
+(a simulator passes its own clock to `shed` through `Scheduler.expire(now)` and its modelled step times to
+`observe`). No policy changes a token in deterministic mode, only which step computes it.
+"""
+
+import collections
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.kv_manager import KVManager, name_pages
+from jaxinfer.scheduling.plan import StepPlan
+from jaxinfer.scheduling.request import Request
+from jaxinfer.scheduling.request_queue import RequestQueue, admission_key
+from jaxinfer.validation import FieldError, check_int, check_number
+
+
+class SchedulerView(Protocol):
+    """What a policy reads of the scheduler (read only)."""
+
+    cfg: EngineConfig
+    running: list[Request]  # in admission order
+    waiting: RequestQueue
+    kv: KVManager
+
+
+class SchedulingPolicy:
+    """The protocol, with first-come-first-served as every decision's default."""
+
+    name = "fcfs"
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+
+    def queue_key(self, request: Request) -> tuple:
+        """The waiting queue's sort key, lower first; it must not change while the request is queued."""
+        return admission_key(request)
+
+    def admission_order(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
+        """Lazily, the queued requests to offer for admission this step, at most `free_slots` of them; the
+        scheduler admits them in this order and stops at the first that does not fit."""
+        return view.waiting.first(free_slots)
+
+    def shed(self, view: SchedulerView, now: float) -> list[Request]:
+        """Queued requests to finish as 'timeout' now (beyond those whose deadline has passed)."""
+        return []
+
+    def victim(self, running: list[Request]) -> Request:
+        """The running request to preempt when pages run out: the most recently admitted."""
+        return running[-1]
+
+    def prefill_budget(self) -> int:
+        """Prefill tokens one step may compute (summed over its chunks)."""
+        return self.cfg.max_prefill_tokens
+
+    def decode_width(self) -> int:
+        """Running sequences at most: no admission while this many run."""
+        return self.cfg.max_num_seqs
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """One step ran: its plan and how long it took (wall clock, or a simulator's model)."""
+
+
+class ShortestPromptFirst(SchedulingPolicy):
+    """Within a priority, the shortest prompt first (then arrival): short requests stop queueing behind long prefills."""
+
+    name = "shortest-prompt"
+
+    def queue_key(self, request: Request) -> tuple:
+        return (request.priority, len(request.prompt_ids), request.arrival_index)
+
+
+class StepWindow:
+    """The last `size` steps: phase, prefill tokens computed, real sequences, seconds."""
+
+    def __init__(self, size: int):
+        self.steps: collections.deque[tuple[str, int, int, float]] = collections.deque(maxlen=check_int("window", size, low=1))
+
+    def add(self, plan: StepPlan, seconds: float) -> None:
+        tokens = sum(plan.num_new_tokens) if plan.phase == "prefill" else 0
+        self.steps.append((plan.phase, tokens, len(plan.request_ids), float(seconds)))
+
+    def prefill_tokens_per_second(self) -> float | None:
+        """Prefill tokens over the window's wall time, decode steps included (they share the device); None
+        before a prefill step has been seen."""
+        tokens, seconds = sum(s[1] for s in self.steps), sum(s[3] for s in self.steps)
+        return tokens / seconds if tokens and seconds > 0 else None
+
+
+class EarliestDeadlineFirst(SchedulingPolicy):
+    """Earliest deadline first within a priority, with SLO admission: a queued request whose deadline (the
+    time by which it must start) can no longer be met is finished as 'timeout' at once, so the prefill
+    time it would take goes to the requests that can still meet theirs.
+
+    A request's start is estimated as now + (prefill tokens ahead of it: running prompts' remaining tokens,
+    then the prompts before it in admission order that are kept) / prefill throughput. The throughput is
+    `tokens_per_second` when given, else measured over the last `window` steps (`observe`); before any
+    prefill has been measured nothing is shed. Cached prefixes are not subtracted, and waits for a free
+    sequence slot are not added.
+    """
+
+    name = "edf"
+
+    def __init__(self, cfg: EngineConfig, *, tokens_per_second: float | None = None, window: int = 32):
+        super().__init__(cfg)
+        if tokens_per_second is not None:
+            tokens_per_second = check_number("tokens_per_second", tokens_per_second, low=0.0, high=math.inf, low_open=True)
+        self.tokens_per_second = tokens_per_second
+        self.window = StepWindow(window)
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        self.window.add(plan, seconds)
+
+    def shed(self, view: SchedulerView, now: float) -> list[Request]:
+        rate = self.tokens_per_second or self.window.prefill_tokens_per_second()
+        if rate is None or not view.waiting.has_deadlines():
+            return []
+        ahead = sum(max(0, len(r.prompt_ids) - r.num_computed_tokens) for r in view.running)
+        shed = []
+        for request in view.waiting.first(len(view.waiting)):
+            if request.deadline is not None and not request.output_ids and now + ahead / rate > request.deadline:
+                shed.append(request)
+            else:
+                ahead += request.num_tokens
+        return shed
+
+
+class PrefixAware(SchedulingPolicy):
+    """Longest shared prefix first, over the page-hash trie of the requests in flight.
+
+    The queue key is (priority, trie path, arrival): a prompt's path is the rank of each of its full pages'
+    names (the prefix cache's hash chain), a name ranked when first seen. Sorting by paths walks the trie
+    depth first, so requests that share a prefix are adjacent and the deeper the shared prefix, the closer;
+    siblings (requests with the same first pages) are admitted together, while their shared pages are
+    cached and held. A queued request whose next uncached page is being computed by a running request (or by
+    one admitted earlier in the same step) is not offered until that page is computed and named: it then
+    shares it instead of computing it again. Requests are never starved beyond the in-flight window: a
+    newly seen prefix ranks after those seen before.
+    """
+
+    name = "prefix"
+
+    def __init__(self, cfg: EngineConfig):
+        super().__init__(cfg)
+        self._rank: dict[bytes, int] = {}  # page name -> order first seen
+
+    def _names(self, request: Request) -> list[bytes]:
+        """Names of the prompt's full pages that a prefix-cache hit may serve (its last token is computed)."""
+        return name_pages(request, (len(request.prompt_ids) - 1) // self.cfg.page_size, self.cfg.page_size)
+
+    def queue_key(self, request: Request) -> tuple:
+        path = tuple(self._rank.setdefault(name, len(self._rank)) for name in self._names(request))
+        return (request.priority, path, request.arrival_index)
+
+    def admission_order(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
+        if free_slots <= 0:
+            return iter(())
+        if not self.cfg.enable_prefix_caching:
+            return view.waiting.first(free_slots)
+        return self._not_waiting_for_pages(view, free_slots)
+
+    def _not_waiting_for_pages(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
+        computing = set()  # names of prompt pages a running request is computing
+        for request in view.running:
+            computing.update(self._names(request)[request.num_computed_tokens // self.cfg.page_size :])
+        for request in view.waiting.first(len(view.waiting)):
+            if free_slots <= 0:
+                return
+            names = self._names(request)
+            cached = view.kv.num_cached_pages(names)
+            if cached < len(names) and names[cached] in computing:
+                continue  # its next page is on its way: take it from the cache next step
+            computing.update(names[cached:])
+            free_slots -= 1
+            yield request
+
+
+class AdaptiveBudgets(SchedulingPolicy):
+    """First-come-first-served order, with the prefill token budget (chunk size) and the decode width steered
+    toward a step-latency target (`EngineConfig.latency_target_s`).
+
+    Every `window` steps of a phase, the p99 of their latencies is compared with the target: over it, that
+    phase's limit shrinks (x `shrink`, down to its floor); under `headroom` x the target while the limit was
+    used (mean utilisation, tokens / budget or rows / width, at least `busy`), it grows (x `grow`, up to the
+    configured maximum). Floors are the smallest chunk bucket and the smallest decode-row bucket, so every
+    budget maps to programs compiled at warm-up. `changes` records (step, phase, p99, new limit).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, cfg: EngineConfig, *, target_s: float | None = None, window: int = 32, shrink: float = 0.75, grow: float = 1.25,
+                 headroom: float = 0.8, busy: float = 0.8):
+        super().__init__(cfg)
+        self.target_s = check_number("target_s", cfg.latency_target_s if target_s is None else target_s, low=0.0, high=math.inf, low_open=True)
+        self.window = check_int("window", window, low=1)
+        self.shrink, self.grow = check_number("shrink", shrink, low=0.0, high=1.0, low_open=True), check_number("grow", grow, low=1.0, high=math.inf)
+        self.headroom, self.busy = check_number("headroom", headroom, low=0.0, high=1.0), check_number("busy", busy, low=0.0, high=1.0)
+        tables = BucketTables.from_config(cfg)
+        self.limits = {"prefill": (min(tables.chunk_tokens[0], cfg.max_prefill_tokens), cfg.max_prefill_tokens),
+                       "decode": (min(tables.decode_rows[0], cfg.max_num_seqs), cfg.max_num_seqs)}
+        self.current = {"prefill": cfg.max_prefill_tokens, "decode": cfg.max_num_seqs}
+        self._seen: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}  # (seconds, utilisation)
+        self.num_steps = 0
+        self.changes: list[tuple[int, str, float, int]] = []
+
+    def prefill_budget(self) -> int:
+        return self.current["prefill"]
+
+    def decode_width(self) -> int:
+        return self.current["decode"]
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        self.num_steps += 1
+        phase = plan.phase
+        used = sum(plan.num_new_tokens) if phase == "prefill" else len(plan.request_ids)
+        seen = self._seen[phase]
+        seen.append((float(seconds), min(1.0, used / self.current[phase])))
+        if len(seen) >= self.window:
+            self._steer(phase, seen)
+            seen.clear()
+
+    def _steer(self, phase: str, seen: list[tuple[float, float]]) -> None:
+        p99 = float(np.percentile([s for s, _ in seen], 99))
+        utilisation = sum(u for _, u in seen) / len(seen)
+        floor, ceiling = self.limits[phase]
+        value = self.current[phase]
+        if p99 > self.target_s:
+            value = max(floor, int(value * self.shrink))
+        elif p99 < self.headroom * self.target_s and utilisation >= self.busy:
+            value = min(ceiling, max(value + 1, int(value * self.grow)))
+        if value != self.current[phase]:
+            self.current[phase] = value
+            self.changes.append((self.num_steps, phase, p99, value))
+
+
+REGISTRY: dict[str, type[SchedulingPolicy]] = {
+    cls.name: cls for cls in (SchedulingPolicy, ShortestPromptFirst, EarliestDeadlineFirst, PrefixAware, AdaptiveBudgets)
+}
+
+
+def make_policy(name: str, cfg: EngineConfig, **options) -> SchedulingPolicy:
+    """The policy registered under `name` for an engine with this config; `options` go to its constructor
+    (EarliestDeadlineFirst's tokens_per_second, AdaptiveBudgets' target_s and window, ...)."""
+    if name not in REGISTRY:
+        raise FieldError("policy", f"must be one of {', '.join(REGISTRY)}; got {name!r}")
+    return REGISTRY[name](cfg, **options)
+
