@@ -183,6 +183,11 @@ class LLM:
             replica.block_pool = BlockPool(replica.engine.num_pages)
         self.block_pool = self.replicas[0].block_pool
 
+    def step_costs(self):
+        """The step-cost table (scheduling/step_costs.py's StepCosts) of replica 0: seconds per program key, timed at
+        warm-up and refined by every step since, and the host's seconds per step; what the simulator prices plans with."""
+        return self.engine.step_costs
+
     # ------------------------------------------------------------ the request boundary
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

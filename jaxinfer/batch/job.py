@@ -66,7 +66,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from jaxinfer import api as api_module
 from jaxinfer.api import LLM, Prompt
+from jaxinfer.batch import step_log
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
@@ -262,6 +264,7 @@ class BatchJob:
         check_settings_path(output)
         self._lock = OutputLock(output)
         self._input: SpooledInput | None = None
+        self._input_path = input_path
         self._file = None
         try:
             self._read(input_path, fmt, force_settings)
@@ -342,8 +345,27 @@ class BatchJob:
     def run(self, llm: LLM | None, *, progress: bool = True) -> JobSummary:
         """Write a record for every line not yet done; Ctrl-C or SIGTERM stops cleanly (summary.interrupted).
         The progress bar's total is the lines to do that parsed (`num_runnable`; the others' error records need no step).
-        `llm` may be None when no line can run (`num_runnable == 0`): their error records need no model."""
-        return self.write(self.runner.records(llm, self.todo, progress=progress, total=self.num_runnable))
+        `llm` may be None when no line can run (`num_runnable == 0`): their error records need no model.
+        With a model, every step is logged in `<output>.steps.jsonl` (batch/step_log.py), and the engine's
+        step-cost table, refined by the job's steps, is saved with the tuner's cache at the end."""
+        if llm is None:
+            return self.write(self.runner.records(llm, self.todo, progress=progress, total=self.num_runnable))
+        outer = self.runner.on_step
+        log = step_log.StepLog(step_log.log_path(self.output), self._step_log_header(llm), costs=llm.engine.step_costs, chain=outer)
+        self.runner.on_step = log
+        try:
+            return self.write(self.runner.records(llm, self.todo, progress=progress, total=self.num_runnable))
+        finally:
+            self.runner.on_step = outer
+            log.close()
+            llm.engine.save_step_costs()
+
+    def _step_log_header(self, llm: LLM) -> dict:
+        """What `jaxinfer whatif` needs to replay this run: the input, the engine's settings and pool, the in-flight limit."""
+        inflight = self.runner.max_inflight or api_module._INFLIGHT_PER_SEQ * llm.engine_config.max_num_seqs * len(llm.replicas)
+        return {"input": str(Path(self._input_path).resolve()), "output": str(Path(self.output).resolve()), "engine": step_log.engine_settings(llm.engine_config),
+                "num_pages": llm.engine.num_pages, "max_inflight": inflight, "max_inflight_given": self.runner.max_inflight,
+                "replicas": len(llm.replicas), "resumed": self.resume, "num_skipped": self.summary.num_skipped, "started": time.time()}
 
     def write(self, records: Iterable[dict]) -> JobSummary:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a

@@ -39,6 +39,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
+from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.validation import FieldError
 
 log = logging.getLogger(__name__)
@@ -211,12 +212,7 @@ def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.De
         size = shd.mesh_size(mesh)
         page_bytes = -(-page_bytes // shd.kv_shards(cfg, size)) * (size if device.platform == "cpu" else 1)
     free = available_bytes(device)
-    if engine_cfg.num_pages is None:
-        wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-        fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
-        num_pages = wanted if fitted >= wanted else pages_on_ladder(fitted)
-    else:
-        num_pages = engine_cfg.num_pages
+    num_pages = num_pages_for(engine_cfg, free, page_bytes)
     needed = num_pages * page_bytes
     if num_pages < 2 or needed > free:
         raise PoolTooLargeError(
@@ -224,6 +220,16 @@ def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.De
             f"({needed / 2**30:.2f} GiB); {free} bytes ({free / 2**30:.2f} GiB) are available on {device}"
         )
     return num_pages
+
+
+def num_pages_for(engine_cfg: EngineConfig, free: int, page_bytes: int) -> int:
+    """The pool's pages given `free` bytes: as configured, else enough for max_num_seqs full contexts where
+    kv_memory_fraction of free memory holds them, else what fits on the ladder (`pages_on_ladder`)."""
+    if engine_cfg.num_pages is not None:
+        return engine_cfg.num_pages
+    wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+    fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
+    return wanted if fitted >= wanted else pages_on_ladder(fitted)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -281,10 +287,8 @@ class Engine:
         self.mesh = mesh
         device = jax.devices()[0] if mesh is None else next(d for d in mesh.devices.flat if d.process_index == jax.process_index())  # one of this process's
         self.num_pages = resolve_num_pages(cfg, engine_cfg, device, mesh=mesh)
-        num_top = max(engine_cfg.max_logprobs, 1)
         self.keep_raw = return_logits or engine_cfg.logprobs_mode == "raw"
-        forward = functools.partial(_forward_step, cfg=cfg, impl=self.impl, num_top=num_top, keep_raw=self.keep_raw)
-        draw = functools.partial(_draw_step, num_top=num_top, mode=engine_cfg.logprobs_mode)
+        forward, draw = step_functions(cfg, engine_cfg, self.impl, keep_raw=self.keep_raw)
         init = functools.partial(kvp.init_pool, cfg, self.num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
         self.history = jnp.zeros((self.num_pages, engine_cfg.page_size), jnp.int32)  # token id of every pool slot
         if mesh is None:
@@ -307,6 +311,8 @@ class Engine:
         self.overlap_masks = engine_cfg.overlap_masks
         self.num_compilations = 0
         self.compile_seconds = 0.0
+        self.step_costs = StepCosts()  # seconds per program key: timed at warm-up, refined by every step (step_costs.py)
+        self._costs_key: str | None = None
 
     def bucket_keys(self) -> list[BucketKey]:
         """Every key a plan can have (the engine config's BucketTables owns them)."""
@@ -314,32 +320,17 @@ class Engine:
 
     def program_keys(self) -> list:
         """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count."""
-        return self.bucket_keys() + sorted({self._num_slots(k) for k in self.bucket_keys()})
-
-    def _num_slots(self, key: BucketKey) -> int:
-        return key.num_rows * BucketTables.from_config(self.engine_cfg).samples_per_row(key.phase)
+        return program_keys(self.engine_cfg)
 
     def _abstract_inputs(self, key: BucketKey) -> StepInputs:
-        rows, tokens, width, samples = key.num_rows, key.num_tokens, key.num_pages, self._num_slots(key)
-        pages = kvp.PageMeta(_spec(rows, width), _spec(rows, tokens), _spec(rows, tokens), _spec(rows, width), _spec(rows, width), _spec(rows, tokens))
-        return StepInputs(_spec(rows, tokens), _spec(rows, tokens), pages, _spec(rows, samples // rows), self._abstract_arrays(samples), _spec(samples), _spec(rows, tokens))
-
-    def _abstract_arrays(self, samples: int, *, masked: bool = False) -> sampling.SamplingArrays:
-        floats, bias = lambda: _spec(samples, dtype=jnp.float32), self.engine_cfg.max_logit_bias  # noqa: E731
-        return sampling.SamplingArrays(
-            floats(), _spec(samples), floats(), _spec(samples), _spec(samples), floats(), floats(), floats(), floats(),
-            _spec(samples, bias), _spec(samples, bias, dtype=jnp.float32), _spec(samples),
-            _spec(samples, guided.mask_words(self.cfg.vocab_size)) if masked else None,
-        )
+        return abstract_step_inputs(key, self.engine_cfg, self.cfg.vocab_size)
 
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         """A bucket key's forward program, or (an int: the step's sequence slots) its draw program."""
         start = time.perf_counter()
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
             if isinstance(key, int):
-                logits = _spec(key, self.cfg.vocab_size, dtype=jnp.float32)
-                raw = logits if self.keep_raw else None
-                compiled = self._jitted_draw.lower(logits, raw, self._abstract_arrays(key, masked=True)).compile()
+                compiled = self._jitted_draw.lower(*abstract_draw_inputs(key, self.engine_cfg, self.cfg.vocab_size, keep_raw=self.keep_raw)).compile()
             else:
                 compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
         return key, compiled, time.perf_counter() - start
@@ -357,14 +348,62 @@ class Engine:
                 if progress is not None and not isinstance(key, int):
                     progress(key, seconds)
         self.compile_seconds += time.perf_counter() - start
+        self.time_programs()
 
-    def step(self, plan: StepPlan) -> StepResult:
-        """Run one planned step; donates and rebinds the pool. Returns the sampled tokens, int32[R * J]
+    def time_programs(self, runs: int | None = None) -> None:
+        """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then
+        `runs` timed runs (after one untimed) of each program it lacks, on an all-padding plan (every slot on
+        the null page). `runs` None: tuning_cache.step_timing_runs() (2; 0 under JAXINFER_TUNE=0)."""
+        from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
+
+        runs = tuning_cache.step_timing_runs() if runs is None else runs
+        cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key()) if runs else None
+        if cached is not None:
+            cached.merge(self.step_costs)
+            self.step_costs = cached
+        tables = BucketTables.from_config(self.engine_cfg)
+        missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]
+        for key in missing if runs else []:
+            plan = StepPlan.build(key.phase, [], key, self.engine_cfg.page_size, packed=tables.packed_seqs if key.phase == "prefill" else 0,
+                                  bias_width=self.engine_cfg.max_logit_bias)
+            self.step(plan, observe=False)  # the first run of a program may pay one-time costs
+            for _ in range(runs):
+                self.step(plan)
+        if missing and runs:
+            self.save_step_costs()
+
+    def costs_key(self) -> str:
+        """The tuner's cache key of what this engine runs (its resolved implementations and weight formats)."""
+        if self._costs_key is None:
+            from jaxinfer.engine import backends, tuning_cache  # noqa: PLC0415
+
+            formats = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(self.params)})
+            weights = f"{'+'.join(formats)} tp{1 if self.mesh is None else shd.mesh_size(self.mesh)}"
+            self._costs_key = tuning_cache.step_costs_key(self.cfg, self.engine_cfg, backends.Impls(self.cfg.dtype, self.impl, self.matmul_impl), weights)
+        return self._costs_key
+
+    def save_step_costs(self) -> None:
+        """Persist the step-cost table with the tuner's cache (a folder that cannot be written only warns)."""
+        import warnings  # noqa: PLC0415
+
+        from jaxinfer.engine import tuning_cache  # noqa: PLC0415
+
+        if not self.step_costs.programs:
+            return
+        try:
+            tuning_cache.write_step_costs(tuning_cache.cache_dir(), self.costs_key(), self.step_costs)
+        except OSError as err:
+            warnings.warn(f"jaxinfer: the step-cost table could not be saved: {err}", stacklevel=2)
+
+    def step(self, plan: StepPlan, *, observe: bool = True) -> StepResult:
+        """Run one planned step; donates and rebinds the pool; its seconds refine the step-cost table
+        (unless `observe` is False). Returns the sampled tokens, int32[R * J]
         (one per sequence slot of the plan: `plan.request_ids[i]` drew token i), and the log-probabilities
         the plan asks for (only those are copied to the host).
 
         Two programs: the forward, then the draw. Dispatch is asynchronous, so with `overlap_masks` the host
         fills the grammar's masks while the device runs the forward; without, it fills them first."""
+        start = time.perf_counter()
         program = self._programs.get(plan.bucket)
         if program is None:
             raise KeyError(f"no compiled program for bucket {plan.bucket}; warmup() compiles {len(self._programs)} keys")
@@ -377,15 +416,62 @@ class Engine:
         tokens, logprobs = self._draws[plan.seeds.shape[0]](logits.adjusted, logits.raw, dataclasses.replace(inputs.sampling, token_mask=masks))
         if self.return_logits:
             self.last_logits = np.asarray(logits.raw)
-        return StepResult(
+        result = StepResult(
             np.asarray(tokens),
             _to_host(logprobs) if plan.wants_logprobs else None,
             _to_host(logits.prompt_logprobs) if plan.wants_prompt_logprobs else None,
         )
+        if observe:
+            self.step_costs.observe(plan.bucket, time.perf_counter() - start)
+        return result
 
 
 def _spec(*shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ------------------------------------------------------------------ the programs, without an engine
+# Engine and the deviceless GPU compile (engine/aot.py) build the same programs from these.
+
+
+def step_functions(cfg: ModelConfig, engine_cfg: EngineConfig, impl: str, *, keep_raw: bool) -> tuple:
+    """(forward, draw): the two functions every step runs, before jit (`impl` resolved already)."""
+    num_top = max(engine_cfg.max_logprobs, 1)
+    forward = functools.partial(_forward_step, cfg=cfg, impl=impl, num_top=num_top, keep_raw=keep_raw)
+    return forward, functools.partial(_draw_step, num_top=num_top, mode=engine_cfg.logprobs_mode)
+
+
+def program_keys(engine_cfg: EngineConfig) -> list:
+    """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count (an int)."""
+    keys = BucketTables.from_config(engine_cfg).all_keys()
+    return keys + sorted({_num_slots(k, engine_cfg) for k in keys})
+
+
+def _num_slots(key: BucketKey, engine_cfg: EngineConfig) -> int:
+    return key.num_rows * BucketTables.from_config(engine_cfg).samples_per_row(key.phase)
+
+
+def abstract_step_inputs(key: BucketKey, engine_cfg: EngineConfig, vocab_size: int) -> StepInputs:
+    """The forward program's inputs for one bucket key, as shapes."""
+    rows, tokens, width, samples = key.num_rows, key.num_tokens, key.num_pages, _num_slots(key, engine_cfg)
+    pages = kvp.PageMeta(_spec(rows, width), _spec(rows, tokens), _spec(rows, tokens), _spec(rows, width), _spec(rows, width), _spec(rows, tokens))
+    arrays = _abstract_arrays(samples, engine_cfg, vocab_size)
+    return StepInputs(_spec(rows, tokens), _spec(rows, tokens), pages, _spec(rows, samples // rows), arrays, _spec(samples), _spec(rows, tokens))
+
+
+def abstract_draw_inputs(samples: int, engine_cfg: EngineConfig, vocab_size: int, *, keep_raw: bool) -> tuple:
+    """The draw program's inputs for a step of `samples` sequence slots, as shapes: (adjusted, raw, arrays)."""
+    logits = _spec(samples, vocab_size, dtype=jnp.float32)
+    return logits, logits if keep_raw else None, _abstract_arrays(samples, engine_cfg, vocab_size, masked=True)
+
+
+def _abstract_arrays(samples: int, engine_cfg: EngineConfig, vocab_size: int, *, masked: bool = False) -> sampling.SamplingArrays:
+    floats, bias = lambda: _spec(samples, dtype=jnp.float32), engine_cfg.max_logit_bias  # noqa: E731
+    return sampling.SamplingArrays(
+        floats(), _spec(samples), floats(), _spec(samples), _spec(samples), floats(), floats(), floats(), floats(),
+        _spec(samples, bias), _spec(samples, bias, dtype=jnp.float32), _spec(samples),
+        _spec(samples, guided.mask_words(vocab_size)) if masked else None,
+    )
 
 
 def _to_host(logprobs: sampling.Logprobs) -> Logprobs:

@@ -185,3 +185,51 @@ def write_cached(directory: Path, result: "TuneResult", fingerprint: dict) -> Pa
         os.fsync(f.fileno())  # a power cut leaves the old file or the new one, never an empty one
     temporary.replace(path)  # atomic: a concurrent start reads the old file or the new one, never half
     return path
+
+
+# ---------------------------------------------------------------- the step-cost table (scheduling/step_costs.py)
+
+STEP_TIMING_ENV = "JAXINFER_STEP_TIMING_RUNS"  # timed runs per program at warm-up; default 2, or 0 with JAXINFER_TUNE=0
+
+
+def step_timing_runs() -> int:
+    """Timed runs per program at warm-up: $JAXINFER_STEP_TIMING_RUNS, else 2 (0 when JAXINFER_TUNE=0 measures nothing)."""
+    value = os.environ.get(STEP_TIMING_ENV, "").strip()
+    if not value:
+        return 2 if tuning_enabled() else 0
+    if not value.isdigit():
+        raise ValueError(f"{STEP_TIMING_ENV} must be a whole number of runs, got {value!r}")
+    return int(value)
+
+
+def step_costs_key(cfg: ModelConfig, engine_cfg: EngineConfig, impls: Impls, weights: str) -> str:
+    """The tuner's cache key (machine, jaxlib, model geometry, engine limits and tables, kernels) for what
+    the engine runs (`impls`, resolved) over weights stored as `weights`."""
+    return cache_key(machine_fingerprint(), cfg, engine_cfg, impls, weights)
+
+
+def _step_costs_path(directory: Path, key: str) -> Path:
+    return directory / "step_costs" / f"{key}.json"
+
+
+def read_step_costs(directory: Path, key: str):
+    """The cached step-cost table of `key` (a StepCosts), or None when there is none or it cannot be read."""
+    from jaxinfer.scheduling.step_costs import StepCosts  # noqa: PLC0415
+
+    try:
+        return StepCosts.from_json(json.loads(_step_costs_path(directory, key).read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def write_step_costs(directory: Path, key: str, costs) -> Path:
+    """Write the table atomically (a temporary name, fsynced, renamed), as the tuner's results are."""
+    path = _step_costs_path(directory, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        f.write(json.dumps(costs.to_json()))
+        f.flush()
+        os.fsync(f.fileno())
+    temporary.replace(path)
+    return path
