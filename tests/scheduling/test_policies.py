@@ -1,0 +1,228 @@
+"""Scheduling policies (scheduling/policies.py) in the host scheduler, no jax: every policy finishes every
+request with the right tokens under page pressure; each policy's own decision (order, shedding, page waits,
+budgets); the prefix policy's prefill saving on a shared-preamble workload (dry run); choosing a policy by
+name. The last test runs the real default model in deterministic mode: a policy changes which step computes
+a token, never the token."""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.config import POLICIES, EngineConfig
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.policies import REGISTRY, AdaptiveBudgets, EarliestDeadlineFirst, PrefixAware, SchedulingPolicy, make_policy
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.validation import FieldError
+
+from fakes import FakePagedEngine, expected_output, request, run_to_completion, small_config
+
+
+def prompt_request(rid: str, prompt: list[int], max_tokens: int, index: int, **fields) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(prompt), params, seed=0, arrival_index=index, **fields)
+
+
+def preamble_workload(num_lines: int, num_preambles: int, preamble_len: int, seed: int = 0) -> list[list[int]]:
+    """Shuffled lines, each one of `num_preambles` shared preambles followed by its own 5 to 20 tokens."""
+    rng = random.Random(seed)
+    preambles = [[rng.randrange(1, 1000) for _ in range(preamble_len)] for _ in range(num_preambles)]
+    return [rng.choice(preambles) + [rng.randrange(1, 1000) for _ in range(rng.randrange(5, 21))] for _ in range(num_lines)]
+
+
+def prefill_tokens(plans) -> int:
+    return sum(sum(p.num_new_tokens) for p in plans if p.phase == "prefill")
+
+
+# ------------------------------------------------------------ choosing a policy
+
+
+def test_every_configured_policy_name_is_registered_in_order():
+    assert tuple(REGISTRY) == POLICIES and POLICIES[0] == "fcfs"
+    for name in POLICIES:
+        policy = make_policy(name, EngineConfig(policy=name))
+        assert policy.name == name and isinstance(policy, SchedulingPolicy)
+        assert Scheduler(EngineConfig(policy=name, compilation_cache_dir=None), 8).policy.name == name
+
+
+def test_an_unknown_policy_is_refused_naming_the_valid_ones():
+    with pytest.raises(FieldError, match=r"policy must be one of fcfs, shortest-prompt, edf, prefix, adaptive; got 'lifo'"):
+        EngineConfig(policy="lifo")
+    with pytest.raises(FieldError, match=r"policy must be one of .*prefix.*; got 'Prefix'"):
+        make_policy("Prefix", EngineConfig())
+    with pytest.raises(FieldError, match="latency_target_s"):
+        EngineConfig(latency_target_s=0)
+
+
+def test_the_cli_flag_reaches_the_engine_config():
+    from jaxinfer.cli import _build_parser, _engine_config
+
+    parser = _build_parser()
+    assert _engine_config(parser.parse_args(["generate", "--input", "in.jsonl", "--policy", "prefix"])).policy == "prefix"
+    assert _engine_config(parser.parse_args(["generate", "--input", "in.jsonl"])).policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--input", "in.jsonl", "--policy", "lifo"])
+
+
+# ------------------------------------------------------------ every policy is correct
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=15, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(1, 8), st.integers(0, 2)), min_size=1, max_size=10),
+    num_pages=st.integers(9, 20),
+)
+def test_every_policy_finishes_each_request_once_with_its_true_tokens(name, shapes, num_pages):
+    """Shared prefixes (one of three), mixed priorities and a pool that forces preemption: each token must
+    equal the hash chain of its true sequence, whichever request runs when."""
+    cfg = small_config(policy=name, latency_target_s=1e-9)  # adaptive: every window shrinks the budgets
+    scheduler = Scheduler(cfg, num_pages=num_pages)
+    prefixes = [[100 + i for i in range(9)], [200 + i for i in range(6)], []]
+    requests = []
+    for i, (prefix, suffix, out, priority) in enumerate(shapes):
+        prompt = (prefixes[prefix] + [(7 * i + 3 * j + 1) % 1000 for j in range(suffix)])[:20]
+        requests.append(prompt_request(f"r{i}", prompt, out, i, priority=priority))
+        scheduler.add(requests[-1])
+    finished, plans = run_to_completion(scheduler, FakePagedEngine(num_pages, 4))
+    assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in requests)
+    assert all(r.output_ids == expected_output(r) for r in requests)
+    assert scheduler.block_pool.num_free == num_pages - 1
+    keys = set(BucketTables.from_config(cfg).all_keys())
+    assert all(plan.bucket in keys for plan in plans)  # no policy makes a shape the warm-up did not compile
+
+
+# ------------------------------------------------------------ each policy's own decision
+
+
+def test_shortest_prompt_first_within_a_priority():
+    scheduler = Scheduler(small_config(policy="shortest-prompt", max_num_seqs=1), num_pages=20)
+    for r in (request("long", 12, 2, 0), request("short", 3, 2, 1), request("urgent", 16, 2, 2, priority=-1), request("mid", 6, 2, 3)):
+        scheduler.add(r)
+    order = []
+    while scheduler.has_work():
+        for plan in scheduler.schedule():
+            order += [rid for rid in plan.request_ids if rid not in order]
+            for r in scheduler.update(plan, np.zeros(len(plan.request_ids), np.int32)):
+                if len(r.output_ids) == r.params.max_tokens:
+                    scheduler.finish(r, "length")
+    assert order == ["urgent", "short", "mid", "long"]
+
+
+def test_edf_sheds_a_request_whose_deadline_can_no_longer_be_met_so_the_next_meets_its_own():
+    """10 tokens a second: 'first' (8 tokens) starts now; 'doomed' (deadline in 0.5 s) would start after
+    0.8 s; 'fits' (deadline in 1.0 s) starts after 0.8 s only once 'doomed' is gone, and is kept."""
+    cfg = small_config()
+    scheduler = Scheduler(cfg, num_pages=30, policy=EarliestDeadlineFirst(cfg, tokens_per_second=10.0))
+    first, doomed, fits, patient = (request(rid, 8, 2, i) for i, rid in enumerate(("first", "doomed", "fits", "patient")))
+    first.deadline, doomed.deadline, fits.deadline = 100.5, 100.5, 101.0
+    for r in (first, doomed, fits, patient):
+        scheduler.add(r)
+    assert scheduler.expire(now=100.0) == [doomed] and doomed.finish_reason == "timeout"
+    assert [r.request_id for r in scheduler.waiting] == ["first", "fits", "patient"]
+    assert scheduler.expire(now=100.0) == []
+
+
+def test_edf_sheds_nothing_before_it_has_measured_a_prefill_then_uses_the_measured_rate():
+    cfg = small_config()
+    scheduler = Scheduler(cfg, num_pages=30, policy=make_policy("edf", cfg))
+    a, b, c, d = (request(rid, 8, 2, i) for i, rid in enumerate("abcd"))
+    c.deadline, d.deadline = 10.5, 11.0  # EDF order: a (admitted below), c, d, then b (no deadline)
+    scheduler.add(a)
+    (plan,) = scheduler.schedule()
+    for r in (b, c, d):
+        scheduler.add(r)
+    assert scheduler.expire(now=10.0) == []  # no rate yet: nothing is known to be late
+    scheduler.update(plan, np.zeros(1, np.int32))
+    scheduler.observe(plan, 2.0)  # a's 8 tokens in 2 s: 4 prefill tokens a second
+    # c starts now (10.0 <= 10.5); d behind c's 8 tokens starts at 12.0 > 11.0
+    assert scheduler.expire(now=10.0) == [d] and d.finish_reason == "timeout" and c.status == "waiting"
+
+
+def test_prefix_policy_orders_the_queue_by_the_page_trie_so_siblings_are_adjacent():
+    cfg = small_config(policy="prefix", max_context=64, page_size=4)
+    scheduler = Scheduler(cfg, num_pages=60)
+    a, b = list(range(100, 112)), list(range(200, 212))
+    lines = [b + [1], a + [2], b + [3], a[:8] + [9, 9, 9, 9, 4], a + [5], [7, 7]]
+    for i, line in enumerate(lines):
+        scheduler.add(prompt_request(f"r{i}", line, 2, i))
+    order = [r.request_id for r in scheduler.waiting.first(len(lines))]
+    # no full page first, then b's family (seen first), then a's: the two with all 3 of a's pages, then the one sharing 2
+    assert order == ["r5", "r0", "r2", "r1", "r4", "r3"]
+
+
+def test_prefix_policy_holds_a_sibling_until_the_shared_pages_are_computed_then_it_shares_them():
+    cfg = small_config(policy="prefix", max_context=64, max_prefill_tokens=32, prefill_chunk_buckets=(8, 16, 32), prefill_seq_buckets=(1,), max_prefill_seqs=4)
+    scheduler = Scheduler(cfg, num_pages=60)
+    preamble = list(range(100, 112))  # 3 full pages
+    first, sibling, other = prompt_request("first", preamble + [1], 2, 0), prompt_request("sibling", preamble + [2], 2, 1), prompt_request("other", [5, 6], 2, 2)
+    for r in (first, sibling, other):
+        scheduler.add(r)
+    (plan,) = scheduler.schedule()
+    # the budget (32) has room for the sibling's 13 tokens, but it waits for first's pages; 'other' has no full page and goes first
+    assert plan.request_ids == ("other", "first")
+    scheduler.update(plan, np.zeros(2, np.int32))
+    plans = scheduler.schedule()
+    prefill = next(p for p in plans if p.phase == "prefill")
+    assert prefill.request_ids == ("sibling",) and prefill.num_new_tokens == (1,)  # 12 tokens came from the cache
+    assert sibling.num_cached_tokens == 12
+
+
+def test_fcfs_admits_the_sibling_at_once_and_computes_the_preamble_twice():
+    """Control for the test above: today's order gives the sibling the rest of the budget in the same
+    step, before the first's pages exist."""
+    cfg = small_config(max_context=64, max_prefill_tokens=32, prefill_chunk_buckets=(8, 16, 32), prefill_seq_buckets=(1,), max_prefill_seqs=4)
+    scheduler = Scheduler(cfg, num_pages=60)
+    preamble = list(range(100, 112))
+    for i, r in enumerate((preamble + [1], preamble + [2])):
+        scheduler.add(prompt_request(f"r{i}", r, 2, i))
+    (plan,) = scheduler.schedule()
+    assert plan.num_new_tokens == (13, 13)
+
+
+def test_prefix_policy_computes_under_a_third_of_fcfs_prefill_on_a_shared_preamble_workload():
+    """300 shuffled lines over 20 preambles of 100 tokens (page 16, 32 sequences). A pool of 64 pages holds
+    the running requests but not the preambles too, so first-come-first-served evicts preambles and computes
+    them again (0.29x measured); the prefix policy runs one family at a time while its pages are held.
+    With a pool that holds everything, first-come-first-served shares them as well, and the prefix policy
+    computes no more than it does."""
+    prompts = preamble_workload(300, 20, 100)
+    cfg = dict(page_size=16, max_context=256, max_num_seqs=32, max_prefill_tokens=256, compilation_cache_dir=None)
+    counts = {}
+    for pages in (64, 1000):
+        for name in ("fcfs", "prefix"):
+            plans, stats = runloop.dry_run(EngineConfig(policy=name, **cfg), prompts, [8] * len(prompts), num_pages=pages)
+            counts[name, pages] = prefill_tokens(plans)
+    assert counts["prefix", 64] * 3 <= counts["fcfs", 64], counts
+    assert counts["prefix", 1000] <= counts["fcfs", 1000], counts
+    assert counts["prefix", 64] <= counts["prefix", 1000] * 1.2, counts  # the small pool costs the prefix policy little
+
+
+def test_adaptive_budgets_shrink_to_the_floors_when_slow_and_grow_back_when_fast_and_busy():
+    """Steps take 0.5 s (target 0.1 s) for the first 30 steps, then 0.01 s: the prefill budget and the
+    decode width fall to the smallest buckets (4 tokens, 2 rows), every step keeps to them, and both grow
+    back to the configured limits once steps are fast and the limits are used."""
+    cfg = small_config(policy="adaptive", latency_target_s=0.1, prefill_seq_buckets=(1,))
+    policy = AdaptiveBudgets(cfg, window=4)
+    scheduler = Scheduler(cfg, num_pages=80, policy=policy)
+    for i in range(40):
+        scheduler.add(request(f"r{i}", 12, 8, i))
+    engine, now, steps = FakePagedEngine(80, 4), [0.0], []
+
+    def step(plan):
+        steps.append(plan.phase)
+        if plan.phase == "prefill":  # planned under the budget in force (prefill plans run last in an iteration)
+            assert sum(plan.num_new_tokens) <= policy.prefill_budget()
+        assert len(scheduler.running) <= max(policy.decode_width(), 4)
+        now[0] += 0.5 if len(steps) <= 30 else 0.01
+        return engine.step(plan)
+
+    finished = list(runloop.run(scheduler, step, runloop.OutputProcessor(None, None, 32), clock=lambda: now[0]))
+    assert len(finished) == 40 and all(r.output_ids == expected_output(r) for r in finished)
+    lowest = {phase: min(v for _, p, _, v in policy.changes if p == phase) for phase in ("prefill", "decode")}
+    assert lowest == {"prefill": 4, "decode": 2}, policy.changes
+    assert (policy.prefill_budget(), policy.decode_width()) == (8, 4), policy.changes
