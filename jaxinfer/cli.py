@@ -167,6 +167,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from jaxinfer.bucketing import cli as cli_buckets
 
     cli_buckets.add_subparser(commands)
+    from jaxinfer import whatif
+
+    whatif.add_subparser(commands)
     return parser
 
 

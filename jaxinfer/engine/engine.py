@@ -362,13 +362,15 @@ class Engine:
             cached.merge(self.step_costs)
             self.step_costs = cached
         tables = BucketTables.from_config(self.engine_cfg)
-        missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]
+        missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:
             plan = StepPlan.build(key.phase, [], key, self.engine_cfg.page_size, packed=tables.packed_seqs if key.phase == "prefill" else 0,
                                   bias_width=self.engine_cfg.max_logit_bias)
             self.step(plan, observe=False)  # the first run of a program may pay one-time costs
             for _ in range(runs):
-                self.step(plan)
+                start = time.perf_counter()
+                self.step(plan, observe=False)
+                self.step_costs.observe(key, time.perf_counter() - start, warmup=True)
         if missing and runs:
             self.save_step_costs()
 

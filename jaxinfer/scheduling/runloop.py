@@ -84,7 +84,8 @@ def _count_step(scheduler: Scheduler, plan: StepPlan, now: float) -> None:
     for request in scheduler.running:
         if request.request_id in planned:
             request.num_steps += 1
-            request.first_scheduled_time = request.first_scheduled_time or now
+            if request.first_scheduled_time is None:  # a virtual clock may start at 0.0
+                request.first_scheduled_time = now
 
 
 def dry_run(engine_cfg, prompts: list[list[int]], max_tokens: list[int], num_pages: int | None = None) -> tuple[list[StepPlan], SchedulerStats]:

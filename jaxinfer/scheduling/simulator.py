@@ -13,7 +13,8 @@ count from a request's arrival, as RequestOutput's do.
 
 Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
 (ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision.
-Each prompt is `[i, 0, 0, ...]`, so with prefix caching on its pages hash apart from every other's.
+Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
+full pages are shared (as a chat template's are in a real job).
 """
 
 import dataclasses
@@ -44,6 +45,7 @@ class SimRequest:
     arrival_s: float | None = None
     priority: int = 0
     deadline_s: float | None = None  # seconds after its arrival by which it must start
+    shared_prefix: int = 0  # leading prompt tokens equal in every request that has them (a chat template's, a system prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +170,8 @@ class _Run:
         spec = self.requests[index]
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
-        prompt = [index] + [0] * (spec.prompt_tokens - 1)
+        shared = min(spec.shared_prefix, spec.prompt_tokens)
+        prompt = [1] * shared + [index + 2] + [0] * (spec.prompt_tokens - shared - 1) if shared < spec.prompt_tokens else [1] * shared
         try:
             self.scheduler.add(Request(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now))
         except ValueError as e:
@@ -237,7 +240,7 @@ def _result(run: _Run, seconds: float) -> SimResult:
         ttft.append(first - request.arrival_time if first is not None else np.nan)
         tokens = len(request.output_ids)
         tpot.append((finish - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0)
-        queue.append((request.first_scheduled_time or finish) - request.arrival_time)
+        queue.append((finish if request.first_scheduled_time is None else request.first_scheduled_time) - request.arrival_time)
         latency.append(finish - request.arrival_time)
         reasons[request.finish_reason] = reasons.get(request.finish_reason, 0) + 1
         generated += tokens

@@ -27,20 +27,23 @@ MAX_HOST_GAP_S = 1.0  # host gaps longer than this are waits (an arrival, a new 
 
 @dataclasses.dataclass
 class Observations:
-    """The count of observations and the most recent KEEP of them (seconds)."""
+    """The count of observations and the most recent KEEP of them (seconds); for a program, apart from
+    them, its warm-up runs (on an all-padding plan, which can run faster than real rows)."""
 
     count: int = 0
     recent: list[float] = dataclasses.field(default_factory=list)
+    warmup: list[float] = dataclasses.field(default_factory=list)
 
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.recent.append(float(seconds))
-        if len(self.recent) > KEEP:
-            del self.recent[0]
+    def add(self, seconds: float, *, warmup: bool = False) -> None:
+        kept = self.warmup if warmup else self.recent
+        self.count += not warmup
+        kept.append(float(seconds))
+        if len(kept) > KEEP:
+            del kept[0]
 
     @property
     def median(self) -> float:
-        return statistics.median(self.recent)
+        return statistics.median(self.recent or self.warmup)
 
 
 def work(key: BucketKey) -> int:
@@ -95,11 +98,12 @@ class StepCosts:
         self._estimates: dict[str, tuple[float, float] | None] = {}
         self._cache: dict[BucketKey, float] = {}
 
-    def observe(self, key: BucketKey, seconds: float) -> None:
-        """One run of the program `key` took `seconds` (device time as the step loop sees it)."""
+    def observe(self, key: BucketKey, seconds: float, *, warmup: bool = False) -> None:
+        """One run of the program `key` took `seconds` (device time as the step loop sees it); `warmup`: a
+        timed run at warm-up, which counts only until the key has real runs (scaled by `calibration`)."""
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"step seconds must be finite and >= 0, got {seconds!r}")
-        self.programs.setdefault(BucketKey(*key), Observations()).add(seconds)
+        self.programs.setdefault(BucketKey(*key), Observations()).add(seconds, warmup=warmup)
         self._estimates.clear()
         self._cache.clear()
 
@@ -110,12 +114,24 @@ class StepCosts:
         return BucketKey(*key) in self.programs
 
     def device_seconds(self, key: BucketKey) -> float:
-        """The median of the key's recent runs, else the estimate from its phase's measured keys."""
+        """The median of the key's recent real runs, else of its warm-up runs times its phase's calibration,
+        else the estimate from its phase's measured keys."""
         cached = self._cache.get(key)
         if cached is None:
             observed = self.programs.get(key)
-            cached = self._cache[key] = observed.median if observed is not None else self.estimate(key)
+            if observed is None:
+                cached = self.estimate(key)
+            else:
+                cached = observed.median * (1.0 if observed.recent else self.calibration(key.phase))
+            self._cache[key] = cached
         return cached
+
+    def calibration(self, phase: str) -> float:
+        """Real runs over warm-up runs (the median ratio over the phase's keys that have both; 1 with none):
+        a padding plan's run can be faster than real rows'."""
+        ratios = [statistics.median(o.recent) / statistics.median(o.warmup) for k, o in self.programs.items()
+                  if k.phase == phase and o.recent and o.warmup and statistics.median(o.warmup) > 0]
+        return statistics.median(ratios) if ratios else 1.0
 
     def host_seconds(self, rows: int) -> float:
         return self.host.seconds(rows)
@@ -135,13 +151,15 @@ class StepCosts:
     def _phase_line(self, phase: str | None) -> tuple[float, float] | None:
         name = phase or "*"
         if name not in self._estimates:
-            points = [(work(k), obs.median, 1.0) for k, obs in self.programs.items() if phase is None or k.phase == phase]
+            points = [(work(k), self.device_seconds(k), 1.0) for k in self.programs if phase is None or k.phase == phase]
             self._estimates[name] = _line(points) if points else None
         return self._estimates[name]
 
     def merge(self, other: "StepCosts") -> None:
         """Add `other`'s observations (its recent ones) to this table."""
         for key, obs in other.programs.items():
+            for seconds in obs.warmup:
+                self.observe(key, seconds, warmup=True)
             for seconds in obs.recent:
                 self.observe(key, seconds)
         for rows, obs in other.host.by_rows.items():
@@ -149,13 +167,14 @@ class StepCosts:
                 self.host.add(rows, seconds)
 
     def table(self) -> list[tuple[BucketKey, int, float]]:
-        """(key, runs observed, median seconds) per measured program, in key order."""
-        return [(key, obs.count, obs.median) for key, obs in sorted(self.programs.items())]
+        """(key, real runs observed, seconds it costs) per measured program, in key order."""
+        return [(key, obs.count, self.device_seconds(key)) for key, obs in sorted(self.programs.items())]
 
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "programs": [{"key": list(key), "count": obs.count, "recent": [round(s, 7) for s in obs.recent]} for key, obs in sorted(self.programs.items())],
+            "programs": [{"key": list(key), "count": obs.count, "recent": [round(s, 7) for s in obs.recent], "warmup": [round(s, 7) for s in obs.warmup]}
+                         for key, obs in sorted(self.programs.items())],
             "host": [{"rows": rows, "count": obs.count, "recent": [round(s, 7) for s in obs.recent]} for rows, obs in sorted(self.host.by_rows.items())],
         }
 
@@ -183,11 +202,17 @@ def _key_of(value, where: str) -> BucketKey:
     return BucketKey(*value)
 
 
+def _seconds(values, where: str) -> list[float]:
+    if not isinstance(values, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0 for s in values):
+        raise ValueError(f"{where} must be a list of seconds >= 0, got {values!r}")
+    return [float(s) for s in values[-KEEP:]]
+
+
 def _observations(entry: dict, where: str) -> Observations:
-    recent, count = entry.get("recent"), entry.get("count")
-    if not isinstance(recent, list) or not recent or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0 for s in recent):
-        raise ValueError(f"{where}.recent must be a non-empty list of seconds >= 0, got {recent!r}")
+    recent, warmup, count = _seconds(entry.get("recent"), f"{where}.recent"), _seconds(entry.get("warmup", []), f"{where}.warmup"), entry.get("count")
+    if not recent and not warmup:
+        raise ValueError(f"{where} holds no seconds (recent and warmup are empty)")
     if isinstance(count, bool) or not isinstance(count, int) or count < len(recent):
         raise ValueError(f"{where}.count must be an int >= len(recent), got {count!r}")
-    return Observations(count, [float(s) for s in recent[-KEEP:]])
+    return Observations(count, recent, warmup)
 

@@ -1,0 +1,213 @@
+"""`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--json]`: a finished job
+replayed on the simulator under other settings. No model is loaded and jax is never imported.
+
+It reads the job's output records (each line's prompt and output lengths, its measured TTFT) and its step
+log (`<output>.steps.jsonl`, batch/step_log.py: the engine's settings, the pool, the in-flight limit, the
+step-cost table and the measured wall time and padding). The simulator (scheduling/simulator.py) first
+replays the job as it ran, which gives the simulator's error on this job, then runs it under the new
+settings. `--buckets KIND:K` fits a bucket strategy (bucketing/strategies.py: fitted, quantile, ...) with
+K buckets per table to the job's own prompt lengths, decode batch sizes and pages per sequence; `default`
+is the engine's default tables.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.batch import openai as openai_batch
+from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
+from jaxinfer import config
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling import simulator
+from jaxinfer.scheduling.simulator import SimRequest
+from jaxinfer.validation import FieldError
+
+FIGURES = ("wall_s", "ttft_p50_s", "ttft_p99_s", "padding")
+_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines per max_num_seqs per replica
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedJob:
+    """What a finished job says of itself: its requests (in input order), their measured TTFTs, its step log."""
+
+    requests: list[SimRequest]
+    ttft_s: np.ndarray  # f64[N]
+    log: StepLogContents
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.log.header["engine"])
+
+    def measured(self) -> dict:
+        summary = self.log.summary or _summary_of_steps(self.log.steps)
+        return {"wall_s": summary["wall_s"], "ttft_p50_s": _pct(self.ttft_s, 50), "ttft_p99_s": _pct(self.ttft_s, 99), "padding": summary["padding"]}
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 6) if values.size else None
+
+
+def _summary_of_steps(steps: list[dict]) -> dict:
+    """A killed job's log has no summary: its figures from the steps written in full."""
+    if not steps:
+        raise ValueError("the step log has no summary and no steps: the job ran none")
+    last = steps[-1]
+    padded = sum(s["key"][1] * s["key"][2] for s in steps)
+    real = sum(s["real_tokens"] for s in steps)
+    return {"wall_s": last["t"] + last["device_s"], "padding": 1.0 - real / padded}
+
+
+def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
+    """The ok records of `output` (either format) as SimRequests in input order, and its step log."""
+    output = Path(output)
+    if not output.is_file():
+        raise ValueError(f"{output}: no such output file")
+    path = Path(step_log) if step_log is not None else log_path(output)
+    if not path.is_file():
+        raise ValueError(f"{path}: no step log beside {output} (jobs write one since jaxinfer's step log; rerun the job)")
+    log = read_step_log(path)
+    rows = []
+    with open(output, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{output}:{number}: not a JSON record") from None
+            fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record.get("status") == "ok" else None
+            if fields is not None:
+                generated = sum(s["num_generated_tokens"] for s in fields.get("samples") or [fields])
+                rows.append((record.get("line", number), fields["num_prompt_tokens"], generated, fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0)))
+    if not rows:
+        raise ValueError(f"{output}: no finished (ok) record to replay")
+    rows.sort()
+    extra = _line_fields(Path(log.header.get("input", "")), {r[0] for r in rows})
+    shared = max(r[4] for r in rows)  # the prefix the cache shared (a chat template's): every request starts with it
+    requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _ in rows]
+    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log)
+
+
+def _line_fields(input_path: Path, lines: set[int]) -> dict[int, tuple[int, float | None]]:
+    """(priority, deadline_s) of the input's lines, where the input is still there (else every line's defaults)."""
+    fields = {}
+    if not input_path.is_file():
+        return fields
+    with open(input_path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if number in lines and (b"priority" in raw or b"deadline_s" in raw):
+                try:
+                    obj = json.loads(raw)
+                    fields[number] = (int(obj.get("priority", 0)), obj.get("deadline_s"))
+                except (ValueError, TypeError, AttributeError):
+                    continue
+    return fields
+
+
+def bucket_strategy(spec: str, job: FinishedJob, cfg: EngineConfig):
+    """`KIND:K` as an EngineBuckets fitted to the job's prompt lengths, decode batch sizes and pages per
+    sequence; None for 'default'. ValueError naming --buckets for anything else."""
+    if spec == "default":
+        return None
+    from jaxinfer.bucketing import strategies  # noqa: PLC0415  (offline: only whatif and the buckets CLI use it)
+
+    kind, _, budget = spec.partition(":")
+    if kind not in strategies.STRATEGY_KINDS or not budget.isdigit() or int(budget) < 1:
+        raise ValueError(f"--buckets must be 'default' or KIND:K with KIND one of {', '.join(strategies.STRATEGY_KINDS)} and K >= 1, got {spec!r}")
+    max_chunk = min(cfg.max_prefill_tokens, cfg.max_context)
+    prompts = np.array([min(r.prompt_tokens, max_chunk) for r in job.requests])
+    pages = np.array([math.ceil(min(r.prompt_tokens + r.output_tokens, cfg.max_context) / cfg.page_size) for r in job.requests])
+    decode_rows = np.array([s["rows"] for s in job.log.steps if s["key"][0] == "decode"] or [cfg.max_num_seqs])
+    return strategies.EngineBuckets.from_samples(kind, int(budget), chunk=prompts, rows=np.minimum(decode_rows, cfg.max_num_seqs), pages=pages)
+
+
+def new_config(job: FinishedJob, *, policy: str | None = None, buckets: str | None = None, max_num_seqs: int | None = None) -> EngineConfig:
+    """The job's engine settings with the changes asked for (a bucket strategy replaces the tables it sets)."""
+    cfg, changes = job.engine_config, {}
+    if max_num_seqs is not None:
+        changes["max_num_seqs"] = max_num_seqs
+        if cfg.decode_batch_buckets is not None and cfg.decode_batch_buckets[-1] < max_num_seqs:
+            changes["decode_batch_buckets"] = None
+    if policy is not None:
+        if not any(f.name == "policy" for f in dataclasses.fields(EngineConfig)):
+            raise ValueError("--policy: this jaxinfer has no scheduling policies (EngineConfig has no 'policy')")
+        changes["policy"] = policy
+    try:
+        cfg = dataclasses.replace(cfg, **changes)
+        if buckets is not None:
+            engine_buckets = bucket_strategy(buckets, job, cfg)
+            tables = {"prefill_chunk_buckets": None, "decode_batch_buckets": None, "decode_page_buckets": None}
+            cfg = dataclasses.replace(cfg, buckets=engine_buckets, **tables)
+    except FieldError as e:
+        raise ValueError(f"--{e.field.replace('_', '-')} {e.problem}") from None
+    return cfg
+
+
+def _inflight(job: FinishedJob, cfg: EngineConfig) -> int:
+    header = job.log.header
+    return header.get("max_inflight_given") or _INFLIGHT_PER_SEQ * cfg.max_num_seqs * header.get("replicas", 1)
+
+
+def predict(job: FinishedJob, cfg: EngineConfig) -> dict:
+    """The simulator's figures for the job's requests under `cfg` (FIGURES, then the rest of its summary)."""
+    costs = job.log.costs
+    if costs is None:
+        raise ValueError("the step log holds no step-cost table (the job was killed before it ended); rerun the job")
+    result = simulator.simulate(cfg, job.requests, costs, num_pages=job.log.header.get("num_pages"), max_inflight=_inflight(job, cfg))
+    summary = result.summary()
+    return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
+
+
+def whatif(output: Path, *, policy: str | None = None, buckets: str | None = None, max_num_seqs: int | None = None, step_log: Path | None = None) -> dict:
+    """{"measured", "replay", "replay_error", "predicted", "changes"}: the job's figures, the simulator's replay
+    of it as it ran and its relative error, and the prediction under the changes (the replay when none)."""
+    job = read_job(output, step_log)
+    measured, replay = job.measured(), predict(job, job.engine_config)
+    changes = {k: v for k, v in {"policy": policy, "buckets": buckets, "max_num_seqs": max_num_seqs}.items() if v is not None}
+    predicted = predict(job, new_config(job, policy=policy, buckets=buckets, max_num_seqs=max_num_seqs)) if changes else replay
+    error = {name: _relative(replay[name], measured[name]) for name in FIGURES}
+    return {"measured": measured, "replay": replay, "replay_error": error, "predicted": predicted, "changes": changes,
+            "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
+
+
+def _relative(predicted, measured) -> float | None:
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return round((predicted - measured) / measured, 4)
+
+
+def format_report(report: dict) -> str:
+    """The three columns (measured, replay, predicted) and the replay's error, one figure a line."""
+    lines = [f"whatif: {report['num_requests']} requests; changes: {report['changes'] or 'none (the replay of the job itself)'}"]
+    if report["resumed"]:
+        lines.append("note: the step log is of a resumed run; the measured wall time covers that run only")
+    lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8} {'predicted':>12}")
+    for name in FIGURES:
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        err = report["replay_error"][name]
+        lines.append(f"{name:<12} {fmt(report['measured'][name]):>12} {fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8} {fmt(report['predicted'][name]):>12}")
+    return "\n".join(lines)
+
+
+def add_subparser(commands) -> argparse.ArgumentParser:
+    """Registers `whatif` on the CLI's sub-parsers."""
+    parser = commands.add_parser(
+        "whatif", help="predict a finished job's wall time, TTFT and padding under other settings (no model)",
+        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1],
+    )
+    parser.add_argument("output", type=Path, metavar="OUTPUT.jsonl", help="a finished job's output (its step log lies beside it)")
+    parser.add_argument("--policy", default=None, choices=getattr(config, "POLICIES", None), help="scheduling policy to simulate (default: the job's)")
+    parser.add_argument("--buckets", default=None, metavar="KIND:K", help="bucket tables: a strategy fitted to the job with K buckets each (e.g. fitted:16), or default")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="sequences decoded together at most (default: the job's)")
+    parser.add_argument("--step-log", type=Path, default=None, metavar="FILE", help="the job's step log (default: OUTPUT.steps.jsonl)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args) -> int:
+    report = whatif(args.output, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs, step_log=args.step_log)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0

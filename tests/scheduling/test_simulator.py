@@ -1,0 +1,98 @@
+"""The simulator: the real scheduler on a virtual clock, checked against timelines computed by hand. Host only."""
+
+import collections
+import sys
+
+import numpy as np
+import pytest
+
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.simulator import SimRequest, simulate
+from jaxinfer.scheduling.step_costs import StepCosts
+
+from fakes import small_config
+
+PREFILL_S, DECODE_S = 1.0, 0.1
+
+
+def flat_costs(cfg, host: float = 0.0) -> StepCosts:
+    """Every prefill program costs PREFILL_S, every decode program DECODE_S; the host `host` per step."""
+    costs = StepCosts()
+    for key in BucketTables.from_config(cfg).all_keys():
+        costs.observe(key, PREFILL_S if key.phase == "prefill" else DECODE_S)
+    for rows in (1, 2):
+        costs.observe_host(rows, host)
+    return costs
+
+
+def test_two_requests_prefilled_together_then_decoded_together_have_exact_timings():
+    cfg = small_config()  # prefill budget 8 tokens: both 4-token prompts share one step
+    result = simulate(cfg, [SimRequest(4, 3, 0.0), SimRequest(4, 3, 0.0)], flat_costs(cfg))
+    # t 0 -> 1.0 prefill (first tokens), 1.0 -> 1.1 -> 1.2 two decode steps (tokens 2 and 3)
+    np.testing.assert_allclose(result.ttft_s, [1.0, 1.0])
+    np.testing.assert_allclose(result.tpot_s, [0.1, 0.1])
+    np.testing.assert_allclose(result.latency_s, [1.2, 1.2])
+    np.testing.assert_allclose(result.queue_s, [0.0, 0.0])
+    assert result.wall_s == pytest.approx(1.2)
+    assert result.num_steps == 3 and result.finish_reasons == {"length": 2}
+    assert result.generated_tokens == 6
+
+
+def test_a_late_arrival_waits_on_an_idle_clock_and_counts_from_its_arrival():
+    cfg = small_config()
+    result = simulate(cfg, [SimRequest(4, 2, 0.0), SimRequest(4, 2, 5.0)], flat_costs(cfg))
+    # first: 0 -> 1.0 prefill, 1.1 decode; idle until 5.0; second: 5.0 -> 6.0 prefill, 6.1 decode
+    np.testing.assert_allclose(result.ttft_s, [1.0, 1.0])
+    np.testing.assert_allclose(result.latency_s, [1.1, 1.1])
+    assert result.wall_s == pytest.approx(6.1)
+
+
+def test_a_request_over_the_sequence_limit_queues_until_a_slot_frees():
+    cfg = small_config(max_num_seqs=2, decode_batch_buckets=(2,))
+    result = simulate(cfg, [SimRequest(4, 3), SimRequest(4, 3), SimRequest(4, 3)], flat_costs(cfg))
+    # the first two as above (finish at 1.2); the third's prefill runs 1.2 -> 2.2, then 2.3, 2.4
+    np.testing.assert_allclose(result.ttft_s, [1.0, 1.0, 2.2])
+    np.testing.assert_allclose(result.queue_s, [0.0, 0.0, 1.2])
+    assert result.wall_s == pytest.approx(2.4)
+
+
+def test_host_seconds_are_added_to_every_step():
+    cfg = small_config()
+    result = simulate(cfg, [SimRequest(4, 3, 0.0), SimRequest(4, 3, 0.0)], flat_costs(cfg, host=0.05))
+    np.testing.assert_allclose(result.ttft_s, [1.05, 1.05])
+    assert result.wall_s == pytest.approx(1.05 + 2 * 0.15)
+
+
+def test_max_inflight_holds_back_pulled_requests_like_a_batch_job():
+    cfg = small_config()
+    result = simulate(cfg, [SimRequest(4, 2), SimRequest(4, 2)], flat_costs(cfg), max_inflight=1)
+    # the second is pulled when the first finishes (1.1), so its TTFT counts from there: 1.1 -> 2.1
+    np.testing.assert_allclose(result.ttft_s, [1.0, 1.0])
+    assert result.wall_s == pytest.approx(2.2)
+
+
+def test_the_simulated_schedule_is_the_real_schedulers():
+    # The sketch plans carry no arrays; the keys, steps and padding must still be those of real plans.
+    cfg = small_config(max_num_seqs=4)
+    rng = np.random.default_rng(0)
+    prompts, outputs = rng.integers(1, 20, 12).tolist(), rng.integers(1, 10, 12).tolist()
+    plans, stats = runloop.dry_run(cfg, [[i + 1] * p for i, p in enumerate(prompts)], outputs, num_pages=40)
+    result = simulate(cfg, [SimRequest(p, o) for p, o in zip(prompts, outputs)], flat_costs(cfg), num_pages=40, max_inflight=12)
+    assert result.steps_by_key == dict(collections.Counter(plan.bucket for plan in plans))
+    assert result.padding == pytest.approx(stats.padding_waste)
+    assert result.num_preemptions == stats.num_preemptions
+
+
+def test_a_request_that_cannot_run_is_named():
+    cfg = small_config()
+    with pytest.raises(ValueError, match="request 1 cannot run"):
+        simulate(cfg, [SimRequest(4, 2), SimRequest(40, 2)], flat_costs(cfg))
+
+
+def test_the_simulator_imports_no_jax():
+    import subprocess
+
+    code = "import sys; import jaxinfer.scheduling.simulator, jaxinfer.whatif; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

@@ -1,0 +1,94 @@
+"""The step-cost table: medians of recent runs, estimates for keys never measured, the host line, JSON. Host only."""
+
+import json
+
+import pytest
+
+from jaxinfer.scheduling.plan import BucketKey
+from jaxinfer.scheduling.step_costs import DEFAULT_STEP_S, KEEP, MAX_HOST_GAP_S, StepCosts, work
+
+PREFILL = BucketKey("prefill", 1, 64, 4)
+DECODE = BucketKey("decode", 4, 1, 4)
+
+
+def test_a_measured_key_costs_the_median_of_its_recent_runs():
+    costs = StepCosts()
+    for seconds in (0.30, 0.10, 0.20, 5.0, 0.25):  # one outlier does not move a median much
+        costs.observe(PREFILL, seconds)
+    assert costs.device_seconds(PREFILL) == pytest.approx(0.25)
+    for _ in range(KEEP):  # only the most recent KEEP runs count
+        costs.observe(PREFILL, 0.5)
+    assert costs.device_seconds(PREFILL) == pytest.approx(0.5)
+    assert costs.programs[PREFILL].count == 5 + KEEP
+
+
+def test_an_unmeasured_key_is_estimated_on_the_line_through_its_phases_measured_keys():
+    costs = StepCosts()
+    small, large = BucketKey("decode", 4, 1, 4), BucketKey("decode", 8, 1, 4)  # work 20 and 40
+    costs.observe(small, 0.030)
+    costs.observe(large, 0.050)
+    # line through (20, 0.030) and (40, 0.050): 0.010 + 0.001 * work
+    middle = BucketKey("decode", 4, 1, 11)  # work 4 * 12 = 48
+    assert work(middle) == 48
+    assert costs.device_seconds(middle) == pytest.approx(0.010 + 0.001 * 48)
+    # a phase with nothing measured falls back to every measured key; an empty table to the default
+    assert costs.device_seconds(BucketKey("prefill", 1, 16, 4)) == pytest.approx(0.010 + 0.001 * 20)
+    assert StepCosts().device_seconds(PREFILL) == DEFAULT_STEP_S
+
+
+def test_the_host_line_goes_through_the_median_gap_of_each_row_count():
+    costs = StepCosts()
+    for gap in (0.011, 0.012, 0.013, 0.4):  # rows 1: median 0.0125
+        costs.observe_host(1, gap)
+    for gap in (0.031, 0.032, 0.033):  # rows 3: median 0.032
+        costs.observe_host(3, gap)
+    costs.observe_host(3, MAX_HOST_GAP_S * 2)  # a wait, not host work: ignored
+    intercept, slope = costs.host.line
+    assert slope == pytest.approx((0.032 - 0.0125) / 2)
+    assert intercept == pytest.approx(0.0125 - slope)
+    costs.observe(DECODE, 0.1)
+    assert costs.step_seconds(DECODE, 2) == pytest.approx(0.1 + intercept + 2 * slope)
+    assert StepCosts().host_seconds(8) == 0.0
+
+
+def test_the_table_round_trips_through_json():
+    costs = StepCosts()
+    costs.observe(PREFILL, 0.2)
+    costs.observe(PREFILL, 0.4)
+    costs.observe(DECODE, 0.05)
+    costs.observe_host(4, 0.002)
+    again = StepCosts.from_json(json.loads(json.dumps(costs.to_json())))
+    assert again.table() == costs.table()
+    assert again.host.line == costs.host.line
+    assert again.device_seconds(BucketKey("decode", 8, 1, 8)) == costs.device_seconds(BucketKey("decode", 8, 1, 8))
+
+
+@pytest.mark.parametrize(("doc", "needle"), [
+    ({"format": "other"}, "not a step-cost table"),
+    ({"format": "jaxinfer-step-costs/1", "programs": [{"key": ["train", 1, 1, 1], "count": 1, "recent": [0.1]}]}, "programs[0].key"),
+    ({"format": "jaxinfer-step-costs/1", "programs": [{"key": ["decode", 1, 1, 1], "count": 1, "recent": [-1.0]}]}, "programs[0].recent"),
+    ({"format": "jaxinfer-step-costs/1", "programs": [{"key": ["decode", 1, 1, 1], "count": 0, "recent": [0.1]}]}, "programs[0].count"),
+    ({"format": "jaxinfer-step-costs/1", "host": [{"rows": "2", "count": 1, "recent": [0.1]}]}, "host[0].rows"),
+])
+def test_a_bad_document_is_refused_naming_the_field(doc, needle):
+    with pytest.raises(ValueError, match=__import__("re").escape(needle)):
+        StepCosts.from_json(doc)
+
+
+def test_a_negative_or_nan_step_time_is_refused():
+    with pytest.raises(ValueError, match="finite"):
+        StepCosts().observe(DECODE, float("nan"))
+
+
+def test_warm_up_runs_count_until_real_runs_come_and_are_scaled_by_the_phases_real_to_warm_up_ratio():
+    costs = StepCosts()
+    both, only_warm = BucketKey("prefill", 1, 64, 4), BucketKey("prefill", 1, 128, 8)
+    costs.observe(both, 0.10, warmup=True)
+    costs.observe(only_warm, 0.20, warmup=True)
+    assert costs.device_seconds(both) == pytest.approx(0.10)
+    costs.observe(both, 0.15)  # real rows run 1.5x the padding plan
+    assert costs.device_seconds(both) == pytest.approx(0.15)  # real runs replace the warm-up ones
+    assert costs.device_seconds(only_warm) == pytest.approx(0.20 * 1.5)
+    assert costs.programs[both].count == 1  # warm-up runs are not counted as runs
+    again = StepCosts.from_json(json.loads(json.dumps(costs.to_json())))
+    assert again.device_seconds(only_warm) == pytest.approx(0.30)
