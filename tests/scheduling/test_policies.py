@@ -226,3 +226,45 @@ def test_adaptive_budgets_shrink_to_the_floors_when_slow_and_grow_back_when_fast
     lowest = {phase: min(v for _, p, _, v in policy.changes if p == phase) for phase in ("prefill", "decode")}
     assert lowest == {"prefill": 4, "decode": 2}, policy.changes
     assert (policy.prefill_budget(), policy.decode_width()) == (8, 4), policy.changes
+
+
+# ------------------------------------------------------------ the real model, deterministic mode
+
+FEW_SHOT = {
+    "capitals": "Answer with the capital city.\nQ: France? A: Paris.\nQ: Japan? A: Tokyo.\nQ: Kenya? A: Nairobi.\nQ: Peru? A: Lima.\n",
+    "antonyms": "Give the opposite word.\nhot -> cold\nup -> down\nearly -> late\nfull -> empty\nloud -> quiet\nsoft -> hard\n",
+}
+QUESTIONS = [("capitals", "Q: Chile? A:"), ("antonyms", "wide ->"), ("capitals", "Q: Egypt? A:"), (None, "Tell me a joke about"),
+             ("antonyms", "bright ->"), ("capitals", "Q: Norway? A:")]
+
+
+@pytest.mark.slow
+def test_outputs_under_every_policy_equal_fcfs_in_deterministic_mode_on_the_real_model(smollm2, smollm2_tokenizer, compile_cache):
+    """SmolLM2 (f32) in deterministic mode over six prompts, four sharing one of two few-shot preambles,
+    greedy and sampled: each policy runs them in another order (the schedules differ), and every request's
+    tokens equal first-come-first-served's."""
+    import dataclasses
+
+    from jaxinfer.engine.engine import Engine
+
+    model_cfg, params = smollm2
+    engine_cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=4, max_prefill_tokens=64, num_pages=48,
+                              compilation_cache_dir=compile_cache, deterministic=True)
+    engine = Engine(model_cfg, params, engine_cfg)
+    engine.warmup()
+    prompts = [smollm2_tokenizer.encode((FEW_SHOT[shot] if shot else "") + text) for shot, text in QUESTIONS]
+    results = {}
+    for name in ("fcfs", "prefix", "shortest-prompt"):
+        scheduler = Scheduler(dataclasses.replace(engine_cfg, policy=name), engine.num_pages)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            params_i = SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=6, ignore_eos=True)
+            requests.append(Request(str(i), prompt, params_i, seed=i, arrival_index=i))
+            scheduler.add(requests[-1])
+        order = []
+        finished = list(runloop.run(scheduler, engine.step, runloop.OutputProcessor(None, None, 256), on_step=lambda plan, *_: order.append(plan.request_ids)))
+        assert len(finished) == len(prompts) and all(r.finish_reason == "length" for r in finished)
+        results[name] = ([r.output_ids for r in requests], order)
+    assert results["prefix"][1] != results["fcfs"][1] and results["shortest-prompt"][1] != results["fcfs"][1]
+    for name in ("prefix", "shortest-prompt"):
+        assert results[name][0] == results["fcfs"][0], name
