@@ -30,11 +30,11 @@ class ScoreResult:
 
 def encode_pair(llm, context, continuation) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids). Token ids are taken as given (checked against the vocabulary). Texts
-    are split as lm-eval splits them: the context's trailing spaces move to the continuation, the whole text
+    are split as lm-eval splits them: the context's trailing whitespace moves to the continuation, the whole text
     is tokenized, and the continuation is what follows the context's own tokens (so a word is tokenized as
     it is inside the whole text)."""
     if isinstance(context, str) and isinstance(continuation, str):
-        stripped = context.rstrip(" ")
+        stripped = context.rstrip()
         continuation, context = context[len(stripped):] + continuation, stripped
         if not context:
             raise FieldError("context", "is empty (nothing to condition on: give at least one token)")

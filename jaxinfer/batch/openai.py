@@ -33,7 +33,7 @@ _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 # Body fields OpenAI marks nullable: null there means the default, as if the field were absent.
 NULLABLE_FIELDS = frozenset({
     "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty",
-    "seed", "logprobs", "top_logprobs", "response_format",
+    "seed", "logprobs", "top_logprobs", "response_format", "echo",
 })
 _MODEL_DEFAULT = "jaxinfer"  # the body's `model` when a request names none
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 408: "timeout", 500: "server_error"}
@@ -114,7 +114,20 @@ def parse_request(obj) -> tuple[dict, dict]:
             raise RequestError("a list of several prompts in one request is not supported; give one prompt per line", param="prompt")
         if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
             raise RequestError("'prompt' must be a non-empty string or list of token ids", param="prompt")
+        if _echo(fields):
+            return fields, {"url": url, "model": model, "echo": prompt}
     return fields, {"url": url, "model": model}
+
+
+def _echo(fields: dict) -> bool:
+    """A completion's `echo` (taken out of `fields`): the text starts with the prompt and, with `logprobs`,
+    the logprobs with the prompt's tokens (prompt_logprobs; `max_tokens: 0` then scores the prompt alone)."""
+    echo = fields.pop("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {echo!r}", param="echo")
+    if echo and isinstance(fields.get("logprobs"), int) and not isinstance(fields["logprobs"], bool):
+        fields.setdefault("prompt_logprobs", fields["logprobs"])
+    return echo
 
 
 def _digest(key: str) -> str:
@@ -132,20 +145,26 @@ def response_body(key: str, endpoint: dict, output, token_text=None, token_bytes
     chat = ENDPOINTS[endpoint["url"]] == "chat"
     token_text = token_text or str
     token_bytes = token_bytes or (lambda token: token_text(token).encode("utf-8", "surrogatepass"))
-    choices = [_choice(sample, chat, token_text, token_bytes) for sample in samples]
+    choices = [_choice(sample, chat, token_text, token_bytes, endpoint.get("echo")) for sample in samples]
     kind, prefix = ("chat.completion", "chatcmpl-") if chat else ("text_completion", "cmpl-")
     return {"id": prefix + _digest(key), "object": kind, "created": int(time.time()), "model": endpoint["model"], "choices": choices, "usage": usage}
 
 
-def _choice(sample, chat: bool, token_text, token_bytes) -> dict:
+def _choice(sample, chat: bool, token_text, token_bytes, echo=None) -> dict:
+    """One sample's choice; `echo` (a completion's prompt, text or ids) puts the prompt before its text
+    and its tokens (null log-probability first, as OpenAI's) before its logprobs."""
     choice = {"index": sample.sample_index, "finish_reason": sample.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": sample.text}
     else:
-        choice["text"] = sample.text
+        prompt_text = "" if echo is None else echo if isinstance(echo, str) else "".join(token_text(t) for t in sample.prompt_token_ids)
+        choice["text"] = prompt_text + sample.text
     if sample.logprobs is not None:
         if chat:
             choice["logprobs"] = _chat_logprobs(sample.token_ids, sample.logprobs, token_text, token_bytes)
+        elif echo is not None:
+            prompt_entries = sample.prompt_logprobs or [None] * len(sample.prompt_token_ids)
+            choice["logprobs"] = _completion_logprobs(sample.prompt_token_ids + sample.token_ids, prompt_entries + sample.logprobs, token_text)
         else:
             choice["logprobs"] = _completion_logprobs(sample.token_ids, sample.logprobs, token_text)
     return choice
@@ -162,11 +181,12 @@ def _chat_logprobs(token_ids: list[int], entries: list, token_text, token_bytes)
 
 
 def _completion_logprobs(token_ids: list[int], entries: list, token_text) -> dict:
-    """A completion choice's logprobs: parallel lists tokens, token_logprobs, top_logprobs, text_offset."""
+    """A completion choice's logprobs: parallel lists tokens, token_logprobs, top_logprobs, text_offset
+    (an entry that is None, an echoed prompt's first token, is null in both lists)."""
     texts = [token_text(t) for t in token_ids]
     offsets = [0, *itertools.accumulate(len(t) for t in texts)][: len(texts)]
-    tops = [{token_text(u): v for u, v in top.items()} for _, top in entries]
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
+    tops = [None if entry is None else {token_text(u): v for u, v in entry[1].items()} for entry in entries]
+    return {"tokens": texts, "token_logprobs": [None if entry is None else entry[0] for entry in entries], "top_logprobs": tops, "text_offset": offsets}
 
 
 def result_record(key: str, custom_id: str, endpoint: dict, output, token_text=None, token_bytes=None) -> dict:
