@@ -390,7 +390,7 @@ class Engine:
 
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415
 
-        if not self.step_costs.programs:
+        if not self.step_costs.programs or not tuning_cache.step_timing_runs():  # JAXINFER_TUNE=0 caches nothing
             return
         try:
             tuning_cache.write_step_costs(tuning_cache.cache_dir(), self.costs_key(), self.step_costs)

@@ -1,0 +1,73 @@
+"""`jaxinfer whatif` end to end: a real job on the default model, then its replay and a prediction under other settings."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.", "Describe a cat.", "Who painted the Mona Lisa?"]
+ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "4", "--page-size", "16", "--temperature", "0", "--no-progress", "--dtype", "float32"]
+
+
+def cli(*args, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxinfer.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished_job(tmp_path_factory, compile_cache):
+    """Six chat lines of different lengths, run by `jaxinfer generate` on the default model."""
+    folder = tmp_path_factory.mktemp("whatif")
+    lines = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 8 + 4 * i} for i, q in enumerate(QUESTIONS)]
+    (folder / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = cli("generate", "--input", str(folder / "in.jsonl"), "--output", str(folder / "out.jsonl"), "--compile-cache", compile_cache, *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return folder / "out.jsonl"
+
+
+def whatif_json(output, *flags) -> dict:
+    result = cli("whatif", str(output), "--json", *flags, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_whatif_with_no_change_replays_the_job_beside_its_measured_figures(finished_job):
+    log = [json.loads(line) for line in finished_job.with_name("out.jsonl.steps.jsonl").read_text().splitlines()]
+    summary = next(line for line in log if line["kind"] == "summary")
+    records = [json.loads(line) for line in finished_job.read_text().splitlines()]
+    report = whatif_json(finished_job)
+    for side in ("measured", "predicted"):
+        assert set(report[side]) >= {"wall_s", "ttft_p50_s", "ttft_p99_s", "padding"}
+    assert report["measured"]["wall_s"] == summary["wall_s"] and report["measured"]["padding"] == summary["padding"]
+    ttfts = sorted(r["time_to_first_token_s"] for r in records)
+    assert report["measured"]["ttft_p50_s"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
+    assert report["predicted"] == report["replay"] and report["changes"] == {}
+    # the replay runs the real scheduler on the job's lengths: the same steps and padding as the job
+    assert report["replay"]["num_steps"] == summary["num_steps"]
+    assert report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
+    assert report["replay"]["wall_s"] > 0 and report["replay_error"]["padding"] == pytest.approx(0.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_whatif_predicts_more_steps_and_time_with_one_sequence_at_a_time(finished_job):
+    report = whatif_json(finished_job, "--max-num-seqs", "1", "--buckets", "fitted:2")
+    assert report["changes"] == {"max_num_seqs": 1, "buckets": "fitted:2"}
+    assert report["predicted"]["num_steps"] > report["replay"]["num_steps"]
+    assert report["predicted"]["wall_s"] > report["replay"]["wall_s"]
+    assert report["measured"] == whatif_json(finished_job)["measured"]  # the job's own figures do not change
+
+
+def test_an_output_without_a_step_log_or_missing_is_a_one_line_error(tmp_path):
+    output = tmp_path / "out.jsonl"
+    output.write_text("")
+    result = cli("whatif", str(output), timeout=120)
+    assert result.returncode == 2 and "no step log" in result.stderr and "Traceback" not in result.stderr
+    missing = cli("whatif", str(tmp_path / "none.jsonl"), timeout=120)
+    assert missing.returncode == 2 and "no such output file" in missing.stderr
+
+
+@pytest.mark.slow
+def test_an_unknown_bucket_strategy_is_named(finished_job):
+    result = cli("whatif", str(finished_job), "--buckets", "magic:4", timeout=120)
+    assert result.returncode == 2 and "--buckets must be" in result.stderr and "Traceback" not in result.stderr
