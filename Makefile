@@ -3,6 +3,7 @@
 #   make test       same set-up with dev + ray extras, rebuild the HF references, run every test
 #   make reference  build .venv-ref (Python 3.11, CPU torch, transformers) and rewrite tests/fixtures
 #   make bench      run the benchmarks in experiments/ (peers from .venv-ref)
+#   make gpu-aot    compile every GPU program for an H200 on this CPU machine (.venv-gpu with the CUDA plugin)
 #   make soak       kill and resume the batch CLI on a seeded, partly poisoned input (tests/soak/soak_batch.py)
 # PYTHON=/path/to/python3.12 overrides the search for a working interpreter.
 # JAXINFER_TRACE_DIR: the folder of the shared request traces (kept outside the repository); the trace test
@@ -13,6 +14,7 @@ PYTHON ?= $(shell scripts/find_python.sh 3.12)
 PYTHON_REF ?= $(shell scripts/find_python.sh 3.11 3.11)
 VENV := .venv
 VENV_REF := .venv-ref
+VENV_GPU := .venv-gpu
 PIP_FLAGS := --disable-pip-version-check --quiet
 REF_OUT := build/reference
 LLAMA_CPP_MODELS := build/llama-cpp-python/models
@@ -20,7 +22,7 @@ LLAMA_CPP_MODELS := build/llama-cpp-python/models
 JAXINFER_TRACE_DIR ?= $(wildcard $(abspath ../shared/data))
 SOAK_ARGS ?=
 
-.PHONY: run test test-fast reference reference-check bench soak setup setup-ref setup-bench llama-cpp-models clean
+.PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
@@ -88,5 +90,20 @@ soak: export JAXINFER_TRACE_DIR := $(JAXINFER_TRACE_DIR)
 soak: $(VENV)/.stamp
 	$(VENV)/bin/python tests/soak/soak_batch.py $(SOAK_ARGS)
 
+# Deviceless ahead-of-time compilation for an H200 (jaxinfer/engine/aot.py): the CUDA plugin wheels of the pinned
+# jax (about 4 GB with the nvidia-* wheels, ptxas among them) in their own venv, never in .venv; JAX_PLATFORMS=cpu
+# lets the plugin register its topology without a driver. Writes experiments/results/gpu/aot_h200_<date>.json and
+# the serialized executables under build/gpu-aot/, then runs the compile tests.
+$(VENV_GPU)/.stamp: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/pip install $(PIP_FLAGS) -e '.[gpu-aot]'
+	touch $@
+
+gpu-aot: export JAX_PLATFORMS := cpu
+gpu-aot: $(VENV_GPU)/.stamp
+	$(VENV_GPU)/bin/python experiments/gpu_aot.py
+	$(VENV_GPU)/bin/python -m pytest -q -p no:cacheprovider tests/engine/test_gpu_aot.py
+
 clean:
-	rm -rf build $(VENV) $(VENV_REF)
+	rm -rf build $(VENV) $(VENV_REF) $(VENV_GPU)

@@ -98,7 +98,7 @@ def profile_call(run) -> collections.Counter:
 def profile_key(llm: LLM, key: BucketKey, repeats: int, top: int) -> dict:
     engine = llm.engine
     _, program, compile_s = engine._compile(key)
-    _, draw, _ = engine._compile(engine._num_slots(key))  # the step's second program (Engine.step)
+    _, draw, _ = engine._compile(key.num_rows * BucketTables.from_config(engine.engine_cfg).samples_per_row(key.phase))  # the step's second program (Engine.step)
     inputs = step_inputs(key, engine.num_pages, BucketTables.from_config(engine.engine_cfg).samples_per_row(key.phase), engine)
     forward_inputs = dataclasses.replace(inputs, sampling=dataclasses.replace(inputs.sampling, token_mask=None))  # the mask is the draw's
 
