@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.plan import BucketKey, RowChunk
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -132,10 +132,10 @@ class _SketchScheduler(Scheduler):
 
     def _decode_key(self, requests: list[Request]) -> BucketKey:
         """The real key, with each row's page count looked up once per planning instead of per split costed."""
-        pages = getattr(self, "_pages", {})
-        if not all(r in pages for r in requests):
+        try:
+            return self.tables.decode_key(len(requests), max(map(self._pages.__getitem__, requests)))
+        except (AttributeError, KeyError):  # not a row of this planning's decode batch
             return super()._decode_key(requests)
-        return self.tables.decode_key(len(requests), max(map(pages.__getitem__, requests)))
 
     def _record_utilization(self) -> None:
         """The real statistic in O(running): the simulator's prompts never share a page (each starts with
@@ -152,8 +152,10 @@ class _SketchScheduler(Scheduler):
 class _Run:
     """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
 
-    def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int):
+    def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True):
         self.cfg, self.requests, self.costs, self.max_inflight = cfg, requests, costs, max_inflight
+        self.fast_forward = fast_forward and not cfg.deterministic and all(r.deadline_s is None for r in requests)
+        self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
         self.clock = VirtualClock()
         self.scheduler = _SketchScheduler(cfg, num_pages)
         self.timed = sorted((r.arrival_s, i) for i, r in enumerate(requests) if r.arrival_s is not None)
@@ -168,6 +170,7 @@ class _Run:
 
     def submit(self, index: int, now: float) -> None:
         spec = self.requests[index]
+        now = now if spec.arrival_s is None else spec.arrival_s  # a timed request counts from its arrival
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
@@ -185,6 +188,9 @@ class _Run:
             self.submit(self.timed.pop()[1], now)
         while self.pulled and self.inflight < self.max_inflight:
             self.submit(self.pulled.pop(), now)
+        plans, self.plans = self.plans, []
+        if self.fast_forward and plans:
+            skip.fast_forward(self, plans)
 
     def step(self, plan: _SketchPlan) -> np.ndarray:
         start = self.clock.now
@@ -192,6 +198,7 @@ class _Run:
         self.clock.advance(self.costs.step_seconds(plan.bucket, len(plan.request_ids)))
         self.last_step = self.clock.now
         self.steps_by_key[plan.bucket] = self.steps_by_key.get(plan.bucket, 0) + 1
+        self.plans.append(plan)
         return np.zeros(len(plan.request_ids), np.int32)
 
     def run(self) -> None:
@@ -210,6 +217,7 @@ class _Run:
 
 def simulate(
     engine_cfg: EngineConfig, requests: Iterable[SimRequest], costs: StepCosts, *, num_pages: int | None = None, max_inflight: int | None = None,
+    fast_forward: bool = True,
 ) -> SimResult:
     """Run `requests` through the real scheduler on a virtual clock priced by `costs`.
 
@@ -220,6 +228,8 @@ def simulate(
       num_pages: the KV pool's pages (None: engine_cfg.num_pages, or enough for max_num_seqs full contexts).
       max_inflight: requests without an arrival time in flight at most (None: 4 x max_num_seqs, LLM.stream's
         default for a batch job).
+      fast_forward: skip through runs of decode iterations that must repeat the one before (sim_skip.py);
+        the results are the same either way (a test checks), only faster.
     """
     started = time.perf_counter()
     requests = list(requests)
@@ -227,7 +237,7 @@ def simulate(
         if r.prompt_tokens < 1 or r.output_tokens < 0 or (r.arrival_s is not None and not r.arrival_s >= 0):
             raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 0 and arrival_s >= 0 or None, got {r}")
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs)
+    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward)
     run.run()
     return _result(run, time.perf_counter() - started)
 

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxinfer.config import POLICIES
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.simulator import SimRequest, simulate
@@ -96,3 +97,21 @@ def test_the_simulator_imports_no_jax():
     code = "import sys; import jaxinfer.scheduling.simulator, jaxinfer.whatif; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("arrivals", [False, True])
+def test_fast_forward_gives_the_same_results_as_every_step_run(arrivals, policy):
+    cfg = small_config(max_num_seqs=4, max_context=64, page_size=4, decode_page_buckets=(2, 4, 8, 16), policy=policy)
+    rng = np.random.default_rng(1)
+    n = 40
+    times = np.cumsum(rng.exponential(0.8, n)) if arrivals else [None] * n
+    requests = [SimRequest(int(p), int(o), None if t is None else float(t)) for p, o, t in zip(rng.integers(1, 30, n), rng.integers(1, 30, n), times)]
+    costs = flat_costs(cfg, host=0.01)
+    fast = simulate(cfg, requests, costs, num_pages=30)
+    slow = simulate(cfg, requests, costs, num_pages=30, fast_forward=False)
+    for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
+        np.testing.assert_allclose(getattr(fast, name), getattr(slow, name), rtol=1e-9, atol=1e-9)
+    assert fast.steps_by_key == slow.steps_by_key and fast.num_steps == slow.num_steps
+    assert fast.wall_s == pytest.approx(slow.wall_s) and fast.padding == pytest.approx(slow.padding)
+    assert fast.num_preemptions == slow.num_preemptions
