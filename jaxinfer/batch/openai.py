@@ -9,7 +9,9 @@ Output, one line per input line (in the order they finish):
 
     {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_...", "body": <chat.completion>}, "error": null, ...}
 
-where the body is an OpenAI `chat.completion` or `text_completion` object. A line that cannot run gets the
+where the body is an OpenAI `chat.completion` or `text_completion` object. A completions body may set `echo`:
+the prompt comes back before the text and, with `logprobs`, its tokens before the completion's (the first
+one null, as OpenAI's); with `max_tokens: 0` that scores the prompt alone (prompt_logprobs). A line that cannot run gets the
 status code an OpenAI server would answer (400 a bad body, 404 an unknown url, 405 a method other than
 POST, 408 a deadline passed before it started, 500 a failed step); its body is OpenAI's error object
 `{"error": {"message", "type", "param", "code"}}` and its `error` the same as a batch error

@@ -77,3 +77,26 @@ def test_a_jaxinfer_line_scores_its_prompt_from_logprob_start(llm, tmp_path):
     assert record["finish_reason"] == "length" and record["num_generated_tokens"] == 0
     assert record["prompt_logprobs"][:4] == [None] * 4
     assert [e["token_id"] for e in record["prompt_logprobs"][4:]] == ids[4:]
+
+
+@pytest.mark.slow
+def test_echo_lines_through_ray_equal_the_local_run(tiny_chat_model, compile_cache, tmp_path):
+    """The same OpenAI file with echo lines, run by `jaxinfer generate` locally and with --ray (2 actors)."""
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'jaxinfer[ray]'")
+    import os
+    import subprocess
+    import sys
+
+    lines = [completion(f"e{i}", f"{PROMPT} Line {i}.", echo=True, logprobs=1, max_tokens=i % 3) for i in range(4)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = ["--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress", "--compile-cache", compile_cache]
+    bodies = {}
+    for name, extra in (("local", []), ("ray", ["--ray", "--ray-actors", "2", "--ray-batch-size", "2"])):
+        out = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(tiny_chat_model), "--input", str(inp), "--output", str(out), *flags, *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "JAX_PLATFORMS": "cpu"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        bodies[name] = {r["custom_id"]: r["response"]["body"]["choices"] for r in records(out)}
+    assert bodies["ray"] == bodies["local"] and len(bodies["local"]) == 4
+    assert all(choices[0]["text"].startswith(PROMPT) and choices[0]["logprobs"]["token_logprobs"][0] is None for choices in bodies["local"].values())
