@@ -127,6 +127,20 @@ def test_edf_sheds_a_request_whose_deadline_can_no_longer_be_met_so_the_next_mee
     assert scheduler.expire(now=100.0) == []
 
 
+def test_edf_never_sheds_a_preempted_request_that_has_output_tokens():
+    """A request that has started (it holds generated tokens, re-queued after preemption) is past its
+    deadline's meaning, as in the queue's own expiry; the same request without output is shed."""
+    cfg = small_config()
+    scheduler = Scheduler(cfg, num_pages=30, policy=EarliestDeadlineFirst(cfg, tokens_per_second=1.0))
+    scheduler.add(request("blocker", 8, 2, 0))
+    scheduler.schedule()  # the blocker runs: its 8 prompt tokens take 8 s
+    started, fresh = request("started", 8, 2, 1), request("fresh", 8, 2, 2)
+    started.deadline, started.output_ids, fresh.deadline = 100.1, [5], 100.2
+    scheduler.add(started)
+    scheduler.add(fresh)
+    assert scheduler.expire(now=100.0) == [fresh] and started.status == "waiting"
+
+
 def test_edf_sheds_nothing_before_it_has_measured_a_prefill_then_uses_the_measured_rate():
     cfg = small_config()
     scheduler = Scheduler(cfg, num_pages=30, policy=make_policy("edf", cfg))
