@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import backends
+from jaxinfer.engine.tuning_cache import AttentionMeasurement  # the tuner's record (tuning_cache owns it)
 from jaxinfer.model import attention
 from jaxinfer.scheduling import runloop
 from jaxinfer.model import kv_pool as kvp
@@ -33,27 +34,6 @@ from jaxinfer.scheduling.plan import StepPlan
 
 NUM_DECODE_STEPS = 4  # decode steps of the workload, after its prompts are prefilled
 NUM_TIMED_CALLS = 2  # timed calls per program, compiled ahead; the fastest counts
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionMeasurement:
-    """One attention implementation of one compute dtype over the workload: ms of all layers' attention per
-    prompt token (prefill) and per output token (decode), and the score they make."""
-
-    dtype: str
-    attention_impl: str
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
-    score: float | None = None
-    note: str = ""  # why it could not run
-
-    @property
-    def candidate(self) -> str:
-        return f"attention {self.dtype}/{self.attention_impl}"
-
-    @property
-    def status(self) -> str:
-        return self.note or "timed"
 
 
 def middle_bucket(table: tuple[int, ...]) -> int:

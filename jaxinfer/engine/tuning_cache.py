@@ -1,4 +1,4 @@
-"""The tuner's record and its cache: `Measurement` (one candidate's row), `TuneResult` (the choice, how it
+"""The tuner's record and its cache: `Measurement` (one candidate's row), `AttentionMeasurement` (one attention implementation's), `TuneResult` (the choice, how it
 was made, and the table), and the per-machine cache of results under the cache root.
 
 A result is cached per machine fingerprint, jaxlib version, model geometry, engine limits, pins, weight
@@ -7,7 +7,8 @@ reads one small JSON file. A cached file that cannot be read, holds a value outs
 names an implementation that cannot run here now is no cache (with a warning naming the file): the choice is
 measured again. Files are written to a temporary name, fsynced and renamed into place.
 
-Imports jax (the backend and the fingerprint) and engine/backends.py; tuning.py imports this module.
+Imports jax (the backend and the fingerprint) and engine/backends.py; tuning.py, tune_attention.py and the engine
+(its step-cost table) import this module.
 """
 
 import dataclasses
@@ -22,7 +23,7 @@ from pathlib import Path
 import jax
 
 from jaxinfer.config import ATTENTION_IMPLS, DTYPES, MATMUL_IMPLS, EngineConfig, ModelConfig
-from jaxinfer.engine import backends, tune_attention
+from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls
 from kernels_cpu import build as kernel_build
 
@@ -54,6 +55,27 @@ class Measurement:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionMeasurement:
+    """One attention implementation of one compute dtype over the workload: ms of all layers' attention per
+    prompt token (prefill) and per output token (decode), and the score they make."""
+
+    dtype: str
+    attention_impl: str
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    score: float | None = None
+    note: str = ""  # why it could not run
+
+    @property
+    def candidate(self) -> str:
+        return f"attention {self.dtype}/{self.attention_impl}"
+
+    @property
+    def status(self) -> str:
+        return self.note or "timed"
+
+
+@dataclasses.dataclass(frozen=True)
 class TuneResult:
     """What the tuner chose (`choice`), how (`source`: 'tuned' measured now, 'cached' measured before and read
     from the cache, 'fixed' not measured), and its table."""
@@ -67,7 +89,7 @@ class TuneResult:
     prefill_key: object = None
     decode_key: object = None
     reason: str = ""  # why nothing was measured, for a fixed choice
-    attention: list = dataclasses.field(default_factory=list)  # tune_attention.AttentionMeasurement per impl timed alone
+    attention: list = dataclasses.field(default_factory=list)  # AttentionMeasurement per impl timed alone (tune_attention.py)
     source: str = "fixed"
 
     def describe(self) -> str:
@@ -146,7 +168,7 @@ def read_cached(directory: Path, key: str) -> "TuneResult | None":
         doc = json.loads(path.read_text())
         choice = Impls(**doc["choice"])
         measurements = [Measurement(**{**m, "impls": Impls(**m["impls"])}) for m in doc["measurements"]]
-        attention = [tune_attention.AttentionMeasurement(**m) for m in doc.get("attention", [])]
+        attention = [AttentionMeasurement(**m) for m in doc.get("attention", [])]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if (problem := unrunnable(choice)) is not None:
