@@ -364,8 +364,7 @@ class Engine:
         tables = BucketTables.from_config(self.engine_cfg)
         missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:
-            plan = StepPlan.build(key.phase, [], key, self.engine_cfg.page_size, packed=tables.packed_seqs if key.phase == "prefill" else 0,
-                                  bias_width=self.engine_cfg.max_logit_bias)
+            plan = _timing_plan(key, self.engine_cfg, tables.packed_seqs)
             self.step(plan, observe=False)  # the first run of a program may pay one-time costs
             for _ in range(runs):
                 start = time.perf_counter()
@@ -426,6 +425,18 @@ class Engine:
         if observe:
             self.step_costs.observe(plan.bucket, time.perf_counter() - start)
         return result
+
+
+def _timing_plan(key: BucketKey, engine_cfg: EngineConfig, packed_seqs: int) -> StepPlan:
+    """A plan of `key` that works like full rows but touches only the null page: every row one sequence whose
+    last token sits at the end of its table (so attention reads every table entry, all of them page 0), and
+    every token written to page 0. Warm-up times each program on it (Engine.time_programs)."""
+    page_size = engine_cfg.page_size
+    plan = StepPlan.build(key.phase, [], key, page_size, packed=packed_seqs if key.phase == "prefill" else 0, bias_width=engine_cfg.max_logit_bias)
+    end = key.num_pages * page_size  # positions the table covers
+    first = max(0, end - key.num_tokens)
+    positions = np.broadcast_to(np.arange(first, first + key.num_tokens, dtype=np.int32), plan.positions.shape).copy()
+    return dataclasses.replace(plan, positions=positions, token_segments=np.zeros_like(plan.token_segments), page_segments=np.zeros_like(plan.page_segments))
 
 
 def _spec(*shape: int, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
