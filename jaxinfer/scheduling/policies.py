@@ -133,15 +133,20 @@ class EarliestDeadlineFirst(SchedulingPolicy):
 
     def shed(self, view: SchedulerView, now: float) -> list[Request]:
         rate = self.tokens_per_second or self.window.prefill_tokens_per_second()
-        if rate is None or not view.waiting.has_deadlines():
+        left = view.waiting.num_with_deadline  # the walk ends after the last of them
+        if rate is None or not left:
             return []
         ahead = sum(max(0, len(r.prompt_ids) - r.num_computed_tokens) for r in view.running)
         shed = []
         for request in view.waiting.first(len(view.waiting)):
-            if request.deadline is not None and not request.output_ids and now + ahead / rate > request.deadline:
-                shed.append(request)
-            else:
-                ahead += request.num_tokens
+            if request.deadline is not None:
+                left -= 1
+                if not request.output_ids and now + ahead / rate > request.deadline:
+                    shed.append(request)
+                    continue
+            if not left:
+                break
+            ahead += request.num_tokens
         return shed
 
 

@@ -42,6 +42,7 @@ class RequestQueue:
         self._deadlines: list[tuple] = []  # heap of (deadline, seq, request), requests with a deadline
         self._num_front = 0  # pushes to the front so far
         self._num_back = 0  # pushes to the back so far
+        self.num_with_deadline = 0  # queued requests that have a deadline
 
     def __len__(self) -> int:
         return len(self._seq_of)
@@ -76,11 +77,13 @@ class RequestQueue:
         heapq.heappush(self._order, (self._key(request), seq, request))
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request))
+            self.num_with_deadline += 1
 
     def remove(self, request: Request) -> None:
         """Take a queued request out (ValueError if it is not queued). O(1) amortized: its heap entries go stale."""
         if self._seq_of.pop(request, None) is None:
             raise ValueError(f"request {request.request_id!r} is not queued")
+        self.num_with_deadline -= request.deadline is not None
         self._order = self._compacted(self._order)
         self._deadlines = self._compacted(self._deadlines)
 
@@ -130,10 +133,6 @@ class RequestQueue:
                 yield entry[-1]
 
     # ------------------------------------------------------------ deadlines
-
-    def has_deadlines(self) -> bool:
-        """Whether a queued request may have a deadline (stale entries count until they reach the top). O(1)."""
-        return bool(self._deadlines)
 
     def expire(self, now: float) -> list[Request]:
         """Take out and return, in line order, the requests whose deadline is before `now` and that have

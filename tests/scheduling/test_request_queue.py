@@ -42,6 +42,7 @@ def assert_same(queue: RequestQueue, model: OldWaitingList) -> None:
     assert len(queue) == len(model) and bool(queue) == bool(model)
     assert list(queue.first(len(model) + 1)) == model.first(len(model) + 1)
     assert queue.peek() is (model.first(1) or [None])[0]
+    assert queue.num_with_deadline == sum(r.deadline is not None for r in model)  # where a deadline walk may stop
 
 
 OPS = st.one_of(
