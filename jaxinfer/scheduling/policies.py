@@ -159,14 +159,19 @@ class PrefixAware(SchedulingPolicy):
     siblings (requests with the same first pages) are admitted together, while their shared pages are
     cached and held. A queued request whose next uncached page is being computed by a running request (or by
     one admitted earlier in the same step) is not offered until that page is computed and named: it then
-    shares it instead of computing it again. Requests are never starved beyond the in-flight window: a
-    newly seen prefix ranks after those seen before.
+    shares it instead of computing it again.
+
+    A newly seen prefix ranks after those seen before, so in a stream a family that keeps arriving goes
+    before a later one, whose requests may wait until the input ends. `epoch` bounds that wait: requests
+    are ordered by (arrival index // epoch) first, the trie only within an epoch of that many arrivals
+    (None: one epoch, the most sharing).
     """
 
     name = "prefix"
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, *, epoch: int | None = None):
         super().__init__(cfg)
+        self.epoch = None if epoch is None else check_int("epoch", epoch, low=1)
         self._rank: dict[bytes, int] = {}  # page name -> order first seen
 
     def _names(self, request: Request) -> list[bytes]:
@@ -175,7 +180,8 @@ class PrefixAware(SchedulingPolicy):
 
     def queue_key(self, request: Request) -> tuple:
         path = tuple(self._rank.setdefault(name, len(self._rank)) for name in self._names(request))
-        return (request.priority, path, request.arrival_index)
+        epoch = request.arrival_index // self.epoch if self.epoch else 0
+        return (request.priority, epoch, path, request.arrival_index)
 
     def admission_order(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
         if free_slots <= 0:

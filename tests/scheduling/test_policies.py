@@ -167,6 +167,10 @@ def test_prefix_policy_orders_the_queue_by_the_page_trie_so_siblings_are_adjacen
     order = [r.request_id for r in scheduler.waiting.first(len(lines))]
     # no full page first, then b's family (seen first), then a's: the two with all 3 of a's pages, then the one sharing 2
     assert order == ["r5", "r0", "r2", "r1", "r4", "r3"]
+    epochs = Scheduler(cfg, num_pages=60, policy=PrefixAware(cfg, epoch=3))  # arrivals 0-2, then 3-5, each in trie order
+    for i, line in enumerate(lines):
+        epochs.add(prompt_request(f"r{i}", line, 2, i))
+    assert [r.request_id for r in epochs.waiting.first(len(lines))] == ["r0", "r2", "r1", "r5", "r4", "r3"]
 
 
 def test_prefix_policy_holds_a_sibling_until_the_shared_pages_are_computed_then_it_shares_them():
