@@ -311,7 +311,7 @@ class LLM:
         are advanced in turn, each output yielded as it finishes; a replica's loop that ran out of work
         is started again when new prompts reach it."""
         run = _StreamRun(self, on_step)
-        self.last_routes = run.routes
+        self.last_routes, self.stream_run = run.routes, run  # stream_run: a bucket refit (batch/refit.py) swaps its schedulers' tables
         show = progress if progress is not None else total is None or total >= _PROGRESS_MIN_REQUESTS
         bar = tqdm(total=total, unit="req", disable=not show)
         try:
@@ -346,7 +346,7 @@ class LLM:
                 str(prompt.index) if sample == 0 else f"{prompt.index}:{sample}", prompt.token_ids, prompt.params,
                 seed if sample == 0 else derive_seed(seed, f"sample:{sample}"), priority=prompt.priority,
                 deadline=deadline, arrival_index=prompt.index, arrival_time=now, cache_salt=prompt.cache_salt,
-                eos_id=self.tokenizer.eos_id, guide=self._guides.guide(prompt.params),
+                eos_id=self.tokenizer.eos_id, **self._guides.request_fields(prompt.params, prompt.token_ids),
                 fork_of=requests[0] if requests else None, sample_index=sample,
             ))
         return requests

@@ -9,6 +9,7 @@ a prompt of n samples leaves as one output (sample 0's) whose `samples` holds al
 
 import dataclasses
 
+from jaxinfer.scheduling import reasoning
 from jaxinfer.scheduling.request import Request
 
 
@@ -62,13 +63,19 @@ class RequestOutput:
     num_samples: int = 1
     samples: "list[RequestOutput] | None" = None
     prompt_token_ids: list[int] | None = None  # the prompt as the engine saw it (after the chat template, truncation)
+    # A model that thinks (scheduling/reasoning.py): the text inside its thinking block, tags left out; `text`
+    # is then the answer after the block. None when the request never thought.
+    reasoning_content: str | None = None
 
 
 def output_of(request: Request, text: str) -> RequestOutput:
-    """The output of a finished request whose text (stop strings applied) is `text`."""
+    """The output of a finished request whose text (stop strings applied) is `text`; for a model that
+    thinks, split into the answer (`text`) and its `reasoning_content`."""
+    reasoning_content, text = reasoning.split(text, request.thinking)
     return RequestOutput(
         index=request.arrival_index,
         text=text,
+        reasoning_content=reasoning_content,
         token_ids=list(request.output_ids),
         finish_reason=request.finish_reason,
         num_prompt_tokens=len(request.prompt_ids),

@@ -158,6 +158,8 @@ def _choice(sample, chat: bool, token_text, token_bytes, echo=None) -> dict:
     choice = {"index": sample.sample_index, "finish_reason": sample.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": sample.text}
+        if sample.reasoning_content is not None:  # a model that thinks (vLLM's field): content is the answer after the block
+            choice["message"]["reasoning_content"] = sample.reasoning_content
     else:
         prompt_text = "" if echo is None else echo if isinstance(echo, str) else "".join(token_text(t) for t in sample.prompt_token_ids)
         choice["text"] = prompt_text + sample.text

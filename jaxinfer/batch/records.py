@@ -149,6 +149,8 @@ def _result_record(line: InputLine, output: "RequestOutput") -> dict:
 
 def _sample_fields(output) -> dict:
     fields = {"text": output.text, "token_ids": output.token_ids, "finish_reason": output.finish_reason, "num_generated_tokens": output.num_generated_tokens}
+    if output.reasoning_content is not None:  # a model that thinks: text is the answer after the block
+        fields["reasoning_content"] = output.reasoning_content
     if output.logprobs is not None:
         fields["logprobs"] = _logprob_records(output.token_ids, output.logprobs)
     return fields

@@ -11,7 +11,9 @@ Each step, `StepPlan.build` asks every constrained request for its next token's 
 under a `lax.cond` taken only when some row is constrained (sampling.process). The output processor
 feeds each drawn token to the guide (`Guide.advance`); a matcher that has stopped ends the request ('stop').
 The same masks carry `allowed_token_ids` and `bad_words` (a `Guide` without a grammar), so a request
-with any of them costs no program of its own.
+with any of them costs no program of its own. For a model that thinks (reasoning.py), a request's grammar
+applies only after its thinking block closes (inside it, EOS is banned: an answer must follow), and a
+`thinking_budget` makes the close tag the only token allowed once the budget is spent.
 
 No constraint is broken silently: a spec is checked in a child process (grammar_check.py: a grammar deep
 enough to overflow llguidance's stack is an error, not a crash), a matcher in an error state, and a step
@@ -24,7 +26,7 @@ import json
 
 import numpy as np
 
-from jaxinfer.scheduling import grammar_check
+from jaxinfer.scheduling import grammar_check, reasoning
 from jaxinfer.validation import FieldError
 
 SPEC_KINDS = ("json", "regex", "choice", "grammar")
@@ -95,12 +97,24 @@ class Guides:
         eos = self._tokenizer.eos_id
         return llguidance.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos)
 
-    def guide(self, params) -> "Guide | None":
+    @functools.cached_property
+    def think_tokens(self) -> "reasoning.ThinkTokens | None":
+        """The model's thinking tags (reasoning.THINK_TAGS), or None when it does not think."""
+        hf = getattr(self._tokenizer, "tokenizer", None)
+        return None if hf is None else reasoning.think_tokens(hf.token_to_id)
+
+    def request_fields(self, params, prompt_ids) -> dict:
+        """A new request's `guide` and `thinking` (its place relative to the thinking block), as Request fields."""
+        thinking = reasoning.thinking_for(self.think_tokens, prompt_ids, params.thinking_budget)
+        return {"guide": self.guide(params, thinking), "thinking": thinking}
+
+    def guide(self, params, thinking: "reasoning.Thinking | None" = None) -> "Guide | None":
         """A fresh guide for a request's SamplingParams (its grammar, allowed_token_ids, bad_words), or
         None when it has none of them. Each request (each sample of n) gets its own: a guide has state.
         A matcher that cannot be made gives a guide in its error state (the request's error), never a raise."""
         spec, allowed, words = params.structured_outputs, params.allowed_token_ids, params.bad_words
-        if spec is None and allowed is None and not words:
+        budget = thinking is not None and params.thinking_budget is not None
+        if spec is None and allowed is None and not words and not budget:
             return None
         matcher, error = None, None
         if spec is not None:
@@ -109,7 +123,7 @@ class Guides:
             except Exception as e:  # llguidance refused a spec its check passed: this request's error
                 error = f"the grammar's matcher could not be made: {type(e).__name__}: {e}"
         guide = Guide(matcher, None if allowed is None else self._allowed_bits(allowed), self._bad_word_ids(words), self.vocab_size)
-        guide.error = error
+        guide.error, guide.thinking, guide.eos_id = error, thinking, self._tokenizer.eos_id
         return guide
 
     def _matcher(self, kind: str, text: str):
@@ -146,17 +160,30 @@ class Guide:
         self.matcher, self.allowed, self.bad_words, self.vocab_size = matcher, allowed, bad_words, vocab_size
         self.output: list[int] = []
         self.error: str | None = None
+        self.thinking: reasoning.Thinking | None = None  # the request's thinking block, advanced by the output processor
+        self.eos_id: int | None = None
 
     def fill_mask(self, row: np.ndarray, banned=()) -> None:
         """Write the bitmask of allowed next tokens into `row` (int32[mask_words], contiguous, all ones on
         entry). `banned`: ids whose logit bias is -inf at this step (min_tokens' EOS and stop ids), int[N].
         When nothing is left, `error` names the constraints that left nothing."""
-        if self.matcher is not None:
+        thinking = self.thinking
+        if thinking is not None and thinking.forced_token is not None:  # the thinking budget is spent
+            row[:] = 0
+            _set_bit(row, thinking.forced_token)
+            return
+        if self.matcher is not None and (thinking is None or thinking.grammar_applies):
             self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
             if self.error is None and self.matcher.is_error():
                 self.error = self._matcher_error()
+            if thinking is not None and thinking.state == reasoning.BEFORE:
+                _set_bit(row, thinking.tokens.open_id)  # the first token may open the block instead
+        elif self.matcher is not None and self.eos_id is not None:  # inside the block: an answer must follow
+            _clear_bit(row, self.eos_id)
         if self.allowed is not None:
             row &= self.allowed
+            if thinking is not None and thinking.state == reasoning.THINKING:
+                _set_bit(row, thinking.tokens.close_id)  # the block may always close
         for ids in self.bad_words:
             if len(ids) == 1 or tuple(self.output[-(len(ids) - 1) :]) == ids[:-1]:
                 _clear_bit(row, ids[-1])
@@ -170,6 +197,8 @@ class Guide:
         self.output.append(token)
         if self.matcher is None or self.error is not None:
             return self.error is not None
+        if self.thinking is not None and self.thinking.last_was_thinking:
+            return False  # the block's tokens are not the grammar's
         self.matcher.consume_token(token)
         if self.matcher.is_error():
             self.error = self._matcher_error()
@@ -196,6 +225,10 @@ def fill_mask(row: np.ndarray, guide: "Guide | None", banned=()) -> None:
         return
     for token in banned:
         _clear_bit(row, int(token))
+
+
+def _set_bit(row: np.ndarray, token: int) -> None:
+    row.view(np.uint32)[token // 32] |= np.uint32(1 << (token % 32))
 
 
 def _clear_bit(row: np.ndarray, token: int) -> None:

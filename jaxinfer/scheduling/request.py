@@ -53,6 +53,8 @@ class SamplingParams:
     structured_outputs: tuple[str, str] | None = None
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (None: any)
     bad_words: tuple[str, ...] = ()  # never generated: a word's last token is banned where its other tokens end the output
+    # A model that thinks (reasoning.py): tokens inside its thinking block after which the close tag is forced (None: no limit)
+    thinking_budget: int | None = None
 
     def __post_init__(self):
         checked = {
@@ -77,6 +79,7 @@ class SamplingParams:
             "structured_outputs": guided.check_spec(self.structured_outputs),
             "allowed_token_ids": None if self.allowed_token_ids is None else check_token_list("allowed_token_ids", self.allowed_token_ids, nonempty=True),
             "bad_words": check_stop_strings(self.bad_words, "bad_words"),
+            "thinking_budget": None if self.thinking_budget is None else check_int("thinking_budget", self.thinking_budget, low=0),
         }
         checked["n"] = check_int("n", self.n, low=1, high=MAX_N)
         if checked["n"] > 1 and checked["temperature"] == 0:
@@ -243,6 +246,7 @@ class Request:
     fork_of: "Request | None" = None  # sample 0 of its prompt, for samples 1.. of n (they share its prompt pages)
     sample_index: int = 0  # which of its prompt's n samples
     guide: object | None = None  # what it may generate next (guided.Guide), with a grammar, allowed_token_ids or bad_words
+    thinking: object | None = None  # for a model that thinks: its place relative to the thinking block (reasoning.Thinking)
     # Per generated token with params.logprobs: (its log-probability, {token id: log-probability} of the top ones)
     logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = dataclasses.field(default_factory=list)  # per prompt token; None for the first

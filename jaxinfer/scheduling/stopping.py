@@ -106,6 +106,8 @@ class OutputProcessor:
         if request.guide is not None and _guide_failed(request):
             return "error"
         reason = token_stop_reason(request.output_ids, request.params, self.eos_id)
+        if request.thinking is not None:  # before the guide, which reads where the token fell
+            request.thinking.advance(request.output_ids[-1])
         if request.guide is not None and request.guide.advance(request.output_ids[-1]):
             if request.guide.error is not None:  # the matcher failed on this (allowed) token
                 request.error = request.guide.error
