@@ -1,0 +1,70 @@
+"""The engine's step-cost table: every program timed at warm-up on plans that touch only the null page,
+refined by every step, persisted per machine and model (tuning_cache), and read back on the next start."""
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine import tuning_cache
+from jaxinfer.engine.engine import CompileCounter, Engine
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.stopping import OutputProcessor
+
+ENGINE = dict(page_size=8, max_context=64, max_num_seqs=4, max_prefill_tokens=16, num_pages=20, prefill_chunk_buckets=(16,),
+              decode_batch_buckets=(4,), decode_page_buckets=(2, 8))
+
+
+@pytest.fixture
+def cost_cache(tmp_path, monkeypatch):
+    """The tuner's cache root in a temporary folder (only its step_costs part: the kernels' cache stays where it is)."""
+    monkeypatch.setattr(tuning_cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv(tuning_cache.STEP_TIMING_ENV, "2")
+    return tmp_path
+
+
+def test_warm_up_times_every_program_on_the_null_page_and_saves_the_table(tiny_llama, compile_cache, cost_cache):
+    cfg, params = tiny_llama
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    before = np.asarray(engine.pool.k)[:, :, 1:].copy()  # every real page (k is [layers, kv heads, pages, K, L])
+    engine.warmup()
+    keys = engine.bucket_keys()
+    assert [k for k, _, _ in engine.step_costs.table()] == sorted(keys)
+    assert all(len(engine.step_costs.programs[k].warmup) == 2 and engine.step_costs.programs[k].count == 0 for k in keys)
+    np.testing.assert_array_equal(np.asarray(engine.pool.k)[:, :, 1:], before)  # the timing runs wrote the null page only
+    saved = list((cost_cache / "step_costs").glob("*.json"))
+    assert len(saved) == 1 and saved[0].stem == engine.costs_key()
+
+    # a second engine of the same model and settings reads the table instead of timing again
+    again = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    again.time_programs()
+    assert [k for k, _, _ in again.step_costs.table()] == [k for k, _, _ in engine.step_costs.table()]
+    assert [s for _, _, s in again.step_costs.table()] == pytest.approx([s for _, _, s in engine.step_costs.table()], abs=1e-6)  # 7 decimals in the file
+
+    # real steps refine it, and add no compile
+    scheduler = Scheduler(engine.engine_cfg, engine.num_pages)
+    for i in range(3):
+        scheduler.add(Request(str(i), list(range(5 + 4 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), seed=i))
+    with CompileCounter() as compiles:
+        done = list(runloop.run(scheduler, engine.step, OutputProcessor(None, None, 64)))
+    assert len(done) == 3 and compiles.count == 0
+    assert sum(obs.count for obs in engine.step_costs.programs.values()) == scheduler.stats.num_steps
+
+
+def test_under_jaxinfer_tune_0_nothing_is_timed_read_or_written(tiny_llama, compile_cache, cost_cache, monkeypatch):
+    monkeypatch.delenv(tuning_cache.STEP_TIMING_ENV)
+    monkeypatch.setenv(tuning_cache.TUNE_ENV, "0")
+    cfg, params = tiny_llama
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    engine.warmup()
+    assert engine.step_costs.table() == []
+    engine.step_costs.observe(engine.bucket_keys()[0], 0.1)
+    engine.save_step_costs()
+    assert not (cost_cache / "step_costs").exists()
+
+
+def test_a_bad_step_timing_setting_is_named(monkeypatch):
+    monkeypatch.setenv(tuning_cache.STEP_TIMING_ENV, "two")
+    with pytest.raises(ValueError, match="JAXINFER_STEP_TIMING_RUNS"):
+        tuning_cache.step_timing_runs()
