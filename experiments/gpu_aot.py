@@ -109,14 +109,15 @@ def kernel_jobs(mesh, quick: bool) -> list[tuple[str, dict, object]]:
 
 
 def entry_shapes(covered: set) -> list[dict]:
-    """One shape inside each TUNED_TABLE row the sweep left out: its widest batch (at most 1,024 sequences) and
-    longest context (at most 131,072 tokens), group 4."""
-    shapes = []
+    """One shape inside each TUNED_TABLE row the sweep left out, group 4: the row's widest batch and longest
+    context, or just past the row's lower edge where it is unbounded (a batch of 65, 32,768 tokens), so the
+    pool stays one an H200 could hold."""
+    shapes, unbounded = [], 2**31 - 1
     for e in pa.TUNED_TABLE:
         if (e.head_dim, e.page_size, e.max_rows, e.max_context) in covered:
             continue
-        batch = max(1, min(e.max_rows, 8192) // NUM_KV_HEADS)
-        context = min(e.max_context, 131072) // e.page_size * e.page_size
+        batch = 65 if e.max_rows == unbounded else max(1, e.max_rows // NUM_KV_HEADS)
+        context = 32768 if e.max_context == unbounded else e.max_context
         shape = dict(batch=batch, context=context, head_dim=e.head_dim, page_size=e.page_size, group=4)
         if table_entry(shape) == (e.head_dim, e.page_size, e.max_rows, e.max_context):
             shapes.append(shape)

@@ -355,6 +355,26 @@ def print_timing_row(row: dict) -> None:
     print("  ".join(cells), flush=True)
 
 
+def load_aot(rows: list, aot_dir: str, budget: Budget, reserve_s: float) -> None:
+    """Load the executables `make gpu-aot` compiled for an H200 without one (carry build/gpu-aot to the GPU
+    machine): each one deserialized onto this device, or the error that says why it could not be. On a CPU
+    (--dry-run) they cannot load, and the rows say so; nothing here fails the check."""
+    import pickle  # noqa: PLC0415
+
+    from jax.experimental import serialize_executable  # noqa: PLC0415
+
+    for path in sorted(pathlib.Path(aot_dir).glob("*/*.pickle")):
+        if budget.left() < reserve_s:
+            rows.append({"file": str(path), "skipped": "budget"})
+            continue
+        start = time.perf_counter()
+        try:
+            serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+            rows.append({"file": str(path), "ok": True, "load_s": time.perf_counter() - start})
+        except Exception as e:
+            rows.append({"file": str(path), "ok": False, "error": _error(e)})
+
+
 def device_info() -> dict:
     """JAX's backend, the first device's kind, the device count and its peak bytes in use (where reported)."""
     devices = jax.devices()
@@ -411,10 +431,12 @@ def main(argv=None) -> int:
                         help="CPU: tiny shapes, reference timing only, one interpreter case")
     parser.add_argument("--budget-s", type=float, default=420.0, help="global wall-clock budget")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "experiments/results/gpu"))
+    parser.add_argument("--aot-dir", default=str(REPO_ROOT / "build/gpu-aot"),
+                        help="executables `make gpu-aot` compiled for an H200 (loaded first; absent: skipped)")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     doc = dict(experiment="device_check", dry_run=args.dry_run, budget_s=args.budget_s, errors=[],
-               ceilings={}, correctness=[], timing=[], tuning=[])
+               ceilings={}, correctness=[], timing=[], tuning=[], aot=[])
     start_watchdog(doc, budget, args)
     try:
         doc["device"] = device_info()
@@ -426,6 +448,7 @@ def main(argv=None) -> int:
     interpret = plgpu.InterpretGPUParams(detect_races=True) if args.dry_run else False
     total = args.budget_s
     phases = (  # (name, run); each run stops starting new items when its reserve is reached
+        ("aot", lambda: load_aot(doc["aot"], args.aot_dir, budget, 0.9 * total)),
         ("ceilings", lambda: doc["ceilings"].update(measure_ceilings(args.dry_run))),
         ("correctness", lambda: run_correctness(
             doc["correctness"], budget, 0.6 * total, args.dry_run, interpret)),
