@@ -70,6 +70,8 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     if not path.is_file():
         raise ValueError(f"{path}: no step log beside {output} (jobs write one since jaxinfer's step log; rerun the job)")
     log = read_step_log(path)
+    if log.header.get("replicas", 1) != 1:
+        raise ValueError(f"{path}: the job ran {log.header['replicas']} data-parallel replicas; the simulator runs one")
     rows = []
     with open(output, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
