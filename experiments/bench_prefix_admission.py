@@ -124,6 +124,8 @@ def parse_args():
     parser.add_argument("--preamble-tokens", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--deterministic-lines", type=int, default=None, help="lines of the deterministic comparison (default: all)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pool pages of the real runs (default: what LLM() takes; the goal's eviction needs a pool smaller than the working set)")
     parser.add_argument("--dry-run-only", action="store_true", help="only the scheduler's dry runs (host only, seconds)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 lines over 4 preambles, 4 tokens each, 12 lines in deterministic mode")
     args = parser.parse_args()
@@ -145,11 +147,11 @@ def run_models(args, lines: list[str]) -> tuple[dict, float | None]:
     """Both policies on the file, then both in deterministic mode on --deterministic-lines of it."""
     runs, tokens = {}, {}
     for policy in POLICIES:
-        runs[policy], tokens[policy] = run_policy(lines, args.max_tokens, policy=policy)
+        runs[policy], tokens[policy] = run_policy(lines, args.max_tokens, policy=policy, num_pages=args.num_pages)
         report.log("bench_prefix_admission", f"{policy}: {runs[policy]['prefill_tokens']} prefill tokens, {runs[policy]['seconds']:.1f}s")
     subset = lines[: args.deterministic_lines]
     for policy in POLICIES:
-        runs[f"deterministic/{policy}"], tokens[f"deterministic/{policy}"] = run_policy(subset, args.max_tokens, policy=policy, deterministic=True)
+        runs[f"deterministic/{policy}"], tokens[f"deterministic/{policy}"] = run_policy(subset, args.max_tokens, policy=policy, deterministic=True, num_pages=args.num_pages)
         report.log("bench_prefix_admission", f"deterministic {policy}: {runs[f'deterministic/{policy}']['seconds']:.1f}s")
     same = [a == b for a, b in zip(tokens["deterministic/fcfs"], tokens["deterministic/prefix"], strict=True)]
     return runs, sum(same) / len(same)
