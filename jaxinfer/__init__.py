@@ -18,6 +18,7 @@ _EXPORTS = {
     "padding_metrics": "jaxinfer.bucketing.strategies",
     "load_trace": "jaxinfer.bucketing.traces",
     "synthetic_trace": "jaxinfer.bucketing.traces",
+    "logprobs": "jaxinfer.trainer",
 }
 __all__ = sorted(_EXPORTS)
 

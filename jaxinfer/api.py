@@ -183,6 +183,24 @@ class LLM:
             replica.block_pool = BlockPool(replica.engine.num_pages)
         self.block_pool = self.replicas[0].block_pool
 
+    @property
+    def params(self) -> Params:
+        """The weights as the engine holds them (cast, quantized, on the mesh): what `update_params` takes and
+        `jaxinfer.logprobs` reads; `model_config` is their config."""
+        return self.engine.params
+
+    @property
+    def weight_version(self) -> int:
+        """`update_params` calls so far; every RequestOutput carries the version it was generated with."""
+        return self.engine.weight_version
+
+    def update_params(self, params: Params) -> int:
+        """Swap the weights in place (same tree, shapes, dtypes): no compile, the tuner's choice and the pool
+        kept, the prefix cache dropped; returns the new weight_version (engine/weights.py, docs/research.md)."""
+        from jaxinfer.engine import weights  # noqa: PLC0415
+
+        return weights.update_llm(self, params)
+
     def step_costs(self):
         """The step-cost table (scheduling/step_costs.py's StepCosts) of replica 0: seconds per program key, timed at
         warm-up and refined by every step since, and the host's seconds per step; what the simulator prices plans with."""
@@ -467,7 +485,7 @@ class _StreamRun:
                 del self.loops[i]
                 continue
             self.inflight -= 1
-            output = self.samples.add(output_of(request, self.processors[i].text(request)))
+            output = self.samples.add(output_of(request, self.processors[i].text(request), weight_version=self.llm.replicas[i].engine.weight_version))
             if output is not None:
                 yield output
 

@@ -66,9 +66,10 @@ class RequestOutput:
     # A model that thinks (scheduling/reasoning.py): the text inside its thinking block, tags left out; `text`
     # is then the answer after the block. None when the request never thought.
     reasoning_content: str | None = None
+    weight_version: int = 0  # the LLM's weight_version it was generated with (LLM.update_params bumps it)
 
 
-def output_of(request: Request, text: str) -> RequestOutput:
+def output_of(request: Request, text: str, *, weight_version: int = 0) -> RequestOutput:
     """The output of a finished request whose text (stop strings applied) is `text`; for a model that
     thinks, split into the answer (`text`) and its `reasoning_content`."""
     reasoning_content, text = reasoning.split(text, request.thinking)
@@ -91,6 +92,7 @@ def output_of(request: Request, text: str) -> RequestOutput:
         sample_index=request.sample_index,
         num_samples=request.params.n,
         prompt_token_ids=list(request.prompt_ids),
+        weight_version=weight_version,
     )
 
 

@@ -261,6 +261,8 @@ def enable_compilation_cache(directory: str | None) -> None:
 class Engine:
     """Compiled programs + donated pool. `step(plan)` runs one planned step and returns its tokens."""
 
+    weight_version = 0  # params swaps so far (engine/weights.py rebinds params and step_params, bumps it)
+
     def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, *, mesh: jax.sharding.Mesh | None = None, return_logits: bool = False):
         """`mesh`: a sharding.make_mesh mesh for tensor parallelism (None: one device, as always).
         `return_logits`: every step also copies its rows' logits to the host (`last_logits`), for
