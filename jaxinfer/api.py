@@ -381,6 +381,13 @@ class LLM:
     def stop_profile(self) -> None:
         profiling.stop()
 
+    def embed(self, prompts, *, pooling: str = "last", normalize: bool = True) -> list:
+        """One embedding per prompt (text or token ids), in input order: the final hidden states pooled
+        ("last" token or "mean"), L2-normalized by default; jaxinfer/embedding.py's EmbeddingOutput."""
+        from jaxinfer import embedding  # noqa: PLC0415  (jax programs of its own, built on first use)
+
+        return embedding.embed(self, _prompt_list(prompts), pooling=pooling, normalize=normalize)
+
     def token_text(self, token_id: int) -> str:
         """One token's text, as a logprobs listing names it (special tokens included)."""
         return self.tokenizer.decode([token_id])

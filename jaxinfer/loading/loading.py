@@ -244,6 +244,8 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
+    if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
+        hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
     if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
     return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)

@@ -1,0 +1,90 @@
+"""LLM.embed against transformers: a random tiny Qwen3 base model of a shape no other fixture has (saved bare,
+as Qwen3-Embedding is: no "model." prefix, no LM head) gives, for last-token and mean pooling, normalized or
+not, the vectors transformers' last_hidden_state gives (tests/reference/make_embedding_fixtures.py), within
+1e-4, from safetensors and from a GGUF of the same weights, batched and bucketed with padding."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import gguf_convert
+from jaxinfer import embedding
+from jaxinfer.api import LLM
+from jaxinfer.loading.loading import load_model
+from jaxinfer.validation import FieldError
+
+FIXTURES = gguf_convert.Path(__file__).parents[1] / "fixtures"
+TOLERANCE = 1e-4
+ENGINE = dict(max_context=64, page_size=8, max_num_seqs=4, max_prefill_tokens=64, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    data = np.load(FIXTURES / "tiny_qwen3_embed_reference.npz")
+    return data, [data[f"s{i}_ids"].tolist() for i in range(int(data["num_sequences"]))]
+
+
+@pytest.fixture(scope="module")
+def llm(compile_cache):
+    cfg, params = load_model(FIXTURES / "tiny_qwen3_embed", dtype="float32")  # no tokenizer: token ids in
+    return LLM.from_params(cfg, params, None, compilation_cache_dir=compile_cache, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(tmp_path_factory, compile_cache):
+    """The same weights as a GGUF (llama.cpp's names, written from the "model."-prefixed copy of the folder)."""
+    folder = tmp_path_factory.mktemp("prefixed")
+    shutil.copy(FIXTURES / "tiny_qwen3_embed" / "config.json", folder / "config.json")
+    weights = load_file(str(FIXTURES / "tiny_qwen3_embed" / "model.safetensors"))
+    save_file({f"model.{name}": value for name, value in weights.items()}, str(folder / "model.safetensors"))
+    cfg, params = load_model(gguf_convert.convert(folder, folder / "embed.gguf"), dtype="float32")
+    return LLM.from_params(cfg, params, None, compilation_cache_dir=compile_cache, **ENGINE)
+
+
+def worst(got: np.ndarray, want: np.ndarray) -> str:
+    return f"max abs diff {np.abs(got - want).max():.2e}, mean {np.abs(got - want).mean():.2e}"
+
+
+@pytest.mark.parametrize("pooling", embedding.POOLINGS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_embeddings_match_transformers_for_each_pooling(llm, reference, pooling, normalize):
+    data, sequences = reference
+    assert llm.model_config.architecture == "qwen3" and llm.model_config.qk_norm and llm.model_config.embed_dim == 40
+    outputs = llm.embed(sequences, pooling=pooling, normalize=normalize)  # 4 lengths: padded rows, a padded batch
+    for i, output in enumerate(outputs):
+        want = data[f"s{i}_{pooling}" + ("_normalized" if normalize else "")]
+        assert output.index == i and output.num_prompt_tokens == len(sequences[i])
+        np.testing.assert_allclose(output.embedding, want, atol=TOLERANCE, rtol=0, err_msg=worst(output.embedding, want))
+
+
+def test_a_gguf_of_the_same_weights_gives_the_same_embeddings(gguf_llm, reference):
+    data, sequences = reference
+    for pooling in embedding.POOLINGS:
+        for i, output in enumerate(gguf_llm.embed(sequences, pooling=pooling)):
+            np.testing.assert_allclose(output.embedding, data[f"s{i}_{pooling}_normalized"], atol=TOLERANCE, rtol=0)
+
+
+def test_an_embedding_does_not_depend_on_its_batch(llm, reference):
+    """Alone or beside longer prompts (another row length and batch bucket), the same vector."""
+    _, sequences = reference
+    alone = llm.embed([sequences[0]], pooling="mean")[0].embedding
+    together = llm.embed(sequences * 3, pooling="mean")
+    np.testing.assert_allclose(together[8].embedding, alone, atol=1e-6)
+
+
+def test_batches_are_bucketed_by_length_within_the_token_budget():
+    plan = embedding.plan_batches([5, 17, 40, 1, 3], max_context=64, max_seqs=4, max_tokens=64)
+    assert plan == [([3, 4, 0], 4, 16), ([1], 1, 32), ([2], 1, 64)]
+    assert embedding.length_bucket(64, 48) == 48
+
+
+def test_bad_embed_arguments_are_errors_naming_them(llm):
+    with pytest.raises(FieldError, match="pooling"):
+        llm.embed([[5, 6]], pooling="cls")
+    with pytest.raises(ValueError, match="prompt 1: .*max_context"):
+        llm.embed([[5, 6], [7] * 65])
+    with pytest.raises(ValueError, match="prompt 0"):
+        llm.embed([[300]])  # past the vocabulary
