@@ -228,6 +228,8 @@ def _add_generate_io_args(gen: argparse.ArgumentParser) -> None:
         "--strict-fields", action="store_true",
         help="an unknown field in a line is that line's error (default: counted and warned about before the model loads, and the line runs without it)",
     )
+    gen.add_argument("--plan", action=argparse.BooleanOptionalAction, default=False, help="before warm-up, choose max_num_seqs, max_prefill_tokens, bucket tables and policy on the simulator from a sample of --input, and refit the prefill table on drift (docs/scheduling.md)")
+    gen.add_argument("--plan-only", action="store_true", help="print the --plan and stop before warm-up")
     gen.add_argument("--profile", type=Path, default=None, metavar="DIR", help="write a jax.profiler trace of --profile-steps to DIR (opens in TensorBoard and Perfetto)")
     gen.add_argument("--profile-steps", default="1:10", metavar="A:B", help="engine steps A to B (1-based, inclusive) that --profile traces (default: %(default)s)")
 
@@ -402,7 +404,12 @@ def _run_generate(args) -> int:
     except FieldError as e:
         raise _with_flag_names(e, {"max_inflight": "--max-inflight", "format": "--format", "max_line_bytes": "--max-line-bytes"}) from None
     with job:
-        summary, llm = _run_job(job, args, load_options, engine_config, ray_options)
+        from jaxinfer.batch import planning
+
+        planned = planning.plan_job(job, args, load_options, engine_config)
+        if args.plan_only:
+            return 0
+        summary, llm = _run_job(job, args, load_options, engine_config, ray_options, planned)
     print(_summary_table(summary, llm), file=sys.stderr)
     print(f"results: {args.output}")
     print(
@@ -415,7 +422,7 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _run_job(job, args, load_options, engine_config, ray_options):
+def _run_job(job, args, load_options, engine_config, ray_options, planned=None):
     """(summary, the LLM or None): the job's lines run here or on Ray; nothing loads when none is left."""
     if not job.todo:
         why = f"{args.input} has no lines" if not job.lines else f"every line of {args.input} has its record in {args.output}"
@@ -425,10 +432,12 @@ def _run_job(job, args, load_options, engine_config, ray_options):
         print(f"no line of {args.input} can run: writing their error records without loading the model", file=sys.stderr)
         return job.run(None, progress=not args.no_progress), None
     if ray_options is None:
-        llm = _make_llm(args, load_options, engine_config)
+        llm = planned or _make_llm(args, load_options, engine_config)
         job.record_resolved(_resolved(llm), force=args.force_settings)
-        with _profiler(args) as profiler:
-            job.runner.on_step = profiler
+        from jaxinfer.batch.planning import refitting
+
+        with _profiler(args) as profiler, refitting(llm, profiler, planned is not None) as on_step:
+            job.runner.on_step = on_step
             return job.run(llm, progress=not args.no_progress), llm
     from jaxinfer.batch import ray as ray_jobs
 
@@ -459,7 +468,7 @@ def _job_settings(args) -> dict:
 def _generate_one(args, defaults, load_options, engine_config) -> int:
     batch_only = (("--output", args.output), ("--resume", args.resume), ("--overwrite", args.overwrite), ("--force-settings", args.force_settings))
     batch_only += (("--format", args.format != "auto"), ("--max-inflight", args.max_inflight is not None), ("--strict-fields", args.strict_fields))
-    batch_only += (("--max-line-bytes", args.max_line_bytes != DEFAULT_MAX_LINE_BYTES),)
+    batch_only += (("--max-line-bytes", args.max_line_bytes != DEFAULT_MAX_LINE_BYTES), ("--plan", args.plan or args.plan_only))
     for flag, value in batch_only:
         if value:
             raise ValueError(f"{flag} works with --input FILE; --prompt prints its reply")

@@ -312,6 +312,7 @@ class Engine:
         self._draws: dict[int, jax.stages.Compiled] = {}  # sequence slots of a step -> its draw program
         self.overlap_masks = engine_cfg.overlap_masks
         self.num_compilations = 0
+        self.refit_compilations = 0  # of num_compilations, those made after warm-up by a bucket refit (compile_programs)
         self.compile_seconds = 0.0
         self.step_costs = StepCosts()  # seconds per program key: timed at warm-up, refined by every step (step_costs.py)
         self._costs_key: str | None = None
@@ -351,6 +352,47 @@ class Engine:
                     progress(key, seconds)
         self.compile_seconds += time.perf_counter() - start
         self.time_programs()
+
+    # Fields a swapped-in config (use_config) must share with this engine's: they shape the pool or the programs' inputs.
+    _KEPT_FIELDS = ("page_size", "max_context", "max_prefill_seqs", "prefill_seq_buckets", "max_logprobs", "max_logit_bias", "logprobs_mode",
+                    "kv_cache_dtype", "attention_impl", "matmul_impl", "deterministic")
+
+    def abstract_state(self) -> tuple:
+        """(step params, pool, history) as shapes with their shardings: what a background compile lowers against,
+        taken on the stepping thread (the pool is donated every step)."""
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a  # noqa: E731
+        return jax.tree.map(spec, (self.step_params, self.pool, self.history))
+
+    def compile_programs(self, engine_cfg: EngineConfig, state: tuple) -> dict:
+        """The programs `engine_cfg`'s tables need that this engine lacks, compiled in the calling thread (a refit's
+        background one, batch/refit.py) against `state` (abstract_state()). Compiles after warm-up: counted in
+        num_compilations and refit_compilations, and logged as such. Returns them for use_config."""
+        missing = [k for k in program_keys(engine_cfg) if k not in (self._draws if isinstance(k, int) else self._programs)]
+        compiled = {}
+        for key in missing:
+            start = time.perf_counter()
+            with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                if isinstance(key, int):
+                    compiled[key] = self._jitted_draw.lower(*abstract_draw_inputs(key, engine_cfg, self.cfg.vocab_size, keep_raw=self.keep_raw)).compile()
+                else:
+                    compiled[key] = self._jitted.lower(*state, abstract_step_inputs(key, engine_cfg, self.cfg.vocab_size)).compile()
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            log.info("compiled %s in %.2fs after warm-up (a bucket refit)", key, seconds)
+        self.num_compilations += len(compiled)
+        self.refit_compilations += len(compiled)
+        return compiled
+
+    def use_config(self, engine_cfg: EngineConfig, programs: dict | None = None) -> None:
+        """Swap in another config with the same pool and program inputs (_KEPT_FIELDS): a plan before warm-up, or a
+        refit between steps with the `programs` compile_programs made (added to the table; none is dropped, so a
+        plan already made on the old tables still runs). Its scheduler must take the new tables at the same moment."""
+        changed = [name for name in self._KEPT_FIELDS if getattr(engine_cfg, name) != getattr(self.engine_cfg, name)]
+        if changed:
+            raise ValueError(f"use_config cannot change {', '.join(changed)} of a built engine")
+        for key, program in (programs or {}).items():
+            (self._draws if isinstance(key, int) else self._programs)[key] = program
+        self.engine_cfg = engine_cfg
 
     def time_programs(self, runs: int | None = None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then

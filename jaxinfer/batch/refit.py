@@ -1,0 +1,183 @@
+"""Online bucket refit: a planned job (`--plan`) watches its prefill sizes, and when they drift from what the
+chunk table was fitted to, compiles a refitted table's programs in a background thread and swaps them in
+between two steps.
+
+`DriftWatch` (host only, numpy) keeps the token counts per row of the last `window` prefill steps. Every
+`every` steps it fits a table to the older half of the window (`fit_buckets` with the same number of
+buckets, the current largest bucket kept, so the chunk limit and with it the schedule's chunking stay as
+they were) and compares the newer half's padding under it and under the current table: out of sample, so
+noise does not refit; a gap over `threshold` is drift, and the table fitted to the whole window is proposed.
+`Refit` is the job's on_step hook: on drift it asks each engine for the programs the new table needs
+(`Engine.compile_programs`, in a thread at the lowest CPU priority, against shapes taken on the stepping
+thread), and once they are compiled it swaps, at one step boundary, the engine's config (which adds the
+programs and drops none) and then the running schedulers' tables and the LLM's config, so a plan made on
+the old tables still finds its program and every later plan is made on the new ones.
+
+These are compiles after warm-up, on purpose: `Engine.refit_compilations` counts them (also in
+num_compilations), each is logged as a refit compile, and `Refit.swaps` records each swap. A refit changes
+which padded program a step runs, never a token's inputs; deterministic mode fixes its tables, so it never
+refits. Only one replica (data_parallel 1) is refitted. Imports bucketing/ lazily (as planning.py).
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
+
+log = logging.getLogger(__name__)
+
+_CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (planning.py's fine table step)
+
+
+def padding(sizes: np.ndarray, table: tuple[int, ...]) -> float:
+    """1 - real / padded token slots of rows of these sizes on `table` (sizes over its top are chunked at it)."""
+    sizes = np.asarray(sizes, np.int64)
+    top = table[-1]
+    full, rest = np.divmod(sizes, top)
+    index = np.searchsorted(np.array(table), rest)
+    padded = full * top + np.where(rest > 0, np.array(table + (top,))[index], 0)
+    return float(1.0 - sizes.sum() / max(1, padded.sum()))
+
+
+def refit_chunk_table(sizes: np.ndarray, table: tuple[int, ...], count: int | None = None) -> tuple[int, ...]:
+    """A chunk table of `count` buckets (None: as many as `table`) fitted to `sizes`, `table`'s largest bucket kept."""
+    from jaxinfer.bucketing.strategies import fit_buckets  # noqa: PLC0415  (offline fit, imported only by a planned job)
+
+    top = table[-1]
+    sizes = np.minimum(np.asarray(sizes, np.int64), top)
+    below = sizes[sizes < top]
+    count = len(table) if count is None else count
+    if count == 1 or below.size == 0:
+        return table
+    fitted = fit_buckets(below, count - 1, multiple_of=_CHUNK_MULTIPLE)
+    return cut_table(fitted, top, reach=True)
+
+
+@dataclasses.dataclass
+class DriftWatch:
+    """The token counts per row of recent prefill steps, and whether they have drifted from the chunk table."""
+
+    table: tuple[int, ...]
+    window: int = 32  # prefill steps judged
+    every: int = 8  # prefill steps between two judgements
+    strikes_needed: int = 1  # judgements in a row that must see drift
+    threshold: float = 0.08  # padding points a refitted table must save to count as drift
+
+    def __post_init__(self):
+        self.sizes: deque[int] = deque(maxlen=self.window)
+        self.seen = 0
+        self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
+        self.strikes = 0  # judgements in a row that saw drift; `strikes_needed` of them refit (noise rarely repeats)
+
+    def observe(self, plan) -> tuple[int, ...] | None:
+        """A step's plan; the refitted chunk table when the window shows drift, else None."""
+        if plan.phase != "prefill":
+            return None
+        self.sizes.extend([sum(plan.num_new_tokens)] if plan.bucket.num_rows == 1 else plan.num_new_tokens)
+        self.seen += 1
+        if self.seen % self.every or len(self.sizes) < self.window:  # after a swap, a whole window of the new table's steps
+            return None
+        sizes = np.array(self.sizes)
+        older, newer = sizes[: sizes.size // 2], sizes[sizes.size // 2 :]
+        trial = refit_chunk_table(older, self.table, self.count)  # judged out of sample: a table fitted to a window always wins on it
+        drifted = padding(newer, self.table) - padding(newer, trial) > self.threshold
+        self.strikes = self.strikes + 1 if drifted else 0
+        return refit_chunk_table(sizes, self.table, self.count) if self.strikes >= self.strikes_needed else None
+
+    def reset(self, table: tuple[int, ...]) -> None:
+        self.table, self.seen, self.strikes = table, 0, 0
+        self.sizes.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """One refit: the tables, when it was asked for and swapped in (steps), and its compiles."""
+
+    old_table: tuple[int, ...]
+    new_table: tuple[int, ...]
+    asked_at_step: int
+    swapped_at_step: int
+    num_programs: int
+    compile_s: float
+
+
+def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
+    """`cfg` with this chunk table and its other two tables as they are now (given explicitly)."""
+    tables = BucketTables.from_config(cfg)
+    return dataclasses.replace(cfg, buckets=None, prefill_chunk_buckets=table, decode_batch_buckets=tables.decode_rows, decode_page_buckets=tables.pages)
+
+
+def _compile_quietly(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float]:
+    """The engine's compiles for `cfg` at the lowest CPU priority of this thread (Linux: a thread's nice value is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the usual priority
+        pass
+    start = time.perf_counter()
+    programs = engine.compile_programs(cfg, state)
+    return programs, time.perf_counter() - start
+
+
+class Refit:
+    """The on_step hook of a planned job: watches prefill sizes (DriftWatch), compiles a refitted chunk table's
+    programs in the background and swaps them in between steps. `chain`: the hook it wraps (called first)."""
+
+    def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None):
+        self.llm, self.chain = llm, chain
+        self.enabled = not llm.engine_config.deterministic and len(llm.replicas) == 1
+        self.watch = watch or DriftWatch(BucketTables.from_config(llm.engine_config).chunk_tokens)
+        self.swaps: list[Swap] = []
+        self.step = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-refit")
+        self._pending: tuple | None = None  # (future, new config, asked at step)
+
+    def __call__(self, plan, tokens, seconds) -> None:
+        if self.chain is not None:
+            self.chain(plan, tokens, seconds)
+        self.step += 1
+        if not self.enabled:
+            return
+        if self._pending is not None:
+            if self._pending[0].done():
+                self._swap()
+            return
+        table = self.watch.observe(plan)
+        if table is not None:
+            cfg = with_chunk_table(self.llm.engine_config, table)
+            future = self._executor.submit(_compile_quietly, self.llm.engine, cfg, self.llm.engine.abstract_state())
+            self._pending = (future, cfg, self.step)
+            log.info("refit: prefill sizes drifted; compiling chunk table %s in the background", table)
+
+    def _swap(self) -> None:
+        """Between two steps: the engine first (it gains the programs), then the schedulers and the LLM's config."""
+        future, cfg, asked = self._pending
+        self._pending = None
+        programs, seconds = future.result()
+        old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
+        self.llm.engine.use_config(cfg, programs)
+        tables = BucketTables.from_config(cfg)
+        for scheduler in getattr(getattr(self.llm, "stream_run", None), "schedulers", []):
+            scheduler.cfg, scheduler.tables = cfg, tables
+        self.llm.engine_config = cfg
+        self.watch.reset(tables.chunk_tokens)
+        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), seconds))
+        log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), seconds)
+
+    def close(self) -> None:
+        """Wait for a compile under way (its programs are kept unused) and stop the thread."""
+        self._executor.shutdown(wait=True)
+
+    def report(self) -> str:
+        """One line per swap, for the job's end."""
+        if not self.swaps:
+            return "refit: no drift, no program compiled after warm-up"
+        return "\n".join(f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
+                         f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, in the background" for s in self.swaps)

@@ -1,0 +1,107 @@
+"""Online bucket refit: drift in the prefill sizes is detected and a refitted chunk table swapped in between
+steps. The shift tests run the real scheduler on a fake step (runloop, host only); one test refits a real
+engine in the background."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxinfer.batch.refit import DriftWatch, padding, refit_chunk_table, with_chunk_table
+from jaxinfer.bucketing.strategies import fit_buckets
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
+from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepPlan
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.stopping import OutputProcessor
+
+CONFIG = EngineConfig(num_pages=600, max_num_seqs=8, max_prefill_tokens=512, max_context=1024)
+TOP = 512
+
+
+def test_padding_counts_padded_slots_and_chunks_rows_over_the_top():
+    # 10 -> 16, 30 -> 32, 70 = 64 + 6 -> 64 + 16: real 110 of 128 slots
+    assert padding(np.array([10, 30, 70]), (16, 32, 64)) == pytest.approx(1 - 110 / 128)
+    assert padding(np.array([16, 64]), (16, 32, 64)) == 0.0
+
+
+def test_refit_keeps_the_bucket_count_and_the_largest_bucket():
+    sizes = np.array([40] * 50 + [200] * 50 + [512] * 5)
+    table = refit_chunk_table(sizes, (64, 128, 512))
+    assert table == (48, 208, 512)  # fit_buckets of the sizes below the top, 2 buckets, multiples of 16; then the top
+    assert padding(sizes, table) < padding(sizes, (64, 128, 512))
+
+
+def _lengths(rng, count: int, mean: float) -> np.ndarray:
+    return np.clip(rng.lognormal(np.log(mean), 0.35, count).astype(int), 8, 900)
+
+
+def _run(lengths, table, *, watch=None, shift_at=None):
+    """Dry run of prompts of these lengths (8 to 48 output tokens, staggered so that requests finish apart) on `table`; the watch may swap the table between
+    steps. Returns (real, padded) prefill token slots of the steps that prefill a request from shift_at on."""
+    cfg = with_chunk_table(CONFIG, table)
+    scheduler = Scheduler(cfg, CONFIG.num_pages)
+    for i, n in enumerate(lengths):
+        scheduler.add(Request(str(i), [i + 2] + [1] * (int(n) - 1), SamplingParams(temperature=0.0, max_tokens=8 + (i * 7) % 41, ignore_eos=True), seed=0, arrival_index=i))
+    slots = [0, 0]
+
+    def on_step(plan, tokens, seconds):
+        if plan.phase == "prefill" and any(int(r) >= (shift_at or 0) for r in plan.request_ids):
+            slots[0] += sum(plan.num_new_tokens)
+            slots[1] += plan.bucket.num_rows * plan.bucket.num_tokens
+        new = watch.observe(plan) if watch is not None else None
+        if new is not None:  # what Refit does once the programs are compiled: the scheduler takes the new tables
+            scheduler.cfg = with_chunk_table(scheduler.cfg, new)
+            scheduler.tables = BucketTables.from_config(scheduler.cfg)
+            watch.reset(new)
+
+    fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
+    finished = list(runloop.run(scheduler, fake_step, OutputProcessor(None, None, CONFIG.max_context), on_step=on_step))
+    assert len(finished) == len(lengths) and all(r.finish_reason == "length" for r in finished)
+    return slots
+
+
+def _fitted(lengths, count: int) -> tuple[int, ...]:
+    """The chunk table a plan fits: its packed-row sizes on a fine table, count - 1 buckets plus the top."""
+    fine = tuple(range(16, TOP, 16)) + (TOP,)
+    sizes = []
+    watch = DriftWatch(fine, window=10**9, every=10**9)
+    watch.observe = lambda plan, sizes=sizes: sizes.append(sum(plan.num_new_tokens)) if plan.phase == "prefill" else None
+    _run(lengths, fine, watch=watch)
+    return cut_table(fit_buckets(np.minimum(sizes, TOP - 1), count - 1, multiple_of=16), TOP, reach=True)
+
+
+def test_after_a_shift_in_the_middle_the_refitted_padding_is_within_two_points_of_a_second_half_table():
+    rng = np.random.default_rng(0)
+    first, second = _lengths(rng, 600, 25), _lengths(rng, 600, 330)
+    planned = _fitted(first, 6)  # what a plan made from the first half would compile
+    watch = DriftWatch(planned)
+    real, padded = _run(np.concatenate([first, second]), planned, watch=watch, shift_at=len(first))
+    refitted = 1 - real / padded
+    real, padded = _run(second, _fitted(second, 6))
+    alone = 1 - real / padded
+    real, padded = _run(np.concatenate([first, second]), planned, shift_at=len(first))
+    stale = 1 - real / padded
+    assert watch.table != planned  # it refitted
+    assert refitted - alone < 0.02 < stale - alone  # and the stale table would have been over two points worse
+
+
+def _prefill(size: int) -> StepPlan:
+    """A real packed prefill plan of one sequence's `size`-token chunk (what the watch reads: phase, tokens, rows)."""
+    size = min(size, TOP)  # a longer prompt is chunked at the top
+    request = Request("0", [1] * size, SamplingParams(), seed=0)
+    return StepPlan.build("prefill", [RowChunk(request, 0, size, [1] * (-(-size // 64)), True)], BucketKey("prefill", 1, TOP, 8), 64, packed=8)
+
+
+def test_a_shift_is_proposed_within_two_windows_keeping_the_bucket_count_and_the_top():
+    rng = np.random.default_rng(1)
+    table = cut_table(fit_buckets(_lengths(rng, 5000, 60), 5, multiple_of=16), TOP, reach=True)
+    watch = DriftWatch(table)
+    for n in _lengths(rng, watch.window, 60):
+        watch.observe(_prefill(int(n)))
+    proposals = [watch.observe(_prefill(int(n))) for n in _lengths(rng, 2 * watch.window, 330)]
+    new = next(p for p in proposals if p is not None)
+    assert len(new) == len(table) and new[-1] == TOP and new[0] > table[0]
+    assert padding(_lengths(rng, 2000, 330), new) < padding(_lengths(rng, 2000, 330), table) - 0.1
