@@ -115,7 +115,9 @@ class _Reference:
         )
 
     def run(self, prompt_ids: list[int], sp: SamplingParams, seed: int, request_id: str) -> Generation:
-        """One sample: prefill, then decode until the output processor stops it."""
+        """One sample: prefill, then decode until the output processor stops it (max_tokens=0: only the prompt's scores)."""
+        if sp.max_tokens == 0:
+            return Generation([], "length", "", [] if sp.logprobs is not None else None, self.prompt_logprobs(prompt_ids, sp))
         cfg, total = self.cfg, len(prompt_ids) + sp.max_tokens
         request = Request(request_id, list(prompt_ids), sp, seed, eos_id=self.eos_id, guide=self.guides.guide(sp))
         bias_width = max(-(-len(sp.logit_bias) // _BIAS_ROUND) * _BIAS_ROUND, _BIAS_ROUND)
@@ -141,7 +143,8 @@ class _Reference:
         if len(prompt_ids) == 1:
             return [None]
         scored = _host(_prompt_logprobs(self.params, np.asarray([prompt_ids], np.int32), cfg=self.cfg, num_top=max(sp.prompt_logprobs, 1)))
-        return [None] + [scored.entry(i, sp.prompt_logprobs) for i in range(len(prompt_ids) - 1)]
+        entries = [None] + [scored.entry(i, sp.prompt_logprobs) for i in range(len(prompt_ids) - 1)]
+        return [None if i < sp.logprob_start else entry for i, entry in enumerate(entries)]  # None before logprob_start, as the engine's
 
 
 def generate_one(

@@ -188,6 +188,12 @@ def case_prompt_logprobs(runs, greedy):
     assert greedy.prompt_logprobs is None  # control
 
 
+def case_logprob_start(runs, greedy):
+    engine, out = runs.both(_with(prompt_logprobs=2, logprob_start=3, max_tokens=0))
+    assert out.token_ids == [] and out.prompt_logprobs[:3] == [None] * 3 and all(e is not None for e in out.prompt_logprobs[3:])
+    _assert_close(engine.prompt_logprobs[3:], out.prompt_logprobs[3:])
+
+
 def case_n(runs, greedy):
     engine, out = runs.both(_with(temperature=1.0, n=3))
     assert [s.token_ids for s in out.samples] == [s.token_ids for s in engine.samples]

@@ -138,3 +138,16 @@ TINY_SCORING_ENGINE = dict(
     max_context=512, page_size=PAGE, max_num_seqs=8, max_prefill_tokens=128, prefill_chunk_buckets=(32, 128),
     decode_batch_buckets=(8,), decode_page_buckets=(32,),
 )
+
+
+def test_the_dense_reference_scores_from_logprob_start_like_the_engine(tiny_scoring_llm):
+    from jaxinfer.engine import generate
+
+    llm, ids = tiny_scoring_llm, PASSAGE[:90]
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3, logprob_start=40)
+    engine = llm.generate([ids], params)[0]
+    reference = generate.generate_one(llm.engine.params, llm.model_config, ids, params, seed=0, eos_id=llm.tokenizer.eos_id)
+    assert reference.token_ids == engine.token_ids == [] and reference.finish_reason == engine.finish_reason == "length"
+    assert reference.prompt_logprobs[:40] == engine.prompt_logprobs[:40] == [None] * 40
+    for mine, ref in zip(engine.prompt_logprobs[40:], reference.prompt_logprobs[40:]):
+        assert abs(mine[0] - ref[0]) < 1e-4 and list(mine[1]) == list(ref[1])  # f32, two attention paths
