@@ -62,7 +62,12 @@ class JaxinferLM(TemplateLM):
         return self.llm.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        return self.llm.encode(string) if string else []
+        """Token ids of `string`; add_special_tokens=False (lm-eval's for a continuation alone) adds no BOS."""
+        if not string:
+            return []
+        if add_special_tokens is False:
+            return self.llm.encode(self.llm.tokenizer.encode(string, add_bos=False))
+        return self.llm.encode(string)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability, is_greedy) per ((context, continuation), context ids, continuation ids)."""

@@ -43,10 +43,17 @@ def encode_pair(llm, context, continuation) -> tuple[list[int], list[int]]:
         continuation_ids = whole[len(context_ids):]
     else:
         context_ids = llm.encode(context)
-        continuation_ids = llm.encode(continuation) if continuation != "" else []
+        continuation_ids = _continuation_ids(llm, continuation)
     if not continuation_ids:
         raise FieldError("continuation", f"{continuation!r} gives no tokens to score")
     return context_ids, continuation_ids
+
+
+def _continuation_ids(llm, continuation) -> list[int]:
+    """A continuation's ids on its own: text is tokenized without the BOS a prompt would get."""
+    if isinstance(continuation, str):
+        return llm.encode(llm.tokenizer.encode(continuation, add_bos=False, parse_special=llm.options.parse_special is not False)) if continuation else []
+    return llm.encode(continuation)
 
 
 def score(llm, context, continuations: Sequence, *, on_step=None, progress: bool | None = False) -> list[ScoreResult]:

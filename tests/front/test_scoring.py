@@ -151,3 +151,11 @@ def test_the_dense_reference_scores_from_logprob_start_like_the_engine(tiny_scor
     assert reference.prompt_logprobs[:40] == engine.prompt_logprobs[:40] == [None] * 40
     for mine, ref in zip(engine.prompt_logprobs[40:], reference.prompt_logprobs[40:]):
         assert abs(mine[0] - ref[0]) < 1e-4 and list(mine[1]) == list(ref[1])  # f32, two attention paths
+
+
+def test_a_text_continuation_after_token_ids_gets_no_bos(tiny_scoring_llm):
+    llm = tiny_scoring_llm
+    context_ids = llm.encode("The cat")
+    _, continuation_ids = encode_pair(llm, context_ids, " sat")
+    assert continuation_ids == llm.tokenizer.encode(" sat", add_bos=False)
+    assert llm.tokenizer.bos_id is None or continuation_ids[0] != llm.tokenizer.bos_id
