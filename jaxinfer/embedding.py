@@ -9,7 +9,8 @@ never the paged pool: it takes no pages from running requests and writes none.
 
 Shapes come from buckets: prompts are sorted by length and grouped into rows of a [B, T] program, T a
 power of two from 16 up to max_context and B a power of two up to max_num_seqs, with B * T within the
-engine's max_prefill_tokens (or one row of T). Rows are right-padded: causal attention keeps the padding
+engine's max_prefill_tokens (or one row of T). In deterministic mode B depends on T alone (plan_batches),
+so a prompt's vector is bitwise the same alone or among others. Rows are right-padded: causal attention keeps the padding
 out of every real position, and pooling masks it. Each (B, T) program compiles on first use (persistent
 compile cache included), at most log2(max_num_seqs) * log2(max_context / 16) of them; `warmup` is not
 extended. Imports model/ and validation, never api (LLM is passed in).
@@ -64,20 +65,36 @@ def length_bucket(length: int, max_context: int) -> int:
     return min(max(MIN_LENGTH_BUCKET, 1 << math.ceil(math.log2(length))), max_context)
 
 
-def plan_batches(lengths: Sequence[int], *, max_context: int, max_seqs: int, max_tokens: int) -> list[tuple[list[int], int, int]]:
+def plan_batches(lengths: Sequence[int], *, max_context: int, max_seqs: int, max_tokens: int, deterministic: bool = False) -> list[tuple[list[int], int, int]]:
     """Group prompt indices (shortest first) into (indices, B, T) batches: B a power of two >= the group's
-    size and <= max_seqs, T the longest's length bucket, B * T <= max(max_tokens, T)."""
+    size and <= max_seqs, T the longest's length bucket, B * T <= max(max_tokens, T). `deterministic`: a
+    group holds one length bucket and B is the most rows that bucket allows, so a prompt's program (B, T)
+    depends on its own length alone and its vector is bitwise the same whatever else is embedded with it."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, group = [], []
     for i in order:
         width = length_bucket(lengths[i], max_context)  # the longest so far: sorted ascending
-        if group and (len(group) + 1 > max_seqs or _pow2(len(group) + 1) * width > max(max_tokens, width)):
+        rows = _max_rows(width, max_seqs, max_tokens)
+        new_bucket = deterministic and group and length_bucket(lengths[group[-1]], max_context) != width
+        if group and (new_bucket or len(group) + 1 > rows):
             batches.append(group)
             group = []
         group.append(i)
     if group:
         batches.append(group)
-    return [(g, _pow2(len(g)), length_bucket(lengths[g[-1]], max_context)) for g in batches]
+    plan = []
+    for g in batches:
+        width = length_bucket(lengths[g[-1]], max_context)
+        plan.append((g, _max_rows(width, max_seqs, max_tokens) if deterministic else _pow2(len(g)), width))
+    return plan
+
+
+def _max_rows(width: int, max_seqs: int, max_tokens: int) -> int:
+    """The most rows (a power of two, <= max_seqs) of `width` tokens within the token budget (at least one)."""
+    rows = 1
+    while rows * 2 <= max_seqs and rows * 2 * width <= max(max_tokens, width):
+        rows *= 2
+    return rows
 
 
 def _pow2(n: int) -> int:
@@ -95,7 +112,8 @@ def embed(llm, prompts: list, *, pooling: str = "last", normalize: bool = True) 
     ids = [_encoded(llm, prompt, i) for i, prompt in enumerate(prompts)]
     engine_cfg, engine = llm.engine_config, llm.engine
     out: list[EmbeddingOutput | None] = [None] * len(ids)
-    plan = plan_batches([len(x) for x in ids], max_context=engine_cfg.max_context, max_seqs=engine_cfg.max_num_seqs, max_tokens=engine_cfg.max_prefill_tokens)
+    plan = plan_batches([len(x) for x in ids], max_context=engine_cfg.max_context, max_seqs=engine_cfg.max_num_seqs, max_tokens=engine_cfg.max_prefill_tokens,
+                        deterministic=engine_cfg.deterministic)
     for group, rows, width in plan:
         tokens = np.zeros((rows, width), np.int32)  # [B, T]; padding rows and tails are token 0
         lengths = np.ones(rows, np.int32)  # [B]

@@ -33,7 +33,7 @@ _BOM = b"\xef\xbb\xbf"
 _WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 _BLOCK_BYTES = 1 << 20  # the input is read in blocks of this size
 CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")  # LLM.encode_chat's options, with messages
-_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s", "cache_salt", *CHAT_FIELDS})
+_REQUEST_FIELDS = frozenset({"id", "prompt", "messages", "priority", "deadline_s", "cache_salt", "embed", *CHAT_FIELDS})  # embed: batch/embed_lines.py
 KNOWN_FIELDS = _REQUEST_FIELDS | SAMPLING_FIELDS
 
 

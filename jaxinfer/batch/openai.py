@@ -4,12 +4,14 @@ Input, one request a line:
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "messages": [...], "max_tokens": 16}}
     {"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "Once upon", "temperature": 0}}
+    {"custom_id": "r3", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "Once upon", "pooling": "mean"}}
 
 Output, one line per input line (in the order they finish):
 
     {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_...", "body": <chat.completion>}, "error": null, ...}
 
-where the body is an OpenAI `chat.completion` or `text_completion` object. A completions body may set `echo`:
+where the body is an OpenAI `chat.completion` or `text_completion` object, or an embeddings `list` (batch/embed_lines.py
+runs those lines, batched, through LLM.embed). A completions body may set `echo`:
 the prompt comes back before the text and, with `logprobs`, its tokens before the completion's (the first
 one null, as OpenAI's); with `max_tokens: 0` that scores the prompt alone (prompt_logprobs). A line that cannot run gets the
 status code an OpenAI server would answer (400 a bad body, 404 an unknown url, 405 a method other than
@@ -24,13 +26,17 @@ them, for both formats. `parse_request` turns a parsed line into jaxinfer's requ
 `response_body`, from the RequestOutput.
 """
 
+import base64
 import hashlib
 import itertools
 import time
 
+import numpy as np
+
 FORMAT = "openai"
 INPUT_FORMATS = ("auto", "jaxinfer", FORMAT)  # a batch job's input formats (auto: detected from the lines that parse)
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+POOLINGS = ("last", "mean")  # an embeddings body's jaxinfer fields: pooling (default "last") and normalize (default true)
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 # Body fields OpenAI marks nullable: null there means the default, as if the field were absent.
 NULLABLE_FIELDS = frozenset({
@@ -103,6 +109,8 @@ def parse_request(obj) -> tuple[dict, dict]:
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, got {model!r}", param="model")
     fields = {name: value for name, value in body.items() if name != "model" and not (value is None and name in NULLABLE_FIELDS)}
+    if ENDPOINTS[url] == "embeddings":
+        return _embedding_request(fields, url, model)
     if ENDPOINTS[url] == "chat":
         if "prompt" in fields or "messages" not in fields:
             raise RequestError(f"{url} needs 'messages' (and no 'prompt')", param="messages")
@@ -119,6 +127,45 @@ def parse_request(obj) -> tuple[dict, dict]:
         if _echo(fields):
             return fields, {"url": url, "model": model, "echo": prompt}
     return fields, {"url": url, "model": model}
+
+
+def _embedding_request(fields: dict, url: str, model: str) -> tuple[dict, dict]:
+    """An embeddings body: `input` (one text or one list of token ids), `encoding_format` float | base64,
+    and jaxinfer's `pooling` and `normalize`; `dimensions` and every other field are errors naming it."""
+    options = {"pooling": fields.pop("pooling", "last"), "normalize": fields.pop("normalize", True), "encoding_format": fields.pop("encoding_format", "float")}
+    if options["pooling"] not in POOLINGS:
+        raise RequestError(f"pooling must be one of {POOLINGS}, got {options['pooling']!r}", param="pooling")
+    if not isinstance(options["normalize"], bool):
+        raise RequestError(f"normalize must be true or false, got {options['normalize']!r}", param="normalize")
+    if options["encoding_format"] not in ("float", "base64"):
+        raise RequestError(f"encoding_format must be 'float' or 'base64', got {options['encoding_format']!r}", param="encoding_format")
+    prompt = fields.pop("input", None)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise RequestError("'input' must be one non-empty string or list of token ids (one input per line)", param="input")
+    for name in fields:
+        raise RequestError(f"{name} is not supported by {url} (it takes input, encoding_format, pooling, normalize)", param=name)
+    return {"prompt": prompt}, {"url": url, "model": model, "embedding": options}
+
+
+def embedding_body(endpoint: dict, vector, num_prompt_tokens: int) -> dict:
+    """OpenAI's embeddings `list` object of one input; base64 is the float32 little-endian bytes, as OpenAI's."""
+    values = [float(x) for x in vector]
+    if endpoint["embedding"]["encoding_format"] == "base64":
+        values = base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": values}], "model": endpoint["model"],
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
+
+
+def embedding_record(key: str, custom_id: str, endpoint: dict, vector, num_prompt_tokens: int, metrics: dict) -> dict:
+    """The output line of an embeddings request that ran."""
+    digest = _digest(key)
+    return {
+        "id": f"batch_req_{digest}", "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{digest}", "body": embedding_body(endpoint, vector, num_prompt_tokens)},
+        "error": None, "key": key, "metrics": metrics,
+    }
 
 
 def _echo(fields: dict) -> bool:
@@ -220,4 +267,4 @@ def summary_fields(record: dict) -> dict | None:
     if response.get("status_code") != 200:
         return None
     usage, metrics = response["body"]["usage"], record["metrics"]
-    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage["completion_tokens"], "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}
+    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage.get("completion_tokens", 0), "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}

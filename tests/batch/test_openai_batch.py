@@ -45,7 +45,7 @@ def completion_request(custom_id: str, text: str, **body) -> dict:
 
 # Twenty bad lines: (the line, the status code its record must carry, a phrase of its message, the param named).
 BAD = [
-    (json.dumps({"custom_id": "b01", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}), 404, "url '/v1/embeddings' is not supported", "url"),
+    (json.dumps({"custom_id": "b01", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}}), 404, "url '/v1/moderations' is not supported", "url"),
     (json.dumps({"custom_id": "b02", "method": "GET", "url": CHAT, "body": {}}), 405, "method 'GET'", "method"),
     (json.dumps(chat_request("b03", "hi", n=2)), 400, "n (2) with greedy sampling", "n"),
     (json.dumps(chat_request("b04", "hi", response_format={"type": "json_xml"})), 400, "response_format must be", "response_format"),

@@ -4,19 +4,25 @@ not, the vectors transformers' last_hidden_state gives (tests/reference/make_emb
 1e-4, from safetensors and from a GGUF of the same weights, batched and bucketed with padding."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import gguf_convert
 from jaxinfer import embedding
 from jaxinfer.api import LLM
 from jaxinfer.loading.loading import load_model
 from jaxinfer.validation import FieldError
 
-FIXTURES = gguf_convert.Path(__file__).parents[1] / "fixtures"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+TEXTS = ["The cat sat on the mat.", "A longer sentence about a small fishing village on the river, where traders stopped.", "Hi", "1 2 3 4"]
 TOLERANCE = 1e-4
 ENGINE = dict(max_context=64, page_size=8, max_num_seqs=4, max_prefill_tokens=64, warmup=False)
 
@@ -36,6 +42,8 @@ def llm(compile_cache):
 @pytest.fixture(scope="module")
 def gguf_llm(tmp_path_factory, compile_cache):
     """The same weights as a GGUF (llama.cpp's names, written from the "model."-prefixed copy of the folder)."""
+    import gguf_convert  # tests/ (on the path under pytest; not in the script-mode worker)
+
     folder = tmp_path_factory.mktemp("prefixed")
     shutil.copy(FIXTURES / "tiny_qwen3_embed" / "config.json", folder / "config.json")
     weights = load_file(str(FIXTURES / "tiny_qwen3_embed" / "model.safetensors"))
@@ -78,6 +86,8 @@ def test_an_embedding_does_not_depend_on_its_batch(llm, reference):
 def test_batches_are_bucketed_by_length_within_the_token_budget():
     plan = embedding.plan_batches([5, 17, 40, 1, 3], max_context=64, max_seqs=4, max_tokens=64)
     assert plan == [([3, 4, 0], 4, 16), ([1], 1, 32), ([2], 1, 64)]
+    assert embedding.plan_batches([5, 17, 40, 1, 3], max_context=64, max_seqs=4, max_tokens=64, deterministic=True) == [
+        ([3, 4, 0], 4, 16), ([1], 2, 32), ([2], 1, 64)]  # B follows T alone
     assert embedding.length_bucket(64, 48) == 48
 
 
@@ -88,3 +98,37 @@ def test_bad_embed_arguments_are_errors_naming_them(llm):
         llm.embed([[5, 6], [7] * 65])
     with pytest.raises(ValueError, match="prompt 0"):
         llm.embed([[300]])  # past the vocabulary
+
+
+@pytest.mark.slow
+def test_embeddings_are_the_same_under_tensor_parallelism_and_bitwise_alone_or_batched_in_deterministic_mode(tiny_chat_model):
+    """In a subprocess (this file as a script) with 2 simulated CPU devices, so the suite keeps its one device."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for pooling in embedding.POOLINGS:
+        one, two = np.asarray(report[f"tp1_{pooling}"]), np.asarray(report[f"tp2_{pooling}"])
+        assert np.abs(one - two).max() <= 1e-5, worst(two, one)
+    assert report["deterministic_alone"] == report["deterministic_among"][0]  # bitwise, whatever shares its batch
+
+
+def _worker(model: str) -> dict:
+    from jaxinfer.api import LLM as Engine
+
+    limits = dict(dtype="float32", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, warmup=False,
+                  compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_embed_xla_"))
+    report = {}
+    for tp in (1, 2):
+        llm = Engine(model, tensor_parallel=tp, **limits)
+        for pooling in embedding.POOLINGS:
+            report[f"tp{tp}_{pooling}"] = [o.embedding.tolist() for o in llm.embed(TEXTS, pooling=pooling)]
+    deterministic = Engine(model, deterministic=True, **limits)
+    report["deterministic_among"] = [o.embedding.tolist() for o in deterministic.embed(TEXTS)]
+    report["deterministic_alone"] = deterministic.embed(TEXTS[:1])[0].embedding.tolist()
+    return report
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(_worker(sys.argv[1])))
