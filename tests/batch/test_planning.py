@@ -1,0 +1,112 @@
+"""A job that plans itself: the sample, the shared-page count, the fit under a program budget and the grid
+(host only, on the simulator), and `generate --plan` on the real default model: --plan-only prints the plan
+and writes nothing; in deterministic mode a planned job's tokens equal an unplanned one's."""
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+
+from jaxinfer.batch import planning
+from jaxinfer.bucketing.strategies import fit_buckets
+from jaxinfer.cli import main
+from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.simulator import simulate
+
+CONFIG = EngineConfig(num_pages=400, max_num_seqs=16, max_context=1024)
+
+
+def test_shared_page_tokens_counts_full_pages_whose_whole_prefix_came_before():
+    page = [7] * 4
+    prompts = [page * 3 + [1], page * 2 + [9] * 4 + page, [5] * 4 + page * 2, page * 3 + [2, 3]]
+    # prompt 0 is first; prompt 1 shares its first 2 pages; prompt 2 starts elsewhere, so its later equal pages
+    # are not shared (their parent differs); prompt 3 shares all 3 full pages of prompt 0.
+    assert planning.shared_page_tokens(prompts, 4).tolist() == [0, 8, 0, 12]
+
+
+def test_reservoir_keeps_everything_when_short_and_samples_uniformly_when_long():
+    assert planning.reservoir(range(5), 10, random.Random(0)) == [0, 1, 2, 3, 4]
+    counts = np.zeros(100)
+    for seed in range(2000):
+        counts[planning.reservoir(range(100), 10, random.Random(seed))] += 1
+    assert counts.sum() == 20_000 and np.all(np.abs(counts / 2000 - 0.1) < 0.025)  # each item kept with p = 10/100
+
+
+def _sample(prompts, outputs, shared=None, lines=None) -> planning.WorkloadSample:
+    prompts = np.asarray(prompts)
+    return planning.WorkloadSample(prompts, np.asarray(outputs), np.zeros_like(prompts) if shared is None else np.asarray(shared), lines or prompts.size)
+
+
+def _conversation(n=160, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(220), 0.8, n).astype(int), 4, 900), np.clip(rng.lognormal(np.log(40), 0.6, n).astype(int), 1, 120)
+
+
+def test_fitted_tables_stay_within_the_budget_and_beat_the_default_tables_on_their_steps():
+    prompts, outputs = _conversation()
+    costs = planning.prior_costs()
+    result = simulate(planning._fine_config(CONFIG), _sample(prompts, outputs).requests(160), costs, num_pages=CONFIG.num_pages)
+    budget = planning.num_programs(CONFIG)
+    fitted, seconds = planning.fit_tables(CONFIG, result.steps_by_key, costs, budget)
+    assert planning.num_programs(fitted) <= budget
+    assert seconds == pytest.approx(planning.repriced_seconds(result.steps_by_key, BucketTables.from_config(fitted), costs))
+    assert seconds < planning.repriced_seconds(result.steps_by_key, BucketTables.from_config(CONFIG), costs)
+    sizes = planning.step_sizes(result.steps_by_key)
+    rows = BucketTables.from_config(fitted).decode_rows
+    # each table is the exact fit of its count to the steps' sizes (rows: plus max_num_seqs, which it must reach)
+    assert set(fit_buckets(sizes["rows"], len(rows) - (rows[-1] not in sizes["rows"]))) <= set(rows)
+
+
+def test_the_plan_is_the_grids_fastest_point_and_shared_prefixes_turn_on_the_prefix_policy():
+    prompts, outputs = _conversation()
+    options = planning.PlanOptions(max_num_seqs=(4, 16), max_prefill_tokens=(256, 512), simulated_requests=120)
+    plan = planning.make_plan(_sample(prompts, outputs), CONFIG, planning.prior_costs(), options)
+    assert len(plan.grid) == 4 and plan.config == min(plan.grid, key=lambda g: g.wall_s).config
+    assert plan.config.policy == "fcfs" and plan.programs <= planning.num_programs(CONFIG)
+    shared = np.minimum(prompts, 384) // 64 * 64  # few-shot: most prompts open with the same 384 tokens
+    plan = planning.make_plan(_sample(prompts, outputs, shared), CONFIG, planning.prior_costs(), options)
+    assert plan.config.policy == "prefix" and plan.prefill_tokens_saved == shared.sum()
+    assert "prefill tokens saved" in plan.summary() and "policy                 fcfs -> prefix" in plan.summary()
+
+
+def test_in_deterministic_mode_the_grid_keeps_every_table():
+    base = EngineConfig(num_pages=400, max_num_seqs=16, max_context=1024, deterministic=True)
+    points = planning.grid_values(base, planning.PlanOptions(max_num_seqs=(4, 8, 16), max_prefill_tokens=(32, 256, 512)))
+    assert (4, 256) not in points and (16, 32) not in points and (8, 256) in points and (16, 512) in points
+    assert all(BucketTables.from_config(planning._limited(base, s, t)) == BucketTables.from_config(base) for s, t in points)
+
+
+FEW_SHOT = "Answer with one word. Q: colour of the sky? A: blue. Q: colour of grass? A: green. Q: colour of snow? A: white. " * 3
+
+
+def _write_input(path):
+    lines = [{"id": i, "prompt": FEW_SHOT + f"Q: colour number {i}? A:", "max_tokens": 6} for i in range(6)]
+    lines += [{"id": f"s{i}", "prompt": f"Tell me about the number {i}.", "max_tokens": 6, "temperature": 0.8, "seed": i} for i in range(3)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.mark.slow
+def test_plan_only_prints_the_plan_and_writes_no_output(tmp_path, capsys, compile_cache):
+    _write_input(tmp_path / "in.jsonl")
+    code = main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--plan-only",
+                 "--max-context", "512", "--compile-cache", compile_cache])
+    out = capsys.readouterr().out
+    assert code == 0 and "predicted wall time" in out and "programs" in out and "policy                 fcfs -> prefix" in out
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_planned_deterministic_job_writes_the_same_tokens_as_an_unplanned_one(tmp_path, capsys, compile_cache):
+    _write_input(tmp_path / "in.jsonl")
+    tokens = {}
+    for name, extra in (("plain", []), ("planned", ["--plan"])):
+        output = tmp_path / f"{name}.jsonl"
+        code = main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(output), "--deterministic", "--max-context", "512",
+                     "--compile-cache", compile_cache, "--no-progress", *extra])
+        assert code == 0
+        tokens[name] = {r["id"]: r["token_ids"] for r in map(json.loads, output.read_text().splitlines())}
+    assert "policy                 fcfs -> prefix" in capsys.readouterr().err  # the plan changed the schedule
+    assert len(tokens["plain"]) == 9 and tokens["planned"] == tokens["plain"]
