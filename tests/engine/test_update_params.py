@@ -112,3 +112,62 @@ def test_swap_repacks_the_cpu_kernel_panels(tiny_chat_model, compile_cache, cpu_
     expected = fresh.generate(PROMPTS, greedy, progress=False)
     assert [o.token_ids for o in swapped] == [o.token_ids for o in expected]
     assert [[lp for lp, _ in o.logprobs] for o in swapped] == [[lp for lp, _ in o.logprobs] for o in expected]
+
+
+@pytest.mark.slow
+def test_swap_under_tensor_parallelism_after_jax_distributed_initialize(tiny_chat_model):
+    """Two simulated CPU devices, in a process that called jax.distributed.initialize first (a subprocess: this
+    file as a script): the swap compiles nothing and the outputs equal a fresh tensor-parallel LLM's, in
+    deterministic mode and out of it; jaxinfer.logprobs runs on the sharded params (within 1e-4 there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for mode in ("deterministic", "default"):
+        assert report[mode]["compiles"] == 0 and report[mode]["swapped"] == report[mode]["fresh"], mode
+        assert report[mode]["swapped"] != report[mode]["before"], mode
+    assert report["pure_max_abs_diff"] <= 1e-4
+
+
+def _parallel_worker(model: str) -> dict:
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=1, process_id=0)
+    from jaxinfer.options import LoadOptions
+
+    report = {}
+    for mode, fields in (("deterministic", {"deterministic": True}), ("default", {})):
+        limits = dict(LIMITS, tensor_parallel=2, compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_swap_xla_"), **fields)
+        llm = LLM(model, **limits)
+        before = run(llm)[0]
+        new = perturbed(llm.params)
+        with CompileCounter() as counter:
+            llm.update_params(new)
+            swapped, logprobs, _ = run(llm)
+        fresh = LLM.from_params(llm.model_config, new, llm.tokenizer, options=LoadOptions(tensor_parallel=2), engine_config=llm.engine_config)
+        report[mode] = {"compiles": counter.count, "before": before, "swapped": swapped, "fresh": run(fresh)[0]}
+        if mode == "deterministic":
+            import jaxinfer
+
+            tokens = jnp.asarray(PROMPTS[0] + swapped[0], jnp.int32)
+            mine = np.asarray(jaxinfer.logprobs(llm.params, tokens, llm.model_config, prompt_len=len(PROMPTS[0]), engine_config=llm.engine_config))
+            report["pure_max_abs_diff"] = float(np.abs(mine[len(PROMPTS[0]) - 1 :] - np.asarray(logprobs[0])).max())
+    return report
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(_parallel_worker(sys.argv[1])))
