@@ -105,3 +105,31 @@ def test_a_shift_is_proposed_within_two_windows_keeping_the_bucket_count_and_the
     new = next(p for p in proposals if p is not None)
     assert len(new) == len(table) and new[-1] == TOP and new[0] > table[0]
     assert padding(_lengths(rng, 2000, 330), new) < padding(_lengths(rng, 2000, 330), table) - 0.1
+
+
+@pytest.mark.slow
+def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_every_plan_finds_its_program(tiny_chat_model, compile_cache):
+    from jaxinfer.api import LLM
+    from jaxinfer.batch.refit import Refit
+
+    # one sequence at a time, so that each prefill step holds one prompt (packed rows would fill the 512 top)
+    llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
+              prefill_chunk_buckets=(16, 32, 512))  # a table fitted to short prompts; these are ~150 tokens
+    warm = llm.engine.num_compilations
+    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [llm.prepare("word " * (120 + 9 * i), params, index=i) for i in range(16)]
+    first = list(llm.stream(prompts[:8], on_step=hook))
+    assert hook._pending is not None or hook.swaps  # drift seen: the compile is under way (or done and swapped)
+    if hook._pending is not None:
+        hook._pending[0].result()  # let it finish; the next stream's first step swaps it in
+    second = list(llm.stream(prompts[8:], on_step=hook))
+    hook.close()
+    (swap,) = hook.swaps
+    assert swap.old_table == (16, 32, 512) and swap.new_table != swap.old_table and swap.new_table[-1] == 512
+    assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
+    tables = BucketTables.from_config(llm.engine_config)
+    assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
+    assert all(s.tables == tables for s in llm.stream_run.schedulers)
+    assert set(tables.all_keys()) <= set(llm.engine._programs)
+    assert [o.finish_reason for o in first + second] == ["length"] * 16  # no step lacked its program
