@@ -6,7 +6,8 @@ request of `context + continuation` with `prompt_logprobs=1`, `logprob_start=len
 `max_tokens=0`: it generates nothing, and only the positions from the context's last token on need logits.
 Contexts shared by several continuations are prefilled once first (a `max_tokens=0` request that scores
 nothing), so their full pages are in the prefix cache when the continuations run (kv_manager shares them:
-Request.first_logits_position is the rule). Imports api's LLM only for its type; nothing imports this
+Request.first_logits_position is the rule). Many pairs (an lm-eval task) run in batches whose contexts fit
+half the pool, so a context is not evicted before its continuations run. Imports api's LLM only for its type; nothing imports this
 module but api.py (lazily) and the lm-eval model.
 """
 
@@ -68,9 +69,20 @@ def score(llm, context, continuations: Sequence, *, on_step=None, progress: bool
 
 
 def score_pairs(llm, pairs: Sequence[tuple[list[int], list[int]]], *, on_step=None, progress: bool | None = False) -> list[ScoreResult]:
-    """Score (context ids, continuation ids) pairs, in order. Contexts of two or more pairs, at least a page
-    long, are prefilled first in a batch of their own, so their pages are cached before any pair runs."""
+    """Score (context ids, continuation ids) pairs, in order. The pairs run in batches whose distinct contexts
+    fit half the KV pool (`_batches`), so a context's pages stay cached until its pairs have run; in each
+    batch, contexts of two pairs or more (at least a page long) are prefilled first, in a batch of their own."""
     _check_fit(llm, pairs)
+    batches = _batches(llm, pairs)
+    results: list[ScoreResult | None] = [None] * len(pairs)
+    for batch in batches:
+        chosen = [pairs[i] for i in batch]
+        for i, result in zip(batch, _score_batch(llm, chosen, on_step=on_step, progress=progress if len(batches) == 1 else False)):
+            results[i] = result
+    return results
+
+
+def _score_batch(llm, pairs, *, on_step, progress) -> list[ScoreResult]:
     shared = _shared_contexts(llm, pairs)
     if shared:
         warm = [SamplingParams(max_tokens=0, prompt_logprobs=0, logprob_start=len(ids)) for ids in shared]
@@ -79,6 +91,23 @@ def score_pairs(llm, pairs: Sequence[tuple[list[int], list[int]]], *, on_step=No
     params = [SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1, logprob_start=len(context)) for context, _ in pairs]
     outputs = llm.generate(prompts, params, progress=progress, on_step=on_step)
     return [_result(output, len(context)) for output, (context, _) in zip(outputs, pairs)]
+
+
+def _batches(llm, pairs) -> list[list[int]]:
+    """Indices of the pairs in batches, the pairs of one context together (contexts in first-seen order),
+    each batch's distinct contexts holding at most half the pool's pages (one context alone may hold more)."""
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (context, _) in enumerate(pairs):
+        by_context.setdefault(tuple(context), []).append(i)
+    page_size, budget = llm.engine_config.page_size, max(1, min(r.engine.num_pages for r in llm.replicas) // 2)
+    batches, current, used = [], [], 0
+    for context, indices in by_context.items():
+        pages = -(-len(context) // page_size)
+        if current and used + pages > budget:
+            batches.append(current)
+            current, used = [], 0
+        current, used = current + indices, used + pages
+    return batches + [current] if current else batches
 
 
 def _check_fit(llm, pairs) -> None:

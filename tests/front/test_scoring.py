@@ -159,3 +159,20 @@ def test_a_text_continuation_after_token_ids_gets_no_bos(tiny_scoring_llm):
     _, continuation_ids = encode_pair(llm, context_ids, " sat")
     assert continuation_ids == llm.tokenizer.encode(" sat", add_bos=False)
     assert llm.tokenizer.bos_id is None or continuation_ids[0] != llm.tokenizer.bos_id
+
+
+def test_many_contexts_run_in_batches_that_fit_the_pool_and_keep_every_context_shared(tiny_scoring_llm, tiny_uncached_llm):
+    """Six 500-token contexts (32 pages each) against half a 257-page pool: two batches, every pair served
+    from its context's cached pages, the scores those of uncached prompt logprobs, in input order."""
+    from jaxinfer.scoring import _batches, score_pairs
+
+    llm = tiny_scoring_llm
+    contexts = [PASSAGE[i : i + 500] for i in range(0, 6 * 16, 16)]  # distinct from their first page on
+    pairs = [(contexts[i % 6], PASSAGE[500 + i : 503 + i]) for i in range(12)]  # pairs of a context are not adjacent
+    assert [sorted(batch) for batch in _batches(llm, pairs)] == [[0, 1, 2, 3, 6, 7, 8, 9], [4, 5, 10, 11]]
+    llm.reset_prefix_cache()
+    results = score_pairs(llm, pairs)
+    assert all(r.num_cached_tokens == 496 for r in results)
+    for (context, continuation), result in zip(pairs[:3], results[:3]):
+        out = tiny_uncached_llm.generate([context + continuation], SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0, logprob_start=len(context)))[0]
+        np.testing.assert_allclose(result.token_logprobs, [lp for lp, _ in out.prompt_logprobs[len(context) :]], atol=1e-5, rtol=0)
