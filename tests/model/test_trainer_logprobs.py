@@ -76,6 +76,21 @@ def test_the_plain_full_sequence_forward_differs_so_the_check_can_fail(llm, roll
     assert unequal > 0, "the plain forward matched every bit: the bitwise check could not fail here"
 
 
+def test_another_attention_order_in_the_same_program_shapes_differs(llm, rollouts, monkeypatch):
+    """The control of the reduction order alone: the same chunks and decode rows, with attention_over_pages
+    (one softmax over all pages at once) in place of the blocks in position order."""
+    from jaxinfer import trainer
+
+    monkeypatch.setattr(trainer, "DETERMINISTIC_IMPL", "reference")
+    unequal = 0
+    for prompt, sampled, reported in rollouts[::8]:
+        other = jax.jit(lambda p, t, n=len(prompt): trainer.logprobs(p, t, llm.model_config, prompt_len=n, engine_config=llm.engine_config))  # a fresh trace
+        mine = np.asarray(other(llm.params, jnp.asarray(prompt + sampled, jnp.int32)))[len(prompt) - 1 :]
+        np.testing.assert_allclose(mine, reported, atol=1e-4)
+        unequal += int((mine != reported).sum())
+    assert unequal > 0, "another attention order matched every bit: the bitwise check could not fail here"
+
+
 def test_logprobs_is_differentiable_and_matches_finite_differences(llm):
     """jax.grad equals the plain forward's gradient (the same function up to rounding) leaf by leaf, and a
     central finite difference along a random direction (steps of 1e-4 per weight)."""
