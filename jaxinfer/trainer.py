@@ -49,10 +49,11 @@ class StepShapes:
 
     @classmethod
     def of(cls, engine_config: EngineConfig) -> "StepShapes":
-        """The shapes of a deterministic engine with `engine_config` (its limits pick the chunk and rows)."""
+        """The shapes of a deterministic engine with `engine_config`'s limits (they pick the chunk and rows)."""
         from jaxinfer.scheduling.bucket_tables import BucketTables  # noqa: PLC0415  (host-only tables)
 
-        tables = BucketTables.from_config(dataclasses.replace(engine_config, deterministic=True))
+        limits = {name: getattr(engine_config, name) for name in ("page_size", "max_context", "max_num_seqs", "max_prefill_tokens")}
+        tables = BucketTables.from_config(EngineConfig(**limits, deterministic=True, compilation_cache_dir=None))
         return cls(page_size=engine_config.page_size, chunk_tokens=tables.chunk_tokens[0], decode_rows=tables.decode_rows[0])
 
 
