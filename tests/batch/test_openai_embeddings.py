@@ -5,6 +5,9 @@ line's error naming the field."""
 
 import base64
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -66,3 +69,27 @@ def test_jaxinfer_embed_lines_carry_the_embedding_and_bad_ones_name_the_field(ll
     assert out["a"]["num_prompt_tokens"] == len(llm.encode("The cat sat.")) and "text" in out["c"]
     assert out["d"]["status"] == "error" and "embed must be" in out["d"]["error"]
     assert out["e"]["status"] == "error" and "not 'messages'" in out["e"]["error"]
+
+
+@pytest.mark.slow
+def test_the_cli_locally_and_on_ray_writes_the_same_embedding_records(tiny_chat_model, compile_cache, tmp_path):
+    """`jaxinfer generate` on a file of embedding and chat lines, locally and with --ray (two actors): the same
+    records, vectors within 1e-6 (skipped without the ray extra)."""
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'jaxinfer[ray]'")
+    lines = [line(f"e{i}", input=f"Sentence number {i} about boats.", pooling=("last", "mean")[i % 2]) for i in range(6)]
+    lines += [json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}),
+              line("bad", input="x", dimensions=3)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "JAX_PLATFORMS": "cpu"}
+    base = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(tiny_chat_model), "--input", str(tmp_path / "in.jsonl"),
+            "--compile-cache", compile_cache, "--max-context", "128", "--max-num-seqs", "2", "--page-size", "16", "--temperature", "0", "--no-progress"]
+    for name, extra in (("local", []), ("ray", ["--ray", "--ray-actors", "2", "--ray-batch-size", "4"])):
+        done = subprocess.run([*base, "--output", str(tmp_path / f"{name}.jsonl"), *extra], capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    local, ray = by_key(tmp_path / "local.jsonl"), by_key(tmp_path / "ray.jsonl")
+    assert local.keys() == ray.keys() and len(local) == 8
+    for key, record in local.items():
+        assert record["response"]["status_code"] == ray[key]["response"]["status_code"], key
+        if "data" in record["response"]["body"]:
+            np.testing.assert_allclose(ray[key]["response"]["body"]["data"][0]["embedding"], record["response"]["body"]["data"][0]["embedding"], atol=1e-6)
+    assert sum("data" in r["response"]["body"] for r in local.values()) == 6
