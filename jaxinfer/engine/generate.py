@@ -119,7 +119,7 @@ class _Reference:
         if sp.max_tokens == 0:
             return Generation([], "length", "", [] if sp.logprobs is not None else None, self.prompt_logprobs(prompt_ids, sp))
         cfg, total = self.cfg, len(prompt_ids) + sp.max_tokens
-        request = Request(request_id, list(prompt_ids), sp, seed, eos_id=self.eos_id, guide=self.guides.guide(sp))
+        request = Request(request_id, list(prompt_ids), sp, seed, eos_id=self.eos_id, **self.guides.request_fields(sp, prompt_ids))
         bias_width = max(-(-len(sp.logit_bias) // _BIAS_ROUND) * _BIAS_ROUND, _BIAS_ROUND)
         cache = kv_pool.init_dense_cache(cfg, 1, min(-(-total // _CACHE_ROUND) * _CACHE_ROUND, max(cfg.max_context, total)))
         num_top = max(sp.logprobs or 0, 1)

@@ -123,7 +123,7 @@ class Guides:
             except Exception as e:  # llguidance refused a spec its check passed: this request's error
                 error = f"the grammar's matcher could not be made: {type(e).__name__}: {e}"
         guide = Guide(matcher, None if allowed is None else self._allowed_bits(allowed), self._bad_word_ids(words), self.vocab_size)
-        guide.error, guide.thinking, guide.eos_id = error, thinking, self._tokenizer.eos_id
+        guide.error, guide.thinking, guide.eos_id = error, thinking, getattr(self._tokenizer, "eos_id", None)
         return guide
 
     def _matcher(self, kind: str, text: str):

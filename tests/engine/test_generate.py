@@ -205,6 +205,13 @@ def case_structured_outputs(runs, greedy):
     assert out.text in ("yes", "no", "maybe") and out.finish_reason == "stop"
 
 
+def case_thinking_budget(runs, greedy):
+    """SmolLM2's vocabulary has no thinking tags: the budget has no block to close, in both (the thinking
+    model's case is tests/front/test_reasoning.py's)."""
+    _, out = runs.both(_with(thinking_budget=0))
+    assert out.token_ids == greedy.token_ids
+
+
 def case_allowed_token_ids(runs, greedy):
     allowed = (greedy.token_ids[7], greedy.token_ids[3], 100)
     _, out = runs.both(_with(allowed_token_ids=allowed))
