@@ -109,3 +109,30 @@ def test_buckets_on_engine_notebook_measures_strategies_on_the_engine(monkeypatc
     assert "naive dense" in _stream_text(notebook)
     assert (tmp_path / "buckets_on_engine_pareto_ttft_throughput.png").stat().st_size > 10_000
     assert _num_images(notebook) == 2
+
+
+LAB_PROBE = """{"policies": list(POLICIES), "compared": compared, "frontier": frontier, "rates": list(RATES), "rows": rows,
+ "costs": costs.to_json(), "engine": {k: v for k, v in dataclasses.asdict(llm.engine_config).items() if k != "buckets"},
+ "num_pages": llm.engine.num_pages, "compare_rate": COMPARE_RATE, "requests": [dataclasses.asdict(r) for r in trace_requests(COMPARE_RATE)]}"""
+
+
+def test_scheduling_lab_compares_policies_draws_frontiers_and_puts_predictions_beside_real_runs(monkeypatch):
+    from jaxinfer.config import POLICIES, EngineConfig
+    from jaxinfer.scheduling.simulator import SimRequest, simulate
+    from jaxinfer.scheduling.step_costs import StepCosts
+
+    notebook = _execute("scheduling_lab.ipynb", monkeypatch, LAB_PROBE, JAXINFER_NB_SAMPLE="120", JAXINFER_NB_REAL="4")
+    probe = _probed(notebook)
+    assert probe["policies"] == list(POLICIES) and [r["policy"] for r in probe["compared"]] == list(POLICIES)
+    compared = {r["policy"]: r for r in probe["compared"]}
+    # the notebook's fcfs row, simulated again here from the same requests, costs and engine
+    engine = EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in probe["engine"].items()} | {"policy": "fcfs"})
+    again = simulate(engine, [SimRequest(**r) for r in probe["requests"] if r.update(deadline_s=None) is None], StepCosts.from_json(probe["costs"]), num_pages=probe["num_pages"])
+    assert compared["fcfs"]["ttft_p99_s"] == pytest.approx(again.summary()["ttft_p99_s"], rel=1e-4)  # the costs JSON keeps 7 decimals
+    assert compared["edf"]["timeouts"] > 0 and all(r["timeouts"] == 0 for p, r in compared.items() if p != "edf")
+    for policy, points in probe["frontier"].items():
+        assert [p["rate"] for p in points] == probe["rates"]
+        assert points[0]["output_tokens_per_s"] < points[-1]["output_tokens_per_s"], policy  # more load, more throughput
+    assert [r["policy"] for r in probe["rows"]] == ["fcfs", "shortest-prompt"]
+    assert all(0.5 < r["predicted_wall_s"] / r["wall_s"] < 2.0 for r in probe["rows"])  # loose: a shared, loaded machine
+    assert _num_images(notebook) == 1
