@@ -6,7 +6,7 @@ and prepares each exactly as the job will (LineRunner: chat template, truncation
 LLM loaded without warm-up. `make_plan` then simulates (scheduling/simulator.py) a grid of `max_num_seqs` x
 `max_prefill_tokens`; each grid point runs once with fine tables (every 16 tokens, every row count, every
 page width), which gives the sizes its steps really have, and its bucket tables are fitted to those sizes
-under a program budget (`fit_tables`: a greedy over the three tables, each an exact `fit_buckets` fit, that
+under a program budget (`fit_tables`: a greedy over the three tables, each an exact fit (`refit.fit_table`), that
 adds the bucket which saves the most predicted seconds per program it adds). A sample whose prompts share
 full KV pages (few-shot preambles, a long system prompt) turns on the `prefix` policy. `Plan.summary()`
 prints the programs, the predicted wall time and the prefill tokens the prefix cache saves.
@@ -15,7 +15,8 @@ Outputs: the plan changes which step computes a token, never the pool (it keeps 
 In deterministic mode the tables are fixed by the mode and the grid keeps max_num_seqs >= 8 and
 max_prefill_tokens >= 64, so every program shape, and with it every token, is as without a plan.
 Elsewhere batch composition changes the rounding of near-tied logits, as any other max_num_seqs does, so
-planning is opt-in (`--plan`). Imports bucketing/ lazily (an offline tool used here, as `whatif` does).
+planning is opt-in (`--plan`). Never imports
+jaxinfer.bucketing (the runtime does not; a test checks it).
 """
 
 import contextlib
@@ -25,6 +26,7 @@ import sys
 
 import numpy as np
 
+from jaxinfer.batch.refit import fit_table
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.bucket_tables import BucketTables, TableLimits, cut_table
 from jaxinfer.scheduling.plan import BucketKey
@@ -167,10 +169,8 @@ def repriced_seconds(steps_by_key: dict[BucketKey, int], tables: BucketTables, c
 
 def _fitted_tables(cfg: EngineConfig, sizes: dict[str, np.ndarray], counts: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """EngineConfig's three tables, each the exact fit of `counts[dim]` buckets to its sizes, cut to the limits."""
-    from jaxinfer.bucketing.strategies import fit_buckets  # noqa: PLC0415  (offline: planning, refit, whatif and the buckets CLI)
-
     limits = _limits(cfg)
-    fit = lambda dim, step=1: fit_buckets(sizes[dim], counts[dim], multiple_of=step)  # noqa: E731
+    fit = lambda dim, step=1: fit_table(sizes[dim], counts[dim], multiple_of=step)  # noqa: E731
     return {
         "prefill_chunk_buckets": cut_table(fit("chunk", _CHUNK_STEP), limits.max_chunk, reach=False),
         "decode_batch_buckets": cut_table(fit("rows"), limits.max_num_seqs, reach=True),

@@ -3,7 +3,7 @@ chunk table was fitted to, compiles a refitted table's programs in a background 
 between two steps.
 
 `DriftWatch` (host only, numpy) keeps the token counts per row of the last `window` prefill steps. Every
-`every` steps it fits a table to the older half of the window (`fit_buckets` with the same number of
+`every` steps it fits a table to the older half of the window (`fit_table`, the exact fit, with the same number of
 buckets, the current largest bucket kept, so the chunk limit and with it the schedule's chunking stay as
 they were) and compares the newer half's padding under it and under the current table: out of sample, so
 noise does not refit; a gap over `threshold` is drift, and the table fitted to the whole window is proposed.
@@ -16,7 +16,8 @@ the old tables still finds its program and every later plan is made on the new o
 These are compiles after warm-up, on purpose: `Engine.refit_compilations` counts them (also in
 num_compilations), each is logged as a refit compile, and `Refit.swaps` records each swap. A refit changes
 which padded program a step runs, never a token's inputs; deterministic mode fixes its tables, so it never
-refits. Only one replica (data_parallel 1) is refitted. Imports bucketing/ lazily (as planning.py).
+refits.
+Only one replica (data_parallel 1) is refitted. Host code only (numpy); never imports jaxinfer.bucketing.
 """
 
 import concurrent.futures
@@ -47,17 +48,39 @@ def padding(sizes: np.ndarray, table: tuple[int, ...]) -> float:
     return float(1.0 - sizes.sum() / max(1, padded.sum()))
 
 
+def fit_table(sizes, count: int, *, multiple_of: int = 1) -> tuple[int, ...]:
+    """The table of at most `count` buckets (multiples of `multiple_of`, the largest the largest size) that pads
+    `sizes` to the fewest token slots: an exact dynamic programme over the distinct sizes, O(count x M^2) in
+    numpy, for the few dozen distinct sizes a job's steps have. The runtime never imports jaxinfer.bucketing
+    (a test checks it), whose fit_buckets solves the same problem in O(count x M log M) for traces; a test
+    checks that the two agree."""
+    values, counts = np.unique(-(-np.asarray(sizes, np.int64) // multiple_of) * multiple_of, return_counts=True)
+    if values.size <= count:
+        return tuple(int(v) for v in values)
+    weight = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])  # W[j]: sizes at or below values[j - 1]
+    group = (weight[None, 1:] - weight[:-1, None]) * values[None, :]  # group[a, b]: values a .. b padded to values[b]
+    group[np.tril_indices(values.size, -1)] = np.inf  # a > b is no group
+    best, choices = group[0].copy(), []  # best[b]: values 0 .. b in the buckets so far, the last ending at b
+    for _ in range(count - 1):
+        totals = np.concatenate([[np.inf], best[:-1]])[:, None] + group  # the buckets before end at a - 1
+        choices.append(np.argmin(totals, axis=0))  # the leftmost minimum, as fit_buckets
+        best = totals[choices[-1], np.arange(values.size)]
+    table, end = [], values.size - 1
+    for choice in reversed(choices):
+        table.append(int(values[end]))
+        end = int(choice[end]) - 1
+    return tuple(reversed(table + [int(values[end])]))
+
+
 def refit_chunk_table(sizes: np.ndarray, table: tuple[int, ...], count: int | None = None) -> tuple[int, ...]:
     """A chunk table of `count` buckets (None: as many as `table`) fitted to `sizes`, `table`'s largest bucket kept."""
-    from jaxinfer.bucketing.strategies import fit_buckets  # noqa: PLC0415  (offline fit, imported only by a planned job)
-
     top = table[-1]
     sizes = np.minimum(np.asarray(sizes, np.int64), top)
     below = sizes[sizes < top]
     count = len(table) if count is None else count
     if count == 1 or below.size == 0:
         return table
-    fitted = fit_buckets(below, count - 1, multiple_of=_CHUNK_MULTIPLE)
+    fitted = fit_table(below, count - 1, multiple_of=_CHUNK_MULTIPLE)
     return cut_table(fitted, top, reach=True)
 
 

@@ -133,3 +133,14 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     assert all(s.tables == tables for s in llm.stream_run.schedulers)
     assert set(tables.all_keys()) <= set(llm.engine._programs)
     assert [o.finish_reason for o in first + second] == ["length"] * 16  # no step lacked its program
+
+
+def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
+    from jaxinfer.batch.refit import fit_table
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = rng.integers(1, 700, rng.integers(1, 300))
+        count, multiple = int(rng.integers(1, 12)), int(rng.choice([1, 16]))
+        assert fit_table(sizes, count, multiple_of=multiple) == fit_buckets(sizes, count, multiple_of=multiple)
+    assert fit_table([10, 10, 30, 80], 2) == (30, 80)  # by hand: {10, 10, 30} to 30 and {80}: 170 slots; {10, 10} and {30, 80}: 180
