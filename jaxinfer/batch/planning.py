@@ -265,8 +265,7 @@ class Plan:
         cfg, given = self.config, self.given
         lines = [f"plan: {self.sample.prompt_tokens.size} sampled requests of {self.sample.num_lines} lines to do; {len(self.grid)} configurations simulated"]
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
-            value, before = getattr(cfg, name), getattr(BucketTables.from_config(given), _TABLE_ATTRS[name], None) if name in _TABLE_ATTRS else getattr(given, name)
-            after = getattr(BucketTables.from_config(cfg), _TABLE_ATTRS[name]) if name in _TABLE_ATTRS else value
+            before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")
         lines.append(f"  programs               {self.given_programs} -> {self.programs} (bucket keys compiled at warm-up)")
         lines.append(f"  predicted wall time    {self.given_wall_s:.1f} s -> {self.predicted_wall_s:.1f} s (simulated, outputs at their max_tokens)")
@@ -284,6 +283,11 @@ class Plan:
 
 
 _TABLE_ATTRS = {"prefill_chunk_buckets": "chunk_tokens", "decode_batch_buckets": "decode_rows", "decode_page_buckets": "pages"}
+
+
+def _setting(cfg: EngineConfig, name: str):
+    """A config's field, or for a table field the table its BucketTables derives (a field left at None is derived)."""
+    return getattr(BucketTables.from_config(cfg), _TABLE_ATTRS[name]) if name in _TABLE_ATTRS else getattr(cfg, name)
 
 
 def _short(value) -> str:
