@@ -43,11 +43,12 @@ def test_swap_compiles_nothing_and_equals_a_fresh_llm_in_deterministic_mode(dete
     before_tokens, _, before = run(llm)
     assert {o.weight_version for o in before} == {llm.weight_version}
     new = perturbed(llm.params)
-    version = llm.weight_version
+    version, engine, choices, programs = llm.weight_version, llm.engine, llm.choices, dict(llm.engine._programs)
     with CompileCounter() as counter:
         assert llm.update_params(new) == version + 1
         tokens, logprobs, outputs = run(llm)
     assert counter.count == 0, counter.events
+    assert llm.engine is engine and llm.choices == choices and llm.engine._programs == programs  # the tuner's choice and programs kept
     assert {o.weight_version for o in outputs} == {version + 1}
     fresh = LLM.from_params(llm.model_config, new, llm.tokenizer, engine_config=llm.engine_config)
     fresh_tokens, fresh_logprobs, _ = run(fresh)
