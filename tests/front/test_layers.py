@@ -188,3 +188,12 @@ def test_no_module_outgrows_a_sitting(path):
     long = [(f.name, f.end_lineno - f.lineno + 1) for f in _functions(ast.parse(path.read_text()))
             if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_test_files_have_unique_names_across_folders():
+    """The test folders have no __init__.py (pytest's rootdir import mode), so two files of one name in two
+    folders stop the whole collection: the mirror must name each file once."""
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
