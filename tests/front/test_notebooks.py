@@ -129,7 +129,11 @@ def test_scheduling_lab_compares_policies_draws_frontiers_and_puts_predictions_b
     engine = EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in probe["engine"].items()} | {"policy": "fcfs"})
     again = simulate(engine, [SimRequest(**r) for r in probe["requests"] if r.update(deadline_s=None) is None], StepCosts.from_json(probe["costs"]), num_pages=probe["num_pages"])
     assert compared["fcfs"]["ttft_p99_s"] == pytest.approx(again.summary()["ttft_p99_s"], rel=1e-4)  # the costs JSON keeps 7 decimals
-    assert compared["edf"]["timeouts"] > 0 and all(r["timeouts"] == 0 for p, r in compared.items() if p != "edf")
+    # Only edf sheds. It must shed where the load misses its 30 s deadline under fcfs: the conversation trace at the
+    # notebook's rate does; the synthetic fallback (no trace folder, as in a clean clone) may stay under capacity.
+    assert all(r["timeouts"] == 0 for p, r in compared.items() if p != "edf")
+    if compared["fcfs"]["ttft_p99_s"] > 30.0:
+        assert compared["edf"]["timeouts"] > 0
     for policy, points in probe["frontier"].items():
         assert [p["rate"] for p in points] == probe["rates"]
         assert points[0]["output_tokens_per_s"] < points[-1]["output_tokens_per_s"], policy  # more load, more throughput
