@@ -9,6 +9,8 @@ import pathlib
 
 import numpy as np
 
+from jaxinfer import geometries
+
 
 def file_tensor_shapes(cfg, fmt: str) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape in a "hf" or "gguf" file of the weights `cfg` has (jaxinfer.model.params.WEIGHTS):
@@ -24,22 +26,8 @@ def file_tensor_shapes(cfg, fmt: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# Hugging Face configs of the random-weight geometries (shapes of Llama 3.2 1B and Qwen2.5 0.5B).
-GEOMETRIES = {
-    "llama3-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    },
-    "qwen2.5-0.5b": {
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False, "architectures": ["Qwen2ForCausalLM"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-}
+# Hugging Face configs of the random-weight geometries (jaxinfer.geometries owns them).
+GEOMETRIES = {"llama3-1b": geometries.LLAMA_3_2_1B, "qwen2.5-0.5b": geometries.QWEN2_5_0_5B}
 
 
 _CONTROL_TOKEN = 3  # llama.cpp's token type for the padding tokens a copied vocabulary may need

@@ -29,6 +29,7 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig, from_hf_config
 from jaxinfer.engine import engine as eng
 from jaxinfer.engine.backends import resolve_impl
+from jaxinfer import geometries
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.model import params as mp
 
@@ -62,21 +63,8 @@ device_description_str: "NVIDIA H200"
 H200_MEMORY_BYTES = 150_754_820_096  # device_memory_size above (140.4 GiB)
 XLA_MEMORY_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default: what jax preallocates on a GPU
 
-# Hugging Face configs of the geometries compiled (weights are never needed: shapes only).
-GEOMETRIES = {
-    "smollm2-135m": {
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True, "hidden_act": "silu", "rope_theta": 100000.0, "architectures": ["LlamaForCausalLM"],
-    },
-    "llama3.2-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    },
-}
+# The geometries compiled (weights are never needed: shapes only).
+GEOMETRIES = {"smollm2-135m": geometries.SMOLLM2_135M, "llama3.2-1b": geometries.LLAMA_3_2_1B}
 
 
 class AotUnavailable(RuntimeError):
@@ -87,7 +75,7 @@ def unavailable_reason() -> str | None:
     """Why `topology_mesh` cannot work here, or None if it should."""
     if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
         return ("the CUDA plugin for jax is not installed (jax-cuda13-plugin and jax-cuda13-pjrt 0.11.2); "
-                "`make gpu-aot` installs them in .venv-gpu (pip install -e '.[cuda13]')")
+                "`make gpu-aot` installs them in .venv-gpu (pip install -e '.[gpu-aot]')")
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if "cpu" not in platforms.split(",") and not os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
         return ("JAX_PLATFORMS must name cpu (e.g. JAX_PLATFORMS=cpu) before jax starts: without a GPU, the plugin's start-up "
