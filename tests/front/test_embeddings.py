@@ -4,9 +4,7 @@ not, the vectors transformers' last_hidden_state gives (tests/reference/make_emb
 1e-4, from safetensors and from a GGUF of the same weights, batched and bucketed with padding."""
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -103,10 +101,9 @@ def test_bad_embed_arguments_are_errors_naming_them(llm):
 @pytest.mark.slow
 def test_embeddings_are_the_same_under_tensor_parallelism_and_bitwise_alone_or_batched_in_deterministic_mode(tiny_chat_model):
     """In a subprocess (this file as a script) with 2 simulated CPU devices, so the suite keeps its one device."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    from two_devices import run_on_two_devices  # the worker runs this file as a script, without tests/ on its path
+
+    report = run_on_two_devices(__file__, str(tiny_chat_model))
     for pooling in embedding.POOLINGS:
         one, two = np.asarray(report[f"tp1_{pooling}"]), np.asarray(report[f"tp2_{pooling}"])
         assert np.abs(one - two).max() <= 1e-5, worst(two, one)

@@ -4,8 +4,6 @@ among others, with the context shared through the prefix cache either way. Runs 
 as a script) with XLA_FLAGS=--xla_force_host_platform_device_count=2, so the suite keeps its one device."""
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,10 +18,9 @@ CONTINUATIONS = [" It grew quickly.", " Nobody lived there.", " The river", " Fi
 
 @pytest.mark.slow
 def test_score_is_the_same_under_tensor_parallelism_and_bitwise_in_deterministic_mode(tiny_chat_model):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    from two_devices import run_on_two_devices  # the worker runs this file as a script, without tests/ on its path
+
+    report = run_on_two_devices(__file__, str(tiny_chat_model))
     one, two = np.asarray(report["tp1"]["logprobs"]), np.asarray(report["tp2"]["logprobs"])
     assert np.abs(one - two).max() <= 1e-4, (one, two)
     alone, among = report["deterministic_alone"], report["deterministic_among"]

@@ -3,8 +3,6 @@ yielded, yields every output once, and gives the same tokens as a list given who
 parallelism a lazy input is fed to both replicas in chunks. On the tiny real-vocabulary model."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -100,10 +98,9 @@ def _dp_worker(model: str) -> dict:
 
 @pytest.mark.slow
 def test_data_parallel_replicas_are_fed_a_lazy_input_in_chunks(tiny_chat_model):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, __file__, str(tiny_chat_model)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    from two_devices import run_on_two_devices  # the worker runs this file as a script, without tests/ on its path
+
+    report = run_on_two_devices(__file__, str(tiny_chat_model))
     assert report["lazy"] == report["whole"] and sorted(map(int, report["lazy"])) == list(range(10))
     assert len(report["routes"]) == 10 and set(report["routes"]) == {0, 1}, report["routes"]
 
