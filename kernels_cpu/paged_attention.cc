@@ -14,11 +14,15 @@
 //   page_seg s32[B, E]           sequence of the row that entry e belongs to
 //   q_pos    s32[B, T]           each query's position
 //   q_seg    s32[B, T]           each query's sequence within its row
+//   window   s32[]               sliding window W (>= 1); no window is W = 2^31 - 1
 //   out      f32[B, T, H, K]
 //
-// Slot l of entry e is visible to query t iff page_seg[e] == q_seg[t] and page_pos[e] + l <= q_pos[t]:
-// causal by position, and in a packed row (several sequences back to back) block-diagonal by sequence, so
-// a query skips other sequences' pages entirely. A query that sees nothing (a padding lane) gets zeros.
+// Slot l of entry e is visible to query t iff page_seg[e] == q_seg[t] and
+// q_pos[t] - W < page_pos[e] + l <= q_pos[t]: causal by position, within the last W positions (HF
+// transformers' sliding-window rule), and in a packed row (several sequences back to back) block-diagonal
+// by sequence, so a query skips other sequences' pages and pages wholly before its window entirely (their
+// table entries may name the null page once the host has released them). A query that sees nothing (a
+// padding lane) gets zeros.
 // kernels_cpu/paged_attention.py's `reference` is the same rule in jnp.
 //
 // Work is split into tasks of (row, kv head, tile of queries) and run on XLA's intra-op thread pool.
@@ -54,6 +58,7 @@ struct Inputs {
   const int32_t* page_seg;
   const int32_t* q_pos;
   const int32_t* q_seg;
+  int64_t window;
   float* out;
 };
 
@@ -74,19 +79,19 @@ inline void page_scores(const float* __restrict q, const float* __restrict kp, f
   }
 }
 
-// Fold the first `n` slots of a page into one query's running softmax (max m, sum d, output acc).
+// Fold slots [a, n) of a page into one query's running softmax (max m, sum d, output acc).
 template <int LT, int KT>
-inline void page_update(const float* __restrict s, const float* __restrict vp, int64_t n, float* __restrict m, float* __restrict d,
+inline void page_update(const float* __restrict s, const float* __restrict vp, int64_t a, int64_t n, float* __restrict m, float* __restrict d,
                         float* __restrict acc, int64_t group, const Geometry& g) {
   const int64_t L = LT ? LT : g.L, K = KT ? KT : g.K;
   float e[LT ? LT : 256];
   for (int64_t h = 0; h < group; ++h) {
     const float* sh = s + h * L;
     float top = m[h];
-    for (int64_t l = 0; l < n; ++l) top = std::max(top, sh[l]);
+    for (int64_t l = a; l < n; ++l) top = std::max(top, sh[l]);
     const float rescale = std::exp(m[h] - top);
     float sum = 0.0f;
-    for (int64_t l = 0; l < n; ++l) {
+    for (int64_t l = a; l < n; ++l) {
       e[l] = std::exp(sh[l] - top);
       sum += e[l];
     }
@@ -94,7 +99,7 @@ inline void page_update(const float* __restrict s, const float* __restrict vp, i
     d[h] = d[h] * rescale + sum;
     float* __restrict ah = acc + h * K;
     for (int64_t k = 0; k < K; ++k) ah[k] *= rescale;
-    for (int64_t l = 0; l < n; ++l) {
+    for (int64_t l = a; l < n; ++l) {
       const float el = e[l];
       const float* __restrict row = vp + l * K;
       for (int64_t k = 0; k < K; ++k) ah[k] += el * row[k];
@@ -113,24 +118,27 @@ void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_
   std::vector<float> qs(tiles * group * K), acc(tiles * group * K, 0.0f), m(tiles * group, neg), d(tiles * group, 0.0f), s(group * L);
   const float scale = 1.0f / std::sqrt(static_cast<float>(K));
   int32_t last = -1;  // the latest position among the tile's queries
+  int64_t lowest = INT64_MAX;  // the earliest position any of the tile's windows reaches
   for (int64_t t = 0; t < tiles; ++t) {
     const float* src = in.q + (((b * g.T + t0 + t) * g.H) + kv * group) * K;
     for (int64_t i = 0; i < group * K; ++i) qs[t * group * K + i] = src[i] * scale;
     last = std::max(last, in.q_pos[b * g.T + t0 + t]);
+    lowest = std::min(lowest, static_cast<int64_t>(in.q_pos[b * g.T + t0 + t]) - in.window + 1);
   }
   const int64_t head_pages = (in.layer * g.G + kv) * g.P;
   for (int64_t e = 0; e < g.E; ++e) {
     const int32_t first = in.page_pos[b * g.E + e], seg = in.page_seg[b * g.E + e];
-    if (first > last) continue;
+    if (first > last || first + L <= lowest) continue;  // after every query, or before every window
     const int64_t page = in.tables[b * g.E + e];  // in [0, P): check_pages ran before any task
     const float* kp = in.k_pool + (head_pages + page) * K * L;  // [K, L]
     const float* vp = in.v_pool + (head_pages + page) * L * K;  // [L, K]
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t qi = b * g.T + t0 + t;
       const int64_t n = std::min<int64_t>(L, static_cast<int64_t>(in.q_pos[qi]) - first + 1);
-      if (in.q_seg[qi] != seg || n <= 0) continue;
+      const int64_t a = std::max<int64_t>(0, static_cast<int64_t>(in.q_pos[qi]) - in.window + 1 - first);  // first slot in the window
+      if (in.q_seg[qi] != seg || n <= a) continue;
       page_scores<LT, KT>(&qs[t * group * K], kp, s.data(), group, g);
-      page_update<LT, KT>(s.data(), vp, n, &m[t * group], &d[t * group], &acc[t * group * K], group, g);
+      page_update<LT, KT>(s.data(), vp, a, n, &m[t * group], &d[t * group], &acc[t * group * K], group, g);
     }
   }
   for (int64_t t = 0; t < tiles; ++t) {
@@ -172,7 +180,7 @@ bool dims_are(const A& dims, std::initializer_list<int64_t> expected) {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> page_pos,
                               ffi::Buffer<ffi::S32> page_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   if (auto e = jaxinfer::check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,E]"); e.failure()) return e;
   const Geometry g{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[4], td[1], kd[0]};
@@ -184,8 +192,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t index = layer.typed_data()[0];
   if (auto e = jaxinfer::check(0 <= index && index < g.N, "paged_attention_cpu: layer out of range"); e.failure()) return e;
   if (auto e = check_pages(tables.typed_data(), g); e.failure()) return e;
+  const int64_t window_size = window.typed_data()[0];
+  if (auto e = jaxinfer::check(window_size >= 1, "paged_attention_cpu: the sliding window must be >= 1 token"); e.failure()) return e;
   const Inputs in{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), index, tables.typed_data(), page_pos.typed_data(),
-                  page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), out->typed_data()};
+                  page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), window_size, out->typed_data()};
   if (g.L == 64 && g.K == 64) {
     run_all<64, 64>(pool, in, g);
   } else if (g.L == 16 && g.K == 64) {
@@ -212,4 +222,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionF32, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -3,7 +3,7 @@
 The jnp path of the engine (jaxinfer/model/attention.py) gathers every page of a step into a new array and
 transposes it for XLA:CPU's dot; this kernel reads the pages where they lie, in the pool's layout, with an
 online softmax per query, and skips the pages a query cannot see (later positions, other sequences of a
-packed row). `reference` is the same visibility rule and softmax in plain jnp, with the same signature:
+packed row, pages wholly before a sliding window). `reference` is the same visibility rule and softmax in plain jnp, with the same signature:
 the oracle the kernel is tested against. The kernel checks every page id of the block tables (an id
 outside [0, P) is an error naming it); the reference, like any jnp gather, would clamp it silently.
 
@@ -45,10 +45,14 @@ def paged_attention(
     page_positions: Int[Array, "B E"] | None = None,
     page_segments: Int[Array, "B E"] | None = None,
     token_segments: Int[Array, "B T"] | None = None,
+    *,
+    window: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal GQA attention of `q` over `layer` of the pool, through each row's block table; f32 only.
 
-    Without page_positions (one sequence per row), entry e of a table starts at position e * L. A query
+    Without page_positions (one sequence per row), entry e of a table starts at position e * L. With a
+    sliding `window` W (an int32 scalar >= 1, traced or not), a query at t sees only positions in
+    (t - W, t]; pages wholly before that are not read (they may be the null page). A query
     that sees no key (a padding lane) gets zeros. Every page id must lie in [0, P): otherwise the call
     fails (an XLA runtime error naming the id, its row and entry, and P) and reads nothing."""
     if not available():
@@ -58,8 +62,16 @@ def paged_attention(
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), k_pool, v_pool, i32(layer), i32(block_tables), i32(page_positions), i32(page_segments),
-        i32(q_positions), i32(token_segments),
+        i32(q_positions), i32(token_segments), _window_array(window),
     )
+
+
+NO_WINDOW = 2**31 - 1  # the kernel's window when there is none
+
+
+def _window_array(window) -> jax.Array:
+    """int32[] window for the kernel: NO_WINDOW for None."""
+    return jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
 
 
 def reference(
@@ -72,10 +84,13 @@ def reference(
     page_positions: Int[Array, "B E"] | None = None,
     page_segments: Int[Array, "B E"] | None = None,
     token_segments: Int[Array, "B T"] | None = None,
+    *,
+    window: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H K"]:
     """`paged_attention` in jnp: the same arguments, visibility rule and result, with f32 scores and a
     plain (not online) softmax. Slot l of entry e is visible to query t iff page_segments[e] ==
-    token_segments[t] and page_positions[e] + l <= q_positions[t]; a query that sees nothing gets zeros.
+    token_segments[t] and q_positions[t] - window < page_positions[e] + l <= q_positions[t] (no lower
+    bound without a window); a query that sees nothing gets zeros.
     Page ids are assumed in [0, P) (jnp clamps an id outside; the kernel refuses it)."""
     b, t, h, k = q.shape
     g, page_size = k_pool.shape[1], k_pool.shape[-1]
@@ -85,6 +100,7 @@ def reference(
     slot_positions = (page_positions[..., None] + jnp.arange(page_size, dtype=jnp.int32)).reshape(b, -1)  # [B, S], S = E L
     slot_segments = jnp.repeat(page_segments, page_size, axis=1)  # [B, S]
     visible = (slot_segments[:, None, :] == token_segments[..., None]) & (slot_positions[:, None, :] <= q_positions[..., None])  # [B, T, S]
+    visible &= q_positions[..., None] - slot_positions[:, None, :] < _window_array(window)  # q - W < p, as a difference (no wrap)
     grouped = q.astype(jnp.float32).reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     scores = jnp.einsum("btgqk,gbekl->btgqel", grouped, keys, precision="highest").reshape(b, t, g, h // g, -1) * k**-0.5  # [B, T, G, Q, S]
     mask = visible[:, :, None, None, :]

@@ -15,6 +15,11 @@ L page length; M is the block-table width, max pages per sequence):
                               the kernel then reads that layer's pages in place, as TMA boxes)
   block_tables  [B, M] int32  padded with page 0, the null page
   lengths       [B] int32     valid tokens; 0 marks a padding row, whose output is zeros
+  window        int32 scalar  optional sliding window W: only the last W of a sequence's `lengths`
+                              tokens are visible (positions in [length - W, length), HF's rule for
+                              a query at length - 1); pages wholly before them are never read, so
+                              their table entries may be the null page. The kernel gets it as
+                              starts [B] = max(length - W, 0), the first visible position per row.
   k_scales, v_scales [G, P, L] f32, only with quantized pages (int8 / float8_e4m3fn codes):
                 one scale per (kv head, page, token slot); key = codes[:, l] * k_scales[l]
 
@@ -74,7 +79,7 @@ _SWIZZLE_8BIT = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def _paged_attention_kernel(
-    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, layer_ref, k_scales_ref, v_scales_ref,  # in
+    q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, starts_ref, layer_ref, k_scales_ref, v_scales_ref,  # in
     out_ref, lse_ref,  # outputs, GMEM
     q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers, dequant,  # scratch
     *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale,
@@ -82,7 +87,8 @@ def _paged_attention_kernel(
     """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
 
     q_ref [B, G, Gp, K] · k_ref [layers, G, P, K, L] · v_ref [layers, G, P, L, K] (the whole pool,
-    read in place at layer layer_ref[0], int32 [1]) · block_tables_ref [B, M] · lengths_ref [B] · out_ref
+    read in place at layer layer_ref[0], int32 [1]) · block_tables_ref [B, M] · lengths_ref [B] ·
+    starts_ref [B] (first visible position: 0, or length - window) · out_ref
     [B, G, S, group, K] (f32; q.dtype when lse_ref is None) · lse_ref [B, G, S, R] f32 (None: one
     split, not deterministic) · q_smem [R, K] · v_smem [depth, N, K]
     · p_smem [R, N], with N = pages_per_block * L · ring_union = (k_smem [depth, ppb, K, L],
@@ -103,16 +109,22 @@ def _paged_attention_kernel(
     layer = layer_ref[0]
 
     length = jnp.minimum(lengths_ref[seq], max_pages * page_size)
+    start = jnp.clip(starts_ref[seq], 0, length)  # first visible position (a sliding window's)
     seq_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
-    first_page = split * pages_per_split
-    split_pages = jnp.clip(seq_pages - first_page, 0, pages_per_split)
+    start_page = lax.div(start, jnp.int32(page_size))  # pages before it are never read
+    # A split covers table entries [split * pages_per_split, + pages_per_split); it starts at the
+    # window's first page when that lies inside it, and is empty when wholly before the window.
+    split_first = split * pages_per_split
+    first_page = jnp.maximum(split_first, start_page)
+    split_pages = jnp.clip(jnp.minimum(seq_pages, split_first + pages_per_split) - first_page, 0,
+                           pages_per_split)
     num_blocks = lax.div(split_pages + (pages_per_block - 1), jnp.int32(pages_per_block))
 
     def block_pages(block):
         # Page ids of a block. Pages past the sequence re-read its last page: always a real,
         # finite page of this sequence, and the arrival count of the slot barrier stays fixed.
         first = first_page + block * pages_per_block
-        return tuple(block_tables_ref[seq, jnp.clip(first + j, 0, seq_pages - 1)]
+        return tuple(block_tables_ref[seq, jnp.clip(first + j, start_page, seq_pages - 1)]
                      for j in range(pages_per_block))
 
     def fetch(pages, slot):
@@ -170,9 +182,10 @@ def _paged_attention_kernel(
                 s = s * lax.broadcast_in_dim(column_scale, s.shape, [1])  # [R, L]
             col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             position = (first_page + block * pages_per_block + j) * page_size + col
-            valid.append(position < length)
+            valid.append((position < length) & (position >= start))
             scores.append(jnp.where(valid[j], s, MASK_VALUE))
-        # Every block holds >= 1 valid token, so m_new is a real score and masked p is exactly 0.
+        # Every block holds >= 1 valid token (the first starts at the window's first page, which
+        # holds `start`), so m_new is a real score and masked p is exactly 0.
         m_new = functools.reduce(jnp.maximum, [s.max(axis=1) for s in scores], m_i)
         alpha = jnp.exp2(m_i - m_new)
         l_i = l_i * alpha
@@ -530,7 +543,7 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_s
 def _bind_refs(body, *, quantized: bool, with_lse: bool):
     """Adapts `_paged_attention_kernel` to the refs a kernel really has: None stands for the
     scale inputs and dequant scratch of unquantized pages, and for lse with one split."""
-    num_inputs, num_outputs = (8 if quantized else 6), (2 if with_lse else 1)
+    num_inputs, num_outputs = (9 if quantized else 7), (2 if with_lse else 1)
 
     def bound(*refs):
         inputs, refs = list(refs[:num_inputs]), refs[num_inputs:]
@@ -544,7 +557,7 @@ def _bind_refs(body, *, quantized: bool, with_lse: bool):
 
 
 def _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, layer, k_scales=None,
-                              v_scales=None, *, sm_scale, config, interpret):
+                              v_scales=None, *, sm_scale, config, interpret, starts=None):
     """Runs the kernel over layer `layer` (int32 [1]) of the whole pool, k_pool [N, G, P, K, L] and
     v_pool [N, G, P, L, K], read in place. Returns (out [B, G, S, group, K], lse [B, G, S, R] in
     log2 units | None); out is f32 normalized per split when there is an lse, and the final q.dtype
@@ -601,7 +614,8 @@ def _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, layer, k
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None)
     scale_inputs = (k_scales, v_scales) if quantized else ()
-    outs = kernel(q_packed, k_pool, v_pool, block_tables, lengths, layer, *scale_inputs)
+    starts = jnp.zeros_like(lengths) if starts is None else starts  # [B]: first visible position
+    outs = kernel(q_packed, k_pool, v_pool, block_tables, lengths, starts, layer, *scale_inputs)
     return outs[0], (outs[1] if with_lse else None)
 
 
@@ -650,15 +664,22 @@ def _as_pool(pages, layer):
     return pages, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
+def window_starts(lengths: Int[Array, "B"], window) -> Int[Array, "B"]:
+    """First visible position per row: max(length - window, 0); zeros without a window."""
+    if window is None:
+        return jnp.zeros_like(lengths)
+    return jnp.maximum(lengths - jnp.asarray(window, jnp.int32), 0)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, *,
-                         sm_scale, config, interpret):
+def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales,
+                         window, *, sm_scale, config, interpret):
     batch, num_q_heads, head_dim = q.shape
     (k_pool, index), (v_pool, _) = _as_pool(k_pages, layer), _as_pool(v_pages, layer)
     (k_scales, _), (v_scales, _) = _as_pool(k_scales, layer), _as_pool(v_scales, layer)
     out, lse = _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, index, k_scales,
                                          v_scales, sm_scale=sm_scale, config=config,
-                                         interpret=interpret)
+                                         interpret=interpret, starts=window_starts(lengths, window))
     if lse is None:
         return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
     merge = _merge_splits_in_order if config.deterministic else _merge_splits
@@ -675,6 +696,7 @@ def paged_attention(
     layer: Int[Array, ""] | int | None = None,
     k_scales: Float[Array, "*N G P L"] | None = None,
     v_scales: Float[Array, "*N G P L"] | None = None,
+    window: Int[Array, ""] | int | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -693,6 +715,9 @@ def paged_attention(
       k_scales, v_scales: f32 [(N,) G, P, L] (as the pages), given exactly when the pages are
         quantized: the key of slot l of page p, kv head g is `k_pages[g, p, :, l] *
         k_scales[g, p, l]` and its value `v_pages[g, p, l, :] * v_scales[g, p, l]`.
+      window: None, or a sliding window W >= 1 (an int32 scalar, traced or not): a row sees only
+        its last W tokens, positions [length - W, length); entries of pages wholly before them
+        are not read (the null page may stand there).
       sm_scale: static softmax scale; default 1 / sqrt(K).
       config: static kernel knobs; default `config_for(...)` of these shapes. Pass
         `deterministic_config(...)` for a result independent of the batch and the table width.
@@ -722,7 +747,8 @@ def paged_attention(
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales,
-                                v_scales, sm_scale=sm_scale, config=config, interpret=interpret)
+                                v_scales, window, sm_scale=sm_scale, config=config,
+                                interpret=interpret)
 
 
 def paged_attention_reference(
@@ -735,6 +761,7 @@ def paged_attention_reference(
     layer: Int[Array, ""] | int | None = None,
     k_scales: Float[Array, "*N G P L"] | None = None,
     v_scales: Float[Array, "*N G P L"] | None = None,
+    window: Int[Array, ""] | int | None = None,
     sm_scale: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -743,7 +770,8 @@ def paged_attention_reference(
 
     Gathers each sequence's pages (and, for quantized pages, their scale rows) through its block
     table, from layer `layer` of a whole pool, dequantizes on read in f32, and masks positions
-    >= length (scores with MASK_VALUE, V with zeros, so stale pages and scales may hold anything).
+    >= length and, with a window, < length - window (scores with MASK_VALUE, V with zeros, so
+    stale or released pages and scales may hold anything).
     Any float q dtype; `config` and `interpret` are accepted for signature parity and ignored.
     Out-of-range page ids are clamped by the gather: validate on the host first.
     """
@@ -751,12 +779,12 @@ def paged_attention_reference(
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, layer)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales,
-                          sm_scale=scale)
+                          window, sm_scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, *,
-                   sm_scale):
+def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, window,
+                   *, sm_scale):
     if layer is not None:  # the oracle may slice: one layer of the pool [N, G, ...]
         k_pages, v_pages = k_pages[layer], v_pages[layer]
         if k_scales is not None:
@@ -773,7 +801,8 @@ def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, 
         v = v * v_scales[:, block_tables][..., None]  # [G, B, M, L, 1]
     scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
     scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
-    valid = jnp.arange(max_pages * page_size)[None, :] < lengths[:, None]  # [B, S]
+    slots = jnp.arange(max_pages * page_size)[None, :]  # [1, S]
+    valid = (slots < lengths[:, None]) & (slots >= window_starts(lengths, window)[:, None])  # [B, S]
     scores = jnp.where(valid[:, None, None, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).reshape(
         batch, num_kv_heads, group_size, max_pages, page_size)  # [B, G, q, M, L]

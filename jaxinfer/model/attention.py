@@ -15,7 +15,10 @@ jnp paths become `attention_over_page_blocks`, and the kernel runs its fixed-spl
 A quantized pool (int8 or fp8 codes with per-token scales, kv_pool.py) is dequantized on read by the jnp
 paths; the kernel takes the codes and the scales as they are.
 
-Masking is causal by position: key slot s is visible to a query at position p iff s <= p. A packed row
+Masking is causal by position: key slot s is visible to a query at position p iff s <= p, and with a
+sliding window W (`window`, an int32 scalar, traced or not: one per layer inside the layer scan) also
+iff s > p - W (Hugging Face transformers' rule, masking_utils.sliding_window_overlay: W keys, the query's
+own included). `window=None` is plain causal. A packed row
 (PageMeta with page_positions, page_segments and token_segments) holds several sequences: a key is
 visible iff it belongs to the query's sequence and its position is <= the query's (`key_layout`). Masked
 scores take a large finite negative value, never -inf, so rows with nothing visible stay finite.
@@ -47,20 +50,31 @@ def attention_reference(
     values: Float[Array, "B S G K"],
     q_positions: Int[Array, "B T"],
     k_positions: Int[Array, "#B S"],
+    window: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal grouped-query attention; f32 scores and softmax, output in q's dtype.
 
-    `k_positions` may be [1, S], shared by every row (a dense slab, whose slot s is position s)."""
+    `k_positions` may be [1, S], shared by every row (a dense slab, whose slot s is position s).
+    `window`: None (causal), or the sliding window W (a key is visible iff q - W < k <= q)."""
     b, t, h, k = q.shape
     g = keys.shape[2]
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     scores = jnp.einsum("btgqk,bsgk->bgqts", grouped, keys, preferred_element_type=jnp.float32)
     scores = scores * (k**-0.5)
-    visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    visible = in_window(k_positions[:, None, :], q_positions[:, :, None], window)  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)  # [B, G, Q, T, S]
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bgqts,bsgk->btgqk", probs, values.astype(jnp.float32))  # [B, T, G, Q, K]
     return out.reshape(b, t, h, k).astype(q.dtype)
+
+
+def in_window(key_positions: Int[Array, "..."], query_positions: Int[Array, "..."], window: Int[Array, ""] | int | None) -> jax.Array:
+    """bool (broadcast shape): key visible to query, causal and, with a window W, within the last W
+    positions: q - W < k <= q. The one visibility rule of the jnp paths."""
+    visible = key_positions <= query_positions
+    if window is not None:
+        visible &= query_positions - key_positions < jnp.asarray(window, jnp.int32)  # k > q - W, as a difference (no wrap)
+    return visible
 
 
 def attend(
@@ -72,24 +86,30 @@ def attend(
     positions: Int[Array, "B T"],
     pages: kvp.PageMeta | None = None,
     impl: str = "reference",
+    window: Int[Array, ""] | int | None = None,
 ) -> tuple[Float[Array, "B T H K"], kvp.DenseKVCache | kvp.KVPool | None]:
-    """Write k, v for `layer` into `cache`, then attend. Returns (output, updated cache)."""
+    """Write k, v for `layer` into `cache`, then attend. Returns (output, updated cache).
+
+    `window`: None (causal attention over everything written), or this layer's sliding window W, an
+    int32 scalar that may be traced: a key at position p is visible to a query at t iff t - W < p <= t.
+    Pages wholly before the window may have been handed back to the pool (the host keeps the null
+    page in their table entries); they are masked here, so what they hold is never read into a result."""
     if cache is None:
-        return attention_reference(q, k, v, positions, positions), None
+        return attention_reference(q, k, v, positions, positions, window), None
     if isinstance(cache, kvp.DenseKVCache):
         cache = kvp.write_dense(cache, layer, k, v, positions)
-        return _attend_slots(q, cache.k[layer], cache.v[layer], positions), cache
+        return _attend_slots(q, cache.k[layer], cache.v[layer], positions, window), cache
     if pages is None:
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
     deterministic = impl in (DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL)
     if impl == CPU_IMPL:
-        return _attend_cpu(q, cache, layer, positions, pages), cache
+        return _attend_cpu(q, cache, layer, positions, pages, window), cache
     if _use_kernel(impl, q):
-        return _attend_pallas(q, cache, layer, positions, pages, deterministic=deterministic), cache
+        return _attend_pallas(q, cache, layer, positions, pages, window, deterministic=deterministic), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables, dtype=q.dtype)  # dequantized if quantized
     over_pages = attention_over_page_blocks if deterministic else attention_over_pages
-    return over_pages(q, k_pages, v_pages, positions, key_layout(pages, cache.page_size)), cache
+    return over_pages(q, k_pages, v_pages, positions, key_layout(pages, cache.page_size), window), cache
 
 
 class KeyLayout(NamedTuple):
@@ -113,13 +133,13 @@ def key_layout(pages: kvp.PageMeta, page_size: int) -> KeyLayout:
     return KeyLayout(positions, segments, pages.token_segments)
 
 
-def _visible(layout: KeyLayout, q_positions: Int[Array, "B T"], start: int | jax.Array = 0, size: int | None = None) -> jax.Array:
-    """bool[B, T, S] (or the slots [start, start + size)): which keys each query sees."""
+def _visible(layout: KeyLayout, q_positions: Int[Array, "B T"], start: int | jax.Array = 0, size: int | None = None, window=None) -> jax.Array:
+    """bool[B, T, S] (or the slots [start, start + size)): which keys each query sees (`in_window`)."""
     positions, segments = layout.positions, layout.segments
     if size is not None:
         positions = jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1)
         segments = None if segments is None else jax.lax.dynamic_slice_in_dim(segments, start, size, axis=1)
-    visible = positions[:, None, :] <= q_positions[:, :, None]
+    visible = in_window(positions[:, None, :], q_positions[:, :, None], window)
     if segments is not None:
         visible &= segments[:, None, :] == layout.query_segments[:, :, None]
     return visible
@@ -131,8 +151,9 @@ def attention_over_pages(
     v_pages: Float[Array, "G B P L K"],
     q_positions: Int[Array, "B T"],
     layout: KeyLayout | None = None,
+    window: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H K"]:
-    """Causal GQA attention straight over gathered pages in the pool's layout; slot p * L + l holds
+    """Causal (and, with `window`, sliding-window) GQA attention straight over gathered pages in the pool's layout; slot p * L + l holds
     position p * L + l, or what `layout` says (a packed row). f32 scores and softmax, output in q's dtype.
 
     The scores of several query tokens (prefill) are kept keys-major, [B, G, S, T, Q], with the softmax
@@ -143,7 +164,7 @@ def attention_over_pages(
     g, _, p, _, l = k_pages.shape
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     layout = layout or KeyLayout(jnp.arange(p * l, dtype=jnp.int32)[None])
-    visible = _visible(layout, q_positions)  # [B, T, S]
+    visible = _visible(layout, q_positions, window=window)  # [B, T, S]
     values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
     if t == 1:
         scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
@@ -167,13 +188,16 @@ def attention_over_page_blocks(
     v_pages: Float[Array, "G B P L K"],
     q_positions: Int[Array, "B T"],
     layout: KeyLayout | None = None,
+    window: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "B T H K"]:
     """attention_over_pages as an online softmax over fixed blocks of pages, in order (a lax.scan).
 
     Every block has the same shape, and a block wholly past a query's position changes nothing, bit for
     bit: its scores are MASK_VALUE, so the running max stays, the rescale is exp(0) = 1 and it adds exact
     zeros. So a query's output does not depend on how many pages the step's table holds, which lets
-    deterministic mode keep bucketed page widths. P must be a multiple of the block (or smaller than it).
+    deterministic mode keep bucketed page widths. With a window, blocks wholly before it come first and
+    are all MASK_VALUE too: they add garbage only while the running max is MASK_VALUE, and the first
+    visible block rescales it by exp(MASK_VALUE - max) = 0 exactly. P must be a multiple of the block (or smaller than it).
     """
     b, t, h, k = q.shape
     g, _, p, _, l = k_pages.shape
@@ -187,7 +211,7 @@ def attention_over_page_blocks(
         m, denom, acc = carry  # [B, G, Q, T], [B, G, Q, T], [B, G, Q, T, K]
         index, kb, vb = xs
         scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, kb, preferred_element_type=jnp.float32).reshape(b, g, h // g, t, block * l)
-        visible = _visible(layout, q_positions, index * block * l, block * l)  # [B, T, S_block]
+        visible = _visible(layout, q_positions, index * block * l, block * l, window)  # [B, T, S_block]
         scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
@@ -213,21 +237,22 @@ def _use_kernel(impl: str, q: jax.Array) -> bool:
     return True
 
 
-def _attend_slots(q, keys, values, positions):
+def _attend_slots(q, keys, values, positions, window=None):
     """Attention over slabs whose slot index equals the token position."""
     slots = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
-    return attention_reference(q, keys, values, positions, slots)
+    return attention_reference(q, keys, values, positions, slots, window)
 
 
-def _attend_cpu(q, pool, layer, positions, pages):
+def _attend_cpu(q, pool, layer, positions, pages, window=None):
     """Any step through the CPU kernel, which reads the pool in place (packed rows too)."""
     out = cpu_kernel.paged_attention(
-        q, pool.k, pool.v, layer, pages.block_tables, positions, pages.page_positions, pages.page_segments, pages.token_segments
+        q, pool.k, pool.v, layer, pages.block_tables, positions, pages.page_positions, pages.page_segments, pages.token_segments,
+        window=window,
     )
     return out.astype(q.dtype)
 
 
-def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
+def _attend_pallas(q, pool, layer, positions, pages, window=None, *, deterministic: bool):
     """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. The kernel
     gets the whole pool and the layer index and reads the layer's pages in place, as the CPU kernel does
     (a `pool.k[layer]` slice may be copied every layer of every step); under tensor parallelism
@@ -242,7 +267,7 @@ def _attend_pallas(q, pool, layer, positions, pages, *, deterministic: bool):
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
     scales = dict(k_scales=pool.k_scale, v_scales=pool.v_scale) if pool.quantized else {}
     out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
-        functools.partial(kernel.paged_attention, config=config), q[:, 0], pool.k, pool.v, pages.block_tables,
+        functools.partial(kernel.paged_attention, config=config, window=window), q[:, 0], pool.k, pool.v, pages.block_tables,
         positions[:, 0] + 1, layer=layer, **scales,
-    )  # [B, H, K]
+    )  # [B, H, K]  (a traced window is closed over: replicated, as the layer index is)
     return out[:, None]
