@@ -219,14 +219,14 @@ def reference(x: Float[Array, "M I"], panels: dict[str, Array], layer: Int[Array
         d = jnp.repeat(_per_column(one["super_scales"]), 8, axis=1).T  # [A, F]
         dmin = jnp.repeat(_per_column(one["super_mins"]), 8, axis=1).T
         scale, minimum = d * _per_column(one["scales"]).T, dmin * _per_column(one["mins"]).T  # exact
-        terms = sx * (dots.astype(jnp.float32) * scale - sums.astype(jnp.float32) * minimum)
+        terms = (dots.astype(jnp.float32) * sx) * scale - (sx * sums.astype(jnp.float32)) * minimum
     elif fmt == "q6_k":
         d = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1).T  # [S, F]
         scale = d * _per_column(one["scales"]).T  # exact
         halves = (dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * scale  # [M, S, F]
-        terms = sx * halves.reshape(x.shape[0], num_in // 32, 2, num_out).sum(axis=2)
+        terms = halves.reshape(x.shape[0], num_in // 32, 2, num_out).sum(axis=2) * sx
     elif fmt == "q5_0":
-        terms = (dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * sx * _per_column(one["scales"]).T
+        terms = ((dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * sx) * _per_column(one["scales"]).T
     else:  # q5_1
-        terms = sx * (dots.astype(jnp.float32) * _per_column(one["scales"]).T + sums.astype(jnp.float32) * _per_column(one["mins"]).T)
+        terms = (dots.astype(jnp.float32) * sx) * _per_column(one["scales"]).T + (sx * sums.astype(jnp.float32)) * _per_column(one["mins"]).T
     return jnp.sum(terms, axis=1)  # [M, F]
