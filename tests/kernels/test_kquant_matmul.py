@@ -1,0 +1,209 @@
+"""The CPU K-quant matmul kernel (kernels_cpu/kquant_matmul): Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 weights kept as
+GGUF stores them, packed into panels (`pack`), times activations quantized per block of 32 in the kernel.
+Checked against a numpy int64 transcription of llama.cpp's block formats read straight from the blocks' bytes
+(so `pack` and quant.from_gguf are checked too), against its jnp `reference`, against the float64 product with
+`quant.dequantize` within the error W8A8 may add, and for the bytes it keeps. Blocks are random bytes as a file
+holds them (every code and sub-scale value), with valid fp16 scales (tests/model/test_quant.random_blocks)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from jaxinfer.model import quant
+from kernels_cpu import kquant_matmul
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+TYPES = {"q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
+FP16_OFFSETS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q5_0": (0,), "q5_1": (0, 2)}  # d (and dmin / m) in a block
+pack_jit = jax.jit(kquant_matmul.pack, static_argnums=0)
+
+
+def random_blocks(fmt: str, lead: int, rows: int, num_blocks: int, seed: int) -> np.ndarray:
+    """uint8 [lead, rows, num_blocks * type size]: random bytes, fp16 scales ~N(0, 1e-2) (finite, some subnormal)."""
+    rng = np.random.default_rng(seed)
+    _, _, size = quant.GGUF_KEPT_TYPES[int(TYPES[fmt])]
+    blocks = rng.integers(0, 256, (lead, rows, num_blocks, size), dtype=np.uint8)
+    for offset in FP16_OFFSETS[fmt]:
+        scale = rng.standard_normal((lead, rows, num_blocks)) * 1e-2
+        scale[..., ::7] *= 1e-4
+        blocks[..., offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(lead, rows, num_blocks, 2)
+    return blocks.reshape(lead, rows, -1)
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view("<f2")[..., 0].astype(np.float64)
+
+
+def _k_scale_min(packed: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's get_scale_min_k4 on the 12 scale bytes [..., 12]."""
+    q = packed.astype(np.int64)
+    if j < 4:
+        return q[..., j] & 63, q[..., j + 4] & 63
+    return (q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4), (q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4)
+
+
+def _decode(fmt: str, blocks: np.ndarray):
+    """One GGUF tensor's blocks [O, B, bytes], read as llama.cpp's dequantize_row_* reads them: signed integer
+    codes [O, B, n], integer sub-block scales [O, B, S] (and mins), the fp16 d (and dmin or m) [O, B]."""
+    if fmt in ("q5_0", "q5_1"):
+        d = _fp16(blocks[..., 0:2])
+        mins = _fp16(blocks[..., 2:4]) if fmt == "q5_1" else None
+        start = 4 if fmt == "q5_1" else 2
+        qh = blocks[..., start : start + 4].copy().view("<u4")[..., 0].astype(np.int64)  # [O, B]
+        qs = blocks[..., start + 4 :].astype(np.int64)  # [O, B, 16]
+        j = np.arange(16)
+        x0 = (qs & 0xF) | (((qh[..., None] >> j) << 4) & 0x10)
+        x1 = (qs >> 4) | ((qh[..., None] >> (j + 12)) & 0x10)
+        codes = np.concatenate([x0, x1], axis=-1) - (16 if fmt == "q5_0" else 0)
+        return codes, np.ones((*d.shape, 1), np.int64), None, d, mins
+    if fmt == "q6_k":
+        ql, qh = blocks[..., :128].astype(np.int64), blocks[..., 128:192].astype(np.int64)
+        sc, d = blocks[..., 192:208].view(np.int8).astype(np.int64), _fp16(blocks[..., 208:210])
+        codes = np.zeros((*blocks.shape[:-1], 256), np.int64)
+        for n in range(2):  # halves of 128: ql += 64, qh += 32
+            l_lo, l_hi, h = ql[..., 64 * n : 64 * n + 32], ql[..., 64 * n + 32 : 64 * n + 64], qh[..., 32 * n : 32 * n + 32]
+            base = 128 * n
+            codes[..., base : base + 32] = (l_lo & 0xF) | (((h >> 0) & 3) << 4)
+            codes[..., base + 32 : base + 64] = (l_hi & 0xF) | (((h >> 2) & 3) << 4)
+            codes[..., base + 64 : base + 96] = (l_lo >> 4) | (((h >> 4) & 3) << 4)
+            codes[..., base + 96 : base + 128] = (l_hi >> 4) | (((h >> 6) & 3) << 4)
+        return codes - 32, sc, None, d, None
+    d, dmin, packed = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4]), blocks[..., 4:16]
+    qh = blocks[..., 16:48].astype(np.int64) if fmt == "q5_k" else None
+    qs = blocks[..., -128:].astype(np.int64)
+    codes, scales, mins = [], [], []
+    for pair in range(4):  # 64 elements: sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
+        q = qs[..., 32 * pair : 32 * pair + 32]
+        for half, values in enumerate((q & 0xF, q >> 4)):
+            if qh is not None:
+                values = values + np.where(qh & (1 << (2 * pair + half)), 16, 0)
+            sc, m = _k_scale_min(packed, 2 * pair + half)
+            codes.append(values), scales.append(sc), mins.append(m)
+    return np.concatenate(codes, axis=-1), np.stack(scales, -1), np.stack(mins, -1), d, dmin
+
+
+def _quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quant_matmul's W8A8 activation rule in numpy f32: int64 codes [M, A, 32], scales f64 [M, A]."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=-1)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.clip(np.round(xb * inverse[..., None]), -127, 127).astype(np.int64)
+    return codes, (amax / np.float32(127)).astype(np.float64)
+
+
+def numpy_kquant_w8a8(x: np.ndarray, fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """x [M, I] times one tensor's GGUF bytes [O, row bytes], by hand: exact int64 dots per sub-block of the
+    signed codes with x's int8 codes, then the sub-block scales, mins and activation scales in float64."""
+    _, block, size = quant.GGUF_KEPT_TYPES[int(TYPES[fmt])]
+    codes, scales, mins, d, dmin = _decode(fmt, blocks.reshape(blocks.shape[0], -1, size))
+    num_out, num_blocks = d.shape
+    sub = block // scales.shape[-1]  # 16 (q6_k), else 32
+    xq, sx = _quantized_x(x)  # [M, A, 32], [M, A]
+    xs = xq.reshape(x.shape[0], num_blocks, -1, sub)  # [M, B, S, sub]
+    dots = np.einsum("obsk,mbsk->mobs", codes.reshape(num_out, num_blocks, -1, sub), xs).astype(np.float64)  # exact
+    sx_sub = np.repeat(sx, 32 // sub, axis=1).reshape(x.shape[0], num_blocks, -1)  # [M, B, S]
+    out = np.einsum("mobs,obs,ob,mbs->mo", dots, scales.astype(np.float64), d, sx_sub)
+    if fmt == "q5_1":
+        out += np.einsum("ob,mb->mo", dmin, sx_sub[..., 0] * xs.sum(axis=(-1, -2)))
+    elif mins is not None:
+        out -= np.einsum("obs,ob,mbs->mo", mins.astype(np.float64), dmin, sx_sub * xs.sum(-1))
+    return out
+
+
+def _packed(fmt: str, blocks: np.ndarray) -> tuple[quant.QuantizedTensor, dict]:
+    q = quant.from_gguf(blocks, TYPES[fmt])
+    return q, pack_jit(fmt, {name: jnp.asarray(a) for name, a in quant.array_fields(q).items()})
+
+
+def _activations(rng, rows: int, num_in: int) -> np.ndarray:
+    x = rng.standard_normal((rows, num_in)) * rng.uniform(0.1, 10, (rows, 1))
+    x[:, 5] *= 30  # an outlier channel
+    x[0, 32:64] = 0  # an all-zero block: scale 0
+    return x.astype(np.float32)
+
+
+# I: K-quants 768 (3 super-blocks); q5_0 / q5_1 288 (9 blocks, not a whole 256)
+SHAPES = {"q4_k": 3, "q5_k": 3, "q6_k": 3, "q5_0": 9, "q5_1": 9}
+
+
+@pytest.mark.parametrize("fmt", kquant_matmul.FORMATS)
+def test_kernel_is_the_int64_transcription_of_the_blocks(fmt):
+    """70 output columns (padded to 96: three column tiles), three layers, rows 1, 3 and 17 (the register
+    tile is 4 rows: a remainder alone, and whole tiles plus one); the VNNI tiles and the plain loop."""
+    blocks = random_blocks(fmt, 3, 70, SHAPES[fmt], seed=len(fmt) + ord(fmt[1]))
+    q, packed = _packed(fmt, blocks)
+    num_in = q.in_shape[0]
+    rng = np.random.default_rng(1)
+    for rows, layer in ((1, 2), (3, 0), (17, 1)):
+        x = _activations(rng, rows, num_in)
+        expected = numpy_kquant_w8a8(x, fmt, blocks[layer])
+        scale = np.abs(expected).max()
+        for vectorized in (True, False):
+            ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(layer), fmt=fmt, num_in=num_in, vectorized=vectorized))
+            assert ours.shape == (rows, 96)
+            assert not ours[:, 70:].any()  # padding columns are zero weights
+            err = np.abs(ours[:, :70] - expected).max() / scale
+            assert err <= 2e-6, (rows, vectorized, err)
+
+
+@pytest.mark.parametrize("fmt", kquant_matmul.FORMATS)
+def test_reference_is_the_kernel_and_within_the_w8a8_bound_of_the_dense_product(fmt):
+    """`reference` (jnp, same arithmetic) against the kernel; both against x @ dequantize(q) in float64, whose
+    distance W8A8 bounds by sum_i |w_i| sx_i / 2 (each activation is off by at most half its block's step)."""
+    blocks = random_blocks(fmt, 2, 64, SHAPES[fmt], seed=11)
+    q, packed = _packed(fmt, blocks)
+    num_in = q.in_shape[0]
+    x = _activations(np.random.default_rng(2), 5, num_in)
+    ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(1), fmt=fmt, num_in=num_in), np.float64)
+    ref = np.asarray(kquant_matmul.reference(jnp.asarray(x), packed, jnp.int32(1), fmt=fmt, num_in=num_in), np.float64)
+    assert np.abs(ours - ref).max() <= 2e-6 * np.abs(ref).max()
+    dense = np.asarray(quant.dequantize(q), np.float64)[1]  # [O, I]
+    exact = x.astype(np.float64) @ dense.T
+    _, sx = _quantized_x(x)
+    bound = np.repeat(sx / 2, 32, axis=1) @ np.abs(dense).T  # [M, O]
+    error = np.abs(ours[:, :64] - exact)
+    assert (error <= bound * 1.0001 + 1e-6 * np.abs(exact).max()).all()
+    assert np.linalg.norm(ours[:, :64] - exact) / np.linalg.norm(exact) > 1e-5  # it really is W8A8, not f32
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_1"])
+@pytest.mark.parametrize("rows", [4, 16, 18])
+def test_runs_of_column_tiles_cover_every_column(fmt, rows):
+    """288 columns: nine tiles; at up to 16 rows runs of four tiles prefetch the next tile's bytes (two runs
+    of four and one of one), one tile a task above that; every column against the reference."""
+    blocks = random_blocks(fmt, 1, 288, 1 if fmt != "q5_1" else 8, seed=rows)
+    q, packed = _packed(fmt, blocks)
+    num_in = q.in_shape[0]
+    x = jnp.asarray(_activations(np.random.default_rng(rows), rows, num_in))
+    ours = np.asarray(kquant_matmul.kquant_matmul(x, packed, jnp.int32(0), fmt=fmt, num_in=num_in))
+    ref = np.asarray(kquant_matmul.reference(x, packed, jnp.int32(0), fmt=fmt, num_in=num_in))
+    per_column = np.abs(ours - ref).max(axis=0) / np.abs(ref).max()
+    assert per_column.max() <= 2e-6, np.flatnonzero(per_column > 2e-6)
+
+
+@pytest.mark.parametrize("fmt", kquant_matmul.FORMATS)
+def test_packed_bytes_stay_within_three_percent_of_the_files(fmt):
+    """A stack of 2 layers of 64 x 512 (whole column tiles): the panels keep every bit in at most 1.03 x the
+    GGUF bytes (the K-quants' 12 bytes of 6-bit scales become 16), and unpack to the stored codes."""
+    blocks = random_blocks(fmt, 2, 64, 512 // quant.GGUF_KEPT_TYPES[int(TYPES[fmt])][1], seed=3)
+    q, packed = _packed(fmt, blocks)
+    assert sorted(packed) == sorted(kquant_matmul.PANEL_FIELDS[fmt])
+    assert all(a.shape[:2] == (2, 4) for a in packed.values())  # [N, C, ...]
+    assert sum(a.nbytes for a in packed.values()) <= 1.03 * blocks.nbytes
+    codes = kquant_matmul.stored_codes(fmt, {name: jnp.asarray(a) for name, a in quant.array_fields(q).items()})
+    unpacked = kquant_matmul.unpack_codes(fmt, {name: a[1] for name, a in packed.items()}, 512)
+    np.testing.assert_array_equal(np.asarray(unpacked), np.asarray(codes[1], np.int32))
+
+
+def test_bad_layer_and_unknown_format_are_errors_naming_them():
+    _, packed = _packed("q4_k", random_blocks("q4_k", 2, 32, 1, seed=0))
+    x = jnp.ones((1, 256), jnp.float32)
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(kquant_matmul.kquant_matmul(x, packed, jnp.int32(2), fmt="q4_k", num_in=256))
+    with pytest.raises(ValueError, match="q3_k"):
+        kquant_matmul.pack("q3_k", {})
+    with pytest.raises(Exception, match="high must be"):  # q5_k reads 8 rows of high bits per 256 inputs
+        np.asarray(kquant_matmul.kquant_matmul(x, {**packed, "high": jnp.zeros((2, 2, 4, 64), jnp.uint8)}, jnp.int32(0), fmt="q5_k", num_in=256))
