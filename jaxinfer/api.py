@@ -33,6 +33,7 @@ from jaxinfer.options import LoadOptions
 from jaxinfer.outputs import RequestOutput, Samples, output_of
 from jaxinfer.scheduling import guided, runloop
 from jaxinfer.scheduling.block_pool import BlockPool
+from jaxinfer.scheduling.kv_manager import page_release_window
 from jaxinfer.scheduling.replicas import Router
 from jaxinfer.scheduling.request import Prompt, Request, SamplingParams, derive_seed, truncate_prompt
 from jaxinfer.scheduling.scheduler import Scheduler, check_request, check_sampling_limits
@@ -152,6 +153,8 @@ class LLM:
         pins = tuning.Impls(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
         self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=quantization, on_mesh=options.on_mesh)
         model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, quantization)
+        if engine_config.release_window != page_release_window(model_config):  # a windowed model hands pages back (kv_manager)
+            engine_config = EngineConfig.with_overrides(engine_config, release_window=page_release_window(model_config))
         self.model_config, self.tokenizer, self.engine_config, self.options = model_config, tokenizer, engine_config, options
         self.replicas: list[Replica] = [self._replica(r, params) for r in range(options.data_parallel)]
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool

@@ -91,7 +91,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain rotary frequencies
     attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
-    sliding_window: int | None = None  # tokens a query may look back (Mistral); max_context must fit in it
+    sliding_window: int | None = None  # tokens a query sees, its own included: keys at t - W < p <= t (Mistral); None: all
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True  # logits use the token embedding when True
     max_context: int = 2048  # tokens; positions beyond this are rejected
@@ -115,11 +115,8 @@ class ModelConfig:
         scaling = self.rope_scaling
         if scaling is not None and scaling.frequency_factors and len(scaling.frequency_factors) != self.head_dim // 2:
             raise ValueError(f"rope has {len(scaling.frequency_factors)} frequency factors, expected head_dim / 2 = {self.head_dim // 2}")
-        if self.sliding_window is not None and self.max_context > self.sliding_window:
-            raise ValueError(
-                f"max_context {self.max_context} exceeds the sliding window of {self.sliding_window} tokens; jaxinfer has "
-                f"no sliding-window attention, so use max_context <= {self.sliding_window}"
-            )
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, low=1)
 
     @property
     def group_size(self) -> int:
@@ -133,7 +130,7 @@ class ModelConfig:
             "rope scaling": "none" if scaling is None else f"{scaling.kind} (factor {scaling.factor:g})",
             "q/k/v bias": "yes" if self.attention_bias else "no",
             "q/k norm": "yes" if self.qk_norm else "no",
-            "sliding window": "none" if self.sliding_window is None else f"{self.sliding_window} tokens (context kept within it)",
+            "sliding window": "none" if self.sliding_window is None else f"{self.sliding_window} tokens",
         }
 
     def num_params(self) -> int:
@@ -155,8 +152,8 @@ class ModelConfig:
 def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_context: int | None = None) -> ModelConfig:
     """Convert a Hugging Face `config.json` dict (llama, mistral, qwen2, qwen3) to a ModelConfig.
 
-    A Mistral sliding window caps the default context at the window (inside it, full causal attention is
-    exact); asking for more is an error, because there is no sliding-window mask.
+    A Mistral sliding window is kept as `sliding_window`: attention masks keys outside it, and the context
+    runs to max_position_embeddings (or `max_context`), past the window.
     """
     if not isinstance(config, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
@@ -192,7 +189,7 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         sliding_window=window,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_context=max_context or (min(max_position, window) if window else max_position),
+        max_context=max_context or max_position,
         dtype=dtype,
         architecture=model_type,
         name=model_type,
@@ -284,6 +281,10 @@ class EngineConfig:
     compile_threads: int = 2  # programs compiled in parallel at warm-up
     seed: int = 0  # base of the per-request seeds of requests that give none
     enable_prefix_caching: bool = True  # share full KV pages of equal prefixes between requests
+    # Tokens every layer's queries see when the model is windowed throughout (Mistral): a running request's
+    # pages wholly before its next query's window go back to the pool. Set by LLM from the model
+    # (kv_manager.page_release_window); None: no page is released before its request ends.
+    release_window: int | None = None
     # Bitwise-reproducible logits whatever else runs: fixed rows and chunk per phase (decode steps of more
     # rows run as several 8-row programs), blockwise attention, and preempted requests replay generated
     # tokens through decode steps.
@@ -324,6 +325,8 @@ class EngineConfig:
             raise FieldError("compilation_cache_dir", f"must be a directory path or None, got {self.compilation_cache_dir!r}")
         check_int("seed", self.seed, low=0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.release_window is not None:
+            check_int("release_window", self.release_window, low=1)
         check_bool("overlap_masks", self.overlap_masks)
         check_bool("deterministic", self.deterministic)
         if self.policy not in POLICIES:

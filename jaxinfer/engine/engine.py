@@ -38,6 +38,7 @@ from jaxinfer.engine.backends import packer, resolve_impl, resolve_matmul_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.kv_manager import page_release_window
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.validation import FieldError
@@ -269,6 +270,8 @@ class Engine:
         tests that compare logits bit for bit; it costs a [R, V] copy per step."""
         if engine_cfg.max_context > cfg.max_context:
             raise FieldError("max_context", f"({engine_cfg.max_context}) exceeds the model's context of {cfg.max_context} tokens")
+        if engine_cfg.release_window not in (None, page_release_window(cfg)):  # pages a layer still reads must stay
+            raise FieldError("release_window", f"({engine_cfg.release_window}) must be None or the window of every layer ({page_release_window(cfg)})")
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         # backends.resolve_impl owns the rule; in deterministic mode the kernel (16-bit decode on a GPU)
         # runs its fixed-split config, and everything else attention_over_page_blocks.

@@ -77,7 +77,7 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
     with jax.named_scope("attention"):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q, k, v = attention_inputs(h, layer, positions, inv_freq, cfg)
-        out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl)
+        out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl, window=cfg.sliding_window)
         x = x + _matmul("bthk,hkd->btd", out, layer.wo)
     with jax.named_scope("mlp"):
         x = x + mlp(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer)

@@ -12,6 +12,12 @@ later request can still hit it; allocation takes the head of the queue (the leas
 only then forgets the page's name (eviction). Invariants: a page is in the free queue iff its count is
 0; every named page maps back to its name; a shared page is never written (it is full, and a request
 computes only positions past its cached pages).
+
+Sliding-window release (`release_pages`): a running request may hand back the first pages of its table,
+those wholly before every later query's window. Their entries become the null page, so the table keeps
+its length and every later page its position; the request's references drop as in `free`, and a page
+whose count reaches zero joins the free queue with its name kept: its KV is still the right content for
+that prefix (a full page, never written again), so a later request may share it until it is evicted.
 """
 
 import collections
@@ -103,10 +109,27 @@ class BlockPool:
 
     def free(self, request_id: str) -> list[int]:
         """Drop the request's references; pages whose count reaches zero join the free queue's tail,
-        last page first, so a sequence's tail is evicted before its (more shareable) head."""
-        pages = self._req_to_pages.pop(request_id, [])
+        last page first, so a sequence's tail is evicted before its (more shareable) head. Null entries
+        (pages already released by `release_pages`) are skipped."""
+        return self._drop(reversed(self._req_to_pages.pop(request_id, [])))
+
+    def release_pages(self, request_id: str, count: int) -> list[int]:
+        """Hand back the request's first `count` table entries (a sliding window has passed them): each
+        real page loses the request's reference and its entry becomes NULL_PAGE, so the table keeps its
+        length. Returns the pages that became free (first page first)."""
+        table = self._req_to_pages.get(request_id, [])
+        if not 0 <= count <= len(table):
+            raise ValueError(f"cannot release {count} pages of request {request_id!r}, which holds {len(table)}")
+        pages = [page for page in table[:count] if page != NULL_PAGE]
+        table[:count] = [NULL_PAGE] * count
+        return self._drop(pages)
+
+    def _drop(self, pages) -> list[int]:
+        """Drop one reference from each page (null entries skipped); those reaching zero join the free queue."""
         released = []
-        for page in reversed(pages):
+        for page in pages:
+            if page == NULL_PAGE:
+                continue
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._free[page] = None
@@ -145,7 +168,7 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests call this)."""
-        owners = collections.Counter(p for pages in self._req_to_pages.values() for p in pages)
+        owners = collections.Counter(p for pages in self._req_to_pages.values() for p in pages if p != NULL_PAGE)
         for page in range(1, self.num_pages):
             assert self._ref_counts[page] == owners[page], f"page {page}: count {self._ref_counts[page]}, owners {owners[page]}"
             assert (page in self._free) == (owners[page] == 0), f"page {page}: free-queue membership is wrong"

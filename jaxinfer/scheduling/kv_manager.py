@@ -7,10 +7,34 @@ once their KV is computed, and release. As vLLM v1's KVCacheManager sits between
 BlockPool. Host-only: imports the stdlib and scheduling/ only, never jax.
 Invariants: a request's named pages are a prefix of its block table (`_num_named` counts them); a
 request whose pages are released has nothing named (its next admission looks its prefix up again).
+
+Sliding window (`window`, set only when every layer of the model is windowed: `page_release_window`): a
+running request's pages wholly before the window of its next query go back to the pool
+(`release_outside_window`); their table entries become the null page, which attention masks. A released
+page keeps its prefix-cache name while it waits in the free queue (its KV is still that prefix's), and
+the request's count of named pages still covers it, so a page is never named twice. Requests whose
+sampling reads their whole token history through the pages (presence, frequency or repetition
+penalties: engine.token_counts) keep every page.
 """
 
-from jaxinfer.scheduling.block_pool import ROOT_HASH, BlockPool, OutOfPagesError, page_hash
-from jaxinfer.scheduling.request import Request
+from jaxinfer.config import ModelConfig
+from jaxinfer.scheduling.block_pool import NULL_PAGE, ROOT_HASH, BlockPool, OutOfPagesError, page_hash
+from jaxinfer.scheduling.request import Request, SamplingParams
+
+
+def page_release_window(cfg: ModelConfig) -> int | None:
+    """The window after which pages may go back to the pool: the model's sliding window when every layer
+    is windowed (Mistral; `layer_types` None or all "sliding_attention"), else None (Gemma's global layers
+    read every page, so nothing is released)."""
+    layer_types = getattr(cfg, "layer_types", None)
+    if cfg.sliding_window is None or (layer_types is not None and any(t != "sliding_attention" for t in layer_types)):
+        return None
+    return cfg.sliding_window
+
+
+def reads_token_history(params: SamplingParams) -> bool:
+    """Whether sampling counts the tokens of the whole sequence through its pages (the penalties)."""
+    return bool(params.presence_penalty or params.frequency_penalty) or params.repetition_penalty != 1.0
 
 
 def name_pages(request: Request, num_pages: int, page_size: int) -> list[bytes]:
@@ -26,9 +50,11 @@ def name_pages(request: Request, num_pages: int, page_size: int) -> list[bytes]:
 class KVManager:
     """A request's pages in one block pool: allocation, the prefix cache, release."""
 
-    def __init__(self, block_pool: BlockPool, *, page_size: int, enable_prefix_caching: bool, deterministic: bool = False):
+    def __init__(self, block_pool: BlockPool, *, page_size: int, enable_prefix_caching: bool, deterministic: bool = False,
+                 window: int | None = None):
         self.block_pool = block_pool
         self.page_size = page_size  # tokens per page
+        self.window = window  # tokens every layer's queries see (page_release_window); None: no page is released early
         self.enable_prefix_caching = enable_prefix_caching
         self.deterministic = deterministic  # name only pages a prefill computed (decode-computed KV differs in its bits)
         self._num_named: dict[str, int] = {}  # request id -> how many of its pages are in the cache map
@@ -95,8 +121,23 @@ class KVManager:
             return
         pages, names = self.pages_of(request), name_pages(request, num_full, self.page_size)
         for i in range(first, num_full):
-            self.block_pool.cache_page(pages[i], names[i])
+            if pages[i] != NULL_PAGE:  # released before it was named (deterministic mode names prompt pages only)
+                self.block_pool.cache_page(pages[i], names[i])
         self._num_named[request.request_id] = num_full
+
+    def num_outside_window(self, request: Request) -> int:
+        """Leading pages of the request's table that no later query can see: every position of page i
+        is < t - window + 1 for the next query position t = num_computed_tokens, i.e.
+        (i + 1) * page_size <= t - window + 1. 0 without a window or for a request that reads its history."""
+        if self.window is None or reads_token_history(request.params):
+            return 0
+        num = (request.num_computed_tokens - self.window + 1) // self.page_size
+        return max(0, min(num, len(self.pages_of(request))))
+
+    def release_outside_window(self, request: Request) -> list[int]:
+        """Hand back the request's pages wholly before its next query's window (their entries become the
+        null page); returns the pages that became free."""
+        return self.block_pool.release_pages(request.request_id, self.num_outside_window(request))
 
     def release(self, request: Request) -> None:
         """Drop the request's pages (shared ones stay with their other owners; named ones stay cached

@@ -75,7 +75,8 @@ class Scheduler:
         block_pool = block_pool if block_pool is not None else BlockPool(num_pages)
         if block_pool.num_pages != num_pages or block_pool.num_used:
             raise ValueError("a shared block pool must match the KV pool and hold no pages")
-        self.kv = KVManager(block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic)
+        self.kv = KVManager(block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
+                            window=cfg.release_window)
         self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
         self.waiting = RequestQueue(self.policy.queue_key)  # in admission order; reads like a list (len, in, iteration)
         self.running: list[Request] = []  # in admission order
@@ -128,6 +129,8 @@ class Scheduler:
         return plans
 
     def _plan_step(self) -> list[StepPlan]:
+        for request in self.running:  # pages a sliding window has passed go back before anything is allocated
+            self.kv.release_outside_window(request)
         decode_rows = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill()
         plans = []
@@ -289,7 +292,8 @@ class Scheduler:
             size, filled = self.cfg.page_size, {}  # page -> tokens it holds (a shared page counts once)
             for r in self.running:
                 for i, page in enumerate(self.kv.pages_of(r)):
-                    filled[page] = max(filled.get(page, 0), min(size, r.num_tokens - i * size))
+                    if page:  # not a null entry a sliding window released
+                        filled[page] = max(filled.get(page, 0), min(size, r.num_tokens - i * size))
             utilization = sum(filled.values()) / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
             self.stats.kv_utilization_sum += utilization

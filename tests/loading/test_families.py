@@ -138,10 +138,10 @@ def test_unsupported_rope_type_in_config_is_named(tmp_path, rope_type):
         load_model(tmp_path)
 
 
-def test_mistral_context_past_its_sliding_window_is_an_error():
-    with pytest.raises(ModelLoadError, match="max_context 256 exceeds the sliding window of 128 tokens"):
-        load_model(FIXTURES / "tiny_mistral", max_context=256)
-    assert from_hf_config(_config("tiny_mistral")).max_context == 128  # default: capped at the window
+def test_mistral_context_runs_past_its_sliding_window():
+    cfg, _ = load_model(FIXTURES / "tiny_mistral", max_context=256)
+    assert (cfg.sliding_window, cfg.max_context) == (128, 256)
+    assert from_hf_config(_config("tiny_mistral")).max_context == 256  # default: max_position_embeddings, not the window
 
 
 def test_gguf_of_unknown_architecture_is_named(tmp_path):

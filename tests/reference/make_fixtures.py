@@ -204,6 +204,8 @@ FAMILIES = {
     "tiny_llama_dynamic": ("LlamaConfig", "LlamaForCausalLM", {"max_position_embeddings": 32}, {
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
     "tiny_mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 128}, {"rope_type": "default", "rope_theta": 1e6}),
+    # a window the sequences run far past (33 and 100 tokens: 4x and 12x it), so the mask changes the logits
+    "tiny_mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}, {"rope_type": "default", "rope_theta": 1e6}),
     "tiny_qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True, "use_sliding_window": False}, {
         "rope_type": "default", "rope_theta": 1e6}),
     "tiny_qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}, {
