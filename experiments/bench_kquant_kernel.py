@@ -1,0 +1,142 @@
+"""How fast is the CPU K-quant matmul kernel on a 1B model's matrices, with its weights out of the L3?
+
+kernels_cpu/kquant_matmul on Llama-3.2-1B's layer shapes (2,048 x 8,192 gate/up, 8,192 x 2,048 down,
+2,048 x 2,048 q/o) in Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1, beside kernels_cpu/quant_matmul's Q4_0 in the same run,
+at 1/4/16 rows (decode) and 512 (prefill). Each shape is stacked over 16 layers, more than the L3 holds, and one
+jitted loop multiplies every layer in turn, as a decode step does. Each format and shape is first checked
+against the kernel's jnp reference (up to 17 rows). Blocks are random bytes with valid fp16 scales, packed by
+kquant_matmul.pack. "read" is the bytes the GGUF format stores per second (not the panels' few more) against
+the machine's read bandwidth (machine.measure_bandwidth_peak), measured in the same run.
+Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one JSON document.
+
+    .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...]
+    .venv/bin/python experiments/bench_kquant_kernel.py --quick   # 4 layers, gate_up, rows 1 and 4: a smoke run
+"""
+
+import numpy as np
+
+from common import machine, paths, report, timing
+
+RESULTS = paths.RESULTS_DIR / "bench_kquant_kernel.json"
+SHAPES = {"gate_up": (2048, 8192), "down": (8192, 2048), "q_o": (2048, 2048)}  # (inputs I, outputs O)
+FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
+FP16_OFFSETS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q5_0": (0,), "q5_1": (0, 2), "q4_0": (0,)}
+BLOCKS = {"q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "q5_0": (32, 22), "q5_1": (32, 24), "q4_0": (32, 18)}
+GGUF_IDS = {"q4_k": 12, "q5_k": 13, "q6_k": 14, "q5_0": 6, "q5_1": 7, "q4_0": 2}
+
+
+def random_blocks(rng, fmt: str, num_out: int, num_in: int) -> np.ndarray:
+    """uint8 [O, row bytes] as a GGUF file holds a tensor: random bytes, fp16 scales ~ 0.01."""
+    block, size = BLOCKS[fmt]
+    blocks = rng.integers(0, 256, (num_out, num_in // block, size), dtype=np.uint8)
+    for offset in FP16_OFFSETS[fmt]:
+        scale = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * 0.01).astype(np.float16)
+        blocks[..., offset : offset + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(num_out, -1)
+
+
+def stacked(rng, fmt: str, num_in: int, num_out: int, layers: int) -> tuple[object, int]:
+    """The packed stack [layers, ...] of `fmt` (kquant panels, or quant_matmul's for q4_0) and its GGUF bytes per layer."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.model import panels, quant
+    from kernels_cpu import kquant_matmul
+
+    packed = []
+    for _ in range(layers):
+        q = quant.from_gguf(random_blocks(rng, fmt, num_out, num_in), GGUF_IDS[fmt])
+        if fmt == "q4_0":
+            packed.append(panels.to_quant_panels(jax.tree.map(jnp.asarray, q)))
+        else:
+            packed.append(jax.jit(kquant_matmul.pack, static_argnums=0)(fmt, {k: jnp.asarray(v) for k, v in quant.array_fields(q).items()}))
+    block, size = BLOCKS[fmt]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *packed), num_out * num_in // block * size
+
+
+def matmul(fmt: str, weights, num_in: int):
+    from kernels_cpu import kquant_matmul, quant_matmul
+
+    if fmt == "q4_0":
+        return lambda x, layer: quant_matmul.quant_matmul(x, weights.codes, weights.scale, None, layer, zero_point=weights.zero_point)
+    return lambda x, layer: kquant_matmul.kquant_matmul(x, weights, layer, fmt=fmt, num_in=num_in)
+
+
+def check(fmt: str, weights, x, num_in: int) -> float:
+    """Relative max error of the kernel against its jnp reference on layer 1, over at most 17 rows."""
+    import jax.numpy as jnp
+
+    from kernels_cpu import kquant_matmul, quant_matmul
+
+    x = x[:17]
+    ours = np.asarray(matmul(fmt, weights, num_in)(x, jnp.int32(1)))
+    if fmt == "q4_0":
+        expected = quant_matmul.reference(x, weights.codes, weights.scale, None, jnp.int32(1), zero_point=weights.zero_point)
+    else:
+        expected = kquant_matmul.reference(x, weights, jnp.int32(1), fmt=fmt, num_in=num_in)
+    expected = np.asarray(expected)
+    return float(np.abs(ours - expected).max() / np.abs(expected).max())
+
+
+def seconds_per_layer(fn, x, layers: int, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    program = jax.jit(lambda: jax.lax.fori_loop(0, layers, lambda layer, total: total + fn(x, layer)[0, 0], jnp.float32(0)))
+    return min(timing.time_calls(lambda: program().block_until_ready(), repeats, warmup=1)) / layers
+
+
+def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int) -> list[dict]:
+    import jax.numpy as jnp
+
+    num_in, num_out = SHAPES[name]
+    out = []
+    for fmt in ["q4_0", *formats]:
+        weights, file_bytes = stacked(rng, fmt, num_in, num_out, layers)
+        for rows in rows_list:
+            x = jnp.asarray(rng.standard_normal((rows, num_in)).astype(np.float32))
+            error = check(fmt, weights, x, num_in)
+            seconds = seconds_per_layer(matmul(fmt, weights, num_in), x, layers, repeats)
+            row = {"shape": name, "inputs": num_in, "outputs": num_out, "format": fmt, "rows": rows, "ms": 1e3 * seconds,
+                   "gop_per_s": 2 * rows * num_in * num_out / seconds / 1e9, "file_bytes_per_s": file_bytes / seconds,
+                   "relative_error_vs_reference": error}
+            report.log("bench_kquant_kernel", f"{name} {fmt} rows {rows}: {row['ms']:.3f} ms")
+            out.append(row)
+        del weights
+    return out
+
+
+def main():
+    parser = report.arg_parser(__doc__, out=RESULTS)
+    parser.add_argument("--rows", default="1,4,16,512", help="comma list of activation rows")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (the best is kept)")
+    parser.add_argument("--layers", type=int, default=16, help="layers stacked per shape (more than the L3 holds)")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--quick", action="store_true", help="4 layers, gate_up only, rows 1 and 4, 2 repeats: a smoke run")
+    args = parser.parse_args()
+    from kernels_cpu import kquant_matmul
+
+    if not kquant_matmul.available():
+        raise SystemExit("bench_kquant_kernel: the CPU K-quant kernel could not be built (see the warning above)")
+    formats = report.comma_list(parser, args.formats, FORMATS, "format")
+    rows_list, layers, repeats, shapes = [int(r) for r in args.rows.split(",") if r], args.layers, args.repeats, list(SHAPES)
+    if args.quick:
+        rows_list, layers, repeats, shapes = [1, 4], 4, 2, ["gate_up"]
+    rng = np.random.default_rng(0)
+    bandwidth = machine.measure_bandwidth_peak(repeats)
+    rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats)]
+    peak = bandwidth["best_bytes_per_s"]
+    print(report.format_table(
+        [("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("ms", ">8.3f"), ("GOP/s", ">6.0f"), ("read", ">6.1%")],
+        [[r["shape"], r["format"], r["rows"], r["ms"], r["gop_per_s"], r["file_bytes_per_s"] / peak] for r in rows]))
+    print(f"read: the GGUF format's bytes per second against the measured read bandwidth {peak / 1e9:.1f} GB/s")
+    worst = max(r["relative_error_vs_reference"] for r in rows)
+    doc = {"question": "the CPU K-quant kernel on 1B shapes, weights out of the L3, beside quant_matmul's Q4_0",
+           "layers": layers, "quick": args.quick, "results": rows, "worst_relative_error_vs_reference": worst}
+    report.finish(args.out, doc, {"bench": "kquant_kernel", "worst_relative_error_vs_reference": worst,
+                                   "read_fraction": {f"{r['shape']}/{r['format']}/{r['rows']}": round(r["file_bytes_per_s"] / peak, 3) for r in rows}},
+                   correct=worst <= 1e-5, peaks={"bandwidth": bandwidth})
+
+
+if __name__ == "__main__":
+    main()
