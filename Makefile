@@ -21,6 +21,8 @@ LLAMA_CPP_MODELS := build/llama-cpp-python/models
 # Empty where that folder is absent (a clean clone on its own): the trace test then skips.
 JAXINFER_TRACE_DIR ?= $(wildcard $(abspath ../shared/data))
 SOAK_ARGS ?=
+# make test runs the test files on one pytest-xdist worker per core (2 here); PYTEST_WORKERS= runs them in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models clean
 
@@ -61,7 +63,7 @@ reference: $(VENV_REF)/.stamp $(LLAMA_CPP_MODELS)/.complete
 	JAXINFER_LLAMA_CPP_MODELS=$(LLAMA_CPP_MODELS) $(VENV_REF)/bin/python tests/reference/make_fixtures.py --out tests/fixtures
 
 test: $(VENV)/.stamp reference-check $(LLAMA_CPP_MODELS)/.complete
-	JAXINFER_TRACE_DIR=$(JAXINFER_TRACE_DIR) JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q --durations=25
+	JAXINFER_TRACE_DIR=$(JAXINFER_TRACE_DIR) JAXINFER_REF_REBUILT=$(REF_OUT) $(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_WORKERS)
 
 test-fast: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not slow"
