@@ -40,8 +40,9 @@ DETERMINISTIC_PAGES_PER_BLOCK = 8
 POLICIES = ("fcfs", "shortest-prompt", "edf", "prefix", "adaptive")
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type / GGUF general.architecture families
-ROPE_TYPES = ("linear", "dynamic", "llama3", "frequency_factors")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # HF model_type / GGUF general.architecture families
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope", "frequency_factors")
+HF_ROPE_TYPES = ROPE_TYPES[:-1]  # the rope_type values of a Hugging Face config (besides "default")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,12 @@ class RopeScaling:
     linear: every frequency divided by `factor`. dynamic (NTK): the base grows with the sequence once it
     passes `original_max_position`. llama3: low frequencies divided by `factor`, high ones kept, a smooth
     blend between (wavelengths measured against `original_max_position`). frequency_factors: one divisor
-    per frequency, as llama.cpp stores Llama 3 scaling in a GGUF (`rope_freqs.weight`).
+    per frequency, as llama.cpp stores Llama 3 scaling in a GGUF (`rope_freqs.weight`). yarn: each frequency
+    blended between itself (fast ones, beyond `beta_fast` rotations over the original context) and itself /
+    `factor` (slow ones, under `beta_slow`), as transformers' `_compute_yarn_parameters`. longrope (Phi-3/4):
+    one divisor per frequency, `short_factors` while a row's length stays within original_max_position and
+    `long_factors` once it passes it (transformers' rule, per forward row). yarn and longrope multiply cos and
+    sin by `attention_factor`.
     """
 
     kind: str
@@ -60,16 +66,30 @@ class RopeScaling:
     high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_position / this are kept
     original_max_position: int = 8192  # tokens of the pretraining context (llama3, dynamic)
     frequency_factors: tuple[float, ...] = ()  # frequency_factors: divisor of each of the K/2 frequencies
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin times this (so the rotated dims' q.k times its square)
+    beta_fast: float = 32.0  # yarn: rotations over the original context above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: rotations under which a frequency is divided by factor
+    truncate: bool = True  # yarn: the blend's dimension range rounded outward to whole dimensions
+    short_factors: tuple[float, ...] = ()  # longrope: divisor of each rotary frequency for rows within the original context
+    long_factors: tuple[float, ...] = ()  # longrope: the same for rows past it
 
     def __post_init__(self):
         if self.kind not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.kind!r}; supported: default, {', '.join(ROPE_TYPES[:3])}")
+            raise ValueError(f"unsupported rope type {self.kind!r}; supported: default, {', '.join(HF_ROPE_TYPES)}")
         check_number("rope factor", self.factor, low=0.0, high=math.inf, low_open=True)
         check_int("original_max_position", self.original_max_position, low=1)
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"llama3 rope needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor}, {self.high_freq_factor}")
         if (self.kind == "frequency_factors") != bool(self.frequency_factors):
             raise ValueError("frequency_factors are given exactly when the rope type is 'frequency_factors'")
+        if (self.kind == "longrope") != bool(self.short_factors) or len(self.short_factors) != len(self.long_factors):
+            raise ValueError("short_factors and long_factors are given, of one length, exactly when the rope type is 'longrope'")
+        check_number("rope attention_factor", self.attention_factor, low=0.0, high=math.inf, low_open=True)
+
+    @property
+    def divisors(self) -> tuple[float, ...]:
+        """The per-frequency divisors this scaling carries (frequency_factors, or longrope's), for length checks."""
+        return self.frequency_factors or self.short_factors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +107,7 @@ class ModelConfig:
     num_heads: int  # H, query heads
     num_kv_heads: int  # G, key/value heads (GQA groups)
     head_dim: int  # K
+    rotary_dim: int | None = None  # leading dims of each head that rope turns (Phi-4-mini: 3/4 of K); None: all K
     rope_theta: float = 10_000.0  # rotary base
     rope_scaling: RopeScaling | None = None  # None: plain rotary frequencies
     attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
@@ -112,9 +133,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        scaling = self.rope_scaling
-        if scaling is not None and scaling.frequency_factors and len(scaling.frequency_factors) != self.head_dim // 2:
-            raise ValueError(f"rope has {len(scaling.frequency_factors)} frequency factors, expected head_dim / 2 = {self.head_dim // 2}")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim must be even and within head_dim ({self.head_dim}), got {self.rotary_dim}")
+        scaling, rotary = self.rope_scaling, self.rotary_dim or self.head_dim
+        if scaling is not None and scaling.divisors and len(scaling.divisors) != rotary // 2:
+            raise ValueError(f"rope has {len(scaling.divisors)} frequency factors, expected rotary dims / 2 = {rotary // 2}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, low=1)
 
@@ -174,6 +197,8 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     rope = config.get(rope_field) or {}
     max_position = int(config.get("max_position_embeddings", 2048))
     window = _hf_sliding_window(config)
+    rope = _hf_rope_dict(config, rope, model_type)
+    head_dim = config.get("head_dim") or embed_dim // num_heads
     return ModelConfig(
         vocab_size=required("vocab_size"),
         num_layers=required("num_hidden_layers"),
@@ -181,7 +206,8 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         ffn_dim=required("intermediate_size"),
         num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or embed_dim // num_heads,
+        head_dim=head_dim,
+        rotary_dim=_hf_rotary_dim(rope, head_dim) if model_type in _PARTIAL_ROTARY else None,
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
         rope_scaling=rope_scaling_from_hf(rope, max_position, field=rope_field),
         attention_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases (and none on o)
@@ -196,17 +222,79 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     )
 
 
+_PARTIAL_ROTARY = ("phi3",)  # families whose attention turns only partial_rotary_factor of each head (transformers' Phi3)
+_ROPE_NEEDS = {  # keys each HF rope type must have
+    "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _hf_rope_dict(config: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The rope dict as transformers 5 standardizes it: a top-level `original_max_position_embeddings` wins
+    (Phi-3 keeps it there, 4096 when absent) and a top-level `partial_rotary_factor` fills in; Phi3Config
+    reads the rope types "su" and "yarn" as longrope."""
+    rope = dict(rope)
+    if model_type == "phi3" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+        rope["rope_type"] = "longrope"
+    original = config.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
+    if original is not None and rope:
+        rope["original_max_position_embeddings"] = original
+    if "partial_rotary_factor" in config:
+        rope.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    return rope
+
+
+def _hf_rotary_dim(rope: dict[str, Any], head_dim: int) -> int | None:
+    """Dims of each head that rope turns, int(head_dim * partial_rotary_factor) as transformers; None for all."""
+    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    return None if dim == head_dim else dim
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_yarn(rope: dict[str, Any], max_position: int) -> RopeScaling:
+    """transformers' `_compute_yarn_parameters`: factor (None: max_position / original), attention_factor
+    (None: from factor, and mscale / mscale_all_dim when both are set), beta_fast / beta_slow (falsy: 32 / 1), truncate."""
+    original = int(rope.get("original_max_position_embeddings") or max_position)
+    factor = float(rope["factor"]) if rope["factor"] is not None else max_position / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor)
+    return RopeScaling(
+        kind="yarn", factor=factor, original_max_position=original, attention_factor=float(attention),
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _hf_longrope(rope: dict[str, Any], max_position: int) -> RopeScaling:
+    """transformers' `_compute_longrope_parameters`: factor (None: max_position / original) sets the
+    attention factor sqrt(1 + ln(factor) / ln(original)) unless the config gives one."""
+    original = int(rope.get("original_max_position_embeddings") or max_position)
+    factor = float(rope["factor"]) if rope.get("factor") is not None else max_position / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope", factor=factor, original_max_position=original, attention_factor=float(attention),
+        short_factors=tuple(float(f) for f in rope["short_factor"]), long_factors=tuple(float(f) for f in rope["long_factor"]),
+    )
+
+
 def rope_scaling_from_hf(rope: dict[str, Any], max_position: int, *, field: str = "rope_parameters") -> RopeScaling | None:
     """HF `rope_parameters` (or the older `rope_scaling`, named by `field` in errors) -> RopeScaling; None for plain rotary."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return None
-    if kind not in ROPE_TYPES[:3]:
-        raise ValueError(f"unsupported rope type {kind!r}; supported: default, {', '.join(ROPE_TYPES[:3])}")
-    needs = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if kind == "llama3" else ("factor",)
-    missing = [key for key in needs if key not in rope]
+    if kind not in HF_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {kind!r}; supported: default, {', '.join(HF_ROPE_TYPES)}")
+    missing = [key for key in _ROPE_NEEDS[kind] if key not in rope]
     if missing:
         raise ValueError(f"{field} has no {missing[0]!r}, which rope_type {kind!r} needs")
+    if kind in ("yarn", "longrope"):
+        return (_hf_yarn if kind == "yarn" else _hf_longrope)(rope, max_position)
     factor = float(rope["factor"])
     if kind == "linear":
         return RopeScaling(kind=kind, factor=factor)

@@ -19,6 +19,7 @@ layers mix types; "int8" / "int4" quantize the dense f32 weights of either file 
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from jaxinfer.model.params import Params, from_numpy, quantize_arrays, weight_fo
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral converts to "llama"
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")  # Mistral converts to "llama"
 _GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
 
 
@@ -97,6 +98,7 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
             num_heads=num_heads,
             num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
+            rotary_dim=_gguf_rotary_dim(reader, arch, head_dim),
             rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
             rope_scaling=_gguf_rope_scaling(reader, arch, tensors),
             attention_bias=_gguf_name("bq") in tensors,
@@ -114,15 +116,60 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
 
 def _gguf_rope_scaling(reader, arch: str, tensors: dict) -> RopeScaling | None:
     """Rope scaling as llama.cpp's converter stores it: Llama 3 as the `rope_freqs.weight` tensor of
-    per-frequency divisors, linear as `{arch}.rope.scaling.type` plus `.factor`. Anything else is named."""
+    per-frequency divisors, LongRoPE (Phi-3) as `rope_factors_long/short.weight`, linear and yarn as
+    `{arch}.rope.scaling.type` plus its keys. Anything else is named."""
     if "rope_freqs.weight" in tensors:
         return RopeScaling(kind="frequency_factors", frequency_factors=tuple(float(f) for f in _dequantize(tensors["rope_freqs.weight"])))
+    if "rope_factors_long.weight" in tensors:
+        return _gguf_longrope(reader, arch, tensors)
     kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(gguf_field(reader, f"{arch}.rope.scaling.factor")))
-    raise ValueError(f"unsupported rope type {kind!r}; supported in GGUF: none, linear, llama3 (rope_freqs)")
+    if kind == "yarn":
+        return _gguf_yarn(reader, arch)
+    raise ValueError(f"unsupported rope type {kind!r}; supported in GGUF: none, linear, yarn, llama3 (rope_freqs), longrope (rope_factors_*)")
+
+
+def _gguf_rotary_dim(reader, arch: str, head_dim: int) -> int | None:
+    """`{arch}.rope.dimension_count` where it turns fewer dims than the head has (Phi-4-mini), else None."""
+    count = int(gguf_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if count != head_dim and arch in _GGUF_PERMUTED_QK:
+        raise ValueError(f"partial rotary ({count} of {head_dim} dims) with llama.cpp's permuted Q/K rows is not supported")
+    return None if count == head_dim else count
+
+
+def _gguf_longrope(reader, arch: str, tensors: dict) -> RopeScaling:
+    """LongRoPE as llama.cpp's Phi-3 converter writes it: the factor tensors, the original context and the
+    attention factor (computed from context_length / original where the key is absent, as the converter does)."""
+    context = int(gguf_field(reader, f"{arch}.context_length"))
+    original = int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length", context))
+    factor = context / original
+    default = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return RopeScaling(
+        kind="longrope", factor=factor, original_max_position=original,
+        attention_factor=float(gguf_field(reader, f"{arch}.rope.scaling.attn_factor", default)),
+        short_factors=tuple(float(f) for f in _dequantize(tensors["rope_factors_short.weight"])),
+        long_factors=tuple(float(f) for f in _dequantize(tensors["rope_factors_long.weight"])),
+    )
+
+
+def _gguf_yarn(reader, arch: str) -> RopeScaling:
+    """YaRN from llama.cpp's keys: factor, original_context_length (else context_length), yarn_beta_fast /
+    yarn_beta_slow (32 / 1) and yarn_attn_factor (else 0.1 ln(factor) + 1, or its ratio with
+    yarn_log_multiplier as mscale_all_dim), times rope.scaling.attn_factor. llama.cpp rounds the blend range outward."""
+    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor"))
+    original = int(gguf_field(reader, f"{arch}.rope.scaling.original_context_length", gguf_field(reader, f"{arch}.context_length")))
+    mscale = (lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0)
+    log_mul = float(gguf_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+    attention = gguf_field(reader, f"{arch}.rope.scaling.yarn_attn_factor", mscale(1.0) / mscale(log_mul) if log_mul else mscale(1.0))
+    return RopeScaling(
+        kind="yarn", factor=factor, original_max_position=original,
+        attention_factor=float(attention) * float(gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        beta_fast=float(gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(gguf_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+    )
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -183,11 +230,13 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     return quant.stack(per_layer) if spec.stacked else per_layer[0]
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
-    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None, mixed: bool = True,
+                       skip: set[str] = frozenset()) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay;
+    `skip`: fields whose rows sit in a fused tensor (Phi-3's attn_qkv, ffn_up), which load dense."""
     kept = {}
     for spec in params_lib.present(cfg):
-        if weight_format(spec.name, "gguf") == "gguf":
+        if weight_format(spec.name, "gguf") == "gguf" and spec.name not in skip:
             q = _kept_gguf_weight(spec, cfg, tensors, path)
             if q is not None:
                 kept[spec.name] = q
@@ -201,16 +250,17 @@ def load_gguf(
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
-    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
+    hf = params_lib.unfuse(tensors, lambda name: _dequantize(tensors[name]), cfg, "gguf")  # Phi-3's fused tensors, split (dense)
+    fused = {spec.name for spec in params_lib.present(cfg) if spec.file_names(cfg, "hf")[0] in hf}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path), skip=fused) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing")
         return _dequantize(tensors[name])
 
-    hf = {}  # the dense tensors, [out, in], under their Hugging Face names
-    for spec in params_lib.present(cfg):
-        if spec.name in kept:
+    for spec in params_lib.present(cfg):  # hf: the dense tensors, [out, in], under their Hugging Face names
+        if spec.name in kept or spec.name in fused:
             continue
         heads = _rotary_heads(spec, cfg)
         for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
@@ -244,6 +294,7 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
+    hf.update(params_lib.unfuse(hf, hf.get, cfg, "hf"))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
     if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
         hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
     if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:

@@ -62,7 +62,7 @@ def attention_inputs(
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     if cfg.qk_norm:
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    return rope(q, positions, inv_freq, cfg=cfg), rope(k, positions, inv_freq, cfg=cfg), v  # cfg: yarn / longrope attention factor
 
 
 def mlp(x: Float[Array, "B T D"], layer: LayerParams) -> Float[Array, "B T D"]:

@@ -164,6 +164,51 @@ WEIGHTS: tuple[WeightSpec, ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedSpec:
+    """One file tensor holding several WEIGHTS entries' [out, in] rows back to back (Phi-3's qkv_proj and
+    gate_up_proj; llama.cpp's attn_qkv, and ffn_up holding gate then up). The loaders split it into the
+    entries' own tensors, so the Params and the forward never see it."""
+
+    hf: str  # Hugging Face tensor name; "{i}" is the layer index
+    gguf: str  # GGUF tensor name
+    parts: tuple[str, ...]  # the WEIGHTS entries whose rows it holds, in order
+
+    def rows(self, cfg: ModelConfig) -> list[int]:
+        """Output rows of each part under `cfg`."""
+        sizes = axis_sizes(cfg)
+        return [math.prod(sizes[a] for a in weight_spec(part).out_axes) for part in self.parts]
+
+    def split(self, w: np.ndarray, cfg: ModelConfig) -> list[np.ndarray]:
+        """The fused [sum of rows, in] tensor -> each part's [rows, in]."""
+        rows = self.rows(cfg)
+        if w.ndim != 2 or w.shape[0] != sum(rows):
+            raise ValueError(f"fused tensor of shape {w.shape} cannot hold {' + '.join(map(str, rows))} rows of {', '.join(self.parts)}")
+        return np.split(w, np.cumsum(rows)[:-1], axis=0)
+
+
+FUSED: tuple[FusedSpec, ...] = (
+    FusedSpec(_L + "self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight", ("wq", "wk", "wv")),
+    FusedSpec(_L + "mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight", ("w_gate", "w_up")),
+)
+
+
+def unfuse(names: dict[str, str], tensor, cfg: ModelConfig, fmt: str) -> dict[str, np.ndarray]:
+    """Split the fused tensors a file holds into its parts' HF names ([out, in] each). `names`: the file's
+    tensor names -> anything; `tensor(name)` reads one as a [out, in] array. A fused tensor counts only where
+    some part's own tensor is missing (a GGUF ffn_up is the plain up projection beside an ffn_gate)."""
+    out = {}
+    for fused in FUSED:
+        parts = [weight_spec(p) for p in fused.parts]
+        for i in range(cfg.num_layers):
+            name = (fused.hf if fmt == "hf" else fused.gguf).format(i=i)
+            own = [(p.hf if fmt == "hf" else p.gguf).format(i=i) for p in parts]
+            if name in names and any(n not in names for n in own if n != name):
+                out.update(zip((p.hf.format(i=i) for p in parts), fused.split(tensor(name), cfg)))
+    return out
+
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:

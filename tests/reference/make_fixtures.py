@@ -436,6 +436,68 @@ def tiny_family_fixtures(out: Path, name: str) -> None:
     write_npz(out / f"{name}_reference.npz", arrays)
 
 
+# Long-context rope on held-out shapes, original context 32 so that two of the sequences take the long branch:
+# Phi-3 (fused qkv_proj / gate_up_proj, LongRoPE on 3/4 of each head), Qwen2 with YaRN's defaults, Qwen3 with every
+# YaRN field set. Each also records a greedy continuation with the KV cache from a 26-token prompt across position 32.
+_LONGROPE_SHORT = [1.0, 1.05, 1.2, 1.5, 2.0, 2.5]
+_LONGROPE_LONG = [1.0, 1.5, 3.0, 6.0, 10.0, 16.0]
+ROPE_SCALING_FAMILIES = {
+    "tiny_phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=256, original_max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        sliding_window=None, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": _LONGROPE_SHORT, "long_factor": _LONGROPE_LONG})),
+    "tiny_qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=512, hidden_size=80, intermediate_size=144, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+        max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
+    "tiny_qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 8.0, "beta_slow": 0.5, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False})),
+}
+GREEDY_PROMPT, GREEDY_STEPS_ACROSS = 26, 12
+
+
+@torch.inference_mode()
+def tiny_rope_scaling_fixtures(out: Path, name: str) -> None:
+    """One ROPE_SCALING_FAMILIES model: its folder, logits of TINY_SEQ_LENGTHS (no cache), and g_prompt_ids /
+    g_ids / g_logits: a greedy continuation with transformers' cache, g_logits[j] the logits that chose g_ids[j]."""
+    import transformers
+
+    config_class, model_class, fields = ROPE_SCALING_FAMILIES[name]
+    config = getattr(transformers, config_class)(**fields)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+    _fill_weights(model)
+    folder = out / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(42)
+    arrays: dict[str, np.ndarray] = {"num_sequences": np.int64(len(TINY_SEQ_LENGTHS))}
+    for i, n in enumerate(TINY_SEQ_LENGTHS):
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=g, dtype=torch.long)
+        logits = reloaded(input_ids=ids, use_cache=False).logits[0].float()
+        arrays[f"s{i}_ids"] = ids[0].numpy().astype(np.int32)
+        arrays[f"s{i}_logits"] = logits.numpy().astype(np.float32)
+        print(f"  {name} s{i} T={n:3d} logits std={logits.std().item():.3f}", flush=True)
+    prompt = torch.randint(0, config.vocab_size, (1, GREEDY_PROMPT), generator=g, dtype=torch.long)
+    step = reloaded(input_ids=prompt, use_cache=True)
+    chosen, step_logits = [], []
+    for _ in range(GREEDY_STEPS_ACROSS):
+        step_logits.append(step.logits[0, -1].float().numpy())
+        chosen.append(int(step_logits[-1].argmax()))
+        step = reloaded(input_ids=torch.tensor([[chosen[-1]]]), cache=step.cache, use_cache=True)
+    arrays.update(g_prompt_ids=prompt[0].numpy().astype(np.int32), g_ids=np.asarray(chosen, np.int32), g_logits=np.stack(step_logits).astype(np.float32))
+    write_npz(out / f"{name}_reference.npz", arrays)
+
+
 def _vocab_special_text(vocab: str) -> tuple[str, str]:
     import gguf
 
@@ -487,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in FAMILIES:
         print(f"{name} -> {args.out}", flush=True)
         tiny_family_fixtures(args.out, name)
+    for name in ROPE_SCALING_FAMILIES:
+        print(f"{name} -> {args.out}", flush=True)
+        tiny_rope_scaling_fixtures(args.out, name)
     print(f"chat templates -> {args.out}", flush=True)
     chat_template_fixtures(args.out)
     if not args.skip_smollm2:
