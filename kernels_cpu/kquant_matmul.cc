@@ -150,6 +150,7 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
         for (int h = 0; h < Halves; ++h) dot[r][v][h] = _mm512_setzero_si512();
     const int8_t* xb = a.codes.data() + m0 * a.I + b * kBlock;
     __m512i cur[kPanels];  // this block's high bits, shifted down as code rows use them
+#pragma GCC unroll 4
     for (int s = 0; s < kBlock / 8; ++s) {
       __m512i lo[kPanels], hi[kPanels];
       for (int v = 0; v < kPanels; ++v) {
