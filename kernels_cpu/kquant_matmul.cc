@@ -65,7 +65,7 @@ struct Activations {
   std::vector<int8_t> codes;        // [M, I]
   std::vector<float> scale;         // [M, A]: sx
   std::vector<float> scaled_sum;    // [M, A]: sx * sum of the block's codes (mins)
-  std::vector<int32_t> zero_sum;    // [M, S]: zero point * sum of the codes per sub-block (S = I/16 for q6_k, I/32 for q5_0)
+  std::vector<int32_t> zero_sum;    // [M, J]: zero point * sum of the codes per sub-block (J = I/16 for q6_k, I/32 for q5_0)
   int64_t I, blocks;
 };
 

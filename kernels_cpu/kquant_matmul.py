@@ -109,7 +109,7 @@ def stored_codes(fmt: str, fields: dict[str, Array]) -> Array:
 
 
 def _column_panels(a: Array, num_out: int) -> Array:
-    """[*lead, O, G] -> [*lead, C, G, 16], O zero-padded to whole tiles."""
+    """[*lead, O, J] -> [*lead, C, J, 16], O zero-padded to whole tiles."""
     lead = a.shape[:-2]
     padded = -(-num_out // TILE) * TILE
     a = jnp.pad(a, [(0, 0)] * len(lead) + [(0, padded - num_out), (0, 0)])
@@ -175,7 +175,7 @@ def unpack_codes(fmt: str, panels: dict[str, Array], num_in: int) -> Int[Array, 
 
 
 def _per_column(a: Array) -> Array:
-    """[C, G, 16] -> f32 [F, G]."""
+    """[C, J, 16] -> f32 [F, J]."""
     return jnp.swapaxes(a.astype(jnp.float32), -1, -2).reshape(-1, a.shape[-2])
 
 
@@ -211,9 +211,9 @@ def reference(x: Float[Array, "M I"], panels: dict[str, Array], layer: Int[Array
     num_out = codes.shape[0]
     x_codes, x_scale = quantize_activations(x.astype(jnp.float32))  # [M, A, 32] int8, [M, A]
     sub = 16 if fmt == "q6_k" else 32
-    xs = x_codes.astype(jnp.int32).reshape(x.shape[0], num_in // sub, sub)  # [M, S, sub]
-    dots = jnp.einsum("fsk,msk->msf", codes.reshape(num_out, num_in // sub, sub), xs, preferred_element_type=jnp.int32)  # [M, S, F]
-    sums = jnp.sum(xs, axis=-1)[..., None]  # [M, S, 1]
+    xs = x_codes.astype(jnp.int32).reshape(x.shape[0], num_in // sub, sub)  # [M, J, sub]
+    dots = jnp.einsum("fjk,mjk->mjf", codes.reshape(num_out, num_in // sub, sub), xs, preferred_element_type=jnp.int32)  # [M, J, F]
+    sums = jnp.sum(xs, axis=-1)[..., None]  # [M, J, 1]
     sx = x_scale[..., None]  # [M, A, 1]
     if fmt in ("q4_k", "q5_k"):
         d = jnp.repeat(_per_column(one["super_scales"]), 8, axis=1).T  # [A, F]
@@ -221,9 +221,9 @@ def reference(x: Float[Array, "M I"], panels: dict[str, Array], layer: Int[Array
         scale, minimum = d * _per_column(one["scales"]).T, dmin * _per_column(one["mins"]).T  # exact
         terms = (dots.astype(jnp.float32) * sx) * scale - (sx * sums.astype(jnp.float32)) * minimum
     elif fmt == "q6_k":
-        d = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1).T  # [S, F]
+        d = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1).T  # [J, F]
         scale = d * _per_column(one["scales"]).T  # exact
-        halves = (dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * scale  # [M, S, F]
+        halves = (dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * scale  # [M, J, F]
         terms = halves.reshape(x.shape[0], num_in // 32, 2, num_out).sum(axis=2) * sx
     elif fmt == "q5_0":
         terms = ((dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * sx) * _per_column(one["scales"]).T

@@ -5,6 +5,8 @@ Checked against a numpy int64 transcription of llama.cpp's block formats read st
 `quant.dequantize` within the error W8A8 may add, and for the bytes it keeps. Blocks are random bytes as a file
 holds them (every code and sub-scale value), with valid fp16 scales (tests/model/test_quant.random_blocks)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,15 @@ from gguf import GGMLQuantizationType as QT
 from jaxinfer.model import quant
 from kernels_cpu import kquant_matmul
 
-pytestmark = pytest.mark.usefixtures("cpu_kernels")
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "kquant_kernel")
+
+
+@pytest.fixture(scope="module")
+def kquant_kernel() -> None:
+    """This kernel built, as conftest.require_cpu_kernels asks of the others: skipped without a compiler, failed under CI=true."""
+    if not kquant_matmul.available():
+        reason = "the CPU K-quant kernel could not be built (no C++ compiler?)"
+        pytest.fail(f"CI=true: {reason}", pytrace=False) if os.environ.get("CI", "").lower() == "true" else pytest.skip(reason)
 
 TYPES = {"q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
 FP16_OFFSETS = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q5_0": (0,), "q5_1": (0, 2)}  # d (and dmin / m) in a block
