@@ -87,6 +87,38 @@ class _Arrivals:
         return None if prompt.arrival_s is None else self.start + prompt.arrival_s
 
 
+class MissingTokenizer:
+    """Stands in for the tokenizer of a Hugging Face folder that has none (the usual tiny random test model):
+    prompts are token ids, outputs carry the ids with empty text and never stop at an EOS, and whatever needs
+    text (a text prompt, a chat, stop strings' or bad words' text, a grammar) raises an error naming the folder."""
+
+    bos_id = eos_id = chat_template = None
+    add_bos, max_token_chars, vocab_size = False, 1, 0
+
+    def __init__(self, folder):
+        self.error = f"{folder} has no tokenizer (no tokenizer.json), so this model takes token ids, not text"
+
+    def encode(self, *args, **kwargs):
+        raise ValueError(self.error)
+
+    encode_chat = apply_chat_template = encode
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        return ""
+
+    @property
+    def tokenizer(self):
+        raise AttributeError(self.error)
+
+
+def _load_tokenizer(model) -> "tok.TextTokenizer | MissingTokenizer":
+    """The model's tokenizer, or a MissingTokenizer for a Hugging Face folder without tokenizer.json."""
+    path = loading.resolve_model_path(model)
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        return MissingTokenizer(path)
+    return tok.load_tokenizer(path)
+
+
 class LLM:
     """A loaded model with a warmed-up paged engine.
 
@@ -128,7 +160,7 @@ class LLM:
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
         model_config, params = loading.load_for_engine(model, options, engine_config)
-        self._start(model_config, params, tok.load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype,
+        self._start(model_config, params, _load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype,
                     quantization=options.quantization)
 
     @classmethod
@@ -151,7 +183,7 @@ class LLM:
         `quantization`: what the params were loaded for (LoadOptions.quantization; None for params given as
         they are, whose quantized matrices are never made dense)."""
         pins = tuning.Impls(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
-        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=tokenizer, quantization=quantization, on_mesh=options.on_mesh)
+        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=None if isinstance(tokenizer, MissingTokenizer) else tokenizer, quantization=quantization, on_mesh=options.on_mesh)
         model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, quantization)
         if engine_config.release_window != page_release_window(model_config):  # a windowed model hands pages back (kv_manager)
             engine_config = EngineConfig.with_overrides(engine_config, release_window=page_release_window(model_config))

@@ -1,0 +1,43 @@
+"""A Hugging Face folder without a tokenizer (config.json + safetensors: the usual tiny random test model)
+loads in LLM and runs on token ids; text gives an error naming the folder and the missing tokenizer.
+
+The model is tests/fixtures/tiny_qwen2_yarn (no tokenizer.json); its greedy continuation with transformers'
+cache (tests/reference/make_fixtures.py) is the reference the token ids must equal.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from jaxinfer.scheduling.request import SamplingParams
+
+FOLDER = FIXTURES / "tiny_qwen2_yarn"
+DATA = np.load(FIXTURES / "tiny_qwen2_yarn_reference.npz")
+
+
+@pytest.fixture(scope="module")
+def llm(compile_cache):
+    from jaxinfer.api import LLM
+
+    assert not (FOLDER / "tokenizer.json").exists()
+    return LLM(str(FOLDER), compilation_cache_dir=compile_cache, dtype="float32", quantization=None, attention_impl="reference",
+               matmul_impl="xla", max_context=64, page_size=16, max_num_seqs=2, max_prefill_tokens=32,
+               prefill_chunk_buckets=(32,), decode_batch_buckets=(2,), decode_page_buckets=(4,))
+
+
+def test_generate_on_token_ids_equals_transformers_greedy(llm):
+    prompt = DATA["g_prompt_ids"].tolist()
+    out = llm.generate([prompt, np.asarray(prompt)], SamplingParams(temperature=0, max_tokens=len(DATA["g_ids"])))
+    for o in out:
+        assert o.token_ids == DATA["g_ids"].tolist() and o.text == "" and o.finish_reason == "length"
+
+
+@pytest.mark.parametrize("call", ["generate", "chat", "encode"])
+def test_text_is_an_error_naming_the_missing_tokenizer(llm, call):
+    with pytest.raises(ValueError, match=f"{FOLDER} has no tokenizer \\(no tokenizer.json\\), so this model takes token ids, not text"):
+        if call == "generate":
+            llm.generate(["Hello"], SamplingParams(max_tokens=2))
+        elif call == "chat":
+            llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
+        else:
+            llm.encode("Hello")
