@@ -5,7 +5,10 @@ GGUF vocabularies are rebuilt with the `tokenizers` library, following llama.cpp
   pre-tokenizer named in `tokenizer.ggml.pre` (an unknown name is an error naming it);
 - `"llama"`: SentencePiece BPE. Merges rank by the score of the merged piece (llama.cpp merges the
   highest-scoring pair first), spaces become `▁` with one prefixed to each text fragment
-  (`add_space_prefix`), and characters outside the vocabulary fall back to `<0xXX>` byte tokens.
+  (`add_space_prefix`), and characters outside the vocabulary fall back to `<0xXX>` byte tokens;
+- `"gemma4"`: BPE over raw UTF-8 (no byte-level alphabet) with ranked merges, as llama.cpp's
+  LLAMA_VOCAB_PRE_TYPE_GEMMA4: spaces become `▁` with no prefix, the text is cut into runs of newlines and
+  runs of anything else, and a character outside the vocabulary falls back to `<0xXX>` byte tokens.
 Control tokens are special: matched whole in text when `parse_special` (llama.cpp's `special=True`);
 user-defined tokens are always matched. Chat templates are the model's own Jinja text, rendered in a
 sandbox with the globals transformers provides. The engine never sees text: it takes and returns ids.
@@ -117,12 +120,15 @@ class TextTokenizer:
         """Token ids of the rendered chat. The template's own control tokens are always special; control-
         token text inside a message's content is plain text unless `parse_special_content`, so content
         cannot open a new role. Where no content holds control-token text this is exactly
-        `encode(apply_chat_template(messages))`."""
+        `encode(apply_chat_template(messages))`. A template that writes the BOS token itself (Llama 3,
+        Gemma) gets no second one: transformers and llama.cpp's chat code give one BOS there too."""
         text = self.apply_chat_template(messages, **variables)
+        bos_text = self._token_text(self.bos_id)
+        add_bos = self.add_bos and not (bos_text and text.startswith(bos_text))
         if parse_special_content or not any(self._control_text_in(m["content"]) for m in messages):
-            return self.encode(text)
+            return self.encode(text, add_bos=add_bos)
         pieces = self._split_at_contents(messages, **variables)
-        ids = self.encode(pieces[0])
+        ids = self.encode(pieces[0], add_bos=add_bos)
         for i, piece in enumerate(pieces[1:], start=1):  # pieces[1::2] are contents, the rest template text
             ids += self.encode(piece, add_bos=False, parse_special=i % 2 == 0)
         return ids
@@ -200,7 +206,7 @@ def from_gguf_reader(reader) -> TextTokenizer:
     if kind is None:
         raise ValueError("the GGUF has no tokenizer (no tokenizer.ggml.model); pass token ids instead of text")
     if kind not in _GGUF_BUILDERS:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4 (BPE over UTF-8)")
     tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
     types = list(gguf_field(reader, "tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
     tokenizer = _GGUF_BUILDERS[kind](reader, tokens, types)
@@ -210,9 +216,15 @@ def from_gguf_reader(reader) -> TextTokenizer:
         tokenizer=tokenizer,
         bos_id=_optional_int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
         eos_id=_optional_int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
-        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", _default_add_bos(reader, kind))),
+        add_bos=_add_bos(reader, kind),
         chat_template=gguf_field(reader, "tokenizer.chat_template"),
     )
+
+
+def _add_bos(reader, kind: str) -> bool:
+    """The GGUF's add_bos_token, else llama.cpp's default; Gemma 4 always adds BOS (llama.cpp overrides a
+    false key, as the model needs it)."""
+    return kind == "gemma4" or bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", _default_add_bos(reader, kind)))
 
 
 def _default_add_bos(reader, kind: str) -> bool:
@@ -223,9 +235,8 @@ def _default_add_bos(reader, kind: str) -> bool:
 def _byte_level_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
     pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     pre_tokenizer = _pre_tokenizer(pre)
-    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
     # Llama 3 emits a pre-token that is itself in the vocabulary without merging (llama.cpp ignore_merges).
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_gguf_merges(reader), ignore_merges=pre in ("llama-bpe", "llama3"))
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
@@ -264,7 +275,31 @@ def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer
     return tokenizer
 
 
-_GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+def _gguf_merges(reader) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs, in rank order; split at the first space after the first
+    character, as llama.cpp splits them (a pair's left piece may itself start with a space)."""
+    pairs = []
+    for merge in gguf_field(reader, "tokenizer.ggml.merges"):
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise ValueError(f"malformed tokenizer.ggml.merges entry {merge!r}: no space between its two pieces")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
+    return pairs
+
+
+def _gemma4_bpe(reader, tokens: list[str], types: list[int]) -> Tokenizer:
+    """Gemma 4's BPE (llama.cpp `tokenizer.ggml.model == "gemma4"`). llama.cpp takes a run of newlines
+    that is itself a token whole, without merging; the vocabulary's merges build every such run into
+    that same token (a test checks each), so plain ranked merges give llama.cpp's ids."""
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_gguf_merges(reader), byte_fallback=True)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Replace(" ", _SPACE)  # no space prefix: llama.cpp BPE sets none
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
+_GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe, "gemma4": _gemma4_bpe}
 
 
 def _optional_int(value) -> int | None:
@@ -319,5 +354,5 @@ def describe_tokenizer(model: str | Path | None = None) -> str:
     if kind is None:
         return "none (no tokenizer.ggml metadata)"
     size = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    names = {"llama": "SentencePiece BPE", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
+    names = {"llama": "SentencePiece BPE", "gemma4": "Gemma 4 BPE over UTF-8", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
     return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"

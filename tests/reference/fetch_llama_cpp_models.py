@@ -15,7 +15,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
-VOCABS = ("llama-spm", "llama-bpe", "qwen2", "phi-3", "qwen35")  # qwen35: a pre-tokenizer jaxinfer refuses
+VOCABS = ("llama-spm", "llama-bpe", "qwen2", "phi-3", "gemma-4", "qwen35")  # qwen35: a pre-tokenizer jaxinfer refuses
 _PREFIX = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/models/"
 
 
