@@ -40,7 +40,9 @@ DETERMINISTIC_PAGES_PER_BLOCK = 8
 POLICIES = ("fcfs", "shortest-prompt", "edf", "prefix", "adaptive")
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # HF model_type / GGUF general.architecture families
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4")  # HF model_type / GGUF general.architecture families
+LAYER_TYPES = ("sliding_attention", "full_attention")  # ModelConfig.layer_types (Hugging Face's names)
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # ModelConfig.hidden_act: SwiGLU, or GeGLU with the tanh GELU (Gemma)
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope", "frequency_factors")
 HF_ROPE_TYPES = ROPE_TYPES[:-1]  # the rope_type values of a Hugging Face config (besides "default")
 
@@ -113,6 +115,20 @@ class ModelConfig:
     attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
     sliding_window: int | None = None  # tokens a query sees, its own included: keys at t - W < p <= t (Mistral); None: all
+    # Per layer, "sliding_attention" (windowed, local rope) or "full_attention" (Gemma's interleaved layers);
+    # None: every layer is windowed when sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # rope base of the sliding layers, unscaled (Gemma); None: as the others
+    hidden_act: str = "silu"  # the MLP gate's activation, one of HIDDEN_ACTS
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add (Gemma)
+    # HF folders store each RMSNorm weight minus this (Gemma 2/3 compute x * (1 + w)): the HF loader adds it,
+    # GGUF files already hold w + 1, so the forward's rms_norm is one function for every family
+    norm_weight_offset: float = 0.0
+    embed_scale: float = 1.0  # token embeddings times this, cast to the compute dtype (Gemma: sqrt(embed_dim))
+    query_scale: float | None = None  # attention score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    v_norm: bool = False  # RMSNorm of v without a weight (Gemma 4)
+    layer_scale: bool = False  # each layer's output times a stored per-layer scalar (Gemma 4's layer_scalar)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3/4 where the config has it)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True  # logits use the token embedding when True
     max_context: int = 2048  # tokens; positions beyond this are rejected
@@ -138,6 +154,10 @@ class ModelConfig:
         scaling, rotary = self.rope_scaling, self.rotary_dim or self.head_dim
         if scaling is not None and scaling.divisors and len(scaling.divisors) != rotary // 2:
             raise ValueError(f"rope has {len(scaling.divisors)} frequency factors, expected rotary dims / 2 = {rotary // 2}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must name one of {LAYER_TYPES} per layer ({self.num_layers}), got {self.layer_types}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, low=1)
 
@@ -154,7 +174,24 @@ class ModelConfig:
             "q/k/v bias": "yes" if self.attention_bias else "no",
             "q/k norm": "yes" if self.qk_norm else "no",
             "sliding window": "none" if self.sliding_window is None else f"{self.sliding_window} tokens",
+            **self._gemma_features(),
         }
+
+    def _gemma_features(self) -> dict[str, str]:
+        """The Gemma-style features a config has, in words (none for the Llama-style families)."""
+        out = {}
+        if self.layer_types is not None:
+            local = sum(t == "sliding_attention" for t in self.layer_types)
+            out["layer types"] = f"{local} sliding, {self.num_layers - local} full"
+        if self.local_rope_theta is not None:
+            out["local rope base"] = f"{self.local_rope_theta:g}"
+        if self.hidden_act != "silu":
+            out["activation"] = self.hidden_act
+        if self.post_norms:
+            out["post norms"] = "yes"
+        if self.final_logit_softcap is not None:
+            out["logit softcap"] = f"{self.final_logit_softcap:g}"
+        return out
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -162,7 +199,7 @@ class ModelConfig:
         attn = d * k * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += k * (self.num_heads + 2 * self.num_kv_heads) if self.attention_bias else 0
         attn += 2 * k if self.qk_norm else 0
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + 2 * d + (2 * d if self.post_norms else 0) + (d if self.layer_scale else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
@@ -180,7 +217,9 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     """
     if not isinstance(config, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
-    model_type = config.get("model_type", "llama")
+    if isinstance(config.get("text_config"), dict) and config.get("model_type") in _GEMMA_MULTIMODAL:
+        config = {"model_type": f"{config['model_type']}_text", **config["text_config"]}  # the text model of Gemma 3/4 (4B and up)
+    model_type = _GEMMA_TEXT_TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads {', '.join(ARCHITECTURES)}")
     _check_hf_unsupported(config)
@@ -199,7 +238,7 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     window = _hf_sliding_window(config)
     rope = _hf_rope_dict(config, rope, model_type)
     head_dim = config.get("head_dim") or embed_dim // num_heads
-    return ModelConfig(
+    fields = dict(
         vocab_size=required("vocab_size"),
         num_layers=required("num_hidden_layers"),
         embed_dim=embed_dim,
@@ -220,6 +259,98 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         architecture=model_type,
         name=model_type,
     )
+    if model_type in _GEMMA_DEFAULTS:
+        fields.update(_hf_gemma_fields(config, model_type, max_position, max_context))
+    return ModelConfig(**fields)
+
+
+_GEMMA_TEXT_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}  # HF model_type -> family
+_GEMMA_MULTIMODAL = ("gemma3", "gemma4")  # a config with a nested text_config
+# family -> (norm weight offset in HF files, default sliding_window_pattern, default sliding window, q/k norm, v norm
+# and layer scalar, local rope base when the config names none)
+_GEMMA_DEFAULTS = {
+    "gemma2": (1.0, 2, 4096, False, False, None),
+    "gemma3": (1.0, 6, 4096, True, False, 10_000.0),
+    "gemma4": (0.0, 6, 512, True, True, 10_000.0),
+}
+
+
+def _hf_gemma_fields(config: dict[str, Any], family: str, max_position: int, max_context: int | None) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 2/3/4 text config: GeGLU, pre and post norms, the scaled embedding,
+    the attention scale, q/k (and v) norms, interleaved sliding and full layers with their own rope, soft-capping.
+    What jaxinfer does not run (attention soft-capping, Gemma 4's per-layer embeddings, shared KV, MoE, k = v,
+    per-layer head sizes) is an error naming the field."""
+    offset, pattern, default_window, qk_norm, gemma4, local_theta = _GEMMA_DEFAULTS[family]
+    _check_gemma_unsupported(config, family)
+    num_layers = int(config["num_hidden_layers"])
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(config.get("sliding_window_pattern", pattern)) else "full_attention" for i in range(num_layers)
+    ]
+    if gemma4:
+        layer_types = [*layer_types[:-1], "full_attention"]  # transformers forces Gemma 4's last layer to full attention
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # transformers >= 5: one rope dict per layer type
+        global_rope, local_rope = rope["full_attention"] or {}, rope.get("sliding_attention") or {}
+    else:
+        global_rope = {**(config.get("rope_scaling") or {}), **rope, "rope_theta": config.get("rope_theta") or rope.get("rope_theta") or 10_000.0}
+        local_rope = {"rope_theta": config.get("rope_local_base_freq", local_theta)} if local_theta else {}
+    if local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope type {local_rope['rope_type']!r} for the sliding layers; jaxinfer runs them with plain rope")
+    scale = config.get("query_pre_attn_scalar", 256)
+    return dict(
+        rope_theta=float(global_rope.get("rope_theta") or 1_000_000.0),
+        rope_scaling=_gemma_global_rope(global_rope, max_position, int(config.get("head_dim") or 256)),
+        qk_norm=qk_norm,
+        sliding_window=int(config.get("sliding_window") or default_window),
+        layer_types=tuple(layer_types),
+        local_rope_theta=float(local_rope["rope_theta"]) if local_rope.get("rope_theta") else None,
+        hidden_act="gelu_tanh",
+        post_norms=True,
+        norm_weight_offset=offset,
+        embed_scale=float(config["hidden_size"]) ** 0.5,
+        query_scale=1.0 if gemma4 else float(scale) ** -0.5,
+        v_norm=gemma4,
+        layer_scale=gemma4,
+        final_logit_softcap=None if config.get("final_logit_softcapping") is None else float(config["final_logit_softcapping"]),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        max_context=max_context or max_position,
+    )
+
+
+def _gemma_global_rope(rope: dict[str, Any], max_position: int, head_dim: int) -> RopeScaling | None:
+    """The full-attention layers' rope scaling. Gemma 4's "proportional" rope turns only the first
+    partial_rotary_factor of the frequencies (base ** (-2i / head_dim), then / factor), the rest stay at 0:
+    one divisor per frequency, infinite for the unrotated ones."""
+    if rope.get("rope_type") != "proportional":
+        return rope_scaling_from_hf(rope, max_position)
+    rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    factor = float(rope.get("factor", 1.0))
+    return RopeScaling(kind="frequency_factors", frequency_factors=(factor,) * rotated + (math.inf,) * (head_dim // 2 - rotated))
+
+
+def _check_gemma_unsupported(config: dict[str, Any], family: str) -> None:
+    """Gemma features jaxinfer does not run, named."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported hidden_activation {act!r}; jaxinfer runs Gemma's GeGLU with gelu_pytorch_tanh")
+    named = {
+        "attn_logit_softcapping": "attention logit soft-capping",
+        "use_bidirectional_attention": "bidirectional attention",
+        "hidden_size_per_layer_input": "per-layer input embeddings (Gemma 4 PLE)",
+        "num_kv_shared_layers": "KV shared across layers",
+        "enable_moe_block": "mixture-of-experts blocks",
+        "attention_k_eq_v": "keys reused as values",
+    }
+    for key, what in named.items():
+        if config.get(key):
+            raise ValueError(f"unsupported {key}: {config[key]!r} ({what})")
+    if family == "gemma4" and "per_layer_config" not in config and config.get("global_head_dim", 512) != config.get("head_dim", 256):
+        raise ValueError(f"unsupported global_head_dim {config.get('global_head_dim', 512)} != head_dim {config.get('head_dim', 256)} "
+                         "(full-attention layers with their own head size)")
+    for index, layer in (config.get("per_layer_config") or {}).items():
+        for key in ("head_dim", "num_key_value_heads"):
+            if key in layer and layer[key] != config.get(key):
+                raise ValueError(f"unsupported per_layer_config: layer {index} has {key} {layer[key]}, the others {config.get(key)}")
 
 
 _PARTIAL_ROTARY = ("phi3",)  # families whose attention turns only partial_rotary_factor of each head (transformers' Phi3)
@@ -319,7 +450,8 @@ def _hf_sliding_window(config: dict[str, Any]) -> int | None:
 
 def _check_hf_unsupported(config: dict[str, Any]) -> None:
     """Features of these families that jaxinfer does not run, named instead of silently dropped."""
-    if config.get("hidden_act", "silu") != "silu":
+    gemma = _GEMMA_TEXT_TYPES.get(config.get("model_type"), config.get("model_type")) in _GEMMA_DEFAULTS  # GeGLU, checked there
+    if not gemma and config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; jaxinfer runs SwiGLU (silu)")
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias: true (biases on the MLP projections)")

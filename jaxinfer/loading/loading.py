@@ -230,17 +230,36 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     return quant.stack(per_layer) if spec.stacked else per_layer[0]
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None, mixed: bool = True,
-                       skip: set[str] = frozenset()) -> dict[str, quant.QuantizedTensor]:
-    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay;
-    `skip`: fields whose rows sit in a fused tensor (Phi-3's attn_qkv, ffn_up), which load dense."""
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
     kept = {}
     for spec in params_lib.present(cfg):
-        if weight_format(spec.name, "gguf") == "gguf" and spec.name not in skip:
+        if weight_format(spec.name, "gguf") == "gguf":
             q = _kept_gguf_weight(spec, cfg, tensors, path)
             if q is not None:
                 kept[spec.name] = q
     return kept
+
+
+def _split_fused(tensors: dict, cfg: ModelConfig, path: Path) -> dict:
+    """`tensors` with each fused one (params.FUSED) replaced by views of its parts' rows under the parts' own
+    GGUF names, so the kept-block and dense paths read them as any other tensor. Rows are whole blocks in
+    every GGUF type, so a view is a row slice of the data (ggml shape [in, rows])."""
+    out = dict(tensors)
+    for fused in params_lib.FUSED:
+        for i in range(cfg.num_layers):
+            if (name := fused.in_file(tensors, i, "gguf")) is None:
+                continue
+            t, rows = tensors[name], fused.rows(cfg)
+            if t.data.shape[0] != sum(rows):
+                raise ModelLoadError(f"{path}: tensor {name!r} has {t.data.shape[0]} rows, {' + '.join(map(str, rows))} expected for {', '.join(fused.parts)}")
+            row_bytes, start = int(t.n_bytes) // sum(rows), 0
+            for part, count in zip(fused.parts, rows):
+                part_name = weight_spec(part).gguf.format(i=i)
+                out[part_name] = t._replace(name=part_name, shape=np.array([t.shape[0], count]), n_elements=int(t.shape[0]) * count,
+                                            n_bytes=count * row_bytes, data_offset=t.data_offset + start * row_bytes, data=t.data[start : start + count])
+                start += count
+    return out
 
 
 def load_gguf(
@@ -250,17 +269,17 @@ def load_gguf(
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
-    hf = params_lib.unfuse(tensors, lambda name: _dequantize(tensors[name]), cfg, "gguf")  # Phi-3's fused tensors, split (dense)
-    fused = {spec.name for spec in params_lib.present(cfg) if spec.file_names(cfg, "hf")[0] in hf}
-    kept = _kept_gguf_weights(cfg, tensors, Path(path), skip=fused) if quantization == "gguf" else {}
+    tensors = _split_fused(tensors, cfg, Path(path))  # Phi-3's attn_qkv and ffn_up (gate + up) as views of their parts' rows
+    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{path}: tensor {name!r} is missing")
         return _dequantize(tensors[name])
 
-    for spec in params_lib.present(cfg):  # hf: the dense tensors, [out, in], under their Hugging Face names
-        if spec.name in kept or spec.name in fused:
+    hf = {}  # the dense tensors, [out, in], under their Hugging Face names
+    for spec in params_lib.present(cfg):
+        if spec.name in kept:
             continue
         heads = _rotary_heads(spec, cfg)
         for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
@@ -294,7 +313,7 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
-    hf.update(params_lib.unfuse(hf, hf.get, cfg, "hf"))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
+    hf.update(params_lib.unfuse(hf, cfg))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
     if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
         hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
     if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:

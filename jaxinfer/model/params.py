@@ -179,6 +179,13 @@ class FusedSpec:
         sizes = axis_sizes(cfg)
         return [math.prod(sizes[a] for a in weight_spec(part).out_axes) for part in self.parts]
 
+    def in_file(self, names, i: int, fmt: str) -> str | None:
+        """Layer i's fused tensor name ("hf" or "gguf") where the file holds it in place of some part's own
+        tensor, else None (a GGUF ffn_up is the plain up projection beside an ffn_gate)."""
+        name = (self.hf if fmt == "hf" else self.gguf).format(i=i)
+        own = [getattr(weight_spec(part), fmt).format(i=i) for part in self.parts]
+        return name if name in names and any(n not in names for n in own if n != name) else None
+
     def split(self, w: np.ndarray, cfg: ModelConfig) -> list[np.ndarray]:
         """The fused [sum of rows, in] tensor -> each part's [rows, in]."""
         rows = self.rows(cfg)
@@ -193,18 +200,13 @@ FUSED: tuple[FusedSpec, ...] = (
 )
 
 
-def unfuse(names: dict[str, str], tensor, cfg: ModelConfig, fmt: str) -> dict[str, np.ndarray]:
-    """Split the fused tensors a file holds into its parts' HF names ([out, in] each). `names`: the file's
-    tensor names -> anything; `tensor(name)` reads one as a [out, in] array. A fused tensor counts only where
-    some part's own tensor is missing (a GGUF ffn_up is the plain up projection beside an ffn_gate)."""
+def unfuse(hf: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The fused tensors of a Hugging Face checkpoint (HF names -> [out, in]) split into their parts' names."""
     out = {}
     for fused in FUSED:
-        parts = [weight_spec(p) for p in fused.parts]
         for i in range(cfg.num_layers):
-            name = (fused.hf if fmt == "hf" else fused.gguf).format(i=i)
-            own = [(p.hf if fmt == "hf" else p.gguf).format(i=i) for p in parts]
-            if name in names and any(n not in names for n in own if n != name):
-                out.update(zip((p.hf.format(i=i) for p in parts), fused.split(tensor(name), cfg)))
+            if (name := fused.in_file(hf, i, "hf")) is not None:
+                out.update(zip((weight_spec(p).hf.format(i=i) for p in fused.parts), fused.split(hf[name], cfg)))
     return out
 
 

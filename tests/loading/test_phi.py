@@ -138,13 +138,12 @@ def test_gguf_logits_match_transformers_and_its_config_the_folders(tmp_path, phi
                                [folders.attention_factor, *folders.short_factors, *folders.long_factors], rtol=1e-7)
 
 
-def test_q8_gguf_with_kept_blocks_splits_the_fused_tensors_dense(tmp_path):
-    """quantization="gguf": o_proj and down_proj stay Q8_0 blocks; attn_qkv and ffn_up (fused) load dense."""
+def test_q8_gguf_keeps_the_fused_tensors_blocks_split_by_rows(tmp_path):
+    """quantization="gguf": every matmul weight stays Q8_0 blocks, the fused attn_qkv and ffn_up split by rows."""
     from jaxinfer.model import quant
 
     cfg, params = load_model(phi3_gguf(tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0), quantization="gguf")
-    assert isinstance(params.layers.wo, quant.QuantizedTensor) and isinstance(params.layers.w_down, quant.QuantizedTensor)
-    assert not isinstance(params.layers.wq, quant.QuantizedTensor) and not isinstance(params.layers.w_up, quant.QuantizedTensor)
+    assert all(isinstance(getattr(params.layers, f), quant.QuantizedTensor) for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
     error = relative_error(logits(cfg, params, DATA["s2_ids"]), DATA["s2_logits"])
     assert 0 < error < 0.03, f"Q8_0 phi3: relative error {error:.3g}"
 

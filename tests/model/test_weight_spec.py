@@ -25,7 +25,7 @@ from jaxinfer.loading import loading
 from jaxinfer.model import sharding
 from jaxinfer.model import params as params_lib
 
-FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3")
+FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma4")  # Gemma 4: post norms and per-layer scalars
 SPLIT_AXES = {"q_heads", "kv_heads", "mlp", "vocab"}  # the axes tensor parallelism splits where they divide
 
 
@@ -76,6 +76,9 @@ def _as_file_layout(value: np.ndarray, spec: params_lib.WeightSpec, cfg, file_sh
     if spec.from_file is params_lib.transposed:
         sizes = params_lib.axis_sizes(cfg)
         return value.reshape(math.prod(sizes[a] for a in spec.in_axes), -1).T
+    if spec.from_file is params_lib.broadcast:  # one file value spread over the field: every element must be it
+        assert np.all(value == value.reshape(-1)[0])
+        return value.reshape(-1)[: math.prod(file_shape)].reshape(file_shape)
     return value.reshape(file_shape)
 
 
@@ -141,7 +144,7 @@ def test_every_present_entry_is_a_leaf_that_jit_carries(family):
         np.testing.assert_array_equal(np.asarray(params_lib.fields_of(carried)[name]), np.asarray(value), err_msg=name)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma4"])
 def test_config_parameter_count_agrees_with_the_table(family):
     """ModelConfig.num_params still counts by hand; `jaxinfer info` prints it, so it must equal the table's."""
     cfg, _ = loading.load_hf_folder(FIXTURES / family)

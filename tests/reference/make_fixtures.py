@@ -436,6 +436,70 @@ def tiny_family_fixtures(out: Path, name: str) -> None:
     write_npz(out / f"{name}_reference.npz", arrays)
 
 
+# Tiny Gemma 3 and Gemma 4 text models: interleaved sliding (window 8, shorter than two of the sequences) and full
+# layers, each type with its own rope; q/k norms; a query_pre_attn_scalar that is not head_dim (Gemma 3); Gemma 4's
+# proportional rope on a quarter of the full layers' frequencies, v norm and per-layer scalars; soft-capped logits.
+GEMMA_WINDOW = 8
+_GEMMA_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.05, sliding_window=GEMMA_WINDOW)
+GEMMA_FAMILIES = {
+    "tiny_gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=1.0, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})),
+    "tiny_gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        global_head_dim=32, hidden_size_per_layer_input=0, final_logit_softcapping=2.0, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})),
+}
+
+
+def _fill_gemma_weights(model) -> None:
+    """_fill_weights, with norm weights ~ N(0, 0.1) for Gemma 3 (its norms compute x * (1 + w)) and each
+    Gemma 4 layer_scalar buffer drawn in [0.5, 1.5), so a loader that drops any of them misses."""
+    _fill_weights(model)
+    gen = torch.Generator().manual_seed(4321)
+    offset = model.config.model_type == "gemma3_text"
+    for name, p in sorted(model.named_parameters()):
+        if offset and name.endswith("norm.weight"):
+            p.sub_(1.0)
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("layer_scalar"):
+            b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+
+
+@torch.inference_mode()
+def tiny_gemma_fixtures(out: Path, name: str) -> None:
+    import transformers
+
+    config_class, model_class, fields = GEMMA_FAMILIES[name]
+    config = getattr(transformers, config_class)(**_GEMMA_BASE, **fields)
+    config._attn_implementation = "eager"  # as the reloaded model, which gives the reference logits
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+    _fill_gemma_weights(model)
+    folder = out / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(42)
+    arrays: dict[str, np.ndarray] = {"num_sequences": np.int64(len(TINY_SEQ_LENGTHS))}
+    for i, n in enumerate(TINY_SEQ_LENGTHS):
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=g, dtype=torch.long)
+        logits = reloaded(input_ids=ids, use_cache=False).logits[0].float()
+        ref = model(input_ids=ids, use_cache=False).logits[0].float()
+        assert torch.allclose(logits, ref, rtol=1e-5, atol=1e-6), f"{name}: the reloaded model differs by {(logits - ref).abs().max()}"
+        arrays[f"s{i}_ids"] = ids[0].numpy().astype(np.int32)
+        arrays[f"s{i}_logits"] = logits.numpy().astype(np.float32)
+        print(f"  {name} s{i} T={n:3d} logits std={logits.std().item():.3f}", flush=True)
+    write_npz(out / f"{name}_reference.npz", arrays)
+
+
 # Long-context rope on held-out shapes, original context 32 so that two of the sequences take the long branch:
 # Phi-3 (fused qkv_proj / gate_up_proj, LongRoPE on 3/4 of each head), Qwen2 with YaRN's defaults, Qwen3 with every
 # YaRN field set. Each also records a greedy continuation with the KV cache from a 26-token prompt across position 32.
@@ -549,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in FAMILIES:
         print(f"{name} -> {args.out}", flush=True)
         tiny_family_fixtures(args.out, name)
+    for name in GEMMA_FAMILIES:
+        print(f"{name} -> {args.out}", flush=True)
+        tiny_gemma_fixtures(args.out, name)
     for name in ROPE_SCALING_FAMILIES:
         print(f"{name} -> {args.out}", flush=True)
         tiny_rope_scaling_fixtures(args.out, name)
