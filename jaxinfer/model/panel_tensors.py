@@ -1,6 +1,7 @@
 """The CPU kernels' weight types: `PanelTensor` (a dense f32 matrix cut into the layer-matmul kernel's panels),
-`QuantPanelTensor` (a quantized one in the quantized-matmul kernel's panels) and `StackedWeight` (one layer of
-a stacked one, left in place). Pure types with their widths, so that params.py can name them in `Weight`
+`QuantPanelTensor` (a quantized one in the quantized-matmul kernel's panels), `KQuantPanelTensor` (a K-quant
+one, each layer's own format kept, in the K-quant kernel's) and `StackedWeight` (one layer of a stacked one,
+left in place). Pure types with their widths, so that params.py can name them in `Weight`
 without importing panels.py (which imports params.py); panels.py packs and reads them. Imports jax only.
 """
 
@@ -54,9 +55,33 @@ class QuantPanelTensor:
         return tuple(self.codes.shape[:-3]) + self.in_shape + self.out_shape
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KQuantPanelTensor:
+    """A K-quant (or Q5_0 / Q5_1) matrix or stack `[*lead, *in_shape, *out_shape]` in the CPU K-quant kernel's
+    layout (kernels_cpu/kquant_matmul.pack: exact, the two-level scales kept): `parts[k]` holds the layers
+    stored in `formats[k]` (a dict of arrays, each with the leading layer axis of that part), and layer i is
+    `parts[layer_part[i]]` at `layer_slot[i]`. A file whose layers share one type has one part and the
+    identity table; Q4_K_M's attn_v / ffn_down (Q6_K in some layers, Q4_K in others) have two, picked by
+    `lax.switch` inside `panels.einsum`. An unstacked matrix (the head) has no leading axis and a table of
+    one entry. Packed once by the engine for matmul_impl='cpu_int8' (`pack_panels`); only `einsum` reads it."""
+
+    parts: tuple[dict, ...]
+    formats: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    layer_part: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    layer_slot: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    stacked: bool = dataclasses.field(default=True, metadata=dict(static=True))  # False: one matrix, no leading axis
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ((len(self.layer_part),) if self.stacked else ()) + self.in_shape + self.out_shape
+
+
 class StackedWeight(NamedTuple):
     """Layer `index` of a stacked PanelTensor, left in place: `einsum` reads it with the CPU layer-matmul
     kernel (kernels_cpu/layer_matmul) instead of slicing a copy out."""
 
-    stack: PanelTensor | QuantPanelTensor
+    stack: PanelTensor | QuantPanelTensor | KQuantPanelTensor
     index: jax.Array

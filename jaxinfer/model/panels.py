@@ -18,15 +18,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxinfer.model import quant
+from jaxinfer.model import mixed_quant, quant
+from jaxinfer.model.mixed_quant import MixedQuantStack
 from jaxinfer.model.panel_tensors import (  # noqa: F401  (the types, named where they are used)
-    PANEL_WIDTH, QUANT_PANEL_WIDTH, PanelTensor, QuantPanelTensor, StackedWeight,
+    PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight,
 )
 from jaxinfer.model.params import WEIGHTS, LayerParams, Params
+from kernels_cpu import kquant_matmul  # its packing and reference are jnp; the kernel is built on first use (available())
 
 def is_panel(w) -> bool:
     """Whether `w` is in the CPU kernel's layout (read by `einsum`, not by quant.qeinsum)."""
-    return isinstance(w, (PanelTensor, QuantPanelTensor, StackedWeight))
+    return isinstance(w, (PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight))
 
 
 def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor:
@@ -62,15 +64,52 @@ def to_quant_panels(q: quant.QuantizedTensor) -> QuantPanelTensor:
     return QuantPanelTensor(codes=codes, scale=blocks(scale), offset=kept_offset, zero_point=zero_point or 0, in_shape=q.in_shape, out_shape=q.out_shape)
 
 
-def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor | StackedWeight, *, preferred_element_type=None) -> Float[Array, "..."]:
+def to_kquant_panels(value: quant.QuantizedTensor | MixedQuantStack) -> KQuantPanelTensor:
+    """Pack a K-quant (or Q5_0 / Q5_1) matrix, stack or mixed stack into a KQuantPanelTensor, one jitted
+    `kquant_matmul.pack` per part: exact, each layer in the format it was stored in."""
+    stacked = isinstance(value, MixedQuantStack) or value.codes.ndim > 2
+    if isinstance(value, MixedQuantStack):
+        parts, layer_part, layer_slot = value.parts, value.layer_part, value.layer_slot
+    else:
+        count = value.codes.shape[0] if stacked else 1
+        parts, layer_part, layer_slot = (value,), (0,) * count, tuple(range(count))
+    return KQuantPanelTensor(
+        parts=tuple(_kquant_pack(part.format, quant.array_fields(part)) for part in parts), formats=tuple(part.format for part in parts),
+        layer_part=layer_part, layer_slot=layer_slot, in_shape=parts[0].in_shape, out_shape=parts[0].out_shape, stacked=stacked,
+    )
+
+
+def _kquant_rows(x: Float[Array, "M I"], w: KQuantPanelTensor, index: Int[Array, ""]) -> Float[Array, "M O"]:
+    """`x @ w[index]` for a stacked KQuantPanelTensor: the kernel (its jnp reference where the kernel could
+    not be built) on the part that stores layer `index`, chosen by `lax.switch` when the layers mix formats."""
+    matmul = kquant_matmul.kquant_matmul if kquant_matmul.available() else kquant_matmul.reference
+    num_in, num_out = math.prod(w.in_shape), math.prod(w.out_shape)
+
+    def branch(part: int):
+        def run(slot):
+            return matmul(x, w.parts[part], slot, fmt=w.formats[part], num_in=num_in)[:, :num_out]  # [M, O]
+        return run
+
+    if len(w.parts) == 1:  # one format: the table is the identity
+        return branch(0)(index)
+    part_of = jnp.asarray(w.layer_part, jnp.int32)[index]
+    slot_of = jnp.asarray(w.layer_slot, jnp.int32)[index]
+    return jax.lax.switch(part_of, [branch(k) for k in range(len(w.parts))], slot_of)
+
+
+def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor | KQuantPanelTensor | StackedWeight, *,
+           preferred_element_type=None) -> Float[Array, "..."]:
     """`jnp.einsum(spec, x, w)` through a CPU kernel, for a plain "rows @ matrix" spec: w's input subscripts
     contracted against x's trailing ones, the output x's other subscripts, then w's. A PanelTensor goes
-    through the layer-matmul kernel in f32, a QuantPanelTensor through the quantized one (W8A8); either is
-    one matrix (or the layer slice a plain scan took), and a StackedWeight is read in place."""
+    through the layer-matmul kernel in f32, a QuantPanelTensor through the quantized one and a KQuantPanelTensor
+    through the K-quant one (both W8A8); either is one matrix (or the layer slice a plain scan took), and a
+    StackedWeight is read in place."""
     from kernels_cpu import layer_matmul, quant_matmul  # noqa: PLC0415  (CPU only; built on first use)
 
     if isinstance(w, (PanelTensor, QuantPanelTensor)):
         w = StackedWeight(jax.tree.map(lambda leaf: leaf[None], w), jnp.int32(0))
+    elif isinstance(w, KQuantPanelTensor):
+        w = StackedWeight(w if w.stacked else dataclasses.replace(jax.tree.map(lambda leaf: leaf[None], w), stacked=True), jnp.int32(0))
     inputs, _, output = spec.replace(" ", "").partition("->")
     x_subs, _, w_subs = inputs.partition(",")
     contracted = len(w.stack.in_shape)
@@ -78,6 +117,8 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     if x_subs[len(batch):] != w_subs[:contracted] or output != batch + kept or preferred_element_type not in (None, jnp.float32):
         raise ValueError(f"a {type(w.stack).__name__} {w.stack.shape} is read only by a CPU kernel, as rows @ matrix in f32; got {spec!r}")
     rows, depth = math.prod(x.shape[: len(batch)]), math.prod(x.shape[len(batch):])
+    if isinstance(w.stack, KQuantPanelTensor):
+        return _kquant_rows(x.reshape(rows, depth), w.stack, w.index).reshape(*x.shape[: len(batch)], *w.stack.out_shape).astype(x.dtype)
     if isinstance(w.stack, QuantPanelTensor):
         stack = w.stack
         out = quant_matmul.quant_matmul(x.reshape(rows, depth), stack.codes, stack.scale, stack.offset, w.index, zero_point=stack.zero_point)
@@ -94,19 +135,41 @@ def _affine(value) -> bool:
     return isinstance(value, quant.QuantizedTensor) and value.format in quant.AFFINE_FORMATS and math.prod(value.in_shape) % 32 == 0
 
 
+def _kquant(value) -> bool:
+    """A matrix (stack, or mixed stack) the K-quant kernel reads: every layer in KQUANT_FORMATS, whole blocks."""
+    parts = value.parts if isinstance(value, MixedQuantStack) else (value,) if isinstance(value, quant.QuantizedTensor) else ()
+    return bool(parts) and all(p.format in kquant_matmul.FORMATS and math.prod(p.in_shape) % kquant_matmul.SUPER[p.format] == 0 for p in parts)
+
+
+def _quantized_leaf(leaf) -> bool:
+    return isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack))
+
+
 def has_affine_weights(params: Params) -> bool:
-    """Whether any matrix of `params` is quantized in a format the quantized kernel reads (quant.AFFINE_FORMATS)."""
-    return any(_affine(leaf) for leaf in jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor)))
+    """Whether any matrix of `params` is quantized in a format a quantized CPU kernel reads: the affine ones
+    (quant.AFFINE_FORMATS, kernels_cpu/quant_matmul) or the K-quants, Q5_0 and Q5_1 (kernels_cpu/kquant_matmul),
+    mixed stacks included. Matmul 'cpu_int8' packs them all."""
+    return any(_affine(leaf) or _kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=_quantized_leaf))
+
+
+def has_kquant_weights(params: Params) -> bool:
+    """Whether any matrix of `params` is one the K-quant kernel reads (`_kquant`)."""
+    return any(_kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=_quantized_leaf))
 
 
 def pack_panels(params: Params, *, quantized: bool = False) -> Params:
     """The engine's step params for the CPU kernels: every dense f32 layer matrix and the LM head as a
     PanelTensor and, with `quantized` (matmul_impl='cpu_int8'), every matrix of an affine quantized format
     as a QuantPanelTensor. A tied head gets its own [D, V] panels (the embedding stays for the lookup), so
-    it costs one more copy of the table. Other quantized weights, norms and biases are the loaded arrays."""
+    it costs one more copy of the table. With `quantized`, K-quant matrices (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1;
+    a mixed stack part by part) become KQuantPanelTensors, and a tied K-quant embedding gets its packed head
+    (one more quantized copy of the table, never a dense one). Other quantized weights (mixed stacks the
+    kernels cannot read are dequantized one layer at a time in the scan), norms and biases are the loaded arrays."""
     def pack(value, num_lead: int, num_in: int):
         if _dense_f32(value):
             return _to_panels(value, num_lead, num_in)
+        if quantized and _kquant(value):
+            return to_kquant_panels(value)
         return _to_quant_panels(value) if quantized and _affine(value) else value
 
     matrices = [spec for spec in WEIGHTS if spec.stacked and spec.num_in]  # the weight table's layer matmuls
@@ -116,12 +179,16 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
         head = _head_panels(params.embed)  # [D, V]
     elif head is None and quantized and _affine(params.embed):
         head = _to_quant_panels(params.embed)  # an out_in [V, D] embedding is the [D] -> [V] matrix of the head
+    elif head is None and quantized and _kquant(params.embed):
+        head = to_kquant_panels(params.embed)  # the same rows, in the K-quant kernel's panels
     elif head is not None:
         head = pack(head, 0, 1)
     return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
 
 
 _to_quant_panels = jax.jit(to_quant_panels)  # one fused repack per tensor, not an eager temporary per step
+
+_kquant_pack = jax.jit(kquant_matmul.pack, static_argnums=0)  # one fused repack per tensor part (jnp; builds nothing)
 # One fused pass per tensor (about 2x the eager ops' speed on SmolLM2), compiled at load and reused by every
 # LLM.update_params (engine/weights.py), which so repacks without compiling.
 _to_panels = jax.jit(to_panels, static_argnums=(1, 2))
@@ -130,15 +197,18 @@ _head_panels = jax.jit(lambda embed: to_panels(embed.T, 0, 1))
 
 def is_packed(layers: LayerParams) -> bool:
     """Whether any layer matrix is in panels (then the layers scan in place: `scan_in_place`)."""
-    return any(isinstance(getattr(layers, f.name), (PanelTensor, QuantPanelTensor)) for f in dataclasses.fields(layers))
+    return any(isinstance(getattr(layers, f.name), (PanelTensor, QuantPanelTensor, KQuantPanelTensor, MixedQuantStack)) for f in dataclasses.fields(layers))
 
 
 def layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
-    """Layer `index` of the stack: panel matrices as StackedWeight (read in place by `einsum`),
-    everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
+    """Layer `index` of the stack: panel matrices as StackedWeight (read in place by `einsum`), a
+    MixedQuantStack (layers of several formats, not packed) as that layer dequantized (`lax.switch` over its
+    formats), everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
     def pick(value):
-        if isinstance(value, (PanelTensor, QuantPanelTensor)):
+        if isinstance(value, (PanelTensor, QuantPanelTensor, KQuantPanelTensor)):
             return StackedWeight(value, index)
+        if isinstance(value, MixedQuantStack):
+            return mixed_quant.layer_dense(value, index)
         return None if value is None else jax.tree.map(lambda leaf: leaf[index], value)
 
     return dataclasses.replace(layers, **{f.name: pick(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
