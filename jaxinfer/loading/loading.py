@@ -28,13 +28,16 @@ from jaxinfer.model import params as params_lib
 from jaxinfer.model import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
-from jaxinfer.loading import kept_blocks
 from jaxinfer.loading.model_files import ModelLoadError, default_model_path, gguf_field, open_gguf, resolve_model_path  # noqa: F401
 from jaxinfer.model.params import Params, from_numpy, quantize_arrays, weight_format, weight_spec
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")  # Mistral converts to "llama"
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # Mistral converts to "llama"
+# llama.cpp fixes these per architecture, not in metadata: Gemma's GeGLU (tanh GELU), its embedding scaled by
+# sqrt(embed_dim), its sliding-layer pattern (every n-th layer full; overridden by attention.sliding_window_pattern)
+# and local rope base (overridden by rope.freq_base_swa); the GGUF norms already hold 1 + w.
+_GGUF_GEMMA = {"gemma2": dict(pattern=2, local_theta=None), "gemma3": dict(pattern=6, local_theta=10_000.0)}
 _GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
 
 
@@ -110,9 +113,31 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
             dtype=dtype,
             architecture=arch,
             name=str(gguf_field(reader, "general.name", arch)),
+            **(_gguf_gemma_fields(reader, arch, tensors) if arch in _GGUF_GEMMA else {}),
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: missing or invalid model metadata: {e}") from None
+
+
+def _gguf_gemma_fields(reader, arch: str, tensors: dict) -> dict:
+    """Gemma 2/3's ModelConfig fields from a GGUF, as llama.cpp reads them (llama-model.cpp, models/gemma3.cpp)."""
+    if float(gguf_field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0):
+        raise ValueError("unsupported attn_logit_softcapping (attention logit soft-capping)")
+    num_layers, embed_dim = int(gguf_field(reader, f"{arch}.block_count")), int(gguf_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    window = gguf_field(reader, f"{arch}.attention.sliding_window", None)
+    fields = dict(hidden_act="gelu_tanh", post_norms=_gguf_name("post_attn_norm") in tensors, embed_scale=float(embed_dim) ** 0.5)
+    if num_layers in (46, 62):  # Gemma 2 and 3 27B scale queries by (embed_dim / heads) ** -0.5, the others by head_dim ** -0.5
+        fields["query_scale"] = (embed_dim / num_heads) ** -0.5
+    softcap = float(gguf_field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0)
+    fields["final_logit_softcap"] = softcap or None
+    if window:
+        pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", _GGUF_GEMMA[arch]["pattern"])
+        sliding = [bool(x) for x in pattern] if isinstance(pattern, (list, tuple)) else [i % int(pattern) < int(pattern) - 1 for i in range(num_layers)]
+        local_theta = gguf_field(reader, f"{arch}.rope.freq_base_swa", _GGUF_GEMMA[arch]["local_theta"])
+        fields.update(sliding_window=int(window), layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                      local_rope_theta=None if local_theta is None else float(local_theta))
+    return fields
 
 
 def _gguf_rope_scaling(reader, arch: str, tensors: dict) -> RopeScaling | None:
@@ -206,47 +231,37 @@ def _rotary_heads(spec: params_lib.WeightSpec, cfg: ModelConfig) -> int | None:
     return params_lib.axis_sizes(cfg)[spec.out_axes[0]]
 
 
-def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path, reader=None,
-                      mixed: bool = True) -> quant.QuantizedTensor | None:
-    """`spec`'s blocks stacked per layer on the device (loading/kept_blocks.py: layer by layer, the file's
-    pages released as they are read), or None when they cannot stay as they are.
+def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path) -> quant.QuantizedTensor | None:
+    """`spec`'s blocks (host numpy), stacked per layer, or None when they cannot stay as they are.
 
-    Kept when every layer has a kept type; layers that mix kept types (Q4_K_M's Q4_K / Q6_K attn_v and
-    ffn_down) become a mixed_quant.MixedQuantStack, each layer as stored (with `mixed` False, for a mesh,
-    such a field loads dense). Q/K rows get llama.cpp's permutation undone on the codes.
+    Kept only when every layer has one kept type (a file that mixes, like Q4_K_M's Q4_K / Q6_K ffn_down,
+    loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
     """
     names = spec.file_names(cfg, "gguf")
-    if any(name not in tensors for name in names):
-        return None
-    types = [int(tensors[n].tensor_type) for n in names]
-    if any(t not in quant.GGUF_KEPT_TYPES for t in types):
-        return None  # F32, or a type quant.py does not keep: the dense path handles it
-    if len(set(types)) != 1 and not mixed:
+    if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
         log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, spec.name)
         return None
+    if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
+        return None  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
     heads = _rotary_heads(spec, cfg)
-
-    def read_layer(i: int) -> quant.QuantizedTensor:
+    per_layer = []
+    for name in names:
         try:
-            q = quant.from_gguf(tensors[names[i]].data, tensors[names[i]].tensor_type, **_gguf_factoring(spec, cfg))
+            q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, **_gguf_factoring(spec, cfg))
         except ValueError as e:
-            raise ModelLoadError(f"{path}: tensor {names[i]!r} does not match the config: {e}") from None
+            raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
         if heads is not None:
             q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], heads)[:, 0])
-        return q
-
-    release = (lambda i: kept_blocks.release_pages(reader, tensors[names[i]])) if reader is not None else (lambda i: None)
-    return kept_blocks.kept_weight(read_layer, types, stacked=spec.stacked, release=release)
+        per_layer.append(q)
+    return quant.stack(per_layer) if spec.stacked else per_layer[0]
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None, mixed: bool = True,
-                       float16_only: bool = False) -> dict[str, quant.QuantizedTensor]:
-    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay;
-    `float16_only`: only those stored F16 / BF16 in every layer (kept as "f16" / "bf16", not expanded)."""
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
     kept = {}
     for spec in params_lib.present(cfg):
-        if weight_format(spec.name, "gguf") == "gguf" and (not float16_only or _stored_float16(spec, cfg, tensors)):
-            q = _kept_gguf_weight(spec, cfg, tensors, path, reader, mixed)
+        if weight_format(spec.name, "gguf") == "gguf":
+            q = _kept_gguf_weight(spec, cfg, tensors, path)
             if q is not None:
                 kept[spec.name] = q
     return kept
@@ -281,7 +296,7 @@ def load_gguf(
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
     tensors = _split_fused(tensors, cfg, Path(path))  # Phi-3's attn_qkv and ffn_up (gate + up) as views of their parts' rows
-    kept = _kept_gguf_weights(cfg, tensors, Path(path), reader, mixed=not on_host) if quantization == "gguf" else {}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -325,11 +340,32 @@ def load_hf_folder(
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
     hf.update(params_lib.unfuse(hf, cfg))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
+    hf = _text_model_names(hf)
     if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
         hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
     if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:
         cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
+    if cfg.norm_weight_offset:  # Gemma 2/3 store w for x * (1 + w): the Params hold 1 + w, as a GGUF does
+        for spec in params_lib.present(cfg):
+            if spec.name.endswith("norm"):
+                hf.update({name: hf[name] + np.float32(cfg.norm_weight_offset) for name in spec.file_names(cfg, "hf") if name in hf})
     return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
+
+
+# Multimodal Gemma 3/4 checkpoints keep the text model under these prefixes (transformers 5, then 4.x saves).
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+
+
+def _text_model_names(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Tensor names of a multimodal checkpoint's text model renamed as a text-only one's; others unchanged."""
+    out = {}
+    for name, value in hf.items():
+        for prefix, plain in _TEXT_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = plain + name.removeprefix(prefix)
+                break
+        out[name] = value
+    return out
 
 
 # ---------------------------------------------------------------- shared assembly

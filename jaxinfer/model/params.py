@@ -29,16 +29,15 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE
-from jaxinfer.model import mixed_quant, quant
-from jaxinfer.model.mixed_quant import MixedQuantStack
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight
+from jaxinfer.model import quant
+from jaxinfer.model.panel_tensors import PanelTensor, QuantPanelTensor, StackedWeight
 from jaxinfer.config import ModelConfig
 
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
 
 # What one weight field holds: a dense array (on a device, or numpy while on the host), a quantized tensor,
 # or, in the engine's step params for the CPU kernels, panels (panel_tensors.py; a StackedWeight inside the layer scan).
-WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, MixedQuantStack, PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight]
+WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, PanelTensor, QuantPanelTensor, StackedWeight]
 # The same classes also describe weights without holding them: `abstract` fills them with shapes,
 # sharding.param_specs with each weight's PartitionSpec.
 WeightInfo = Union[jax.ShapeDtypeStruct, PartitionSpec]
@@ -72,6 +71,13 @@ def reshaped(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return w.reshape(shape)
 
 
+def broadcast(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A file scalar (Gemma 4's per-layer `layer_scalar`, shape [1]) -> `shape`, every element that scalar."""
+    if w.size != 1:
+        raise ValueError(f"expected one value, got shape {w.shape}")
+    return np.full(shape, w.reshape(()), w.dtype)
+
+
 def always(cfg: ModelConfig) -> bool:
     return True
 
@@ -95,6 +101,7 @@ class WeightSpec:
     present: Callable[[ModelConfig], bool] = always  # whether a config has this weight
     init: str = "normal"  # init_random: "normal" (scaled) or "ones" (norms)
     gguf_rotary: bool = False  # llama.cpp permutes its rows (architecture "llama"), per head of out_axes[0]
+    hf_post_norms: str = ""  # the HF name instead, in families with post norms (Gemma: the MLP's pre-norm is pre_feedforward_layernorm)
 
     def __post_init__(self):
         unknown = [a for a in self.axes if a not in AXES]
@@ -131,12 +138,16 @@ class WeightSpec:
     def file_names(self, cfg: ModelConfig, fmt: str) -> list[str]:
         """The tensor names in a file of `fmt` ("hf" or "gguf"), one per layer when stacked."""
         name = self.hf if fmt == "hf" else self.gguf
+        if fmt == "hf" and self.hf_post_norms and cfg.post_norms:
+            name = self.hf_post_norms
         return [name.format(i=i) for i in range(cfg.num_layers)] if self.stacked else [name]
 
 
 _L = "model.layers.{i}."
 _with_bias = operator.attrgetter("attention_bias")
 _with_qk_norm = operator.attrgetter("qk_norm")
+_with_post_norms = operator.attrgetter("post_norms")
+_with_layer_scale = operator.attrgetter("layer_scale")
 
 WEIGHTS: tuple[WeightSpec, ...] = (
     WeightSpec("embed", ("vocab", "embed"), "embedding", "model.embed_tokens.weight", "token_embd.weight", num_in=1, layout="out_in"),
@@ -149,7 +160,8 @@ WEIGHTS: tuple[WeightSpec, ...] = (
                num_in=1, from_file=transposed),
     WeightSpec("wo", ("layers", "q_heads", "head_dim", "embed"), "attention", _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
                num_in=2, from_file=transposed),
-    WeightSpec("mlp_norm", ("layers", "embed"), "mlp", _L + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", init="ones"),
+    WeightSpec("mlp_norm", ("layers", "embed"), "mlp", _L + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", init="ones",
+               hf_post_norms=_L + "pre_feedforward_layernorm.weight"),
     WeightSpec("w_gate", ("layers", "embed", "mlp"), "mlp", _L + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", num_in=1, from_file=transposed),
     WeightSpec("w_up", ("layers", "embed", "mlp"), "mlp", _L + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", num_in=1, from_file=transposed),
     WeightSpec("w_down", ("layers", "mlp", "embed"), "mlp", _L + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", num_in=1, from_file=transposed),
@@ -160,6 +172,12 @@ WEIGHTS: tuple[WeightSpec, ...] = (
                present=_with_qk_norm, init="ones"),
     WeightSpec("k_norm", ("layers", "head_dim"), "attention", _L + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
                present=_with_qk_norm, init="ones"),
+    WeightSpec("post_attn_norm", ("layers", "embed"), "attention", _L + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight",
+               present=_with_post_norms, init="ones"),
+    WeightSpec("post_mlp_norm", ("layers", "embed"), "mlp", _L + "post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight",
+               present=_with_post_norms, init="ones"),
+    WeightSpec("layer_scale", ("layers", "embed"), "mlp", _L + "layer_scalar", "blk.{i}.layer_output_scale.weight",
+               from_file=broadcast, present=_with_layer_scale, init="ones"),
     WeightSpec("final_norm", ("embed",), "head", "model.norm.weight", "output_norm.weight", init="ones"),
     WeightSpec("lm_head", ("embed", "vocab"), "head", "lm_head.weight", "output.weight", num_in=1, from_file=transposed, present=untied),
 )
@@ -233,6 +251,9 @@ class LayerParams:
     bv: Weight | None = None  # [N, G, K]; only with cfg.attention_bias
     q_norm: Weight | None = None  # [N, K]; only with cfg.qk_norm
     k_norm: Weight | None = None  # [N, K]; only with cfg.qk_norm
+    post_attn_norm: Weight | None = None  # [N, D]; only with cfg.post_norms
+    post_mlp_norm: Weight | None = None  # [N, D]; only with cfg.post_norms
+    layer_scale: Weight | None = None  # [N, D], one scalar per layer broadcast over D; only with cfg.layer_scale
 
 
 @jax.tree_util.register_dataclass
@@ -330,14 +351,14 @@ def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size:
 
 
 def _to_device(value, dtype) -> jax.Array | quant.QuantizedTensor:
-    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack)):
+    if isinstance(value, quant.QuantizedTensor):
         return jax.device_put(value)
     return jnp.asarray(value, dtype=dtype)
 
 
 def _to_host(value, dtype) -> np.ndarray | quant.QuantizedTensor:
     """The weight as host (numpy) leaves, dense ones cast to `dtype` (the same rounding as on a device)."""
-    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack)):
+    if isinstance(value, quant.QuantizedTensor):
         return jax.device_get(value)
     return np.asarray(jax.device_get(value)).astype(dtype, copy=False)
 
@@ -347,7 +368,7 @@ def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     a QuantizedTensor's `format` or a dense array's dtype name. Measured with quant.resident_bytes."""
     totals: dict[tuple[str, str], int] = {}
     for field, value in fields_of(params).items():
-        fmt = value.format if isinstance(value, (quant.QuantizedTensor, MixedQuantStack)) else jnp.dtype(value.dtype).name
+        fmt = value.format if isinstance(value, quant.QuantizedTensor) else jnp.dtype(value.dtype).name
         key = (weight_spec(field).kind, fmt)
         totals[key] = totals.get(key, 0) + quant.resident_bytes(value)
     return totals
@@ -384,11 +405,9 @@ def dense_params(params: Params) -> Params:
     """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
     values the dense load gives, bit for bit)."""
     def dense(leaf):
-        if isinstance(leaf, MixedQuantStack):
-            return mixed_quant.dequantize(leaf)
         return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
 
-    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack)))
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
 
 
 def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
