@@ -267,7 +267,7 @@ def _attend_pallas(q, pool, layer, positions, pages, window=None, *, determinist
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
     scales = dict(k_scales=pool.k_scale, v_scales=pool.v_scale) if pool.quantized else {}
     out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
-        functools.partial(kernel.paged_attention, config=config, window=window), q[:, 0], pool.k, pool.v, pages.block_tables,
+        functools.partial(kernel.paged_attention, config=config, **({} if window is None else {"window": window})), q[:, 0], pool.k, pool.v, pages.block_tables,
         positions[:, 0] + 1, layer=layer, **scales,
     )  # [B, H, K]  (a traced window is closed over: replicated, as the layer index is)
     return out[:, None]

@@ -10,6 +10,7 @@ window removed misses the logits, so the comparison can fail.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,3 +174,34 @@ def test_paged_engine_matches_transformers_and_hands_pages_back(mistral, smollm2
     assert max(released) > 0, "no page was handed back"
     assert llm.block_pool.num_used == 0
     llm.block_pool.check_invariants()
+
+
+def test_pallas_dispatch_hands_a_traced_window_to_the_kernel(monkeypatch):
+    """Decode in bf16 with impl='pallas' inside jit: the kernel (here its reference, through a spy) gets
+    the layer's window, and the result masks as the float64 rule says."""
+    from kernels_pallas import paged_attention as pa
+
+    windows = []
+
+    def spy(q, k_pages, v_pages, block_tables, lengths, *, layer=None, config=None, window=None):
+        windows.append(window)
+        return pa.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, layer=layer, window=window)
+
+    monkeypatch.setattr(pa, "paged_attention", spy)
+    rng = np.random.default_rng(11)
+    pool, tables, q_positions, keys, values, q = _paged_case(rng, page_size=64, pages_per_row=2)
+    pool = kvp.KVPool(pool.k.astype(jnp.bfloat16), pool.v.astype(jnp.bfloat16))
+    q, positions = q[:, :1].astype(jnp.bfloat16), jnp.asarray([[100], [70]], jnp.int32)
+    meta = kvp.PageMeta(tables, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32))
+    k_new = v_new = jnp.zeros((2, 1, 2, 8), jnp.bfloat16)  # [B, 1, G, K], written to the null page, which no table names
+
+    @jax.jit
+    def run(pool, window):
+        return at.attend(pool, jnp.int32(0), q, k_new, v_new, positions, meta, impl="pallas", window=window)[0]
+
+    out = run(pool, jnp.int32(WINDOW))
+    assert len(windows) == 1 and isinstance(windows[0], jax.core.Tracer)
+    keys = np.asarray(pool.k[0].astype(jnp.float32)).transpose(0, 1, 3, 2)[:, tables].transpose(1, 2, 3, 0, 4).reshape(2, -1, 2, 8)
+    values = np.asarray(pool.v[0].astype(jnp.float32))[:, tables].transpose(1, 2, 3, 0, 4).reshape(2, -1, 2, 8)
+    expected = masked_attention_f64(q.astype(jnp.float32), keys, values, positions, np.arange(keys.shape[1])[None], WINDOW)
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=2e-2)
