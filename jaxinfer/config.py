@@ -54,12 +54,9 @@ class RopeScaling:
     linear: every frequency divided by `factor`. dynamic (NTK): the base grows with the sequence once it
     passes `original_max_position`. llama3: low frequencies divided by `factor`, high ones kept, a smooth
     blend between (wavelengths measured against `original_max_position`). frequency_factors: one divisor
-    per frequency, as llama.cpp stores Llama 3 scaling in a GGUF (`rope_freqs.weight`). yarn: each frequency
-    blended between itself (fast ones, beyond `beta_fast` rotations over the original context) and itself /
-    `factor` (slow ones, under `beta_slow`), as transformers' `_compute_yarn_parameters`. longrope (Phi-3/4):
-    one divisor per frequency, `short_factors` while a row's length stays within original_max_position and
-    `long_factors` once it passes it (transformers' rule, per forward row). yarn and longrope multiply cos and
-    sin by `attention_factor`.
+    per frequency, as llama.cpp stores Llama 3 scaling in a GGUF (`rope_freqs.weight`). yarn: frequencies blended
+    between themselves and / factor by their rotations over the original context. longrope (Phi-3/4): `short_factors`
+    or, for a row longer than original_max_position, `long_factors`. Both scale cos and sin by `attention_factor`.
     """
 
     kind: str
@@ -87,11 +84,6 @@ class RopeScaling:
         if (self.kind == "longrope") != bool(self.short_factors) or len(self.short_factors) != len(self.long_factors):
             raise ValueError("short_factors and long_factors are given, of one length, exactly when the rope type is 'longrope'")
         check_number("rope attention_factor", self.attention_factor, low=0.0, high=math.inf, low_open=True)
-
-    @property
-    def divisors(self) -> tuple[float, ...]:
-        """The per-frequency divisors this scaling carries (frequency_factors, or longrope's), for length checks."""
-        return self.frequency_factors or self.short_factors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,9 +143,9 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_dim must be even and within head_dim ({self.head_dim}), got {self.rotary_dim}")
-        scaling, rotary = self.rope_scaling, self.rotary_dim or self.head_dim
-        if scaling is not None and scaling.divisors and len(scaling.divisors) != rotary // 2:
-            raise ValueError(f"rope has {len(scaling.divisors)} frequency factors, expected rotary dims / 2 = {rotary // 2}")
+        divisors = self.rope_scaling and (self.rope_scaling.frequency_factors or self.rope_scaling.short_factors)
+        if divisors and len(divisors) != (self.rotary_dim or self.head_dim) // 2:
+            raise ValueError(f"rope has {len(divisors)} frequency factors, expected rotary dims / 2 = {(self.rotary_dim or self.head_dim) // 2}")
         if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise ValueError(f"layer_types must name one of {LAYER_TYPES} per layer ({self.num_layers}), got {self.layer_types}")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -238,6 +230,7 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     window = _hf_sliding_window(config)
     rope = _hf_rope_dict(config, rope, model_type)
     head_dim = config.get("head_dim") or embed_dim // num_heads
+    rotary = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))  # transformers' int(head_dim * partial_rotary_factor)
     fields = dict(
         vocab_size=required("vocab_size"),
         num_layers=required("num_hidden_layers"),
@@ -246,7 +239,7 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
         num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        rotary_dim=_hf_rotary_dim(rope, head_dim) if model_type in _PARTIAL_ROTARY else None,
+        rotary_dim=rotary if model_type in _PARTIAL_ROTARY and rotary != head_dim else None,
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
         rope_scaling=rope_scaling_from_hf(rope, max_position, field=rope_field),
         attention_bias=model_type == "qwen2",  # Qwen2 always has q/k/v biases (and none on o)
@@ -361,9 +354,8 @@ _ROPE_NEEDS = {  # keys each HF rope type must have
 
 
 def _hf_rope_dict(config: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The rope dict as transformers 5 standardizes it: a top-level `original_max_position_embeddings` wins
-    (Phi-3 keeps it there, 4096 when absent) and a top-level `partial_rotary_factor` fills in; Phi3Config
-    reads the rope types "su" and "yarn" as longrope."""
+    """The rope dict as transformers 5 standardizes it: a top-level `original_max_position_embeddings` wins (Phi-3's,
+    4096 when absent), a top-level `partial_rotary_factor` fills in; Phi3Config reads "su" and "yarn" as longrope."""
     rope = dict(rope)
     if model_type == "phi3" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
         rope["rope_type"] = "longrope"
@@ -375,43 +367,23 @@ def _hf_rope_dict(config: dict[str, Any], rope: dict[str, Any], model_type: str)
     return rope
 
 
-def _hf_rotary_dim(rope: dict[str, Any], head_dim: int) -> int | None:
-    """Dims of each head that rope turns, int(head_dim * partial_rotary_factor) as transformers; None for all."""
-    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-    return None if dim == head_dim else dim
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _hf_yarn(rope: dict[str, Any], max_position: int) -> RopeScaling:
-    """transformers' `_compute_yarn_parameters`: factor (None: max_position / original), attention_factor
-    (None: from factor, and mscale / mscale_all_dim when both are set), beta_fast / beta_slow (falsy: 32 / 1), truncate."""
-    original = int(rope.get("original_max_position_embeddings") or max_position)
-    factor = float(rope["factor"]) if rope["factor"] is not None else max_position / original
-    attention = rope.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor)
-    return RopeScaling(
-        kind="yarn", factor=factor, original_max_position=original, attention_factor=float(attention),
-        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
-    )
-
-
-def _hf_longrope(rope: dict[str, Any], max_position: int) -> RopeScaling:
-    """transformers' `_compute_longrope_parameters`: factor (None: max_position / original) sets the
-    attention factor sqrt(1 + ln(factor) / ln(original)) unless the config gives one."""
+def _hf_long_context(kind: str, rope: dict[str, Any], max_position: int) -> RopeScaling:
+    """yarn and longrope as transformers' `_compute_yarn_parameters` / `_compute_longrope_parameters`: factor
+    (None: max_position / original); attention_factor as given, else yarn's 0.1 ln(factor) + 1 (a ratio of two
+    with mscale and mscale_all_dim) or longrope's sqrt(1 + ln(factor) / ln(original)); yarn's beta_fast and
+    beta_slow (falsy: 32 and 1) and truncate; longrope's short and long factors."""
     original = int(rope.get("original_max_position_embeddings") or max_position)
     factor = float(rope["factor"]) if rope.get("factor") is not None else max_position / original
+    mscale = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+    if kind == "longrope":
+        default = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        extra = dict(short_factors=tuple(map(float, rope["short_factor"])), long_factors=tuple(map(float, rope["long_factor"])))
+    else:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        default = mscale(m) / mscale(m_all) if m and m_all else mscale()
+        extra = dict(beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)))
     attention = rope.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(
-        kind="longrope", factor=factor, original_max_position=original, attention_factor=float(attention),
-        short_factors=tuple(float(f) for f in rope["short_factor"]), long_factors=tuple(float(f) for f in rope["long_factor"]),
-    )
+    return RopeScaling(kind=kind, factor=factor, original_max_position=original, attention_factor=float(default if attention is None else attention), **extra)
 
 
 def rope_scaling_from_hf(rope: dict[str, Any], max_position: int, *, field: str = "rope_parameters") -> RopeScaling | None:
@@ -425,7 +397,7 @@ def rope_scaling_from_hf(rope: dict[str, Any], max_position: int, *, field: str 
     if missing:
         raise ValueError(f"{field} has no {missing[0]!r}, which rope_type {kind!r} needs")
     if kind in ("yarn", "longrope"):
-        return (_hf_yarn if kind == "yarn" else _hf_longrope)(rope, max_position)
+        return _hf_long_context(kind, rope, max_position)
     factor = float(rope["factor"])
     if kind == "linear":
         return RopeScaling(kind=kind, factor=factor)
