@@ -9,7 +9,7 @@ kquant_matmul.pack. "read" is the bytes the GGUF format stores per second (not t
 the machine's read bandwidth (machine.measure_bandwidth_peak), measured in the same run.
 Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one JSON document.
 
-    .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...]
+    .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...] [--shapes gate_up,...]
     .venv/bin/python experiments/bench_kquant_kernel.py --quick   # 4 layers, gate_up, rows 1 and 4: a smoke run
 """
 
@@ -112,6 +112,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (the best is kept)")
     parser.add_argument("--layers", type=int, default=16, help="layers stacked per shape (more than the L3 holds)")
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="4 layers, gate_up only, rows 1 and 4, 2 repeats: a smoke run")
     args = parser.parse_args()
     from kernels_cpu import kquant_matmul
@@ -119,7 +120,8 @@ def main():
     if not kquant_matmul.available():
         raise SystemExit("bench_kquant_kernel: the CPU K-quant kernel could not be built (see the warning above)")
     formats = report.comma_list(parser, args.formats, FORMATS, "format")
-    rows_list, layers, repeats, shapes = [int(r) for r in args.rows.split(",") if r], args.layers, args.repeats, list(SHAPES)
+    shapes = report.comma_list(parser, args.shapes, SHAPES, "shape")
+    rows_list, layers, repeats = [int(r) for r in args.rows.split(",") if r], args.layers, args.repeats
     if args.quick:
         rows_list, layers, repeats, shapes = [1, 4], 4, 2, ["gate_up"]
     rng = np.random.default_rng(0)

@@ -131,38 +131,39 @@ inline __m512 load_u8(const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvte
 inline __m512 load_s8(const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); }
 inline void prefetch(const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1); }
 
-// out[m0 : m0 + R, 16 p0 : 16 (p0 + kPanels)] for one column tile; `ahead`: prefetch the next tile's bytes.
-template <int R, int Fmt>
+// out[m0 : m0 + R, 16 p0 : 16 (p0 + P)]: P panels (a column tile, or one panel of it at decode's few rows);
+// `ahead`: prefetch the bytes of the P panels after them.
+template <int R, int P, int Fmt>
 void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
   constexpr int Width = kHighBits[Fmt];
   constexpr int Halves = Fmt == kQ6K ? 2 : 1;  // dots per block of 32: q6_k's scales are per 16
   constexpr int SB = Fmt == kQ50 || Fmt == kQ51 ? 2 : 1;  // bytes per sub-block scale
   const int64_t code_panel = w.steps * 64, high_panel = w.high_rows * 64, scale_panel = w.sub_scales * kPanel * SB,
                 min_panel = w.blocks * kPanel * SB, super_panel = w.supers * kPanel;
-  __m512 acc[R][kPanels];
+  __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanels; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < P; ++v) acc[r][v] = _mm512_setzero_ps();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(Width == 2 ? 0x30 : 0x10);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512i dot[R][kPanels][Halves];
+    __m512i dot[R][P][Halves];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kPanels; ++v)
+      for (int v = 0; v < P; ++v)
         for (int h = 0; h < Halves; ++h) dot[r][v][h] = _mm512_setzero_si512();
     const int8_t* xb = a.codes.data() + m0 * a.I + b * kBlock;
-    __m512i cur[kPanels];  // this block's high bits, shifted down as code rows use them
+    __m512i cur[P];  // this block's high bits, shifted down as code rows use them
 #pragma GCC unroll 4
     for (int s = 0; s < kBlock / 8; ++s) {
-      __m512i lo[kPanels], hi[kPanels];
-      for (int v = 0; v < kPanels; ++v) {
+      __m512i lo[P], hi[P];
+      for (int v = 0; v < P; ++v) {
         const uint8_t* at = w.codes + (p0 + v) * code_panel + (b * 4 + s) * 64;
-        if (ahead) prefetch(at + kPanels * code_panel);
+        if (ahead) prefetch(at + P * code_panel);
         const __m512i raw = _mm512_loadu_si512(at);
         lo[v] = _mm512_and_si512(raw, low_nibbles);
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
         if constexpr (Width > 0) {
           if (s % (4 / Width) == 0) {  // a new row of high bits: per 32 inputs (1 bit), per 16 (2 bits)
             const uint8_t* hat = w.high + (p0 + v) * high_panel + (b * Width + s * Width / 4) * 64;
-            if (ahead) prefetch(hat + kPanels * high_panel);
+            if (ahead) prefetch(hat + P * high_panel);
             cur[v] = _mm512_loadu_si512(hat);
           }
           // code row s uses the lowest 2 Width bits of each byte: the first Width for the low nibbles' inputs
@@ -175,22 +176,22 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xb + r * a.I + 8 * s;
         const __m512i x0 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr)), x1 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + 4));
-        for (int v = 0; v < kPanels; ++v) dot[r][v][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v][h], lo[v], x0), hi[v], x1);
+        for (int v = 0; v < P; ++v) dot[r][v][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v][h], lo[v], x0), hi[v], x1);
       }
     }
     // the scales of block b, per panel
-    __m512 scale[kPanels][Halves], minimum[kPanels];
-    for (int v = 0; v < kPanels; ++v) {
+    __m512 scale[P][Halves], minimum[P];
+    for (int v = 0; v < P; ++v) {
       const int64_t p = p0 + v;
       if (ahead && b % 2 == 0) {
-        prefetch(w.scales + p * scale_panel + b * Halves * kPanel * SB + kPanels * scale_panel);
-        if constexpr (kHasMins(Fmt)) prefetch(w.mins + p * min_panel + b * kPanel * SB + kPanels * min_panel);
+        prefetch(w.scales + p * scale_panel + b * Halves * kPanel * SB + P * scale_panel);
+        if constexpr (kHasMins(Fmt)) prefetch(w.mins + p * min_panel + b * kPanel * SB + P * min_panel);
       }
       if constexpr (kKQuant(Fmt)) {
         const uint16_t* d = w.super_scales + p * super_panel + (b * kBlock / kSuper) * kPanel;
         if (ahead && b % 8 == 0) {
-          prefetch(reinterpret_cast<const uint8_t*>(d + kPanels * super_panel));
-          if constexpr (Fmt != kQ6K) prefetch(reinterpret_cast<const uint8_t*>(w.super_mins + p * super_panel + (b / 8) * kPanel + kPanels * super_panel));
+          prefetch(reinterpret_cast<const uint8_t*>(d + P * super_panel));
+          if constexpr (Fmt != kQ6K) prefetch(reinterpret_cast<const uint8_t*>(w.super_mins + p * super_panel + (b / 8) * kPanel + P * super_panel));
         }
         const __m512 super = load_f16(d);
         for (int h = 0; h < Halves; ++h) {
@@ -207,7 +208,7 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * a.blocks + b;
       const __m512 sx = _mm512_set1_ps(a.scale[at]);
-      for (int v = 0; v < kPanels; ++v) {
+      for (int v = 0; v < P; ++v) {
         if constexpr (Fmt == kQ6K) {
           const int32_t* zs = a.zero_sum.data() + 2 * at;
           __m512 inner = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v][0], _mm512_set1_epi32(zs[0]))), scale[v][0]);
@@ -225,17 +226,25 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanels; ++v) _mm512_storeu_ps(out + (m0 + r) * w.F + (p0 + v) * kPanel, acc[r][v]);
+    for (int v = 0; v < P; ++v) _mm512_storeu_ps(out + (m0 + r) * w.F + (p0 + v) * kPanel, acc[r][v]);
 }
 
 template <int Fmt>
 void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, bool ahead, float* out) {
+  if (M < kRows) {  // decode: one panel at a time, each prefetching the next (fewer live pointers than a pair)
+    switch (M) {
+      case 1: tile<1, 1, Fmt>(a, w, p0, 0, true, out), tile<1, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
+      case 2: tile<2, 1, Fmt>(a, w, p0, 0, true, out), tile<2, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
+      default: tile<3, 1, Fmt>(a, w, p0, 0, true, out), tile<3, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
+    }
+    return;
+  }
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, Fmt>(a, w, p0, m, ahead && m + kRows == M, out);
+  for (; m + kRows <= M; m += kRows) tile<kRows, kPanels, Fmt>(a, w, p0, m, ahead && m + kRows == M, out);
   switch (M - m) {  // the rows left over, fewer than kRows
-    case 1: tile<1, Fmt>(a, w, p0, m, ahead, out); break;
-    case 2: tile<2, Fmt>(a, w, p0, m, ahead, out); break;
-    case 3: tile<3, Fmt>(a, w, p0, m, ahead, out); break;
+    case 1: tile<1, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
+    case 2: tile<2, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
+    case 3: tile<3, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
     default: break;
   }
 }
