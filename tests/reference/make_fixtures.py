@@ -36,6 +36,10 @@ tiny_llama_reference.npz (and every tiny_<family>_reference.npz)
   num_sequences int64 scalar
   s{i}_ids      int32[T]
   s{i}_logits   float32[T, vocab]
+  and for the ROPE_SCALING_FAMILIES (tiny_phi3, tiny_qwen2_yarn, tiny_qwen3_yarn) also
+  g_prompt_ids  int32[26]       a prompt
+  g_ids         int32[12]       its greedy continuation with transformers' KV cache (across position 32)
+  g_logits      float32[12, V]  the logits that chose g_ids[j] (row 0: the prompt's last position)
 
 The npz files are written with fixed zip timestamps so that rebuilding them gives the same bytes
 when the numbers are the same (no spurious git diffs).
