@@ -125,8 +125,9 @@ def _quads(codes: Array, num_out: int) -> Array:
 
 def _merge_fields(fields: Array, width: int) -> Array:
     """[*lead, C, R, 8 // width, 16, 4] -> u8 [*lead, C, R, 64]: field t at bits t * width."""
-    shifts = (jnp.arange(8 // width, dtype=jnp.uint8) * width)[:, None, None]
-    merged = jnp.sum((fields.astype(jnp.uint32) << shifts), axis=-3).astype(jnp.uint8)  # disjoint bits: sum = or
+    merged = fields[..., 0, :, :]
+    for t in range(1, 8 // width):  # in uint8: no wider temporary than the codes
+        merged = merged | (fields[..., t, :, :] << (t * width))
     return merged.reshape(*merged.shape[:-2], 4 * PANEL)
 
 
