@@ -1,10 +1,12 @@
-"""Gemma 3 and Gemma 4 text models against transformers 5.24, from the folder, a GGUF and the paged engine.
+"""Gemma 2, 3 and 4 text models against transformers 5.24, from the folder, a GGUF and the paged engine.
 
 tests/reference/make_fixtures.py built each tiny random model (4 layers: sliding ones with a window of 8 and
 rope base 1e4, full ones with their own rope: Gemma 3 linear x4 on base 1e6, Gemma 4 proportional rope on a
 quarter of the frequencies) and recorded its logits on sequences of 7, 33 and 100 tokens, two of them past
 the window. Gemma 3 has query_pre_attn_scalar 24 (not head_dim), norms stored as w for x * (1 + w) and
-logits soft-capped at 1; Gemma 4 has a weightless v norm, per-layer scalars and logits soft-capped at 2.
+logits soft-capped at 1; Gemma 4 has a weightless v norm, per-layer scalars and logits soft-capped at 2;
+Gemma 2 (no q/k norms, one rope base, every other layer sliding) is built without attention soft-capping,
+which jaxinfer does not run (published Gemma 2 checkpoints have it, so they are refused).
 Controls switch each feature off and the logits then miss, so every comparison can fail.
 """
 
@@ -25,7 +27,7 @@ from jaxinfer.model import params as params_lib
 from jaxinfer.model.forward import forward
 from tolerances import LOGITS_VS_HF_F32, assert_close, relative_error
 
-NAMES = ("tiny_gemma3", "tiny_gemma4")
+NAMES = ("tiny_gemma2", "tiny_gemma3", "tiny_gemma4")
 SEQUENCES = range(3)
 WINDOW = 8
 
@@ -68,6 +70,9 @@ def test_config_reads_the_gemma_features():
     assert g4.layer_types == ("sliding_attention", "full_attention") * 2
     assert g4.rope_scaling.frequency_factors == (1.0,) * 4 + (float("inf"),) * 12  # 0.25 of 16 frequencies turn
     assert (g4.norm_weight_offset, g4.query_scale, g4.v_norm, g4.layer_scale, g4.final_logit_softcap) == (0.0, 1.0, True, True, 2.0)
+    g2 = load_model(FIXTURES / "tiny_gemma2")[0]
+    assert (g2.architecture, g2.qk_norm, g2.local_rope_theta, g2.rope_scaling, g2.final_logit_softcap) == ("gemma2", False, None, None, 1.5)
+    assert g2.layer_types == ("sliding_attention", "full_attention") * 2 and g2.norm_weight_offset == 1.0
 
 
 CONTROLS = [
@@ -79,6 +84,8 @@ CONTROLS = [
     ("tiny_gemma3", dict(final_logit_softcap=None)),
     ("tiny_gemma3", dict(hidden_act="silu")),
     ("tiny_gemma3", dict(embed_scale=1.0)),
+    ("tiny_gemma2", dict(layer_types=("full_attention",) * 4)),
+    ("tiny_gemma2", dict(query_scale=None)),
     ("tiny_gemma4", dict(v_norm=False)),
     ("tiny_gemma4", dict(layer_scale=False)),
     ("tiny_gemma4", dict(rope_scaling=None)),  # every frequency turned (no proportional rope)
@@ -121,13 +128,16 @@ _GGUF_LAYER = {
 }
 
 
-def gemma3_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32):
-    """llama.cpp's conversion/gemma.py Gemma3Model, read not copied: architecture gemma3, Q/K unpermuted, every
-    norm weight + 1, sliding_window and its per-layer pattern, rope.freq_base (global) and freq_base_swa,
-    linear scaling as rope.scaling.type/factor, final_logit_softcapping, a tied head (no output.weight)."""
+def gemma_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32):
+    """llama.cpp's conversion/gemma.py Gemma3Model (Gemma2Model alike), read not copied: architecture gemma3
+    (gemma2), Q/K unpermuted, every norm weight + 1, sliding_window (Gemma 3: and its per-layer pattern; Gemma 2's
+    is llama.cpp's fixed every-other-layer one), rope.freq_base (global) and freq_base_swa (Gemma 3), linear
+    scaling as rope.scaling.type/factor, final_logit_softcapping, a tied head (no output.weight)."""
     config = json.loads((folder / "config.json").read_text())
+    arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[config["model_type"]]
     rope = config["rope_parameters"]
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -137,13 +147,16 @@ def gemma3_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32):
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
-    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_rope_freq_base(full["rope_theta"])
+    if local:
+        writer.add_rope_freq_base_swa(local["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
     writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_sliding_window(config["sliding_window"])
-    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+    if arch == "gemma3":
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     for name, value in load_file(folder / "model.safetensors").items():
         value = np.asarray(value, np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
         if name == "model.embed_tokens.weight":
@@ -164,27 +177,28 @@ def gemma3_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32):
     return path
 
 
-def test_gguf_loads_the_folders_weights_and_config(tmp_path):
+@pytest.mark.parametrize("name", ["tiny_gemma2", "tiny_gemma3"])
+def test_gguf_loads_the_folders_weights_and_config(tmp_path, name):
     """Every weight equals the folder's (norms: the GGUF's w + 1 against the loader's 1 + w); the config
     equals the folder's except the query scale, which llama.cpp fixes at head_dim ** -0.5 (27B:
     (embed_dim / heads) ** -0.5) and a GGUF cannot carry: with the folder's scale the logits match transformers."""
-    hf_cfg, hf_params = loaded("tiny_gemma3")
-    cfg, params = load_model(gemma3_gguf(FIXTURES / "tiny_gemma3", tmp_path / "g3.gguf"), max_context=128)
+    hf_cfg, hf_params = loaded(name)
+    cfg, params = load_model(gemma_gguf(FIXTURES / name, tmp_path / "g.gguf"), max_context=128)
     assert cfg.query_scale is None and hf_cfg.query_scale == 24**-0.5
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps)  # stored as f32
     same = dataclasses.replace(cfg, query_scale=hf_cfg.query_scale, norm_weight_offset=1.0, rms_norm_eps=hf_cfg.rms_norm_eps)
     assert same == hf_cfg
     for field, value in params_lib.fields_of(hf_params).items():
         np.testing.assert_array_equal(np.asarray(params_lib.fields_of(params)[field]), np.asarray(value), err_msg=field)
-    data = reference("tiny_gemma3")
+    data = reference(name)
     for s in SEQUENCES:
-        assert_close(logits(same, params, data[f"s{s}_ids"]), data[f"s{s}_logits"], LOGITS_VS_HF_F32, f"GGUF sequence {s}")
+        assert_close(logits(same, params, data[f"s{s}_ids"]), data[f"s{s}_logits"], LOGITS_VS_HF_F32, f"{name} GGUF sequence {s}")
 
 
 def test_q8_gguf_keeps_blocks_and_stays_close(tmp_path):
     from jaxinfer.model import quant
 
-    path = gemma3_gguf(FIXTURES / "tiny_gemma3", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    path = gemma_gguf(FIXTURES / "tiny_gemma3", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     cfg, params = load_model(path, max_context=128, quantization="gguf")
     assert isinstance(params.layers.wq, quant.QuantizedTensor) and isinstance(params.layers.w_down, quant.QuantizedTensor)
     data = reference("tiny_gemma3")
@@ -242,7 +256,7 @@ def test_info_names_the_gemma_features(capsys):
 
 
 def test_bad_gemma_gguf_input_is_a_load_error(tmp_path):
-    path = gemma3_gguf(FIXTURES / "tiny_gemma3", tmp_path / "g3.gguf")
+    path = gemma_gguf(FIXTURES / "tiny_gemma3", tmp_path / "g3.gguf")
     reader = gguf.GGUFReader(str(path))
     assert reader.fields["gemma3.attention.sliding_window"].contents() == WINDOW
     writer = gguf.GGUFWriter(str(tmp_path / "capped.gguf"), "gemma2")

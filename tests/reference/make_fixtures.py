@@ -447,6 +447,10 @@ GEMMA_WINDOW = 8
 _GEMMA_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.05, sliding_window=GEMMA_WINDOW)
 GEMMA_FAMILIES = {
+    "tiny_gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(  # without attention soft-capping, which jaxinfer does not run
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, attn_logit_softcapping=None, final_logit_softcapping=1.5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
     "tiny_gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
         query_pre_attn_scalar=24, final_logit_softcapping=1.0, tie_word_embeddings=True,
@@ -461,11 +465,11 @@ GEMMA_FAMILIES = {
 
 
 def _fill_gemma_weights(model) -> None:
-    """_fill_weights, with norm weights ~ N(0, 0.1) for Gemma 3 (its norms compute x * (1 + w)) and each
+    """_fill_weights, with norm weights ~ N(0, 0.1) for Gemma 2/3 (their norms compute x * (1 + w)) and each
     Gemma 4 layer_scalar buffer drawn in [0.5, 1.5), so a loader that drops any of them misses."""
     _fill_weights(model)
     gen = torch.Generator().manual_seed(4321)
-    offset = model.config.model_type == "gemma3_text"
+    offset = model.config.model_type in ("gemma2", "gemma3_text")
     for name, p in sorted(model.named_parameters()):
         if offset and name.endswith("norm.weight"):
             p.sub_(1.0)
