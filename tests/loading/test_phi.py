@@ -19,10 +19,9 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
-import gguf_convert
 from conftest import FIXTURES
+from long_rope_gguf import phi3_gguf
 from jaxinfer.loading.loading import load_model
 from jaxinfer.model.forward import forward
 from tolerances import LOGITS_VS_HF_F32, assert_close, relative_error
@@ -95,36 +94,7 @@ def test_config_written_as_phi3s_published_one_gives_the_same_logits(tmp_path):
     assert_matches_transformers(*load_model(tmp_path), "phi3 published-style config")
 
 
-# ---------------------------------------------------------------- GGUF, as llama.cpp's Phi-3 converter writes it
-
-
-def phi3_gguf(path, qtype=gguf.GGMLQuantizationType.F32):
-    """tiny_phi3 as convert_hf_to_gguf.py's Phi3MiniModel writes it (read, not copied): architecture "phi3",
-    Q/K unpermuted (NeoX rope), qkv_proj -> attn_qkv, gate_up_proj -> ffn_up, the factor tensors, the
-    original context, rope.dimension_count = int(partial * D) // heads and the attention factor it computes."""
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    gguf_convert._write_metadata(writer, CONFIG)
-    original, rope_dims = CONFIG["original_max_position_embeddings"], int(ROPE["partial_rotary_factor"] * CONFIG["hidden_size"]) // CONFIG["num_attention_heads"]
-    scale = CONFIG["max_position_embeddings"] / original
-    writer.add_rope_scaling_orig_ctx_len(original)
-    writer.add_rope_dimension_count(rope_dims)
-    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-    writer.add_tensor("rope_factors_long.weight", np.asarray(ROPE["long_factor"], np.float32))
-    writer.add_tensor("rope_factors_short.weight", np.asarray(ROPE["short_factor"], np.float32))
-    fused = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
-    for name, value in load_file(FOLDER / "model.safetensors").items():
-        parts = name.split(".", 3)
-        target = f"blk.{parts[2]}.{fused[parts[3]]}" if len(parts) == 4 and parts[3] in fused else gguf_convert._gguf_name(name)
-        value = np.asarray(value, np.float32)
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(target, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(target, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+# ---------------------------------------------------------------- GGUF, as llama.cpp's Phi-3 converter writes it (tests/long_rope_gguf.py)
 
 
 def test_gguf_logits_match_transformers_and_its_config_the_folders(tmp_path, phi3):
@@ -178,3 +148,19 @@ def test_engine_prompt_logprobs_of_a_long_prompt_match_transformers(phi3_llm):
     out = phi3_llm.generate([ids.tolist()], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
     expected = ref[np.arange(len(ids) - 1), ids[1:]] - np.logaddexp.reduce(ref[:-1], axis=1)
     np.testing.assert_allclose([lp for lp, _ in out.prompt_logprobs[1:]], expected, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- llama.cpp itself on the same GGUF
+
+LLAMA_CPP = np.load(FIXTURES / "llama_cpp_long_rope_logits.npz")  # tests/reference/make_long_rope_llama_cpp_fixtures.py
+
+
+def test_gguf_logits_match_llama_cpp_past_the_original_context_and_differ_before_it(tmp_path):
+    """llama-cpp-python 0.3.36 (n_ctx 256, f32 KV cache) on the same file. Past the original context both take
+    the long factors. On the 7-token sequence llama.cpp still does (it picks them once for the whole context,
+    n_ctx > original), transformers and jaxinfer take the short ones: jaxinfer follows transformers there."""
+    cfg, params = load_model(phi3_gguf(tmp_path / "phi3.gguf"))
+    for s in (1, 2):
+        assert_close(logits(cfg, params, DATA[f"s{s}_ids"]), LLAMA_CPP[f"tiny_phi3_s{s}_logits"], LOGITS_VS_HF_F32, f"phi3 vs llama.cpp, sequence {s}")
+    assert relative_error(LLAMA_CPP["tiny_phi3_s0_logits"], DATA["s0_logits"]) > 10 * LOGITS_VS_HF_F32
+    assert_close(logits(cfg, params, DATA["s0_ids"]), DATA["s0_logits"], LOGITS_VS_HF_F32, "phi3 GGUF short sequence vs transformers")

@@ -11,14 +11,12 @@ import dataclasses
 import json
 import math
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
-import gguf_convert
 from conftest import FIXTURES
+from long_rope_gguf import yarn_gguf
 from jaxinfer.loading.loading import load_model
 from jaxinfer.model.forward import forward
 from tolerances import LOGITS_VS_HF_F32, assert_close, relative_error
@@ -77,33 +75,7 @@ def test_attention_factor_given_in_the_config_wins():
     assert from_hf_config(config).rope_scaling.attention_factor == 0.75
 
 
-# ---------------------------------------------------------------- GGUF, as llama.cpp's converter writes YaRN
-
-
-def yarn_gguf(name: str, path):
-    """`name` as convert_hf_to_gguf.py writes a Qwen with YaRN (read, not copied): rope.scaling.type "yarn",
-    .factor, .original_context_length, and the yarn_beta_* keys where the config sets them; mscale_all_dim
-    as rope.scaling.yarn_log_multiplier (as the DeepSeek converters write it)."""
-    folder = FIXTURES / name
-    config = json.loads((folder / "config.json").read_text())
-    rope = config["rope_parameters"]
-    writer = gguf.GGUFWriter(str(path), gguf_convert.GGUF_ARCH[config["model_type"]])
-    gguf_convert._write_metadata(writer, config)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if "beta_fast" in rope:
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    if "mscale_all_dim" in rope:
-        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
-    for tensor_name, value in load_file(folder / "model.safetensors").items():
-        writer.add_tensor(gguf_convert._gguf_name(tensor_name), np.asarray(value, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+# ---------------------------------------------------------------- GGUF, as llama.cpp's converter writes YaRN (tests/long_rope_gguf.py)
 
 
 def test_gguf_yarn_logits_match_transformers(tmp_path):
@@ -120,3 +92,12 @@ def test_gguf_yarn_keys_are_read_as_the_folders_config(tmp_path):
     ours = cfg.rope_scaling
     assert dataclasses.replace(ours, truncate=False, attention_factor=1.0) == dataclasses.replace(folders, attention_factor=1.0)
     assert ours.truncate and ours.attention_factor == pytest.approx(folders.attention_factor)
+
+
+def test_gguf_yarn_logits_match_llama_cpp_on_the_same_file(tmp_path):
+    """llama-cpp-python 0.3.36 (n_ctx 256, f32 KV cache; tests/reference/make_long_rope_llama_cpp_fixtures.py)."""
+    llama_cpp = np.load(FIXTURES / "llama_cpp_long_rope_logits.npz")
+    cfg, params = load_model(yarn_gguf("tiny_qwen2_yarn", tmp_path / "yarn.gguf"))
+    data = reference("tiny_qwen2_yarn")
+    for s in range(3):
+        assert_close(logits(cfg, params, data[f"s{s}_ids"]), llama_cpp[f"tiny_qwen2_yarn_s{s}_logits"], LOGITS_VS_HF_F32, f"qwen2 yarn vs llama.cpp, sequence {s}")
