@@ -237,7 +237,8 @@ void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, bo
     switch (M) {
       case 1: tile<1, 1, Fmt>(a, w, p0, 0, true, out), tile<1, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
       case 2: tile<2, 1, Fmt>(a, w, p0, 0, true, out), tile<2, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
-      default: tile<3, 1, Fmt>(a, w, p0, 0, true, out), tile<3, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
+      case 3: tile<3, 1, Fmt>(a, w, p0, 0, true, out), tile<3, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
+      default: break;  // no rows
     }
     return;
   }
@@ -352,6 +353,7 @@ ffi::Error KquantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                 I, blocks, I / 8, high_rows, sub_scales, supers, C * kPanel};
   Activations a{std::vector<int8_t>(M * I), std::vector<float>(M * blocks), std::vector<float>(M * blocks),
                 std::vector<int32_t>(M * (format == kQ6K ? I / 16 : blocks)), I, blocks};
+  if (M == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, format, a); });
   float* op = out->typed_data();

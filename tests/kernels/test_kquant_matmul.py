@@ -217,3 +217,9 @@ def test_bad_layer_and_unknown_format_are_errors_naming_them():
         kquant_matmul.pack("q3_k", {})
     with pytest.raises(Exception, match="high must be"):  # q5_k reads 8 rows of high bits per 256 inputs
         np.asarray(kquant_matmul.kquant_matmul(x, {**packed, "high": jnp.zeros((2, 2, 4, 64), jnp.uint8)}, jnp.int32(0), fmt="q5_k", num_in=256))
+
+
+def test_no_rows_give_an_empty_result():
+    _, packed = _packed("q6_k", random_blocks("q6_k", 1, 32, 1, seed=0))
+    out = kquant_matmul.kquant_matmul(jnp.zeros((0, 256), jnp.float32), packed, jnp.int32(0), fmt="q6_k", num_in=256)
+    assert out.shape == (0, 32)
