@@ -63,7 +63,7 @@ def _attention_program(cfg: ModelConfig, impl: str):
     def run(pool, q, k, v, positions, pages):
         def layer(carry, index):
             pool, _ = carry
-            out, pool = attention.attend(pool, index, q, k, v, positions, pages, impl)
+            out, pool = attention.attend(pool, index, q, k, v, positions, pages, impl, window=cfg.sliding_window)  # a windowed model times its mask
             return (pool, out), None
 
         (pool, out), _ = jax.lax.scan(layer, (pool, jnp.zeros_like(q)), jnp.arange(cfg.num_layers, dtype=jnp.int32))
