@@ -15,7 +15,8 @@
 
 The matmul paths: 'xla' (XLA's dot on the loaded params), 'cpu' (the CPU layer-matmul kernel on panels packed
 at start, model/panels.py), 'int8' (W8A8 through XLA's int8 dot on int8 weights, quant.with_int8_activations)
-and 'cpu_int8' ('cpu' with every Q8_0 / Q4_0 / Q4_1 / int8 matrix packed for the CPU quantized-matmul kernel).
+and 'cpu_int8' ('cpu' with every Q8_0 / Q4_0 / Q4_1 / int8 matrix packed for the CPU quantized-matmul kernel, and
+every Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 one, mixed layers included, read by the K-quant kernel: kernels_cpu/kquant_matmul).
 
 Imports jax only to ask the backend, and each kernel module only to ask whether it is built.
 """
@@ -134,7 +135,7 @@ def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on
     if matmul_impl in ("cpu", "cpu_int8") and (obstacle := cpu_kernel_obstacle(dtype, on_mesh=on_mesh, quantized=matmul_impl == "cpu_int8")):
         raise ValueError(f"matmul_impl={matmul_impl!r}: the CPU kernels {obstacle}; use matmul_impl='auto' or 'xla'")
     if matmul_impl == "cpu_int8" and not affine_weights:
-        raise ValueError("matmul_impl='cpu_int8' multiplies quantized weights (int8, Q8_0, Q4_0, Q4_1) by int8 activations; load the model "
+        raise ValueError("matmul_impl='cpu_int8' multiplies quantized weights (int8, Q8_0, Q4_0, Q4_1, K-quants, Q5_0, Q5_1) by int8 activations; load the model "
                          "with quantization='int8', or a GGUF with such tensors with quantization='gguf'")
     if matmul_impl == "int8" and not int8_weights:
         raise ValueError("matmul_impl='int8' multiplies int8 weights by int8 activations; load the model with quantization='int8' "
@@ -143,13 +144,16 @@ def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on
 
 
 def packer(matmul_impl: str):
-    """What the engine does to the params for a resolved matmul impl before stepping, or None: 'cpu' packs
-    the dense f32 matrices into the layer-matmul kernel's panels, 'cpu_int8' also the affine quantized ones
-    into the quantized kernel's (both new arrays), 'int8' marks the int8 matrices W8A8 (the same arrays)."""
+    """What the engine does to the params for a resolved matmul impl before stepping: 'cpu' packs the dense
+    f32 matrices into the layer-matmul kernel's panels, 'cpu_int8' also the affine quantized ones into the
+    quantized kernel's (both new arrays), 'int8' marks the int8 matrices W8A8 (the same arrays). K-quant
+    matrices packed at load (panel_tensors.KQuantPanelTensor) are read by the K-quant kernel under 'cpu_int8'
+    and dequantized a layer at a time under every other impl (marked read="dense": the same arrays)."""
     from jaxinfer.model import panels, quant  # noqa: PLC0415
 
+    dense_read = functools.partial(panels.with_read, read="dense")
     return {"cpu": panels.pack_panels, "cpu_int8": functools.partial(panels.pack_panels, quantized=True),
-            "int8": quant.with_int8_activations}.get(matmul_impl)
+            "int8": lambda params: dense_read(quant.with_int8_activations(params))}.get(matmul_impl, dense_read)
 
 
 # ------------------------------------------------------------------ what the tuner may time
@@ -178,6 +182,15 @@ def candidates(pins: Impls, backend: str | None = None, *, int8_weights: bool = 
         combos = [c for c in combos if c[2] not in W8A8_MATMULS]
     combos += [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]
     return [impls for impls in (Impls(*combo) for combo in combos) if impls.fits(pins)]
+
+
+def kquant_kernel_may_run(pins: Impls, *, on_mesh: bool = False) -> bool:
+    """Whether the CPU K-quant kernel (matmul 'cpu_int8') may multiply this engine's weights: the CPU backend,
+    one device, the kernels built, a float32 (or auto) dtype and the matmul at 'auto' or 'cpu_int8'. Loading
+    then packs K-quant matrices into its panels as it reads them (loading.load_model's `kquant_panels`)."""
+    if pins.matmul_impl not in ("auto", "cpu_int8") or pins.dtype not in ("auto", "float32"):
+        return False
+    return cpu_kernel_obstacle("float32", on_mesh=on_mesh, quantized=True) is None
 
 
 def resolve_quantization(quantization: str | None, model_path, pins: Impls, *, on_mesh: bool = False, tuning: bool = True) -> str | None:

@@ -23,6 +23,10 @@ import numpy as np
 
 from jaxinfer.model import quant
 from jaxinfer.model.mixed_quant import MixedQuantStack
+from jaxinfer.model.panel_tensors import KQuantPanelTensor
+from kernels_cpu import kquant_matmul
+
+_pack = jax.jit(kquant_matmul.pack, static_argnums=0)  # one layer's panels (jnp; builds nothing)
 
 
 @jax.jit
@@ -49,16 +53,23 @@ def release_pages(reader, tensor) -> None:
 
 
 class _DeviceStack:
-    """One format's stack of QuantizedTensor fields on the device, filled layer by layer in place."""
+    """One format's stack on the device, filled layer by layer in place: the QuantizedTensor fields, or with
+    `pack` the K-quant kernel's panels of each layer (kernels_cpu/kquant_matmul.pack, exact)."""
 
-    def __init__(self, first: quant.QuantizedTensor, count: int):
-        self.template = first
-        self.buffers = {name: jnp.zeros((count, *np.shape(field)), np.asarray(field).dtype) for name, field in quant.array_fields(first).items()}
+    def __init__(self, first: quant.QuantizedTensor, count: int, pack: bool = False):
+        self.pack = pack
+        layer = self._layer(first)
+        self.template = dataclasses.replace(first, **dict.fromkeys(quant.array_fields(first)))  # metadata only: no host copy kept
+        self.buffers = {name: jnp.zeros((count, *field.shape), field.dtype) for name, field in layer.items()}
         self.filled = 0
 
+    def _layer(self, q: quant.QuantizedTensor) -> dict:
+        fields = {name: jnp.asarray(field) for name, field in quant.array_fields(q).items()}
+        return _pack(q.format, fields) if self.pack else fields
+
     def add(self, q: quant.QuantizedTensor) -> None:
-        for name, field in quant.array_fields(q).items():
-            self.buffers[name] = _put_layer_in_place(self.buffers[name], jnp.asarray(field), jnp.int32(self.filled))
+        for name, field in self._layer(q).items():
+            self.buffers[name] = _put_layer_in_place(self.buffers[name], field, jnp.int32(self.filled))
         self.filled += 1
 
     def tensor(self) -> quant.QuantizedTensor:
@@ -66,15 +77,29 @@ class _DeviceStack:
         return dataclasses.replace(self.template, **self.buffers)
 
 
-def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[int], *, stacked: bool,
-                release: Callable[[int], None] = lambda i: None) -> quant.QuantizedTensor | MixedQuantStack:
+def packable(types: list[int], num_in: int) -> bool:
+    """Whether the K-quant kernel reads every layer of these GGUF types with `num_in` inputs (whole blocks)."""
+    formats = [quant.GGUF_KEPT_TYPES[t][0] for t in types]
+    return all(f in kquant_matmul.FORMATS and num_in % kquant_matmul.SUPER[f] == 0 for f in formats)
+
+
+def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[int], *, stacked: bool, pack: bool = False,
+                release: Callable[[int], None] = lambda i: None) -> quant.QuantizedTensor | MixedQuantStack | KQuantPanelTensor:
     """The device form of one weight whose layer i is `read_layer(i)` (host numpy fields) of GGUF type
     `types[i]`: a QuantizedTensor (one type, stacked when `stacked`), else a MixedQuantStack with one stack
-    per type in order of first appearance. `release(i)` is called once layer i is on the device."""
+    per type in order of first appearance; with `pack` (every type one `packable` says the K-quant kernel
+    reads) a KQuantPanelTensor of the same parts, each layer packed as it arrives, so the stored fields and
+    the panels never coexist beyond one layer. `release(i)` is called once layer i is on the device."""
     if not stacked:
-        q = jax.device_put(read_layer(0))
+        q = read_layer(0)
+        if pack:
+            panels = _pack(q.format, {name: jnp.asarray(field) for name, field in quant.array_fields(q).items()})
+            value = KQuantPanelTensor(parts=(panels,), formats=(q.format,), layer_part=(0,), layer_slot=(0,), in_shape=q.in_shape,
+                                      out_shape=q.out_shape, stacked=False)
+        else:
+            value = jax.device_put(q)
         release(0)
-        return q
+        return value
     order = list(dict.fromkeys(types))
     layer_part = tuple(order.index(t) for t in types)
     layer_slot = tuple(layer_part[:i].count(part) for i, part in enumerate(layer_part))
@@ -82,11 +107,19 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
     for i, part in enumerate(layer_part):
         q = read_layer(i)
         if stacks[part] is None:
-            stacks[part] = _DeviceStack(q, layer_part.count(part))
+            stacks[part] = _DeviceStack(q, layer_part.count(part), pack=pack)
         stacks[part].add(q)
         del q
         release(i)
+    if pack:
+        return _kquant_panels(tuple(stacks), layer_part, layer_slot, stacks[0].template, stacked=True)
     parts = tuple(s.tensor() for s in stacks)
     if len(parts) == 1:
         return parts[0]
     return MixedQuantStack(parts=parts, layer_part=layer_part, layer_slot=layer_slot)
+
+
+def _kquant_panels(stacks: tuple[_DeviceStack, ...], layer_part, layer_slot, like: quant.QuantizedTensor, *, stacked: bool) -> KQuantPanelTensor:
+    """The packed stacks as one stacked KQuantPanelTensor."""
+    return KQuantPanelTensor(parts=tuple(s.buffers for s in stacks), formats=tuple(s.template.format for s in stacks), layer_part=tuple(layer_part),
+                             layer_slot=tuple(layer_slot), in_shape=like.in_shape, out_shape=like.out_shape, stacked=stacked)

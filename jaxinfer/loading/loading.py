@@ -28,6 +28,7 @@ from jaxinfer.model import params as params_lib
 from jaxinfer.model import quant
 from jaxinfer.config import ModelConfig, RopeScaling, from_hf_config
 from jaxinfer.options import DEFAULT_INT4_GROUP_SIZE, check_quantization
+from jaxinfer.loading import kept_blocks
 from jaxinfer.loading.model_files import ModelLoadError, default_model_path, gguf_field, open_gguf, resolve_model_path  # noqa: F401
 from jaxinfer.model.params import Params, from_numpy, quantize_arrays, weight_format, weight_spec
 
@@ -43,6 +44,7 @@ _GGUF_PERMUTED_QK = ("llama",)  # architectures whose Q/K rows llama.cpp's conve
 
 def load_model(
     model: str | Path | None = None, *, dtype: str = "float32", max_context: int | None = None,
+    kquant_panels: bool = False,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     """Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). None = the default model.
@@ -52,6 +54,9 @@ def load_model(
       group_size: input elements per int4 scale (32, 64 or 128; it must divide every quantized width).
       on_host: leave the weights in host memory (numpy leaves), for a caller that puts them on a mesh
         shard by shard (Engine(mesh=...)), so that no one device ever holds the whole model.
+      kquant_panels: with quantization='gguf', pack every layer matrix and head the CPU K-quant kernel reads
+        (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1; mixed layers too) into its panels as it loads (panel_tensors.KQuantPanelTensor),
+        so the stored fields and the panels never both hold the model (load_for_engine sets it where the kernel may run).
     """
     check_quantization(quantization)
     path = resolve_model_path(model)
@@ -59,7 +64,8 @@ def load_model(
         if quantization == "gguf":
             raise ModelLoadError(f"{path}: quantization='gguf' keeps a GGUF file's blocks, and this is a Hugging Face folder (use 'int8' or 'int4')")
         return load_hf_folder(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
-    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host)
+    return load_gguf(path, dtype=dtype, max_context=max_context, quantization=quantization, group_size=group_size, on_host=on_host,
+                     kquant_panels=kquant_panels)
 
 
 def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
@@ -71,7 +77,8 @@ def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
     path = resolve_model_path(model)
     pins = backends.Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
     quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_cache.tuning_enabled())
-    return load_model(path, **{**options.load_kwargs, "quantization": quantization})
+    kquant_panels = quantization == "gguf" and backends.kquant_kernel_may_run(pins, on_mesh=options.on_mesh)
+    return load_model(path, **{**options.load_kwargs, "quantization": quantization, "kquant_panels": kquant_panels})
 
 
 # ---------------------------------------------------------------- GGUF
@@ -231,37 +238,50 @@ def _rotary_heads(spec: params_lib.WeightSpec, cfg: ModelConfig) -> int | None:
     return params_lib.axis_sizes(cfg)[spec.out_axes[0]]
 
 
-def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path) -> quant.QuantizedTensor | None:
-    """`spec`'s blocks (host numpy), stacked per layer, or None when they cannot stay as they are.
+def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict, path: Path, reader=None,
+                      mixed: bool = True, kquant_panels: bool = False) -> quant.QuantizedTensor | None:
+    """`spec`'s blocks stacked per layer on the device (loading/kept_blocks.py: layer by layer, the file's
+    pages released as they are read), or None when they cannot stay as they are.
 
-    Kept only when every layer has one kept type (a file that mixes, like Q4_K_M's Q4_K / Q6_K ffn_down,
-    loads that field dense); Q/K rows get llama.cpp's permutation undone on the codes.
+    Kept when every layer has a kept type; layers that mix kept types (Q4_K_M's Q4_K / Q6_K attn_v and
+    ffn_down) become a mixed_quant.MixedQuantStack, each layer as stored (with `mixed` False, for a mesh,
+    such a field loads dense). Q/K rows get llama.cpp's permutation undone on the codes. `kquant_panels`:
+    a matrix the K-quant kernel reads (not the embedding, which the lookup reads) is packed layer by layer.
     """
     names = spec.file_names(cfg, "gguf")
-    if any(name not in tensors for name in names) or len({int(tensors[n].tensor_type) for n in names}) != 1:
+    if any(name not in tensors for name in names):
+        return None
+    types = [int(tensors[n].tensor_type) for n in names]
+    if any(t not in quant.GGUF_KEPT_TYPES for t in types):
+        return None  # F32, or a type quant.py does not keep: the dense path handles it
+    if len(set(types)) != 1 and not mixed:
         log.info("%s: %s is not one kept GGUF type in every layer; loading it dense", path, spec.name)
         return None
-    if int(tensors[names[0]].tensor_type) not in quant.GGUF_KEPT_TYPES:
-        return None  # F32 / F16 / BF16, or a type quant.py does not keep: the dense path handles it
     heads = _rotary_heads(spec, cfg)
-    per_layer = []
-    for name in names:
+
+    def read_layer(i: int) -> quant.QuantizedTensor:
         try:
-            q = quant.from_gguf(tensors[name].data, tensors[name].tensor_type, **_gguf_factoring(spec, cfg))
+            q = quant.from_gguf(tensors[names[i]].data, tensors[names[i]].tensor_type, **_gguf_factoring(spec, cfg))
         except ValueError as e:
-            raise ModelLoadError(f"{path}: tensor {name!r} does not match the config: {e}") from None
+            raise ModelLoadError(f"{path}: tensor {names[i]!r} does not match the config: {e}") from None
         if heads is not None:
             q = quant.permute_out(q, _unpermute_rotary(np.arange(q.codes.shape[-2])[:, None], heads)[:, 0])
-        per_layer.append(q)
-    return quant.stack(per_layer) if spec.stacked else per_layer[0]
+        return q
+
+    release = (lambda i: kept_blocks.release_pages(reader, tensors[names[i]])) if reader is not None else (lambda i: None)
+    num_in = math.prod(params_lib.axis_sizes(cfg)[a] for a in spec.in_axes)
+    pack = kquant_panels and spec.layout != "out_in" and kept_blocks.packable(types, num_in)
+    return kept_blocks.kept_weight(read_layer, types, stacked=spec.stacked, pack=pack, release=release)
 
 
-def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path) -> dict[str, quant.QuantizedTensor]:
-    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay."""
+def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None, kquant_panels: bool = False, mixed: bool = True,
+                       float16_only: bool = False) -> dict[str, quant.QuantizedTensor]:
+    """Params field -> the file's blocks, for every matmul weight (weight_format "gguf") that can stay;
+    `float16_only`: only those stored F16 / BF16 in every layer (kept as "f16" / "bf16", not expanded)."""
     kept = {}
     for spec in params_lib.present(cfg):
-        if weight_format(spec.name, "gguf") == "gguf":
-            q = _kept_gguf_weight(spec, cfg, tensors, path)
+        if weight_format(spec.name, "gguf") == "gguf" and (not float16_only or _stored_float16(spec, cfg, tensors)):
+            q = _kept_gguf_weight(spec, cfg, tensors, path, reader, mixed, kquant_panels)
             if q is not None:
                 kept[spec.name] = q
     return kept
@@ -289,14 +309,14 @@ def _split_fused(tensors: dict, cfg: ModelConfig, path: Path) -> dict:
 
 
 def load_gguf(
-    path: Path, *, dtype: str = "float32", max_context: int | None = None,
+    path: Path, *, dtype: str = "float32", max_context: int | None = None, kquant_panels: bool = False,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
 ) -> tuple[ModelConfig, Params]:
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
     tensors = _split_fused(tensors, cfg, Path(path))  # Phi-3's attn_qkv and ffn_up (gate + up) as views of their parts' rows
-    kept = _kept_gguf_weights(cfg, tensors, Path(path)) if quantization == "gguf" else {}
+    kept = _kept_gguf_weights(cfg, tensors, Path(path), reader, mixed=not on_host, kquant_panels=kquant_panels) if quantization == "gguf" else {}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

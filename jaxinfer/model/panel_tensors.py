@@ -2,13 +2,17 @@
 `QuantPanelTensor` (a quantized one in the quantized-matmul kernel's panels), `KQuantPanelTensor` (a K-quant
 one, each layer's own format kept, in the K-quant kernel's) and `StackedWeight` (one layer of a stacked one,
 left in place). Pure types with their widths, so that params.py can name them in `Weight`
-without importing panels.py (which imports params.py); panels.py packs and reads them. Imports jax only.
+without importing panels.py (which imports params.py); panels.py packs and reads them. Also the exact
+dequantization of K-quant panels (`kquant_dense`), which params.dense_params needs. Imports jax and, lazily,
+kernels_cpu/kquant_matmul's jnp unpacking.
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array
 
 PANEL_WIDTH = 64  # output columns per panel of a PanelTensor (kPanel in kernels_cpu/layer_matmul.cc)
@@ -73,10 +77,72 @@ class KQuantPanelTensor:
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     stacked: bool = dataclasses.field(default=True, metadata=dict(static=True))  # False: one matrix, no leading axis
+    # How `panels.einsum` multiplies it: "kernel" (W8A8 through kernels_cpu/kquant_matmul) or "dense" (the layer
+    # dequantized exactly, `kquant_dense`, then a plain einsum in the activations' dtype: the f32 reference and
+    # the tuner's non-kernel candidates read the same arrays so).
+    read: str = dataclasses.field(default="kernel", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return ((len(self.layer_part),) if self.stacked else ()) + self.in_shape + self.out_shape
+
+    @property
+    def format(self) -> str:
+        """The formats joined with '+' (what `jaxinfer info` and params.weight_bytes report)."""
+        return "+".join(self.formats)
+
+
+def _per_column(a: Array) -> Array:
+    """[C, G, 16] panel scales -> f32 [16 C, G] (column by group)."""
+    return jnp.swapaxes(a.astype(jnp.float32), -1, -2).reshape(-1, a.shape[-2])
+
+
+def _layer_rows(fmt: str, one: dict, num_in: int, num_out: int) -> Array:
+    """One layer's panels -> its weights f32 [O, I], bit for bit quant.dequantize's (the same products, in
+    the same order: every one exact in f32 but the final add of a minimum)."""
+    from kernels_cpu import kquant_matmul  # noqa: PLC0415  (jnp only; nothing is built)
+
+    codes = kquant_matmul.unpack_codes(fmt, one, num_in).astype(jnp.float32)  # [F, I]
+    sub = 16 if fmt == "q6_k" else 32
+    codes = codes.reshape(codes.shape[0], num_in // sub, sub)
+    if fmt in ("q4_k", "q5_k"):
+        scale = jnp.repeat(_per_column(one["super_scales"]), 8, axis=1) * _per_column(one["scales"])  # [F, I/32]
+        minimum = jnp.repeat(_per_column(one["super_mins"]), 8, axis=1) * _per_column(one["mins"])
+        rows = scale[..., None] * codes - minimum[..., None]
+    elif fmt == "q6_k":
+        scale = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1) * _per_column(one["scales"])  # [F, I/16]
+        rows = scale[..., None] * (codes - 32.0)
+    elif fmt == "q5_0":
+        rows = _per_column(one["scales"])[..., None] * (codes - 16.0)
+    else:  # q5_1
+        rows = _per_column(one["scales"])[..., None] * codes + _per_column(one["mins"])[..., None]
+    return rows.reshape(-1, num_in)[:num_out]
+
+
+def kquant_dense(w: KQuantPanelTensor, index=None, dtype=jnp.float32) -> Array:
+    """Layer `index` (a traced int; None for an unstacked matrix) of `w` dequantized, in its logical shape
+    [*in_shape, *out_shape]; the part holding it is picked by `lax.switch` when the layers mix formats."""
+    num_in, num_out = math.prod(w.in_shape), math.prod(w.out_shape)
+
+    def branch(part: int):
+        def run(slot):
+            one = {name: (a[slot] if w.stacked else a) for name, a in w.parts[part].items()}
+            rows = _layer_rows(w.formats[part], one, num_in, num_out)  # [O, I]
+            return rows.T.reshape(*w.in_shape, *w.out_shape).astype(dtype)
+        return run
+
+    if index is None or len(w.parts) == 1:
+        return branch(0)(index)
+    part_of = jnp.asarray(w.layer_part, jnp.int32)[index]
+    slot_of = jnp.asarray(w.layer_slot, jnp.int32)[index]
+    return jax.lax.switch(part_of, [branch(k) for k in range(len(w.parts))], slot_of)
+
+
+def kquant_dense_stack(w: KQuantPanelTensor, dtype=jnp.float32) -> Array:
+    """Every layer of `w` dequantized: [N, *in_shape, *out_shape] (or the one matrix when unstacked)."""
+    if not w.stacked:
+        return kquant_dense(w, None, dtype)
+    return jnp.stack([kquant_dense(w, jnp.int32(i), dtype) for i in range(len(w.layer_part))])
 
 
 class StackedWeight(NamedTuple):

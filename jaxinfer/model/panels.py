@@ -21,13 +21,14 @@ from jaxtyping import Array, Float, Int
 from jaxinfer.model import mixed_quant, quant
 from jaxinfer.model.mixed_quant import MixedQuantStack
 from jaxinfer.model.panel_tensors import (  # noqa: F401  (the types, named where they are used)
-    PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight,
+    PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense,
 )
 from jaxinfer.model.params import WEIGHTS, LayerParams, Params
 from kernels_cpu import kquant_matmul  # its packing and reference are jnp; the kernel is built on first use (available())
 
 def is_panel(w) -> bool:
-    """Whether `w` is in the CPU kernel's layout (read by `einsum`, not by quant.qeinsum)."""
+    """Whether `w` is in the CPU kernel's layout, or one layer of a stack read in place (read by `einsum`,
+    not by quant.qeinsum)."""
     return isinstance(w, (PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight))
 
 
@@ -106,6 +107,8 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     StackedWeight is read in place."""
     from kernels_cpu import layer_matmul, quant_matmul  # noqa: PLC0415  (CPU only; built on first use)
 
+    if _reads_dense(w):
+        return jnp.einsum(spec, x, _dense_layer(w, x.dtype), preferred_element_type=preferred_element_type)
     if isinstance(w, (PanelTensor, QuantPanelTensor)):
         w = StackedWeight(jax.tree.map(lambda leaf: leaf[None], w), jnp.int32(0))
     elif isinstance(w, KQuantPanelTensor):
@@ -127,6 +130,29 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     return out[:, : math.prod(w.stack.out_shape)].reshape(*x.shape[: len(batch)], *w.stack.out_shape).astype(x.dtype)
 
 
+def _reads_dense(w) -> bool:
+    """A weight `einsum` dequantizes (one layer) and multiplies with a plain einsum: a MixedQuantStack layer,
+    or K-quant panels marked read="dense"."""
+    stack = w.stack if isinstance(w, StackedWeight) else w
+    return isinstance(stack, MixedQuantStack) or (isinstance(stack, KQuantPanelTensor) and stack.read == "dense")
+
+
+def _dense_layer(w, dtype) -> Float[Array, "..."]:
+    """The one matrix `w` (or StackedWeight layer) of a `_reads_dense` weight, dequantized exactly to `dtype`."""
+    stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
+    if isinstance(stack, MixedQuantStack):
+        return mixed_quant.layer_dense(stack, index, dtype)
+    return kquant_dense(stack, index, dtype)
+
+
+def with_read(params: Params, read: str) -> Params:
+    """`params` with every KQuantPanelTensor marked read=`read` ("kernel" or "dense"): the same arrays."""
+    def mark(leaf):
+        return dataclasses.replace(leaf, read=read) if isinstance(leaf, KQuantPanelTensor) else leaf
+
+    return jax.tree.map(mark, params, is_leaf=lambda leaf: isinstance(leaf, KQuantPanelTensor))
+
+
 def _dense_f32(value) -> bool:
     return isinstance(value, jax.Array) and value.dtype == jnp.float32
 
@@ -137,24 +163,27 @@ def _affine(value) -> bool:
 
 def _kquant(value) -> bool:
     """A matrix (stack, or mixed stack) the K-quant kernel reads: every layer in KQUANT_FORMATS, whole blocks."""
+    if isinstance(value, KQuantPanelTensor):
+        return True
     parts = value.parts if isinstance(value, MixedQuantStack) else (value,) if isinstance(value, quant.QuantizedTensor) else ()
     return bool(parts) and all(p.format in kquant_matmul.FORMATS and math.prod(p.in_shape) % kquant_matmul.SUPER[p.format] == 0 for p in parts)
 
 
-def _quantized_leaf(leaf) -> bool:
-    return isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack))
+def is_quantized_weight(leaf) -> bool:
+    """A quantized matrix as loaded: QuantizedTensor, MixedQuantStack or K-quant panels (a pytree `is_leaf`)."""
+    return isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor))
 
 
 def has_affine_weights(params: Params) -> bool:
     """Whether any matrix of `params` is quantized in a format a quantized CPU kernel reads: the affine ones
     (quant.AFFINE_FORMATS, kernels_cpu/quant_matmul) or the K-quants, Q5_0 and Q5_1 (kernels_cpu/kquant_matmul),
     mixed stacks included. Matmul 'cpu_int8' packs them all."""
-    return any(_affine(leaf) or _kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=_quantized_leaf))
+    return any(_affine(leaf) or _kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
 
 
 def has_kquant_weights(params: Params) -> bool:
     """Whether any matrix of `params` is one the K-quant kernel reads (`_kquant`)."""
-    return any(_kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=_quantized_leaf))
+    return any(_kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
 
 
 def pack_panels(params: Params, *, quantized: bool = False) -> Params:
@@ -168,6 +197,8 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
     def pack(value, num_lead: int, num_in: int):
         if _dense_f32(value):
             return _to_panels(value, num_lead, num_in)
+        if isinstance(value, KQuantPanelTensor):  # packed at load (loading/kept_blocks.py): the same arrays, read by the
+            return dataclasses.replace(value, read="kernel" if quantized else "dense")  # kernel only under 'cpu_int8'
         if quantized and _kquant(value):
             return to_kquant_panels(value)
         return _to_quant_panels(value) if quantized and _affine(value) else value
@@ -201,14 +232,14 @@ def is_packed(layers: LayerParams) -> bool:
 
 
 def layer_in_place(layers: LayerParams, index: Int[Array, ""]) -> LayerParams:
-    """Layer `index` of the stack: panel matrices as StackedWeight (read in place by `einsum`), a
-    MixedQuantStack (layers of several formats, not packed) as that layer dequantized (`lax.switch` over its
-    formats), everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
+    """Layer `index` of the stack: panel matrices and a MixedQuantStack (layers of several formats) as
+    StackedWeight (read in place by `einsum`: a mixed layer dequantized by `lax.switch` over its formats),
+    everything else (norms, biases, dense or quantized matrices) sliced as the scan would."""
     def pick(value):
         if isinstance(value, (PanelTensor, QuantPanelTensor, KQuantPanelTensor)):
             return StackedWeight(value, index)
         if isinstance(value, MixedQuantStack):
-            return mixed_quant.layer_dense(value, index)
+            return StackedWeight(value, index)
         return None if value is None else jax.tree.map(lambda leaf: leaf[index], value)
 
     return dataclasses.replace(layers, **{f.name: pick(getattr(layers, f.name)) for f in dataclasses.fields(layers)})

@@ -29,15 +29,16 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE
-from jaxinfer.model import quant
-from jaxinfer.model.panel_tensors import PanelTensor, QuantPanelTensor, StackedWeight
+from jaxinfer.model import mixed_quant, quant
+from jaxinfer.model.mixed_quant import MixedQuantStack
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense_stack
 from jaxinfer.config import ModelConfig
 
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
 
 # What one weight field holds: a dense array (on a device, or numpy while on the host), a quantized tensor,
 # or, in the engine's step params for the CPU kernels, panels (panel_tensors.py; a StackedWeight inside the layer scan).
-WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, PanelTensor, QuantPanelTensor, StackedWeight]
+WeightValue = Union[jax.Array, np.ndarray, quant.QuantizedTensor, MixedQuantStack, PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight]
 # The same classes also describe weights without holding them: `abstract` fills them with shapes,
 # sharding.param_specs with each weight's PartitionSpec.
 WeightInfo = Union[jax.ShapeDtypeStruct, PartitionSpec]
@@ -351,14 +352,14 @@ def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size:
 
 
 def _to_device(value, dtype) -> jax.Array | quant.QuantizedTensor:
-    if isinstance(value, quant.QuantizedTensor):
+    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)):
         return jax.device_put(value)
     return jnp.asarray(value, dtype=dtype)
 
 
 def _to_host(value, dtype) -> np.ndarray | quant.QuantizedTensor:
     """The weight as host (numpy) leaves, dense ones cast to `dtype` (the same rounding as on a device)."""
-    if isinstance(value, quant.QuantizedTensor):
+    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack)):
         return jax.device_get(value)
     return np.asarray(jax.device_get(value)).astype(dtype, copy=False)
 
@@ -368,7 +369,7 @@ def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     a QuantizedTensor's `format` or a dense array's dtype name. Measured with quant.resident_bytes."""
     totals: dict[tuple[str, str], int] = {}
     for field, value in fields_of(params).items():
-        fmt = value.format if isinstance(value, quant.QuantizedTensor) else jnp.dtype(value.dtype).name
+        fmt = value.format if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)) else jnp.dtype(value.dtype).name
         key = (weight_spec(field).kind, fmt)
         totals[key] = totals.get(key, 0) + quant.resident_bytes(value)
     return totals
@@ -405,9 +406,13 @@ def dense_params(params: Params) -> Params:
     """Every quantized matrix of `params` dequantized to float32 (quant.dequantize: for a GGUF's blocks, the
     values the dense load gives, bit for bit)."""
     def dense(leaf):
+        if isinstance(leaf, MixedQuantStack):
+            return mixed_quant.dequantize(leaf)
+        if isinstance(leaf, KQuantPanelTensor):  # K-quant panels packed at load: the same values (panel_tensors.kquant_dense)
+            return kquant_dense_stack(leaf)
         return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
 
-    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quant.QuantizedTensor))
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)))
 
 
 def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:
