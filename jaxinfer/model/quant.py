@@ -16,7 +16,7 @@ of model.py: wq [D, H, K], wo [H, K, D], w_down [F, D]); `layout="out_in"` gives
 *in_shape]` (the embedding [V, D], whose rows `take` gathers).
 
 Numerics. `dequantize` of a kept GGUF tensor is bit-identical to `gguf.quants.dequantize` on every
-backend, FMA contraction or not: scales are fp16 (11 significant bits), sub-block scales <= 7 bits and
+backend, FMA contraction or not (f16 / bf16: a cast, exact in f32): scales are fp16 (11 significant bits), sub-block scales <= 7 bits and
 codes <= 6 bits, so every product is exact in f32 (<= 24 bits); only the final add of a minimum rounds,
 once, in either order of evaluation. Dequantization is elementwise + broadcast + reshape (no gather, no
 dynamic slice), so XLA may fuse it into the consuming dot.
@@ -45,8 +45,11 @@ GGUF_KEPT_TYPES = {
     12: ("q4_k", 256, 144),
     13: ("q5_k", 256, 176),
     14: ("q6_k", 256, 210),
+    1: ("f16", 1, 2),  # 16-bit floats kept as stored: no scales, dequantize is an exact cast
+    30: ("bf16", 1, 2),
 }
-_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "int8": 8, "int4": 4}
+FLOAT16_FORMATS = {"f16": np.dtype("<f2"), "bf16": np.dtype(jnp.bfloat16)}  # format -> its codes' dtype
+_BITS = {"f16": 16, "bf16": 16, "q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "int8": 8, "int4": 4}
 
 
 @jax.tree_util.register_dataclass
@@ -55,8 +58,9 @@ class QuantizedTensor:
     """A quantized matrix (or a stack of them). B = blocks per row; the byte layouts are tabled above `_dequantize_q8_0`.
 
     Array fields, all `[*lead, O, per_row]`:
-      codes: the integer codes (uint8 nibble planes for 4/5/6-bit formats; int8 for q8_0 and int8).
-      scales: one per group: fp16 [.., O, B] (GGUF 32-blocks), bf16 [.., O, I/g] (int4), f32 [.., O, 1]
+      codes: the integer codes (uint8 nibble planes for 4/5/6-bit formats; int8 for q8_0 and int8), or
+        the values themselves for f16 / bf16 (float16 / bfloat16 [.., O, I], a GGUF F16 / BF16 tensor as stored).
+      scales: None for f16 / bf16; else one per group: fp16 [.., O, B] (GGUF 32-blocks), bf16 [.., O, I/g] (int4), f32 [.., O, 1]
         (int8), or the integer sub-block scales of K-quants: uint8 [.., O, 8B] (q4_k/q5_k), int8 [.., O, 16B].
       mins: per-group minimums: fp16 [.., O, B] (q4_1, q5_1) or uint8 sub-block mins [.., O, 8B] (K-quants).
       zero_points: uint8 [.., O, I/g], int4 with a zero point only.
@@ -65,7 +69,7 @@ class QuantizedTensor:
     """
 
     codes: Array
-    scales: Array
+    scales: Array | None = None  # None only for f16 / bf16
     mins: Array | None = None
     zero_points: Array | None = None
     high_bits: Array | None = None
@@ -217,8 +221,12 @@ def _dequantize_int4(q):  # codes: per group g/2 bytes, nibble layout of q4_0; b
     return (codes - zero) * _f32(q.scales)[..., None]
 
 
+def _dequantize_float16(q):  # codes float16 / bfloat16 [.., O, I]: f32 holds every 16-bit float exactly
+    return _f32(q.codes)
+
+
 _DEQUANTIZERS = {
-    "q8_0": _dequantize_q8_0, "q4_0": _dequantize_q4_0, "q4_1": _dequantize_q4_1,
+    "f16": _dequantize_float16, "bf16": _dequantize_float16, "q8_0": _dequantize_q8_0, "q4_0": _dequantize_q4_0, "q4_1": _dequantize_q4_1,
     "q5_0": _dequantize_q5_0, "q5_1": _dequantize_q5_1, "q4_k": _dequantize_q4_k,
     "q5_k": _dequantize_q5_k, "q6_k": _dequantize_q6_k, "int8": _dequantize_int8, "int4": _dequantize_int4,
 }
@@ -419,6 +427,8 @@ def _k_sub_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _fields_from_blocks(name: str, blocks: np.ndarray) -> dict[str, np.ndarray]:
     """uint8 [*lead, O, B, bytes per block] -> the array fields of QuantizedTensor, numpy."""
+    if name in FLOAT16_FORMATS:  # [*lead, O, I, 2] -> [*lead, O, I]: a view of the file's bytes, no copy
+        return dict(codes=blocks.view(FLOAT16_FORMATS[name])[..., 0])
     if name == "q8_0":
         d, codes = _split_bytes(blocks, 2, 32)
         return dict(codes=_row_major(codes.view(np.int8)), scales=_fp16(d))
@@ -458,7 +468,8 @@ def from_gguf(
     """Keep a GGUF tensor's blocks (as `GGUFReader` gives them: `tensor.data`, `tensor.tensor_type`).
 
     Host only and lossless: bytes are split into codes and fp16 scales, the K-quants' 6-bit sub-block
-    scales unpacked to uint8. Returns numpy leaves; `jax.device_put` the result (or a `stack` of them).
+    scales unpacked to uint8; F16 / BF16 values become the codes of "f16" / "bf16", a view of `data`
+    (uint8 bytes, or float16 as GGUFReader gives F16). Returns numpy leaves; `jax.device_put` the result (or a `stack` of them).
 
     Args:
       data: uint8 [*lead, O, row_bytes], rows of blocks along the input axis.
@@ -471,11 +482,13 @@ def from_gguf(
         raise ValueError(f"GGUF type {gguf_type!r} is not a kept quantized format (kept: {kept})")
     name, block_size, type_size = GGUF_KEPT_TYPES[int(gguf_type)]
     data = np.asarray(data)
+    if name in FLOAT16_FORMATS and data.dtype == np.float16:  # GGUFReader gives F16 as values, BF16 as bytes
+        data = data.view(np.uint8)
     if data.dtype != np.uint8 or data.ndim < 2 or data.shape[-1] % type_size:
         raise ValueError(f"{name}: expected uint8 [.., O, k * {type_size}] blocks, got {data.dtype} {data.shape}")
     blocks = data.reshape(*data.shape[:-1], data.shape[-1] // type_size, type_size)  # [*lead, O, B, bytes]
     out_shape, in_shape = _logical_axes(data.shape[-2], blocks.shape[-2] * block_size, out_shape, in_shape)
-    group_size = {"q6_k": 16}.get(name, 32)
+    group_size = {"q6_k": 16, "f16": 1, "bf16": 1}.get(name, 32)
     return QuantizedTensor(**_fields_from_blocks(name, blocks), format=name, group_size=group_size, in_shape=in_shape, out_shape=out_shape, layout=layout)
 
 
