@@ -212,6 +212,8 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     if isinstance(config.get("text_config"), dict) and config.get("model_type") in _GEMMA_MULTIMODAL:
         config = {"model_type": f"{config['model_type']}_text", **config["text_config"]}  # the text model of Gemma 3/4 (4B and up)
     model_type = _GEMMA_TEXT_TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))
+    if model_type in _HF_GEMMA_CONFIG_DEFAULTS:  # a published config.json (above all a text_config) leaves out transformers' defaults
+        config = {**_HF_GEMMA_CONFIG_DEFAULTS[model_type], **config}
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {model_type!r}: jaxinfer loads {', '.join(ARCHITECTURES)}")
     _check_hf_unsupported(config)
@@ -259,6 +261,19 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
 
 _GEMMA_TEXT_TYPES = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}  # HF model_type -> family
 _GEMMA_MULTIMODAL = ("gemma3", "gemma4")  # a config with a nested text_config
+# transformers 5.24's Gemma2Config / Gemma3TextConfig / Gemma4TextConfig defaults, for keys a config.json omits
+_GEMMA_COMMON_DEFAULTS = dict(hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                              rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+_HF_GEMMA_CONFIG_DEFAULTS = {
+    "gemma2": dict(_GEMMA_COMMON_DEFAULTS, vocab_size=256_000, num_hidden_layers=26, max_position_embeddings=8192, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10_000.0),
+    "gemma3": dict(_GEMMA_COMMON_DEFAULTS, vocab_size=262_208, num_hidden_layers=26, max_position_embeddings=131_072, query_pre_attn_scalar=256,
+                   sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+    "gemma4": dict(_GEMMA_COMMON_DEFAULTS, vocab_size=262_144, num_hidden_layers=30, max_position_embeddings=131_072, sliding_window=512,
+                   hidden_size_per_layer_input=256, global_head_dim=512, rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}),
+}
 # family -> (norm weight offset in HF files, default sliding_window_pattern, default sliding window, q/k norm, v norm
 # and layer scalar, local rope base when the config names none)
 _GEMMA_DEFAULTS = {

@@ -168,6 +168,30 @@ def test_gemma_features_jaxinfer_does_not_run_are_named(change, message):
         from_hf_config({**_config("tiny_gemma4"), **change})
 
 
+# Written as the published google/gemma-3-1b-it config.json and gemma-3-4b-it's sparse text_config (which leaves
+# the rest to Gemma3TextConfig's defaults); the expected full layers and ropes are what transformers 5.24's
+# Gemma3TextConfig makes of them.
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], attn_logit_softcapping=None, final_logit_softcapping=None, head_dim=256,
+                 hidden_activation="gelu_pytorch_tanh", hidden_size=1152, intermediate_size=6912, max_position_embeddings=32768,
+                 model_type="gemma3_text", num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1, query_pre_attn_scalar=256,
+                 rms_norm_eps=1e-06, rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000, sliding_window=512,
+                 sliding_window_pattern=6, vocab_size=262144)
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "vision_config": {},
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+                             "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+
+
+def test_published_gemma3_configs_read_as_transformers_reads_them():
+    one = from_hf_config(GEMMA3_1B, max_context=4096)
+    assert [i for i, t in enumerate(one.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+    assert (one.rope_theta, one.local_rope_theta, one.rope_scaling, one.query_scale, one.sliding_window) == (1e6, 1e4, None, 1 / 16, 512)
+    assert (one.num_kv_heads, one.head_dim, one.tie_embeddings, one.embed_scale) == (1, 256, True, 1152**0.5)
+    four = from_hf_config(GEMMA3_4B, max_context=4096)
+    assert [i for i, t in enumerate(four.layer_types) if t == "full_attention"] == [5, 11, 17, 23, 29]
+    assert (four.vocab_size, four.num_heads, four.num_kv_heads, four.head_dim, four.sliding_window) == (262208, 8, 4, 256, 1024)
+    assert (four.rope_scaling.kind, four.rope_scaling.factor, four.rope_theta, four.local_rope_theta) == ("linear", 8.0, 1e6, 1e4)
+
+
 def test_gemma4_with_its_own_head_size_for_full_layers_is_named():
     config = {k: v for k, v in _config("tiny_gemma4").items() if k != "per_layer_config"}  # as published: global_head_dim
     with pytest.raises(ValueError, match="unsupported global_head_dim 512 != head_dim 32"):
