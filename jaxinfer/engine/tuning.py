@@ -21,14 +21,19 @@ far is not timed again and cannot win. The choice is cached (tuning_cache.py) pe
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
 
 Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
-CPU quantized-matmul kernel may run; its candidates (matmul 'cpu_int8') multiply them as they are, every other
-candidate runs them dequantized, which is the dense load bit for bit (params.dense_params), and `apply_choice`
-keeps the blocks only if a kernel candidate won.
+CPU quantized-matmul kernels may run (K-quants already packed into the K-quant kernel's panels); its candidates
+(matmul 'cpu_int8') multiply them as they are. Every other candidate runs them dequantized, which is the dense
+load bit for bit (params.dense_params), where that dense copy fits within EXPANSION_SLACK_BYTES (the memory rule:
+a model loads in its file's size plus the KV pool plus 1 GiB); where it does not (Llama-1B and up), those
+candidates run the kept blocks dequantized one layer at a time inside the step instead (`dense_fits`; logged once),
+so no candidate ever materializes the whole model in f32. `apply_choice` follows the same rule.
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
 
 import dataclasses
+import logging
+import math
 import statistics
 import time
 import warnings
@@ -54,10 +59,13 @@ from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
 
+log = logging.getLogger(__name__)
+
 NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's short generation)
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
 MEMORY_SHARE = 0.8  # a candidate whose new weight arrays need more than this share of the free memory is not built
+EXPANSION_SLACK_BYTES = 2**30  # kept blocks are expanded to a dense f32 copy only when that copy fits in this (the load rule's 1 GiB)
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
 PROBE_TEXT = (
     "The river rose slowly through the night, and by morning the low fields were under water. Farmers moved "
@@ -95,8 +103,9 @@ class Candidate(Impls):
     def prepare(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> tuple[ModelConfig, Params]:
         """The (config, params) this candidate runs: the model in its dtype. `auto_weights`: the params are a
         GGUF's blocks kept for quantization='auto' (`keeps_blocks`), which only 'cpu_int8' multiplies as they
-        are; every other candidate runs them dense (`dense_params`), as the dense load would give them."""
-        if auto_weights and self.matmul_impl != "cpu_int8":
+        are; every other candidate runs them dense (`dense_params`), as the dense load would give them, where
+        that fits (`dense_fits`), else the kept blocks dequantized a layer at a time in the step."""
+        if auto_weights and self.matmul_impl != "cpu_int8" and dense_fits(params):
             params = dense_params(params)
         return cast_model(cfg, params, self.dtype)
 
@@ -108,7 +117,7 @@ class Candidate(Impls):
             return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
         total, stage = 0, params
-        if auto_weights and self.matmul_impl != "cpu_int8":
+        if auto_weights and self.matmul_impl != "cpu_int8" and dense_fits(params):
             stage = jax.eval_shape(dense_params, stage)
             total += nbytes(stage)
         if cfg.dtype != self.dtype:
@@ -117,6 +126,32 @@ class Candidate(Impls):
         if self.matmul_impl in ("cpu", "cpu_int8"):  # 'int8' marks the same arrays
             total += nbytes(jax.eval_shape(packer(self.matmul_impl), stage))
         return total
+
+
+def dense_bytes(params: Params) -> int:
+    """Bytes of `params` with every quantized matrix dequantized to f32 (from shapes only)."""
+    def size(leaf) -> int:
+        if isinstance(leaf, jax.Array):
+            return leaf.size * leaf.dtype.itemsize
+        return 4 * math.prod(leaf.shape) if hasattr(leaf, "shape") else 0
+
+    return sum(size(leaf) for leaf in jax.tree.leaves(params, is_leaf=panels.is_quantized_weight))
+
+
+def dense_fits(params: Params) -> bool:
+    """Whether kept blocks may be expanded to a dense f32 copy: the whole dense model within
+    EXPANSION_SLACK_BYTES (beside the kept blocks it would exceed the file + pool + 1 GiB rule otherwise).
+    Logs, once per model size, when it does not."""
+    need = dense_bytes(params)
+    fits = need <= EXPANSION_SLACK_BYTES
+    if not fits and need not in _logged_expansions:
+        _logged_expansions.add(need)
+        log.info("tuning: a dense f32 copy of the kept weights would take %.2f GiB (> %.2f GiB over the file that loading may use); "
+                 "candidates other than matmul 'cpu_int8' run the kept blocks dequantized a layer at a time", need / 2**30, EXPANSION_SLACK_BYTES / 2**30)
+    return fits
+
+
+_logged_expansions: set[int] = set()
 
 
 def default_candidates(pins: Impls, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Candidate]:
@@ -201,8 +236,9 @@ class Reference:
 
 def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
     """The float32 reference, by model.forward with no cache (XLA dots, jnp attention) over right-padded
-    rows (causal: padding is inert)."""
-    cfg32, params32 = cast_model(cfg, params, "float32")
+    rows (causal: padding is inert); K-quant panels packed at load are dequantized a layer at a time
+    (read="dense"), never through the W8A8 kernel."""
+    cfg32, params32 = cast_model(cfg, panels.with_read(params, "dense"), "float32")
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = int(lengths.max()) + num_tokens
     ids = np.zeros((len(prompts), width), np.int32)

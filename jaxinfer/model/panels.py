@@ -146,7 +146,11 @@ def _dense_layer(w, dtype) -> Float[Array, "..."]:
 
 
 def with_read(params: Params, read: str) -> Params:
-    """`params` with every KQuantPanelTensor marked read=`read` ("kernel" or "dense"): the same arrays."""
+    """`params` with every KQuantPanelTensor marked read=`read` ("kernel" or "dense"): the same arrays; `params`
+    itself when it holds none."""
+    if not any(isinstance(leaf, KQuantPanelTensor) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight)):
+        return params
+
     def mark(leaf):
         return dataclasses.replace(leaf, read=read) if isinstance(leaf, KQuantPanelTensor) else leaf
 
