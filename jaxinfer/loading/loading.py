@@ -12,7 +12,7 @@ Errors about the file itself are `ModelLoadError`s whose message names the file 
 
 `quantization` (see params.weight_format for which tensors): None loads dense weights in `dtype`;
 "gguf" keeps a GGUF file's own blocks (`_kept_gguf_weights`: from_gguf, the Q/K permutation undone on the
-codes, stacked per layer), falling back to dense for a weight of a type quant.py does not keep or whose
+codes, stacked per layer; F16 / BF16 tensors as 16-bit "f16" / "bf16", also where "auto" resolves to dense), falling back to dense for a weight of a type quant.py does not keep or whose
 layers mix types; "int8" / "int4" quantize the dense f32 weights of either file kind after loading.
 """
 
@@ -77,6 +77,8 @@ def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
     path = resolve_model_path(model)
     pins = backends.Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
     quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_cache.tuning_enabled())
+    if options.quantization == "auto" and quantization is None and path.is_file():  # F16 / BF16 stay 16-bit even so
+        return load_gguf(path, **{**options.load_kwargs, "quantization": None}, keep_float16=True)
     kquant_panels = quantization == "gguf" and backends.kquant_kernel_may_run(pins, on_mesh=options.on_mesh)
     return load_model(path, **{**options.load_kwargs, "quantization": quantization, "kquant_panels": kquant_panels})
 
@@ -287,6 +289,11 @@ def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None,
     return kept
 
 
+def _stored_float16(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: dict) -> bool:
+    names = spec.file_names(cfg, "gguf")
+    return all(n in tensors and quant.GGUF_KEPT_TYPES.get(int(tensors[n].tensor_type), ("",))[0] in quant.FLOAT16_FORMATS for n in names)
+
+
 def _split_fused(tensors: dict, cfg: ModelConfig, path: Path) -> dict:
     """`tensors` with each fused one (params.FUSED) replaced by views of its parts' rows under the parts' own
     GGUF names, so the kept-block and dense paths read them as any other tensor. Rows are whole blocks in
@@ -311,12 +318,17 @@ def _split_fused(tensors: dict, cfg: ModelConfig, path: Path) -> dict:
 def load_gguf(
     path: Path, *, dtype: str = "float32", max_context: int | None = None, kquant_panels: bool = False,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, on_host: bool = False,
+    keep_float16: bool = False,
 ) -> tuple[ModelConfig, Params]:
+    """`keep_float16`: with quantization None, F16 / BF16 matmul weights still stay 16-bit ("f16" / "bf16"
+    QuantizedTensors), the rest loads dense: quantization="auto" where it resolves to dense weights."""
     reader = open_gguf(Path(path))
     cfg = gguf_config(reader, Path(path), dtype=dtype, max_context=max_context)
     tensors = {t.name: t for t in reader.tensors}
     tensors = _split_fused(tensors, cfg, Path(path))  # Phi-3's attn_qkv and ffn_up (gate + up) as views of their parts' rows
     kept = _kept_gguf_weights(cfg, tensors, Path(path), reader, mixed=not on_host, kquant_panels=kquant_panels) if quantization == "gguf" else {}
+    if quantization is None and keep_float16:
+        kept = _kept_gguf_weights(cfg, tensors, Path(path), reader, mixed=not on_host, float16_only=True)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
