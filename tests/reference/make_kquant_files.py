@@ -123,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "kquant")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "kquant_files", help="where the F32 source is written")
+    parser.add_argument("--quantize", nargs=3, metavar=("SOURCE", "TARGET", "TYPE"),
+                        help=f"only quantize SOURCE (an F32/F16 GGUF) to TARGET as TYPE ({', '.join(TYPES)}) and exit (experiments/bench_kquant.py)")
     args = parser.parse_args(argv)
+    if args.quantize:
+        source, target, kind = args.quantize
+        quantize(Path(source), Path(target), TYPES[kind.lower()])
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     source = args.work / "tiny_llama_f32.gguf"

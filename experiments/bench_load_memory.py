@@ -1,0 +1,98 @@
+"""Peak host memory while a GGUF loads: does a model load in its file's size plus the KV pool plus 1 GiB?
+
+Each file is loaded in a fresh child process (so one load's peak does not hide another's), in two stages:
+  - "load": `loading.load_for_engine` as `LLM(path)` calls it (quantization="auto", tuning on), the weights
+    on the device;
+  - "engine": that, then an Engine with the matmul the kernel path runs (attention 'cpu', matmul 'cpu_int8';
+    K-quant panels are the loaded arrays) warmed up: the steady state of a served model.
+The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
+bytes; the budget is file + pool + 1 GiB. Tuning is not measured here (the tuner's own peak depends on which
+candidates fit, tuning.dense_fits).
+
+    .venv/bin/python experiments/bench_load_memory.py [FILE.gguf ...]   (default: the K-quant test files and,
+        where experiments/bench_kquant.py made them, its build/bench_kquant/*.gguf)
+Writes experiments/results/bench_load_memory.json; the last stdout line is one JSON document.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import paths, report
+from common.paths import REPO_ROOT
+
+RESULTS = paths.RESULTS_DIR / "bench_load_memory.json"
+SLACK_BYTES = 2**30
+ENGINE = dict(max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=256, prefill_chunk_buckets=(256,),
+              prefill_seq_buckets=(1,), decode_batch_buckets=(4,), decode_page_buckets=(16,), num_pages=4 * 16 + 1)  # a small pool: the budget counts it
+DEFAULT_FILES = sorted((REPO_ROOT / "tests" / "fixtures" / "kquant").glob("*.gguf")) + sorted((REPO_ROOT / "build" / "bench_kquant").glob("*.gguf"))
+
+CHILD = r"""
+import json, os, sys, time
+os.environ.setdefault("JAXINFER_TUNE", "1")
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmHWM", "VmRSS")}
+from jaxinfer.config import EngineConfig
+from jaxinfer.options import LoadOptions
+from jaxinfer.loading import loading
+from jaxinfer.model import params as params_lib, quant
+stage, path, engine = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+before = status()
+start = time.perf_counter()
+cfg, params = loading.load_for_engine(path, LoadOptions(), EngineConfig(**engine))
+out = {"load_s": time.perf_counter() - start, "before": before, "after_load": status(), "resident_weight_bytes": quant.resident_bytes(params),
+       "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(params)})}
+if stage == "engine":
+    from jaxinfer.engine.engine import Engine
+    eng = Engine(cfg, params, EngineConfig(attention_impl="cpu", matmul_impl="cpu_int8", **engine))
+    eng.warmup()
+    out |= {"pool_bytes": quant.resident_bytes(eng.pool), "step_resident_bytes": quant.resident_bytes(eng.step_params), "after_engine": status()}
+print(json.dumps(out))
+"""
+
+
+def measure(path: Path, stage: str) -> dict:
+    command = [sys.executable, "-c", CHILD, stage, str(path), json.dumps(ENGINE)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = report.arg_parser(__doc__, out=RESULTS)
+    parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
+    args = parser.parse_args()
+    start, rows, results = time.perf_counter(), [], {}
+    for path in (p.resolve() for p in args.files):
+        file_bytes = path.stat().st_size
+        entry = {"file_bytes": file_bytes}
+        for stage in ("load", "engine"):
+            entry[stage] = measure(path, stage)
+        pool = entry["engine"].get("pool_bytes") or 0
+        budget = file_bytes + pool + SLACK_BYTES
+        for stage in ("load", "engine"):
+            peak = entry[stage].get("after_engine", entry[stage].get("after_load", {})).get("VmHWM")
+            entry[stage]["peak_rss_bytes"] = peak
+            entry[stage]["within_budget"] = None if peak is None else peak <= budget
+        entry["budget_bytes"] = budget
+        results[path.name] = entry
+        report.log("bench_load_memory", f"{path.name}: file {file_bytes / 2**20:.0f} MiB, peak RSS load "
+                   f"{(entry['load'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, engine {(entry['engine'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
+                   f"budget {budget / 2**20:.0f} MiB")
+        rows.append([path.name, file_bytes / 2**20, (entry["load"].get("peak_rss_bytes") or 0) / 2**20,
+                     (entry["engine"].get("peak_rss_bytes") or 0) / 2**20, budget / 2**20, ", ".join(entry["load"].get("formats", [])),
+                     entry["engine"].get("within_budget")])
+    print("\n" + report.format_table([("file", "<22"), ("file MiB", "9.0f"), ("peak load MiB", "13.0f"), ("peak engine MiB", "15.0f"),
+                                      ("budget MiB", "10.0f"), ("formats", "<40"), ("within", "<6")], rows))
+    doc = {"question": "peak host RSS while a GGUF loads (and its engine starts) against file + KV pool + 1 GiB",
+           "results": results, "runtime_s": time.perf_counter() - start}
+    within = all(e["engine"].get("within_budget") for e in results.values())
+    report.finish(args.out, doc, {"bench": "load_memory", "within_budget": within, "runtime_s": doc["runtime_s"]}, correct=within)
+
+
+if __name__ == "__main__":
+    main()
