@@ -49,8 +49,8 @@ run: $(VENV)/.stamp
 	$(VENV)/bin/jaxinfer generate --input examples/prompts.jsonl --output build/results.jsonl --overwrite
 
 # llama.cpp's vocab GGUFs, reference tokenizations and chat templates, from the llama-cpp-python sdist on
-# the package index (downloaded once into build/, pip's cache serves repeats; about 21 MB unpacked).
-$(LLAMA_CPP_MODELS)/.complete: | $(VENV)/.stamp
+# the package index (downloaded once into build/, pip's cache serves repeats; about 37 MB unpacked).
+$(LLAMA_CPP_MODELS)/.complete: tests/reference/fetch_llama_cpp_models.py | $(VENV)/.stamp
 	$(VENV)/bin/python tests/reference/fetch_llama_cpp_models.py --out $(dir $(LLAMA_CPP_MODELS))
 
 llama-cpp-models: $(LLAMA_CPP_MODELS)/.complete

@@ -27,10 +27,13 @@ def _wanted(name: str) -> bool:
 
 
 def fetch(out: Path) -> Path:
-    """OUT/models with the vocab files and templates; downloads the sdist only when it is not in OUT."""
+    """OUT/models with the vocab files and templates; downloads the sdist only when it is not in OUT. An
+    extraction made for another VOCABS list (its .complete names them) is redone."""
     out.mkdir(parents=True, exist_ok=True)
     models = out / "models"
-    if (models / ".complete").is_file():
+    stamp = f"llama-cpp-python {VERSION}\nvocabs: {' '.join(VOCABS)}\n"
+    if (models / ".complete").is_file() and (models / ".complete").read_text() == stamp:
+        (models / ".complete").touch()  # up to date, for make's timestamps too
         return models
     sdist = out / SDIST
     if not sdist.is_file():
@@ -43,7 +46,7 @@ def fetch(out: Path) -> Path:
                 target = models / member.name.removeprefix(_PREFIX)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(archive.extractfile(member).read())
-    (models / ".complete").write_text(f"llama-cpp-python {VERSION}\n")
+    (models / ".complete").write_text(stamp)
     return models
 
 
