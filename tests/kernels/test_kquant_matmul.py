@@ -3,10 +3,13 @@ GGUF stores them, packed into panels (`pack`), times activations quantized per b
 Checked against a numpy int64 transcription of llama.cpp's block formats read straight from the blocks' bytes
 (so `pack` and quant.from_gguf are checked too), against its jnp `reference`, against the float64 product with
 `quant.dequantize` within the error W8A8 may add, and for the bytes it keeps. Blocks are random bytes as a file
-holds them (every code and sub-scale value), with valid fp16 scales (tests/model/test_quant.random_blocks)."""
+holds them (every code and sub-scale value), with valid fp16 scales, and the tensors llama.cpp's own quantizer
+wrote into tests/fixtures/kquant."""
 
 import os
+import pathlib
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +227,28 @@ def test_no_rows_give_an_empty_result():
     _, packed = _packed("q6_k", random_blocks("q6_k", 1, 32, 1, seed=0))
     out = kquant_matmul.kquant_matmul(jnp.zeros((0, 256), jnp.float32), packed, jnp.int32(0), fmt="q6_k", num_in=256)
     assert out.shape == (0, 32)
+
+
+KQUANT_FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "kquant"  # llama.cpp's quantizer wrote them
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_llama_cpp_quantized_tensors_multiply_as_their_bytes_say(name):
+    """Blocks written by llama.cpp's own quantizer (tests/reference/make_kquant_files.py): one tensor of each
+    K-quant type in the file through pack and the kernel, against the int64 transcription of its bytes."""
+    reader = gguf.GGUFReader(KQUANT_FILES / f"{name}.gguf")
+    first = {}
+    for tensor in reader.tensors:
+        fmt = tensor.tensor_type.name.lower()
+        if fmt in kquant_matmul.FORMATS and fmt not in first:
+            first[fmt] = tensor
+    assert set(first) >= {name[:4]}, sorted(first)
+    rng = np.random.default_rng(5)
+    for fmt, tensor in first.items():
+        blocks = np.asarray(tensor.data)[None]  # [1, O, row bytes]
+        _, packed = _packed(fmt, blocks)
+        num_in = int(tensor.shape[0])
+        x = _activations(rng, 3, num_in)
+        ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(0), fmt=fmt, num_in=num_in))
+        expected = numpy_kquant_w8a8(x, fmt, blocks[0])
+        assert np.abs(ours[:, : blocks.shape[1]] - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), fmt
