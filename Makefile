@@ -24,7 +24,7 @@ SOAK_ARGS ?=
 # make test runs the test files on one pytest-xdist worker per core (2 here); PYTEST_WORKERS= runs them in one process.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-.PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models clean
+.PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models kquant-fixtures clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
@@ -78,6 +78,11 @@ $(VENV_REF)/.stamp-bench: $(VENV_REF)/.stamp
 		|| echo "warning: llama-cpp-python did not install; the llama.cpp peer will be skipped" >&2
 
 setup-bench: $(VENV_REF)/.stamp-bench
+
+# The K-quant test files (tests/fixtures/kquant/: Q4_K_M, Q5_K_M, Q6_K by llama.cpp's own quantizer, and its
+# logits); committed, so not part of `make test`'s setup. Needs llama-cpp-python (setup-bench).
+kquant-fixtures: $(VENV_REF)/.stamp-bench
+	$(VENV_REF)/bin/python tests/reference/make_kquant_files.py --out tests/fixtures/kquant
 
 # Benchmarks are never part of `make test`; each prints a table and writes experiments/results/*.json.
 bench: export JAXINFER_TRACE_DIR := $(JAXINFER_TRACE_DIR)

@@ -1,0 +1,189 @@
+"""K-quant GGUFs (Q4_K_M, Q5_K_M, Q6_K) of the Llama-3.2-1B geometry: jaxinfer's default against llama.cpp.
+
+The files people download. Each is made by llama.cpp's own quantizer (llama_model_quantize, through
+tests/reference/make_kquant_files.py --quantize in .venv-ref) from one random-weight F16 GGUF of the geometry
+(models.write_random_gguf: N(0, 0.02), the Llama 3 tokenizer of ggml-vocab-llama-bpe.gguf, `make
+llama-cpp-models`), all cached under build/bench_kquant/. On the same conversation requests (the trace scaled by
+--scale), in one run:
+  - jaxinfer "default": LLM(path) with nothing set (quantization "auto": the blocks kept and packed for the CPU
+    K-quant kernel as they load; dtype, attention and matmul left to the tuner), checked against the dense
+    reference generator first;
+  - llama.cpp sequential (one stream) and batched (--parallel sequence ids), experiments/peers/llamacpp_generate.py.
+Reported per format: output tokens/s and the ratio to llama.cpp's best mode and to its one stream, the tuner's
+choice, the process's peak RSS after the jaxinfer run (with the file size), greedy agreement with llama.cpp,
+the machine (CPU model and flags) and the llama.cpp build. Goals (issue 44): Q4_K_M >= 2x llama.cpp's best mode,
+Q5_K_M and Q6_K >= 1.5x; --8b: a Llama-3.1-8B-shaped Q4_K_M loads within file + pool + 1 GiB and >= 1x.
+
+    .venv/bin/python experiments/bench_kquant.py [--formats Q4_K_M,Q5_K_M,Q6_K] [--num-requests 32] [--quick] [--8b]
+--quick: 2 layers of the geometry, Q4_K_M, 4 short requests (does it run; no figure to keep).
+Writes experiments/results/bench_kquant.json (bench_kquant_quick.json / bench_kquant_8b.json); the last stdout
+line is one JSON document.
+"""
+
+import json
+import subprocess
+import time
+
+from common import engine_runs, machine, models, paths, peers, report, timing, workloads
+from common.paths import REPO_ROOT
+
+RESULTS = paths.RESULTS_DIR / "bench_kquant.json"
+WORK_DIR = REPO_ROOT / "build" / "bench_kquant"
+VOCAB_GGUF = REPO_ROOT / "build" / "llama-cpp-python" / "models" / "ggml-vocab-llama-bpe.gguf"
+QUANTIZER = REPO_ROOT / "tests" / "reference" / "make_kquant_files.py"
+FORMATS = ("Q4_K_M", "Q5_K_M", "Q6_K")
+TARGETS = {"Q4_K_M": 2.0, "Q5_K_M": 1.5, "Q6_K": 1.5, "8B_Q4_K_M": 1.0}
+LLAMA_3_1_8B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+}
+MAX_CONTEXT = 1024
+MAX_OUTPUT = 32
+
+
+def parse_args():
+    parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--scale", type=float, default=16.0, help="trace lengths are divided by this")
+    parser.add_argument("--parallel", type=int, default=16, help="llama.cpp's sequence ids in batched mode")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2 layers, Q4_K_M, 4 requests: does it run")
+    parser.add_argument("--8b", dest="eight_b", action="store_true", help="the Llama-3.1-8B-shaped Q4_K_M demo instead")
+    args = parser.parse_args()
+    args.formats = report.comma_list(parser, args.formats, FORMATS, "format")
+    if args.quick:
+        args.formats, args.num_requests, args.parallel = ["Q4_K_M"], 4, 4
+        args.out = args.out.with_name("bench_kquant_quick.json") if args.out == RESULTS else args.out
+    if args.eight_b:
+        args.formats = ["Q4_K_M"]
+        args.out = args.out.with_name("bench_kquant_8b.json") if args.out == RESULTS else args.out
+    return args
+
+
+def geometry(args) -> tuple[str, dict]:
+    if args.eight_b:
+        return "llama3.1-8b", LLAMA_3_1_8B
+    if args.quick:
+        return "llama3-1b-2layers", {**models.GEOMETRIES["llama3-1b"], "num_hidden_layers": 2}
+    return "llama3-1b", models.GEOMETRIES["llama3-1b"]
+
+
+def model_file(name: str, config: dict, fmt: str) -> str:
+    """The format's file, made on first use: the random F16 source (once per geometry), then llama.cpp's quantizer."""
+    from jaxinfer.loading import loading
+
+    path = WORK_DIR / f"{name}-random-{fmt.lower()}.gguf"
+    if path.exists():
+        return str(path)
+    source = WORK_DIR / f"{name}-random-f16.gguf"
+    if not source.exists():
+        if not VOCAB_GGUF.exists():
+            raise SystemExit(f"error: {VOCAB_GGUF} is missing; run `make llama-cpp-models`")
+        WORK_DIR.mkdir(parents=True, exist_ok=True)
+        partial = source.with_suffix(".partial")
+        _, seconds = timing.timed(models.write_random_gguf, partial, config, "F16", loading.open_gguf(VOCAB_GGUF), max_context=MAX_CONTEXT)
+        partial.rename(source)
+        report.log("bench_kquant", f"wrote {source.name} ({source.stat().st_size / 2**20:.0f} MiB) in {seconds:.0f}s")
+    partial = path.with_suffix(".partial")
+    start = time.perf_counter()
+    subprocess.run([str(peers.REF_PYTHON), str(QUANTIZER), "--quantize", str(source), str(partial), fmt.lower()], check=True,
+                   capture_output=True, text=True)
+    partial.rename(path)
+    report.log("bench_kquant", f"quantized {path.name} ({path.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - start:.0f}s")
+    return str(path)
+
+
+def run_default(path: str, workload: dict, args) -> tuple[dict, list]:
+    from jaxinfer.model import params as params_lib, quant
+
+    engine_cfg = engine_runs.workload_engine_config(max_num_seqs=max(1, min(16, args.num_requests)), max_context=MAX_CONTEXT)
+    result, tokens, llm = engine_runs.run_engine(workload, engine_cfg, args.repeats, model=path)
+    result |= {"choices": str(llm.choices), "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(llm.engine.params)}),
+               "resident_weight_bytes": quant.resident_bytes(llm.engine.step_params), "pool_bytes": quant.resident_bytes(llm.engine.pool),
+               "peak_rss_bytes": timing.peak_rss_bytes()}
+    report.log("bench_kquant", f"default: {result['output_tokens_per_s']:.2f} tok/s, {result['choices']}, peak RSS "
+                f"{result['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return result, tokens
+
+
+def run_format(name: str, config: dict, fmt: str, workload: dict, workload_file, args) -> dict:
+    path = model_file(name, config, fmt)
+    results, tokens = {"file_bytes": {"bytes": __import__("os").path.getsize(path)}}, {}
+    try:
+        results["default"], tokens["default"] = run_default(path, workload, args)
+    except Exception as error:  # noqa: BLE001  (recorded; the peer still runs)
+        results["default"] = {"error": f"{type(error).__name__}: {error}"}
+        report.log("bench_kquant", f"default: failed: {results['default']['error'][:300]}")
+    raw, peer_tokens = peers.run_generate_peer("llamacpp_generate.py", workload_file, WORK_DIR / f"llamacpp_{name}_{fmt}_tokens.json",
+                                               "--gguf", path, "--repeats", str(args.repeats), "--parallel", str(args.parallel))
+    if "error" in raw:
+        results["llamacpp"] = raw
+    else:
+        for mode, entry in raw.pop("modes", {}).items():
+            results[f"llamacpp_{mode}"], tokens[f"llamacpp_{mode}"] = {**entry, "load_s": raw["load_s"]}, peer_tokens[mode]
+            report.log("bench_kquant", f"llamacpp_{mode}: {entry['output_tokens_per_s']:.2f} tok/s")
+    if (reference := tokens.get("llamacpp_batched")) is not None and "default" in tokens:
+        results["default"]["agreement_vs_llamacpp_batched"] = workloads.agreement(tokens["default"], reference)
+    return results
+
+
+def ratios(results: dict) -> dict:
+    rate = lambda key: (results.get(key) or {}).get("output_tokens_per_s")  # noqa: E731
+    ours, batched, sequential = rate("default"), rate("llamacpp_batched"), rate("llamacpp_sequential")
+    best = max([r for r in (batched, sequential) if r] or [0.0]) or None
+    return {"vs_llamacpp_best": ours / best if ours and best else None, "vs_llamacpp_batched": ours / batched if ours and batched else None,
+            "vs_llamacpp_one_stream": ours / sequential if ours and sequential else None}
+
+
+def main() -> None:
+    from jaxinfer.loading.tokenizer import load_tokenizer
+
+    args = parse_args()
+    start = time.perf_counter()
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    name, config = geometry(args)
+    first = model_file(name, config, args.formats[0])
+    workload = workloads.build_workload(args.trace, args.num_requests, args.scale, args.seed, load_tokenizer(first),
+                                        max_context=MAX_CONTEXT, max_output=MAX_OUTPUT)
+    workload_file = WORK_DIR / f"workload_{name}.json"
+    workload_file.write_text(json.dumps(workload))
+    by_format = {fmt: run_format(name, config, fmt, workload, workload_file, args) for fmt in args.formats}
+    rows, goals = [], {}
+    for fmt, results in by_format.items():
+        ratio = ratios(results)
+        results["ratios"] = ratio
+        default = results.get("default") or {}
+        key = f"8B_{fmt}" if args.eight_b else fmt
+        goals[f"{key}_vs_llamacpp"] = (f"{key}: default output tok/s >= {TARGETS[key]}x llama.cpp's best mode", TARGETS[key], "at_least")
+        if args.eight_b:
+            goals[f"{key}_memory"] = (f"{key}: peak RSS <= file + pool + 1 GiB (as a ratio, <= 1)", 1.0, "at_most")
+        rows.append([fmt, default.get("output_tokens_per_s"), (results.get("llamacpp_batched") or {}).get("output_tokens_per_s"),
+                     (results.get("llamacpp_sequential") or {}).get("output_tokens_per_s"), ratio["vs_llamacpp_best"],
+                     (default.get("peak_rss_bytes") or 0) / 2**30, results["file_bytes"]["bytes"] / 2**30, default.get("choices")])
+    print("\n" + report.format_table([("format", "<7"), ("jaxinfer tok/s", "14.2f"), ("llama.cpp batched", "17.2f"), ("llama.cpp 1 stream", "18.2f"),
+                                      ("x best", "7.2f"), ("peak RSS GiB", "12.2f"), ("file GiB", "8.2f"), ("choices", "<50")], rows))
+    measured = {}
+    for fmt, results in by_format.items():
+        key = f"8B_{fmt}" if args.eight_b else fmt
+        measured[f"{key}_vs_llamacpp"] = results["ratios"]["vs_llamacpp_best"]
+        default = results.get("default") or {}
+        if args.eight_b and default.get("peak_rss_bytes"):
+            measured[f"{key}_memory"] = default["peak_rss_bytes"] / (results["file_bytes"]["bytes"] + default["pool_bytes"] + 2**30)
+    judged = report.judge(goals, measured)
+    report.print_goals(judged)
+    doc = {"question": "K-quant GGUFs made by llama.cpp's quantizer: jaxinfer's default vs llama.cpp on the same file and requests",
+           "geometry": {"name": name, **config}, "machine": machine.cpu_info(), "settings": {k: str(v) for k, v in vars(args).items()},
+           "workload": {k: v for k, v in workload.items() if k != "requests"}, "results": by_format, "goals": judged,
+           "runtime_s": time.perf_counter() - start}
+    checks = [r["default"]["reference_check"] for r in by_format.values() if "reference_check" in (r.get("default") or {})]
+    correct = bool(checks) and all(c["num_equal"] == c["num_checked"] for c in checks)
+    report.finish(args.out, doc, {"bench": "kquant", "correct": correct, "goals": {k: g["measured"] for k, g in judged.items()},
+                                  "runtime_s": doc["runtime_s"]}, correct=correct)
+
+
+if __name__ == "__main__":
+    main()
