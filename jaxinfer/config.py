@@ -107,15 +107,11 @@ class ModelConfig:
     attention_bias: bool = False  # q, k and v projections add a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
     sliding_window: int | None = None  # tokens a query sees, its own included: keys at t - W < p <= t (Mistral); None: all
-    # Per layer, "sliding_attention" (windowed, local rope) or "full_attention" (Gemma's interleaved layers);
-    # None: every layer is windowed when sliding_window is set (Mistral)
-    layer_types: tuple[str, ...] | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES (Gemma); None: all windowed when sliding_window is set
     local_rope_theta: float | None = None  # rope base of the sliding layers, unscaled (Gemma); None: as the others
     hidden_act: str = "silu"  # the MLP gate's activation, one of HIDDEN_ACTS
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add (Gemma)
-    # HF folders store each RMSNorm weight minus this (Gemma 2/3 compute x * (1 + w)): the HF loader adds it,
-    # GGUF files already hold w + 1, so the forward's rms_norm is one function for every family
-    norm_weight_offset: float = 0.0
+    norm_weight_offset: float = 0.0  # HF files hold RMSNorm weights minus this (Gemma 2/3: x * (1 + w)); the HF loader adds it
     embed_scale: float = 1.0  # token embeddings times this, cast to the compute dtype (Gemma: sqrt(embed_dim))
     query_scale: float | None = None  # attention score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     v_norm: bool = False  # RMSNorm of v without a weight (Gemma 4)
@@ -171,19 +167,11 @@ class ModelConfig:
 
     def _gemma_features(self) -> dict[str, str]:
         """The Gemma-style features a config has, in words (none for the Llama-style families)."""
-        out = {}
-        if self.layer_types is not None:
-            local = sum(t == "sliding_attention" for t in self.layer_types)
-            out["layer types"] = f"{local} sliding, {self.num_layers - local} full"
-        if self.local_rope_theta is not None:
-            out["local rope base"] = f"{self.local_rope_theta:g}"
-        if self.hidden_act != "silu":
-            out["activation"] = self.hidden_act
-        if self.post_norms:
-            out["post norms"] = "yes"
-        if self.final_logit_softcap is not None:
-            out["logit softcap"] = f"{self.final_logit_softcap:g}"
-        return out
+        local = sum(t == "sliding_attention" for t in self.layer_types or ())
+        words = {"layer types": self.layer_types and f"{local} sliding, {self.num_layers - local} full",
+                 "local rope base": self.local_rope_theta and f"{self.local_rope_theta:g}", "post norms": self.post_norms and "yes",
+                 "activation": self.hidden_act != "silu" and self.hidden_act, "logit softcap": self.final_logit_softcap and f"{self.final_logit_softcap:g}"}
+        return {name: text for name, text in words.items() if text}
 
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -305,23 +293,15 @@ def _hf_gemma_fields(config: dict[str, Any], family: str, max_position: int, max
     if local_rope.get("rope_type", "default") != "default":
         raise ValueError(f"unsupported rope type {local_rope['rope_type']!r} for the sliding layers; jaxinfer runs them with plain rope")
     scale = config.get("query_pre_attn_scalar", 256)
+    softcap = config.get("final_logit_softcapping")
     return dict(
-        rope_theta=float(global_rope.get("rope_theta") or 1_000_000.0),
+        rope_theta=float(global_rope.get("rope_theta") or 1_000_000.0), layer_types=tuple(layer_types),
         rope_scaling=_gemma_global_rope(global_rope, max_position, int(config.get("head_dim") or 256)),
-        qk_norm=qk_norm,
-        sliding_window=int(config.get("sliding_window") or default_window),
-        layer_types=tuple(layer_types),
         local_rope_theta=float(local_rope["rope_theta"]) if local_rope.get("rope_theta") else None,
-        hidden_act="gelu_tanh",
-        post_norms=True,
-        norm_weight_offset=offset,
-        embed_scale=float(config["hidden_size"]) ** 0.5,
-        query_scale=1.0 if gemma4 else float(scale) ** -0.5,
-        v_norm=gemma4,
-        layer_scale=gemma4,
-        final_logit_softcap=None if config.get("final_logit_softcapping") is None else float(config["final_logit_softcapping"]),
-        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-        max_context=max_context or max_position,
+        sliding_window=int(config.get("sliding_window") or default_window), qk_norm=qk_norm, v_norm=gemma4, layer_scale=gemma4,
+        hidden_act="gelu_tanh", post_norms=True, norm_weight_offset=offset, embed_scale=float(config["hidden_size"]) ** 0.5,
+        query_scale=1.0 if gemma4 else float(scale) ** -0.5, final_logit_softcap=None if softcap is None else float(softcap),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)), max_context=max_context or max_position,
     )
 
 
@@ -341,14 +321,9 @@ def _check_gemma_unsupported(config: dict[str, Any], family: str) -> None:
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {act!r}; jaxinfer runs Gemma's GeGLU with gelu_pytorch_tanh")
-    named = {
-        "attn_logit_softcapping": "attention logit soft-capping",
-        "use_bidirectional_attention": "bidirectional attention",
-        "hidden_size_per_layer_input": "per-layer input embeddings (Gemma 4 PLE)",
-        "num_kv_shared_layers": "KV shared across layers",
-        "enable_moe_block": "mixture-of-experts blocks",
-        "attention_k_eq_v": "keys reused as values",
-    }
+    named = {"attn_logit_softcapping": "attention logit soft-capping", "use_bidirectional_attention": "bidirectional attention",
+             "hidden_size_per_layer_input": "per-layer input embeddings (Gemma 4 PLE)", "num_kv_shared_layers": "KV shared across layers",
+             "enable_moe_block": "mixture-of-experts blocks", "attention_k_eq_v": "keys reused as values"}
     for key, what in named.items():
         if config.get(key):
             raise ValueError(f"unsupported {key}: {config[key]!r} ({what})")
