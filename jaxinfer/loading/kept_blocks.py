@@ -15,6 +15,7 @@ Imports jax, numpy and the model's quant / mixed_quant; loading.py calls it.
 
 import dataclasses
 import mmap
+import sys
 from collections.abc import Callable
 
 import jax
@@ -123,3 +124,42 @@ def _kquant_panels(stacks: tuple[_DeviceStack, ...], layer_part, layer_slot, lik
     """The packed stacks as one stacked KQuantPanelTensor."""
     return KQuantPanelTensor(parts=tuple(s.buffers for s in stacks), formats=tuple(s.template.format for s in stacks), layer_part=tuple(layer_part),
                              layer_slot=tuple(layer_slot), in_shape=like.in_shape, out_shape=like.out_shape, stacked=stacked)
+
+
+# ---------------------------------------------------------------- types no kernel reads: converted, never expanded
+
+# Types gguf.quants can write and a CPU kernel reads, by bits per weight: a tensor of a type no kernel reads
+# (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) becomes the smallest of these with at least its bits per weight.
+_CONVERSION_TARGETS = ((4.5, 2), (5.5, 6), (8.5, 8))  # (bits per weight, ggml type id): Q4_0, Q5_0, Q8_0
+_noted: set[tuple[str, str]] = set()
+
+
+def conversion_target(gguf_type: int) -> int | None:
+    """The ggml type a tensor of `gguf_type` is converted to when kept, or None when it is kept as it is
+    (quant.GGUF_KEPT_TYPES), or is not a quantized matrix type gguf.quants can dequantize (F32, integers)."""
+    import gguf  # noqa: PLC0415
+
+    if gguf_type in quant.GGUF_KEPT_TYPES:
+        return None
+    kind = gguf.GGMLQuantizationType(gguf_type)
+    block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    if block == 1 or kind.name.startswith(("I8", "I16", "I32", "I64", "F64")):
+        return None
+    bits = 8 * nbytes / block
+    return next((target for target_bits, target in _CONVERSION_TARGETS if target_bits >= bits), _CONVERSION_TARGETS[-1][1])
+
+
+def converted_blocks(data: np.ndarray, gguf_type: int, target: int, name: str) -> np.ndarray:
+    """`data` (uint8 rows of blocks of `gguf_type`) as rows of `target` blocks: gguf.quants.dequantize, then
+    gguf.quants.quantize (one more rounding: half a step of the target per weight, a full one where the
+    quantizer clips a block's edge). One layer's f32
+    values exist at a time. Notes each (source, target) pair once per process."""
+    import gguf  # noqa: PLC0415
+
+    source, goal = gguf.GGMLQuantizationType(gguf_type), gguf.GGMLQuantizationType(target)
+    if (source.name, goal.name) not in _noted:
+        _noted.add((source.name, goal.name))
+        print(f"jaxinfer: {name} and every other {source.name} tensor is converted to {goal.name} (no CPU kernel reads "
+              f"{source.name}; requantized from its dequantized values: an extra rounding of half a {goal.name} step per weight, "
+              "a full step where gguf's quantizer clips a block's edge; never expanded to f32)", file=sys.stderr)
+    return gguf.quants.quantize(gguf.quants.dequantize(np.asarray(data), source).astype(np.float32), goal)

@@ -253,7 +253,9 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     names = spec.file_names(cfg, "gguf")
     if any(name not in tensors for name in names):
         return None
-    types = [int(tensors[n].tensor_type) for n in names]
+    stored = [int(tensors[n].tensor_type) for n in names]
+    targets = {t: kept_blocks.conversion_target(t) for t in set(stored)}  # a type no kernel reads: converted, not expanded
+    types = [targets[t] or t for t in stored]
     if any(t not in quant.GGUF_KEPT_TYPES for t in types):
         return None  # F32, or a type quant.py does not keep: the dense path handles it
     if len(set(types)) != 1 and not mixed:
@@ -262,8 +264,11 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     heads = _rotary_heads(spec, cfg)
 
     def read_layer(i: int) -> quant.QuantizedTensor:
+        data = tensors[names[i]].data
+        if targets[stored[i]] is not None:
+            data = kept_blocks.converted_blocks(data, stored[i], types[i], names[i])
         try:
-            q = quant.from_gguf(tensors[names[i]].data, tensors[names[i]].tensor_type, **_gguf_factoring(spec, cfg))
+            q = quant.from_gguf(data, types[i], **_gguf_factoring(spec, cfg))
         except ValueError as e:
             raise ModelLoadError(f"{path}: tensor {names[i]!r} does not match the config: {e}") from None
         if heads is not None:

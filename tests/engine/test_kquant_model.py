@@ -194,3 +194,40 @@ def test_pinned_xla_reads_the_panels_dequantized():
     ids = REFERENCE["q6_k_s0_ids"]
     _, dense = loading.load_model(path_of("q6_k"))
     np.testing.assert_allclose(logits(cfg, step, ids), logits(cfg, dense, ids), rtol=0, atol=1e-4 * math.sqrt(cfg.embed_dim))
+
+
+def test_a_type_no_kernel_reads_is_converted_not_expanded(tmp_path, capfd):
+    """A Q3_K weight (llama.cpp's Q3_K_M files; no kernel reads it) loads as Q4_0 blocks, within one Q4_0 step
+    of gguf.quants.dequantize's values per block, with a printed note; never as f32."""
+    import gguf
+
+    source = gguf.GGUFReader(str(path_of("q6_k")))
+    path = tmp_path / "q3_k_ffn_down.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in source.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    rng = np.random.default_rng(0)
+    q3 = gguf.GGMLQuantizationType.Q3_K
+    for t in source.tensors:
+        if "ffn_down" in t.name:  # random Q3_K blocks with sane fp16 super-scales (the last 2 bytes of each)
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            blocks = rng.integers(0, 256, (rows * cols // 256, 110), dtype=np.uint8)
+            blocks[:, -2:] = rng.uniform(1e-3, 2e-3, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            writer.add_tensor(t.name, blocks.reshape(rows, -1), raw_dtype=q3)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg, params = loading.load_model(path, quantization="gguf")
+    assert "Q3_K tensor is converted to Q4_0" in capfd.readouterr().err
+    w_down = params.layers.w_down
+    assert isinstance(w_down, quant.QuantizedTensor) and w_down.format == "q4_0"
+    reader = gguf.GGUFReader(str(path))
+    for i, t in enumerate(t for t in reader.tensors if "ffn_down" in t.name):
+        expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w_down.codes.shape[1], -1)  # [O, I] rows
+        got = np.asarray(quant.dequantize(jax.tree.map(lambda leaf: leaf[i], w_down))).T  # [F, D] -> [O, I]
+        step = np.repeat(np.abs(expected).reshape(expected.shape[0], -1, 32).max(-1) / 8, 32, axis=1)  # Q4_0's |d| per block
+        assert np.all(np.abs(got - expected) <= step * (1 + 2**-7) + 1e-7)  # a clipped edge: 8 |d| - 7 |fp16(d)|
