@@ -141,8 +141,11 @@ def conversion_target(gguf_type: int) -> int | None:
 
     if gguf_type in quant.GGUF_KEPT_TYPES:
         return None
-    kind = gguf.GGMLQuantizationType(gguf_type)
-    block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    try:
+        kind = gguf.GGMLQuantizationType(gguf_type)
+        block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError):  # a type this gguf does not know: the dense path names it
+        return None
     if block == 1 or kind.name.startswith(("I8", "I16", "I32", "I64", "F64")):
         return None
     bits = 8 * nbytes / block
