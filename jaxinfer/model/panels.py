@@ -74,8 +74,9 @@ def to_kquant_panels(value: quant.QuantizedTensor | MixedQuantStack) -> KQuantPa
     else:
         count = value.codes.shape[0] if stacked else 1
         parts, layer_part, layer_slot = (value,), (0,) * count, tuple(range(count))
+    pack = _kquant_pack if stacked else _kquant_pack_by_rows
     return KQuantPanelTensor(
-        parts=tuple(_kquant_pack(part.format, quant.array_fields(part)) for part in parts), formats=tuple(part.format for part in parts),
+        parts=tuple(pack(part.format, quant.array_fields(part)) for part in parts), formats=tuple(part.format for part in parts),
         layer_part=layer_part, layer_slot=layer_slot, in_shape=parts[0].in_shape, out_shape=parts[0].out_shape, stacked=stacked,
     )
 
@@ -224,6 +225,17 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
 _to_quant_panels = jax.jit(to_quant_panels)  # one fused repack per tensor, not an eager temporary per step
 
 _kquant_pack = jax.jit(kquant_matmul.pack, static_argnums=0)  # one fused repack per tensor part (jnp; builds nothing)
+PACK_ROWS = 8192  # output rows packed at a time for one large matrix (a tied head's [V, D] table): transients stay small
+
+
+def _kquant_pack_by_rows(fmt: str, fields: dict) -> dict:
+    """`kquant_matmul.pack` of one unstacked matrix, PACK_ROWS output rows at a time (whole column tiles, so the
+    panels of the chunks are consecutive), the chunks joined along the panel axis."""
+    rows = fields["codes"].shape[0]
+    if rows <= PACK_ROWS:
+        return _kquant_pack(fmt, fields)
+    chunks = [_kquant_pack(fmt, {name: a[start:start + PACK_ROWS] for name, a in fields.items()}) for start in range(0, rows, PACK_ROWS)]
+    return {name: jnp.concatenate([chunk[name] for chunk in chunks], axis=0) for name in chunks[0]}
 # One fused pass per tensor (about 2x the eager ops' speed on SmolLM2), compiled at load and reused by every
 # LLM.update_params (engine/weights.py), which so repacks without compiling.
 _to_panels = jax.jit(to_panels, static_argnums=(1, 2))
