@@ -117,6 +117,7 @@ class ModelConfig:
     v_norm: bool = False  # RMSNorm of v without a weight (Gemma 4)
     layer_scale: bool = False  # each layer's output times a stored per-layer scalar (Gemma 4's layer_scalar)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3/4 where the config has it)
+    attn_logit_softcap: float | None = None  # attention scores = cap * tanh(scores / cap), after the scale, before the mask (Gemma 2)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True  # logits use the token embedding when True
     max_context: int = 2048  # tokens; positions beyond this are rejected
@@ -129,6 +130,8 @@ class ModelConfig:
             check_int(field, getattr(self, field), low=1)
         check_number("rope_theta", self.rope_theta, low=0.0, high=math.inf, low_open=True)
         check_number("rms_norm_eps", self.rms_norm_eps, low=0.0, high=1.0)
+        if self.attn_logit_softcap is not None:
+            check_number("attn_logit_softcap", self.attn_logit_softcap, low=0.0, high=math.inf, low_open=True)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads=} not divisible by {self.num_kv_heads=}")
         if self.head_dim % 2:
@@ -170,7 +173,8 @@ class ModelConfig:
         local = sum(t == "sliding_attention" for t in self.layer_types or ())
         words = {"layer types": self.layer_types and f"{local} sliding, {self.num_layers - local} full",
                  "local rope base": self.local_rope_theta and f"{self.local_rope_theta:g}", "post norms": self.post_norms and "yes",
-                 "activation": self.hidden_act != "silu" and self.hidden_act, "logit softcap": self.final_logit_softcap and f"{self.final_logit_softcap:g}"}
+                 "activation": self.hidden_act != "silu" and self.hidden_act, "logit softcap": self.final_logit_softcap and f"{self.final_logit_softcap:g}",
+                 "attention softcap": self.attn_logit_softcap and f"{self.attn_logit_softcap:g}"}
         return {name: text for name, text in words.items() if text}
 
     def num_params(self) -> int:
@@ -274,7 +278,7 @@ _GEMMA_DEFAULTS = {
 def _hf_gemma_fields(config: dict[str, Any], family: str, max_position: int, max_context: int | None) -> dict[str, Any]:
     """The ModelConfig fields of a Gemma 2/3/4 text config: GeGLU, pre and post norms, the scaled embedding,
     the attention scale, q/k (and v) norms, interleaved sliding and full layers with their own rope, soft-capping.
-    What jaxinfer does not run (attention soft-capping, Gemma 4's per-layer embeddings, shared KV, MoE, k = v,
+    What jaxinfer does not run (Gemma 4's per-layer embeddings, shared KV, MoE, k = v,
     per-layer head sizes) is an error naming the field."""
     offset, pattern, default_window, qk_norm, gemma4, local_theta = _GEMMA_DEFAULTS[family]
     _check_gemma_unsupported(config, family)
@@ -293,7 +297,7 @@ def _hf_gemma_fields(config: dict[str, Any], family: str, max_position: int, max
     if local_rope.get("rope_type", "default") != "default":
         raise ValueError(f"unsupported rope type {local_rope['rope_type']!r} for the sliding layers; jaxinfer runs them with plain rope")
     scale = config.get("query_pre_attn_scalar", 256)
-    softcap = config.get("final_logit_softcapping")
+    softcap, attn_cap = config.get("final_logit_softcapping"), config.get("attn_logit_softcapping")
     return dict(
         rope_theta=float(global_rope.get("rope_theta") or 1_000_000.0), layer_types=tuple(layer_types),
         rope_scaling=_gemma_global_rope(global_rope, max_position, int(config.get("head_dim") or 256)),
@@ -301,6 +305,7 @@ def _hf_gemma_fields(config: dict[str, Any], family: str, max_position: int, max
         sliding_window=int(config.get("sliding_window") or default_window), qk_norm=qk_norm, v_norm=gemma4, layer_scale=gemma4,
         hidden_act="gelu_tanh", post_norms=True, norm_weight_offset=offset, embed_scale=float(config["hidden_size"]) ** 0.5,
         query_scale=1.0 if gemma4 else float(scale) ** -0.5, final_logit_softcap=None if softcap is None else float(softcap),
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
         tie_embeddings=bool(config.get("tie_word_embeddings", True)), max_context=max_context or max_position,
     )
 
@@ -321,7 +326,7 @@ def _check_gemma_unsupported(config: dict[str, Any], family: str) -> None:
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {act!r}; jaxinfer runs Gemma's GeGLU with gelu_pytorch_tanh")
-    named = {"attn_logit_softcapping": "attention logit soft-capping", "use_bidirectional_attention": "bidirectional attention",
+    named = {"use_bidirectional_attention": "bidirectional attention",
              "hidden_size_per_layer_input": "per-layer input embeddings (Gemma 4 PLE)", "num_kv_shared_layers": "KV shared across layers",
              "enable_moe_block": "mixture-of-experts blocks", "attention_k_eq_v": "keys reused as values"}
     for key, what in named.items():

@@ -15,6 +15,7 @@
 //   q_pos    s32[B, T]           each query's position
 //   q_seg    s32[B, T]           each query's sequence within its row
 //   window   s32[]               sliding window W (>= 1); no window is W = 2^31 - 1
+//   softcap  f32 attribute       attention soft-cap c > 0: a scaled score s becomes c * tanh(s / c) (Gemma 2); 0: none
 //   out      f32[B, T, H, K]
 //
 // Slot l of entry e is visible to query t iff page_seg[e] == q_seg[t] and
@@ -59,6 +60,7 @@ struct Inputs {
   const int32_t* q_pos;
   const int32_t* q_seg;
   int64_t window;
+  float softcap;  // 0: scores as they are
   float* out;
 };
 
@@ -77,6 +79,13 @@ inline void page_scores(const float* __restrict q, const float* __restrict kp, f
       for (int64_t l = 0; l < L; ++l) sh[l] += qk * row[l];
     }
   }
+}
+
+// Soft-cap slots [a, n) of each head's scores in place: s = c * tanh(s / c).
+inline void cap_scores(float* __restrict s, int64_t a, int64_t n, int64_t group, int64_t L, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t l = a; l < n; ++l) s[h * L + l] = cap * std::tanh(s[h * L + l] * inv);
 }
 
 // Fold slots [a, n) of a page into one query's running softmax (max m, sum d, output acc).
@@ -138,6 +147,7 @@ void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_
       const int64_t a = std::max<int64_t>(0, static_cast<int64_t>(in.q_pos[qi]) - in.window + 1 - first);  // first slot in the window
       if (in.q_seg[qi] != seg || n <= a) continue;
       page_scores<LT, KT>(&qs[t * group * K], kp, s.data(), group, g);
+      if (in.softcap > 0.0f) cap_scores(s.data(), a, n, group, L, in.softcap);
       page_update<LT, KT>(s.data(), vp, a, n, &m[t * group], &d[t * group], &acc[t * group * K], group, g);
     }
   }
@@ -180,7 +190,7 @@ bool dims_are(const A& dims, std::initializer_list<int64_t> expected) {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> page_pos,
                               ffi::Buffer<ffi::S32> page_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
-                              ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> window, float softcap, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   if (auto e = jaxinfer::check(qd.size() == 4 && kd.size() == 5 && td.size() == 2, "paged_attention_cpu: q must be [B,T,H,K], k_pool [N,G,P,K,L], tables [B,E]"); e.failure()) return e;
   const Geometry g{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[4], td[1], kd[0]};
@@ -194,8 +204,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (auto e = check_pages(tables.typed_data(), g); e.failure()) return e;
   const int64_t window_size = window.typed_data()[0];
   if (auto e = jaxinfer::check(window_size >= 1, "paged_attention_cpu: the sliding window must be >= 1 token"); e.failure()) return e;
+  if (auto e = jaxinfer::check(softcap >= 0.0f && std::isfinite(softcap), "paged_attention_cpu: softcap must be finite and >= 0 (0: none)"); e.failure()) return e;
   const Inputs in{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), index, tables.typed_data(), page_pos.typed_data(),
-                  page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), window_size, out->typed_data()};
+                  page_seg.typed_data(), q_pos.typed_data(), q_seg.typed_data(), window_size, softcap, out->typed_data()};
   if (g.L == 64 && g.K == 64) {
     run_all<64, 64>(pool, in, g);
   } else if (g.L == 16 && g.K == 64) {
@@ -223,4 +234,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionF32, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("softcap")        // 0: no soft-cap
                                   .Ret<ffi::Buffer<ffi::F32>>());

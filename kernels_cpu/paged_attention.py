@@ -3,7 +3,8 @@
 The jnp path of the engine (jaxinfer/model/attention.py) gathers every page of a step into a new array and
 transposes it for XLA:CPU's dot; this kernel reads the pages where they lie, in the pool's layout, with an
 online softmax per query, and skips the pages a query cannot see (later positions, other sequences of a
-packed row, pages wholly before a sliding window). `reference` is the same visibility rule and softmax in plain jnp, with the same signature:
+packed row, pages wholly before a sliding window); with `softcap` (Gemma 2) each scaled score s becomes
+cap * tanh(s / cap) before the mask. `reference` is the same visibility rule and softmax in plain jnp, with the same signature:
 the oracle the kernel is tested against. The kernel checks every page id of the block tables (an id
 outside [0, P) is an error naming it); the reference, like any jnp gather, would clamp it silently.
 
@@ -13,6 +14,7 @@ keeps the jnp path. Axis letters: the table in kernels_cpu/__init__.py. Imports 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kernels_cpu import build
@@ -47,13 +49,15 @@ def paged_attention(
     token_segments: Int[Array, "B T"] | None = None,
     *,
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal GQA attention of `q` over `layer` of the pool, through each row's block table; f32 only.
 
     Without page_positions (one sequence per row), entry e of a table starts at position e * L. With a
     sliding `window` W (an int32 scalar >= 1, traced or not), a query at t sees only positions in
     (t - W, t]; pages wholly before that are not read (they may be the null page). A query
-    that sees no key (a padding lane) gets zeros. Every page id must lie in [0, P): otherwise the call
+    that sees no key (a padding lane) gets zeros. `softcap` (a static float > 0, or None): scaled scores
+    s become softcap * tanh(s / softcap) (a kernel attribute). Every page id must lie in [0, P): otherwise the call
     fails (an XLA runtime error naming the id, its row and entry, and P) and reads nothing."""
     if not available():
         raise RuntimeError("the CPU paged-attention kernel could not be built; see the warning above")
@@ -62,8 +66,15 @@ def paged_attention(
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), k_pool, v_pool, i32(layer), i32(block_tables), i32(page_positions), i32(page_segments),
-        i32(q_positions), i32(token_segments), _window_array(window),
+        i32(q_positions), i32(token_segments), _window_array(window), softcap=np.float32(_check_softcap(softcap) or 0.0),
     )
+
+
+def _check_softcap(softcap: float | None) -> float | None:
+    """The soft-cap as a float, or None; a ValueError naming it unless finite and > 0."""
+    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return None if softcap is None else float(softcap)
 
 
 NO_WINDOW = 2**31 - 1  # the kernel's window when there is none
@@ -86,11 +97,13 @@ def reference(
     token_segments: Int[Array, "B T"] | None = None,
     *,
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "B T H K"]:
     """`paged_attention` in jnp: the same arguments, visibility rule and result, with f32 scores and a
     plain (not online) softmax. Slot l of entry e is visible to query t iff page_segments[e] ==
     token_segments[t] and q_positions[t] - window < page_positions[e] + l <= q_positions[t] (no lower
-    bound without a window); a query that sees nothing gets zeros.
+    bound without a window); a query that sees nothing gets zeros. With `softcap`, the scaled scores
+    are softcap * tanh(scores / softcap).
     Page ids are assumed in [0, P) (jnp clamps an id outside; the kernel refuses it)."""
     b, t, h, k = q.shape
     g, page_size = k_pool.shape[1], k_pool.shape[-1]
@@ -103,6 +116,8 @@ def reference(
     visible &= q_positions[..., None] - slot_positions[:, None, :] < _window_array(window)  # q - W < p, as a difference (no wrap)
     grouped = q.astype(jnp.float32).reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     scores = jnp.einsum("btgqk,gbekl->btgqel", grouped, keys, precision="highest").reshape(b, t, g, h // g, -1) * k**-0.5  # [B, T, G, Q, S]
+    softcap = _check_softcap(softcap)
+    scores = scores if softcap is None else softcap * jnp.tanh(scores / softcap)
     mask = visible[:, :, None, None, :]
     top = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
     weights = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)  # [B, T, G, Q, S]

@@ -22,6 +22,8 @@ L page length; M is the block-table width, max pages per sequence):
                               starts [B] = max(length - W, 0), the first visible position per row.
   k_scales, v_scales [G, P, L] f32, only with quantized pages (int8 / float8_e4m3fn codes):
                 one scale per (kv head, page, token slot); key = codes[:, l] * k_scales[l]
+  softcap       static float, optional attention soft-cap c (Gemma 2's attn_logit_softcapping):
+                each scaled score s becomes c * tanh(s / c) before the mask
 
 Dataflow: grid (G, B, num_splits). A program loads the group's query rows, zero-padded to the
 64-row wgmma tile, then streams its split's KV blocks through a ring of SMEM slots filled by TMA,
@@ -82,7 +84,7 @@ def _paged_attention_kernel(
     q_ref, k_ref, v_ref, block_tables_ref, lengths_ref, starts_ref, layer_ref, k_scales_ref, v_scales_ref,  # in
     out_ref, lse_ref,  # outputs, GMEM
     q_smem, v_smem, p_smem, ring_union, q_barrier, k_barriers, v_barriers, dequant,  # scratch
-    *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale,
+    *, group_size, pages_per_split, pages_per_block, pipeline_depth, sm_scale, softcap=None,
 ):
     """One (kv head, sequence, split) program. Shapes (R = 64 rows, Gp = group padded to 8):
 
@@ -173,13 +175,18 @@ def _paged_attention_kernel(
         # One QK wgmma per page (a K block spanning pages is not contiguous for TMA), one softmax
         # update and one PV wgmma per block.
         scores, valid = [], []
+        # Without a cap the scores go straight to log2 units; with one, tanh(s * sm_scale / c) first, then
+        # times c * log2(e): c * tanh(s / c) in log2 units.
+        score_scale = sm_scale * _LOG2E if softcap is None else sm_scale / softcap
         for j in range(pages_per_block):
             s = pl.run_scoped(functools.partial(qk, j), plgpu.ACC((num_rows, page_size), jnp.float32))
             if dequant is None:
-                s = s * (sm_scale * _LOG2E)  # [R, L]
+                s = s * score_scale  # [R, L]
             else:  # a key's scale is a column scale of the scores of its page
-                column_scale = k_scale_smem.at[slot, j][...] * (sm_scale * _LOG2E)  # [L]
+                column_scale = k_scale_smem.at[slot, j][...] * score_scale  # [L]
                 s = s * lax.broadcast_in_dim(column_scale, s.shape, [1])  # [R, L]
+            if softcap is not None:
+                s = jnp.tanh(s) * (softcap * _LOG2E)  # [R, L], before the mask
             col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             position = (first_page + block * pages_per_block + j) * page_size + col
             valid.append((position < length) & (position >= start))
@@ -557,7 +564,7 @@ def _bind_refs(body, *, quantized: bool, with_lse: bool):
 
 
 def _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, layer, k_scales=None,
-                              v_scales=None, *, sm_scale, config, interpret, starts=None):
+                              v_scales=None, *, sm_scale, config, interpret, starts=None, softcap=None):
     """Runs the kernel over layer `layer` (int32 [1]) of the whole pool, k_pool [N, G, P, K, L] and
     v_pool [N, G, P, L, K], read in place. Returns (out [B, G, S, group, K], lse [B, G, S, R] in
     log2 units | None); out is f32 normalized per split when there is an lse, and the final q.dtype
@@ -605,7 +612,7 @@ def _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, layer, k
         ))
     body = _bind_refs(functools.partial(
         _paged_attention_kernel, group_size=group_size, pages_per_split=pages_per_split,
-        pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale),
+        pages_per_block=pages_per_block, pipeline_depth=depth, sm_scale=sm_scale, softcap=softcap),
         quantized=quantized, with_lse=with_lse)
     # A fresh plgpu.kernel per config: a reused kernel can keep its first grid (jax-ml/jax#40847).
     kernel = plgpu.kernel(
@@ -671,15 +678,16 @@ def window_starts(lengths: Int[Array, "B"], window) -> Int[Array, "B"]:
     return jnp.maximum(lengths - jnp.asarray(window, jnp.int32), 0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret", "softcap"))
 def _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales,
-                         window, *, sm_scale, config, interpret):
+                         window, *, sm_scale, config, interpret, softcap=None):
     batch, num_q_heads, head_dim = q.shape
     (k_pool, index), (v_pool, _) = _as_pool(k_pages, layer), _as_pool(v_pages, layer)
     (k_scales, _), (v_scales, _) = _as_pool(k_scales, layer), _as_pool(v_scales, layer)
     out, lse = _paged_attention_partials(q, k_pool, v_pool, block_tables, lengths, index, k_scales,
                                          v_scales, sm_scale=sm_scale, config=config,
-                                         interpret=interpret, starts=window_starts(lengths, window))
+                                         interpret=interpret, starts=window_starts(lengths, window),
+                                         softcap=softcap)
     if lse is None:
         return out.reshape(batch, num_q_heads, head_dim)  # [B, G, 1, group, K] -> [B, H, K]
     merge = _merge_splits_in_order if config.deterministic else _merge_splits
@@ -698,6 +706,7 @@ def paged_attention(
     v_scales: Float[Array, "*N G P L"] | None = None,
     window: Int[Array, ""] | int | None = None,
     sm_scale: float | None = None,
+    softcap: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "B H K"]:
@@ -719,6 +728,8 @@ def paged_attention(
         its last W tokens, positions [length - W, length); entries of pages wholly before them
         are not read (the null page may stand there).
       sm_scale: static softmax scale; default 1 / sqrt(K).
+      softcap: static attention soft-cap c > 0, or None: each scaled score s becomes
+        c * tanh(s / c) before the mask (Gemma 2). The kernel's tanh is the approximate one.
       config: static kernel knobs; default `config_for(...)` of these shapes. Pass
         `deterministic_config(...)` for a result independent of the batch and the table width.
       interpret: False on GPU; an `InterpretGPUParams` (or True) runs the GPU interpreter on CPU.
@@ -744,11 +755,12 @@ def paged_attention(
     config.check_shapes(head_dim, page_size, group_size, kv_itemsize=k_pages.dtype.itemsize)
     config.split_layout(block_tables.shape[1])  # raises if a fixed split size needs too many splits
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    softcap = _check_softcap(softcap)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _paged_attention_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales,
                                 v_scales, window, sm_scale=sm_scale, config=config,
-                                interpret=interpret)
+                                interpret=interpret, softcap=softcap)
 
 
 def paged_attention_reference(
@@ -763,6 +775,7 @@ def paged_attention_reference(
     v_scales: Float[Array, "*N G P L"] | None = None,
     window: Int[Array, ""] | int | None = None,
     sm_scale: float | None = None,
+    softcap: float | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "B H K"]:
@@ -779,12 +792,19 @@ def paged_attention_reference(
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, layer)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales,
-                          window, sm_scale=scale)
+                          window, sm_scale=scale, softcap=_check_softcap(softcap))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _check_softcap(softcap: float | None) -> float | None:
+    """The soft-cap as a float, or None; a ValueError naming it unless finite and > 0."""
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    return None if softcap is None else float(softcap)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "softcap"))
 def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, v_scales, window,
-                   *, sm_scale):
+                   *, sm_scale, softcap=None):
     if layer is not None:  # the oracle may slice: one layer of the pool [N, G, ...]
         k_pages, v_pages = k_pages[layer], v_pages[layer]
         if k_scales is not None:
@@ -800,6 +820,8 @@ def _reference_jit(q, k_pages, v_pages, block_tables, lengths, layer, k_scales, 
         k = k * k_scales[:, block_tables][:, :, :, None, :]  # [G, B, M, 1, L]
         v = v * v_scales[:, block_tables][..., None]  # [G, B, M, L, 1]
     scores = jnp.einsum("bgqk,gbmkl->bgqml", q_grouped, k, precision=hi) * sm_scale
+    if softcap is not None:  # c * tanh(s / c), before the mask
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = scores.reshape(batch, num_kv_heads, group_size, max_pages * page_size)  # [B,G,q,S]
     slots = jnp.arange(max_pages * page_size)[None, :]  # [1, S]
     valid = (slots < lengths[:, None]) & (slots >= window_starts(lengths, window)[:, None])  # [B, S]

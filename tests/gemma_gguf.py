@@ -54,6 +54,8 @@ def gemma_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32, no_vocab: bool
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full["factor"])
     writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("attn_logit_softcapping"):  # Gemma 2 (Gemma2Model writes it)
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
     writer.add_sliding_window(config["sliding_window"])
     if arch == "gemma3":
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])

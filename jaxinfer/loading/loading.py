@@ -130,8 +130,6 @@ def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> M
 
 def _gguf_gemma_fields(reader, arch: str, tensors: dict) -> dict:
     """Gemma 2/3's ModelConfig fields from a GGUF, as llama.cpp reads them (llama-model.cpp, models/gemma3.cpp)."""
-    if float(gguf_field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0):
-        raise ValueError("unsupported attn_logit_softcapping (attention logit soft-capping)")
     num_layers, embed_dim = int(gguf_field(reader, f"{arch}.block_count")), int(gguf_field(reader, f"{arch}.embedding_length"))
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     window = gguf_field(reader, f"{arch}.attention.sliding_window", None)
@@ -140,6 +138,7 @@ def _gguf_gemma_fields(reader, arch: str, tensors: dict) -> dict:
         fields["query_scale"] = (embed_dim / num_heads) ** -0.5
     softcap = float(gguf_field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0)
     fields["final_logit_softcap"] = softcap or None
+    fields["attn_logit_softcap"] = float(gguf_field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0) or None
     if window:
         pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", _GGUF_GEMMA[arch]["pattern"])
         sliding = [bool(x) for x in pattern] if isinstance(pattern, (list, tuple)) else [i % int(pattern) < int(pattern) - 1 for i in range(num_layers)]

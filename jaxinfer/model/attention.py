@@ -22,6 +22,10 @@ own included). `window=None` is plain causal. A packed row
 (PageMeta with page_positions, page_segments and token_segments) holds several sequences: a key is
 visible iff it belongs to the query's sequence and its position is <= the query's (`key_layout`). Masked
 scores take a large finite negative value, never -inf, so rows with nothing visible stay finite.
+
+Soft-capping (`softcap`, a static float per model: Gemma 2's attn_logit_softcapping) turns each scaled
+score s into cap * tanh(s / cap) before the mask, as transformers' Gemma 2 eager attention does; every
+path here and both kernels apply it, so masked scores stay MASK_VALUE.
 """
 
 import functools
@@ -51,6 +55,7 @@ def attention_reference(
     q_positions: Int[Array, "B T"],
     k_positions: Int[Array, "#B S"],
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal grouped-query attention; f32 scores and softmax, output in q's dtype.
 
@@ -60,12 +65,17 @@ def attention_reference(
     g = keys.shape[2]
     grouped = q.reshape(b, t, g, h // g, k)  # [B, T, G, Q, K]
     scores = jnp.einsum("btgqk,bsgk->bgqts", grouped, keys, preferred_element_type=jnp.float32)
-    scores = scores * (k**-0.5)
+    scores = cap_scores(scores * (k**-0.5), softcap)
     visible = in_window(k_positions[:, None, :], q_positions[:, :, None], window)  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)  # [B, G, Q, T, S]
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bgqts,bsgk->btgqk", probs, values.astype(jnp.float32))  # [B, T, G, Q, K]
     return out.reshape(b, t, h, k).astype(q.dtype)
+
+
+def cap_scores(scores: Float[Array, "..."], softcap: float | None) -> Float[Array, "..."]:
+    """Scaled scores soft-capped: cap * tanh(scores / cap), or as they are without a cap."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def in_window(key_positions: Int[Array, "..."], query_positions: Int[Array, "..."], window: Int[Array, ""] | int | None) -> jax.Array:
@@ -87,29 +97,31 @@ def attend(
     pages: kvp.PageMeta | None = None,
     impl: str = "reference",
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B T H K"], kvp.DenseKVCache | kvp.KVPool | None]:
     """Write k, v for `layer` into `cache`, then attend. Returns (output, updated cache).
 
     `window`: None (causal attention over everything written), or this layer's sliding window W, an
     int32 scalar that may be traced: a key at position p is visible to a query at t iff t - W < p <= t.
+    `softcap`: None, or the model's attention soft-cap (a static float): scores = cap * tanh(scores / cap).
     Pages wholly before the window may have been handed back to the pool (the host keeps the null
     page in their table entries); they are masked here, so what they hold is never read into a result."""
     if cache is None:
-        return attention_reference(q, k, v, positions, positions, window), None
+        return attention_reference(q, k, v, positions, positions, window, softcap), None
     if isinstance(cache, kvp.DenseKVCache):
         cache = kvp.write_dense(cache, layer, k, v, positions)
-        return _attend_slots(q, cache.k[layer], cache.v[layer], positions, window), cache
+        return _attend_slots(q, cache.k[layer], cache.v[layer], positions, window, softcap), cache
     if pages is None:
         raise ValueError("a paged KV pool needs PageMeta (block tables and slot mapping)")
     cache = kvp.write_paged(cache, layer, k, v, pages)
     deterministic = impl in (DETERMINISTIC_IMPL, DETERMINISTIC_PALLAS_IMPL)
     if impl == CPU_IMPL:
-        return _attend_cpu(q, cache, layer, positions, pages, window), cache
+        return _attend_cpu(q, cache, layer, positions, pages, window, softcap), cache
     if _use_kernel(impl, q):
-        return _attend_pallas(q, cache, layer, positions, pages, window, deterministic=deterministic), cache
+        return _attend_pallas(q, cache, layer, positions, pages, window, softcap, deterministic=deterministic), cache
     k_pages, v_pages = kvp.gather_pages(cache, layer, pages.block_tables, dtype=q.dtype)  # dequantized if quantized
     over_pages = attention_over_page_blocks if deterministic else attention_over_pages
-    return over_pages(q, k_pages, v_pages, positions, key_layout(pages, cache.page_size), window), cache
+    return over_pages(q, k_pages, v_pages, positions, key_layout(pages, cache.page_size), window, softcap), cache
 
 
 class KeyLayout(NamedTuple):
@@ -152,6 +164,7 @@ def attention_over_pages(
     q_positions: Int[Array, "B T"],
     layout: KeyLayout | None = None,
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "B T H K"]:
     """Causal (and, with `window`, sliding-window) GQA attention straight over gathered pages in the pool's layout; slot p * L + l holds
     position p * L + l, or what `layout` says (a packed row). f32 scores and softmax, output in q's dtype.
@@ -168,12 +181,12 @@ def attention_over_pages(
     values = v_pages.reshape(g, b, p * l, k).astype(jnp.float32)  # [G, B, S, K]
     if t == 1:
         scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, k_pages, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, g, h // g, t, p * l) * (k**-0.5)  # [B, G, Q, T, S]
+        scores = cap_scores(scores.reshape(b, g, h // g, t, p * l) * (k**-0.5), softcap)  # [B, G, Q, T, S]
         probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
         out = jnp.einsum("bgqts,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
     else:
         scores = jnp.einsum("gbpkl,btgqk->bgpltq", k_pages, grouped, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, g, p * l, t, h // g) * (k**-0.5)  # [B, G, S, T, Q]
+        scores = cap_scores(scores.reshape(b, g, p * l, t, h // g) * (k**-0.5), softcap)  # [B, G, S, T, Q]
         probs = jax.nn.softmax(jnp.where(visible.transpose(0, 2, 1)[:, None, :, :, None], scores, MASK_VALUE), axis=2)
         out = jnp.einsum("bgstq,gbsk->btgqk", probs, values)  # [B, T, G, Q, K]
     return out.reshape(b, t, h, k).astype(q.dtype)
@@ -189,6 +202,7 @@ def attention_over_page_blocks(
     q_positions: Int[Array, "B T"],
     layout: KeyLayout | None = None,
     window: Int[Array, ""] | int | None = None,
+    softcap: float | None = None,
 ) -> Float[Array, "B T H K"]:
     """attention_over_pages as an online softmax over fixed blocks of pages, in order (a lax.scan).
 
@@ -212,7 +226,7 @@ def attention_over_page_blocks(
         index, kb, vb = xs
         scores = jnp.einsum("btgqk,gbpkl->bgqtpl", grouped, kb, preferred_element_type=jnp.float32).reshape(b, g, h // g, t, block * l)
         visible = _visible(layout, q_positions, index * block * l, block * l, window)  # [B, T, S_block]
-        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+        scores = jnp.where(visible[:, None, None], cap_scores(scores, softcap), MASK_VALUE)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         scale, probs = jnp.exp(m - m_new), jnp.exp(scores - m_new[..., None])
         values = vb.reshape(g, b, block * l, k).astype(jnp.float32)  # [G, B, S_block, K]
@@ -237,22 +251,22 @@ def _use_kernel(impl: str, q: jax.Array) -> bool:
     return True
 
 
-def _attend_slots(q, keys, values, positions, window=None):
+def _attend_slots(q, keys, values, positions, window=None, softcap=None):
     """Attention over slabs whose slot index equals the token position."""
     slots = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
-    return attention_reference(q, keys, values, positions, slots, window)
+    return attention_reference(q, keys, values, positions, slots, window, softcap)
 
 
-def _attend_cpu(q, pool, layer, positions, pages, window=None):
+def _attend_cpu(q, pool, layer, positions, pages, window=None, softcap=None):
     """Any step through the CPU kernel, which reads the pool in place (packed rows too)."""
     out = cpu_kernel.paged_attention(
         q, pool.k, pool.v, layer, pages.block_tables, positions, pages.page_positions, pages.page_segments, pages.token_segments,
-        window=window,
+        window=window, softcap=softcap,
     )
     return out.astype(q.dtype)
 
 
-def _attend_pallas(q, pool, layer, positions, pages, window=None, *, deterministic: bool):
+def _attend_pallas(q, pool, layer, positions, pages, window=None, softcap=None, *, deterministic: bool):
     """Single-token decode through the Mosaic GPU kernel; lengths count the token just written. The kernel
     gets the whole pool and the layer index and reads the layer's pages in place, as the CPU kernel does
     (a `pool.k[layer]` slice may be copied every layer of every step); under tensor parallelism
@@ -267,7 +281,12 @@ def _attend_pallas(q, pool, layer, positions, pages, window=None, *, determinist
         config = kernel.deterministic_config(q.shape[-1], pool.page_size, group_size)
     scales = dict(k_scales=pool.k_scale, v_scales=pool.v_scale) if pool.quantized else {}
     out = sharding.on_local_heads(  # under tensor parallelism, a shard_map over each device's heads
-        functools.partial(kernel.paged_attention, config=config, **({} if window is None else {"window": window})), q[:, 0], pool.k, pool.v, pages.block_tables,
+        functools.partial(kernel.paged_attention, config=config, **_given(window=window, softcap=softcap)), q[:, 0], pool.k, pool.v, pages.block_tables,
         positions[:, 0] + 1, layer=layer, **scales,
     )  # [B, H, K]  (a traced window is closed over: replicated, as the layer index is)
     return out[:, None]
+
+
+def _given(**kwargs) -> dict:
+    """The keyword arguments that are not None (the kernel's defaults stand for the rest)."""
+    return {name: value for name, value in kwargs.items() if value is not None}

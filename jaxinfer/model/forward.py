@@ -15,7 +15,7 @@ updates its own slice, which XLA does in place when the caller donates the cache
 Family features are ModelConfig fields, each read by one function: `rope_scaling` by
 `rope.rotary_frequencies`, `attention_bias`, `qk_norm`, `v_norm` and `query_scale` by `attention_inputs`,
 `hidden_act` by `mlp`, `post_norms` and `layer_scale` by `_layer`, `embed_scale` by `hidden_states`,
-`final_logit_softcap` by `logits_from_hidden`, and `layer_types` / `local_rope_theta` / `sliding_window` by
+`final_logit_softcap` by `logits_from_hidden`, `attn_logit_softcap` by `attention.attend`, and `layer_types` / `local_rope_theta` / `sliding_window` by
 `_layer_rope` and `_layer_windows` (each layer picks its rope and window by its index inside the scan).
 Nothing branches on the architecture's name.
 
@@ -102,6 +102,7 @@ def _layer(carry, layer_and_index, *, positions, inv_freq, pages, cfg: ModelConf
         q, k, v = attention_inputs(h, layer, positions, _layer_rope(inv_freq, index, cfg), cfg)
         window = _layer_windows(cfg)
         extra = {} if window is None or not _ATTEND_TAKES_WINDOW else {"window": window[index]}
+        extra.update({} if cfg.attn_logit_softcap is None else {"softcap": cfg.attn_logit_softcap})  # a static float
         out, cache = attention.attend(cache, index, q, k, v, positions, pages, impl, **extra)
         x = x + _post_norm(_matmul("bthk,hkd->btd", out, layer.wo), layer.post_attn_norm, cfg)
     with jax.named_scope("mlp"):

@@ -447,9 +447,13 @@ GEMMA_WINDOW = 8
 _GEMMA_BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.05, sliding_window=GEMMA_WINDOW)
 GEMMA_FAMILIES = {
-    "tiny_gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(  # without attention soft-capping, which jaxinfer does not run
+    "tiny_gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(  # without attention soft-capping
         num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         query_pre_attn_scalar=24, attn_logit_softcapping=None, final_logit_softcapping=1.5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    "tiny_gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM", dict(  # attention scores soft-capped at 1 (published: 50)
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, attn_logit_softcapping=1.0, final_logit_softcapping=1.5, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
     "tiny_gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
