@@ -275,6 +275,7 @@ def _logits(cfg, params, ids) -> np.ndarray:
 
 
 def test_config_reads_the_cap_from_hf_and_from_a_gguf(gemma2, tmp_path):
+    """HF: attn_logit_softcapping (50 in a published Gemma 2 config); GGUF: gemma2.attn_logit_softcapping."""
     cfg, _ = gemma2
     assert cfg.attn_logit_softcap == 1.0 and cfg.final_logit_softcap == 1.5
     published = from_hf_config({"model_type": "gemma2", "attn_logit_softcapping": 50.0})  # the rest: Gemma2Config's defaults
@@ -284,15 +285,13 @@ def test_config_reads_the_cap_from_hf_and_from_a_gguf(gemma2, tmp_path):
     assert from_gguf.attn_logit_softcap == 1.0
     # llama.cpp fixes Gemma 2's query scale at head_dim ** -0.5 (a GGUF cannot carry the folder's; tests/loading/test_gemma.py)
     same = dataclasses.replace(from_gguf, query_scale=cfg.query_scale, norm_weight_offset=1.0, rms_norm_eps=cfg.rms_norm_eps)
-    assert same == cfg
-    data = np.load(FIXTURES / f"{NAME}_reference.npz")
-    tolerances.assert_close(_logits(same, params, data["s1_ids"]), data["s1_logits"], tolerances.LOGITS_VS_HF_F32, "GGUF")
+    assert same == cfg  # its logits: against llama.cpp's below
 
 
 def test_forward_matches_transformers_and_misses_without_the_cap(gemma2):
     cfg, params = gemma2
     data = np.load(FIXTURES / f"{NAME}_reference.npz")
-    for s in range(3):  # 7, 33 and 100 tokens: the sliding layers' window (8) crossed
+    for s in (0, 2):  # 7 and 100 tokens: the sliding layers' window (8) crossed
         tolerances.assert_close(_logits(cfg, params, data[f"s{s}_ids"]), data[f"s{s}_logits"], tolerances.LOGITS_VS_HF_F32, f"sequence {s}")
     uncapped = _logits(dataclasses.replace(cfg, attn_logit_softcap=None), params, data["s2_ids"])
     assert tolerances.relative_error(uncapped, data["s2_logits"]) > 10 * tolerances.LOGITS_VS_HF_F32
@@ -320,3 +319,24 @@ def test_paged_engine_prompt_logprobs_match_transformers(gemma2, smollm2_tokeniz
     np.testing.assert_allclose([lp for lp, _ in scored.prompt_logprobs[1:]], expected, atol=1e-4, rtol=0)
     full = _logits(cfg, params, np.asarray(prompt + generated.token_ids, np.int32))
     assert generated.token_ids == full[len(prompt) - 1 : -1].argmax(axis=1).tolist()
+
+
+def _gelu_fp16_table(x):
+    """llama.cpp's CPU GELU (GGML_GELU_FP16): an fp16 table read at the fp16-rounded input (as tests/loading/test_gemma.py)."""
+    y = jax.nn.gelu(x.astype(jnp.float16).astype(jnp.float32), approximate=True).astype(jnp.float16).astype(jnp.float32)
+    return jnp.where(x <= -10, 0.0, jnp.where(x >= 10, x, y)).astype(x.dtype)
+
+
+def test_gguf_logits_match_llama_cpp_on_the_same_file_and_miss_without_the_cap(tmp_path, monkeypatch):
+    """llama-cpp-python 0.3.36 (f32 KV cache) evaluated the soft-capped GGUF gemma_gguf writes
+    (tests/reference/make_softcap_llama_cpp_fixture.py): with llama.cpp's fp16 GELU table emulated, jaxinfer is
+    within 2e-4 of it on two sequences, and the cap switched off misses by over 10 times that."""
+    from jaxinfer.model import forward as forward_module
+
+    cfg, params = load_model(gemma_gguf(FIXTURES / NAME, tmp_path / "capped.gguf", no_vocab=True), max_context=128)
+    llama_cpp, data = np.load(FIXTURES / f"{NAME}_llama_cpp.npz"), np.load(FIXTURES / f"{NAME}_reference.npz")
+    monkeypatch.setitem(forward_module._ACTIVATIONS, "gelu_tanh", _gelu_fp16_table)
+    for s in (1, 2):  # 33 and 100 tokens
+        tolerances.assert_close(_logits(cfg, params, data[f"s{s}_ids"]), llama_cpp[f"s{s}_logits"], 2e-4, f"vs llama.cpp, sequence {s}")
+    uncapped = _logits(dataclasses.replace(cfg, attn_logit_softcap=None), params, data["s2_ids"])
+    assert tolerances.relative_error(uncapped, llama_cpp["s2_logits"]) > 10 * 2e-4
