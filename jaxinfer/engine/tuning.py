@@ -107,6 +107,8 @@ class Candidate(Impls):
         that fits (`dense_fits`), else the kept blocks dequantized a layer at a time in the step."""
         if auto_weights and self.matmul_impl != "cpu_int8" and dense_fits(params):
             params = dense_params(params)
+        elif auto_weights and self.matmul_impl != "cpu_int8":  # a tied K-quant head, dequantized a chunk at a time
+            params = panels.with_packed_head(params)
         return cast_model(cfg, params, self.dtype)
 
     def extra_bytes(self, cfg: ModelConfig, params: Params, *, auto_weights: bool = False) -> int:
@@ -238,7 +240,8 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
     """The float32 reference, by model.forward with no cache (XLA dots, jnp attention) over right-padded
     rows (causal: padding is inert); K-quant panels packed at load are dequantized a layer at a time
     (read="dense"), never through the W8A8 kernel."""
-    cfg32, params32 = cast_model(cfg, panels.with_read(params, "dense"), "float32")
+    big = panels.has_kquant_weights(params) and not dense_fits(params)  # a tied K-quant head: dequantized a chunk of columns at a time
+    cfg32, params32 = cast_model(cfg, panels.with_read(panels.with_packed_head(params) if big else params, "dense"), "float32")
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = int(lengths.max()) + num_tokens
     ids = np.zeros((len(prompts), width), np.int32)

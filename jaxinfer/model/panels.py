@@ -109,6 +109,9 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     from kernels_cpu import layer_matmul, quant_matmul  # noqa: PLC0415  (CPU only; built on first use)
 
     if _reads_dense(w):
+        inputs, _, output = spec.replace(" ", "").partition("->")
+        if isinstance(w, KQuantPanelTensor) and not w.stacked and len(w.parts) == 1 and len(w.out_shape) == 1 and output[-1:] == inputs[-1:]:
+            return _dense_einsum_by_columns(spec, x, w, preferred_element_type)  # a head: never its whole table in f32
         return jnp.einsum(spec, x, _dense_layer(w, x.dtype), preferred_element_type=preferred_element_type)
     if isinstance(w, (PanelTensor, QuantPanelTensor)):
         w = StackedWeight(jax.tree.map(lambda leaf: leaf[None], w), jnp.int32(0))
@@ -144,6 +147,29 @@ def _dense_layer(w, dtype) -> Float[Array, "..."]:
     if isinstance(stack, MixedQuantStack):
         return mixed_quant.layer_dense(stack, index, dtype)
     return kquant_dense(stack, index, dtype)
+
+
+def _dense_einsum_by_columns(spec: str, x: Float[Array, "..."], w: KQuantPanelTensor, preferred_element_type) -> Float[Array, "..."]:
+    """`jnp.einsum(spec, x, dequantized w)` for one unstacked K-quant matrix whose output axis is the spec's last,
+    PACK_ROWS output columns at a time (the chunks' outputs joined), so at most one chunk is ever dequantized:
+    a tied 128k-row head is not expanded whole (1 GiB of f32 for Llama-3.2's)."""
+    (part,), num_out = w.parts, w.out_shape[0]
+    per = PACK_ROWS // kquant_matmul.PANEL  # panels per chunk
+    outs = []
+    for first in range(0, part["codes"].shape[0], per):
+        cols = min(per * kquant_matmul.PANEL, num_out - first * kquant_matmul.PANEL)
+        chunk = dataclasses.replace(w, parts=({name: a[first:first + per] for name, a in part.items()},), out_shape=(cols,))
+        outs.append(jnp.einsum(spec, x, kquant_dense(chunk, None, x.dtype), preferred_element_type=preferred_element_type))
+    return jnp.concatenate(outs, axis=-1)
+
+
+def with_packed_head(params: Params, read: str = "dense") -> Params:
+    """`params` with a tied K-quant embedding's head given as its own K-quant panels (read=`read`; the same
+    values: the embedding's rows are the head's columns), so a dense read dequantizes it a chunk of columns at a
+    time (`einsum`) instead of the whole [V, D] table per step. Other params are returned as they are."""
+    if params.lm_head is not None or not _kquant(params.embed) or isinstance(params.embed, KQuantPanelTensor):
+        return params
+    return dataclasses.replace(params, lm_head=dataclasses.replace(to_kquant_panels(params.embed), read=read))
 
 
 def with_read(params: Params, read: str) -> Params:

@@ -231,3 +231,30 @@ def test_a_type_no_kernel_reads_is_converted_not_expanded(tmp_path, capfd):
         got = np.asarray(quant.dequantize(jax.tree.map(lambda leaf: leaf[i], w_down))).T  # [F, D] -> [O, I]
         step = np.repeat(np.abs(expected).reshape(expected.shape[0], -1, 32).max(-1) / 8, 32, axis=1)  # Q4_0's |d| per block
         assert np.all(np.abs(got - expected) <= step * (1 + 2**-7) + 1e-7)  # a clipped edge: 8 |d| - 7 |fp16(d)|
+
+
+def test_a_tied_k_quant_head_read_dense_a_chunk_of_columns_at_a_time(tmp_path, monkeypatch):
+    """The tuner's f32 reference and non-kernel candidates read a tied K-quant head as its own panels, dequantized
+    PACK_ROWS columns at a time: the same logits as the embedding dequantized whole (no 1 GiB f32 table per step)."""
+    import gguf
+
+    source = gguf.GGUFReader(str(path_of("q6_k")))
+    path = tmp_path / "tied_q6_k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in source.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in source.tensors:
+        if t.name != "output.weight":  # tied: the Q6_K token_embd is the head
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
+    assert cfg.tie_embeddings and params.lm_head is None
+    monkeypatch.setattr(panels, "PACK_ROWS", 64)  # 4 chunks of the 256-row table
+    chunked = panels.with_read(panels.with_packed_head(params), "dense")
+    assert isinstance(chunked.lm_head, KQuantPanelTensor) and chunked.lm_head.parts[0]["codes"].shape[0] == cfg.vocab_size // 16
+    ids = REFERENCE["q6_k_s0_ids"]
+    np.testing.assert_allclose(logits(cfg, chunked, ids), logits(cfg, panels.with_read(params, "dense"), ids), rtol=0, atol=1e-5)
