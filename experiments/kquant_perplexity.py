@@ -21,6 +21,11 @@
    llm.choices (dtype, attention, matmul implementation), the weight kinds in llm.params (KQuantPanelTensor:
    read by the K-quant kernel; QuantizedTensor: kept blocks dequantized a layer at a time by XLA; dense), and
    whether the K-quant C++ kernel is built (else panels run its jnp reference, the same W8A8 arithmetic).
+   A third load, "dense" (quantization=None, float32, XLA matmuls; pinned, so not tuned), runs the file's
+   weights dequantized exactly: a diagnostic that separates the file's rounding (shared with llama.cpp) from
+   the activation arithmetic (llama.cpp: q8_0 / q8_1 / q8_K activations; jaxinfer's kernel: int8 per 32).
+   Programs compile on first use (engine._compile, the program warm-up would compile) instead of LLM's
+   warm-up of the whole bucket table.
 
 Goal (issue 44): |jaxinfer ppl / llama.cpp ppl - 1| <= 0.5% for each K-quant type. Writes
 experiments/results/kquant_perplexity.json (--quick: kquant_perplexity_quick.json).
@@ -44,9 +49,12 @@ WORKDIR = REPO_ROOT / "build" / "kquant_ppl"
 TEXT = REPO_ROOT / "experiments" / "data" / "heldout_python_docs.txt"
 TYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
          "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1"}
-QUANTIZATIONS = ("auto", "gguf")
+QUANTIZATIONS = ("auto", "gguf", "dense")  # dense: a diagnostic, the file's weights dequantized exactly, f32 XLA matmuls
+LOAD = {"auto": dict(quantization="auto"), "gguf": dict(quantization="gguf"),
+        "dense": dict(quantization=None, dtype="float32", matmul_impl="xla", attention_impl="cpu")}  # dense: pinned, not tuned
 GOAL = 0.005  # |jaxinfer / llama.cpp - 1| at most this, per type
-HEADLINE_KV = "f16"  # llama.cpp's default KV cache, as llama-perplexity runs
+HEADLINE_KV = "f32"  # the perplexity column shown for jaxinfer (its runs do not depend on llama.cpp's KV type)
+KV_BASES = ("f16", "f32")  # llama.cpp's default KV cache (llama-perplexity's), and f32 (jaxinfer's precision): the goal is judged on each
 WEIGHT_KINDS = {"KQuantPanelTensor", "QuantPanelTensor", "PanelTensor", "QuantizedTensor", "MixedQuantStack", "StackedWeight"}
 
 
@@ -184,7 +192,7 @@ def jaxinfer_run(path: pathlib.Path, quantization: str, text: str, window: int, 
     from kernels_cpu import kquant_matmul
 
     start = time.perf_counter()
-    llm = LLM(str(path), quantization=quantization, warmup=False)
+    llm = LLM(str(path), warmup=False, **LOAD[quantization])
     compile_on_demand(llm.engine)
     load_s = time.perf_counter() - start
     ids = llm.tokenizer.encode(text, add_bos=False, parse_special=False)
@@ -203,7 +211,7 @@ def jaxinfer_run(path: pathlib.Path, quantization: str, text: str, window: int, 
     first = window // 2
     logprobs = [[float(entry[0]) for entry in o.prompt_logprobs[first + 1:]] for o in outputs]
     choices = {k: str(v) for k, v in dataclasses.asdict(llm.choices).items()}
-    run = {"quantization": quantization, "choices": choices, "weight_kinds": weight_kinds(llm.params),
+    run = {"quantization": quantization, "choices": choices, "weight_kinds": weight_kinds(llm.engine.step_params), "loaded_weight_kinds": weight_kinds(llm.params),
            "kquant_kernel_built": bool(kquant_matmul.available()), "load_s": load_s, "score_s": score_s, "logprobs": logprobs}
     del llm, outputs
     gc.collect()
@@ -221,6 +229,9 @@ def measure(name: str, entry: dict, args, text: str) -> dict:
     cache = WORKDIR / "runs" / f"{entry['path'].stem}_llama_cpp_{args.num_windows}x{args.window}.json"
     if cache.exists() and cache.stat().st_mtime > entry["path"].stat().st_mtime and not args.fresh:
         peer = json.loads(cache.read_text())
+    elif args.cached_only:
+        log(f"{name}: not measured (--cached-only)")
+        return None
     else:
         peer = peers.run_peer(PEER, "score", str(entry["path"]), str(TEXT), "--window", str(args.window), "--num-windows", str(args.num_windows),
                               "--kv-types", "f16,f32", "--threads", str(args.threads))
@@ -235,6 +246,11 @@ def measure(name: str, entry: dict, args, text: str) -> dict:
         if cache.exists() and cache.stat().st_mtime > entry["path"].stat().st_mtime and not args.fresh:
             log(f"{name}: jaxinfer quantization={quantization!r} from {cache} (--fresh measures again)")
             run = json.loads(cache.read_text())
+            if "loaded_weight_kinds" not in run:  # measured before the step's weights were recorded: the kinds are the loaded ones
+                run["loaded_weight_kinds"], run["weight_kinds"] = run.pop("weight_kinds"), None
+        elif args.cached_only:
+            log(f"{name}: jaxinfer quantization={quantization!r} not measured (--cached-only)")
+            continue
         else:
             log(f"{name}: jaxinfer quantization={quantization!r}")
             run = jaxinfer_run(entry["path"], quantization, text, args.window, args.num_windows, ids)
@@ -247,24 +263,36 @@ def measure(name: str, entry: dict, args, text: str) -> dict:
 
 # ---------------------------------------------------------------- report
 
+def _ppl(runs: dict, q: str) -> float | None:
+    return runs[q][HEADLINE_KV]["perplexity"] if q in runs else None
+
+
+def _diff(runs: dict, q: str, kv: str) -> float | None:
+    return runs[q][kv]["vs_llama_cpp"] if q in runs else None
+
+
 def print_table(rows: list[dict]) -> None:
-    columns = [("type", "<7"), ("MB", ">6.1f"), ("tensor types (layers)", "<30"), ("llama.cpp", ">9.4f"), ("auto", ">9.4f"), ("d auto", "+7.3%"),
-               ("gguf", ">9.4f"), ("d gguf", "+7.3%"), ("goal", "<7")]
+    columns = [("type", "<7"), ("MB", ">6.1f"), ("layer types", "<20"), ("l.cpp f16", ">9.4f"), ("l.cpp f32", ">9.4f"), ("auto", ">9.4f"),
+               ("d f16", "+7.3%"), ("d f32", "+7.3%"), ("gguf", ">9.4f"), ("d f16", "+7.3%"), ("d f32", "+7.3%"), ("exact w", ">9.4f"),
+               ("goal f16", "<8"), ("goal f32", "<8")]
     lines = []
     for row in rows:
-        layer_types = sorted({t for kind, counts in row["tensor_types"].items() if kind not in ("token_embd.weight",) and not kind.endswith("norm.weight") for t in counts})
+        layer_types = sorted({t for kind, counts in row["tensor_types"].items() if kind != "token_embd.weight" and not kind.endswith("norm.weight") for t in counts})
         runs = row["jaxinfer"]
-        diffs = [runs[q][HEADLINE_KV]["vs_llama_cpp"] for q in runs]
-        met = "-" if row["name"] == "f32" else ("met" if all(abs(d) <= GOAL for d in diffs) else "NOT MET")
-        lines.append([row["name"], row["bytes"] / 1e6, ",".join(layer_types), row["llama_cpp"][HEADLINE_KV]["perplexity"],
-                      runs.get("auto", {}).get(HEADLINE_KV, {}).get("perplexity"), runs.get("auto", {}).get(HEADLINE_KV, {}).get("vs_llama_cpp"),
-                      runs.get("gguf", {}).get(HEADLINE_KV, {}).get("perplexity"), runs.get("gguf", {}).get(HEADLINE_KV, {}).get("vs_llama_cpp"), met])
+        met = {}
+        for kv in KV_BASES:
+            diffs = [runs[q][kv]["vs_llama_cpp"] for q in runs if q != "dense"]
+            met[kv] = "-" if row["name"] == "f32" or not diffs else ("met" if all(abs(d) <= GOAL for d in diffs) else "NOT MET")
+        lines.append([row["name"], row["bytes"] / 1e6, ",".join(layer_types), row["llama_cpp"]["f16"]["perplexity"], row["llama_cpp"]["f32"]["perplexity"],
+                      _ppl(runs, "auto"), _diff(runs, "auto", "f16"), _diff(runs, "auto", "f32"), _ppl(runs, "gguf"), _diff(runs, "gguf", "f16"),
+                      _diff(runs, "gguf", "f32"), _ppl(runs, "dense"), met["f16"], met["f32"]])
     print(report.format_table(columns, lines))
-    print(f"\n(llama.cpp with its default {HEADLINE_KV} KV cache; d = jaxinfer / llama.cpp - 1; goal |d| <= {GOAL:.1%})")
+    print(f"\n(l.cpp f16 / f32: llama.cpp with its default f16 KV cache / an f32 one (jaxinfer's KV precision); d = jaxinfer / llama.cpp - 1; "
+          f"goal |d| <= {GOAL:.1%}; exact w: jaxinfer on the file's weights dequantized exactly, f32 matmuls, a diagnostic)")
     for row in rows:
         for q, run in row["jaxinfer"].items():
-            print(f"  {row['name']:<7} {q:<5} choices {run['choices']}  weights {run['weight_kinds']}  kernel built {run['kquant_kernel_built']}  "
-                  f"vs llama.cpp f32 KV {run['f32']['vs_llama_cpp']:+.3%}, max |token logprob diff| {run[HEADLINE_KV]['max_abs_token_logprob_diff']:.3g}")
+            print(f"  {row['name']:<7} {q:<5} choices {run['choices']}  step weights {run['weight_kinds']}  K-quant kernel built {run['kquant_kernel_built']}  "
+                  f"max |token logprob diff| vs llama.cpp f32 KV {run['f32']['max_abs_token_logprob_diff']:.3g}")
 
 
 def parse_args():
@@ -272,10 +300,12 @@ def parse_args():
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--quick", action="store_true", help="1 window of 256 tokens, Q6_K only")
     parser.add_argument("--types", default=",".join(TYPES))
-    parser.add_argument("--quantizations", default=",".join(QUANTIZATIONS))
+    parser.add_argument("--quantizations", default=",".join(QUANTIZATIONS),
+                        help="jaxinfer loads: auto (the default LLM), gguf, dense (exact weights in f32: separates the file's rounding from the arithmetic's)")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--num-windows", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cached-only", action="store_true", help="report only the jaxinfer runs already in build/kquant_ppl/runs/")
     parser.add_argument("--fresh", action="store_true", help="measure jaxinfer again (default: reuse build/kquant_ppl/runs/ where newer than the file)")
     args = parser.parse_args()
     if args.quick:
@@ -293,20 +323,22 @@ def main() -> None:
     text = TEXT.read_text(encoding="utf-8")
     files = build_files(args.types, args.threads)
     order = [n for n in files if n != "f32"] + ["f32"]  # the K-quant rows first, the baseline after
-    rows = [measure(name, files[name], args, text) for name in order]
+    rows = [row for name in order if (row := measure(name, files[name], args, text)) is not None]
     print_table(rows)
-    goals = {f"{row['name']}_{q}": (f"{row['name']} quantization={q}: |jaxinfer / llama.cpp ppl - 1|", GOAL, "within")
-             for row in rows if row["name"] != "f32" for q in row["jaxinfer"]}
-    judged = report.judge(goals, {f"{row['name']}_{q}": run[HEADLINE_KV]["vs_llama_cpp"] for row in rows for q, run in row["jaxinfer"].items()})
+    goals = {f"{row['name']}_{q}_vs_{kv}_kv": (f"{row['name']} quantization={q}: |jaxinfer / llama.cpp ({kv} KV) ppl - 1|", GOAL, "within")
+             for row in rows if row["name"] != "f32" for q in row["jaxinfer"] if q != "dense" for kv in KV_BASES}
+    judged = report.judge(goals, {f"{row['name']}_{q}_vs_{kv}_kv": run[kv]["vs_llama_cpp"]
+                                  for row in rows for q, run in row["jaxinfer"].items() if q != "dense" for kv in KV_BASES})
     report.print_goals(judged)
     settings = {"text": str(TEXT.relative_to(REPO_ROOT)), "heldout_tokens": rows[0]["heldout_tokens"], "window": args.window,
-                "num_windows": args.num_windows, "scored_per_window": args.window - 1 - args.window // 2, "headline_kv": HEADLINE_KV,
+                "num_windows": args.num_windows, "scored_per_window": args.window - 1 - args.window // 2, "llama_cpp_kv_bases": KV_BASES,
                 "quick": args.quick, "threads": args.threads, "tokenization_identical": True}
     for row in rows:
         row["bytes_mb"] = row["bytes"] / 1e6
     doc = {"settings": settings, "rows": rows, "goals": judged}
     summary = {"goals_met": {k: g["met"] for k, g in judged.items()},
-               "ppl": {row["name"]: {"llama_cpp": row["llama_cpp"][HEADLINE_KV]["perplexity"], **{q: r[HEADLINE_KV]["perplexity"] for q, r in row["jaxinfer"].items()}}
+               "ppl": {row["name"]: {**{f"llama_cpp_{kv}_kv": row["llama_cpp"][kv]["perplexity"] for kv in KV_BASES},
+                                     **{q: r[HEADLINE_KV]["perplexity"] for q, r in row["jaxinfer"].items()}}
                        for row in rows}}
     report.finish(args.out, doc, summary)
 
