@@ -332,7 +332,8 @@ def main() -> None:
     report.print_goals(judged)
     settings = {"text": str(TEXT.relative_to(REPO_ROOT)), "heldout_tokens": rows[0]["heldout_tokens"], "window": args.window,
                 "num_windows": args.num_windows, "scored_per_window": args.window - 1 - args.window // 2, "llama_cpp_kv_bases": KV_BASES,
-                "quick": args.quick, "threads": args.threads, "tokenization_identical": True}
+                "quick": args.quick, "threads": args.threads, "tokenization_identical": True, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                "note": "jaxinfer runs are cached per file in build/kquant_ppl/runs/ (--fresh measures again); the commit below is the report's"}
     for row in rows:
         row["bytes_mb"] = row["bytes"] / 1e6
     doc = {"settings": settings, "rows": rows, "goals": judged}
