@@ -15,11 +15,12 @@
    SmolLM2's does not). Both runners tokenize the text themselves and the ids must be equal.
 4. llama.cpp's figure (llama-perplexity's method): each window evaluated whole with logits at every position,
    the second half scored (positions W/2 .. W-2 predict tokens W/2+1 .. W-1), log-softmax in float64; with
-   its default f16 KV cache (the headline) and an f32 one.
+   its default f16 KV cache (llama-perplexity's) and with an f32 one (jaxinfer's KV precision).
 5. jaxinfer's figure: LLM(file) with quantization="auto" (the default) and with "gguf", each window a prompt
    with SamplingParams(prompt_logprobs=0, max_tokens=1), the same positions summed. What ran is recorded:
-   llm.choices (dtype, attention, matmul implementation), the weight kinds in llm.params (KQuantPanelTensor:
-   read by the K-quant kernel; QuantizedTensor: kept blocks dequantized a layer at a time by XLA; dense), and
+   llm.choices (dtype, attention, matmul implementation), the weight kinds the step multiplies
+   (engine.step_params; KQuantPanelTensor: the K-quant kernel; QuantPanelTensor: the quantized kernel;
+   QuantizedTensor / MixedQuantStack: kept blocks dequantized a layer at a time; dense) and as loaded, and
    whether the K-quant C++ kernel is built (else panels run its jnp reference, the same W8A8 arithmetic).
    A third load, "dense" (quantization=None, float32, XLA matmuls; pinned, so not tuned), runs the file's
    weights dequantized exactly: a diagnostic that separates the file's rounding (shared with llama.cpp) from
@@ -27,8 +28,9 @@
    Programs compile on first use (engine._compile, the program warm-up would compile) instead of LLM's
    warm-up of the whole bucket table.
 
-Goal (issue 44): |jaxinfer ppl / llama.cpp ppl - 1| <= 0.5% for each K-quant type. Writes
-experiments/results/kquant_perplexity.json (--quick: kquant_perplexity_quick.json).
+Goal (issue 44): |jaxinfer ppl / llama.cpp ppl - 1| <= 0.5% for each type, judged against each llama.cpp
+KV cache. jaxinfer's runs are cached in build/kquant_ppl/runs/ (--fresh measures again, --cached-only
+reports what is there). Writes experiments/results/kquant_perplexity.json (--quick: ..._quick.json).
 """
 
 import dataclasses
