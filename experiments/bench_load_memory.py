@@ -4,10 +4,11 @@ Each file is loaded in a fresh child process (so one load's peak does not hide a
   - "load": `loading.load_for_engine` as `LLM(path)` calls it (quantization="auto", tuning on), the weights
     on the device;
   - "engine": that, then an Engine with the matmul the kernel path runs (attention 'cpu', matmul 'cpu_int8';
-    K-quant panels are the loaded arrays) warmed up: the steady state of a served model.
+    K-quant panels are the loaded arrays) warmed up: the steady state of a served model;
+  - "tune" (with --tune): that load, then the tuner measuring every candidate on a small engine config (no cache),
+    as a first LLM(path) on a machine does.
 The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
-bytes; the budget is file + pool + 1 GiB. Tuning is not measured here (the tuner's own peak depends on which
-candidates fit, tuning.dense_fits).
+bytes; the budget is file + pool + 1 GiB.
 
     .venv/bin/python experiments/bench_load_memory.py [FILE.gguf ...]   (default: the K-quant test files and,
         where experiments/bench_kquant.py made them, its build/bench_kquant/*.gguf)
@@ -45,6 +46,10 @@ start = time.perf_counter()
 cfg, params = loading.load_for_engine(path, LoadOptions(), EngineConfig(**engine))
 out = {"load_s": time.perf_counter() - start, "before": before, "after_load": status(), "resident_weight_bytes": quant.resident_bytes(params),
        "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(params)})}
+if stage == "tune":
+    from jaxinfer.engine import backends, tuning
+    result = tuning.tune(cfg, params, EngineConfig(**engine), backends.Impls(), quantization="auto")
+    out |= {"choice": result.choice.name, "after_tune": status()}
 if stage == "engine":
     from jaxinfer.engine.engine import Engine
     eng = Engine(cfg, params, EngineConfig(attention_impl="cpu", matmul_impl="cpu_int8", **engine))
@@ -65,24 +70,26 @@ def measure(path: Path, stage: str) -> dict:
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
+    parser.add_argument("--tune", action="store_true", help="also the tuner's peak (minutes per file)")
     args = parser.parse_args()
     start, rows, results = time.perf_counter(), [], {}
     for path in (p.resolve() for p in args.files):
         file_bytes = path.stat().st_size
         entry = {"file_bytes": file_bytes}
-        for stage in ("load", "engine"):
+        stages = ("load", "engine", "tune") if args.tune else ("load", "engine")
+        for stage in stages:
             entry[stage] = measure(path, stage)
         pool = entry["engine"].get("pool_bytes") or 0
         budget = file_bytes + pool + SLACK_BYTES
-        for stage in ("load", "engine"):
-            peak = entry[stage].get("after_engine", entry[stage].get("after_load", {})).get("VmHWM")
+        for stage in stages:
+            peak = entry[stage].get("after_tune", entry[stage].get("after_engine", entry[stage].get("after_load", {}))).get("VmHWM")
             entry[stage]["peak_rss_bytes"] = peak
             entry[stage]["within_budget"] = None if peak is None else peak <= budget
         entry["budget_bytes"] = budget
         results[path.name] = entry
         report.log("bench_load_memory", f"{path.name}: file {file_bytes / 2**20:.0f} MiB, peak RSS load "
                    f"{(entry['load'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, engine {(entry['engine'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
-                   f"budget {budget / 2**20:.0f} MiB")
+                   f"tune {(entry.get('tune', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
         rows.append([path.name, file_bytes / 2**20, (entry["load"].get("peak_rss_bytes") or 0) / 2**20,
                      (entry["engine"].get("peak_rss_bytes") or 0) / 2**20, budget / 2**20, ", ".join(entry["load"].get("formats", [])),
                      entry["engine"].get("within_budget")])

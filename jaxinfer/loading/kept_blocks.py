@@ -93,13 +93,13 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
     the panels never coexist beyond one layer. `release(i)` is called once layer i is on the device."""
     if not stacked:
         q = read_layer(0)
+        release(0)  # the host copy holds the values now: drop the file's pages first
         if pack:
             panels = _pack(q.format, {name: jnp.asarray(field) for name, field in quant.array_fields(q).items()})
             value = KQuantPanelTensor(parts=(panels,), formats=(q.format,), layer_part=(0,), layer_slot=(0,), in_shape=q.in_shape,
                                       out_shape=q.out_shape, stacked=False)
         else:
-            value = jax.device_put(q)
-        release(0)
+            value = _device_put_by_field(q)
         return value
     order = list(dict.fromkeys(types))
     layer_part = tuple(order.index(t) for t in types)
@@ -109,15 +109,27 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
         q = read_layer(i)
         if stacks[part] is None:
             stacks[part] = _DeviceStack(q, layer_part.count(part), pack=pack)
+        release(i)  # the host copy holds the values now: drop the file's pages before the device copy
         stacks[part].add(q)
         del q
-        release(i)
     if pack:
         return _kquant_panels(tuple(stacks), layer_part, layer_slot, stacks[0].template, stacked=True)
     parts = tuple(s.tensor() for s in stacks)
     if len(parts) == 1:
         return parts[0]
     return MixedQuantStack(parts=parts, layer_part=layer_part, layer_slot=layer_slot)
+
+
+def _device_put_by_field(q: quant.QuantizedTensor) -> quant.QuantizedTensor:
+    """`jax.device_put(q)` one field at a time, each host field dropped once on the device: the host and device
+    copies coexist for one field, not the whole tensor (a 128k-row embedding table)."""
+    host = dict(quant.array_fields(q))
+    q = dataclasses.replace(q, **dict.fromkeys(host))
+    placed = {}
+    for name in list(host):
+        placed[name] = jax.device_put(host.pop(name))
+        placed[name].block_until_ready()
+    return dataclasses.replace(q, **placed)
 
 
 def _kquant_panels(stacks: tuple[_DeviceStack, ...], layer_part, layer_slot, like: quant.QuantizedTensor, *, stacked: bool) -> KQuantPanelTensor:
