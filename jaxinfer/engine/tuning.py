@@ -54,7 +54,7 @@ from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV a
     CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, tuning_enabled, write_cached,
 )
 from jaxinfer.scheduling.stopping import OutputProcessor
-from jaxinfer.model.params import Params, cast_model, dense_params
+from jaxinfer.model.params import Params, cast_model, dense_params, weight_bytes
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -166,6 +166,12 @@ def weight_kinds(params: Params, *, auto_weights: bool = False) -> dict[str, boo
     """`default_candidates`' keywords for these params: which quantized matrices they hold (with
     `auto_weights`, only the kernel's candidates see them quantized: `Candidate.prepare`)."""
     return dict(int8_weights=not auto_weights and quant.has_int8_weights(params), affine_weights=panels.has_affine_weights(params))
+
+
+def weight_formats(params: Params) -> tuple[str, ...]:
+    """The loaded weights' quantized storage formats as "kind:format" (params.weight_bytes' keys), for the cache
+    key; dense arrays are left out, as their dtype is the tuner's choice."""
+    return tuple(sorted(f"{kind}:{fmt}" for kind, fmt in weight_bytes(params) if fmt not in ("float32", "bfloat16", "float16")))
 
 
 def keeps_blocks(quantization: str | None, params: Params) -> bool:
@@ -438,7 +444,7 @@ def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Imp
     directory = cache_dir() if directory is None else Path(directory)
     fingerprint = machine_fingerprint()
     loaded = None if quantization == "auto" and not keeps_blocks(quantization, params) else quantization  # 'auto' loaded dense is None
-    key = cache_key(fingerprint, cfg, engine_cfg, pins, loaded)
+    key = cache_key(fingerprint, cfg, engine_cfg, pins, loaded, weight_formats(params))
     if use_cache and not refresh and (cached := read_cached(directory, key)) is not None:
         return cached
     result = dataclasses.replace(tune(cfg, params, engine_cfg, pins, prompt_ids=prompt_ids, candidates=candidates, progress=progress, quantization=quantization), key=key)

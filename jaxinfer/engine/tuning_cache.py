@@ -140,13 +140,16 @@ def _engine_limits(engine_cfg: EngineConfig) -> dict:
     return {name: getattr(engine_cfg, name) for name in names}
 
 
-def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None) -> str:
+def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None,
+              weight_formats: tuple[str, ...] = ()) -> str:
     """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
-    but its dtype, which is a choice), engine limits and tables, pins, the weight format, the tuner and
-    the CPU kernels' sources."""
+    but its dtype, which is a choice), engine limits and tables, pins, the quantization option and the storage
+    formats of the loaded weights ("kind:format", e.g. "mlp:q4_k": two files of one geometry, Q4_1 and
+    Q4_K_M, are measured apart), the tuner and the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
     document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
                 "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
+                **({"weight_formats": sorted(weight_formats)} if weight_formats else {}),
                 "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -70,6 +70,7 @@ def test_cache_key_changes_with_fingerprint_geometry_limits_pins_and_kernels(mon
         "limits": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 8}), Impls()),
         "pins": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(dtype="float32")),
         "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(), "int8"),
+        "weight formats": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(), None, ("mlp:q4_k", "mlp:q6_k")),
     }
     # the dtype is a choice, not geometry: a bf16-loaded model shares the key of its f32 load
     assert tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, dtype="bfloat16"), engine, Impls()) == base
