@@ -375,8 +375,8 @@ def load_hf_folder(
             hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
-    hf.update(params_lib.unfuse(hf, cfg))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
     hf = _text_model_names(hf)
+    hf.update(params_lib.unfuse(hf, cfg))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
     if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
         hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
     if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:

@@ -230,7 +230,6 @@ def unfuse(hf: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]
     return out
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
