@@ -144,11 +144,14 @@ def _write_random_f16_gguf(path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and resets VmHWM via clear_refs")
-def test_loading_an_f16_file_grows_peak_rss_by_less_than_twice_its_size(tmp_path):
+def test_loading_an_f16_file_grows_peak_rss_by_less_than_an_f32_expansion(tmp_path):
     path = tmp_path / "random.f16.gguf"
     _write_random_f16_gguf(path)
     size = path.stat().st_size
     kept = _peak_growth(path, "gguf")
     dense = _peak_growth(path, "dense")  # the control: f32 on the host, then f32 on the device
-    assert kept < 2 * size, f"kept load grew peak RSS by {kept / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+    # The file's bytes once (mapped pages not yet released plus the device copy overlap one tensor at a time) and a
+    # fixed 64 MiB for the loader's compiled layer updates (kept_blocks); an f32 expansion alone is 2x the file.
+    bound = 1.5 * size + 64 * 2**20
+    assert kept < bound, f"kept load grew peak RSS by {kept / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file (bound {bound / 2**20:.0f} MiB)"
     assert dense > 2 * size, f"dense load grew peak RSS by only {dense / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
