@@ -26,7 +26,7 @@ PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models kquant-fixtures clean
 
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml setup.py jaxinfer_lm_eval.pth
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=..." >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) -e '.[dev,ray,eval]'

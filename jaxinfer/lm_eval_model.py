@@ -1,11 +1,13 @@
 """An lm-evaluation-harness model over `LLM`: `loglikelihood`, `loglikelihood_rolling`, `generate_until`.
 
-Registered as "jaxinfer" with lm-eval's `register_model` when this module is imported. lm-eval 0.4.13 finds
-models only in its own table or by import, so its CLI is run through this module, which registers the model
-and then hands lm-eval's own arguments to its CLI:
+Registered as "jaxinfer": lazily in lm-eval's own table by `jaxinfer.lm_eval_hook` (installed with the
+package through `jaxinfer_lm_eval.pth`), so lm-eval's CLI finds it by name, and with `register_model` when this
+module is imported. Where .pth files are not read, this module is the CLI, registering the model and handing
+lm-eval's own arguments to its CLI:
 
-    python -m jaxinfer.lm_eval_model --model jaxinfer --model_args model=PATH,dtype=float32 --tasks ...
-    jaxinfer-lm-eval --model jaxinfer ...          (the same, as a console script)
+    lm_eval --model jaxinfer --model_args model=PATH,dtype=float32 --tasks ...
+    python -m jaxinfer.lm_eval_model --model jaxinfer ...   (without the .pth file)
+    jaxinfer-lm-eval --model jaxinfer ...                   (the same, as a console script)
 
 `model_args` are LLM's keywords (model, dtype, quantization, tensor_parallel, EngineConfig fields such as
 deterministic=True) plus `max_gen_toks` (generate_until's default, 256). Log-likelihoods go through

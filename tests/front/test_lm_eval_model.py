@@ -1,7 +1,7 @@
 """The lm-eval model over LLM, on local tasks (YAML with `dataset_path: json` over files written here; nothing is
 downloaded): a multiple-choice task's accuracy equals the one computed directly over LLM.score, its
 generate_until answers equal LLM.generate's texts, loglikelihood_rolling equals a direct sum over windows,
-and `python -m jaxinfer.lm_eval_model --model jaxinfer` runs lm-eval's CLI with the model registered."""
+and lm-eval's own CLI, `lm_eval --model jaxinfer`, finds the model by name (through the installed .pth hook)."""
 
 import json
 import os
@@ -102,12 +102,12 @@ def test_loglikelihood_rolling_sums_disjoint_windows_with_as_much_context_as_fit
     assert total == pytest.approx(first.logprob + second.logprob, abs=1e-3)
 
 
-def test_the_cli_wrapper_runs_lm_eval_with_the_model_registered(tiny_chat_model, compile_cache, tmp_path):
+def test_lm_evals_own_cli_finds_the_jaxinfer_model_by_name(tiny_chat_model, compile_cache, tmp_path):
     tasks = write_tasks(tmp_path / "tasks")
     out = tmp_path / "out"
     args = f"model={tiny_chat_model},dtype=float32,max_context=128,page_size=16,max_num_seqs=4,max_prefill_tokens=64,compilation_cache_dir={compile_cache}"
     run = subprocess.run(
-        [sys.executable, "-m", "jaxinfer.lm_eval_model", "--model", "jaxinfer", "--model_args", args, "--tasks", "jaxinfer_mc",
+        [Path(sys.executable).with_name("lm_eval"), "--model", "jaxinfer", "--model_args", args, "--tasks", "jaxinfer_mc",
          "--include_path", str(tasks), "--output_path", str(out), "--limit", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
     )

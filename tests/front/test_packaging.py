@@ -18,7 +18,7 @@ import pytest
 from kernels_cpu import build
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "jaxinfer", "kernels_pallas", "kernels_cpu")
+SOURCES = ("pyproject.toml", "setup.py", "jaxinfer_lm_eval.pth", "README.md", "jaxinfer", "kernels_pallas", "kernels_cpu")
 
 # Run in the installed copy: where each package came from, whether each kernel built and registered, what
 # 'auto' resolves to for an f32 model, and any warning (the fallback warns instead of raising).
@@ -69,3 +69,4 @@ def test_cpu_kernels_build_and_load_from_an_installed_wheel(tmp_path):
     assert result["available"] == [True, True], result["warnings"]
     assert result["auto_impl"] == "cpu"
     assert sorted(p.name.split("-")[0] for p in cache.glob("*.so")) == ["layer_matmul", "paged_attention"]  # built here, now
+    assert (site / "jaxinfer_lm_eval.pth").read_text().startswith("import jaxinfer.lm_eval_hook")  # lm_eval --model jaxinfer
