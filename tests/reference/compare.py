@@ -27,7 +27,12 @@ import numpy as np
 RTOL = 1e-4
 
 # What tests/reference/make_fixtures.py writes, relative to its --out directory.
-FAMILY_MODELS = ("tiny_llama", "tiny_llama3", "tiny_llama_linear", "tiny_llama_dynamic", "tiny_mistral", "tiny_qwen2", "tiny_qwen3")
+# Its FAMILIES, GEMMA_FAMILIES and ROPE_SCALING_FAMILIES (tiny_qwen3_embed is make_embedding_fixtures.py's).
+FAMILY_MODELS = (
+    "tiny_llama", "tiny_llama3", "tiny_llama_linear", "tiny_llama_dynamic", "tiny_mistral", "tiny_mistral_window", "tiny_qwen2",
+    "tiny_qwen3", "tiny_gemma2", "tiny_gemma2_softcap", "tiny_gemma3", "tiny_gemma4", "tiny_phi3", "tiny_qwen2_yarn",
+    "tiny_qwen3_yarn",
+)
 FIXTURE_FILES = (
     "smollm2_reference.npz",
     "smollm2_reference.json",
