@@ -12,18 +12,17 @@
 //   layer         s32[];  attributes: format (kquant_matmul.FORMATS' index), vectorized (0: the plain loop)
 //   out           f32[M, F], F = 16 C
 //
-// Activations: the project's one W8A8 rule (quant_matmul.cc's quantize_row: int8, symmetric, scale max|x|/127
-// per block of 32 of a row), not llama.cpp's Q8_K (one scale per 256, with sums per 16). Chosen for fidelity:
-// a block of 32 follows the activations' outliers eight times more closely than a block of 256, and every
-// W8A8 path of jaxinfer (XLA's int8 dot, quant_matmul) then quantizes x the same way. The cost is a float
-// multiply-add per 32 inputs instead of integer scales summed over 256, which decode does not notice (it
-// waits on memory) and prefill pays in about one float op per two vpdpbusd. Per block j of 32 inputs of a
-// row, dot = the exact int32 dot of the unsigned codes q with the int8 activation codes, sum = the sum of the
-// activation codes, sx = the activation scale (all per 16 inputs for q6_k's halves h):
-//   q4_k, q5_k  acc += (dot sx) (d sc_j) - (sx sum) (dmin m_j)     d sc_j and dmin m_j: exact f32 products
-//   q6_k        acc += sx ((dot_0 - 32 sum_0) (d sc_0) + (dot_1 - 32 sum_1) (d sc_1))   (the - 32 in int32)
-//   q5_0        acc += ((dot - 16 sum) sx) d
-//   q5_1        acc += (dot sx) d + (sx sum) m
+// Activations: int8, symmetric, scale max|x|/127, per group of a row: per 256 for the K-quants (llama.cpp's
+// Q8_K granularity, so the sub-block scales fold into integer sums once per super-block), per 32 for q5_0 /
+// q5_1 (quant_matmul.cc's W8A8 rule). dot_j = the exact int32 dot of the unsigned codes q of sub-block j with
+// the activation codes, sum_j = the sum of those activation codes, sx = the group's activation scale:
+//   q4_k, q5_k  per 256: acc += cvt(sum_j sc_j dot_j) (sx d) - cvt(sum_j m_j sum_j) (sx dmin)    (j per 32)
+//   q6_k        per 256: acc += cvt(sum_h sc_h dot_h - 32 sum_h sc_h sum_h) (sx d)              (h per 16)
+//   q5_0        per 32:  acc += ((dot - 16 sum) sx) d
+//   q5_1        per 32:  acc += (dot sx) d + (sx sum) m
+// The integer sums are exact in int32 (|sum sc dot| < 2^28); the float work is once per 256 inputs. sc_j dot_j
+// is a vpmulld per sub-block; the min (q6_k: zero-point) term is a vpdpwssd per two sub-blocks, of the 16-bit
+// pairs (m_j, m_j+1) of a column with the activation sums (sum_j, sum_j+1), kept as int16 pairs per row.
 // Codes: the low nibbles as quant_matmul.cc's (one 64-byte row: 8 inputs of 16 columns, two vpdpbusd), the
 // bits above them or-ed in from a 64-byte row of high bits per 32 (1 bit) or 16 (2 bits) inputs, shifted into
 // place two bits (or four) per code row. The design is quant_matmul.cc's: column tiles of kPanels panels of 16
@@ -62,38 +61,42 @@ constexpr int kHighBits[] = {0, 1, 2, 1, 1};  // bits above the low nibble
 constexpr bool kKQuant(int f) { return f <= kQ6K; }
 constexpr bool kHasMins(int f) { return f == kQ4K || f == kQ5K || f == kQ51; }
 
-// x quantized per block of 32 (quant_matmul.cc's rule), with what each format's correction needs.
+constexpr int64_t kGroup(int f) { return kKQuant(f) ? kSuper : kBlock; }  // inputs per activation scale
+constexpr int64_t kSub(int f) { return f == kQ6K ? 16 : kBlock; }  // inputs per weight sub-block scale
+
+// x quantized per group (kGroup) with what each format's correction needs.
 struct Activations {
   std::vector<int8_t> codes;        // [M, I]
-  std::vector<float> scale;         // [M, A]: sx
-  std::vector<float> scaled_sum;    // [M, A]: sx * sum of the block's codes (mins)
-  std::vector<int32_t> zero_sum;    // [M, J]: zero point * sum of the codes per sub-block (J = I/16 for q6_k, I/32 for q5_0)
-  int64_t I, blocks;
+  std::vector<float> scale;         // [M, A]: sx per group
+  std::vector<float> scaled_sum;    // [M, A]: sx * sum of the group's codes (q5_1)
+  std::vector<int32_t> zero_sum;    // [M, A]: 16 * sum of the group's codes (q5_0)
+  std::vector<int32_t> pair_sums;   // [M, I / (2 kSub)] (K-quants): the sums of sub-blocks 2k, 2k + 1 as int16 lo, hi
+  int64_t I, groups;
 };
 
 void quantize_row(const float* x, int64_t row, int format, Activations& a) {
-  const int64_t sub = format == kQ6K ? 16 : kBlock, subs = a.I / sub;
-  const int32_t zero_point = format == kQ6K ? 32 : format == kQ50 ? 16 : 0;
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const float* xb = x + row * a.I + b * kBlock;
+  const int64_t group = kGroup(format), sub = kSub(format);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const float* xg = x + row * a.I + g * group;
     float amax = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(xg[i]));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t* q = a.codes.data() + row * a.I + b * kBlock;
-    int32_t sums[2] = {0, 0};
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -127, 127);
+    int8_t* q = a.codes.data() + row * a.I + g * group;
+    int32_t sums[kSuper / 16] = {};  // per sub-block
+    for (int64_t i = 0; i < group; ++i) {
+      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xg[i] * inv)), -127, 127);
       q[i] = static_cast<int8_t>(c);
-      sums[i / 16] += c;
+      sums[i / sub] += c;
     }
     const float sx = amax / 127.0f;
-    a.scale[row * a.blocks + b] = sx;
-    a.scaled_sum[row * a.blocks + b] = sx * static_cast<float>(sums[0] + sums[1]);
-    if (sub == 16) {
-      a.zero_sum[row * subs + 2 * b] = zero_point * sums[0];
-      a.zero_sum[row * subs + 2 * b + 1] = zero_point * sums[1];
+    a.scale[row * a.groups + g] = sx;
+    if (kKQuant(format)) {  // |sum| <= 127 * 32: an int16
+      const int64_t pairs = group / (2 * sub), first = (row * a.groups + g) * pairs;
+      for (int64_t k = 0; k < pairs; ++k)
+        a.pair_sums[first + k] = static_cast<int32_t>((static_cast<uint32_t>(sums[2 * k + 1]) << 16) | (static_cast<uint32_t>(sums[2 * k]) & 0xFFFF));
     } else {
-      a.zero_sum[row * subs + b] = zero_point * (sums[0] + sums[1]);
+      a.scaled_sum[row * a.groups + g] = sx * static_cast<float>(sums[0]);
+      a.zero_sum[row * a.groups + g] = 16 * sums[0];
     }
   }
 }
@@ -129,106 +132,183 @@ int64_t scale_bytes(int format) { return format == kQ50 || format == kQ51 ? 2 : 
 
 #ifdef JAXINFER_VNNI
 inline __m512 load_f16(const uint16_t* at) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))); }
-inline __m512 load_u8(const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); }
-inline __m512 load_s8(const uint8_t* at) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))); }
+inline __m128i load_16(const uint8_t* at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at)); }
 inline void prefetch(const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1); }
 
-// out[m0 : m0 + R, 16 p0 : 16 (p0 + P)]: P panels (a column tile, or one panel of it at decode's few rows);
-// `ahead`: prefetch the bytes of the P panels after them.
+// Code row `row` of P panels (step s of its block of 32): the low nibbles' inputs in lo, the high nibbles' in
+// hi, the bits above them or-ed in from `cur` (the block's high bits, shifted down as code rows use them).
+template <int Width, int P>
+inline void load_code_row(const Layer& w, int64_t p0, int64_t row, int s, bool ahead, __m512i* cur, __m512i* lo, __m512i* hi) {
+  const int64_t code_panel = w.steps * 64, high_panel = w.high_rows * 64;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(Width == 2 ? 0x30 : 0x10);
+  for (int v = 0; v < P; ++v) {
+    const uint8_t* at = w.codes + (p0 + v) * code_panel + row * 64;
+    if (ahead) prefetch(at + P * code_panel);
+    const __m512i raw = _mm512_loadu_si512(at);
+    lo[v] = _mm512_and_si512(raw, low_nibbles);
+    hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+    if constexpr (Width > 0) {
+      if (s % (4 / Width) == 0) {  // a new row of high bits: per 32 inputs (1 bit), per 16 (2 bits)
+        const uint8_t* hat = w.high + (p0 + v) * high_panel + (row * Width / 4) * 64;
+        if (ahead) prefetch(hat + P * high_panel);
+        cur[v] = _mm512_loadu_si512(hat);
+      }
+      // code row s uses the lowest 2 Width bits of each byte: the first Width for the low nibbles' inputs
+      lo[v] = _mm512_or_si512(lo[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4), high_mask));
+      hi[v] = _mm512_or_si512(hi[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4 - Width), high_mask));
+      cur[v] = _mm512_srli_epi16(cur[v], 2 * Width);  // bits crossing from the next byte land above those read
+    }
+  }
+}
+
+// dot[r][v] += the 8 inputs of a code row times rows xr + r I's 8 activation codes.
+template <int R, int P>
+inline void dot_code_row(const int8_t* xr, int64_t I, const __m512i* lo, const __m512i* hi, __m512i (*dot)[P]) {
+  for (int r = 0; r < R; ++r) {
+    const __m512i x0 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + r * I)), x1 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + r * I + 4));
+    for (int v = 0; v < P; ++v) dot[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v], lo[v], x0), hi[v], x1);
+  }
+}
+
+// Prefetches one super-block g of the P panels from p0 on (its sub-scales, mins and fp16 scales).
+template <int P, int Fmt>
+inline void prefetch_scales(const Layer& w, int64_t p0, int64_t g) {
+  constexpr int64_t Subs = kSuper / kSub(Fmt);
+  for (int v = 0; v < P; ++v) {
+    const int64_t p = p0 + v;
+    for (int64_t line = 0; line < Subs * kPanel; line += 64) prefetch(w.scales + p * w.sub_scales * kPanel + g * Subs * kPanel + line);
+    if constexpr (Fmt != kQ6K) {
+      for (int64_t line = 0; line < 8 * kPanel; line += 64) prefetch(w.mins + p * w.blocks * kPanel + g * 8 * kPanel + line);
+      prefetch(reinterpret_cast<const uint8_t*>(w.super_mins + (p * w.supers + g) * kPanel));
+    }
+    prefetch(reinterpret_cast<const uint8_t*>(w.super_scales + (p * w.supers + g) * kPanel));
+  }
+}
+
+// out[m0 : m0 + R, 16 p0 : 16 (p0 + P)] of a K-quant: P panels (a column tile, or one panel of it at decode's
+// few rows), one super-block of 256 inputs at a time; `ahead`: prefetch the bytes of the P panels after them.
+// The f32 sums live in `out` between super-blocks, which frees their registers for the integer ones.
 template <int R, int P, int Fmt>
-void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
+void super_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
   constexpr int Width = kHighBits[Fmt];
-  constexpr int Halves = Fmt == kQ6K ? 2 : 1;  // dots per block of 32: q6_k's scales are per 16
-  constexpr int SB = Fmt == kQ50 || Fmt == kQ51 ? 2 : 1;  // bytes per sub-block scale
-  const int64_t code_panel = w.steps * 64, high_panel = w.high_rows * 64, scale_panel = w.sub_scales * kPanel * SB,
-                min_panel = w.blocks * kPanel * SB, super_panel = w.supers * kPanel;
+  constexpr int64_t Sub = kSub(Fmt), Subs = kSuper / Sub, Pairs = Subs / 2, StepsPerSub = Sub / 8;
+  const uint8_t* pair_weights = Fmt == kQ6K ? w.scales : w.mins;  // the 16-bit pairs of the correction term
+  const int64_t pair_panel = (Fmt == kQ6K ? w.sub_scales : w.blocks) * kPanel, pairs_per_row = a.I / (2 * Sub);
+  // lane c of a pair row: elements c and 16 + c (sub-blocks 2k and 2k + 1 of column c)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t g = 0; g < w.supers; ++g) {
+    if (ahead) prefetch_scales<P, Fmt>(w, p0 + P, g);
+    __m512i sums[R][P];  // sum_j sc_j dot_j
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < P; ++v) sums[r][v] = _mm512_setzero_si512();
+    for (int64_t b = g * (kSuper / kBlock); b < (g + 1) * (kSuper / kBlock); ++b) {
+      __m512i dot[R][P], cur[P];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int s = 0; s < kBlock / 8; ++s) {
+        __m512i lo[P], hi[P];
+        load_code_row<Width, P>(w, p0, b * 4 + s, s, ahead, cur, lo, hi);
+        dot_code_row<R, P>(a.codes.data() + m0 * a.I + b * kBlock + 8 * s, a.I, lo, hi, dot);
+        if ((s + 1) % StepsPerSub == 0) {  // sub-block j complete: sums += sc_j dot_j
+          const int64_t j = (b * 4 + s) / StepsPerSub;
+          __m512i sc[P];
+          for (int v = 0; v < P; ++v) {
+            const __m128i raw = load_16(w.scales + (p0 + v) * w.sub_scales * kPanel + j * kPanel);
+            sc[v] = Fmt == kQ6K ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+          }
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < P; ++v) {
+              sums[r][v] = _mm512_add_epi32(sums[r][v], _mm512_mullo_epi32(dot[r][v], sc[v]));
+              dot[r][v] = _mm512_setzero_si512();
+            }
+        }
+      }
+    }
+    __m512i corr[R][P];  // q4_k, q5_k: sum_j m_j sum_j; q6_k: sum_h sc_h sum_h
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < P; ++v) corr[r][v] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Pairs; ++k) {
+      __m512i pair[P];
+      for (int v = 0; v < P; ++v) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_weights + (p0 + v) * pair_panel + (g * Subs + 2 * k) * kPanel));
+        pair[v] = _mm512_permutexvar_epi16(interleave, Fmt == kQ6K ? _mm512_cvtepi8_epi16(raw) : _mm512_cvtepu8_epi16(raw));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(a.pair_sums[(m0 + r) * pairs_per_row + g * Pairs + k]);
+        for (int v = 0; v < P; ++v) corr[r][v] = _mm512_dpwssd_epi32(corr[r][v], pair[v], x);
+      }
+    }
+    for (int v = 0; v < P; ++v) {
+      const __m512 d = load_f16(w.super_scales + ((p0 + v) * w.supers + g) * kPanel);
+      const __m512 dmin = Fmt == kQ6K ? d : load_f16(w.super_mins + ((p0 + v) * w.supers + g) * kPanel);
+      for (int r = 0; r < R; ++r) {
+        float* at = out + (m0 + r) * w.F + (p0 + v) * kPanel;
+        const __m512 sx = _mm512_set1_ps(a.scale[(m0 + r) * a.groups + g]);
+        __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(at);
+        if constexpr (Fmt == kQ6K) {
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][v], _mm512_slli_epi32(corr[r][v], 5))), _mm512_mul_ps(sx, d), acc);
+        } else {
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][v]), _mm512_mul_ps(sx, d), acc);
+          acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr[r][v]), _mm512_mul_ps(sx, dmin), acc);
+        }
+        _mm512_storeu_ps(at, acc);
+      }
+    }
+  }
+}
+
+// out[m0 : m0 + R, 16 p0 : 16 (p0 + P)] of q5_0 / q5_1, a block of 32 inputs at a time (as super_tile).
+template <int R, int P, int Fmt>
+void block_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
+  const int64_t scale_panel = w.blocks * kPanel * 2;  // f16 d (and m) per block and column
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < P; ++v) acc[r][v] = _mm512_setzero_ps();
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(Width == 2 ? 0x30 : 0x10);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512i dot[R][P][Halves];
+    __m512i dot[R][P], cur[P];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < P; ++v)
-        for (int h = 0; h < Halves; ++h) dot[r][v][h] = _mm512_setzero_si512();
-    const int8_t* xb = a.codes.data() + m0 * a.I + b * kBlock;
-    __m512i cur[P];  // this block's high bits, shifted down as code rows use them
+      for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int s = 0; s < kBlock / 8; ++s) {
       __m512i lo[P], hi[P];
-      for (int v = 0; v < P; ++v) {
-        const uint8_t* at = w.codes + (p0 + v) * code_panel + (b * 4 + s) * 64;
-        if (ahead) prefetch(at + P * code_panel);
-        const __m512i raw = _mm512_loadu_si512(at);
-        lo[v] = _mm512_and_si512(raw, low_nibbles);
-        hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
-        if constexpr (Width > 0) {
-          if (s % (4 / Width) == 0) {  // a new row of high bits: per 32 inputs (1 bit), per 16 (2 bits)
-            const uint8_t* hat = w.high + (p0 + v) * high_panel + (b * Width + s * Width / 4) * 64;
-            if (ahead) prefetch(hat + P * high_panel);
-            cur[v] = _mm512_loadu_si512(hat);
-          }
-          // code row s uses the lowest 2 Width bits of each byte: the first Width for the low nibbles' inputs
-          lo[v] = _mm512_or_si512(lo[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4), high_mask));
-          hi[v] = _mm512_or_si512(hi[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4 - Width), high_mask));
-          cur[v] = _mm512_srli_epi16(cur[v], 2 * Width);  // bits crossing from the next byte land above those read
-        }
-      }
-      const int h = Halves == 2 ? s / 2 : 0;
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xb + r * a.I + 8 * s;
-        const __m512i x0 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr)), x1 = _mm512_broadcastd_epi32(_mm_loadu_si32(xr + 4));
-        for (int v = 0; v < P; ++v) dot[r][v][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][v][h], lo[v], x0), hi[v], x1);
-      }
+      load_code_row<1, P>(w, p0, b * 4 + s, s, ahead, cur, lo, hi);
+      dot_code_row<R, P>(a.codes.data() + m0 * a.I + b * kBlock + 8 * s, a.I, lo, hi, dot);
     }
-    // the scales of block b, per panel
-    __m512 scale[P][Halves], minimum[P];
+    __m512 scale[P], minimum[P];
     for (int v = 0; v < P; ++v) {
       const int64_t p = p0 + v;
       if (ahead && b % 2 == 0) {
-        prefetch(w.scales + p * scale_panel + b * Halves * kPanel * SB + P * scale_panel);
-        if constexpr (kHasMins(Fmt)) prefetch(w.mins + p * min_panel + b * kPanel * SB + P * min_panel);
+        prefetch(w.scales + p * scale_panel + b * kPanel * 2 + P * scale_panel);
+        if constexpr (Fmt == kQ51) prefetch(w.mins + p * scale_panel + b * kPanel * 2 + P * scale_panel);
       }
-      if constexpr (kKQuant(Fmt)) {
-        const uint16_t* d = w.super_scales + p * super_panel + (b * kBlock / kSuper) * kPanel;
-        if (ahead && b % 8 == 0) {
-          prefetch(reinterpret_cast<const uint8_t*>(d + P * super_panel));
-          if constexpr (Fmt != kQ6K) prefetch(reinterpret_cast<const uint8_t*>(w.super_mins + p * super_panel + (b / 8) * kPanel + P * super_panel));
-        }
-        const __m512 super = load_f16(d);
-        for (int h = 0; h < Halves; ++h) {
-          const uint8_t* sc = w.scales + p * scale_panel + (b * Halves + h) * kPanel;
-          scale[v][h] = _mm512_mul_ps(super, Fmt == kQ6K ? load_s8(sc) : load_u8(sc));
-        }
-        if constexpr (Fmt != kQ6K)
-          minimum[v] = _mm512_mul_ps(load_f16(w.super_mins + p * super_panel + (b / 8) * kPanel), load_u8(w.mins + p * min_panel + b * kPanel));
-      } else {
-        scale[v][0] = load_f16(reinterpret_cast<const uint16_t*>(w.scales + p * scale_panel + b * kPanel * 2));
-        if constexpr (Fmt == kQ51) minimum[v] = load_f16(reinterpret_cast<const uint16_t*>(w.mins + p * min_panel + b * kPanel * 2));
-      }
+      scale[v] = load_f16(reinterpret_cast<const uint16_t*>(w.scales + p * scale_panel + b * kPanel * 2));
+      if constexpr (Fmt == kQ51) minimum[v] = load_f16(reinterpret_cast<const uint16_t*>(w.mins + p * scale_panel + b * kPanel * 2));
     }
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * a.blocks + b;
+      const int64_t at = (m0 + r) * a.groups + b;
       const __m512 sx = _mm512_set1_ps(a.scale[at]);
       for (int v = 0; v < P; ++v) {
-        if constexpr (Fmt == kQ6K) {
-          const int32_t* zs = a.zero_sum.data() + 2 * at;
-          __m512 inner = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v][0], _mm512_set1_epi32(zs[0]))), scale[v][0]);
-          inner = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v][1], _mm512_set1_epi32(zs[1]))), scale[v][1], inner);
-          acc[r][v] = _mm512_fmadd_ps(inner, sx, acc[r][v]);
-        } else if constexpr (Fmt == kQ50) {
-          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v][0], _mm512_set1_epi32(a.zero_sum[at]))), sx);
-          acc[r][v] = _mm512_fmadd_ps(t, scale[v][0], acc[r][v]);
+        if constexpr (Fmt == kQ50) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], _mm512_set1_epi32(a.zero_sum[at]))), sx);
+          acc[r][v] = _mm512_fmadd_ps(t, scale[v], acc[r][v]);
         } else {
-          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v][0]), sx), ss = _mm512_set1_ps(a.scaled_sum[at]);
-          acc[r][v] = _mm512_fmadd_ps(t, scale[v][0], acc[r][v]);
-          acc[r][v] = Fmt == kQ51 ? _mm512_fmadd_ps(ss, minimum[v], acc[r][v]) : _mm512_fnmadd_ps(ss, minimum[v], acc[r][v]);
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), sx);
+          acc[r][v] = _mm512_fmadd_ps(t, scale[v], acc[r][v]);
+          acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(a.scaled_sum[at]), minimum[v], acc[r][v]);
         }
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < P; ++v) _mm512_storeu_ps(out + (m0 + r) * w.F + (p0 + v) * kPanel, acc[r][v]);
+}
+
+template <int R, int P, int Fmt>
+void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
+  if constexpr (kKQuant(Fmt)) super_tile<R, P, Fmt>(a, w, p0, m0, ahead, out);
+  else block_tile<R, P, Fmt>(a, w, p0, m0, ahead, out);
 }
 
 template <int Fmt>
@@ -281,37 +361,42 @@ float f16_at(const uint8_t* base, int64_t index) {
   return half_to_float(h);
 }
 
+// One group (a super-block, or q5_0 / q5_1's block) of column c of panel p times row m, added to acc.
+float group_plain(int format, const Activations& a, const Layer& w, int64_t p, int64_t c, int64_t m, int64_t g, float acc) {
+  const int64_t group = kGroup(format), sub = kSub(format);
+  int32_t sums = 0, corr = 0;  // the integer sums of the module comment
+  for (int64_t j = g * group / sub; j < (g + 1) * group / sub; ++j) {
+    int32_t dot = 0, x_sum = 0;
+    for (int64_t k = j * sub; k < (j + 1) * sub; ++k) {
+      dot += static_cast<int32_t>(code_at(format, w, p, c, k)) * a.codes[m * a.I + k];
+      x_sum += a.codes[m * a.I + k];
+    }
+    if (format == kQ6K || format == kQ4K || format == kQ5K) {
+      const int32_t sc = format == kQ6K ? static_cast<int8_t>(w.scales[(p * w.sub_scales + j) * kPanel + c]) : w.scales[(p * w.sub_scales + j) * kPanel + c];
+      sums += sc * dot;
+      corr += (format == kQ6K ? sc : w.mins[(p * w.blocks + j) * kPanel + c]) * x_sum;
+    } else {
+      sums = dot;
+    }
+  }
+  const float sx = a.scale[m * a.groups + g];
+  if (kKQuant(format)) {
+    const float d = half_to_float(w.super_scales[(p * w.supers + g) * kPanel + c]);
+    if (format == kQ6K) return std::fma(static_cast<float>(sums - 32 * corr), sx * d, acc);
+    const float dmin = half_to_float(w.super_mins[(p * w.supers + g) * kPanel + c]);
+    return std::fma(-static_cast<float>(corr), sx * dmin, std::fma(static_cast<float>(sums), sx * d, acc));
+  }
+  const int64_t column = (p * w.blocks + g) * kPanel + c;
+  if (format == kQ50) return std::fma(static_cast<float>(sums - a.zero_sum[m * a.groups + g]) * sx, f16_at(w.scales, column), acc);
+  return std::fma(a.scaled_sum[m * a.groups + g], f16_at(w.mins, column), std::fma(static_cast<float>(sums) * sx, f16_at(w.scales, column), acc));
+}
+
 void column_tile_plain(int format, const Activations& a, const Layer& w, int64_t p0, int64_t M, float* out) {
-  const int64_t halves = format == kQ6K ? 2 : 1, sub = kBlock / halves;
   for (int64_t p = p0; p < p0 + kPanels; ++p)
     for (int64_t c = 0; c < kPanel; ++c)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.0f;
-        for (int64_t b = 0; b < w.blocks; ++b) {
-          int32_t dot[2] = {0, 0};
-          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
-            dot[(k - b * kBlock) / sub] += static_cast<int32_t>(code_at(format, w, p, c, k)) * a.codes[m * a.I + k];
-          const int64_t at = m * a.blocks + b, column = (p * w.blocks + b) * kPanel + c;
-          const float sx = a.scale[at];
-          const float d = kKQuant(format) ? half_to_float(w.super_scales[(p * w.supers + b * kBlock / kSuper) * kPanel + c]) : 0.0f;
-          if (format == kQ6K) {
-            float inner = 0.0f;
-            for (int64_t h = 0; h < 2; ++h) {
-              const float scale = d * static_cast<float>(static_cast<int8_t>(w.scales[(p * w.sub_scales + 2 * b + h) * kPanel + c]));
-              inner = std::fma(static_cast<float>(dot[h] - a.zero_sum[2 * at + h]), scale, inner);
-            }
-            acc = std::fma(inner, sx, acc);
-          } else if (format == kQ50) {
-            acc = std::fma(static_cast<float>(dot[0] - a.zero_sum[at]) * sx, f16_at(w.scales, column), acc);
-          } else if (format == kQ51) {
-            acc = std::fma(static_cast<float>(dot[0]) * sx, f16_at(w.scales, column), acc);
-            acc = std::fma(a.scaled_sum[at], f16_at(w.mins, column), acc);
-          } else {
-            const float dmin = half_to_float(w.super_mins[(p * w.supers + b * kBlock / kSuper) * kPanel + c]);
-            acc = std::fma(static_cast<float>(dot[0]) * sx, d * static_cast<float>(w.scales[column]), acc);
-            acc = std::fma(-a.scaled_sum[at], dmin * static_cast<float>(w.mins[column]), acc);
-          }
-        }
+        for (int64_t g = 0; g < a.groups; ++g) acc = group_plain(format, a, w, p, c, m, g, acc);
         out[m * w.F + p * kPanel + c] = acc;
       }
 }
@@ -351,8 +436,9 @@ ffi::Error KquantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const Layer w{layer_of(codes, N, index), layer_of(high, N, index), layer_of(scales, N, index), layer_of(mins, N, index),
                 reinterpret_cast<const uint16_t*>(layer_of(super_scales, N, index)), reinterpret_cast<const uint16_t*>(layer_of(super_mins, N, index)),
                 I, blocks, I / 8, high_rows, sub_scales, supers, C * kPanel};
-  Activations a{std::vector<int8_t>(M * I), std::vector<float>(M * blocks), std::vector<float>(M * blocks),
-                std::vector<int32_t>(M * (format == kQ6K ? I / 16 : blocks)), I, blocks};
+  const int64_t groups = I / kGroup(format), kquant = kKQuant(format) ? 1 : 0;
+  Activations a{std::vector<int8_t>(M * I), std::vector<float>(M * groups), std::vector<float>(M * groups * (1 - kquant)),
+                std::vector<int32_t>(M * groups * (1 - kquant)), std::vector<int32_t>(M * kquant * I / (2 * kSub(format))), I, groups};
   if (M == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   jaxinfer::parallel_for(pool, M, [&](int64_t row) { quantize_row(xp, row, format, a); });

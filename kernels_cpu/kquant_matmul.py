@@ -1,20 +1,20 @@
 """One layer's matmul on GGUF K-quant (and Q5_0 / Q5_1) weights kept exactly as stored: a C++ XLA FFI kernel
 (kquant_matmul.cc), its panel packing `pack` and the jnp statement of the same arithmetic, `reference`.
 
-The weights stay in their two-level scales: no scale is multiplied out and rounded. Activations are quantized
-by the project's one W8A8 rule (quant_matmul.quantize_activations: int8, symmetric, one scale max|x| / 127 per
-block of 32 inputs of a row), every block's dot with the weight codes is an exact int32 sum, and the weight's
-scales are applied per sub-block as llama.cpp applies them:
+The weights stay in their two-level scales: no scale is multiplied out and rounded. Activations are int8,
+symmetric, one scale sx = max|x| / 127 per group of a row (quant_matmul.quantize_activations): per 256 inputs
+for the K-quants (llama.cpp's Q8_K granularity: the sub-block scales then fold into integer sums, and the float
+work is once per 256), per 32 for q5_0 / q5_1 (the project's W8A8 rule). Per group, with dot_j the exact int32
+dot of the unsigned weight codes q of sub-block j with the activation codes and sum_j the sum of those codes:
 
   q4_k, q5_k  w = d sc_j q - dmin m_j (sub-block j of 32, 6-bit sc_j and m_j, fp16 d and dmin per 256):
-              per block j: sx_j (dot_j (d sc_j) - sum_j (dmin m_j)), with d sc_j and dmin m_j exact in f32
-  q6_k        w = d sc_h (q - 32) (sub-block h of 16, int8 sc_h, fp16 d per 256): per block j of 32, its two
-              halves h: sx_j sum_h (dot_h - 32 sum_h) (d sc_h)
-  q5_0        w = d (q - 16) per 32: sx_j (dot_j - 16 sum_j) d
-  q5_1        w = d q + m per 32: sx_j (dot_j d + sum_j m)
-where dot is the int32 dot of the unsigned weight codes q with the int8 activation codes of the block and sum
-the sum of those activation codes. A sum of terms in f32 per column; only its order differs between the kernel
-and `reference`.
+              per 256: f32(sum_j sc_j dot_j) (sx d) - f32(sum_j m_j sum_j) (sx dmin)
+  q6_k        w = d sc_h (q - 32) (sub-block h of 16, int8 sc_h, fp16 d per 256):
+              per 256: f32(sum_h sc_h dot_h - 32 sum_h sc_h sum_h) (sx d)
+  q5_0        w = d (q - 16) per 32: sx (dot - 16 sum) d
+  q5_1        w = d q + m per 32: sx (dot d + sum m)
+The integer sums are exact in int32. A sum of terms in f32 per column; only its order differs between the
+kernel and `reference`.
 
 Panel layout (`pack`): every array is [*lead, C, ..., 16] with C panels of 16 output columns (the output
 padded to whole column tiles of 32), each panel contiguous per array:
@@ -48,8 +48,9 @@ FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
 FORMAT_IDS = {fmt: i for i, fmt in enumerate(FORMATS)}  # the kernel's `format` attribute
 PANEL = 16  # output columns per panel
 TILE = 32  # output columns per column tile (two panels): the output is padded to whole tiles
-BLOCK = 32  # inputs per activation scale
+BLOCK = 32  # inputs per block of q5_0 / q5_1
 SUPER = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "q5_0": 32, "q5_1": 32}  # inputs per GGUF block
+GROUP = SUPER  # inputs per activation scale: one per GGUF block (llama.cpp's Q8_K granularity for the K-quants)
 HIGH_BITS = {"q4_k": 0, "q5_k": 1, "q6_k": 2, "q5_0": 1, "q5_1": 1}  # bits above the low nibble
 ZERO_POINT = {"q6_k": 32, "q5_0": 16}  # code of 0 in the symmetric formats
 PANEL_FIELDS = {  # the arrays `pack` returns, in the kernel's argument order
@@ -203,31 +204,37 @@ def kquant_matmul(
     )
 
 
+def _per_column_int(a: Array) -> Array:
+    """[C, J, 16] -> int32 [F, J]."""
+    return jnp.swapaxes(a.astype(jnp.int32), -1, -2).reshape(-1, a.shape[-2])
+
+
 def reference(x: Float[Array, "M I"], panels: dict[str, Array], layer: Int[Array, ""], *, fmt: str, num_in: int) -> Float[Array, "M F"]:
-    """`kquant_matmul` in jnp: the same quantized activations, the same exact int32 dots per sub-block and the
-    same f32 scale products (module docstring); only the order of the f32 sums differs."""
+    """`kquant_matmul` in jnp: the same quantized activations (per GROUP[fmt] inputs), the same exact int32
+    dots and integer sums, and the same f32 scale products (module docstring); only the order of the f32 sums
+    over groups differs."""
     _check_format(fmt)
     one = {name: jnp.asarray(a)[layer] for name, a in panels.items()}
     codes = unpack_codes(fmt, one, num_in)  # [F, I]
-    num_out = codes.shape[0]
-    x_codes, x_scale = quantize_activations(x.astype(jnp.float32))  # [M, A, 32] int8, [M, A]
+    num_out, num_rows, group = codes.shape[0], x.shape[0], GROUP[fmt]
+    x_codes, x_scale = quantize_activations(x.astype(jnp.float32), group)  # [M, G, group] int8, [M, G]
     sub = 16 if fmt == "q6_k" else 32
-    xs = x_codes.astype(jnp.int32).reshape(x.shape[0], num_in // sub, sub)  # [M, J, sub]
+    xs = x_codes.astype(jnp.int32).reshape(num_rows, num_in // sub, sub)  # [M, J, sub]
     dots = jnp.einsum("fjk,mjk->mjf", codes.reshape(num_out, num_in // sub, sub), xs, preferred_element_type=jnp.int32)  # [M, J, F]
     sums = jnp.sum(xs, axis=-1)[..., None]  # [M, J, 1]
-    sx = x_scale[..., None]  # [M, A, 1]
-    if fmt in ("q4_k", "q5_k"):
-        d = jnp.repeat(_per_column(one["super_scales"]), 8, axis=1).T  # [A, F]
-        dmin = jnp.repeat(_per_column(one["super_mins"]), 8, axis=1).T
-        scale, minimum = d * _per_column(one["scales"]).T, dmin * _per_column(one["mins"]).T  # exact
-        terms = (dots.astype(jnp.float32) * sx) * scale - (sx * sums.astype(jnp.float32)) * minimum
-    elif fmt == "q6_k":
-        d = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1).T  # [J, F]
-        scale = d * _per_column(one["scales"]).T  # exact
-        halves = (dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * scale  # [M, J, F]
-        terms = halves.reshape(x.shape[0], num_in // 32, 2, num_out).sum(axis=2) * sx
-    elif fmt == "q5_0":
-        terms = ((dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * sx) * _per_column(one["scales"]).T
-    else:  # q5_1
-        terms = (dots.astype(jnp.float32) * sx) * _per_column(one["scales"]).T + (sx * sums.astype(jnp.float32)) * _per_column(one["mins"]).T
-    return jnp.sum(terms, axis=1)  # [M, F]
+    sx = x_scale[..., None]  # [M, G, 1]
+    if fmt in ("q5_0", "q5_1"):
+        scale = _per_column(one["scales"]).T  # [G, F]
+        if fmt == "q5_0":
+            return jnp.sum(((dots - ZERO_POINT[fmt] * sums).astype(jnp.float32) * sx) * scale, axis=1)
+        return jnp.sum((dots.astype(jnp.float32) * sx) * scale + (sx * sums.astype(jnp.float32)) * _per_column(one["mins"]).T, axis=1)
+    per_group = (num_rows, num_in // group, group // sub, num_out)  # [M, G, S, F]
+    sc = _per_column_int(one["scales"]).T  # [J, F]
+    scaled = jnp.sum((sc * dots).reshape(per_group), axis=2)  # [M, G, F]: exact in int32
+    weights = sc if fmt == "q6_k" else _per_column_int(one["mins"]).T
+    correction = jnp.sum((weights * sums).reshape(per_group), axis=2)  # [M, G, F]
+    d = _per_column(one["super_scales"]).T  # [G, F]
+    if fmt == "q6_k":
+        return jnp.sum((scaled - ZERO_POINT[fmt] * correction).astype(jnp.float32) * (sx * d), axis=1)
+    dmin = _per_column(one["super_mins"]).T
+    return jnp.sum(scaled.astype(jnp.float32) * (sx * d) - correction.astype(jnp.float32) * (sx * dmin), axis=1)  # [M, F]

@@ -1,5 +1,5 @@
 """The CPU K-quant matmul kernel (kernels_cpu/kquant_matmul): Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 weights kept as
-GGUF stores them, packed into panels (`pack`), times activations quantized per block of 32 in the kernel.
+GGUF stores them, packed into panels (`pack`), times activations quantized in the kernel (int8 per 256 inputs for the K-quants, per 32 for q5_0 / q5_1).
 Checked against a numpy int64 transcription of llama.cpp's block formats read straight from the blocks' bytes
 (so `pack` and quant.from_gguf are checked too), against its jnp `reference`, against the float64 product with
 `quant.dequantize` within the error W8A8 may add, and for the bytes it keeps. Blocks are random bytes as a file
@@ -98,9 +98,10 @@ def _decode(fmt: str, blocks: np.ndarray):
     return np.concatenate(codes, axis=-1), np.stack(scales, -1), np.stack(mins, -1), d, dmin
 
 
-def _quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quant_matmul's W8A8 activation rule in numpy f32: int64 codes [M, A, 32], scales f64 [M, A]."""
-    xb = x.reshape(x.shape[0], -1, 32)
+def _quantized_x(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's activation rule in numpy f32, one scale per `group` inputs: int64 codes [M, A, group],
+    scales f64 [M, A]."""
+    xb = x.reshape(x.shape[0], -1, group)
     amax = np.abs(xb).max(axis=-1)
     inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     codes = np.clip(np.round(xb * inverse[..., None]), -127, 127).astype(np.int64)
@@ -114,10 +115,10 @@ def numpy_kquant_w8a8(x: np.ndarray, fmt: str, blocks: np.ndarray) -> np.ndarray
     codes, scales, mins, d, dmin = _decode(fmt, blocks.reshape(blocks.shape[0], -1, size))
     num_out, num_blocks = d.shape
     sub = block // scales.shape[-1]  # 16 (q6_k), else 32
-    xq, sx = _quantized_x(x)  # [M, A, 32], [M, A]
+    xq, sx = _quantized_x(x, block)  # [M, B, block], [M, B]: one activation scale per GGUF block
     xs = xq.reshape(x.shape[0], num_blocks, -1, sub)  # [M, B, S, sub]
     dots = np.einsum("obsk,mbsk->mobs", codes.reshape(num_out, num_blocks, -1, sub), xs).astype(np.float64)  # exact
-    sx_sub = np.repeat(sx, 32 // sub, axis=1).reshape(x.shape[0], num_blocks, -1)  # [M, B, S]
+    sx_sub = np.repeat(sx[..., None], xs.shape[2], axis=-1)  # [M, B, S]
     out = np.einsum("mobs,obs,ob,mbs->mo", dots, scales.astype(np.float64), d, sx_sub)
     if fmt == "q5_1":
         out += np.einsum("ob,mb->mo", dmin, sx_sub[..., 0] * xs.sum(axis=(-1, -2)))
@@ -135,6 +136,7 @@ def _activations(rng, rows: int, num_in: int) -> np.ndarray:
     x = rng.standard_normal((rows, num_in)) * rng.uniform(0.1, 10, (rows, 1))
     x[:, 5] *= 30  # an outlier channel
     x[0, 32:64] = 0  # an all-zero block: scale 0
+    x[-1, -256:] = 0  # an all-zero super-block: the K-quants' scale 0
     return x.astype(np.float32)
 
 
@@ -176,8 +178,9 @@ def test_reference_is_the_kernel_and_within_the_w8a8_bound_of_the_dense_product(
     assert np.abs(ours - ref).max() <= 2e-6 * np.abs(ref).max()
     dense = np.asarray(quant.dequantize(q), np.float64)[1]  # [O, I]
     exact = x.astype(np.float64) @ dense.T
-    _, sx = _quantized_x(x)
-    bound = np.repeat(sx / 2, 32, axis=1) @ np.abs(dense).T  # [M, O]
+    group = kquant_matmul.GROUP[fmt]
+    _, sx = _quantized_x(x, group)
+    bound = np.repeat(sx / 2, group, axis=1) @ np.abs(dense).T  # [M, O]
     error = np.abs(ours[:, :64] - exact)
     assert (error <= bound * 1.0001 + 1e-6 * np.abs(exact).max()).all()
     assert np.linalg.norm(ours[:, :64] - exact) / np.linalg.norm(exact) > 1e-5  # it really is W8A8, not f32
