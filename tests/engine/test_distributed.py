@@ -79,6 +79,7 @@ def _worker(process_id: int, num_processes: int, port: int, model: str) -> dict:
     llm = LLM(
         model, tensor_parallel=tp, attention_impl="reference", page_size=8, max_context=64, max_num_seqs=4, max_prefill_tokens=16,
         num_pages=32, enable_prefix_caching=False, compilation_cache_dir=tempfile.mkdtemp(prefix=f"jaxinfer_dist_{process_id}_"),
+        decode_batch_buckets=(4,), decode_page_buckets=(8,),  # 2 programs, not 11: each process compiles them all
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, llm.model_config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
