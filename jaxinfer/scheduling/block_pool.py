@@ -80,6 +80,10 @@ class BlockPool:
     def pages_of(self, request_id: str) -> list[int]:
         return list(self._req_to_pages.get(request_id, ()))
 
+    def num_pages_of(self, request_id: str) -> int:
+        """Length of the request's block table (null entries included): len(pages_of) without the copy."""
+        return len(self._req_to_pages.get(request_id, ()))
+
     def ref_count(self, page: int) -> int:
         return int(self._ref_counts[page])
 
@@ -94,11 +98,14 @@ class BlockPool:
             raise ValueError(f"{num_new_pages=} must be >= 0")
         if num_new_pages > len(self._free):
             raise OutOfPagesError(f"need {num_new_pages} pages, {len(self._free)} free")
+        table = self._req_to_pages.setdefault(request_id, [])
+        if not num_new_pages:
+            return []
         pages = [self._free.popitem(last=False)[0] for _ in range(num_new_pages)]
         for page in pages:
             self._evict(page)
         self._ref_counts[pages] += 1
-        self._req_to_pages.setdefault(request_id, []).extend(pages)
+        table.extend(pages)
         return pages
 
     def _evict(self, page: int) -> None:

@@ -76,9 +76,13 @@ class KVManager:
     def pages_of(self, request: Request) -> list[int]:
         return self.block_pool.pages_of(request.request_id)
 
+    def num_pages_held(self, request: Request) -> int:
+        """Entries of the request's block table (len(pages_of), without copying it)."""
+        return self.block_pool.num_pages_of(request.request_id)
+
     def num_new_pages(self, request: Request, num_tokens: int) -> int:
         """Pages the request lacks to hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.page_size) - len(self.pages_of(request)))
+        return max(0, -(-num_tokens // self.page_size) - self.block_pool.num_pages_of(request.request_id))
 
     def try_allocate(self, request: Request, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; the new pages ([] when none are needed),
@@ -132,7 +136,7 @@ class KVManager:
         if self.window is None or reads_token_history(request.params):
             return 0
         num = (request.num_computed_tokens - self.window + 1) // self.page_size
-        return max(0, min(num, len(self.pages_of(request))))
+        return max(0, min(num, self.num_pages_held(request)))
 
     def release_outside_window(self, request: Request) -> list[int]:
         """Hand back the request's pages wholly before its next query's window (their entries become the

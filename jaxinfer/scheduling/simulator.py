@@ -125,24 +125,23 @@ class _SketchScheduler(Scheduler):
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
         return _SketchPlan(phase, shape, tuple(c.request.request_id for c in chunks), lengths, tuple(c.sample for c in chunks))
 
-    def _reserve_decode_pages(self) -> list[Request]:
-        rows = super()._reserve_decode_pages()
-        self._pages = {r: len(self.kv.pages_of(r)) for r in rows}  # read by _decode_key for every split costed
-        return rows
-
-    def _decode_key(self, requests: list[Request]) -> BucketKey:
-        """The real key, with each row's page count looked up once per planning instead of per split costed."""
-        try:
-            return self.tables.decode_key(len(requests), max(map(self._pages.__getitem__, requests)))
-        except (AttributeError, KeyError):  # not a row of this planning's decode batch
-            return super()._decode_key(requests)
+    def _decode_plan(self, requests: list[Request]) -> _SketchPlan:
+        """The real decode plan's sketch, without RowChunks (each copies its request's block table)."""
+        n = len(requests)
+        shape = self._decode_key(requests)
+        stats = self.stats
+        stats.num_steps += 1
+        stats.real_tokens += n
+        stats.padded_tokens += shape.num_rows * shape.num_tokens
+        samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
+        return _SketchPlan("decode", shape, tuple(r.request_id for r in requests), (1,) * n, samples)
 
     def _record_utilization(self) -> None:
         """The real statistic in O(running): the simulator's prompts never share a page (each starts with
         its own token), so a page's tokens are its one owner's."""
         used_pages, size = self.kv.num_used_pages, self.cfg.page_size
         if used_pages:
-            filled = sum(min(r.num_tokens, len(self.kv.pages_of(r)) * size) for r in self.running)
+            filled = sum(min(r.num_tokens, self.kv.num_pages_held(r) * size) for r in self.running)
             utilization = filled / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
             self.stats.kv_utilization_sum += utilization
