@@ -174,7 +174,8 @@ def _read_value(cursor: _Cursor, kind: GGUFValueType, what: str) -> tuple[Any, l
     for i in range(cursor.count(12, what)):  # an array's smallest encoding: element type + count
         value, inner_types = _read_value(cursor, element, f"element {i} of {what}")
         values.append(value)
-        types = types if i else [kind, *inner_types]
+        if i == 0:  # as gguf-py: an array of arrays is typed by its first element
+            types = [kind, *inner_types]
     return values, types
 
 
