@@ -2,36 +2,29 @@
 
 Pooling: "last" takes the last prompt token's state (Qwen3-Embedding, E5-Mistral: decoder embedders),
 "mean" averages the prompt's states; `normalize` divides by the L2 norm (max(norm, 1e-12), as torch's
-F.normalize). An embedding needs no KV cache and no logits, so it runs the one `model.forward` chain
-through its no-cache path (`model.hidden_states(params, None, ...)`, causal attention within each row)
-on the engine's params (cast, quantized, sharded on the tensor-parallel mesh as generation has them),
-never the paged pool: it takes no pages from running requests and writes none.
+F.normalize). An embedding is a request that prefills its prompt and generates nothing
+(SamplingParams(max_tokens=0, pooling=...)), so it runs exactly as generation's prefill does: scheduled,
+chunked, packed and bucketed by the scheduler, routed to a replica under data parallelism, on the paged
+prefill programs compiled at warm-up (nothing compiles after it). Every forward program also returns each
+sequence slot's final hidden state at its last token and its sum over the chunk (engine._pooled_hidden);
+the scheduler keeps them per request (Request.keep_pooled: the last chunk's last state, or the chunks'
+sums over the prompt's length) and the request's pages are freed when it finishes, as a scored prompt's.
 
-Shapes come from buckets: prompts are sorted by length and grouped into rows of a [B, T] program, T a
-power of two from 16 up to max_context and B a power of two up to max_num_seqs, with B * T within the
-engine's max_prefill_tokens (or one row of T). In deterministic mode B depends on T alone (plan_batches),
-so a prompt's vector is bitwise the same alone or among others. Rows are right-padded: causal attention keeps the padding
-out of every real position, and pooling masks it. Each (B, T) program compiles on first use (persistent
-compile cache included), at most log2(max_num_seqs) * log2(max_context / 16) of them; `warmup` is not
-extended. Imports model/ and validation, never api (LLM is passed in).
+The prefix cache: "last" may start from cached full pages (the last token is always computed, over their KV);
+"mean" needs every token's state, so it reads none (Request.first_logits_position). Either kind names
+the full pages it computed, as any prompt does: their KV is what generation would write. Imports only the
+request types and validation, never api (LLM is passed in).
 """
 
 import dataclasses
-import functools
-import math
-from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.model import forward as model
+from jaxinfer.scheduling.request import POOLINGS, SamplingParams
 from jaxinfer.validation import FieldError, check_bool
 
-POOLINGS = ("last", "mean")
-MIN_LENGTH_BUCKET = 16
+__all__ = ["POOLINGS", "EmbeddingOutput", "embed", "normalized"]
+
 _NORM_EPS = 1e-12  # torch.nn.functional.normalize's
 
 
@@ -40,65 +33,14 @@ class EmbeddingOutput:
     index: int  # position in the input
     embedding: np.ndarray  # f32[D]
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache ("last" pooling only)
+    weight_version: int = 0  # the LLM's weight_version it was computed with (LLM.update_params bumps it)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "pooling", "normalize"))
-def pooled_embeddings(
-    params, tokens: Int[Array, "B T"], lengths: Int[Array, "B"], *, cfg: ModelConfig, pooling: str, normalize: bool
-) -> Float[Array, "B D"]:
-    """Each row's pooled final hidden state (f32); rows are right-padded to T, `lengths` >= 1."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)  # [B, T]
-    x, _ = model.hidden_states(params, None, tokens, positions, cfg=cfg)  # [B, T, D]
-    x = model.rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(jnp.float32)  # [B, T, D]
-    if pooling == "last":
-        pooled = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    else:
-        mask = (positions < lengths[:, None]).astype(jnp.float32)  # [B, T]
-        pooled = jnp.einsum("btd,bt->bd", x, mask) / lengths[:, None].astype(jnp.float32)  # [B, D]
-    if normalize:
-        pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), _NORM_EPS)
-    return pooled
-
-
-def length_bucket(length: int, max_context: int) -> int:
-    """The smallest power of two >= length (at least MIN_LENGTH_BUCKET), capped at max_context."""
-    return min(max(MIN_LENGTH_BUCKET, 1 << math.ceil(math.log2(length))), max_context)
-
-
-def plan_batches(lengths: Sequence[int], *, max_context: int, max_seqs: int, max_tokens: int, deterministic: bool = False) -> list[tuple[list[int], int, int]]:
-    """Group prompt indices (shortest first) into (indices, B, T) batches: B a power of two >= the group's
-    size and <= max_seqs, T the longest's length bucket, B * T <= max(max_tokens, T). `deterministic`: a
-    group holds one length bucket and B is the most rows that bucket allows, so a prompt's program (B, T)
-    depends on its own length alone and its vector is bitwise the same whatever else is embedded with it."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, group = [], []
-    for i in order:
-        width = length_bucket(lengths[i], max_context)  # the longest so far: sorted ascending
-        rows = _max_rows(width, max_seqs, max_tokens)
-        new_bucket = deterministic and group and length_bucket(lengths[group[-1]], max_context) != width
-        if group and (new_bucket or len(group) + 1 > rows):
-            batches.append(group)
-            group = []
-        group.append(i)
-    if group:
-        batches.append(group)
-    plan = []
-    for g in batches:
-        width = length_bucket(lengths[g[-1]], max_context)
-        plan.append((g, _max_rows(width, max_seqs, max_tokens) if deterministic else _pow2(len(g)), width))
-    return plan
-
-
-def _max_rows(width: int, max_seqs: int, max_tokens: int) -> int:
-    """The most rows (a power of two, <= max_seqs) of `width` tokens within the token budget (at least one)."""
-    rows = 1
-    while rows * 2 <= max_seqs and rows * 2 * width <= max(max_tokens, width):
-        rows *= 2
-    return rows
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def normalized(vector: np.ndarray) -> np.ndarray:
+    """f32[D] divided by its L2 norm (at least 1e-12), computed in f32 as torch's F.normalize does."""
+    vector = np.asarray(vector, np.float32)
+    return vector / np.maximum(np.linalg.norm(vector), np.float32(_NORM_EPS))
 
 
 def embed(llm, prompts: list, *, pooling: str = "last", normalize: bool = True) -> list[EmbeddingOutput]:
@@ -110,19 +52,17 @@ def embed(llm, prompts: list, *, pooling: str = "last", normalize: bool = True) 
         raise FieldError("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
     check_bool("normalize", normalize)
     ids = [_encoded(llm, prompt, i) for i, prompt in enumerate(prompts)]
-    engine_cfg, engine = llm.engine_config, llm.engine
-    out: list[EmbeddingOutput | None] = [None] * len(ids)
-    plan = plan_batches([len(x) for x in ids], max_context=engine_cfg.max_context, max_seqs=engine_cfg.max_num_seqs, max_tokens=engine_cfg.max_prefill_tokens,
-                        deterministic=engine_cfg.deterministic)
-    for group, rows, width in plan:
-        tokens = np.zeros((rows, width), np.int32)  # [B, T]; padding rows and tails are token 0
-        lengths = np.ones(rows, np.int32)  # [B]
-        for row, i in enumerate(group):
-            tokens[row, : len(ids[i])], lengths[row] = ids[i], len(ids[i])
-        pooled = np.asarray(pooled_embeddings(engine.params, tokens, lengths, cfg=llm.model_config, pooling=pooling, normalize=normalize))
-        for row, i in enumerate(group):
-            out[i] = EmbeddingOutput(i, pooled[row], len(ids[i]))
-    return out
+    if not ids:
+        return []
+    params = SamplingParams(max_tokens=0, temperature=0.0, pooling=pooling)
+    return [_output(output, normalize) for output in llm.generate(ids, params, progress=False)]
+
+
+def _output(output, normalize: bool) -> EmbeddingOutput:
+    if output.embedding is None:  # an aborted or failed request: nothing pooled
+        raise RuntimeError(f"embedding of prompt {output.index} failed: {output.error or output.finish_reason}")
+    vector = normalized(output.embedding) if normalize else output.embedding
+    return EmbeddingOutput(output.index, vector, output.num_prompt_tokens, output.num_cached_tokens, output.weight_version)
 
 
 def _encoded(llm, prompt, index: int) -> list[int]:

@@ -9,6 +9,8 @@ a prompt of n samples leaves as one output (sample 0's) whose `samples` holds al
 
 import dataclasses
 
+import numpy as np
+
 from jaxinfer.scheduling import reasoning
 from jaxinfer.scheduling.request import Request
 
@@ -67,6 +69,7 @@ class RequestOutput:
     # is then the answer after the block. None when the request never thought.
     reasoning_content: str | None = None
     weight_version: int = 0  # the LLM's weight_version it was generated with (LLM.update_params bumps it)
+    embedding: np.ndarray | None = None  # f32[D] with SamplingParams.pooling: the pooled prompt, not normalized (LLM.embed)
 
 
 def output_of(request: Request, text: str, *, weight_version: int = 0) -> RequestOutput:
@@ -93,6 +96,7 @@ def output_of(request: Request, text: str, *, weight_version: int = 0) -> Reques
         num_samples=request.params.n,
         prompt_token_ids=list(request.prompt_ids),
         weight_version=weight_version,
+        embedding=request.embedding(),
     )
 
 

@@ -1,18 +1,18 @@
 """A batch job's embedding lines: OpenAI `/v1/embeddings` lines, and jaxinfer lines with `"embed": true` (or
-`{"pooling": "last" | "mean", "normalize": bool}`), run through `LLM.embed` in groups of max_num_seqs.
+`{"pooling": "last" | "mean", "normalize": bool}`), run in the job's one stream beside its generation lines.
 
-`LineRunner` (job.py) hands each such line to `EmbeddingLines.add` instead of the generation stream; a group
-runs when it is full and at the end of the input, and its records join the error records the runner yields
-between outputs, so the local job and the Ray actors write them alike. A line's record: jaxinfer's
-{"id", "line", "key", "status": "ok", "embedding": [floats], "num_prompt_tokens", ...timings} or OpenAI's
-embeddings `list` body (batch/openai.py). Imports no jax itself (LLM.embed runs the programs).
+`LineRunner` (job.py) turns such a line into a Prompt with `prompt_of` (SamplingParams(max_tokens=0,
+pooling=...): it prefills on the paged programs and generates nothing, as LLM.embed's prompts do, on the
+replica the router picks) and its RequestOutput, which carries the pooled vector, into a record with
+`record_of` (records.record_of hands it over), so the local job and the Ray actors write them alike. A
+line's record: jaxinfer's {"id", "line", "key", "status": "ok", "embedding": [floats], "num_prompt_tokens",
+...timings} or OpenAI's embeddings `list` body (batch/openai.py). Imports no jax.
 """
 
-import time
-
 from jaxinfer.batch import openai as openai_batch
-from jaxinfer.batch.input import InputLine
-from jaxinfer.batch.records import error_record
+from jaxinfer.batch.input import InputLine, LineError
+from jaxinfer.embedding import normalized
+from jaxinfer.scheduling.request import SamplingParams
 
 _DEFAULTS = {"pooling": "last", "normalize": True}
 
@@ -34,60 +34,32 @@ def options_of(line: InputLine) -> dict | None:
     return _DEFAULTS | embed
 
 
-class EmbeddingLines:
-    """Embedding lines waiting for their group to run."""
-
-    def __init__(self):
-        self._waiting: list[tuple[InputLine, dict]] = []
-
-    def add(self, llm, line: InputLine) -> list[dict]:
-        """Queue a line; the records of its group when that group is now full (else none)."""
-        options = options_of(line)
-        if "error" in options:
-            return [error_record(line, options["error"], param="embed")]
-        if "messages" in line.obj:
-            return [error_record(line, "an embedding takes a 'prompt', not 'messages'", param="messages")]
-        self._waiting.append((line, options))
-        return self.flush(llm) if len(self._waiting) >= llm.engine_config.max_num_seqs else []
-
-    def flush(self, llm) -> list[dict]:
-        """Run every waiting line (one LLM.embed call per pooling and normalize); their records."""
-        waiting, self._waiting = self._waiting, []
-        records = []
-        for key in {(o["pooling"], o["normalize"]) for _, o in waiting}:
-            group = [(line, o) for line, o in waiting if (o["pooling"], o["normalize"]) == key]
-            records += self._run(llm, group, *key)
-        return records
-
-    def _run(self, llm, group: list, pooling: str, normalize: bool) -> list[dict]:
-        records, ids = [], []
-        for line, options in group:
-            try:
-                ids.append((line, options, llm.encode(line.obj["prompt"])))
-            except ValueError as e:
-                records.append(error_record(line, str(e), param="input" if line.endpoint else "prompt"))
-        if not ids:
-            return records
-        start = time.perf_counter()
-        try:
-            outputs = llm.embed([x for _, _, x in ids], pooling=pooling, normalize=normalize)
-        except ValueError as e:  # one line too long: run the group's lines one by one, so only it fails
-            if len(ids) == 1:
-                return records + [error_record(ids[0][0], str(e).removeprefix("prompt 0: "), param="input" if ids[0][0].endpoint else "prompt")]
-            return records + [r for line, options in group for r in self._run(llm, [(line, options)], pooling, normalize)]
-        seconds = round(time.perf_counter() - start, 4)
-        metrics = {"queue_s": 0.0, "prefill_s": seconds, "decode_s": 0.0, "time_per_output_token_s": 0.0, "num_steps": 1, "num_preemptions": 0}
-        for (line, options, _), output in zip(ids, outputs):
-            records.append(_record(line, options, output, metrics, seconds))
-        return records
+def prompt_of(llm, line: InputLine, *, index: int):
+    """The Prompt (api.Prompt) of an embedding line; a line that cannot run raises LineError naming its field.
+    A prompt over the context is an error, never cut (--truncate applies to generation lines only)."""
+    options = options_of(line)
+    if "error" in options:
+        raise LineError(options["error"], param="embed")
+    if "messages" in line.obj:
+        raise LineError("an embedding takes a 'prompt', not 'messages'", param="messages")
+    field = "input" if line.endpoint is not None else "prompt"
+    try:
+        params = SamplingParams(max_tokens=0, temperature=0.0, pooling=options["pooling"])
+        return llm.prepare(line.obj["prompt"], params, index=index, identity=line.key)
+    except (TypeError, ValueError) as e:
+        raise LineError(str(e), param=field) from None
 
 
-def _record(line: InputLine, options: dict, output, metrics: dict, seconds: float) -> dict:
+def record_of(line: InputLine, output) -> dict:
+    """The record of an embedding line that ran, from its RequestOutput (`embedding` set), in its format."""
+    options = options_of(line)
+    vector = normalized(output.embedding) if options["normalize"] else output.embedding
+    metrics = output.metrics.as_record()
+    timings = {"time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4)}
     if line.endpoint is not None:
-        timings = metrics | {"time_to_first_token_s": seconds, "latency_s": seconds}
-        return openai_batch.embedding_record(line.key, line.request_id, line.endpoint, output.embedding, output.num_prompt_tokens, timings)
+        return openai_batch.embedding_record(line.key, line.request_id, line.endpoint, vector, output.num_prompt_tokens, metrics | timings)
     return {
-        "id": line.request_id, "line": line.number, "key": line.key, "status": "ok", "embedding": [float(x) for x in output.embedding],
-        "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": 0, "num_cached_tokens": 0,
-        "time_to_first_token_s": seconds, "latency_s": seconds, "metrics": metrics,
+        "id": line.request_id, "line": line.number, "key": line.key, "status": "ok", "embedding": [float(x) for x in vector],
+        "num_prompt_tokens": output.num_prompt_tokens, "num_generated_tokens": 0, "num_cached_tokens": output.num_cached_tokens,
+        **timings, "metrics": metrics,
     }

@@ -130,7 +130,6 @@ class LineRunner:
     def __init__(self, defaults: SamplingParams, truncate: str = "none", max_inflight: int | None = None):
         self.defaults, self.truncate, self.max_inflight = defaults, truncate, max_inflight
         self.on_step = None  # LLM.stream's on_step hook (benchmarks time the steps here)
-        self.embeddings = embed_lines.EmbeddingLines()  # embedding lines wait here for their group (LLM.embed)
 
     def records(self, llm: LLM | None, lines: Iterable[InputLine], *, progress: bool = False, total: int | None = None) -> Iterator[dict]:
         """`total`: the lines expected to run, for the progress bar (BatchJob.num_runnable)."""
@@ -158,12 +157,10 @@ class LineRunner:
             try:
                 if line.problem is not None:
                     raise LineError(line.problem, line.status_code, line.param)
-                if embed_lines.options_of(line) is not None:
-                    pending.extend(self.embeddings.add(llm, line))
-                    if len(pending) >= _MAX_PENDING_ERRORS:
-                        return
-                    continue
-                prompt = self._prepare(llm, line, index=next(counter))
+                if embed_lines.options_of(line) is not None:  # prefilled in this stream, pooled, nothing generated
+                    prompt = embed_lines.prompt_of(llm, line, index=next(counter))
+                else:
+                    prompt = self._prepare(llm, line, index=next(counter))
             except LineError as e:
                 pending.append(error_record(line, str(e), e.status_code, e.param))
                 if len(pending) >= _MAX_PENDING_ERRORS:
@@ -171,7 +168,6 @@ class LineRunner:
                 continue
             index_to_line[prompt.index] = line
             yield prompt
-        pending.extend(self.embeddings.flush(llm))
         done[0] = True
 
     def host_error(self, line: InputLine) -> LineError | None:

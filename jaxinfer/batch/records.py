@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxinfer.batch import openai as openai_batch
+from jaxinfer.batch import embed_lines, openai as openai_batch
 from jaxinfer.batch.input import InputLine
 
 if TYPE_CHECKING:
@@ -124,9 +124,13 @@ def record_of(line: InputLine, output: "RequestOutput", token_text=None, token_b
         return error_record(line, "timed out: its deadline passed before it started", 408)
     if output.finish_reason == "error":
         return error_record(line, output.error, 500)
-    if line.fmt == openai_batch.FORMAT:
-        return openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text, token_bytes)
-    return _result_record(line, output)
+    if output.embedding is not None:
+        record = embed_lines.record_of(line, output)
+    elif line.fmt == openai_batch.FORMAT:
+        record = openai_batch.result_record(line.key, line.request_id, line.endpoint, output, token_text, token_bytes)
+    else:
+        record = _result_record(line, output)
+    return record | {"weight_version": output.weight_version}  # LLM.update_params between lines: which weights made it
 
 
 def _result_record(line: InputLine, output: "RequestOutput") -> dict:

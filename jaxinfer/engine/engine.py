@@ -97,6 +97,8 @@ class StepLogits:
     adjusted: jax.Array  # f32[R * J, V]; after the bias and the penalties (sampling.adjust), before the grammar's mask
     raw: jax.Array | None  # f32[R * J, V]; the model's logits, kept for raw log-probabilities and return_logits, else None
     prompt_logprobs: sampling.Logprobs  # [R * T]; zeros unless a token has a target
+    pooled_last: jax.Array  # f32[R * J, D]; each slot's final hidden state (after the final norm) at its logit index
+    pooled_sum: jax.Array  # f32[R * J, D]; the same summed over the slot's chunk (an embedding's, Request.keep_pooled)
 
 
 def inputs_from_plan(plan: StepPlan) -> StepInputs:
@@ -129,7 +131,22 @@ def _forward_step(params: Params, pool: kvp.KVPool, history: jax.Array, inputs: 
     raw = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)  # [R * J, V]
     counts = functools.partial(token_counts, history, inputs, cfg.vocab_size)
     adjusted = sampling.adjust(raw, inputs.sampling, counts)
-    return StepLogits(adjusted, raw if keep_raw else None, _prompt_logprobs(params, x, inputs.targets, cfg, num_top)), pool, history
+    pooled = _pooled_hidden(params, x, inputs, cfg)
+    return StepLogits(adjusted, raw if keep_raw else None, _prompt_logprobs(params, x, inputs.targets, cfg, num_top), *pooled), pool, history
+
+
+def _pooled_hidden(params: Params, x, inputs: StepInputs, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Each sequence slot's final hidden states (after the final norm, f32, as logits_from_hidden norms them):
+    at its logit index (the chunk's last token), and summed over its chunk's tokens (its segment, up to that
+    index: a row's padding tail is left out). Embeddings pool these on the host (LLM.embed over the paged
+    prefill); it is one norm and one [R, T] x [R, T, J] contraction per step, so every step computes them."""
+    normed = model.rms_norm(x, params.final_norm, cfg.rms_norm_eps).astype(jnp.float32)  # [R, T, D]
+    rows, slots = inputs.logit_indices.shape
+    token = jnp.arange(x.shape[1], dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+    own = (inputs.pages.token_segments[:, :, None] == jnp.arange(slots, dtype=jnp.int32)) & (token <= inputs.logit_indices[:, None, :])  # [R, T, J]
+    sums = jnp.einsum("rtd,rtj->rjd", normed, own.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)  # [R, J, D]
+    last = model.hidden_at(normed, inputs.logit_indices)  # [R, J, D]
+    return last.reshape(rows * slots, -1), sums.reshape(rows * slots, -1)
 
 
 def _draw_step(adjusted: jax.Array, raw: jax.Array | None, arrays: sampling.SamplingArrays, *, num_top: int, mode: str):
@@ -468,6 +485,7 @@ class Engine:
             np.asarray(tokens),
             _to_host(logprobs) if plan.wants_logprobs else None,
             _to_host(logits.prompt_logprobs) if plan.wants_prompt_logprobs else None,
+            *((np.asarray(logits.pooled_last), np.asarray(logits.pooled_sum)) if plan.wants_pooled else ()),
         )
         if observe:
             self.step_costs.observe(plan.bucket, time.perf_counter() - start)

@@ -76,6 +76,7 @@ class StepPlan:
     samples: tuple[bool, ...]  # whether each real sequence's drawn token is kept
     guides: tuple = ()  # each real sequence's guide.Guide (Request.guide) or None; the engine fills the masks
     bans: tuple = ()  # each real sequence's ids banned from its next token (min_tokens: Request.next_token_bans), in the masks too
+    pooled: tuple = ()  # each real sequence's SamplingParams.pooling (an embedding's) or None; the engine copies pooled states for them
 
     @classmethod
     def build(cls, phase: str, rows: list[RowChunk], shape: BucketKey, page_size: int, *, packed: int = 0, bias_width: int = 1) -> "StepPlan":
@@ -95,6 +96,7 @@ class StepPlan:
             samples=tuple(c.sample for c in rows),
             guides=tuple(c.request.guide for c in rows),
             bans=tuple(c.request.next_token_bans() for c in rows),
+            pooled=tuple(c.request.params.pooling for c in rows),
             **arrays,
         )
 
@@ -110,6 +112,10 @@ class StepPlan:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return bool((self.targets >= 0).any())
+
+    @property
+    def wants_pooled(self) -> bool:
+        return any(p is not None for p in self.pooled)
 
     def chunk_starts(self) -> list[tuple[int, int]]:
         """(row, token index) where each real sequence's chunk begins: back to back in row 0 when packed."""
@@ -143,11 +149,14 @@ class Logprobs:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a step returns: the drawn tokens (one per sequence slot), and when the plan asked for them
-    their log-probabilities (per slot) and the prompt tokens' (per token of the plan, [R * T])."""
+    their log-probabilities (per slot) and the prompt tokens' (per token of the plan, [R * T]), and for an
+    embedding's chunk its final hidden states (after the final norm) pooled per slot."""
 
     tokens: np.ndarray  # i32[R * J]
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    pooled_last: np.ndarray | None = None  # f32[R * J, D]; each slot's hidden state at its logit index (its chunk's last token)
+    pooled_sum: np.ndarray | None = None  # f32[R * J, D]; each slot's hidden states summed over its chunk's tokens
 
     @classmethod
     def of(cls, result: "StepResult | np.ndarray") -> "StepResult":

@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import math
 
+import numpy as np
+
 from jaxinfer.scheduling import guided
 from jaxinfer.validation import (
     FieldError, check_bool, check_int, check_logit_bias, check_number, check_stop_strings, check_stop_token_ids, check_text,
@@ -55,6 +57,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # never generated: a word's last token is banned where its other tokens end the output
     # A model that thinks (reasoning.py): tokens inside its thinking block after which the close tag is forced (None: no limit)
     thinking_budget: int | None = None
+    # An embedding (LLM.embed): the prompt's final hidden states (after the final norm) pooled, "last" token
+    # or "mean" over the prompt, kept in Request.pooled; it generates nothing (max_tokens 0). None: no embedding.
+    pooling: str | None = None
 
     def __post_init__(self):
         checked = {
@@ -62,7 +67,7 @@ class SamplingParams:
             "top_k": check_int("top_k", self.top_k, low=0, high=MAX_TOP_K),
             "top_p": check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True),
             "seed": None if self.seed is None else check_int("seed", self.seed, low=0, high=MAX_SEED - 1),
-            "max_tokens": check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1),
+            "max_tokens": check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None or self.pooling is not None else 1),
             "stop_token_ids": check_stop_token_ids(self.stop_token_ids),
             "stop": check_stop_strings(self.stop),
             "ignore_eos": check_bool("ignore_eos", self.ignore_eos),
@@ -80,6 +85,7 @@ class SamplingParams:
             "allowed_token_ids": None if self.allowed_token_ids is None else check_token_list("allowed_token_ids", self.allowed_token_ids, nonempty=True),
             "bad_words": check_stop_strings(self.bad_words, "bad_words"),
             "thinking_budget": None if self.thinking_budget is None else check_int("thinking_budget", self.thinking_budget, low=0),
+            "pooling": _check_pooling(self.pooling, self.max_tokens),
         }
         checked["n"] = check_int("n", self.n, low=1, high=MAX_N)
         if checked["n"] > 1 and checked["temperature"] == 0:
@@ -210,6 +216,19 @@ def truncate_prompt(ids: list[int], max_context: int, max_tokens: int, side: str
     return ids[-keep:] if side == "left" else ids[:keep]
 
 
+POOLINGS = ("last", "mean")  # SamplingParams.pooling's values
+
+
+def _check_pooling(pooling, max_tokens) -> str | None:
+    if pooling is None:
+        return None
+    if pooling not in POOLINGS:
+        raise FieldError("pooling", f"must be one of {POOLINGS}, got {pooling!r}")
+    if max_tokens != 0:
+        raise FieldError("pooling", f"an embedding generates nothing: max_tokens must be 0, got {max_tokens!r}")
+    return pooling
+
+
 class RequestStatus:
     WAITING = "waiting"
     RUNNING = "running"
@@ -253,6 +272,10 @@ class Request:
     # Names of its full pages so far (the prefix cache's hash chain, kv_manager.name_pages), shared by the
     # scheduler and the replica router; extended as pages fill, valid across preemption (tokens never change).
     page_names: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    # With params.pooling: f32[D], the last prompt token's final hidden state, or ("mean") the sum of the prompt's
+    # so far; pooled_tokens counts the positions that sum covers (a recompute from position 0 starts it again).
+    pooled: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    pooled_tokens: int = 0
 
     def next_token_bans(self) -> tuple[int, ...]:
         """The ids its next token may not be: the stop ids and EOS while fewer than min_tokens are generated
@@ -269,9 +292,30 @@ class Request:
         prefix cache may serve only the full pages before it (kv_manager.share_cached_prefix), the one rule
         by which a scoring request shares cached pages like any other."""
         first = prefill_end - 1
+        if self.params.pooling == "mean":  # every prompt token's hidden state is summed: none may come from the cache
+            return 0
         if self.params.prompt_logprobs is not None:
             first = min(first, max(self.params.logprob_start, 1) - 1)
         return first
+
+    def keep_pooled(self, start: int, last: np.ndarray, chunk_sum: np.ndarray, length: int) -> None:
+        """Keep a prefill chunk's pooled hidden states (`length` prompt tokens from position `start`; f32[D] each):
+        its last token's, or with "mean" its sum added to the prompt's (started again by a chunk at position 0)."""
+        if self.params.pooling == "last":
+            self.pooled, self.pooled_tokens = last, start + length
+            return
+        if start == 0 or self.pooled is None:
+            self.pooled, self.pooled_tokens = np.zeros_like(chunk_sum, np.float64), 0
+        if start != self.pooled_tokens:
+            raise RuntimeError(f"request {self.request_id}: a chunk from position {start} after {self.pooled_tokens} pooled tokens")
+        self.pooled, self.pooled_tokens = self.pooled + chunk_sum, start + length
+
+    def embedding(self) -> np.ndarray | None:
+        """f32[D]: the pooled prompt (with params.pooling, once every prompt token is computed), else None."""
+        if self.params.pooling is None or self.pooled is None or self.pooled_tokens != len(self.prompt_ids):
+            return None
+        mean = self.params.pooling == "mean"
+        return (self.pooled / len(self.prompt_ids) if mean else self.pooled).astype(np.float32)
 
     @property
     def num_tokens(self) -> int:

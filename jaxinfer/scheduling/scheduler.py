@@ -317,6 +317,9 @@ class Scheduler:
                 continue
             if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
                 _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
+            if result.pooled_last is not None and request.params.pooling is not None:  # slot `row`: an embedding's chunk
+                first = int(plan.positions[start])
+                request.keep_pooled(first, result.pooled_last[row], result.pooled_sum[row].astype(np.float64), plan.num_new_tokens[row])
             request.num_computed_tokens += plan.num_new_tokens[row]
             self.kv.cache_computed_pages(request)
             if plan.samples[row] and request.params.max_tokens == 0:  # a scored prompt: done, nothing generated
@@ -404,7 +407,7 @@ def check_request(cfg: EngineConfig, num_pages: int, num_prompt_tokens: int, max
     more pages than the whole pool holds."""
     if num_prompt_tokens == 0:
         raise ValueError("empty prompt: at least one token is needed")
-    if num_prompt_tokens >= cfg.max_context:
+    if num_prompt_tokens + (max_tokens > 0) > cfg.max_context:  # room for one generated token, unless it generates none
         raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens; the context is {cfg.max_context} (prompt + output)")
     pages = -(-min(num_prompt_tokens + max_tokens, cfg.max_context) // cfg.page_size)
     if pages > num_pages - 1:
