@@ -125,7 +125,8 @@ def engines(tiny_chat_model, compile_cache):
     from conftest import require_cpu_kernels
 
     require_cpu_kernels()
-    common = dict(quantization="int8", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    common = dict(quantization="int8", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
+                  prefill_chunk_buckets=(32,), decode_batch_buckets=(4,), decode_page_buckets=(8,))  # 2 programs each, not 13
     return {impl: LLM(str(tiny_chat_model), matmul_impl=impl, **common) for impl in ("int8", "cpu_int8", "xla")}
 
 
