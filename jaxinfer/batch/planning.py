@@ -7,7 +7,9 @@ LLM loaded without warm-up. `make_plan` then simulates (scheduling/simulator.py)
 `max_prefill_tokens`; each grid point runs once with fine tables (every 16 tokens, every row count, every
 page width), which gives the sizes its steps really have, and its bucket tables are fitted to those sizes
 under a program budget (`fit_tables`: a greedy over the three tables, each an exact fit (`refit.fit_table`), that
-adds the bucket which saves the most predicted seconds per program it adds). A sample whose prompts share
+adds the bucket which saves the most predicted seconds per program it adds). The grid is priced on the
+step costs' monotone view (`StepCosts.monotone()`: every program on its phase's line in work), never on raw
+medians, which on a loaded machine can make a wider bucket look cheaper than a narrower one. A sample whose prompts share
 full KV pages (few-shot preambles, a long system prompt) turns on the `prefix` policy. `Plan.summary()`
 prints the programs, the predicted wall time and the prefill tokens the prefix cache saves.
 
@@ -180,7 +182,10 @@ def _fitted_tables(cfg: EngineConfig, sizes: dict[str, np.ndarray], counts: dict
 
 def fit_tables(cfg: EngineConfig, steps_by_key: dict[BucketKey, int], costs: StepCosts, budget: int) -> tuple[EngineConfig, float]:
     """(cfg with fitted tables, their predicted device seconds): from one bucket per table, the bucket that
-    saves the most predicted seconds per program it adds is added while the programs stay within `budget`."""
+    saves the most predicted seconds per program it adds is added while the programs stay within `budget`.
+    Priced on `costs.monotone()`: on raw noisy medians a wider bucket can look cheaper than a narrower one,
+    so that a bucket that cuts padding seems to save nothing and the greedy stops at sparse tables."""
+    costs = costs.monotone()
     sizes = step_sizes(steps_by_key)
     distinct = {dim: np.unique(values).size for dim, values in sizes.items()}
     counts = {dim: 1 for dim in sizes}
@@ -234,7 +239,9 @@ def _limited(base: EngineConfig, max_num_seqs: int, max_prefill_tokens: int) -> 
 
 
 def evaluate(base: EngineConfig, requests: list[SimRequest], costs: StepCosts, budget: int, max_num_seqs: int, max_prefill_tokens: int) -> GridPoint:
-    """One grid point: a fine-table simulation, then (unless deterministic) tables fitted under `budget`."""
+    """One grid point: a fine-table simulation, then (unless deterministic) tables fitted under `budget`; priced
+    on `costs.monotone()`."""
+    costs = costs.monotone()
     cfg = _limited(base, max_num_seqs, max_prefill_tokens)
     if cfg.deterministic:
         result = simulate(cfg, requests, costs, num_pages=cfg.num_pages)
@@ -296,9 +303,11 @@ def _short(value) -> str:
 
 def make_plan(sample: WorkloadSample, given: EngineConfig, costs: StepCosts, options: PlanOptions = PlanOptions()) -> Plan:
     """The configuration with the least predicted wall time over the grid, with the prefix policy when the
-    sample shares prefixes. `given.num_pages` must be the engine's pool (the plan keeps it)."""
+    sample shares prefixes. `given.num_pages` must be the engine's pool (the plan keeps it). Priced on
+    `costs.monotone()` (a program's cost never falls as its rows, tokens or pages grow)."""
     if given.num_pages is None:
         raise ValueError("make_plan needs the engine's pool: given.num_pages (Engine.num_pages)")
+    costs = costs.monotone()
     base = dataclasses.replace(given, policy="prefix") if given.enable_prefix_caching and sample.shared_fraction >= options.prefix_share else given
     requests = sample.requests(options.simulated_requests)
     budget = options.program_budget or num_programs(given)

@@ -9,6 +9,10 @@ line in the key's work (`work`: token slots computed plus page slots read). The 
 start) is a line in the step's rows, fitted through the median gap at each row count (`HostModel`), so a
 stray long gap (an idle wait, a fsync) moves it little.
 
+`StepCosts.monotone()` is the view a plan prices with (batch/planning.py): every key on its phase's line in
+work (`MonotoneCosts`), so a program's cost never falls as its rows, tokens or pages grow and noisy medians
+(a loaded machine) cannot make a wider bucket look cheaper than a narrower one.
+
 The table is plain data: `to_json` / `from_json` (tuning_cache.py persists it per machine and model,
 batch/step_log.py writes it beside a job's output, the simulator reads it).
 """
@@ -155,6 +159,10 @@ class StepCosts:
             self._estimates[name] = _line(points) if points else None
         return self._estimates[name]
 
+    def monotone(self) -> "MonotoneCosts":
+        """This table seen through a monotone estimate (MonotoneCosts), for choosing between tables."""
+        return MonotoneCosts(self)
+
     def merge(self, other: "StepCosts") -> None:
         """Add `other`'s observations (its recent ones) to this table."""
         for key, obs in other.programs.items():
@@ -193,6 +201,37 @@ class StepCosts:
                 raise ValueError(f"host[{i}].rows must be an int >= 0, got {rows!r}")
             costs.host.by_rows[rows] = _observations(entry, f"host[{i}]")
         return costs
+
+
+class MonotoneCosts(StepCosts):
+    """A read-only view of a StepCosts whose device seconds never fall as a key's rows, tokens or pages grow:
+    every key, measured or not, costs its phase's line in `work` through all the phase's measured keys (the
+    estimate StepCosts gives a key never run; intercept and slope >= 0). One noisy median moves a line fitted
+    through dozens of keys little, where priced alone it can make a wider bucket look cheaper than a
+    narrower one. Measured against the median of three (that line, the largest cost of a key it covers, the
+    smallest of a key covering it), which keeps consistent medians, the line alone fitted tables as good or
+    better on average (five seeds), priced on linear and on step-shaped true costs, under noise of x0.95-1.05
+    to x0.3-3: what steers a fit is which bucket saves the most, not any one key's level. Host seconds are
+    the source's."""
+
+    def __init__(self, source: StepCosts):
+        super().__init__()
+        self.source, self.programs, self.host = source, source.programs, source.host
+
+    def observe(self, key: BucketKey, seconds: float, *, warmup: bool = False) -> None:
+        raise TypeError("MonotoneCosts is a read-only view: observe on the StepCosts it was made from")
+
+    def observe_host(self, rows: int, seconds: float) -> None:
+        raise TypeError("MonotoneCosts is a read-only view: observe on the StepCosts it was made from")
+
+    def monotone(self) -> "MonotoneCosts":
+        return self
+
+    def device_seconds(self, key: BucketKey) -> float:
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache[key] = self.source.estimate(key)
+        return cached
 
 
 def _key_of(value, where: str) -> BucketKey:

@@ -92,3 +92,51 @@ def test_warm_up_runs_count_until_real_runs_come_and_are_scaled_by_the_phases_re
     assert costs.programs[both].count == 1  # warm-up runs are not counted as runs
     again = StepCosts.from_json(json.loads(json.dumps(costs.to_json())))
     assert again.device_seconds(only_warm) == pytest.approx(0.30)
+
+
+def _noisy_prefill_and_decode(seed: int) -> StepCosts:
+    """Costs linear in work (intercept 20 ms, 0.5 ms a slot) times noise of a loaded machine (x0.3 to x3)."""
+    import numpy as np
+
+    rng, costs = np.random.default_rng(seed), StepCosts()
+    for tokens in range(16, 257, 16):
+        for pages in (2, 4, 8, 16):
+            costs.observe(BucketKey("prefill", 1, tokens, pages), (0.02 + 0.0005 * (tokens + pages)) * rng.uniform(0.3, 3.0))
+    for rows in (1, 2, 4, 8):
+        for pages in (2, 4, 8, 16):
+            costs.observe(BucketKey("decode", rows, 1, pages), (0.02 + 0.0005 * rows * (1 + pages)) * rng.uniform(0.3, 3.0))
+    return costs
+
+
+def test_the_monotone_view_never_prices_a_wider_key_below_a_narrower_one():
+    raw = _noisy_prefill_and_decode(0)
+    view = raw.monotone()
+    keys = [BucketKey("prefill", 1, t, p) for t in range(8, 300, 8) for p in (1, 2, 3, 4, 8, 12, 16, 20)]
+    keys += [BucketKey("decode", r, 1, p) for r in (1, 2, 3, 4, 6, 8, 12) for p in (1, 2, 4, 6, 8, 16, 20)]
+
+    def violations(costs):
+        return sum(costs.device_seconds(a) > costs.device_seconds(b) for a in keys for b in keys
+                   if a.phase == b.phase and a.num_rows <= b.num_rows and a.num_tokens <= b.num_tokens and a.num_pages <= b.num_pages)
+
+    assert violations(raw) > 0  # the noisy medians disagree with each other
+    assert violations(view) == 0
+    with pytest.raises(TypeError, match="read-only"):
+        view.observe(DECODE, 0.1)
+    assert view.monotone() is view and view.host is raw.host
+
+
+def test_the_monotone_view_prices_every_key_on_its_phases_line_through_the_measured_medians():
+    costs = StepCosts()
+    small, middle, large = BucketKey("prefill", 1, 32, 1), BucketKey("prefill", 1, 64, 1), BucketKey("prefill", 1, 128, 1)
+    other = BucketKey("prefill", 1, 64, 8)
+    for key, seconds in ((small, 0.10), (middle, 0.30), (large, 0.20), (other, 0.50), (DECODE, 9.0)):
+        costs.observe(key, seconds)
+    # the least-squares line through (work 33, 0.10), (65, 0.30), (129, 0.20), (72, 0.50), by hand; decode is apart
+    xs, ys = [33, 65, 129, 72], [0.10, 0.30, 0.20, 0.50]
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    view = costs.monotone()
+    for key in (small, middle, large, other, BucketKey("prefill", 1, 96, 4)):
+        assert view.device_seconds(key) == pytest.approx(my + slope * (work(key) - mx))
+    assert costs.device_seconds(large) == pytest.approx(0.20)  # the source keeps its medians
+    assert view.device_seconds(large) > view.device_seconds(middle)  # where the medians had large < middle
