@@ -7,38 +7,53 @@ page count leaves its page bucket, so the split into programs (sorted by length,
 and every program key are those of the iteration just run. `fast_forward` finds how many such iterations
 come next (k) and applies them as the scheduler and the run loop would have: the pages each request
 needs (allocated through the KV manager, as `_reserve_decode_pages` would, only when all of them fit),
-k tokens per request, the scheduler's statistics, the step counts and the virtual clock. The iteration
-after them runs for real, so every finish, admission, preemption and bucket change is the scheduler's own.
+k tokens per request, the scheduler's statistics, the step counts and the virtual clock.
+
+The iteration after them is the event. When that event is only a finish (the iteration repeats the plans
+once more, and some of its rows take their last token), it is applied too, as the run loop applies a
+step: per plan, the clock moves on by the plan's seconds, its rows take their token, and the output
+processor (`run.processor`, the run loop's) decides who is done, whom `Scheduler.finish` then ends at
+that time. Every other event (an admission, a preemption, a bucket change, an arrival) runs for real.
 """
 
 import math
+
+import numpy as np
 
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import RequestStatus
 
 
-def repeats(run, plans) -> int:
-    """How many iterations from now must repeat `plans` (the last iteration's); 0 when not known to."""
+def bounds(run, plans) -> tuple[int, int] | None:
+    """(iterations before a row takes its last token, iterations that repeat `plans` finishes aside), or
+    None when the next iteration is not known to repeat them."""
     scheduler, cfg = run.scheduler, run.cfg
     running, policy = scheduler.running, scheduler.policy
-    if type(policy).observe is not SchedulingPolicy.observe:
-        return 0  # a policy that learns from every step (adaptive budgets, EDF's rate) may decide otherwise at each
+    if not running or type(policy).observe is not SchedulingPolicy.observe:
+        return None  # a policy that learns from every step (adaptive budgets, EDF's rate) may decide otherwise at each
     if any(p.phase != "decode" for p in plans) or sum(len(p.request_ids) for p in plans) != len(running):
-        return 0
+        return None
     width = policy.decode_width()
     if scheduler.waiting and len(running) < width:
-        return 0
-    k = math.inf
+        return None
+    finish, other = math.inf, math.inf
+    page_size, buckets, held = cfg.page_size, scheduler.tables.pages, scheduler.kv.num_pages_held
     for r in running:
         if r.status != RequestStatus.RUNNING or r.num_computed_tokens != r.num_tokens - 1:
-            return 0
-        left = min(r.params.max_tokens - len(r.output_ids), cfg.max_context - r.num_tokens)
-        held = len(scheduler.kv.pages_of(r))
-        k = min(k, left - 1, pad_to_bucket(held, scheduler.tables.pages) * cfg.page_size - r.num_computed_tokens)
+            return None
+        finish = min(finish, r.params.max_tokens - len(r.output_ids), cfg.max_context - r.num_tokens)
+        other = min(other, pad_to_bucket(held(r), buckets) * page_size - r.num_computed_tokens)
     if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
-        k = min(k, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
-    return max(0, int(k)) if k != math.inf else 0
+        other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
+    return int(finish) - 1, int(other)
+
+
+def repeats(run, plans) -> int:
+    """How many iterations from now must repeat `plans` (the last iteration's) with no row finishing; 0
+    when not known to."""
+    known = bounds(run, plans)
+    return max(0, min(known)) if known else 0
 
 
 def _iteration_seconds(run, plans) -> float:
@@ -46,32 +61,97 @@ def _iteration_seconds(run, plans) -> float:
 
 
 def _pages_fit(scheduler, k: int, page_size: int) -> bool:
-    needed = sum(max(0, -(-(r.num_computed_tokens + k) // page_size) - len(scheduler.kv.pages_of(r))) for r in scheduler.running)
+    held = scheduler.kv.num_pages_held
+    needed = sum(max(0, -(-(r.num_computed_tokens + k) // page_size) - held(r)) for r in scheduler.running)
     return needed <= scheduler.kv.num_free_pages
 
 
-def fast_forward(run, plans) -> None:
-    """Apply the iterations that must repeat `plans`, if any (see the module's docstring)."""
-    k = repeats(run, plans)
+def fast_forward(run, plans) -> bool:
+    """Apply the iterations that must repeat `plans`, if any, and the finishing one after them when it
+    repeats them too (see the module's docstring); True when requests finished (the caller pulls more)."""
+    known = bounds(run, plans)
+    if known is None:
+        return False
+    finish, other = known
+    scheduler, page_size = run.scheduler, run.cfg.page_size
+    k = max(0, min(finish, other))
+    if k and not _pages_fit(scheduler, k, page_size):
+        return False
+    finishing = finish < other and _pages_fit(scheduler, k + 1, page_size)  # iteration k + 1 repeats too, and ends rows
+    if k:
+        _apply(run, plans, k)
+    if finishing:
+        _apply(run, plans, 1, last=True)
+    return finishing
+
+
+def _apply(run, plans, k: int, last: bool = False) -> None:
+    """k iterations of `plans`: pages, tokens, statistics, steps and the clock; with `last` (k = 1) the run
+    loop's per-plan order, each plan's rows checked by the output processor after its step."""
     scheduler = run.scheduler
-    if k < 1 or not _pages_fit(scheduler, k, run.cfg.page_size):
-        return
+    if not last:
+        _record_utilization(scheduler, k, run.cfg.page_size)
     for r in scheduler.running:
         if scheduler.kv.try_allocate(r, r.num_computed_tokens + k) is None:
             raise RuntimeError("fast-forward: pages counted free could not be allocated")  # _pages_fit said they fit
-        r.num_computed_tokens += k
-        r.output_ids.extend([0] * k)
-        r.num_steps += k
-        scheduler.kv.cache_computed_pages(r)
     stats = scheduler.stats
-    stats.num_steps += k * len(plans)
-    stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
-    stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
-    before = stats.kv_utilization_sum
-    scheduler._record_utilization()  # one iteration's, as the last of the k sees it; the others as the same
-    stats.kv_utilization_sum += (stats.kv_utilization_sum - before) * (k - 1)
-    stats.kv_utilization_steps += k - 1
+    if last:  # planning records the utilization after allocating, before the step
+        scheduler._record_utilization()
+    else:
+        for r in scheduler.running:
+            _advance(scheduler, r, k)
+        stats.num_steps += k * len(plans)
+        stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
+        stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
+        for p in plans:
+            run.steps_by_key[p.bucket] += k
+        run.clock.advance(k * _iteration_seconds(run, plans))
+        run.last_step = run.clock.now
+        return
+    by_id = {r.request_id: r for r in scheduler.running}
     for p in plans:
-        run.steps_by_key[p.bucket] += k
-    run.clock.advance(k * _iteration_seconds(run, plans))
-    run.last_step = run.clock.now
+        rows = [by_id[i] for i in p.request_ids]
+        stats.num_steps += 1
+        stats.real_tokens += p.num_real_tokens
+        stats.padded_tokens += p.num_padded_tokens
+        run.steps_by_key[p.bucket] += 1
+        run.clock.advance(run.costs.step_seconds(p.bucket, len(rows)))
+        run.last_step = run.clock.now
+        for r in rows:
+            _advance(scheduler, r, 1)
+        for r in rows:
+            reason = run.processor.check(r)
+            if reason is not None:
+                scheduler.finish(r, reason, r.error)
+                run.done[r.arrival_index] = r
+                run.inflight -= 1
+
+
+def _record_utilization(scheduler, k: int, page_size: int) -> None:
+    """The simulator's utilization statistic (simulator._SketchScheduler._record_utilization) as each of the
+    next k decode iterations' planning records it, after its allocation: iteration j (1..k) holds T + j - 1
+    tokens per row (T: its tokens now), all in its pages, and each row's pages are its pages now or, if more,
+    those T + j - 1 tokens need; summed in order, as one step at a time adds them."""
+    running = scheduler.running
+    if not running:
+        return
+    held = scheduler.kv.num_pages_held
+    tokens = np.array([r.num_tokens for r in running], np.int64)  # i64[R]
+    pages = np.array([held(r) for r in running], np.int64)  # i64[R]
+    steps = np.arange(k, dtype=np.int64)[:, None]  # i64[k, 1]: j - 1
+    grown = np.maximum(0, -(-(tokens[None, :] + steps) // page_size) - pages[None, :]).sum(axis=1)  # i64[k]: new pages by iteration j
+    used = scheduler.kv.num_used_pages + grown  # i64[k]
+    filled = int(tokens.sum()) + len(running) * steps[:, 0]  # i64[k]
+    utilization = filled / (used * page_size)  # f64[k]; used > 0: every running row holds a page
+    stats = scheduler.stats
+    stats.peak_kv_utilization = max(stats.peak_kv_utilization, float(utilization.max()))
+    stats.kv_utilization_sum = float(np.cumsum(np.concatenate([[stats.kv_utilization_sum], utilization]))[-1])  # in order, as += does
+    stats.kv_utilization_steps += k
+
+
+def _advance(scheduler, request, k: int) -> None:
+    """k decode tokens (token 0) for a running request whose pages are allocated."""
+    request.num_computed_tokens += k
+    request.output_ids.extend([0] * k)
+    request.num_steps += k
+    scheduler.kv.cache_computed_pages(request)

@@ -153,7 +153,8 @@ class _Run:
 
     def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True):
         self.cfg, self.requests, self.costs, self.max_inflight = cfg, requests, costs, max_inflight
-        self.fast_forward = fast_forward and not cfg.deterministic and all(r.deadline_s is None for r in requests)
+        # Not with deadlines (expiry), deterministic mode (replayed decode rows) or a sliding window (pages released every step)
+        self.fast_forward = fast_forward and not cfg.deterministic and cfg.release_window is None and all(r.deadline_s is None for r in requests)
         self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
         self.clock = VirtualClock()
         self.scheduler = _SketchScheduler(cfg, num_pages)
@@ -162,6 +163,7 @@ class _Run:
         self.pulled = [i for i, r in enumerate(requests) if r.arrival_s is None]
         self.pulled.reverse()
         self.inflight = 0
+        self.processor = OutputProcessor(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
         self.done: list[Request | None] = [None] * len(requests)
         self.steps_by_key: dict[BucketKey, int] = {}
         self.first_step: float | None = None
@@ -181,15 +183,19 @@ class _Run:
         self.inflight += 1
 
     def admit(self) -> None:
-        """Requests whose arrival time has come, and pulled ones up to max_inflight (between steps)."""
+        """Requests whose arrival time has come, and pulled ones up to max_inflight (between steps); then the
+        iterations that must repeat the last one, after whose finishes the same again."""
+        self._arrive()
+        plans, self.plans = self.plans, []
+        if self.fast_forward and plans and skip.fast_forward(self, plans):
+            self._arrive()
+
+    def _arrive(self) -> None:
         now = self.clock.now
         while self.timed and self.timed[-1][0] <= now:
             self.submit(self.timed.pop()[1], now)
         while self.pulled and self.inflight < self.max_inflight:
             self.submit(self.pulled.pop(), now)
-        plans, self.plans = self.plans, []
-        if self.fast_forward and plans:
-            skip.fast_forward(self, plans)
 
     def step(self, plan: _SketchPlan) -> np.ndarray:
         start = self.clock.now
@@ -201,7 +207,7 @@ class _Run:
         return np.zeros(len(plan.request_ids), np.int32)
 
     def run(self) -> None:
-        processor = OutputProcessor(None, None, self.cfg.max_context)
+        processor = self.processor
         while True:
             self.admit()
             if not self.scheduler.has_work():

@@ -115,3 +115,6 @@ def test_fast_forward_gives_the_same_results_as_every_step_run(arrivals, policy)
     assert fast.steps_by_key == slow.steps_by_key and fast.num_steps == slow.num_steps
     assert fast.wall_s == pytest.approx(slow.wall_s) and fast.padding == pytest.approx(slow.padding)
     assert fast.num_preemptions == slow.num_preemptions
+    assert fast.mean_kv_utilization == slow.mean_kv_utilization  # each iteration's figure, added in the same order
+    assert fast.peak_kv_utilization == slow.peak_kv_utilization and fast.generated_tokens == slow.generated_tokens
+    assert fast.finish_reasons == slow.finish_reasons
