@@ -322,5 +322,10 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def tokens_between(self, start: int, stop: int) -> list[int]:
-        """Token ids at positions [start, stop) of prompt + output."""
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        """Token ids at positions [start, stop) of prompt + output (0 <= start <= stop), without joining the two lists."""
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        if start >= prompt:
+            return self.output_ids[start - prompt : stop - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - prompt]

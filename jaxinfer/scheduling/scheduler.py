@@ -82,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
         self._admissions = 0
+        self._program_costs: dict[tuple[int, int], float] = {}  # (rows, largest pages) -> _program_cost (the tables are fixed)
         self.clock: Callable[[], float] = time.perf_counter  # read by expire, update and finish (runloop.run sets it; the simulator's is virtual)
 
     @property
@@ -129,12 +130,13 @@ class Scheduler:
         return plans
 
     def _plan_step(self) -> list[StepPlan]:
-        for request in self.running:  # pages a sliding window has passed go back before anything is allocated
-            self.kv.release_outside_window(request)
+        if self.kv.window is not None:  # pages a sliding window has passed go back before anything is allocated
+            for request in self.running:
+                self.kv.release_outside_window(request)
         decode_rows = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill()
         plans = []
-        for group in split_decode_rows(decode_rows, self._decode_cost):
+        for group in self._split_decode(decode_rows):
             plans += [self._decode_plan(piece) for piece in self._decode_programs(group)]
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
@@ -156,16 +158,23 @@ class Scheduler:
 
     def _reserve_decode_pages(self) -> list[Request]:
         """Give every decoding request room for one more token, preempting when the pool is full."""
+        rows, preempted = [], False
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or not self._in_decode(request):
+            if not self._in_decode(request):
+                continue
+            rows.append(request)
+            if request.status != RequestStatus.RUNNING:
                 continue
             needed = request.num_computed_tokens + 1
             while self.kv.num_new_pages(request, needed) and self.kv.try_allocate(request, needed) is None:
                 victim = self.policy.victim(self.running)
                 self._preempt(victim)
+                preempted = True
                 if victim is request:
                     break
-        return [r for r in self.running if self._in_decode(r)]
+        if preempted:  # the rows still running, in their order
+            return [r for r in self.running if self._in_decode(r)]
+        return rows
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the pages, keep the output, re-queue at the front."""
@@ -247,8 +256,24 @@ class Scheduler:
 
     def _decode_key(self, requests: list[Request]) -> BucketKey:
         """The key of a decode step over these requests: rows and pages per row, bucketed."""
-        max_pages = max(len(self.kv.pages_of(r)) for r in requests)
+        max_pages = max(self.kv.num_pages_held(r) for r in requests)
         return self.tables.decode_key(len(requests), max_pages)
+
+    def _split_decode(self, requests: list[Request]) -> list[list[Request]]:
+        """split_decode_rows(requests, self._decode_cost), in O(rows) (split_sorted_rows)."""
+        if len(requests) < 2:
+            return [requests] if requests else []
+        ordered = sorted(requests, key=lambda r: r.num_tokens)
+        pages = [self.kv.num_pages_held(r) for r in ordered]
+        return split_sorted_rows(ordered, pages, self._program_cost, self.tables.max_decode_rows)
+
+    def _program_cost(self, num_rows: int, max_pages: int) -> float:
+        """_decode_cost's term for one program of `num_rows` rows whose longest table holds `max_pages` pages."""
+        cost = self._program_costs.get((num_rows, max_pages))
+        if cost is None:
+            key = self.tables.decode_key(num_rows, max_pages)
+            cost = self._program_costs[num_rows, max_pages] = self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2)
+        return cost
 
     def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
         """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
@@ -369,6 +394,60 @@ def split_decode_rows(requests: list[Request], cost: Callable[[list[Request]], f
         if total < best:
             best, groups = total, [ordered[:split], ordered[split:]]
     return groups
+
+
+def split_sorted_rows(ordered: list, pages: list[int], program_cost: Callable[[int, int], float], program_rows: int) -> list[list]:
+    """split_decode_rows's groups in O(rows) when a group's cost is a sum over its programs.
+
+    `ordered`: rows sorted by length; `pages[i]`: pages row i holds. A group is cut into programs of at most
+    `program_rows` rows from its first row; a program costs program_cost(its rows, its largest `pages`); a
+    group's cost is sum() of its programs' costs. Every split point is costed from running and suffix maxima
+    instead of re-reading the rows, with the same sum() over the same terms (Python's float sum is
+    compensated, so the terms are summed as split_decode_rows's cost would, never carried over), so the
+    groups are exactly split_decode_rows(ordered, cost)'s with that cost (a test checks).
+    """
+    n, m = len(ordered), program_rows
+    if n <= m:  # one program per group (every decode batch but deterministic mode's): a sum of one term is that term
+        return _split_one_program_each(ordered, pages, program_cost)
+    head = [0.0] * (n + 1)  # head[s]: cost of ordered[:s]
+    done: list[float] = []  # the costs of the whole programs before the current one
+    peak = 0  # the current program's largest pages
+    for s in range(1, n + 1):
+        if (s - 1) % m == 0:
+            if s > 1:
+                done.append(program_cost(m, peak))
+            peak = pages[s - 1]
+        else:
+            peak = max(peak, pages[s - 1])
+        head[s] = sum([*done, program_cost(s - len(done) * m, peak)])
+    tail_max = pages[:]  # tail_max[i]: largest pages of ordered[i:]
+    for i in range(n - 2, -1, -1):
+        tail_max[i] = max(tail_max[i], tail_max[i + 1])
+    best, groups = head[n], [ordered]
+    for split in range(1, n):
+        terms = [program_cost(min(m, n - start), tail_max[start] if start + m >= n else max(pages[start : start + m])) for start in range(split, n, m)]
+        total = head[split] + sum(terms)
+        if total < best:
+            best, groups = total, [ordered[:split], ordered[split:]]
+    return groups
+
+
+def _split_one_program_each(ordered: list, pages: list[int], program_cost: Callable[[int, int], float]) -> list[list]:
+    """split_sorted_rows when every group is one program."""
+    n = len(ordered)
+    head, peak = [0.0] * n, 0  # head[s]: cost of ordered[:s]
+    for s in range(1, n):
+        peak = max(peak, pages[s - 1])
+        head[s] = program_cost(s, peak)
+    peak = max(peak, pages[n - 1])
+    best, best_split = program_cost(n, peak), 0
+    peak = 0
+    for split in range(n - 1, 0, -1):  # tail maxima from the end; the first cheapest split wins, as in split_decode_rows
+        peak = max(peak, pages[split])
+        total = head[split] + program_cost(n - split, peak)
+        if total < best or (total == best and best_split):  # a tie goes to the smaller split
+            best, best_split = total, split
+    return [ordered[:best_split], ordered[best_split:]] if best_split else [ordered]
 
 
 class PromptTooLongError(ValueError):

@@ -5,12 +5,12 @@ mapping, block table, chunk and preemption was right.
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.stopping import OutputProcessor
-from jaxinfer.scheduling.scheduler import Scheduler, split_decode_rows
+from jaxinfer.scheduling.scheduler import Scheduler, split_decode_rows, split_sorted_rows
 
 from fakes import FakePagedEngine, expected_output, request, run_to_completion, small_config
 
@@ -151,6 +151,25 @@ def test_split_decode_rows_keeps_one_group_when_overhead_dominates():
     assert len(split_decode_rows(reqs, lambda g: 1000 + len(g) * width(g))) == 1
     groups = split_decode_rows(reqs, lambda g: 1 + len(g) * width(g))
     assert [[r.request_id for r in g] for g in groups] == [["r0", "r1"], ["r2"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(st.integers(1, 40), min_size=1, max_size=24), program_rows=st.integers(1, 9),
+       overhead=st.sampled_from([0.0, 0.1, 2.0, 44.0, 1e9 / 3]))
+@example(pages=[1, 2, 1], program_rows=4, overhead=0.0)  # two splits tie (16 each, 18 unsplit): the first wins
+@example(pages=[7, 1, 1], program_rows=1, overhead=0.1)  # sum() is compensated: adding 16.1, 4.1, 4.1 in turn would make the unsplit group dearer than 16.1 + 8.2
+def test_the_linear_split_picks_the_groups_costing_every_split_picks(pages, program_rows, overhead):
+    # The reference: split_decode_rows re-costing every split point from the rows, the programs of each
+    # group cut from its first row; pages in any order (a shared or released table need not grow with length).
+    rows = [f"r{i}" for i in range(len(pages))]
+    held = dict(zip(rows, pages))
+    program_cost = lambda n, top: overhead + n * (2 * top + 2)  # noqa: E731
+    def group_cost(group):
+        return sum(program_cost(len(group[i : i + program_rows]), max(held[r] for r in group[i : i + program_rows])) for i in range(0, len(group), program_rows))
+    # rows are already in length order here; split_decode_rows sorts by num_tokens, so give it objects that keep it
+    reference = split_decode_rows([request(r, i + 1, 1, i) for i, r in enumerate(rows)], lambda g: group_cost([r.request_id for r in g]))
+    linear = split_sorted_rows(rows, pages, program_cost, program_rows)
+    assert [[r.request_id for r in g] for g in reference] == linear
 
 
 def test_kv_utilization_counts_tokens_over_allocated_slots():
