@@ -21,8 +21,9 @@ LLAMA_CPP_MODELS := build/llama-cpp-python/models
 # Empty where that folder is absent (a clean clone on its own): the trace test then skips.
 JAXINFER_TRACE_DIR ?= $(wildcard $(abspath ../shared/data))
 SOAK_ARGS ?=
-# make test runs the test files on one pytest-xdist worker per core (2 here); PYTEST_WORKERS= runs them in one process.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+# make test runs the test files on one pytest-xdist worker per core (2 here), in conftest's order (files with slow tests
+# first, so both workers end together; xdist would reorder them by test count); PYTEST_WORKERS= runs them in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: run test test-fast reference reference-check bench soak gpu-aot setup setup-ref setup-bench llama-cpp-models kquant-fixtures clean
 

@@ -1,6 +1,7 @@
 """Shared fixtures: the real default model and tokenizer are loaded once per session; the CPU kernels'
 build, which skips the tests that need them where no compiler is found, and fails them under CI=true."""
 
+import collections
 import functools
 import os
 from pathlib import Path
@@ -14,6 +15,24 @@ os.environ["JAXINFER_TUNE"] = "0"
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PAD_BUCKETS = (64, 128, 640)  # padded_logits' widths: 3 compiles a model (the HF fixture prompts are 1 to 601 tokens)
+
+
+def _file_of(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with more `slow` tests first (then files with more tests), each file's tests kept in order and together.
+    `make test` hands whole files to 2 workers in this order (`--dist loadfile --no-loadscope-reorder`): the long
+    files start early and the short ones fill the end, so the workers finish together. xdist's own order (most tests
+    first) puts the files of one or two long multi-process tests last, where one worker can be left running them
+    while the other has nothing left to take."""
+    num_slow, num_tests = collections.Counter(), collections.Counter()
+    for item in items:
+        num_tests[_file_of(item)] += 1
+        num_slow[_file_of(item)] += item.get_closest_marker("slow") is not None
+    first_seen = {file: i for i, file in reversed(list(enumerate(map(_file_of, items))))}
+    items.sort(key=lambda item: (-num_slow[_file_of(item)], -num_tests[_file_of(item)], first_seen[_file_of(item)]))
 
 
 def require_cpu_kernels() -> None:
