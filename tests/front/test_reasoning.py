@@ -16,7 +16,9 @@ from job_records import by_key
 from test_structured_output import PROMPTS, SCHEMAS
 from thinking_model import save_tiny_qwen3_thinker
 
-ENGINE = dict(max_context=512, page_size=16, max_num_seqs=8, max_prefill_tokens=128)
+# 2 programs at warm-up, not the full tables' 29: one prefill chunk and one decode width (every step pads to them)
+ENGINE = dict(max_context=512, page_size=16, max_num_seqs=8, max_prefill_tokens=128, prefill_chunk_buckets=(128,), decode_batch_buckets=(8,),
+              decode_page_buckets=(32,))
 BUDGET = 12
 # A random model writes whitespace forever where JSON allows it; llguidance's compact form leaves it none.
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
