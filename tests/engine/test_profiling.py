@@ -57,7 +57,8 @@ def test_generate_profile_writes_a_trace_of_the_chosen_steps(tiny_chat_model, co
     inp.write_text("".join(json.dumps({"id": i, "prompt": f"Question {i}?", "max_tokens": 6}) + "\n" for i in range(3)))
     result = subprocess.run(
         [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(tiny_chat_model), "--input", str(inp), "--output", str(tmp_path / "out.jsonl"),
-         "--compile-cache", compile_cache, "--max-context", "128", "--page-size", "16", "--no-progress", "--profile", str(tmp_path / "p"), "--profile-steps", "2:3"],
+         "--compile-cache", compile_cache, "--max-context", "128", "--max-num-seqs", "2", "--page-size", "16",  # 13 programs, not 25
+         "--no-progress", "--profile", str(tmp_path / "p"), "--profile-steps", "2:3"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
