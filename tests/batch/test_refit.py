@@ -107,6 +107,35 @@ def test_a_shift_is_proposed_within_two_windows_keeping_the_bucket_count_and_the
     assert padding(_lengths(rng, 2000, 330), new) < padding(_lengths(rng, 2000, 330), table) - 0.1
 
 
+def _proposals(watch: DriftWatch, sizes) -> list[int]:
+    """The prefill steps at which the watch proposed a table, fed one row of each size (swapped in at once)."""
+    plans, steps = {}, []
+    for step, n in enumerate(np.minimum(sizes, TOP)):
+        plan = plans.setdefault(int(n), _prefill(int(n)))
+        new = watch.observe(plan)
+        if new is not None:
+            steps.append(step)
+            watch.reset(new)
+    return steps
+
+
+@pytest.mark.parametrize("sigma", [0.35, 0.8])
+def test_sizes_from_the_distribution_the_table_was_fitted_to_never_refit_and_a_shift_does_within_a_window(sigma):
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        table = cut_table(fit_buckets(np.minimum(_lengths_of(rng, 5000, 60, sigma), TOP - 1), 5, multiple_of=16), TOP, reach=True)
+        assert _proposals(DriftWatch(table), _lengths_of(rng, 2000, 60, sigma)) == []  # heavy tails are noise, not drift
+    shifted = np.concatenate([_lengths_of(rng, 1000, 60, 0.35), _lengths_of(rng, 1000, 300, 0.35)])
+    table = cut_table(fit_buckets(np.minimum(_lengths_of(rng, 5000, 60, 0.35), TOP - 1), 5, multiple_of=16), TOP, reach=True)
+    watch = DriftWatch(table)
+    (step,) = _proposals(watch, shifted)  # once, and not again on the new sizes
+    assert 1000 < step <= 1000 + watch.window and padding(shifted[1000:], watch.table) < padding(shifted[1000:], table) - 0.1
+
+
+def _lengths_of(rng, count: int, mean: float, sigma: float) -> np.ndarray:
+    return np.clip(rng.lognormal(np.log(mean), sigma, count).astype(int), 8, 900)
+
+
 @pytest.mark.slow
 def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_every_plan_finds_its_program(tiny_chat_model, compile_cache):
     from jaxinfer.api import LLM
