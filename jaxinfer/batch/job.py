@@ -161,6 +161,7 @@ class LineRunner:
                     prompt = embed_lines.prompt_of(llm, line, index=next(counter))
                 else:
                     prompt = self._prepare(llm, line, index=next(counter))
+                    line = self._echo_as_scored(llm, line, prompt)
             except LineError as e:
                 pending.append(error_record(line, str(e), e.status_code, e.param))
                 if len(pending) >= _MAX_PENDING_ERRORS:
@@ -186,6 +187,18 @@ class LineRunner:
         if (error := self.host_error(line)) is None:
             raise ValueError(f"line {line.number} can run: a job with lines to run needs a model (llm=None only when num_runnable == 0)")
         return error_record(line, str(error), error.status_code, error.param)
+
+    def _echo_as_scored(self, llm: LLM, line: InputLine, prompt: Prompt) -> InputLine:
+        """A text completion's `echo` under --truncate: the text of the tokens kept (what was scored), not the
+        whole prompt. A cut prompt holds exactly truncate_prompt's `keep` tokens; one of that length that was not
+        cut is echoed as its tokens' text too (the same text, up to the tokenizer's normalization)."""
+        echo = (line.endpoint or {}).get("echo")
+        if self.truncate == "none" or not isinstance(echo, str):
+            return line
+        max_context = llm.engine_config.max_context
+        if len(prompt.token_ids) != max_context - min(prompt.params.max_tokens, max_context // 2):  # truncate_prompt's keep
+            return line
+        return dataclasses.replace(line, endpoint=line.endpoint | {"echo": llm.tokenizer.decode(prompt.token_ids, skip_special=True)})
 
     def _sampling_params(self, obj: dict) -> SamplingParams:
         return SamplingParams.from_fields({name: obj[name] for name in SAMPLING_FIELDS if name in obj}, self.defaults)

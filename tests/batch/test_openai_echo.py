@@ -61,6 +61,18 @@ def test_echo_with_logprobs_and_max_tokens_zero_scores_the_prompt_in_openai_shap
     assert text["text"] == PROMPT + generated and text["logprobs"] is None
 
 
+def test_echo_under_truncate_gives_the_text_that_was_scored(llm, tmp_path):
+    """A prompt over the context cut by --truncate left: the echo is its kept end, token for token the logprobs' tokens."""
+    long_prompt = " ".join([PROMPT] * 40)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(completion("cut", long_prompt, echo=True, logprobs=0, max_tokens=0)) + "\n")
+    with BatchJob(inp, out, SamplingParams(temperature=0, max_tokens=3), truncate="left") as job:
+        job.run(llm, progress=False)
+    choice = records(out)[0]["response"]["body"]["choices"][0]
+    assert len(llm.encode(long_prompt)) > 128 and len(choice["logprobs"]["tokens"]) == 128  # max_tokens 0: the whole context
+    assert choice["text"] == "".join(choice["logprobs"]["tokens"]) and long_prompt.endswith(choice["text"]) and len(choice["text"]) < len(long_prompt)
+
+
 def test_echo_must_be_a_boolean_max_tokens_zero_needs_logprobs_and_chat_has_no_echo(llm, tmp_path):
     chat = {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True}}

@@ -71,6 +71,21 @@ def test_jaxinfer_embed_lines_carry_the_embedding_and_bad_ones_name_the_field(ll
     assert out["e"]["status"] == "error" and "not 'messages'" in out["e"]["error"]
 
 
+def test_records_carry_the_weight_version_that_made_them(llm, tmp_path):
+    """After LLM.update_params (the same weights again: version + 1), embedding, generation and OpenAI lines all say so."""
+    before = llm.weight_version
+    llm.update_params(llm.params)
+    files = {"jaxinfer": [json.dumps({"id": "a", "prompt": "The cat sat.", "embed": True}), json.dumps({"id": "c", "prompt": "Say hi", "max_tokens": 2})],
+             "openai": [line("o", input="x")]}  # a file holds one format
+    out = {}
+    for name, lines in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        with BatchJob(tmp_path / f"{name}.jsonl", tmp_path / f"{name}.out.jsonl", SamplingParams(temperature=0)) as job:
+            job.run(llm, progress=False)
+        out |= by_key(tmp_path / f"{name}.out.jsonl")
+    assert len(out) == 3 and {record["weight_version"] for record in out.values()} == {before + 1}
+
+
 @pytest.mark.slow
 def test_the_cli_locally_and_on_ray_writes_the_same_embedding_records(tiny_chat_model, compile_cache, tmp_path):
     """`jaxinfer generate` on a file of embedding and chat lines, locally and with --ray (two actors): the same
