@@ -163,6 +163,7 @@ class _Run:
         self.pulled = [i for i, r in enumerate(requests) if r.arrival_s is None]
         self.pulled.reverse()
         self.inflight = 0
+        self.params: dict[int, SamplingParams] = {}  # output tokens -> the requests' sampling parameters
         self.processor = OutputProcessor(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
         self.done: list[Request | None] = [None] * len(requests)
         self.steps_by_key: dict[BucketKey, int] = {}
@@ -172,7 +173,9 @@ class _Run:
     def submit(self, index: int, now: float) -> None:
         spec = self.requests[index]
         now = now if spec.arrival_s is None else spec.arrival_s  # a timed request counts from its arrival
-        params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        params = self.params.get(spec.output_tokens)
+        if params is None:  # one frozen (immutable) SamplingParams per output length: validating one per request costs more than its steps
+            params = self.params[spec.output_tokens] = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
         prompt = [1] * shared + [index + 2] + [0] * (spec.prompt_tokens - shared - 1) if shared < spec.prompt_tokens else [1] * shared
