@@ -53,7 +53,7 @@ namespace {
 constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kBlock = 32;  // inputs per activation scale
 constexpr int64_t kSuper = 256;  // inputs per K-quant super-block
-constexpr int kRows = 4, kPanels = 2;  // register tile
+constexpr int kPanels = 2, kDecodeRows = 4;  // register tile: kPanels panels; under kDecodeRows rows, one panel
 constexpr int64_t kRun = 4;  // column tiles per task at decode's few rows
 
 enum Format { kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ50 = 3, kQ51 = 4 };
@@ -61,6 +61,8 @@ constexpr int kHighBits[] = {0, 1, 2, 1, 1};  // bits above the low nibble
 constexpr bool kKQuant(int f) { return f <= kQ6K; }
 constexpr bool kHasMins(int f) { return f == kQ4K || f == kQ5K || f == kQ51; }
 
+// Register tile rows: the K-quants keep their f32 sums in `out`, which leaves registers for a fifth row.
+constexpr int kRows(int f) { return kKQuant(f) ? 5 : 4; }
 constexpr int64_t kGroup(int f) { return kKQuant(f) ? kSuper : kBlock; }  // inputs per activation scale
 constexpr int64_t kSub(int f) { return f == kQ6K ? 16 : kBlock; }  // inputs per weight sub-block scale
 
@@ -311,25 +313,26 @@ void tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahe
   else block_tile<R, P, Fmt>(a, w, p0, m0, ahead, out);
 }
 
+// tile<rows, P> for 0 <= rows < R: the rows left over.
+template <int R, int P, int Fmt>
+void tile_rows(int64_t rows, const Activations& a, const Layer& w, int64_t p0, int64_t m0, bool ahead, float* out) {
+  if constexpr (R > 1) {
+    if (rows == R - 1) tile<R - 1, P, Fmt>(a, w, p0, m0, ahead, out);
+    else tile_rows<R - 1, P, Fmt>(rows, a, w, p0, m0, ahead, out);
+  }
+}
+
 template <int Fmt>
 void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, bool ahead, float* out) {
-  if (M < kRows) {  // decode: one panel at a time, each prefetching the next (fewer live pointers than a pair)
-    switch (M) {
-      case 1: tile<1, 1, Fmt>(a, w, p0, 0, true, out), tile<1, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
-      case 2: tile<2, 1, Fmt>(a, w, p0, 0, true, out), tile<2, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
-      case 3: tile<3, 1, Fmt>(a, w, p0, 0, true, out), tile<3, 1, Fmt>(a, w, p0 + 1, 0, ahead, out); break;
-      default: break;  // no rows
-    }
+  if (M < kDecodeRows) {  // decode: one panel at a time, each prefetching the next (fewer live pointers than a pair)
+    tile_rows<kDecodeRows, 1, Fmt>(M, a, w, p0, 0, true, out);
+    tile_rows<kDecodeRows, 1, Fmt>(M, a, w, p0 + 1, 0, ahead, out);
     return;
   }
+  constexpr int Rows = kRows(Fmt);
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, kPanels, Fmt>(a, w, p0, m, ahead && m + kRows == M, out);
-  switch (M - m) {  // the rows left over, fewer than kRows
-    case 1: tile<1, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
-    case 2: tile<2, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
-    case 3: tile<3, kPanels, Fmt>(a, w, p0, m, ahead, out); break;
-    default: break;
-  }
+  for (; m + Rows <= M; m += Rows) tile<Rows, kPanels, Fmt>(a, w, p0, m, ahead && m + Rows == M, out);
+  tile_rows<Rows, kPanels, Fmt>(M - m, a, w, p0, m, ahead, out);
 }
 
 void column_tile_vnni(int format, const Activations& a, const Layer& w, int64_t p0, int64_t M, bool ahead, float* out) {
@@ -445,7 +448,7 @@ ffi::Error KquantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   float* op = out->typed_data();
   // Runs of kRun tiles at decode's few rows (the next tile's bytes prefetched while one computes), one tile a
   // task otherwise (quant_matmul.cc's rule for 4-bit codes; every format here is under 7 bits a weight).
-  const int64_t tiles = C / kPanels, run = M <= 4 * kRows ? kRun : 1, chunks = (tiles + run - 1) / run;
+  const int64_t tiles = C / kPanels, run = M <= 4 * kDecodeRows ? kRun : 1, chunks = (tiles + run - 1) / run;
   jaxinfer::parallel_for(pool, chunks, [&](int64_t c) {
     const int64_t first = c * run, last = std::min(tiles, first + run);
     for (int64_t t = first; t < last; ++t) {
