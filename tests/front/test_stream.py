@@ -17,7 +17,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
+               decode_batch_buckets=(2,), decode_page_buckets=(8,))  # 3 programs, not 13: what is tested is the feeding
 
 
 class CountingSource:
@@ -88,7 +89,8 @@ def test_a_failing_source_stops_the_stream_and_frees_the_llm(llm):
 
 def _dp_worker(model: str) -> dict:
     """Two replicas (two simulated CPU devices) fed a generator in chunks of max_inflight=3."""
-    llm = LLM(model, data_parallel=2, max_context=64, page_size=8, max_num_seqs=2, max_prefill_tokens=32, num_pages=24, compilation_cache_dir=None)
+    llm = LLM(model, data_parallel=2, max_context=64, page_size=8, max_num_seqs=2, max_prefill_tokens=32, num_pages=24, compilation_cache_dir=None,
+              decode_batch_buckets=(2,), decode_page_buckets=(8,))  # 2 programs a replica, not 10
     prompts = [llm.prepare(f"Question {i}: " + "word " * (i % 5), PARAMS, index=i) for i in range(10)]
     lazy = {o.index: o.token_ids for o in llm.stream((p for p in prompts), progress=False, max_inflight=3)}
     routes = list(llm.last_routes)
