@@ -26,8 +26,9 @@
 // Codes: the low nibbles as quant_matmul.cc's (one 64-byte row: 8 inputs of 16 columns, two vpdpbusd), the
 // bits above them or-ed in from a 64-byte row of high bits per 32 (1 bit) or 16 (2 bits) inputs, shifted into
 // place two bits (or four) per code row. The design is quant_matmul.cc's: column tiles of kPanels panels of 16
-// columns split across XLA's intra-op threads, kRows rows in registers, and up to 16 rows runs of kRun tiles,
-// each tile's last pass prefetching the next one's bytes (codes, high bits, scales) into L2. Under kRows rows
+// columns split across XLA's intra-op threads, kRows rows in registers (5 for the K-quants, whose f32 sums wait
+// in `out` between super-blocks; 4 for q5_0 / q5_1), and up to 16 rows runs of kRun tiles, each tile's last
+// pass prefetching the next one's bytes (codes, high bits, scales) into L2. Under kDecodeRows rows
 // each panel is a pass of its own that prefetches the next panel: six arrays per panel are many pointers, and
 // a pair of panels spilled them. The layer is read in place.
 // Without AVX512-VNNI (or with vectorized = 0) a plain loop computes the same sums.
