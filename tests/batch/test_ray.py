@@ -41,7 +41,7 @@ def features(i: int) -> dict:
 
 def write_input(path: Path) -> Path:
     """40 lines: 36 good chat requests (some with features()), 4 bad lines at BAD_LINES."""
-    good = iter(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: name a number."}], "max_tokens": 48} | features(i))
+    good = iter(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}: name a number."}], "max_tokens": 24} | features(i))
                 for i in range(NUM_GOOD))
     bad = {4: '{"id": "broken", "prompt": "unterminated', 11: json.dumps({"prompt": "no id"}), 19: json.dumps({"id": "typo", "prompt": "hi", "max_token": 3}),
            27: '{"id": "nan", "prompt": "hi", "temperature": NaN}'}
@@ -205,7 +205,9 @@ class CrashingActor(ray_jobs.LLMActor):
         return super().__call__(batch)
 
 inp, out, model, cache = sys.argv[1:5]
-engine = EngineConfig(max_context=128, max_num_seqs=2, page_size=16, compilation_cache_dir=cache)
+# 2 programs (the full tables hold 13): every start of the actor, the first and each restart, warms them up
+engine = EngineConfig(max_context=128, max_num_seqs=2, page_size=16, compilation_cache_dir=cache,
+                      prefill_chunk_buckets=(32,), decode_batch_buckets=(2,), decode_page_buckets=(8,))
 with BatchJob(Path(inp), Path(out), SamplingParams(temperature=0, max_tokens=4)) as job:
     summary = ray_jobs.run_job(job, ray_jobs.RayOptions(num_actors=1, batch_size=4), model=model, engine_config=engine, progress=False, actor=CrashingActor)
 print("counts", summary.num_ok, summary.num_errors)
