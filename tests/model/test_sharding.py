@@ -393,6 +393,7 @@ def _features_worker(model: str, tps: list[int]) -> dict:
     ]
     limits = dict(dtype="float32", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=32, attention_impl="reference",
                   compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_features_xla_"))
+    narrow = dict(decode_batch_buckets=(4,), decode_page_buckets=(8,))  # 2 programs at each TP, not the full tables' 11
 
     def run(llm, which=range(len(prompts))):
         outs = llm.generate([prompts[i] for i in which], [params[i] for i in which], progress=False)
@@ -402,7 +403,7 @@ def _features_worker(model: str, tps: list[int]) -> dict:
             prompt_logprobs=[[e[0] for e in o.prompt_logprobs[1:]] if o.prompt_logprobs else [] for o in outs],
         )
 
-    report = {str(tp): run(LLM(model, tensor_parallel=tp, **limits)) for tp in tps}
+    report = {str(tp): run(LLM(model, tensor_parallel=tp, **limits, **narrow)) for tp in tps}
     deterministic = LLM(model, deterministic=True, **limits)
     report["deterministic_batch"], report["deterministic_alone"] = run(deterministic), run(deterministic, [0])
     return report
