@@ -12,12 +12,15 @@ llama-cpp-models`), all cached under build/bench_kquant/. On the same conversati
 Reported per format: output tokens/s and the ratio to llama.cpp's best mode and to its one stream, the tuner's
 choice, the process's peak RSS after the jaxinfer run (with the file size), greedy agreement with llama.cpp,
 the machine (CPU model and flags) and the llama.cpp build. Goals (issue 44): Q4_K_M >= 2x llama.cpp's best mode,
-Q5_K_M and Q6_K >= 1.5x; --8b: a Llama-3.1-8B-shaped Q4_K_M loads within file + pool + 1 GiB and >= 1x.
+Q5_K_M and Q6_K >= 1.5x; --8b: a Llama-3.1-8B-shaped Q4_K_M loads within file + pool + 1 GiB and >= 1x;
+--geometry gemma3-1b: a Gemma-3-1B-shaped Q4_K_M (the Gemma 4 vocabulary file's 262,144 tokens: Gemma 3's own
+tokenizer is not in llama.cpp's vocabulary files) >= 1.5x. A run of one format also judges the memory rule.
 
-    .venv/bin/python experiments/bench_kquant.py [--formats Q4_K_M,Q5_K_M,Q6_K] [--num-requests 32] [--quick] [--8b]
---quick: 2 layers of the geometry, Q4_K_M, 4 short requests (does it run; no figure to keep).
-Writes experiments/results/bench_kquant.json (bench_kquant_quick.json / bench_kquant_8b.json); the last stdout
-line is one JSON document.
+    .venv/bin/python experiments/bench_kquant.py [--geometry llama3-1b|llama3.1-8b|gemma3-1b] [--formats Q4_K_M,Q5_K_M,Q6_K]
+        [--num-requests 32] [--max-output 32] [--quick] [--8b]
+--quick: 2 layers of the geometry, Q4_K_M, 4 short requests (does it run; no figure to keep). --8b: --geometry
+llama3.1-8b with Q4_K_M. Writes experiments/results/bench_kquant.json (bench_kquant_quick.json, bench_kquant_8b.json,
+bench_kquant_<geometry>.json); the last stdout line is one JSON document.
 """
 
 import json
@@ -26,18 +29,18 @@ import time
 
 from common import engine_runs, machine, models, paths, peers, report, timing, workloads
 from common.paths import REPO_ROOT
+from jaxinfer import geometries
 
 RESULTS = paths.RESULTS_DIR / "bench_kquant.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_kquant"
-VOCAB_GGUF = REPO_ROOT / "build" / "llama-cpp-python" / "models" / "ggml-vocab-llama-bpe.gguf"
+VOCAB_DIR = REPO_ROOT / "build" / "llama-cpp-python" / "models"
 QUANTIZER = REPO_ROOT / "tests" / "reference" / "make_kquant_files.py"
 FORMATS = ("Q4_K_M", "Q5_K_M", "Q6_K")
-TARGETS = {"Q4_K_M": 2.0, "Q5_K_M": 1.5, "Q6_K": 1.5, "8B_Q4_K_M": 1.0}
-LLAMA_3_1_8B = {
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "architectures": ["LlamaForCausalLM"],
-    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+TARGETS = {"Q4_K_M": 2.0, "Q5_K_M": 1.5, "Q6_K": 1.5, "8B_Q4_K_M": 1.0, "gemma3-1b_Q4_K_M": 1.5}
+GEOMETRIES = {  # name -> (Hugging Face config, llama.cpp vocabulary file whose tokenizer the random file carries)
+    "llama3-1b": (geometries.LLAMA_3_2_1B, "ggml-vocab-llama-bpe.gguf"),
+    "llama3.1-8b": (geometries.LLAMA_3_1_8B, "ggml-vocab-llama-bpe.gguf"),
+    "gemma3-1b": (geometries.GEMMA_3_1B, "ggml-vocab-gemma-4.gguf"),
 }
 MAX_CONTEXT = 1024
 MAX_OUTPUT = 32
@@ -46,7 +49,9 @@ MAX_OUTPUT = 32
 def parse_args():
     parser = report.arg_parser(__doc__, out=RESULTS, trace=True)
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
+    parser.add_argument("--geometry", default="llama3-1b", choices=sorted(GEOMETRIES))
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-output", type=int, default=MAX_OUTPUT, help="output tokens per request at most")
     parser.add_argument("--scale", type=float, default=16.0, help="trace lengths are divided by this")
     parser.add_argument("--parallel", type=int, default=16, help="llama.cpp's sequence ids in batched mode")
     parser.add_argument("--repeats", type=int, default=1)
@@ -59,20 +64,30 @@ def parse_args():
         args.formats, args.num_requests, args.parallel = ["Q4_K_M"], 4, 4
         args.out = args.out.with_name("bench_kquant_quick.json") if args.out == RESULTS else args.out
     if args.eight_b:
-        args.formats = ["Q4_K_M"]
+        args.geometry, args.formats = "llama3.1-8b", ["Q4_K_M"]
         args.out = args.out.with_name("bench_kquant_8b.json") if args.out == RESULTS else args.out
+    elif args.geometry != "llama3-1b":
+        args.formats = ["Q4_K_M"] if args.geometry == "gemma3-1b" else args.formats
+        args.out = args.out.with_name(f"bench_kquant_{args.geometry}.json") if args.out == RESULTS and not args.quick else args.out
     return args
 
 
 def geometry(args) -> tuple[str, dict]:
-    if args.eight_b:
-        return "llama3.1-8b", LLAMA_3_1_8B
+    """(file name stem, Hugging Face config) of the geometry; --quick keeps 2 of its layers."""
+    config = GEOMETRIES[args.geometry][0]
     if args.quick:
-        return "llama3-1b-2layers", {**models.GEOMETRIES["llama3-1b"], "num_hidden_layers": 2}
-    return "llama3-1b", models.GEOMETRIES["llama3-1b"]
+        layers = 2 if "layer_types" not in config else 6  # Gemma: one whole 5 local : 1 global pattern
+        config = {**config, "num_hidden_layers": layers, **({"layer_types": config["layer_types"][:layers]} if "layer_types" in config else {})}
+        return f"{args.geometry}-{layers}layers", config
+    return args.geometry, config
 
 
-def model_file(name: str, config: dict, fmt: str) -> str:
+def target_key(args, fmt: str) -> str:
+    """TARGETS' key of a format in this run's geometry."""
+    return f"8B_{fmt}" if args.geometry == "llama3.1-8b" else fmt if args.geometry == "llama3-1b" else f"{args.geometry}_{fmt}"
+
+
+def model_file(name: str, config: dict, fmt: str, vocab: str = GEOMETRIES["llama3-1b"][1]) -> str:
     """The format's file, made on first use: the random F16 source (once per geometry), then llama.cpp's quantizer."""
     from jaxinfer.loading import loading
 
@@ -81,11 +96,11 @@ def model_file(name: str, config: dict, fmt: str) -> str:
         return str(path)
     source = WORK_DIR / f"{name}-random-f16.gguf"
     if not source.exists():
-        if not VOCAB_GGUF.exists():
-            raise SystemExit(f"error: {VOCAB_GGUF} is missing; run `make llama-cpp-models`")
+        if not (VOCAB_DIR / vocab).exists():
+            raise SystemExit(f"error: {VOCAB_DIR / vocab} is missing; run `make llama-cpp-models`")
         WORK_DIR.mkdir(parents=True, exist_ok=True)
         partial = source.with_suffix(".partial")
-        _, seconds = timing.timed(models.write_random_gguf, partial, config, "F16", loading.open_gguf(VOCAB_GGUF), max_context=MAX_CONTEXT)
+        _, seconds = timing.timed(models.write_random_gguf, partial, config, "F16", loading.open_gguf(VOCAB_DIR / vocab), max_context=MAX_CONTEXT)
         partial.rename(source)
         report.log("bench_kquant", f"wrote {source.name} ({source.stat().st_size / 2**20:.0f} MiB) in {seconds:.0f}s")
     partial = path.with_suffix(".partial")
@@ -111,7 +126,7 @@ def run_default(path: str, workload: dict, args) -> tuple[dict, list]:
 
 
 def run_format(name: str, config: dict, fmt: str, workload: dict, workload_file, args) -> dict:
-    path = model_file(name, config, fmt)
+    path = model_file(name, config, fmt, GEOMETRIES[args.geometry][1])
     results, tokens = {"file_bytes": {"bytes": __import__("os").path.getsize(path)}}, {}
     try:
         results["default"], tokens["default"] = run_default(path, workload, args)
@@ -146,9 +161,9 @@ def main() -> None:
     start = time.perf_counter()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     name, config = geometry(args)
-    first = model_file(name, config, args.formats[0])
+    first = model_file(name, config, args.formats[0], GEOMETRIES[args.geometry][1])
     workload = workloads.build_workload(args.trace, args.num_requests, args.scale, args.seed, load_tokenizer(first),
-                                        max_context=MAX_CONTEXT, max_output=MAX_OUTPUT)
+                                        max_context=MAX_CONTEXT, max_output=args.max_output)
     workload_file = WORK_DIR / f"workload_{name}.json"
     workload_file.write_text(json.dumps(workload))
     by_format = {fmt: run_format(name, config, fmt, workload, workload_file, args) for fmt in args.formats}
@@ -157,9 +172,9 @@ def main() -> None:
         ratio = ratios(results)
         results["ratios"] = ratio
         default = results.get("default") or {}
-        key = f"8B_{fmt}" if args.eight_b else fmt
+        key = target_key(args, fmt)
         goals[f"{key}_vs_llamacpp"] = (f"{key}: default output tok/s >= {TARGETS[key]}x llama.cpp's best mode", TARGETS[key], "at_least")
-        if args.eight_b:
+        if len(args.formats) == 1:  # the process's peak is this format's alone
             goals[f"{key}_memory"] = (f"{key}: peak RSS <= file + pool + 1 GiB (as a ratio, <= 1)", 1.0, "at_most")
         rows.append([fmt, default.get("output_tokens_per_s"), (results.get("llamacpp_batched") or {}).get("output_tokens_per_s"),
                      (results.get("llamacpp_sequential") or {}).get("output_tokens_per_s"), ratio["vs_llamacpp_best"],
@@ -168,10 +183,10 @@ def main() -> None:
                                       ("x best", "7.2f"), ("peak RSS GiB", "12.2f"), ("file GiB", "8.2f"), ("choices", "<50")], rows))
     measured = {}
     for fmt, results in by_format.items():
-        key = f"8B_{fmt}" if args.eight_b else fmt
+        key = target_key(args, fmt)
         measured[f"{key}_vs_llamacpp"] = results["ratios"]["vs_llamacpp_best"]
         default = results.get("default") or {}
-        if args.eight_b and default.get("peak_rss_bytes"):
+        if len(args.formats) == 1 and default.get("peak_rss_bytes"):
             measured[f"{key}_memory"] = default["peak_rss_bytes"] / (results["file_bytes"]["bytes"] + default["pool_bytes"] + 2**30)
     judged = report.judge(goals, measured)
     report.print_goals(judged)

@@ -10,8 +10,8 @@ Each file is loaded in a fresh child process (so one load's peak does not hide a
 The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
 bytes; the budget is file + pool + 1 GiB.
 
-    .venv/bin/python experiments/bench_load_memory.py [FILE.gguf ...]   (default: the K-quant test files and,
-        where experiments/bench_kquant.py made them, its build/bench_kquant/*.gguf)
+    .venv/bin/python experiments/bench_load_memory.py [--tune] [FILE.gguf ...]   (default: the K-quant test files and,
+        where experiments/bench_kquant.py made them, its build/bench_kquant/ K-quant files but the 8B's)
 Writes experiments/results/bench_load_memory.json; the last stdout line is one JSON document.
 """
 
@@ -28,7 +28,8 @@ RESULTS = paths.RESULTS_DIR / "bench_load_memory.json"
 SLACK_BYTES = 2**30
 ENGINE = dict(max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=256, prefill_chunk_buckets=(256,),
               prefill_seq_buckets=(1,), decode_batch_buckets=(4,), decode_page_buckets=(16,), num_pages=4 * 16 + 1)  # a small pool: the budget counts it
-DEFAULT_FILES = sorted((REPO_ROOT / "tests" / "fixtures" / "kquant").glob("*.gguf")) + sorted((REPO_ROOT / "build" / "bench_kquant").glob("*.gguf"))
+DEFAULT_FILES = sorted((REPO_ROOT / "tests" / "fixtures" / "kquant").glob("*.gguf")) + sorted(  # the K-quant files, not the F16 sources or the 8B
+    p for p in (REPO_ROOT / "build" / "bench_kquant").glob("*-q[456]_k*.gguf") if "8b" not in p.name)
 
 CHILD = r"""
 import json, os, sys, time
@@ -48,8 +49,10 @@ out = {"load_s": time.perf_counter() - start, "before": before, "after_load": st
        "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(params)})}
 if stage == "tune":
     from jaxinfer.engine import backends, tuning
+    start = time.perf_counter()
     result = tuning.tune(cfg, params, EngineConfig(**engine), backends.Impls(), quantization="auto")
-    out |= {"choice": result.choice.name, "after_tune": status()}
+    out |= {"choice": result.choice.name, "tune_s": time.perf_counter() - start, "after_tune": status(),
+            "measurements": [[m.candidate, m.score, m.status] for m in result.measurements]}
 if stage == "engine":
     from jaxinfer.engine.engine import Engine
     eng = Engine(cfg, params, EngineConfig(attention_impl="cpu", matmul_impl="cpu_int8", **engine))

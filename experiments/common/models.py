@@ -47,19 +47,22 @@ def _copy_tokenizer(writer, reader, vocab_size: int) -> None:
 
 
 def write_random_gguf(path: pathlib.Path, hf_config: dict, qtype: str, tokenizer_reader, *, max_context: int, seed: int = 0) -> None:
-    """A GEOMETRIES model as a llama GGUF, one tensor at a time: matrices ~ N(0, 0.02) quantized by
+    """A GEOMETRIES model as a llama (or gemma3) GGUF, one tensor at a time: matrices ~ N(0, 0.02) quantized by
     gguf.quants.quantize to `qtype` ("Q4_0", "Q8_0", ...), norms 1, the rope base without its llama3
-    scaling (no weight byte depends on it), the tokenizer of `tokenizer_reader` (a GGUFReader)."""
+    scaling (no weight byte depends on it), the tokenizer of `tokenizer_reader` (a GGUFReader). Gemma 3 adds
+    its head width and sliding window (llama.cpp fixes its 5:1 layer pattern and local rope base of 10k)."""
     import gguf
     from jaxinfer.config import from_hf_config
 
     cfg, kind = from_hf_config(hf_config), gguf.GGMLQuantizationType[qtype]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "gemma3" if cfg.architecture == "gemma3" else "llama")
     writer.add_name(f"random {qtype} ({path.name})")
     for add, value in ((writer.add_block_count, cfg.num_layers), (writer.add_context_length, max_context), (writer.add_embedding_length, cfg.embed_dim),
                        (writer.add_feed_forward_length, cfg.ffn_dim), (writer.add_head_count, cfg.num_heads), (writer.add_head_count_kv, cfg.num_kv_heads),
                        (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_rope_freq_base, cfg.rope_theta), (writer.add_vocab_size, cfg.vocab_size)):
         add(value)
+    if cfg.architecture == "gemma3":
+        writer.add_key_length(cfg.head_dim), writer.add_value_length(cfg.head_dim), writer.add_sliding_window(cfg.sliding_window)
     _copy_tokenizer(writer, tokenizer_reader, cfg.vocab_size)
     shapes = file_tensor_shapes(cfg, "gguf")
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
