@@ -16,8 +16,9 @@ jnp attention) and its greedy tokens agree with the reference's for the share TO
 implementation is chosen first, per compute dtype, by timing each one alone on contexts of the engine's
 own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
 with the winner are then timed whole. The passing
-candidate with the least `score` wins; one whose first generation scores above PRUNE_FACTOR times the best so
-far is not timed again and cannot win. The choice is cached (tuning_cache.py) per machine fingerprint, jaxlib version, model
+candidate with the least `score` wins; one whose first steps score above PRUNE_FACTOR times the best so far
+is not timed further and cannot win. Under quantization='auto' the kernel's candidates are timed first
+(`kernel_first`), so that the others, which dequantize the kept blocks, stop after a prefill and a decode step. The choice is cached (tuning_cache.py) per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
 
 Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
@@ -26,12 +27,15 @@ CPU quantized-matmul kernels may run (K-quants already packed into the K-quant k
 load bit for bit (params.dense_params), where that dense copy fits within EXPANSION_SLACK_BYTES (the memory rule:
 a model loads in its file's size plus the KV pool plus 1 GiB); where it does not (Llama-1B and up), those
 candidates run the kept blocks dequantized one layer at a time inside the step instead (`dense_fits`; logged once),
-so no candidate ever materializes the whole model in f32. `apply_choice` follows the same rule.
+so no candidate ever materializes the whole model in f32; and once a kernel candidate (timed first) has passed,
+those per-step dequantizing candidates are not built at all (`dequantizes_kept_blocks`: 8-46x slower, and
+their engines alone broke the file + pool + 1 GiB rule). `apply_choice` follows the same rule.
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
 
 import dataclasses
+import gc
 import logging
 import math
 import statistics
@@ -40,10 +44,9 @@ import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import forward as model, panels, quant
+from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant
 from jaxinfer.scheduling import runloop
 from jaxinfer.engine import tune_attention
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -243,32 +246,51 @@ class Reference:
 
 
 def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
-    """The float32 reference, by model.forward with no cache (XLA dots, jnp attention) over right-padded
-    rows (causal: padding is inert); K-quant panels packed at load are dequantized a layer at a time
-    (read="dense"), never through the W8A8 kernel."""
+    """The float32 reference, by model.forward (XLA dots, jnp attention) over right-padded rows with a dense KV
+    cache: one prefill of every prompt (causal: the padding is inert, and each row's first generated token
+    overwrites the padding slot at its position), then one-token steps, so the model runs num_tokens times on
+    one token per row, not on the whole context again. K-quant panels packed at load are dequantized a layer at
+    a time (read="dense"), never through the W8A8 kernel."""
     big = panels.has_kquant_weights(params) and not dense_fits(params)  # a tied K-quant head: dequantized a chunk of columns at a time
     cfg32, params32 = cast_model(cfg, panels.with_read(panels.with_packed_head(params) if big else params, "dense"), "float32")
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = int(lengths.max()) + num_tokens
-    ids = np.zeros((len(prompts), width), np.int32)
+    ids = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for row, prompt in enumerate(prompts):
         ids[row, : len(prompt)] = prompt
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), ids.shape)
-    last_logits = jax.jit(lambda p, tokens, last: model.forward(p, None, tokens, positions, cfg=cfg32, logit_indices=last)[0][:, 0])
+    cache = kvp.init_dense_cache(cfg32, len(prompts), ids.shape[1] + num_tokens)
+    step = jax.jit(lambda p, cache, tokens, positions, last: _reference_step(p, cache, tokens, positions, last, cfg32), donate_argnums=1)
+    positions, last = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), lengths - 1
     steps, tokens = [], []
     for _ in range(num_tokens):
-        logits = np.asarray(last_logits(params32, ids, lengths - 1))  # [R, V]
+        logits, cache = step(params32, cache, ids, positions, last)
+        logits = np.asarray(logits)  # [R, V]
         next_ids = logits.argmax(axis=-1).astype(np.int32)
-        ids[np.arange(len(prompts)), lengths] = next_ids
-        lengths = lengths + 1
         steps.append(logits)
         tokens.append(next_ids)
+        ids, positions, last = next_ids[:, None], lengths[:, None].copy(), np.zeros_like(lengths)
+        lengths = lengths + 1
     return Reference(np.stack(tokens, axis=1), np.stack(steps, axis=1))
 
 
-def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict]:
+def _reference_step(params: Params, cache, tokens, positions, last, cfg: ModelConfig):
+    """(f32[R, V] logits at token index `last` of each row, the dense cache): tokens, positions [R, T]."""
+    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg, logit_indices=last)
+    return logits[:, 0], cache
+
+
+class _Pruned(Exception):
+    """A probe generation stopped early: its steps so far already score above the bound it was given."""
+
+    def __init__(self, seconds: dict):
+        super().__init__("pruned")
+        self.seconds = seconds
+
+
+def _probe_generation(engine, probe: Probe, prune_above: float | None = None) -> tuple[list[list[int]], dict, dict]:
     """One greedy generation of the probe prompts through the real scheduler and engine. Returns (tokens per
-    prompt, {phase: [step seconds]}, {prompt index: logits f32[V] at its prompt's last token})."""
+    prompt, {phase: [step seconds]}, {prompt index: logits f32[V] at its prompt's last token}). With
+    `prune_above`, raises _Pruned as soon as the fastest prefill step and the fastest decode step so far score
+    above it (a candidate that dequantizes a 1B model every step is known slow after two steps, not ten)."""
     scheduler = Scheduler(probe.engine_cfg, engine.num_pages)
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True)
     for i, prompt in enumerate(probe.prompts):
@@ -280,6 +302,8 @@ def _probe_generation(engine, probe: Probe) -> tuple[list[list[int]], dict, dict
         if plan.bucket.phase == "prefill":  # a prompt's last prefill step (the one it ends in) is the one kept
             for slot, request_id in enumerate(plan.request_ids):
                 logits[int(request_id)] = engine.last_logits[slot].copy()
+        if prune_above is not None and seconds["decode"] and _score(probe, 1e3 * min(seconds["prefill"]), 1e3 * min(seconds["decode"])) > prune_above:
+            raise _Pruned(seconds)
 
     finished = list(runloop.run(scheduler, engine.step, OutputProcessor(None, None, probe.engine_cfg.max_context), on_step=on_step))
     errors = [r.error for r in finished if r.finish_reason == "error"]
@@ -307,18 +331,25 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
     against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
-    first generation scores above PRUNE_FACTOR times it is not timed again and does not pass (note 'pruned')."""
-    row = dict(impls=candidate.impls())
+    first steps (or first generation) score above PRUNE_FACTOR times it is not timed further and does not pass
+    (note 'pruned'). Its engine is freed before this returns."""
+    row, engine, cand_params = dict(impls=candidate.impls()), None, None
     try:
         cand_cfg, cand_params = candidate.prepare(cfg, params, auto_weights=auto_weights)
         engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
         engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
         engine.warmup()
-        runs = [_probe_generation(engine, probe)]
-        if best_score is None or _score(probe, *_timings(runs)) <= PRUNE_FACTOR * best_score:
+        bound = None if best_score is None else PRUNE_FACTOR * best_score
+        runs = [_probe_generation(engine, probe, prune_above=bound)]
+        if bound is None or _score(probe, *_timings(runs)) <= bound:
             runs += [_probe_generation(engine, probe) for _ in range(NUM_TIMED_RUNS - 1)]
+    except _Pruned as pruned:  # its first steps were enough
+        runs = [([], pruned.seconds, {})]
     except (ValueError, RuntimeError) as e:
         return Measurement(**row, note=f"cannot run: {e}")
+    finally:
+        engine = cand_params = None  # noqa: F841
+        gc.collect()  # this candidate's engine (its pool, packed or dense copies, programs) is gone before the next is built
     tokens, _, logits = runs[0]
     prefill, decode = _timings(runs)
     score = _score(probe, prefill, decode)
@@ -335,18 +366,32 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
 def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, probe: Probe, budget: float, *, progress=None,
                 auto_weights: bool = False) -> list[Measurement]:
     """Every candidate measured on the probe against the float32 reference, in order (each pruned against
-    the best passing score so far), except those whose new weights exceed `budget` bytes (`too_large`)."""
+    the best passing score so far), except those whose new weights exceed `budget` bytes (`too_large`), and,
+    on kept blocks too large to expand (`dense_fits`), those that would dequantize them every step once a
+    kernel candidate has passed (`dequantizes_kept_blocks`)."""
     reference = reference_run(cfg, params, probe.prompts)
     measurements = []
+    expands = auto_weights and dense_fits(params)
     for candidate in candidates:
         best = min((m.score for m in measurements if m.passed), default=None)
-        if (need := candidate.extra_bytes(cfg, params, auto_weights=auto_weights)) > budget:
+        kernel_passed = any(m.passed and m.impls.matmul_impl == "cpu_int8" for m in measurements)
+        if auto_weights and not expands and candidate.matmul_impl != "cpu_int8" and kernel_passed:
+            measurements.append(dequantizes_kept_blocks(candidate))
+        elif (need := candidate.extra_bytes(cfg, params, auto_weights=auto_weights)) > budget:
             measurements.append(too_large(candidate, need, budget))
         else:
             measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
         if progress is not None:
             progress(measurements[-1])
     return measurements
+
+
+def dequantizes_kept_blocks(candidate: Candidate) -> Measurement:
+    """The row of a candidate not built because it would dequantize kept blocks, too large to expand, in every
+    step where a kernel candidate that reads them as they are has passed. Measured on the 2-layer Llama-3.2-1B
+    Q4_K_M (loaded 2-core EPYC): such candidates scored 8-46x the kernel's and their engines peaked 1.4-1.5 GB
+    above it, past the file + pool + 1 GiB rule; on the 1B files 9-60x in the tuning cache."""
+    return Measurement(candidate.impls(), note="not built: it dequantizes kept blocks every step, and the kernel candidate passed")
 
 
 def too_large(candidate: Candidate, need: int, budget: float) -> Measurement:
@@ -392,6 +437,13 @@ def narrow_attention(cfg: ModelConfig, engine_cfg: EngineConfig, candidates: lis
     return [c for c in candidates if c.attention_impl == chosen[c.dtype]], rows
 
 
+def kernel_first(candidates: list[Candidate]) -> list[Candidate]:
+    """`candidates` with those that multiply kept blocks as they are (matmul 'cpu_int8') first, in order: every
+    other candidate dequantizes the blocks, so the kernel's score, measured first, prunes the slower ones after
+    one generation (PRUNE_FACTOR) instead of timing them fully before it."""
+    return sorted(candidates, key=lambda c: c.matmul_impl != "cpu_int8")
+
+
 def fixed_choice(pins: Impls) -> Impls:
     """The choice without measuring: float32 for an auto dtype, the engine's fixed rules for the rest."""
     return Impls("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl)
@@ -414,6 +466,8 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls
             for row in attention:
                 progress(row)
     candidates = [c for c in candidates if c.fits(pins)]  # pins hold
+    if auto_weights:
+        candidates = kernel_first(candidates)
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
     if prompt_ids is None:

@@ -336,3 +336,48 @@ def test_greedy_agreement_forgives_a_first_difference_only_at_a_tie():
     assert tuning._greedy_agreement([[0, 1, 0]], reference, int8) == 2 / 3  # a gap of 4 > 0.15 x 2 at step 2
     assert tuning._greedy_agreement([[1, 1, 2]], reference, int8) == 0.0  # a gap of 5 at step 0
     assert tuning._greedy_agreement([[0, 2, 3]], reference, tuning.TOLERANCES["float32"]) == 1 / 3  # f32's margin is 0.002
+
+
+def test_the_reference_run_with_its_kv_cache_equals_whole_context_forwards(tiny):
+    """reference_run prefills once and then steps one token per row through a dense KV cache; its greedy tokens
+    and logits equal those of model.forward rerun with no cache over each row's whole context, for rows of
+    different lengths (right padding is inert)."""
+    import numpy as np
+    from jaxinfer.model import forward as model
+
+    cfg, params = tiny
+    prompts = [list(range(5, 17)), list(range(40, 47)), [3, 9, 27, 81, 100, 7, 7, 7, 7, 1]]
+    reference = tuning.reference_run(cfg, params, prompts, num_tokens=4)
+    for row, prompt in enumerate(prompts):
+        ids = list(prompt)
+        for step in range(4):
+            tokens = jnp.asarray([ids], jnp.int32)
+            logits = np.asarray(model.forward(params, None, tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], cfg=cfg)[0])[0, -1]
+            np.testing.assert_allclose(reference.step_logits[row, step], logits, rtol=1e-4, atol=1e-4 * np.abs(logits).max())
+            assert reference.tokens[row, step] == int(logits.argmax())
+            ids.append(int(reference.tokens[row, step]))
+
+
+def test_kept_block_candidates_time_the_kernel_first_and_keep_the_rest_in_order():
+    """Under quantization='auto' the candidates that multiply kept blocks (matmul 'cpu_int8') are timed first, so
+    that their score prunes the ones that dequantize the blocks after their first steps."""
+    found = [tuning.Candidate("float32", "cpu", "xla"), tuning.Candidate("float32", "cpu", "cpu"), BF16_XLA,
+             tuning.Candidate("float32", "reference", "cpu_int8"), tuning.Candidate("float32", "cpu", "cpu_int8")]
+    assert [c.name for c in tuning.kernel_first(found)] == [found[3].name, found[4].name, found[0].name, found[1].name, BF16_XLA.name]
+
+
+def test_kept_blocks_too_large_to_expand_build_only_the_kernel_once_it_passes(monkeypatch, cpu_kernels, engine_cfg):
+    """On kept K-quant blocks that may not be expanded (EXPANSION_SLACK_BYTES 0 makes the tiny llama.cpp file
+    such a model), the kernel candidate is measured and passes against the f32 reference; a candidate that would
+    dequantize the blocks every step is then not built (and cannot win)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "kquant" / "q4_k_m.gguf"
+    cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
+    monkeypatch.setattr(tuning, "EXPANSION_SLACK_BYTES", 0)
+    assert tuning.keeps_blocks("auto", params) and not tuning.dense_fits(params)
+    probe = tuning.make_probe(engine_cfg, list(range(1, 200)))
+    kernel, xla = tuning.Candidate("float32", CPU_IMPL, "cpu_int8"), tuning.Candidate("float32", CPU_IMPL, "xla")
+    rows = tuning.measure_all([kernel, xla], cfg, params, probe, float("inf"), auto_weights=True)
+    assert rows[0].passed, rows[0].note
+    assert not rows[1].passed and rows[1].note.startswith("not built: it dequantizes kept blocks")
