@@ -24,7 +24,7 @@
    whether the K-quant C++ kernel is built (else panels run its jnp reference, the same W8A8 arithmetic).
    A third load, "dense" (quantization=None, float32, XLA matmuls; pinned, so not tuned), runs the file's
    weights dequantized exactly: a diagnostic that separates the file's rounding (shared with llama.cpp) from
-   the activation arithmetic (llama.cpp: q8_0 / q8_1 / q8_K activations; jaxinfer's kernel: int8 per 32).
+   the activation arithmetic (llama.cpp: q8_0 / q8_1 / q8_K activations; jaxinfer's kernel: int8 per 256 for K-quants, per 32 for Q5_0/Q5_1).
    Programs compile on first use (engine._compile, the program warm-up would compile) instead of LLM's
    warm-up of the whole bucket table.
 

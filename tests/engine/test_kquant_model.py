@@ -41,7 +41,7 @@ NUM_SEQUENCES = 3
 # Relative error norms of the logits against llama.cpp's. llama.cpp multiplies K-quants by activations quantized
 # to 8 bits per 256 (q8_K); with the weights dequantized exactly (read="dense") this model measured 3.3-3.8%
 # from llama.cpp (and 1.2e-6 on the F32 source file, so the model itself matches): the whole gap is llama.cpp's
-# activation rounding. The kernel adds its own 8-bit activations (per 32): 3.9-4.7% measured. Bounds: 1.5x.
+# activation rounding. The kernel adds its own 8-bit activations (per 256 for K-quants, as llama.cpp's q8_K): the bound below holds. Bounds: 1.5x.
 DENSE_VS_LLAMA_CPP = 0.06
 KERNEL_VS_LLAMA_CPP = 0.07
 # A difference of two tokens' logits carries both sides' activation noise (about 4% of the logits' RMS each, above):
