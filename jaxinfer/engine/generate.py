@@ -82,13 +82,15 @@ class _Reference:
 
     def check(self, prompt_ids: list[int], sp: SamplingParams) -> None:
         """Raise (naming the field) what this generator cannot run: token ids outside the vocabulary,
-        a text field without a tokenizer, a request over the context."""
+        an embedding request, a text field without a tokenizer, a request over the context."""
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
         check_token_ids("prompt", prompt_ids, self.cfg.vocab_size)
         check_token_ids("stop_token_ids", sp.stop_token_ids, self.cfg.vocab_size)
         check_token_ids("logit_bias", [token for token, _ in sp.logit_bias], self.cfg.vocab_size)
         check_token_ids("allowed_token_ids", sp.allowed_token_ids or (), self.cfg.vocab_size)
+        if sp.pooling is not None:
+            raise FieldError("pooling", "an embedding runs on the paged engine (LLM.embed); the reference generator computes tokens only")
         for name in TEXT_FIELDS if self.tokenizer is None else ():
             if getattr(sp, name):
                 raise FieldError(name, "acts on text: the reference generator needs generate(..., tokenizer=...) to honour it")

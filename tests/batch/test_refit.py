@@ -142,12 +142,15 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     from jaxinfer.batch.refit import Refit
 
     # one sequence at a time, so that each prefill step holds one prompt (packed rows would fill the 512 top)
+    # (no prefix cache: each prompt prefills whole, not the few tokens past the previous prompt's pages)
     llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
-              prefill_chunk_buckets=(16, 32, 512))  # a table fitted to short prompts; these are ~150 tokens
+              prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # a table fitted to short prompts; these are ~150 tokens
     warm = llm.engine.num_compilations
     hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [llm.prepare("word " * (120 + 9 * i), params, index=i) for i in range(16)]
+    # Sizes in the same range in every 4-row window (120, 147, 138, 129, ...): the drift judge fits a table to a
+    # window's older half and needs it to save on the newer half, so that half must lie within the older's sizes.
+    prompts = [llm.prepare("word " * (120 + 9 * (3 * i % 4)), params, index=i) for i in range(16)]
     first = list(llm.stream(prompts[:8], on_step=hook))
     assert hook._pending is not None or hook.swaps  # drift seen: the compile is under way (or done and swapped)
     if hook._pending is not None:

@@ -188,6 +188,17 @@ def case_prompt_logprobs(runs, greedy):
     assert greedy.prompt_logprobs is None  # control
 
 
+def case_pooling(runs, greedy):
+    """An embedding request (LLM.embed's: pooling, max_tokens=0) is the paged engine's: it returns the pooled
+    prompt and no tokens; the reference generator computes tokens only and refuses it, naming the field."""
+    sp = _with(pooling="last", max_tokens=0)
+    engine = runs.engine(sp)
+    assert engine.token_ids == [] and engine.embedding.shape == (runs.llm.model_config.embed_dim,)
+    assert greedy.token_ids  # control: the same prompt without pooling generates
+    with pytest.raises(FieldError, match="pooling"):
+        runs.reference(sp)
+
+
 def case_logprob_start(runs, greedy):
     engine, out = runs.both(_with(prompt_logprobs=2, logprob_start=3, max_tokens=0))
     assert out.token_ids == [] and out.prompt_logprobs[:3] == [None] * 3 and all(e is not None for e in out.prompt_logprobs[3:])
