@@ -60,7 +60,8 @@ def make_llm(quick: bool) -> LLM:
 def prompts_of(llm: LLM, num_prompts: int, max_tokens: int) -> list[list[int]]:
     text = workloads.text_ids(llm.tokenizer)
     lengths = np.linspace(32, max_tokens, num_prompts).astype(int)
-    return [text[97 * i : 97 * i + n] for i, n in enumerate(lengths)]
+    starts = [97 * i % (len(text) - max_tokens) for i in range(num_prompts)]  # distinct passages, wrapping round the text
+    return [text[start : start + n] for start, n in zip(starts, lengths)]
 
 
 def best_of(repeats: int, run) -> dict:
