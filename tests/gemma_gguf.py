@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+import gguf_files
+
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
     "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
@@ -68,12 +70,6 @@ def gemma_gguf(folder, path, qtype=gguf.GGMLQuantizationType.F32, no_vocab: bool
         else:
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{_GGUF_LAYER[rest]}"
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        gguf_files.add_weight(writer, gguf_name, value, qtype)
+    gguf_files.finish(writer)
     return path

@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+import gguf_files
+
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 _LAYER_SUFFIXES = {
@@ -95,12 +97,6 @@ def convert(folder: Path, path: Path, qtype=gguf.GGMLQuantizationType.F32, arch:
             value = llama_cpp_permute(value, config["num_attention_heads"])
         if arch == "llama" and name.endswith("k_proj.weight"):
             value = llama_cpp_permute(value, config["num_key_value_heads"])
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(_gguf_name(name), value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        gguf_files.add_weight(writer, _gguf_name(name), value, qtype)
+    gguf_files.finish(writer)
     return Path(path)

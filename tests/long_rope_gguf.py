@@ -15,6 +15,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 import gguf_convert
+import gguf_files
 
 FIXTURES = Path(__file__).parent / "fixtures"
 _FUSED = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}  # Phi-3's
@@ -32,15 +33,8 @@ def _write(writer, name: str, qtype, no_vocab: bool) -> None:
     for tensor_name, value in load_file(FIXTURES / name / "model.safetensors").items():
         parts = tensor_name.split(".", 3)
         target = f"blk.{parts[2]}.{_FUSED[parts[3]]}" if len(parts) == 4 and parts[3] in _FUSED else gguf_convert._gguf_name(tensor_name)
-        value = np.asarray(value, np.float32)
-        if value.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(target, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(target, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        gguf_files.add_weight(writer, target, value, qtype)
+    gguf_files.finish(writer)
 
 
 def phi3_gguf(path, qtype=gguf.GGMLQuantizationType.F32, *, no_vocab: bool = False) -> Path:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gguf_convert
+import gguf_files
 from conftest import FIXTURES
 from jaxinfer.loading import loading
 from jaxinfer.config import RopeScaling, from_hf_config
@@ -158,10 +159,7 @@ def test_gguf_with_unsupported_rope_scaling_is_named(tmp_path):
     for key in ("block_count", "embedding_length", "feed_forward_length", "head_count"):
         getattr(writer, f"add_{key}")(64 if key != "block_count" else 1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     with pytest.raises(ModelLoadError, match="unsupported rope type 'longrope'"):
         load_model(tmp_path / "yarn.gguf")
 

@@ -7,33 +7,20 @@
 """
 
 import dataclasses
-import importlib.util
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
+import gguf_files
 from conftest import FIXTURES
 from jaxinfer.loading.tokenizer import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 _SEPARATOR = "\n__ggml_vocab_test__\n"  # how llama.cpp's test-tokenizer-0 splits a .inp file
 REFERENCE = json.loads((FIXTURES / "gemma_tokenizer.json").read_text(encoding="utf-8"))
 
 
-def _models() -> Path:
-    folder = Path(os.environ.get("JAXINFER_LLAMA_CPP_MODELS", ROOT / "build" / "llama-cpp-python" / "models"))
-    if "JAXINFER_LLAMA_CPP_MODELS" not in os.environ:  # fetched, or re-extracted after VOCABS changed, once
-        spec = importlib.util.spec_from_file_location("fetch_llama_cpp_models", ROOT / "tests" / "reference" / "fetch_llama_cpp_models.py")
-        fetch = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fetch)
-        fetch.fetch(folder.parent)
-    return folder
-
-
-MODELS = _models()
+MODELS = gguf_files.llama_cpp_models()
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +89,7 @@ def test_gemma4_bos_is_added_even_when_the_metadata_says_not(tmp_path):
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     tokenizer = load_tokenizer(tmp_path / "tiny-gemma4-vocab.gguf")
     assert tokenizer.encode("ab ab") == [2, 6, 8]
 

@@ -21,6 +21,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import FIXTURES
+import gguf_files
 from gemma_gguf import gemma_gguf
 from jaxinfer.config import RopeScaling, from_hf_config
 from jaxinfer.loading.loading import ModelLoadError, load_model
@@ -229,10 +230,7 @@ def test_bad_gemma_gguf_input_is_a_load_error(tmp_path):
     for key in ("block_count", "embedding_length", "feed_forward_length", "head_count"):
         getattr(writer, f"add_{key}")(64 if key != "block_count" else 1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     with pytest.raises(ModelLoadError, match="attn_logit_softcap"):
         load_model(tmp_path / "capped.gguf")
 

@@ -5,9 +5,7 @@ orders, a custom alignment and tensors of float, integer and block types, it giv
 values and tensor infos, its tensor data views of the same map; a cut or damaged file is one error naming it.
 """
 
-import importlib.util
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -15,23 +13,12 @@ import gguf
 import numpy as np
 import pytest
 
+import gguf_files
 from conftest import FIXTURES
 from jaxinfer.loading import gguf_reader
 from jaxinfer.loading.model_files import ModelLoadError, default_model_path, open_gguf
 
-ROOT = Path(__file__).resolve().parents[2]
 VT = gguf.GGUFValueType
-
-
-def _llama_cpp_models() -> Path:
-    """build/llama-cpp-python/models, fetched once as tests/loading/test_tokenizer.py fetches it."""
-    folder = Path(os.environ.get("JAXINFER_LLAMA_CPP_MODELS", ROOT / "build" / "llama-cpp-python" / "models"))
-    if not (folder / ".complete").is_file():
-        spec = importlib.util.spec_from_file_location("fetch_llama_cpp_models", ROOT / "tests" / "reference" / "fetch_llama_cpp_models.py")
-        fetch = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fetch)
-        fetch.fetch(folder.parent)
-    return folder
 
 
 _BIG_FILE_BYTES = 2_000_000  # gguf-py needs ~1.5 s per MB of vocabulary (25 s on Gemma 4's): those run as slow tests
@@ -41,7 +28,7 @@ _BIG_FILES_COMPARED = {"ggml-vocab-gemma-4.gguf"}
 
 
 def _real_files() -> list:
-    paths = sorted(_llama_cpp_models().glob("*.gguf")) + sorted(FIXTURES.rglob("*.gguf")) + [default_model_path()]
+    paths = sorted(gguf_files.llama_cpp_models().glob("*.gguf")) + sorted(FIXTURES.rglob("*.gguf")) + [default_model_path()]
     assert len(paths) >= 9, paths  # 6 vocabularies, 3 K-quant fixtures, SmolLM2
     big = lambda p: p.stat().st_size > _BIG_FILE_BYTES and p.parent != default_model_path().parent  # noqa: E731
     kept = [p for p in paths if not big(p) or p.name in _BIG_FILES_COMPARED]
@@ -121,10 +108,7 @@ def _write_test_file(path: Path, endianess=gguf.GGUFEndian.LITTLE, alignment: in
             writer.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
     return values
 
 

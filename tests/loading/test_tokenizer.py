@@ -8,14 +8,12 @@
 
 import dataclasses
 import functools
-import importlib.util
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
+import gguf_files
 from conftest import FIXTURES
 from jaxinfer.loading.tokenizer import load_tokenizer
 
@@ -64,19 +62,7 @@ _SEPARATOR = "\n__ggml_vocab_test__\n"  # how llama.cpp's test-tokenizer-0 split
 CHAT = json.loads((FIXTURES / "chat_templates.json").read_text(encoding="utf-8"))
 
 
-def _llama_cpp_models() -> Path:
-    """build/llama-cpp-python/models, fetched from the package index on first use (see the Makefile)."""
-    root = Path(__file__).resolve().parents[2]
-    folder = Path(os.environ.get("JAXINFER_LLAMA_CPP_MODELS", root / "build" / "llama-cpp-python" / "models"))
-    if not (folder / ".complete").is_file():
-        spec = importlib.util.spec_from_file_location("fetch_llama_cpp_models", root / "tests" / "reference" / "fetch_llama_cpp_models.py")
-        fetch = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fetch)
-        fetch.fetch(folder.parent)
-    return folder
-
-
-MODELS = _llama_cpp_models()
+MODELS = gguf_files.llama_cpp_models()
 
 
 @functools.cache

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import gguf_convert
+import gguf_files
 from conftest import FIXTURES, padded_logits
 from jaxinfer.config import EngineConfig
 from jaxinfer.loading.loading import load_for_engine, load_model
@@ -137,10 +138,7 @@ def _write_random_f16_gguf(path) -> None:
     for name, shape in shapes.items():
         values = (rng.standard_normal(shape, np.float32) * 0.02)
         writer.add_tensor(name, values.astype(np.float16) if len(shape) == 2 else np.ones(shape, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_files.finish(writer)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and resets VmHWM via clear_refs")
