@@ -30,6 +30,10 @@ candidates run the kept blocks dequantized one layer at a time inside the step i
 so no candidate ever materializes the whole model in f32; and once a kernel candidate (timed first) has passed,
 those per-step dequantizing candidates are not built at all (`dequantizes_kept_blocks`: 8-46x slower, and
 their engines alone broke the file + pool + 1 GiB rule). `apply_choice` follows the same rule.
+The float32 reference itself reads the kept blocks as they are: each layer's matrices dequantized inside the
+layer scan, and the head (tied or not, kept or packed) REFERENCE_HEAD_ROWS vocabulary entries at a time
+(`reference_logits`); it makes no dense or packed copy of any weight (Llama-3.2-1B Q4_K_M, loaded 2-core EPYC:
+its peak went from 1.7 GB to 0.3 GB above the loaded model).
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
@@ -68,6 +72,7 @@ NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
 MEMORY_SHARE = 0.8  # a candidate whose new weight arrays need more than this share of the free memory is not built
+REFERENCE_HEAD_ROWS = 8192  # vocabulary entries of the head the f32 reference dequantizes at a time (128 MiB of f32 at D = 4096)
 EXPANSION_SLACK_BYTES = 2**30  # kept blocks are expanded to a dense f32 copy only when that copy fits in this (the load rule's 1 GiB)
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
 PROBE_TEXT = (
@@ -246,13 +251,14 @@ class Reference:
 
 
 def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
-    """The float32 reference, by model.forward (XLA dots, jnp attention) over right-padded rows with a dense KV
+    """The float32 reference, by model.forward's parts (XLA dots, jnp attention) over right-padded rows with a dense KV
     cache: one prefill of every prompt (causal: the padding is inert, and each row's first generated token
     overwrites the padding slot at its position), then one-token steps, so the model runs num_tokens times on
     one token per row, not on the whole context again. K-quant panels packed at load are dequantized a layer at
-    a time (read="dense"), never through the W8A8 kernel."""
-    big = panels.has_kquant_weights(params) and not dense_fits(params)  # a tied K-quant head: dequantized a chunk of columns at a time
-    cfg32, params32 = cast_model(cfg, panels.with_read(panels.with_packed_head(params) if big else params, "dense"), "float32")
+    a time (read="dense"), never through the W8A8 kernel; the head's logits come from `reference_logits`,
+    REFERENCE_HEAD_ROWS vocabulary entries at a time, so no f32 copy of the whole head (1 GiB for Llama-3.2-1B's
+    tied table, 2 GiB for Llama-3.1-8B's) and no second packed copy of it is ever made."""
+    cfg32, params32 = cast_model(cfg, panels.with_read(params, "dense"), "float32")
     lengths = np.array([len(p) for p in prompts], np.int32)
     ids = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for row, prompt in enumerate(prompts):
@@ -262,8 +268,8 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
     positions, last = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), lengths - 1
     steps, tokens = [], []
     for _ in range(num_tokens):
-        logits, cache = step(params32, cache, ids, positions, last)
-        logits = np.asarray(logits)  # [R, V]
+        hidden, cache = step(params32, cache, ids, positions, last)  # [R, 1, D]
+        logits = reference_logits(params32, hidden, cfg32)  # [R, V]
         next_ids = logits.argmax(axis=-1).astype(np.int32)
         steps.append(logits)
         tokens.append(next_ids)
@@ -273,9 +279,29 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
 
 
 def _reference_step(params: Params, cache, tokens, positions, last, cfg: ModelConfig):
-    """(f32[R, V] logits at token index `last` of each row, the dense cache): tokens, positions [R, T]."""
-    logits, cache = model.forward(params, cache, tokens, positions, cfg=cfg, logit_indices=last)
-    return logits[:, 0], cache
+    """(f32[R, 1, D] hidden states, before the final norm, at token index `last` of each row; the dense cache):
+    tokens, positions [R, T]. model.forward without its head (`reference_logits` applies it)."""
+    x, cache = model.hidden_states(params, cache, tokens, positions, cfg=cfg)  # [R, T, D]
+    return model.hidden_at(x, last), cache
+
+
+def reference_logits(params: Params, hidden: jax.Array, cfg: ModelConfig, rows: int = REFERENCE_HEAD_ROWS) -> np.ndarray:
+    """f32[R, V]: model.logits_from_hidden (final norm, head, softcap) of `hidden` [R, 1, D], `rows` vocabulary
+    entries at a time (panels.vocab_slice: the head's own format, dequantized one slice at a time by the model's
+    own matmul), so at most [D, rows] of the head exists in f32. Each logit is the same dot over D as in the whole
+    head's matmul; `rows` is a multiple of the K-quant panel width."""
+    tied = params.lm_head is None
+    head = params.embed if tied else params.lm_head
+    out = np.empty((hidden.shape[0], cfg.vocab_size), np.float32)
+    for start in range(0, cfg.vocab_size, rows):
+        stop = min(start + rows, cfg.vocab_size)
+        part = panels.vocab_slice(head, start, stop, tied=tied)
+        sliced = dataclasses.replace(params, **{"embed" if tied else "lm_head": part})
+        out[:, start:stop] = np.asarray(_head_logits(sliced, hidden, cfg))[:, 0]  # [R, stop - start]
+    return out
+
+
+_head_logits = jax.jit(model.logits_from_hidden, static_argnames="cfg")  # one program per slice width (two at most)
 
 
 class _Pruned(Exception):

@@ -11,6 +11,7 @@ the stack before a custom call reads it; the kernel instead gets the whole stack
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -256,12 +257,42 @@ PACK_ROWS = 8192  # output rows packed at a time for one large matrix (a tied he
 
 def _kquant_pack_by_rows(fmt: str, fields: dict) -> dict:
     """`kquant_matmul.pack` of one unstacked matrix, PACK_ROWS output rows at a time (whole column tiles, so the
-    panels of the chunks are consecutive), the chunks joined along the panel axis."""
+    panels of the chunks are consecutive), each chunk written in place into the panels preallocated for the whole
+    matrix: the packed table exists once, beside one chunk (not the chunks and their concatenation: 2x)."""
     rows = fields["codes"].shape[0]
     if rows <= PACK_ROWS:
         return _kquant_pack(fmt, fields)
-    chunks = [_kquant_pack(fmt, {name: a[start:start + PACK_ROWS] for name, a in fields.items()}) for start in range(0, rows, PACK_ROWS)]
-    return {name: jnp.concatenate([chunk[name] for chunk in chunks], axis=0) for name in chunks[0]}
+    shapes = jax.eval_shape(lambda f: kquant_matmul.pack(fmt, f), fields)
+    out = {name: jnp.zeros(shape.shape, shape.dtype) for name, shape in shapes.items()}
+    for start in range(0, rows, PACK_ROWS):
+        chunk = _kquant_pack(fmt, {name: a[start:start + PACK_ROWS] for name, a in fields.items()})
+        first = jnp.int32(start // kquant_matmul.PANEL)  # the chunk's first panel
+        out = {name: _put_panels_in_place(out[name], chunk[name], first) for name in out}
+        del chunk
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_panels_in_place(buffer: jax.Array, chunk: jax.Array, first: jax.Array) -> jax.Array:
+    """`buffer` with `chunk` written at panel `first` (axis 0); donates `buffer` (XLA updates it in place)."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, chunk, first, 0)
+
+
+def vocab_slice(head, start: int, stop: int, *, tied: bool):
+    """Vocabulary entries [start, stop) of an LM head in its own format (the same values, nothing dequantized):
+    rows of a tied [V, D] embedding (`tied`: dense, or a quantized out_in table), columns of a dense [D, V] head,
+    output rows of a quantized head, or whole panels of an unstacked KQuantPanelTensor (then `start` and `stop`
+    are multiples of kquant_matmul.PANEL, or `stop` is the vocabulary size)."""
+    if isinstance(head, KQuantPanelTensor):
+        if head.stacked or len(head.parts) != 1 or start % kquant_matmul.PANEL or (stop % kquant_matmul.PANEL and stop != head.out_shape[0]):
+            raise ValueError(f"a K-quant head is sliced by whole panels of one part; got [{start}, {stop}) of {head.out_shape}")
+        first, last = start // kquant_matmul.PANEL, -(-stop // kquant_matmul.PANEL)
+        return dataclasses.replace(head, parts=({name: a[first:last] for name, a in head.parts[0].items()},), out_shape=(stop - start,))
+    if isinstance(head, quant.QuantizedTensor):  # every field [O, per_row]
+        if head.codes.ndim != 2 or len(head.out_shape) != 1:
+            raise ValueError(f"a quantized head is sliced as one [O, ...] matrix; got {head.codes.shape=}, {head.out_shape=}")
+        return dataclasses.replace(head, **{name: a[start:stop] for name, a in quant.array_fields(head).items()}, out_shape=(stop - start,))
+    return head[start:stop] if tied else head[:, start:stop]  # [V, D] rows, or [D, V] columns
 # One fused pass per tensor (about 2x the eager ops' speed on SmolLM2), compiled at load and reused by every
 # LLM.update_params (engine/weights.py), which so repacks without compiling.
 _to_panels = jax.jit(to_panels, static_argnums=(1, 2))
