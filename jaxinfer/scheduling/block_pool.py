@@ -57,8 +57,8 @@ class BlockPool:
             raise ValueError(f"a pool needs at least 2 pages (page 0 is the null page), got {num_pages=}")
         self.num_pages = num_pages
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, num_pages))  # head = next out
-        self._ref_counts = np.zeros(num_pages, np.int32)
-        self._req_to_pages: dict[str, list[int]] = {}
+        self._ref_counts = [0] * num_pages  # owners per page (a list: scalar updates are the hot path)
+        self._req_to_pages: dict[str, list[int]] = {}  # request id -> its block table
         self._hash_to_page: dict[bytes, int] = {}
         self._page_to_hash: dict[int, bytes] = {}
         self.num_evictions = 0  # named pages reused for new content
@@ -72,6 +72,12 @@ class BlockPool:
     def num_used(self) -> int:
         """Pages owned by at least one request (the null page is neither free nor used)."""
         return self.num_pages - 1 - len(self._free)
+
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Request id -> its block table, the pool's own dict (read only outside the pool: the KV manager
+        reads table lengths from it in its hot paths)."""
+        return self._req_to_pages
 
     @property
     def num_cached(self) -> int:
@@ -102,9 +108,10 @@ class BlockPool:
         if not num_new_pages:
             return []
         pages = [self._free.popitem(last=False)[0] for _ in range(num_new_pages)]
+        counts = self._ref_counts
         for page in pages:
             self._evict(page)
-        self._ref_counts[pages] += 1
+            counts[page] += 1
         table.extend(pages)
         return pages
 

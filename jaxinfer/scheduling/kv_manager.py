@@ -58,6 +58,7 @@ class KVManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.deterministic = deterministic  # name only pages a prefill computed (decode-computed KV differs in its bits)
         self._num_named: dict[str, int] = {}  # request id -> how many of its pages are in the cache map
+        self._tables = block_pool.tables  # request id -> block table (read only here)
 
     @property
     def num_pages(self) -> int:
@@ -78,11 +79,16 @@ class KVManager:
 
     def num_pages_held(self, request: Request) -> int:
         """Entries of the request's block table (len(pages_of), without copying it)."""
-        return self.block_pool.num_pages_of(request.request_id)
+        return len(self._tables.get(request.request_id, ()))
+
+    def num_pages_held_by(self, requests: list[Request]) -> list[int]:
+        """num_pages_held of each request, in order."""
+        tables = self._tables
+        return [len(tables.get(r.request_id, ())) for r in requests]
 
     def num_new_pages(self, request: Request, num_tokens: int) -> int:
         """Pages the request lacks to hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.page_size) - self.block_pool.num_pages_of(request.request_id))
+        return max(0, -(-num_tokens // self.page_size) - len(self._tables.get(request.request_id, ())))
 
     def try_allocate(self, request: Request, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; the new pages ([] when none are needed),
@@ -121,7 +127,7 @@ class KVManager:
             computed = min(computed, len(request.prompt_ids))
         num_full = computed // self.page_size
         first = self._num_named.get(request.request_id, 0)
-        if num_full <= first:
+        if num_full <= first:  # nothing new is full (most calls: one decode token)
             return
         pages, names = self.pages_of(request), name_pages(request, num_full, self.page_size)
         for i in range(first, num_full):

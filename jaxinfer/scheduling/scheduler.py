@@ -24,6 +24,7 @@ default, "fcfs", is the behaviour described here. The run loop reports each step
 
 import dataclasses
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterator
 
@@ -38,6 +39,8 @@ from jaxinfer.scheduling.policies import SchedulingPolicy, make_policy
 from jaxinfer.scheduling.request import Request, RequestStatus, SamplingParams
 from jaxinfer.validation import FieldError
 from jaxinfer.scheduling.request_queue import RequestQueue
+
+_num_tokens = operator.attrgetter("num_tokens")  # a request's sort key by length
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class Scheduler:
         self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
         self.waiting = RequestQueue(self.policy.queue_key)  # in admission order; reads like a list (len, in, iteration)
         self.running: list[Request] = []  # in admission order
+        self._running_ids: dict[str, Request] = {}  # request id -> its running request (kept with `running`)
         self.stats = SchedulerStats()
         self._admissions = 0
         self._program_costs: dict[tuple[int, int], float] = {}  # (rows, largest pages) -> _program_cost (the tables are fixed)
@@ -103,6 +107,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def running_request(self, request_id: str) -> Request | None:
+        """The running request of this id, or None."""
+        return self._running_ids.get(request_id)
 
     # ------------------------------------------------------------ planning
 
@@ -133,8 +141,8 @@ class Scheduler:
         if self.kv.window is not None:  # pages a sliding window has passed go back before anything is allocated
             for request in self.running:
                 self.kv.release_outside_window(request)
-        decode_rows = self._reserve_decode_pages()
-        prefill_rows = self._plan_prefill()
+        decode_rows, partial = self._reserve_decode_pages()
+        prefill_rows = self._plan_prefill(partial)
         plans = []
         for group in self._split_decode(decode_rows):
             plans += [self._decode_plan(piece) for piece in self._decode_programs(group)]
@@ -152,49 +160,59 @@ class Scheduler:
 
     def _in_decode(self, request: Request) -> bool:
         """The next step feeds one token: the newest (normal decode) or a generated one being replayed."""
-        if not request.output_ids:
+        output = request.output_ids
+        if not output:
             return False
-        return request.num_computed_tokens == request.num_tokens - 1 or self._prefill_end(request) <= request.num_computed_tokens < request.num_tokens
+        computed, total = request.num_computed_tokens, len(request.prompt_ids) + len(output)
+        # the newest token, or (deterministic mode: _prefill_end is the prompt's end) a generated one replayed
+        return computed == total - 1 or (self.cfg.deterministic and len(request.prompt_ids) <= computed < total)
 
-    def _reserve_decode_pages(self) -> list[Request]:
-        """Give every decoding request room for one more token, preempting when the pool is full."""
-        rows, preempted = [], False
+    def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
+        """Give every decoding request room for one more token, preempting when the pool is full; returns
+        the decoding rows and the running requests still prefilling, each in running order."""
+        rows, partial, preempted = [], [], False
+        kv, page_size, in_decode = self.kv, self.cfg.page_size, self._in_decode
+        held = kv.num_pages_held
         for request in list(self.running):
-            if not self._in_decode(request):
+            if not in_decode(request):
+                partial.append(request)
                 continue
             rows.append(request)
             if request.status != RequestStatus.RUNNING:
                 continue
             needed = request.num_computed_tokens + 1
-            while self.kv.num_new_pages(request, needed) and self.kv.try_allocate(request, needed) is None:
+            if -(-needed // page_size) <= held(request):  # its pages hold the token already (kv.num_new_pages == 0)
+                continue
+            while kv.num_new_pages(request, needed) and kv.try_allocate(request, needed) is None:
                 victim = self.policy.victim(self.running)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
         if preempted:  # the rows still running, in their order
-            return [r for r in self.running if self._in_decode(r)]
-        return rows
+            return [r for r in self.running if in_decode(r)], [r for r in self.running if not in_decode(r)]
+        return rows, partial
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: free the pages, keep the output, re-queue at the front."""
         self.kv.release(request)  # shared pages stay with their other owners
         self.running.remove(request)
+        del self._running_ids[request.request_id]
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _plan_prefill(self) -> list[tuple[Request, int]]:
+    def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
         """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
-        packed row also under its largest chunk bucket and its widest table (pages summed over its sequences)."""
+        packed row also under its largest chunk bucket and its widest table (pages summed over its sequences).
+        `partial`: the running requests not decoding (partial prefills), in running order."""
         tables = self.tables
         budget = self.policy.prefill_budget()
         budget = min(budget, tables.max_chunk) if tables.packed else budget
         pages_left = tables.max_pages if tables.packed else None
         rows: list[tuple[Request, int]] = []
-        partial = [r for r in self.running if not self._in_decode(r)]
         for request in itertools.chain(partial, self._waiting_in_order()):
             if budget <= 0 or len(rows) == tables.max_prefill_rows:
                 break
@@ -251,20 +269,20 @@ class Scheduler:
         request.admit_index = self._admissions
         self._admissions += 1
         self.running.append(request)
+        self._running_ids[request.request_id] = request
 
     # ------------------------------------------------------------ plan arrays
 
     def _decode_key(self, requests: list[Request]) -> BucketKey:
         """The key of a decode step over these requests: rows and pages per row, bucketed."""
-        max_pages = max(self.kv.num_pages_held(r) for r in requests)
-        return self.tables.decode_key(len(requests), max_pages)
+        return self.tables.decode_key(len(requests), max(self.kv.num_pages_held_by(requests)))
 
     def _split_decode(self, requests: list[Request]) -> list[list[Request]]:
         """split_decode_rows(requests, self._decode_cost), in O(rows) (split_sorted_rows)."""
         if len(requests) < 2:
             return [requests] if requests else []
-        ordered = sorted(requests, key=lambda r: r.num_tokens)
-        pages = [self.kv.num_pages_held(r) for r in ordered]
+        ordered = sorted(requests, key=_num_tokens)
+        pages = self.kv.num_pages_held_by(ordered)
         return split_sorted_rows(ordered, pages, self._program_cost, self.tables.max_decode_rows)
 
     def _program_cost(self, num_rows: int, max_pages: int) -> float:
@@ -333,28 +351,26 @@ class Scheduler:
         Whether they are done is the output processor's decision (output.py); it calls `finish`.
         """
         result = StepResult.of(result)
-        by_id = {r.request_id: r for r in self.running}
-        sampled = []
-        now = self.clock()
-        for row, (request_id, start) in enumerate(zip(plan.request_ids, plan.chunk_starts())):
+        by_id, kv, sampled, now = self._running_ids, self.kv, [], self.clock()
+        extras = result.prompt_logprobs is not None or result.pooled_last is not None
+        starts = plan.chunk_starts() if extras else None
+        tokens, new_tokens, samples = result.tokens.tolist(), plan.num_new_tokens, plan.samples
+        for row, request_id in enumerate(plan.request_ids):
             request = by_id.get(request_id)
             if request is None:  # preempted after planning: nothing to apply
                 continue
-            if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
-                _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
-            if result.pooled_last is not None and request.params.pooling is not None:  # slot `row`: an embedding's chunk
-                first = int(plan.positions[start])
-                request.keep_pooled(first, result.pooled_last[row], result.pooled_sum[row].astype(np.float64), plan.num_new_tokens[row])
-            request.num_computed_tokens += plan.num_new_tokens[row]
-            self.kv.cache_computed_pages(request)
-            if plan.samples[row] and request.params.max_tokens == 0:  # a scored prompt: done, nothing generated
-                sampled.append(request)
-            elif plan.samples[row]:
-                request.output_ids.append(int(result.tokens[row]))
+            if extras:
+                _keep_chunk_outputs(request, plan, result, row, starts[row])
+            request.num_computed_tokens += new_tokens[row]
+            kv.cache_computed_pages(request)
+            if not samples[row]:
+                continue
+            if request.params.max_tokens:  # else a scored prompt: done, nothing generated
+                request.output_ids.append(int(tokens[row]))
                 if result.logprobs is not None and request.params.logprobs is not None:
                     request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
                 request.first_token_time = request.first_token_time or now
-                sampled.append(request)
+            sampled.append(request)
         return sampled
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
@@ -362,6 +378,7 @@ class Scheduler:
         self.kv.release(request)
         if request in self.running:
             self.running.remove(request)
+            del self._running_ids[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status, request.finish_reason, request.error = RequestStatus.FINISHED, reason, error
@@ -437,17 +454,28 @@ def _split_one_program_each(ordered: list, pages: list[int], program_cost: Calla
     n = len(ordered)
     head, peak = [0.0] * n, 0  # head[s]: cost of ordered[:s]
     for s in range(1, n):
-        peak = max(peak, pages[s - 1])
+        if pages[s - 1] > peak:  # the running maximum
+            peak = pages[s - 1]
         head[s] = program_cost(s, peak)
     peak = max(peak, pages[n - 1])
     best, best_split = program_cost(n, peak), 0
     peak = 0
     for split in range(n - 1, 0, -1):  # tail maxima from the end; the first cheapest split wins, as in split_decode_rows
-        peak = max(peak, pages[split])
+        if pages[split] > peak:
+            peak = pages[split]
         total = head[split] + program_cost(n - split, peak)
         if total < best or (total == best and best_split):  # a tie goes to the smaller split
             best, best_split = total, split
     return [ordered[:best_split], ordered[best_split:]] if best_split else [ordered]
+
+
+def _keep_chunk_outputs(request: Request, plan: StepPlan, result: StepResult, row: int, start: tuple[int, int]) -> None:
+    """A chunk's prompt log-probabilities and pooled hidden states (slot `row`), where the request wants them."""
+    if result.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
+        _keep_prompt_logprobs(request, plan, start, plan.num_new_tokens[row], result.prompt_logprobs)
+    if result.pooled_last is not None and request.params.pooling is not None:  # an embedding's chunk
+        first = int(plan.positions[start])
+        request.keep_pooled(first, result.pooled_last[row], result.pooled_sum[row].astype(np.float64), plan.num_new_tokens[row])
 
 
 class PromptTooLongError(ValueError):

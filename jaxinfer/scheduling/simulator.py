@@ -21,12 +21,13 @@ import dataclasses
 import heapq
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
-from jaxinfer.scheduling.plan import BucketKey, RowChunk
+from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepResult
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
@@ -93,8 +94,7 @@ class VirtualClock:
         self.now += seconds
 
 
-@dataclasses.dataclass(frozen=True)
-class _SketchPlan:
+class _SketchPlan(NamedTuple):
     """A plan without arrays: what the run loop and Scheduler.update read of a StepPlan."""
 
     phase: str
@@ -118,12 +118,24 @@ class _SketchPlan:
 class _SketchScheduler(Scheduler):
     """The real scheduler (every decision its own) whose plans are sketches (no arrays)."""
 
+    def __init__(self, cfg: EngineConfig, num_pages: int):
+        super().__init__(cfg, num_pages)
+        self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
+
     def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> _SketchPlan:
         self.stats.num_steps += 1
         lengths = tuple(c.length for c in chunks)
         self.stats.real_tokens += sum(lengths)
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
         return _SketchPlan(phase, shape, tuple(c.request.request_id for c in chunks), lengths, tuple(c.sample for c in chunks))
+
+    def _decode_key(self, requests: list[Request]) -> BucketKey:
+        """Scheduler._decode_key, memoised."""
+        at = (len(requests), max(self.kv.num_pages_held_by(requests)))
+        key = self._decode_keys.get(at)
+        if key is None:
+            key = self._decode_keys[at] = self.tables.decode_key(*at)
+        return key
 
     def _decode_plan(self, requests: list[Request]) -> _SketchPlan:
         """The real decode plan's sketch, without RowChunks (each copies its request's block table)."""
@@ -133,15 +145,21 @@ class _SketchScheduler(Scheduler):
         stats.num_steps += 1
         stats.real_tokens += n
         stats.padded_tokens += shape.num_rows * shape.num_tokens
-        samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
-        return _SketchPlan("decode", shape, tuple(r.request_id for r in requests), (1,) * n, samples)
+        if self.cfg.deterministic:  # a replayed row keeps no token
+            samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
+        else:  # every decoding row feeds its newest token (Scheduler._in_decode)
+            samples = (True,) * n
+        return _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
 
     def _record_utilization(self) -> None:
         """The real statistic in O(running): the simulator's prompts never share a page (each starts with
         its own token), so a page's tokens are its one owner's."""
         used_pages, size = self.kv.num_used_pages, self.cfg.page_size
         if used_pages:
-            filled = sum(min(r.num_tokens, self.kv.num_pages_held(r) * size) for r in self.running)
+            filled = 0
+            for r, pages in zip(self.running, self.kv.num_pages_held_by(self.running)):
+                tokens, room = len(r.prompt_ids) + len(r.output_ids), pages * size
+                filled += tokens if tokens < room else room
             utilization = filled / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
             self.stats.kv_utilization_sum += utilization
@@ -167,6 +185,7 @@ class _Run:
         self.processor = OutputProcessor(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
         self.done: list[Request | None] = [None] * len(requests)
         self.steps_by_key: dict[BucketKey, int] = {}
+        self.results: dict[int, StepResult] = {}  # rows -> the fake step's result
         self.first_step: float | None = None
         self.last_step = 0.0
 
@@ -207,7 +226,11 @@ class _Run:
         self.last_step = self.clock.now
         self.steps_by_key[plan.bucket] = self.steps_by_key.get(plan.bucket, 0) + 1
         self.plans.append(plan)
-        return np.zeros(len(plan.request_ids), np.int32)
+        rows = len(plan.request_ids)
+        result = self.results.get(rows)
+        if result is None:  # token 0 for every row; Scheduler.update only reads it, so one serves every step of its size
+            result = self.results[rows] = StepResult(np.zeros(rows, np.int32))
+        return result
 
     def run(self) -> None:
         processor = self.processor
