@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.model import quant
+from jaxinfer.model import panels, quant
 from jaxinfer.model.mixed_quant import MixedQuantStack
 from jaxinfer.model.panel_tensors import KQuantPanelTensor
 from kernels_cpu import kquant_matmul
@@ -94,13 +94,9 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
     if not stacked:
         q = read_layer(0)
         release(0)  # the host copy holds the values now: drop the file's pages first
-        if pack:
-            panels = _pack(q.format, {name: jnp.asarray(field) for name, field in quant.array_fields(q).items()})
-            value = KQuantPanelTensor(parts=(panels,), formats=(q.format,), layer_part=(0,), layer_slot=(0,), in_shape=q.in_shape,
-                                      out_shape=q.out_shape, stacked=False)
-        else:
-            value = _device_put_by_field(q)
-        return value
+        if pack:  # panels.PACK_ROWS output rows at a time into the preallocated panels: an 8B's [128256, 4096] head
+            return panels.to_kquant_panels(q)  # never has its one-byte codes or a second packed copy whole (GiBs)
+        return _device_put_by_field(q)
     order = list(dict.fromkeys(types))
     layer_part = tuple(order.index(t) for t in types)
     layer_slot = tuple(layer_part[:i].count(part) for i, part in enumerate(layer_part))
