@@ -7,11 +7,20 @@ jitted loop multiplies every layer in turn, as a decode step does. Each format a
 against the kernel's jnp reference (up to 17 rows). Blocks are random bytes with valid fp16 scales, packed by
 kquant_matmul.pack. "read" is the bytes the GGUF format stores per second (not the panels' few more) against
 the machine's read bandwidth (machine.measure_bandwidth_peak), measured in the same run.
+--baseline REV also builds kquant_matmul.cc (with the headers beside it) as git holds it at REV and times it
+in the same process, each repeat alternating the two builds, so a loaded machine slows both alike: the ratio
+is the figure to keep ("speedup": baseline ms / this tree's ms).
 Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one JSON document.
 
     .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...] [--shapes gate_up,...]
     .venv/bin/python experiments/bench_kquant_kernel.py --quick   # 4 layers, gate_up, rows 1 and 4: a smoke run
+    .venv/bin/python experiments/bench_kquant_kernel.py --baseline HEAD --formats q4_k --rows 16,512 --layers 4
 """
+
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -54,11 +63,49 @@ def stacked(rng, fmt: str, num_in: int, num_out: int, layers: int) -> tuple[obje
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *packed), num_out * num_in // block * size
 
 
-def matmul(fmt: str, weights, num_in: int):
+BASELINE_TARGET = "jaxinfer_kquant_matmul_cpu_baseline"
+
+
+def build_baseline(rev: str) -> None:
+    """Compile kernels_cpu/kquant_matmul.cc and its headers as of git revision `rev` (into a temporary folder,
+    with kernels_cpu.build's flags) and register its handler as BASELINE_TARGET."""
+    import jax
+
+    from kernels_cpu import build
+
+    folder = Path(tempfile.mkdtemp(prefix="kquant-baseline-"))
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "kernels_cpu/"], capture_output=True, text=True, check=True, cwd=paths.REPO_ROOT).stdout.split()
+    for name in [n for n in names if n.endswith(".h") or n.endswith("kquant_matmul.cc")]:
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True, cwd=paths.REPO_ROOT).stdout
+        (folder / Path(name).name).write_bytes(text)
+    library = folder / "baseline.so"
+    subprocess.run([build._compiler(), *build.FLAGS, f"-I{folder}", f"-I{jax.ffi.include_dir()}", str(folder / "kquant_matmul.cc"),
+                    *build.LINK_FLAGS, "-o", str(library)], check=True)
+    handler = ctypes.CDLL(str(library)).JaxinferKquantMatmul
+    jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def baseline_matmul(x, weights, layer, *, fmt: str):
+    """kquant_matmul.kquant_matmul through the baseline build (same arguments, the vectorized tiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_cpu import kquant_matmul
+
+    result = jax.ShapeDtypeStruct((x.shape[0], weights["codes"].shape[1] * kquant_matmul.PANEL), jnp.float32)
+    empty = jnp.zeros((0,), jnp.uint8)
+    args = [weights[name] if name in kquant_matmul.PANEL_FIELDS[fmt] else empty for name in kquant_matmul._ARGS]
+    return jax.ffi.ffi_call(BASELINE_TARGET, result)(x, *args, jnp.asarray(layer, jnp.int32), format=np.int32(kquant_matmul.FORMAT_IDS[fmt]),
+                                                     vectorized=np.int32(1))
+
+
+def matmul(fmt: str, weights, num_in: int, baseline: bool = False):
     from kernels_cpu import kquant_matmul, quant_matmul
 
     if fmt == "q4_0":
         return lambda x, layer: quant_matmul.quant_matmul(x, weights.codes, weights.scale, None, layer, zero_point=weights.zero_point)
+    if baseline:
+        return lambda x, layer: baseline_matmul(x, weights, layer, fmt=fmt)
     return lambda x, layer: kquant_matmul.kquant_matmul(x, weights, layer, fmt=fmt, num_in=num_in)
 
 
@@ -78,15 +125,22 @@ def check(fmt: str, weights, x, num_in: int) -> float:
     return float(np.abs(ours - expected).max() / np.abs(expected).max())
 
 
-def seconds_per_layer(fn, x, layers: int, repeats: int) -> float:
+def seconds_per_layer(fns: list, x, layers: int, repeats: int) -> list[float]:
+    """The best seconds per layer of each of `fns`, their calls alternating repeat by repeat."""
     import jax
     import jax.numpy as jnp
 
-    program = jax.jit(lambda: jax.lax.fori_loop(0, layers, lambda layer, total: total + fn(x, layer)[0, 0], jnp.float32(0)))
-    return min(timing.time_calls(lambda: program().block_until_ready(), repeats, warmup=1)) / layers
+    programs = [jax.jit(lambda fn=fn: jax.lax.fori_loop(0, layers, lambda layer, total: total + fn(x, layer)[0, 0], jnp.float32(0))) for fn in fns]
+    for program in programs:
+        program().block_until_ready()  # compiled and warm
+    times = [[] for _ in programs]
+    for _ in range(repeats):
+        for program, seconds in zip(programs, times):
+            seconds.append(timing.timed(lambda: program().block_until_ready())[1])
+    return [min(seconds) / layers for seconds in times]
 
 
-def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int) -> list[dict]:
+def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int, baseline: bool) -> list[dict]:
     import jax.numpy as jnp
 
     num_in, num_out = SHAPES[name]
@@ -96,11 +150,14 @@ def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], laye
         for rows in rows_list:
             x = jnp.asarray(rng.standard_normal((rows, num_in)).astype(np.float32))
             error = check(fmt, weights, x, num_in)
-            seconds = seconds_per_layer(matmul(fmt, weights, num_in), x, layers, repeats)
+            fns = [matmul(fmt, weights, num_in)] + ([matmul(fmt, weights, num_in, baseline=True)] if baseline and fmt != "q4_0" else [])
+            seconds, *before = seconds_per_layer(fns, x, layers, repeats)
             row = {"shape": name, "inputs": num_in, "outputs": num_out, "format": fmt, "rows": rows, "ms": 1e3 * seconds,
                    "gop_per_s": 2 * rows * num_in * num_out / seconds / 1e9, "file_bytes_per_s": file_bytes / seconds,
                    "relative_error_vs_reference": error}
-            report.log("bench_kquant_kernel", f"{name} {fmt} rows {rows}: {row['ms']:.3f} ms")
+            if before:
+                row |= {"baseline_ms": 1e3 * before[0], "speedup": before[0] / seconds}
+            report.log("bench_kquant_kernel", f"{name} {fmt} rows {rows}: {row['ms']:.3f} ms" + (f" (baseline {1e3 * before[0]:.3f} ms, {before[0] / seconds:.2f}x)" if before else ""))
             out.append(row)
         del weights
     return out
@@ -114,6 +171,7 @@ def main():
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="4 layers, gate_up only, rows 1 and 4, 2 repeats: a smoke run")
+    parser.add_argument("--baseline", default=None, help="a git revision whose kquant_matmul.cc is timed beside this tree's, alternating")
     args = parser.parse_args()
     from kernels_cpu import kquant_matmul
 
@@ -124,17 +182,22 @@ def main():
     rows_list, layers, repeats = [int(r) for r in args.rows.split(",") if r], args.layers, args.repeats
     if args.quick:
         rows_list, layers, repeats, shapes = [1, 4], 4, 2, ["gate_up"]
+    if args.baseline:
+        build_baseline(args.baseline)
     rng = np.random.default_rng(0)
     bandwidth = machine.measure_bandwidth_peak(repeats)
-    rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats)]
+    rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats, bool(args.baseline))]
     peak = bandwidth["best_bytes_per_s"]
     print(report.format_table(
         [("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("ms", ">8.3f"), ("GOP/s", ">6.0f"), ("read", ">6.1%")],
         [[r["shape"], r["format"], r["rows"], r["ms"], r["gop_per_s"], r["file_bytes_per_s"] / peak] for r in rows]))
+    if args.baseline:
+        print(report.format_table([("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("before ms", ">9.3f"), ("ms", ">8.3f"), ("speedup", ">7.2f")],
+                                  [[r["shape"], r["format"], r["rows"], r["baseline_ms"], r["ms"], r["speedup"]] for r in rows if "speedup" in r]))
     print(f"read: the GGUF format's bytes per second against the measured read bandwidth {peak / 1e9:.1f} GB/s")
     worst = max(r["relative_error_vs_reference"] for r in rows)
     doc = {"question": "the CPU K-quant kernel on 1B shapes, weights out of the L3, beside quant_matmul's Q4_0",
-           "layers": layers, "quick": args.quick, "results": rows, "worst_relative_error_vs_reference": worst}
+           "layers": layers, "quick": args.quick, "baseline": args.baseline, "results": rows, "worst_relative_error_vs_reference": worst}
     report.finish(args.out, doc, {"bench": "kquant_kernel", "worst_relative_error_vs_reference": worst,
                                    "read_fraction": {f"{r['shape']}/{r['format']}/{r['rows']}": round(r["file_bytes_per_s"] / peak, 3) for r in rows}},
                    correct=worst <= 1e-5, peaks={"bandwidth": bandwidth})

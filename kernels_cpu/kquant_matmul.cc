@@ -77,21 +77,40 @@ struct Activations {
   int64_t I, groups;
 };
 
+// One group of `group` inputs: its codes into q, the sums of its sub-blocks of `sub` into sums; returns sx.
+// The AVX-512 form does the same f32 products and rounds as nearbyint does (to nearest even, the default
+// MXCSR mode), so both give the same codes. The scalar loop (per-element rounding and sub-block sums) was 40% of
+// a 64-row call on Zen 4: as long as the integer dots themselves.
+float quantize_group(const float* xg, int64_t group, int64_t sub, int8_t* q, int32_t* sums) {
+#ifdef JAXINFER_VNNI
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < group; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i lowest = _mm512_set1_epi32(-127), highest = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < group; i += 16) {
+    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv)), highest), lowest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
+    sums[i / sub] += _mm512_reduce_add_epi32(c);
+  }
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(xg[i]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < group; ++i) {
+    const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xg[i] * inv)), -127, 127);
+    q[i] = static_cast<int8_t>(c);
+    sums[i / sub] += c;
+  }
+#endif
+  return amax / 127.0f;
+}
+
 void quantize_row(const float* x, int64_t row, int format, Activations& a) {
   const int64_t group = kGroup(format), sub = kSub(format);
   for (int64_t g = 0; g < a.groups; ++g) {
-    const float* xg = x + row * a.I + g * group;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t* q = a.codes.data() + row * a.I + g * group;
     int32_t sums[kSuper / 16] = {};  // per sub-block
-    for (int64_t i = 0; i < group; ++i) {
-      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xg[i] * inv)), -127, 127);
-      q[i] = static_cast<int8_t>(c);
-      sums[i / sub] += c;
-    }
-    const float sx = amax / 127.0f;
+    const float sx = quantize_group(x + row * a.I + g * group, group, sub, a.codes.data() + row * a.I + g * group, sums);
     a.scale[row * a.groups + g] = sx;
     if (kKQuant(format)) {  // |sum| <= 127 * 32: an int16
       const int64_t pairs = group / (2 * sub), first = (row * a.groups + g) * pairs;
