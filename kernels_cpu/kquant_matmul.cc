@@ -157,28 +157,49 @@ inline __m512 load_f16(const uint16_t* at) { return _mm512_cvtph_ps(_mm256_loadu
 inline __m128i load_16(const uint8_t* at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at)); }
 inline void prefetch(const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1); }
 
+// Per byte, one vpternlogd each: bits 0-3 of a with bits 4-7 of b (kSelectLow), or (a & 0x0F) | b (kOrLow: b
+// has only bits 4 and up), the constant operand being 0x0F in every byte.
+constexpr int kSelectLow = 0xE4, kOrLow = 0xEC;
+
 // Code row `row` of P panels (step s of its block of 32): the low nibbles' inputs in lo, the high nibbles' in
-// hi, the bits above them or-ed in from `cur` (the block's high bits, shifted down as code rows use them).
+// hi, the bits above them merged in from `cur` (the current row of high bits, kept as the format needs).
+// 1 bit (per 32 inputs): cur[v] shifted down 2 bits a code row, bit 0 for lo and bit 1 for hi. 2 bits (per 16
+// inputs, bits 4k + 2h of a byte for code row k, nibble h): cur[v] = the bits of the low nibbles (mask 0x33),
+// cur[P + v] those of the high nibbles (0xCC), shifted into bits 4-5 by a code row's parity; the masks leave
+// zeros wherever a 16-bit shift carries bits across bytes into bits 4-7.
 template <int Width, int P>
 inline void load_code_row(const Layer& w, int64_t p0, int64_t row, int s, bool ahead, __m512i* cur, __m512i* lo, __m512i* hi) {
   const int64_t code_panel = w.steps * 64, high_panel = w.high_rows * 64;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(Width == 2 ? 0x30 : 0x10);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   for (int v = 0; v < P; ++v) {
     const uint8_t* at = w.codes + (p0 + v) * code_panel + row * 64;
     if (ahead) prefetch(at + P * code_panel);
-    const __m512i raw = _mm512_loadu_si512(at);
-    lo[v] = _mm512_and_si512(raw, low_nibbles);
-    hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
-    if constexpr (Width > 0) {
+    const __m512i raw = _mm512_loadu_si512(at), raw_high = _mm512_srli_epi16(raw, 4);
+    if constexpr (Width == 0) {
+      lo[v] = _mm512_and_si512(raw, low_nibbles);
+      hi[v] = _mm512_and_si512(raw_high, low_nibbles);
+    } else {
       if (s % (4 / Width) == 0) {  // a new row of high bits: per 32 inputs (1 bit), per 16 (2 bits)
         const uint8_t* hat = w.high + (p0 + v) * high_panel + (row * Width / 4) * 64;
         if (ahead) prefetch(hat + P * high_panel);
         cur[v] = _mm512_loadu_si512(hat);
+        if constexpr (Width == 2) {
+          cur[P + v] = _mm512_and_si512(cur[v], _mm512_set1_epi8(static_cast<char>(0xCC)));
+          cur[v] = _mm512_and_si512(cur[v], _mm512_set1_epi8(0x33));
+        }
       }
-      // code row s uses the lowest 2 Width bits of each byte: the first Width for the low nibbles' inputs
-      lo[v] = _mm512_or_si512(lo[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4), high_mask));
-      hi[v] = _mm512_or_si512(hi[v], _mm512_and_si512(_mm512_slli_epi16(cur[v], 4 - Width), high_mask));
-      cur[v] = _mm512_srli_epi16(cur[v], 2 * Width);  // bits crossing from the next byte land above those read
+      if constexpr (Width == 1) {
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        lo[v] = _mm512_ternarylogic_epi32(raw, _mm512_and_si512(_mm512_slli_epi16(cur[v], 4), bit4), low_nibbles, kOrLow);
+        hi[v] = _mm512_ternarylogic_epi32(raw_high, _mm512_and_si512(_mm512_slli_epi16(cur[v], 3), bit4), low_nibbles, kOrLow);
+        cur[v] = _mm512_srli_epi16(cur[v], 2);  // bits crossing from the next byte land above those read
+      } else if (s % 2 == 0) {
+        lo[v] = _mm512_ternarylogic_epi32(raw, _mm512_slli_epi16(cur[v], 4), low_nibbles, kSelectLow);
+        hi[v] = _mm512_ternarylogic_epi32(raw_high, _mm512_slli_epi16(cur[P + v], 2), low_nibbles, kSelectLow);
+      } else {
+        lo[v] = _mm512_ternarylogic_epi32(raw, cur[v], low_nibbles, kSelectLow);
+        hi[v] = _mm512_ternarylogic_epi32(raw_high, _mm512_srli_epi16(cur[P + v], 2), low_nibbles, kSelectLow);
+      }
     }
   }
 }
@@ -225,7 +246,7 @@ void super_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bo
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < P; ++v) sums[r][v] = _mm512_setzero_si512();
     for (int64_t b = g * (kSuper / kBlock); b < (g + 1) * (kSuper / kBlock); ++b) {
-      __m512i dot[R][P], cur[P];
+      __m512i dot[R][P], cur[2 * P];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -289,7 +310,7 @@ void block_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bo
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < P; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m512i dot[R][P], cur[P];
+    __m512i dot[R][P], cur[2 * P];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
 #pragma GCC unroll 4
