@@ -1,16 +1,18 @@
 """Peak host memory while a GGUF loads: does a model load in its file's size plus the KV pool plus 1 GiB?
 
-Each file is loaded in a fresh child process (so one load's peak does not hide another's), in two stages:
+Each file is loaded in a fresh child process (so one load's peak does not hide another's), in stages:
   - "load": `loading.load_for_engine` as `LLM(path)` calls it (quantization="auto", tuning on), the weights
     on the device;
   - "engine": that, then an Engine with the matmul the kernel path runs (attention 'cpu', matmul 'cpu_int8';
     K-quant panels are the loaded arrays) warmed up: the steady state of a served model;
   - "tune" (with --tune): that load, then the tuner measuring every candidate on a small engine config (no cache),
-    as a first LLM(path) on a machine does.
+    as a first LLM(path) on a machine does;
+  - "llm" (with --llm): `LLM(path)` whole, as a first start on a machine runs it: the load, the tuner (an empty
+    tuning cache in a temporary folder), the choice applied and the engine warmed up.
 The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
 bytes; the budget is file + pool + 1 GiB.
 
-    .venv/bin/python experiments/bench_load_memory.py [--tune] [FILE.gguf ...]   (default: the K-quant test files and,
+    .venv/bin/python experiments/bench_load_memory.py [--tune] [--llm] [FILE.gguf ...]   (default: the K-quant test files and,
         where experiments/bench_kquant.py made them, its build/bench_kquant/ K-quant files but the 8B's)
 Writes experiments/results/bench_load_memory.json; the last stdout line is one JSON document.
 """
@@ -32,8 +34,12 @@ DEFAULT_FILES = sorted((REPO_ROOT / "tests" / "fixtures" / "kquant").glob("*.ggu
     p for p in (REPO_ROOT / "build" / "bench_kquant").glob("*-q[456]_k*.gguf") if "8b" not in p.name)
 
 CHILD = r"""
-import json, os, sys, time
+import json, os, sys, tempfile, time
 os.environ.setdefault("JAXINFER_TUNE", "1")
+os.environ["JAXINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_load_memory_")  # nothing cached: the tuner measures
+import logging
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+logging.getLogger("jaxinfer").setLevel(logging.INFO)  # progress, to the stage's log
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmHWM", "VmRSS")}
@@ -44,6 +50,15 @@ from jaxinfer.model import params as params_lib, quant
 stage, path, engine = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 before = status()
 start = time.perf_counter()
+if stage == "llm":
+    from jaxinfer.api import LLM
+    llm = LLM(path, engine_config=EngineConfig(**engine))
+    eng = llm.engine
+    from jaxinfer.engine import tuning
+    print(tuning.format_table(llm.tuning), file=sys.stderr)
+    print(json.dumps({"llm_s": time.perf_counter() - start, "tune_s": llm.tuning.seconds, "before": before, "after_llm": status(), "choice": llm.tuning.choice.name,
+                      "pool_bytes": quant.resident_bytes(eng.pool), "step_resident_bytes": quant.resident_bytes(eng.step_params)}))
+    sys.exit()
 cfg, params = loading.load_for_engine(path, LoadOptions(), EngineConfig(**engine))
 out = {"load_s": time.perf_counter() - start, "before": before, "after_load": status(), "resident_weight_bytes": quant.resident_bytes(params),
        "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(params)})}
@@ -62,45 +77,53 @@ print(json.dumps(out))
 """
 
 
-def measure(path: Path, stage: str) -> dict:
+def measure(path: Path, stage: str, log: Path) -> dict:
+    """One stage in a fresh child; its stderr (progress, the tuner's table) goes to `log` as it runs."""
     command = [sys.executable, "-c", CHILD, stage, str(path), json.dumps(ENGINE)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    with open(log, "w") as err:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT)
     if done.returncode != 0:
-        return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {"error": log.read_text()[-2000:]}
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out | ({"log_tail": log.read_text()[-4000:]} if stage == "llm" else {})  # the tuner's table
 
 
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
     parser.add_argument("--tune", action="store_true", help="also the tuner's peak (minutes per file)")
+    parser.add_argument("--llm", action="store_true", help="also LLM(path) whole: load, tune, engine warm-up (minutes per file)")
+    parser.add_argument("--only", choices=("load", "engine", "tune", "llm"), help="that stage alone (an 8B: one load, not four)")
     args = parser.parse_args()
     start, rows, results = time.perf_counter(), [], {}
     for path in (p.resolve() for p in args.files):
         file_bytes = path.stat().st_size
         entry = {"file_bytes": file_bytes}
-        stages = ("load", "engine", "tune") if args.tune else ("load", "engine")
+        stages = (args.only,) if args.only else ("load", "engine") + ("tune",) * args.tune + ("llm",) * args.llm
         for stage in stages:
-            entry[stage] = measure(path, stage)
-        pool = entry["engine"].get("pool_bytes") or 0
+            entry[stage] = measure(path, stage, args.out.with_name(f"{args.out.stem}.{path.stem}.{stage}.log"))
+        pool = entry.get("engine", entry.get("llm", {})).get("pool_bytes") or 0  # the tune stage alone: its pool is not counted
         budget = file_bytes + pool + SLACK_BYTES
         for stage in stages:
-            peak = entry[stage].get("after_tune", entry[stage].get("after_engine", entry[stage].get("after_load", {}))).get("VmHWM")
+            last = next((entry[stage][k] for k in ("after_llm", "after_tune", "after_engine", "after_load") if k in entry[stage]), {})
+            peak = last.get("VmHWM")
             entry[stage]["peak_rss_bytes"] = peak
             entry[stage]["within_budget"] = None if peak is None else peak <= budget
         entry["budget_bytes"] = budget
         results[path.name] = entry
         report.log("bench_load_memory", f"{path.name}: file {file_bytes / 2**20:.0f} MiB, peak RSS load "
-                   f"{(entry['load'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, engine {(entry['engine'].get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
-                   f"tune {(entry.get('tune', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
-        rows.append([path.name, file_bytes / 2**20, (entry["load"].get("peak_rss_bytes") or 0) / 2**20,
-                     (entry["engine"].get("peak_rss_bytes") or 0) / 2**20, budget / 2**20, ", ".join(entry["load"].get("formats", [])),
-                     entry["engine"].get("within_budget")])
+                   f"{(entry.get('load', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, engine {(entry.get('engine', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
+                   f"tune {(entry.get('tune', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
+                   f"llm {(entry.get('llm', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
+        peaks = [(entry.get(stage, {}).get("peak_rss_bytes") or 0) / 2**20 for stage in ("load", "engine", "tune", "llm")]
+        rows.append([path.name, file_bytes / 2**20, *peaks, budget / 2**20, ", ".join(entry.get("load", {}).get("formats", [])),
+                     all(entry[stage].get("within_budget") for stage in stages)])
     print("\n" + report.format_table([("file", "<22"), ("file MiB", "9.0f"), ("peak load MiB", "13.0f"), ("peak engine MiB", "15.0f"),
-                                      ("budget MiB", "10.0f"), ("formats", "<40"), ("within", "<6")], rows))
+                                      ("peak tune MiB", "13.0f"), ("peak llm MiB", "12.0f"), ("budget MiB", "10.0f"), ("formats", "<40"),
+                                      ("within", "<6")], rows))
     doc = {"question": "peak host RSS while a GGUF loads (and its engine starts) against file + KV pool + 1 GiB",
            "results": results, "runtime_s": time.perf_counter() - start}
-    within = all(e["engine"].get("within_budget") for e in results.values())
+    within = all(e[stage].get("within_budget") for e in results.values() for stage in stages)
     report.finish(args.out, doc, {"bench": "load_memory", "within_budget": within, "runtime_s": doc["runtime_s"]}, correct=within)
 
 

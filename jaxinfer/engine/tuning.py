@@ -30,10 +30,13 @@ candidates run the kept blocks dequantized one layer at a time inside the step i
 so no candidate ever materializes the whole model in f32; and once a kernel candidate (timed first) has passed,
 those per-step dequantizing candidates are not built at all (`dequantizes_kept_blocks`: 8-46x slower, and
 their engines alone broke the file + pool + 1 GiB rule). `apply_choice` follows the same rule.
+For a big model (its dense f32 weights over EXPANSION_SLACK_BYTES) the probe prompts are cut to
+BIG_MODEL_PROMPT_TOKENS tokens (`make_probe`): the same programs are timed (the packed row is padded to its
+bucket), the same check is made at each prompt's end and over NUM_GENERATED greedy tokens, only the f32
+reference's prefill (tokens x dequantized weights) is shorter; the table's "probe:" line says so.
 The float32 reference itself reads the kept blocks as they are: each layer's matrices dequantized inside the
 layer scan, and the head (tied or not, kept or packed) REFERENCE_HEAD_ROWS vocabulary entries at a time
-(`reference_logits`); it makes no dense or packed copy of any weight (Llama-3.2-1B Q4_K_M, loaded 2-core EPYC:
-its peak went from 1.7 GB to 0.3 GB above the loaded model).
+(`reference_logits`): no dense or packed copy of any weight (Llama-3.2-1B Q4_K_M: 1.7 -> 0.3 GB above the load).
 
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
@@ -72,6 +75,7 @@ NUM_GENERATED = 8  # greedy tokens of the probe generation (the numerics check's
 NUM_TIMED_RUNS = 2  # timed probe generations per candidate (the programs are compiled ahead: no untimed run)
 PRUNE_FACTOR = 2.0  # a candidate whose first generation scores above this times the best so far is not timed again
 MEMORY_SHARE = 0.8  # a candidate whose new weight arrays need more than this share of the free memory is not built
+BIG_MODEL_PROMPT_TOKENS = 16  # probe prompt length cap where the dense f32 weights exceed EXPANSION_SLACK_BYTES (`make_probe`)
 REFERENCE_HEAD_ROWS = 8192  # vocabulary entries of the head the f32 reference dequantizes at a time (128 MiB of f32 at D = 4096)
 EXPANSION_SLACK_BYTES = 2**30  # kept blocks are expanded to a dense f32 copy only when that copy fits in this (the load rule's 1 GiB)
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 5  # weight of prefill against decode in `score`: the conversation trace has 1155 prompt tokens per 211 output on average
@@ -197,11 +201,13 @@ class Probe:
     prompts: list[list[int]]
 
 
-def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
+def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int], max_prompt_tokens: int | None = None) -> Probe:
     """One packed prefill row of a middle chunk bucket holding the prompts of a middle decode-row bucket,
     then NUM_GENERATED decode steps of those rows: each a key of the user's tables but for its page width
     (a context of one chunk plus the generation, or of the pages the packed row's table needs: it holds
-    every sequence's pages)."""
+    every sequence's pages). `max_prompt_tokens`: each prompt cut to at most that many tokens (`tune` gives
+    BIG_MODEL_PROMPT_TOKENS for a big model); the programs, and so the timed shapes, stay the same (the row is
+    padded to its bucket); only the f32 reference, whose prefill costs tokens x weights, gets cheaper."""
     tables = BucketTables.from_config(engine_cfg)
     packed = tables.packed
     rows = min(tune_attention.middle_bucket(tables.decode_rows), engine_cfg.max_prefill_seqs if packed else 1)
@@ -214,7 +220,7 @@ def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int]) -> Probe:
         decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), buckets=None, num_pages=rows * (context // page) * 2 + 1,
         enable_prefix_caching=False, max_prefill_seqs=rows if packed else engine_cfg.max_prefill_seqs,
     )
-    per_prompt = _prompt_length(probe_cfg, rows, longest)
+    per_prompt = min(_prompt_length(probe_cfg, rows, longest), max_prompt_tokens or longest)
     ids = list(prompt_ids) * (-(-per_prompt * rows // max(len(prompt_ids), 1)) + 1)
     return Probe(probe_cfg, [ids[i * per_prompt: (i + 1) * per_prompt] for i in range(rows)])
 
@@ -498,13 +504,15 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls
         raise ValueError(f"no candidate keeps the pins {pins}")
     if prompt_ids is None:
         prompt_ids = np.random.default_rng(0).integers(1, cfg.vocab_size, 256).tolist()
-    probe = make_probe(engine_cfg, prompt_ids)
+    big = dense_bytes(params) > EXPANSION_SLACK_BYTES  # its f32 reference dequantizes every weight per forward
+    probe = make_probe(engine_cfg, prompt_ids, max_prompt_tokens=BIG_MODEL_PROMPT_TOKENS if big else None)
     budget = MEMORY_SHARE * available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
     measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
     best = pick(measurements)
     keys = BucketTables.from_config(probe.engine_cfg).all_keys()
     return TuneResult(best.impls, measurements, source="tuned", seconds=time.perf_counter() - start, attention=attention,
-                      prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"))
+                      prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"),
+                      probe_prompts=(len(probe.prompts), len(probe.prompts[0]), big))
 
 
 def choose(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls, *, quantization: str | None = None,
@@ -542,6 +550,11 @@ def format_table(result: TuneResult) -> str:
     lines = []
     if result.prefill_key is not None:
         lines.append(f"programs: prefill {result.prefill_key}, decode {result.decode_key}")
+    if result.probe_prompts:
+        count, length, big = result.probe_prompts
+        lines.append(f"probe: {count} prompts of {length} tokens, {NUM_GENERATED} greedy tokens each" + (
+            f" (prompts cut to {BIG_MODEL_PROMPT_TOKENS} tokens: the dense f32 weights exceed {EXPANSION_SLACK_BYTES / 2**30:g} GiB, "
+            "and the f32 reference dequantizes them for every token; the timed programs are the same buckets)" if big else ""))
     lines += [header, "-" * len(header)]
     chosen = result.choice.name
     cell = lambda value, fmt: format(value, fmt) if value is not None else "-"  # noqa: E731

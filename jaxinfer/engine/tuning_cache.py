@@ -29,7 +29,7 @@ from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 6  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 7  # part of the cache key: a change of the candidates or the check invalidates old choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,7 @@ class TuneResult:
     decode_key: object = None
     reason: str = ""  # why nothing was measured, for a fixed choice
     attention: list = dataclasses.field(default_factory=list)  # AttentionMeasurement per impl timed alone (tune_attention.py)
+    probe_prompts: tuple = ()  # (number of probe prompts, tokens each, cut for a big model) of a run measured now
     source: str = "fixed"
 
     def describe(self) -> str:

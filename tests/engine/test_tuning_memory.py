@@ -110,3 +110,16 @@ def test_reference_run_peak_memory_stays_far_below_a_dense_f32_head(tmp_path):
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     growth = measured["peak"] - measured["before"]
     assert growth < dense_head / 3, f"the reference run peaked {growth / 2**20:.0f} MiB above the loaded model; the dense head is {dense_head / 2**20:.0f} MiB"
+
+
+def test_a_big_models_probe_cuts_its_prompts_but_keeps_its_programs():
+    """make_probe's max_prompt_tokens (tune gives BIG_MODEL_PROMPT_TOKENS where the dense f32 weights exceed
+    EXPANSION_SLACK_BYTES): shorter prompts, the same engine config, so the same programs are timed."""
+    from jaxinfer.config import EngineConfig
+
+    engine_cfg = EngineConfig(max_context=256, page_size=16, max_num_seqs=4, max_prefill_tokens=256, num_pages=65)
+    full = tuning.make_probe(engine_cfg, list(range(1, 300)))
+    cut = tuning.make_probe(engine_cfg, list(range(1, 300)), max_prompt_tokens=tuning.BIG_MODEL_PROMPT_TOKENS)
+    assert cut.engine_cfg == full.engine_cfg
+    assert len(cut.prompts) == len(full.prompts) and len(full.prompts[0]) > tuning.BIG_MODEL_PROMPT_TOKENS
+    assert [len(p) for p in cut.prompts] == [tuning.BIG_MODEL_PROMPT_TOKENS] * len(full.prompts)
