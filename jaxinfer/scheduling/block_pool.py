@@ -20,10 +20,9 @@ whose count reaches zero joins the free queue with its name kept: its KV is stil
 that prefix (a full page, never written again), so a later request may share it until it is evicted.
 """
 
+import array
 import collections
 import hashlib
-
-import numpy as np
 
 NULL_PAGE = 0
 ROOT_HASH = b""  # parent of a sequence's first page
@@ -36,7 +35,7 @@ class OutOfPagesError(RuntimeError):
 def page_hash(parent: bytes, token_ids, cache_salt: str | None = None) -> bytes:
     """The name of a full page: a hash of its parent's name, its token ids and the salt."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(np.asarray(token_ids, np.int64).tobytes())
+    digest.update(array.array("q", token_ids).tobytes())  # int64 in native order, as np.asarray(token_ids, np.int64).tobytes()
     if cache_salt is not None:
         digest.update(b"\x00salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))
     return digest.digest()

@@ -135,6 +135,15 @@ class KVManager:
                 self.block_pool.cache_page(pages[i], names[i])
         self._num_named[request.request_id] = num_full
 
+    def cache_computed_pages_of(self, requests: list[Request]) -> None:
+        """cache_computed_pages for each request, in order, calling it only where a page may have filled."""
+        if not self.enable_prefix_caching:
+            return
+        named, size = self._num_named, self.page_size
+        for request in requests:
+            if request.num_computed_tokens // size > named.get(request.request_id, 0):  # deterministic mode names fewer: it rechecks
+                self.cache_computed_pages(request)
+
     def num_outside_window(self, request: Request) -> int:
         """Leading pages of the request's table that no later query can see: every position of page i
         is < t - window + 1 for the next query position t = num_computed_tokens, i.e.

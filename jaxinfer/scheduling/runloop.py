@@ -80,8 +80,9 @@ def run_plan(
 
 def _count_step(scheduler: Scheduler, plan: StepPlan, now: float) -> None:
     """Per-request timing: the first step that computes a request's tokens, and how many steps do."""
+    running = scheduler.running_by_id
     for request_id in plan.request_ids:
-        request = scheduler.running_request(request_id)
+        request = running.get(request_id)
         if request is not None:
             request.num_steps += 1
             if request.first_scheduled_time is None:  # a virtual clock may start at 0.0

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.block_pool import BlockPool
-from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.bucket_tables import BucketTables, pad_to_bucket
 from jaxinfer.scheduling.kv_manager import KVManager
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, RowChunk, StepPlan, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy, make_policy
@@ -41,6 +41,7 @@ from jaxinfer.validation import FieldError
 from jaxinfer.scheduling.request_queue import RequestQueue
 
 _num_tokens = operator.attrgetter("num_tokens")  # a request's sort key by length
+_MAX_SPLITS = 65536  # decode cuts remembered at most (Scheduler._split_point)
 
 
 @dataclasses.dataclass
@@ -87,6 +88,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._admissions = 0
         self._program_costs: dict[tuple[int, int], float] = {}  # (rows, largest pages) -> _program_cost (the tables are fixed)
+        self._splits: dict[tuple[int, ...], int] = {}  # decode rows' page buckets -> _split_point
+        self._splits_of: BucketTables | None = None  # the tables _splits holds cuts for
+        self._page_buckets: dict[int, int] = {}  # pages -> their bucket (pad_to_bucket)
         self.clock: Callable[[], float] = time.perf_counter  # read by expire, update and finish (runloop.run sets it; the simulator's is virtual)
 
     @property
@@ -108,9 +112,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def running_request(self, request_id: str) -> Request | None:
-        """The running request of this id, or None."""
-        return self._running_ids.get(request_id)
+    @property
+    def running_by_id(self) -> dict[str, Request]:
+        """Request id -> its running request (read only: the scheduler keeps it with `running`)."""
+        return self._running_ids
 
     # ------------------------------------------------------------ planning
 
@@ -144,8 +149,9 @@ class Scheduler:
         decode_rows, partial = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill(partial)
         plans = []
-        for group in self._split_decode(decode_rows):
-            plans += [self._decode_plan(piece) for piece in self._decode_programs(group)]
+        for group, pages in self._split_decode(decode_rows):
+            size = self.tables.max_decode_rows  # programs of a group (_decode_programs), each with its largest table
+            plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
         self._record_utilization()
@@ -171,17 +177,19 @@ class Scheduler:
         """Give every decoding request room for one more token, preempting when the pool is full; returns
         the decoding rows and the running requests still prefilling, each in running order."""
         rows, partial, preempted = [], [], False
-        kv, page_size, in_decode = self.kv, self.cfg.page_size, self._in_decode
-        held = kv.num_pages_held
-        for request in list(self.running):
-            if not in_decode(request):
+        kv, page_size, in_decode, replays = self.kv, self.cfg.page_size, self._in_decode, self.cfg.deterministic
+        running = list(self.running)
+        # each entry read before its request's own allocation; a preempted request's is never read (it is not RUNNING)
+        for request, held in zip(running, kv.num_pages_held_by(running)):
+            output = request.output_ids  # _in_decode, its common case inlined: the newest token is the one not computed
+            if not (output and (request.num_computed_tokens == len(request.prompt_ids) + len(output) - 1 or (replays and in_decode(request)))):
                 partial.append(request)
                 continue
             rows.append(request)
             if request.status != RequestStatus.RUNNING:
                 continue
             needed = request.num_computed_tokens + 1
-            if -(-needed // page_size) <= held(request):  # its pages hold the token already (kv.num_new_pages == 0)
+            if -(-needed // page_size) <= held:  # its pages hold the token already (kv.num_new_pages == 0)
                 continue
             while kv.num_new_pages(request, needed) and kv.try_allocate(request, needed) is None:
                 victim = self.policy.victim(self.running)
@@ -273,17 +281,39 @@ class Scheduler:
 
     # ------------------------------------------------------------ plan arrays
 
-    def _decode_key(self, requests: list[Request]) -> BucketKey:
-        """The key of a decode step over these requests: rows and pages per row, bucketed."""
-        return self.tables.decode_key(len(requests), max(self.kv.num_pages_held_by(requests)))
+    def _decode_key(self, requests: list[Request], max_pages: int | None = None) -> BucketKey:
+        """The key of a decode step over these requests: rows and pages per row (`max_pages`: the largest
+        table among them, when known), bucketed."""
+        return self.tables.decode_key(len(requests), max(self.kv.num_pages_held_by(requests)) if max_pages is None else max_pages)
 
-    def _split_decode(self, requests: list[Request]) -> list[list[Request]]:
-        """split_decode_rows(requests, self._decode_cost), in O(rows) (split_sorted_rows)."""
+    def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
+        """split_decode_rows(requests, self._decode_cost), in O(rows) (split_sorted_rows): the groups, each
+        with its rows' pages held."""
         if len(requests) < 2:
-            return [requests] if requests else []
+            return [(requests, self.kv.num_pages_held_by(requests))] if requests else []
         ordered = sorted(requests, key=_num_tokens)
         pages = self.kv.num_pages_held_by(ordered)
-        return split_sorted_rows(ordered, pages, self._program_cost, self.tables.max_decode_rows)
+        split = self._split_point(pages)
+        return [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
+
+    def _split_point(self, pages: list[int]) -> int:
+        """Where split_sorted_rows cuts rows holding `pages` (sorted by length; 0: no cut), memoised. A
+        program's cost reads only its largest table's page bucket, and the bucket of a maximum is the
+        maximum of the buckets, so the rows' buckets decide the cut."""
+        if self._splits_of is not self.tables:  # new tables (batch/refit.py swaps them): forget the old cuts
+            self._splits, self._splits_of, self._page_buckets = {}, self.tables, {}
+        buckets = self._page_buckets
+        for p in pages:
+            if p not in buckets:
+                buckets[p] = pad_to_bucket(p, self.tables.pages)
+        key = tuple([buckets[p] for p in pages])
+        split = self._splits.get(key)
+        if split is None:
+            if len(self._splits) >= _MAX_SPLITS:
+                self._splits.clear()
+            groups = split_sorted_rows(list(range(len(pages))), list(key), self._program_cost, self.tables.max_decode_rows)
+            split = self._splits[key] = len(groups[0]) if len(groups) == 2 else 0
+        return split
 
     def _program_cost(self, num_rows: int, max_pages: int) -> float:
         """_decode_cost's term for one program of `num_rows` rows whose longest table holds `max_pages` pages."""
@@ -303,9 +333,9 @@ class Scheduler:
         keys = [self._decode_key(piece) for piece in self._decode_programs(requests)]
         return sum(self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2) for key in keys)
 
-    def _decode_plan(self, requests: list[Request]) -> StepPlan:
+    def _decode_plan(self, requests: list[Request], max_pages: int | None = None) -> StepPlan:
         chunks = [self._chunk(r, r.num_computed_tokens, 1, r.num_computed_tokens == r.num_tokens - 1) for r in requests]
-        return self._build_plan("decode", chunks, self._decode_key(requests))
+        return self._build_plan("decode", chunks, self._decode_key(requests, max_pages))
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> StepPlan:
         """Rows read only the pages they hold (after this chunk's allocation); a packed row holds every
@@ -351,7 +381,7 @@ class Scheduler:
         Whether they are done is the output processor's decision (output.py); it calls `finish`.
         """
         result = StepResult.of(result)
-        by_id, kv, sampled, now = self._running_ids, self.kv, [], self.clock()
+        by_id, applied, sampled, now = self._running_ids, [], [], self.clock()
         extras = result.prompt_logprobs is not None or result.pooled_last is not None
         starts = plan.chunk_starts() if extras else None
         tokens, new_tokens, samples = result.tokens.tolist(), plan.num_new_tokens, plan.samples
@@ -362,7 +392,7 @@ class Scheduler:
             if extras:
                 _keep_chunk_outputs(request, plan, result, row, starts[row])
             request.num_computed_tokens += new_tokens[row]
-            kv.cache_computed_pages(request)
+            applied.append(request)
             if not samples[row]:
                 continue
             if request.params.max_tokens:  # else a scored prompt: done, nothing generated
@@ -371,6 +401,7 @@ class Scheduler:
                     request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
                 request.first_token_time = request.first_token_time or now
             sampled.append(request)
+        self.kv.cache_computed_pages_of(applied)  # each names only its own pages, from its own tokens: after the loop is the same
         return sampled
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:

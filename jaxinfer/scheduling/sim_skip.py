@@ -37,13 +37,16 @@ def bounds(run, plans) -> tuple[int, int] | None:
     width = policy.decode_width()
     if scheduler.waiting and len(running) < width:
         return None
-    finish, other = math.inf, math.inf
-    page_size, buckets, held = cfg.page_size, scheduler.tables.pages, scheduler.kv.num_pages_held
-    for r in running:
-        if r.status != RequestStatus.RUNNING or r.num_computed_tokens != r.num_tokens - 1:
+    page_size, max_context, held = cfg.page_size, cfg.max_context, scheduler.kv.num_pages_held_by(running)
+    tops = {pages: pad_to_bucket(pages, scheduler.tables.pages) * page_size for pages in set(held)}  # tokens its page bucket holds
+    finish = other = math.inf
+    for r, pages in zip(running, held):
+        generated = len(r.output_ids)
+        total = len(r.prompt_ids) + generated
+        if r.status != RequestStatus.RUNNING or r.num_computed_tokens != total - 1:
             return None
-        finish = min(finish, r.params.max_tokens - len(r.output_ids), cfg.max_context - r.num_tokens)
-        other = min(other, pad_to_bucket(held(r), buckets) * page_size - r.num_computed_tokens)
+        finish = min(finish, r.params.max_tokens - generated, max_context - total)
+        other = min(other, tops[pages] - r.num_computed_tokens)
     if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
         other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
     return int(finish) - 1, int(other)
@@ -60,10 +63,14 @@ def _iteration_seconds(run, plans) -> float:
     return sum(run.costs.step_seconds(p.bucket, len(p.request_ids)) for p in plans)
 
 
+def _new_pages(scheduler, k: int, page_size: int) -> list[int]:
+    """Pages each running request lacks to hold k more computed tokens (kv.num_new_pages), in running order."""
+    running = scheduler.running
+    return [max(0, -(-(r.num_computed_tokens + k) // page_size) - pages) for r, pages in zip(running, scheduler.kv.num_pages_held_by(running))]
+
+
 def _pages_fit(scheduler, k: int, page_size: int) -> bool:
-    held = scheduler.kv.num_pages_held
-    needed = sum(max(0, -(-(r.num_computed_tokens + k) // page_size) - held(r)) for r in scheduler.running)
-    return needed <= scheduler.kv.num_free_pages
+    return sum(_new_pages(scheduler, k, page_size)) <= scheduler.kv.num_free_pages
 
 
 def fast_forward(run, plans) -> bool:
@@ -91,15 +98,14 @@ def _apply(run, plans, k: int, last: bool = False) -> None:
     scheduler = run.scheduler
     if not last:
         _record_utilization(scheduler, k, run.cfg.page_size)
-    for r in scheduler.running:
-        if scheduler.kv.try_allocate(r, r.num_computed_tokens + k) is None:
+    for r, pages in zip(scheduler.running, _new_pages(scheduler, k, run.cfg.page_size)):
+        if pages and scheduler.kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
             raise RuntimeError("fast-forward: pages counted free could not be allocated")  # _pages_fit said they fit
     stats = scheduler.stats
     if last:  # planning records the utilization after allocating, before the step
         scheduler._record_utilization()
     else:
-        for r in scheduler.running:
-            _advance(scheduler, r, k)
+        _advance(scheduler, scheduler.running, k)
         stats.num_steps += k * len(plans)
         stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
         stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
@@ -108,7 +114,7 @@ def _apply(run, plans, k: int, last: bool = False) -> None:
         run.clock.advance(k * _iteration_seconds(run, plans))
         run.last_step = run.clock.now
         return
-    by_id = {r.request_id: r for r in scheduler.running}
+    by_id = scheduler.running_by_id
     for p in plans:
         rows = [by_id[i] for i in p.request_ids]
         stats.num_steps += 1
@@ -117,9 +123,8 @@ def _apply(run, plans, k: int, last: bool = False) -> None:
         run.steps_by_key[p.bucket] += 1
         run.clock.advance(run.costs.step_seconds(p.bucket, len(rows)))
         run.last_step = run.clock.now
-        for r in rows:
-            _advance(scheduler, r, 1)
-        for r in rows:
+        _advance(scheduler, rows, 1)
+        for r in rows:  # finish() changes running_by_id, after every row was looked up
             reason = run.processor.check(r)
             if reason is not None:
                 scheduler.finish(r, reason, r.error)
@@ -135,9 +140,8 @@ def _record_utilization(scheduler, k: int, page_size: int) -> None:
     running = scheduler.running
     if not running:
         return
-    held = scheduler.kv.num_pages_held
-    tokens = np.array([r.num_tokens for r in running], np.int64)  # i64[R]
-    pages = np.array([held(r) for r in running], np.int64)  # i64[R]
+    tokens = np.array([len(r.prompt_ids) + len(r.output_ids) for r in running], np.int64)  # i64[R]
+    pages = np.array(scheduler.kv.num_pages_held_by(running), np.int64)  # i64[R]
     steps = np.arange(k, dtype=np.int64)[:, None]  # i64[k, 1]: j - 1
     grown = np.maximum(0, -(-(tokens[None, :] + steps) // page_size) - pages[None, :]).sum(axis=1)  # i64[k]: new pages by iteration j
     used = scheduler.kv.num_used_pages + grown  # i64[k]
@@ -149,9 +153,11 @@ def _record_utilization(scheduler, k: int, page_size: int) -> None:
     stats.kv_utilization_steps += k
 
 
-def _advance(scheduler, request, k: int) -> None:
-    """k decode tokens (token 0) for a running request whose pages are allocated."""
-    request.num_computed_tokens += k
-    request.output_ids.extend([0] * k)
-    request.num_steps += k
-    scheduler.kv.cache_computed_pages(request)
+def _advance(scheduler, requests, k: int) -> None:
+    """k decode tokens (token 0) for each of these running requests, whose pages are allocated."""
+    tokens = [0] * k
+    for request in requests:
+        request.num_computed_tokens += k
+        request.output_ids.extend(tokens)
+        request.num_steps += k
+    scheduler.kv.cache_computed_pages_of(requests)

@@ -129,18 +129,18 @@ class _SketchScheduler(Scheduler):
         self.stats.padded_tokens += shape.num_rows * shape.num_tokens
         return _SketchPlan(phase, shape, tuple(c.request.request_id for c in chunks), lengths, tuple(c.sample for c in chunks))
 
-    def _decode_key(self, requests: list[Request]) -> BucketKey:
+    def _decode_key(self, requests: list[Request], max_pages: int | None = None) -> BucketKey:
         """Scheduler._decode_key, memoised."""
-        at = (len(requests), max(self.kv.num_pages_held_by(requests)))
+        at = (len(requests), max(self.kv.num_pages_held_by(requests)) if max_pages is None else max_pages)
         key = self._decode_keys.get(at)
         if key is None:
             key = self._decode_keys[at] = self.tables.decode_key(*at)
         return key
 
-    def _decode_plan(self, requests: list[Request]) -> _SketchPlan:
+    def _decode_plan(self, requests: list[Request], max_pages: int | None = None) -> _SketchPlan:
         """The real decode plan's sketch, without RowChunks (each copies its request's block table)."""
         n = len(requests)
-        shape = self._decode_key(requests)
+        shape = self._decode_key(requests, max_pages)
         stats = self.stats
         stats.num_steps += 1
         stats.real_tokens += n
@@ -166,6 +166,18 @@ class _SketchScheduler(Scheduler):
             self.stats.kv_utilization_steps += 1
 
 
+class _LengthStops(OutputProcessor):
+    """The run loop's output processor for the simulator's requests, which stop by length only: greedy,
+    EOS ignored, no stop ids or strings, no guide or thinking budget, no tokenizer. `check` is
+    OutputProcessor.check for them (max_tokens, then the context), without the steps they skip."""
+
+    def check(self, request: Request) -> str | None:
+        output = request.output_ids
+        if not output or len(output) >= request.params.max_tokens or len(request.prompt_ids) + len(output) >= self.max_context:
+            return "length"
+        return None
+
+
 class _Run:
     """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
 
@@ -182,7 +194,7 @@ class _Run:
         self.pulled.reverse()
         self.inflight = 0
         self.params: dict[int, SamplingParams] = {}  # output tokens -> the requests' sampling parameters
-        self.processor = OutputProcessor(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
+        self.processor = _LengthStops(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
         self.done: list[Request | None] = [None] * len(requests)
         self.steps_by_key: dict[BucketKey, int] = {}
         self.results: dict[int, StepResult] = {}  # rows -> the fake step's result
