@@ -39,15 +39,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define JAXINFER_VNNI 1
-#endif
-
 #include "parallel.h"
+#include "w8a8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxinfer::half_to_float;
 
 namespace {
 
@@ -77,40 +74,11 @@ struct Activations {
   int64_t I, groups;
 };
 
-// One group of `group` inputs: its codes into q, the sums of its sub-blocks of `sub` into sums; returns sx.
-// The AVX-512 form does the same f32 products and rounds as nearbyint does (to nearest even, the default
-// MXCSR mode), so both give the same codes. The scalar loop (per-element rounding and sub-block sums) was 40% of
-// a 64-row call on Zen 4: as long as the integer dots themselves.
-float quantize_group(const float* xg, int64_t group, int64_t sub, int8_t* q, int32_t* sums) {
-#ifdef JAXINFER_VNNI
-  __m512 vmax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < group; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
-  const float amax = _mm512_reduce_max_ps(vmax);
-  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  const __m512i lowest = _mm512_set1_epi32(-127), highest = _mm512_set1_epi32(127);
-  for (int64_t i = 0; i < group; i += 16) {
-    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv)), highest), lowest);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
-    sums[i / sub] += _mm512_reduce_add_epi32(c);
-  }
-#else
-  float amax = 0.0f;
-  for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(xg[i]));
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int64_t i = 0; i < group; ++i) {
-    const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xg[i] * inv)), -127, 127);
-    q[i] = static_cast<int8_t>(c);
-    sums[i / sub] += c;
-  }
-#endif
-  return amax / 127.0f;
-}
-
 void quantize_row(const float* x, int64_t row, int format, Activations& a) {
   const int64_t group = kGroup(format), sub = kSub(format);
   for (int64_t g = 0; g < a.groups; ++g) {
     int32_t sums[kSuper / 16] = {};  // per sub-block
-    const float sx = quantize_group(x + row * a.I + g * group, group, sub, a.codes.data() + row * a.I + g * group, sums);
+    const float sx = jaxinfer::quantize_group(x + row * a.I + g * group, group, sub, a.codes.data() + row * a.I + g * group, sums);
     a.scale[row * a.groups + g] = sx;
     if (kKQuant(format)) {  // |sum| <= 127 * 32: an int16
       const int64_t pairs = group / (2 * sub), first = (row * a.groups + g) * pairs;
@@ -121,23 +89,6 @@ void quantize_row(const float* x, int64_t row, int format, Activations& a) {
       a.zero_sum[row * a.groups + g] = 16 * sums[0];
     }
   }
-}
-
-float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals included
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000 | (mantissa << 13);
-  } else if (exponent) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else {
-    float value = std::ldexp(static_cast<float>(mantissa), -24);
-    std::memcpy(&bits, &value, 4);
-    bits |= sign;
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
 }
 
 // One layer of the packed weight. Every array is panel-major: panel p's part starts at p * (its per-panel size).

@@ -35,15 +35,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define JAXINFER_VNNI 1
-#endif
-
 #include "parallel.h"
+#include "w8a8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxinfer::half_to_float;
 
 namespace {
 
@@ -64,37 +61,10 @@ struct Activations {
 
 void quantize_row(const float* x, int64_t row, Activations& a) {
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const float* xb = x + row * a.I + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t* q = a.codes.data() + row * a.I + b * kBlock;
     int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t c = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -127, 127);
-      q[i] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    a.scale[row * a.blocks + b] = amax / 127.0f;
+    a.scale[row * a.blocks + b] = jaxinfer::quantize_group(x + row * a.I + b * kBlock, kBlock, kBlock, a.codes.data() + row * a.I + b * kBlock, &sum);
     a.sum[row * a.blocks + b] = sum;
   }
-}
-
-float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals included
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000 | (mantissa << 13);
-  } else if (exponent) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else {
-    float value = std::ldexp(static_cast<float>(mantissa), -24);
-    std::memcpy(&bits, &value, 4);
-    bits |= sign;
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
 }
 
 // One layer of the packed weight, and the geometry of the call.
