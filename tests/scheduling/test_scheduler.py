@@ -172,6 +172,25 @@ def test_the_linear_split_picks_the_groups_costing_every_split_picks(pages, prog
     assert [[r.request_id for r in g] for g in reference] == linear
 
 
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 63), min_size=1, max_size=12), grown=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+       overhead=st.sampled_from([0.0, 3.0, 44.0]))
+def test_the_scheduler_cuts_decode_rows_where_every_split_costed_from_their_pages_cuts(lengths, grown, overhead):
+    # The reference: split_decode_rows over the scheduler's own modelled cost (_decode_cost, which reads the
+    # pages each request holds now). Some rows hold pages beyond their tokens (`grown`), so pages need not
+    # follow length; asked twice, the second answer comes from the scheduler's memo of earlier cuts.
+    cfg = small_config(max_context=64, max_num_seqs=16, decode_batch_buckets=(2, 4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16), decode_split_overhead=overhead)
+    scheduler = Scheduler(cfg, num_pages=400)
+    requests = [request(f"r{i}", n, 1, i) for i, n in enumerate(lengths)]
+    for r, extra in zip(requests, grown):
+        assert scheduler.kv.try_allocate(r, min(64, r.num_tokens + extra * cfg.page_size)) is not None
+    reference = [[r.request_id for r in group] for group in split_decode_rows(requests, scheduler._decode_cost)]
+    for _ in range(2):
+        groups = scheduler._split_decode(requests)
+        assert [[r.request_id for r in group] for group, _ in groups] == reference
+        assert [pages for _, pages in groups] == [scheduler.kv.num_pages_held_by(group) for group, _ in groups]
+
+
 def test_kv_utilization_counts_tokens_over_allocated_slots():
     scheduler = Scheduler(small_config(), num_pages=10)
     scheduler.add(request("a", 6, 1, 0))  # 6 tokens in 2 pages of 4: 6 / 8

@@ -10,7 +10,7 @@ from jaxinfer.config import POLICIES
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.simulator import SimRequest, simulate
-from jaxinfer.scheduling.step_costs import StepCosts
+from jaxinfer.scheduling.step_costs import StepCosts, work
 
 from fakes import small_config
 
@@ -118,3 +118,34 @@ def test_fast_forward_gives_the_same_results_as_every_step_run(arrivals, policy)
     assert fast.mean_kv_utilization == slow.mean_kv_utilization  # each iteration's figure, added in the same order
     assert fast.peak_kv_utilization == slow.peak_kv_utilization and fast.generated_tokens == slow.generated_tokens
     assert fast.finish_reasons == slow.finish_reasons
+
+
+def work_costs(cfg) -> StepCosts:
+    """Seconds linear in each program's work (as experiments/bench_simulator.py prices one), host time per row."""
+    costs = StepCosts()
+    for key in BucketTables.from_config(cfg).all_keys():
+        costs.observe(key, 1e-3 + 1e-5 * work(key))
+    for rows in (1, 8):
+        costs.observe_host(rows, 1e-4 + 1e-5 * rows)
+    return costs
+
+
+@pytest.mark.parametrize("num_pages", [200, 24])  # roomy; tight enough to preempt
+def test_fast_forward_matches_every_step_on_a_varied_workload(num_pages):
+    # Shared prefixes (prefix-cache hits), priorities, arrivals in bursts and gaps, short and long outputs,
+    # split decode groups (eight rows over five page buckets) and, with the small pool, preemptions.
+    cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24))
+    rng = np.random.default_rng(7)
+    n = 120
+    gaps = np.where(rng.random(n) < 0.2, rng.exponential(2.0, n), 0.0)
+    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
+                for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 40, n), rng.integers(1, 50, n), np.cumsum(gaps), rng.choice([0, 0, 8, 12], n)))]
+    costs = work_costs(cfg)
+    fast = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=24)
+    slow = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=24, fast_forward=False)
+    assert fast.summary() == slow.summary()
+    for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):  # the clock moves k iterations at once: the same up to rounding
+        np.testing.assert_allclose(getattr(fast, name), getattr(slow, name), rtol=1e-9, atol=1e-12)
+    assert fast.steps_by_key == slow.steps_by_key
+    assert (fast.num_preemptions > 0) == (num_pages == 24)  # the tight pool really preempts
