@@ -28,6 +28,11 @@ from jaxinfer.scheduling.request import RequestStatus
 def bounds(run, plans) -> tuple[int, int] | None:
     """(iterations before a row takes its last token, iterations that repeat `plans` finishes aside), or
     None when the next iteration is not known to repeat them."""
+    return _bounds(run, plans, run.scheduler.kv.num_pages_held_by(run.scheduler.running))
+
+
+def _bounds(run, plans, held: list[int]) -> tuple[int, int] | None:
+    """bounds, given the pages each running request holds (`held`, in running order)."""
     scheduler, cfg = run.scheduler, run.cfg
     running, policy = scheduler.running, scheduler.policy
     if not running or type(policy).observe is not SchedulingPolicy.observe:
@@ -37,7 +42,7 @@ def bounds(run, plans) -> tuple[int, int] | None:
     width = policy.decode_width()
     if scheduler.waiting and len(running) < width:
         return None
-    page_size, max_context, held = cfg.page_size, cfg.max_context, scheduler.kv.num_pages_held_by(running)
+    page_size, max_context = cfg.page_size, cfg.max_context
     tops = {pages: pad_to_bucket(pages, scheduler.tables.pages) * page_size for pages in set(held)}  # tokens its page bucket holds
     finish = other = math.inf
     for r, pages in zip(running, held):
@@ -63,44 +68,45 @@ def _iteration_seconds(run, plans) -> float:
     return sum(run.costs.step_seconds(p.bucket, len(p.request_ids)) for p in plans)
 
 
-def _new_pages(scheduler, k: int, page_size: int) -> list[int]:
-    """Pages each running request lacks to hold k more computed tokens (kv.num_new_pages), in running order."""
-    running = scheduler.running
-    return [max(0, -(-(r.num_computed_tokens + k) // page_size) - pages) for r, pages in zip(running, scheduler.kv.num_pages_held_by(running))]
-
-
-def _pages_fit(scheduler, k: int, page_size: int) -> bool:
-    return sum(_new_pages(scheduler, k, page_size)) <= scheduler.kv.num_free_pages
+def _new_pages(scheduler, held: list[int], k: int) -> list[int]:
+    """Pages each running request lacks to hold k more computed tokens (kv.num_new_pages), in running order,
+    given the pages each holds (`held`)."""
+    size = scheduler.cfg.page_size
+    return [max(0, -(-(r.num_computed_tokens + k) // size) - pages) for r, pages in zip(scheduler.running, held)]
 
 
 def fast_forward(run, plans) -> bool:
     """Apply the iterations that must repeat `plans`, if any, and the finishing one after them when it
     repeats them too (see the module's docstring); True when requests finished (the caller pulls more)."""
-    known = bounds(run, plans)
+    scheduler = run.scheduler
+    held = scheduler.kv.num_pages_held_by(scheduler.running)
+    known = _bounds(run, plans, held)
     if known is None:
         return False
     finish, other = known
-    scheduler, page_size = run.scheduler, run.cfg.page_size
     k = max(0, min(finish, other))
-    if k and not _pages_fit(scheduler, k, page_size):
+    grown = _new_pages(scheduler, held, k)
+    if k and sum(grown) > scheduler.kv.num_free_pages:
         return False
-    finishing = finish < other and _pages_fit(scheduler, k + 1, page_size)  # iteration k + 1 repeats too, and ends rows
+    finishing = finish < other and sum(_new_pages(scheduler, held, k + 1)) <= scheduler.kv.num_free_pages  # iteration k + 1 repeats too, and ends rows
     if k:
-        _apply(run, plans, k)
+        _apply(run, plans, k, held, grown)
+        held = [pages + more for pages, more in zip(held, grown)]
     if finishing:
-        _apply(run, plans, 1, last=True)
+        _apply(run, plans, 1, held, _new_pages(scheduler, held, 1), last=True)
     return finishing
 
 
-def _apply(run, plans, k: int, last: bool = False) -> None:
+def _apply(run, plans, k: int, held: list[int], grown: list[int], last: bool = False) -> None:
     """k iterations of `plans`: pages, tokens, statistics, steps and the clock; with `last` (k = 1) the run
-    loop's per-plan order, each plan's rows checked by the output processor after its step."""
+    loop's per-plan order, each plan's rows checked by the output processor after its step. `held`: the
+    pages each running request holds now; `grown`: those it lacks for k more tokens (_new_pages)."""
     scheduler = run.scheduler
     if not last:
-        _record_utilization(scheduler, k, run.cfg.page_size)
-    for r, pages in zip(scheduler.running, _new_pages(scheduler, k, run.cfg.page_size)):
+        _record_utilization(scheduler, k, run.cfg.page_size, held)
+    for r, pages in zip(scheduler.running, grown):
         if pages and scheduler.kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
-            raise RuntimeError("fast-forward: pages counted free could not be allocated")  # _pages_fit said they fit
+            raise RuntimeError("fast-forward: pages counted free could not be allocated")  # fast_forward counted them free
     stats = scheduler.stats
     if last:  # planning records the utilization after allocating, before the step
         scheduler._record_utilization()
@@ -132,7 +138,7 @@ def _apply(run, plans, k: int, last: bool = False) -> None:
                 run.inflight -= 1
 
 
-def _record_utilization(scheduler, k: int, page_size: int) -> None:
+def _record_utilization(scheduler, k: int, page_size: int, held: list[int]) -> None:
     """The simulator's utilization statistic (simulator._SketchScheduler._record_utilization) as each of the
     next k decode iterations' planning records it, after its allocation: iteration j (1..k) holds T + j - 1
     tokens per row (T: its tokens now), all in its pages, and each row's pages are its pages now or, if more,
@@ -141,7 +147,7 @@ def _record_utilization(scheduler, k: int, page_size: int) -> None:
     if not running:
         return
     tokens = np.array([len(r.prompt_ids) + len(r.output_ids) for r in running], np.int64)  # i64[R]
-    pages = np.array(scheduler.kv.num_pages_held_by(running), np.int64)  # i64[R]
+    pages = np.array(held, np.int64)  # i64[R]
     steps = np.arange(k, dtype=np.int64)[:, None]  # i64[k, 1]: j - 1
     grown = np.maximum(0, -(-(tokens[None, :] + steps) // page_size) - pages[None, :]).sum(axis=1)  # i64[k]: new pages by iteration j
     used = scheduler.kv.num_used_pages + grown  # i64[k]
