@@ -23,9 +23,9 @@
 // The integer sums are exact in int32 (|sum sc dot| < 2^28); the float work is once per 256 inputs. sc_j dot_j
 // is a vpmulld per sub-block; the min (q6_k: zero-point) term is a vpdpwssd per two sub-blocks, of the 16-bit
 // pairs (m_j, m_j+1) of a column with the activation sums (sum_j, sum_j+1), kept as int16 pairs per row.
-// Codes: the low nibbles as quant_matmul.cc's (one 64-byte row: 8 inputs of 16 columns, two vpdpbusd), the
-// bits above them or-ed in from a 64-byte row of high bits per 32 (1 bit) or 16 (2 bits) inputs, shifted into
-// place two bits (or four) per code row. The design is quant_matmul.cc's: column tiles of kPanels panels of 16
+// Activations are quantized by w8a8.h's quantize_group (AVX-512 where built). Codes: the low nibbles as
+// quant_matmul.cc's (one 64-byte row: 8 inputs of 16 columns, two vpdpbusd), the bits above them merged in by
+// vpternlogd from a 64-byte row of high bits per 32 (1 bit) or 16 (2 bits) inputs. The design is quant_matmul.cc's: column tiles of kPanels panels of 16
 // columns split across XLA's intra-op threads, kRows rows in registers (5 for the K-quants, whose f32 sums wait
 // in `out` between super-blocks; 4 for q5_0 / q5_1), and up to 16 rows runs of kRun tiles, each tile's last
 // pass prefetching the next one's bytes (codes, high bits, scales) into L2. Under kDecodeRows rows
@@ -164,6 +164,20 @@ inline void dot_code_row(const int8_t* xr, int64_t I, const __m512i* lo, const _
   }
 }
 
+template <int R, int P>
+inline void set_zero(__m512i (*a)[P]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < P; ++v) a[r][v] = _mm512_setzero_si512();
+}
+
+// Code row s of block b (32 inputs) of P panels times rows m0 .. m0 + R: dot += its 8 inputs' products.
+template <int Width, int R, int P>
+inline void block_code_row(const Activations& a, const Layer& w, int64_t p0, int64_t m0, int64_t b, int s, bool ahead, __m512i* cur, __m512i (*dot)[P]) {
+  __m512i lo[P], hi[P];
+  load_code_row<Width, P>(w, p0, b * 4 + s, s, ahead, cur, lo, hi);
+  dot_code_row<R, P>(a.codes.data() + m0 * a.I + b * kBlock + 8 * s, a.I, lo, hi, dot);
+}
+
 // Prefetches one super-block g of the P panels from p0 on (its sub-scales, mins and fp16 scales).
 template <int P, int Fmt>
 inline void prefetch_scales(const Layer& w, int64_t p0, int64_t g) {
@@ -194,17 +208,13 @@ void super_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bo
   for (int64_t g = 0; g < w.supers; ++g) {
     if (ahead) prefetch_scales<P, Fmt>(w, p0 + P, g);
     __m512i sums[R][P];  // sum_j sc_j dot_j
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < P; ++v) sums[r][v] = _mm512_setzero_si512();
+    set_zero<R, P>(sums);
     for (int64_t b = g * (kSuper / kBlock); b < (g + 1) * (kSuper / kBlock); ++b) {
       __m512i dot[R][P], cur[2 * P];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
+      set_zero<R, P>(dot);
 #pragma GCC unroll 4
       for (int s = 0; s < kBlock / 8; ++s) {
-        __m512i lo[P], hi[P];
-        load_code_row<Width, P>(w, p0, b * 4 + s, s, ahead, cur, lo, hi);
-        dot_code_row<R, P>(a.codes.data() + m0 * a.I + b * kBlock + 8 * s, a.I, lo, hi, dot);
+        block_code_row<Width, R, P>(a, w, p0, m0, b, s, ahead, cur, dot);
         if ((s + 1) % StepsPerSub == 0) {  // sub-block j complete: sums += sc_j dot_j
           const int64_t j = (b * 4 + s) / StepsPerSub;
           __m512i sc[P];
@@ -221,8 +231,7 @@ void super_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bo
       }
     }
     __m512i corr[R][P];  // q4_k, q5_k: sum_j m_j sum_j; q6_k: sum_h sc_h sum_h
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < P; ++v) corr[r][v] = _mm512_setzero_si512();
+    set_zero<R, P>(corr);
     for (int64_t k = 0; k < Pairs; ++k) {
       __m512i pair[P];
       for (int v = 0; v < P; ++v) {
@@ -262,14 +271,9 @@ void block_tile(const Activations& a, const Layer& w, int64_t p0, int64_t m0, bo
     for (int v = 0; v < P; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512i dot[R][P], cur[2 * P];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < P; ++v) dot[r][v] = _mm512_setzero_si512();
+    set_zero<R, P>(dot);
 #pragma GCC unroll 4
-    for (int s = 0; s < kBlock / 8; ++s) {
-      __m512i lo[P], hi[P];
-      load_code_row<1, P>(w, p0, b * 4 + s, s, ahead, cur, lo, hi);
-      dot_code_row<R, P>(a.codes.data() + m0 * a.I + b * kBlock + 8 * s, a.I, lo, hi, dot);
-    }
+    for (int s = 0; s < kBlock / 8; ++s) block_code_row<1, R, P>(a, w, p0, m0, b, s, ahead, cur, dot);
     __m512 scale[P], minimum[P];
     for (int v = 0; v < P; ++v) {
       const int64_t p = p0 + v;
