@@ -42,7 +42,6 @@ Imports jax and the engine (it builds one per candidate); api.py imports this mo
 """
 
 import dataclasses
-import gc
 import logging
 import math
 import statistics
@@ -61,7 +60,8 @@ from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
 from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
-    CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, tuning_enabled, write_cached,
+    CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, release_freed_memory, tuning_enabled,
+    write_cached,
 )
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.model.params import Params, cast_model, dense_params, weight_bytes
@@ -219,6 +219,7 @@ def make_probe(engine_cfg: EngineConfig, prompt_ids: list[int], max_prompt_token
         engine_cfg, max_context=context, max_num_seqs=rows, max_prefill_tokens=chunk, prefill_chunk_buckets=(chunk,),
         decode_batch_buckets=(rows,), decode_page_buckets=(context // page,), buckets=None, num_pages=rows * (context // page) * 2 + 1,
         enable_prefix_caching=False, max_prefill_seqs=rows if packed else engine_cfg.max_prefill_seqs,
+        compile_threads=1,  # its two programs compiled one after the other: XLA's compile memory once, not twice, at the peak
     )
     per_prompt = min(_prompt_length(probe_cfg, rows, longest), max_prompt_tokens or longest)
     ids = list(prompt_ids) * (-(-per_prompt * rows // max(len(prompt_ids), 1)) + 1)
@@ -381,7 +382,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
         return Measurement(**row, note=f"cannot run: {e}")
     finally:
         engine = cand_params = None  # noqa: F841
-        gc.collect()  # this candidate's engine (its pool, packed or dense copies, programs) is gone before the next is built
+        release_freed_memory()  # this candidate's engine (its pool, packed or dense copies, programs) is gone before the next is built
     tokens, _, logits = runs[0]
     prefill, decode = _timings(runs)
     score = _score(probe, prefill, decode)
@@ -401,7 +402,10 @@ def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, p
     the best passing score so far), except those whose new weights exceed `budget` bytes (`too_large`), and,
     on kept blocks too large to expand (`dense_fits`), those that would dequantize them every step once a
     kernel candidate has passed (`dequantizes_kept_blocks`)."""
+    start = time.perf_counter()
     reference = reference_run(cfg, params, probe.prompts)
+    log.info("tuning: the float32 reference of %d prompts of %d tokens took %.1f s", len(probe.prompts), len(probe.prompts[0]), time.perf_counter() - start)
+    release_freed_memory()  # the reference's transients, before the first candidate's engine
     measurements = []
     expands = auto_weights and dense_fits(params)
     for candidate in candidates:
@@ -413,6 +417,7 @@ def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, p
             measurements.append(too_large(candidate, need, budget))
         else:
             measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
+        log.info("tuning: %s: %s (score %s)", measurements[-1].candidate, measurements[-1].status, measurements[-1].score)  # a killed run still shows its rows
         if progress is not None:
             progress(measurements[-1])
     return measurements
@@ -509,6 +514,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls
     budget = MEMORY_SHARE * available_bytes(jax.devices()[0]) if memory_budget is None else memory_budget
     measurements = measure_all(candidates, cfg, params, probe, budget, progress=progress, auto_weights=auto_weights)
     best = pick(measurements)
+    release_freed_memory()  # before the chosen engine is built
     keys = BucketTables.from_config(probe.engine_cfg).all_keys()
     return TuneResult(best.impls, measurements, source="tuned", seconds=time.perf_counter() - start, attention=attention,
                       prefill_key=next(k for k in keys if k.phase == "prefill"), decode_key=next(k for k in keys if k.phase == "decode"),

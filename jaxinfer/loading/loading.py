@@ -78,9 +78,12 @@ def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
     pins = backends.Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
     quantization = backends.resolve_quantization(options.quantization, path, pins, on_mesh=options.on_mesh, tuning=tuning_cache.tuning_enabled())
     if options.quantization == "auto" and quantization is None and path.is_file():  # F16 / BF16 stay 16-bit even so
-        return load_gguf(path, **{**options.load_kwargs, "quantization": None}, keep_float16=True)
-    kquant_panels = quantization == "gguf" and backends.kquant_kernel_may_run(pins, on_mesh=options.on_mesh)
-    return load_model(path, **{**options.load_kwargs, "quantization": quantization, "kquant_panels": kquant_panels})
+        loaded = load_gguf(path, **{**options.load_kwargs, "quantization": None}, keep_float16=True)
+    else:
+        kquant_panels = quantization == "gguf" and backends.kquant_kernel_may_run(pins, on_mesh=options.on_mesh)
+        loaded = load_model(path, **{**options.load_kwargs, "quantization": quantization, "kquant_panels": kquant_panels})
+    tuning_cache.release_freed_memory()  # the loader's host copies, freed, leave the heap (0.1 GB for Llama-3.2-1B Q4_K_M)
+    return loaded
 
 
 # ---------------------------------------------------------------- GGUF
