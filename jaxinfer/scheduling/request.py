@@ -90,6 +90,8 @@ class SamplingParams:
         checked["n"] = check_int("n", self.n, low=1, high=MAX_N)
         if checked["n"] > 1 and checked["temperature"] == 0:
             raise FieldError("n", f"({checked['n']}) with greedy sampling (temperature 0) gives {checked['n']} identical outputs; set a temperature > 0")
+        if checked["n"] > 1 and checked["pooling"] is not None:
+            raise FieldError("n", f"({checked['n']}) with pooling: an embedding samples nothing, so its {checked['n']} copies would be identical; use n=1")
         if checked["logprob_start"] and checked["prompt_logprobs"] is None:
             raise FieldError("logprob_start", f"({checked['logprob_start']}) applies to prompt_logprobs, which is not set")
         if checked["min_tokens"] > checked["max_tokens"]:

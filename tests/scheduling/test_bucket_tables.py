@@ -113,7 +113,7 @@ def test_any_config_warms_up_and_runs_on_the_tiny_model(tiny_llama, compile_cach
 
     from jaxinfer.scheduling.request import Prompt
     from jaxinfer.engine.engine import CompileCounter, Engine
-    from test_engine import assert_greedy_is_dense_argmax, run_engine
+    from engine_runs import assert_greedy_is_dense_argmax, run_engine
 
     model_cfg, params = tiny_llama
     cfg = dataclasses.replace(cfg, compilation_cache_dir=compile_cache, num_pages=cfg.max_pages_per_seq * 4 + 1)

@@ -85,4 +85,6 @@ def test_pooling_is_checked_and_generates_nothing():
         SamplingParams(max_tokens=0, pooling="cls")
     with pytest.raises(FieldError, match="max_tokens must be 0"):
         SamplingParams(max_tokens=4, pooling="mean")
+    with pytest.raises(FieldError, match="n.*identical"):
+        SamplingParams(max_tokens=0, pooling="last", n=2, temperature=1.0)
     assert SamplingParams(max_tokens=0, pooling="last").pooling == "last"
