@@ -255,3 +255,20 @@ def test_llama_cpp_quantized_tensors_multiply_as_their_bytes_say(name):
         ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(0), fmt=fmt, num_in=num_in))
         expected = numpy_kquant_w8a8(x, fmt, blocks[0])
         assert np.abs(ours[:, : blocks.shape[1]] - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), fmt
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_activation_ties_round_to_even_as_numpy_does(fmt):
+    """Activations whose codes fall exactly halfway (max|x| = 127 makes x * 127 / max|x| = x): the kernel's
+    vector quantization rounds them to even, as np.round in the transcription does; one code off would move an
+    output by about a weight, far above the f32 tolerance."""
+    blocks = random_blocks(fmt, 1, 32, SHAPES[fmt], seed=21)
+    q, packed = _packed(fmt, blocks)
+    num_in = q.in_shape[0]
+    halves = np.arange(num_in, dtype=np.float32) % 254 - 126.5  # -126.5 .. 126.5 in steps of 1: every code a tie
+    x = np.stack([halves, -halves[::-1]])
+    x[:, :: kquant_matmul.GROUP[fmt]] = 127.0  # each group's max |x| is 127: the scale is exactly 1
+    expected = numpy_kquant_w8a8(x, fmt, blocks[0])
+    for vectorized in (True, False):
+        ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(0), fmt=fmt, num_in=num_in, vectorized=vectorized))
+        assert np.abs(ours - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), vectorized
