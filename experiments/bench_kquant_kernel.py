@@ -64,6 +64,7 @@ def stacked(rng, fmt: str, num_in: int, num_out: int, layers: int) -> tuple[obje
 
 
 BASELINE_TARGET = "jaxinfer_kquant_matmul_cpu_baseline"
+KERNEL_ARGS = ("codes", "high", "scales", "mins", "super_scales", "super_mins")  # the handler's buffers, in order (absent: empty)
 
 
 def build_baseline(rev: str) -> None:
@@ -94,7 +95,7 @@ def baseline_matmul(x, weights, layer, *, fmt: str):
 
     result = jax.ShapeDtypeStruct((x.shape[0], weights["codes"].shape[1] * kquant_matmul.PANEL), jnp.float32)
     empty = jnp.zeros((0,), jnp.uint8)
-    args = [weights[name] if name in kquant_matmul.PANEL_FIELDS[fmt] else empty for name in kquant_matmul._ARGS]
+    args = [weights[name] if name in kquant_matmul.PANEL_FIELDS[fmt] else empty for name in KERNEL_ARGS]
     return jax.ffi.ffi_call(BASELINE_TARGET, result)(x, *args, jnp.asarray(layer, jnp.int32), format=np.int32(kquant_matmul.FORMAT_IDS[fmt]),
                                                      vectorized=np.int32(1))
 
