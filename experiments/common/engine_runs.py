@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from common import timing
 from common.timing import timed
 from common.workloads import generate, greedy
 
@@ -120,18 +121,27 @@ def best_run(runs: list[dict], max_tokens: list[int]) -> dict:
             "mean_time_to_first_token_s": float(np.mean([o.time_to_first_token for o in outputs]))}
 
 
-def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) -> tuple[dict, list[list[int]], object]:
+def run_engine(workload: dict, engine_config, repeats: int, model=None, *, split_peaks: bool = False, **load) -> tuple[dict, list[list[int]], object]:
     """LLM(model, **load) over `engine_config`: load, warm up (timed apart), check a few requests against
-    the dense reference, then time `repeats` runs and report the best. Returns (result, tokens, llm)."""
+    the dense reference, then time `repeats` runs and report the best. Returns (result, tokens, llm).
+    `split_peaks`: the result also holds the peak RSS of the load and warm-up and, apart, of the timed runs
+    (timing.reset_peak_rss after the reference check, whose dense generator is the benchmark's, not the
+    product's); later timing.peak_rss_bytes() calls then see the runs' peak only."""
     from jaxinfer import LLM
 
     requests = workload["requests"]
     llm, load_s = timed(LLM, model, engine_config=engine_config, warmup=False, **load)
     _, warmup_s = timed(llm.engine.warmup)
+    peaks = {"peak_rss_load_bytes": timing.peak_rss_bytes()} if split_peaks else {}
     reference = check_against_reference(llm, requests)
+    if split_peaks:
+        peaks["peak_rss_reference_check_bytes"] = timing.peak_rss_bytes()
+        peaks["peak_rss_reset"] = timing.reset_peak_rss()
     print(f"jaxinfer: loaded {load_s:.1f}s, warm-up {warmup_s:.1f}s ({llm.engine.num_compilations} programs); "
           f"reference check {reference['num_equal']}/{reference['num_checked']} equal", flush=True)
     runs = [timed_generate(llm, requests) for _ in range(repeats)]
+    if split_peaks:
+        peaks["peak_rss_run_bytes"] = timing.peak_rss_bytes()
     best = min(runs, key=lambda run: run["wall_s"])
     stats, recorder = best["stats"], best["recorder"]  # the scheduler is deterministic: every repeat has the same stats
     return {
@@ -143,4 +153,5 @@ def run_engine(workload: dict, engine_config, repeats: int, model=None, **load) 
         "stats": {**dataclasses.asdict(stats), "padding_waste": stats.padding_waste},
         "time_split": recorder.summary(best["wall_s"]),
         "decode_kv_utilization": recorder.kv_utilization(),  # from the plans, over decode steps only
+        **peaks,
     }, [o.token_ids for o in best["outputs"]], llm

@@ -59,6 +59,8 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
+from jaxinfer.engine.numerics_check import TOLERANCES, Reference, Tolerance, has_kquant_panels, tolerance_for  # noqa: F401  (Tolerance: read by tests)
+from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement
 from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
     CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, release_freed_memory, tuning_enabled,
     write_cached,
@@ -85,25 +87,6 @@ PROBE_TEXT = (
     "village could remember a flood like it, although the old miller said his grandfather had spoken of one. "
     "By noon the rain had stopped, the clouds broke apart, and the sun came out over a shining, silent valley. "
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """What a candidate of one dtype must meet against the float32 reference."""
-
-    max_relative_error: float  # ||logits - reference|| / ||reference||, at each probe prompt's last token
-    min_greedy_agreement: float  # mean share of each request's greedy tokens before its first difference (ties aside)
-
-
-TOLERANCES = {
-    "float32": Tolerance(1e-3, 1.0),
-    "bfloat16": Tolerance(8e-2, 0.5),  # 8 mantissa bits: 4.3% relative logit error measured on SmolLM2's probe
-    "float16": Tolerance(2e-2, 0.5),
-    # matmul 'int8' and 'cpu_int8' (W8A8): activations in int8 blocks of 64 gave 11% relative logit error on
-    # SmolLM2's probe and +0.62% held-out perplexity (bench_quant), blocks of 32 (both paths now) +0.19%;
-    # per-token scales gave 36% and +3.65%.
-    "int8": Tolerance(0.15, 0.5),
-}
 
 
 # ------------------------------------------------------------------ candidates
@@ -236,27 +219,6 @@ def _prompt_length(probe_cfg: EngineConfig, rows: int, longest: int) -> int:
     return 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Reference:
-    """The float32 reference of the probe (`reference_run`)."""
-
-    tokens: np.ndarray  # i32[R, N]: the greedy continuation
-    step_logits: np.ndarray  # f32[R, N, V]: the logits each greedy token was drawn from
-
-    @property
-    def logits(self) -> np.ndarray:
-        """f32[R, V]: at each prompt's last token (what the first greedy token was drawn from)."""
-        return self.step_logits[:, 0]
-
-    def tie_at(self, row: int, step: int, token: int, tolerance: "Tolerance") -> bool:
-        """Whether `token` is as good as the reference's own pick at (row, step) within the tolerance's
-        logit error: its logit falls short of the top one by no more than max_relative_error times the
-        logits' RMS (a perturbation within the tolerance can swap them)."""
-        logits = self.step_logits[row, step]
-        margin = tolerance.max_relative_error * float(np.sqrt(np.mean(np.square(logits))))
-        return float(logits[self.tokens[row, step]] - logits[token]) <= margin
-
-
 def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
     """The float32 reference, by model.forward's parts (XLA dots, jnp attention) over right-padded rows with a dense KV
     cache: one prefill of every prompt (causal: the padding is inert, and each row's first generated token
@@ -346,19 +308,6 @@ def _probe_generation(engine, probe: Probe, prune_above: float | None = None) ->
     return [list(r.output_ids) for r in by_index], seconds, logits
 
 
-def _greedy_agreement(ours: list[list[int]], reference: Reference, tolerance: Tolerance) -> float:
-    """Mean share of each request's greedy tokens before its first difference from the reference's; a
-    first difference at a tie (`Reference.tie_at`: random-weight models are full of them) is no
-    difference, since from there either continuation is as right."""
-    shares = []
-    for row, (tokens, expected) in enumerate(zip(ours, reference.tokens.tolist())):
-        same = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
-        if same < min(len(tokens), len(expected)) and reference.tie_at(row, same, tokens[same], tolerance):
-            same = len(expected)
-        shares.append(same / max(len(expected), 1))
-    return float(np.mean(shares))
-
-
 def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: Reference,
             best_score: float | None = None, *, auto_weights: bool = False) -> Measurement:
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
@@ -389,7 +338,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     if len(runs) < NUM_TIMED_RUNS:
         return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
     error = max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(probe.prompts)))
-    tolerance = TOLERANCES["int8" if candidate.matmul_impl in ("int8", "cpu_int8") else candidate.dtype] if candidate.dtype in TOLERANCES else TOLERANCES["bfloat16"]
+    tolerance = tolerance_for(candidate, has_kquant_panels(params))
     agreement = _greedy_agreement(tokens, reference, tolerance)
     passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
     note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"

@@ -381,3 +381,17 @@ def test_kept_blocks_too_large_to_expand_build_only_the_kernel_once_it_passes(mo
     rows = tuning.measure_all([kernel, xla], cfg, params, probe, float("inf"), auto_weights=True)
     assert rows[0].passed, rows[0].note
     assert not rows[1].passed and rows[1].note.startswith("not built: it dequantizes kept blocks")
+
+
+def test_the_kernel_on_kquant_panels_is_held_to_the_kquant_tolerance(tiny):
+    """The K-quant kernel (llama.cpp's Q8_K activations) is checked against the 'kquant' tolerance; the same
+    matmul on other blocks against 'int8'; every other candidate against its dtype's."""
+    from conftest import FIXTURES
+
+    _, kquant_params = loading.load_model(FIXTURES / "kquant" / "q4_k_m.gguf", quantization="gguf", kquant_panels=True)
+    assert tuning.has_kquant_panels(kquant_params) and not tuning.has_kquant_panels(tiny[1])
+    kernel, xla = tuning.Candidate("float32", "cpu", "cpu_int8"), tuning.Candidate("bfloat16", "reference", "xla")
+    assert tuning.tolerance_for(kernel, True) is tuning.TOLERANCES["kquant"]
+    assert tuning.tolerance_for(kernel, False) is tuning.TOLERANCES["int8"]
+    assert tuning.tolerance_for(xla, True) is tuning.TOLERANCES["bfloat16"]
+    assert tuning.TOLERANCES["int8"].max_relative_error < tuning.TOLERANCES["kquant"].max_relative_error < 0.5
