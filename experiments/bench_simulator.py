@@ -27,7 +27,7 @@ from jaxinfer.bucketing import strategies, traces
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.simulator import SimRequest, simulate
-from jaxinfer.scheduling.step_costs import StepCosts, work
+from jaxinfer.scheduling.step_costs import StepCosts
 
 RESULTS = paths.RESULTS_DIR / "bench_simulator.json"
 GOALS = {
@@ -41,12 +41,7 @@ TABLES = ("default", "fitted:4", "powers-of-two:4")
 
 def made_up_costs(cfg: EngineConfig) -> StepCosts:
     """Every program of `cfg` at 2 ms + 20 us per slot of work; host 0.5 ms + 20 us per row."""
-    costs = StepCosts()
-    for key in BucketTables.from_config(cfg).all_keys():
-        costs.observe(key, 2e-3 + 2e-5 * work(key))
-    for rows in (1, 32):
-        costs.observe_host(rows, 5e-4 + 2e-5 * rows)
-    return costs
+    return StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(2e-3, 2e-5), host=(5e-4, 2e-5), max_rows=32)
 
 
 def part_simulate(num_requests: int) -> dict:

@@ -187,6 +187,18 @@ class StepCosts:
         }
 
     @classmethod
+    def linear(cls, keys, *, program: tuple[float, float], host: tuple[float, float], max_rows: int) -> "StepCosts":
+        """A made-up table, for a simulation with nothing measured: each program of `keys` at program[0] s plus
+        program[1] s per slot of `work`, the host at host[0] s plus host[1] s per row (observed at 1 and
+        `max_rows` rows)."""
+        costs = cls()
+        for key in keys:
+            costs.observe(key, program[0] + program[1] * work(key))
+        for rows in (1, max_rows):
+            costs.observe_host(rows, host[0] + host[1] * rows)
+        return costs
+
+    @classmethod
     def from_json(cls, doc: dict) -> "StepCosts":
         """The table `to_json` wrote; ValueError naming what is wrong with any other document."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:

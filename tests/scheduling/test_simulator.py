@@ -10,7 +10,7 @@ from jaxinfer.config import POLICIES
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.simulator import SimRequest, simulate
-from jaxinfer.scheduling.step_costs import StepCosts, work
+from jaxinfer.scheduling.step_costs import StepCosts
 
 from fakes import small_config
 
@@ -122,12 +122,7 @@ def test_fast_forward_gives_the_same_results_as_every_step_run(arrivals, policy)
 
 def work_costs(cfg) -> StepCosts:
     """Seconds linear in each program's work (as experiments/bench_simulator.py prices one), host time per row."""
-    costs = StepCosts()
-    for key in BucketTables.from_config(cfg).all_keys():
-        costs.observe(key, 1e-3 + 1e-5 * work(key))
-    for rows in (1, 8):
-        costs.observe_host(rows, 1e-4 + 1e-5 * rows)
-    return costs
+    return StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 1e-5), host=(1e-4, 1e-5), max_rows=8)
 
 
 @pytest.mark.parametrize("num_pages", [200, 24])  # roomy; tight enough to preempt

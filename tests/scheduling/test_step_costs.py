@@ -140,3 +140,12 @@ def test_the_monotone_view_prices_every_key_on_its_phases_line_through_the_measu
         assert view.device_seconds(key) == pytest.approx(my + slope * (work(key) - mx))
     assert costs.device_seconds(large) == pytest.approx(0.20)  # the source keeps its medians
     assert view.device_seconds(large) > view.device_seconds(middle)  # where the medians had large < middle
+
+
+def test_a_linear_table_prices_each_program_by_its_work_and_the_host_by_its_rows():
+    """Hand-computed: decode 4 rows x 4 pages is work 20, prefill 64 tokens x 4 pages work 68."""
+    costs = StepCosts.linear([PREFILL, DECODE], program=(0.002, 0.001), host=(0.0005, 0.0001), max_rows=8)
+    assert work(DECODE) == 20 and work(PREFILL) == 68
+    assert costs.device_seconds(DECODE) == pytest.approx(0.022) and costs.device_seconds(PREFILL) == pytest.approx(0.070)
+    assert costs.host_seconds(1) == pytest.approx(0.0006) and costs.host_seconds(8) == pytest.approx(0.0013)
+    assert costs.host_seconds(4) == pytest.approx(0.0009)  # on the line through the two row counts
