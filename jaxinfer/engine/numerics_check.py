@@ -8,11 +8,7 @@ logit error) forgiven. tuning.py measures and decides; this module only says wha
 
 import dataclasses
 
-import jax
 import numpy as np
-
-from jaxinfer.model import panels
-from jaxinfer.model.params import Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +71,10 @@ def greedy_agreement(ours: list[list[int]], reference: Reference, tolerance: Tol
     return float(np.mean(shares))
 
 
-def has_kquant_panels(params: Params) -> bool:
-    """Whether `params` hold K-quant panels (packed at load under quantization='auto')."""
-    is_panels = lambda leaf: isinstance(leaf, panels.KQuantPanelTensor)  # noqa: E731
-    return any(is_panels(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_panels))
-
-
-def tolerance_for(candidate, kquant_panels: bool) -> Tolerance:
+def tolerance_for(candidate, kquant_weights: bool) -> Tolerance:
     """The TOLERANCES entry `candidate` is checked against: its matmul's where it quantizes activations ('kquant' where
-    it reads K-quant panels, `kquant_panels`), else its dtype's (bfloat16's for a dtype without one)."""
-    if candidate.matmul_impl == "cpu_int8" and kquant_panels:
+    it reads K-quant weights, `kquant_weights`: panels.has_kquant_weights), else its dtype's (bfloat16's for a dtype without one)."""
+    if candidate.matmul_impl == "cpu_int8" and kquant_weights:
         return TOLERANCES["kquant"]
     if candidate.matmul_impl in ("int8", "cpu_int8"):
         return TOLERANCES["int8"]

@@ -59,7 +59,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
-from jaxinfer.engine.numerics_check import TOLERANCES, Reference, Tolerance, has_kquant_panels, tolerance_for  # noqa: F401  (Tolerance: read by tests)
+from jaxinfer.engine.numerics_check import TOLERANCES, Reference, Tolerance, tolerance_for  # noqa: F401  (Tolerance: read by tests)
 from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement
 from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
     CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, release_freed_memory, tuning_enabled,
@@ -338,7 +338,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     if len(runs) < NUM_TIMED_RUNS:
         return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
     error = max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(probe.prompts)))
-    tolerance = tolerance_for(candidate, has_kquant_panels(params))
+    tolerance = tolerance_for(candidate, panels.has_kquant_weights(params))
     agreement = _greedy_agreement(tokens, reference, tolerance)
     passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
     note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"

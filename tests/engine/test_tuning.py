@@ -387,9 +387,10 @@ def test_the_kernel_on_kquant_panels_is_held_to_the_kquant_tolerance(tiny):
     """The K-quant kernel (llama.cpp's Q8_K activations) is checked against the 'kquant' tolerance; the same
     matmul on other blocks against 'int8'; every other candidate against its dtype's."""
     from conftest import FIXTURES
+    from jaxinfer.model import panels
 
     _, kquant_params = loading.load_model(FIXTURES / "kquant" / "q4_k_m.gguf", quantization="gguf", kquant_panels=True)
-    assert tuning.has_kquant_panels(kquant_params) and not tuning.has_kquant_panels(tiny[1])
+    assert panels.has_kquant_weights(kquant_params) and not panels.has_kquant_weights(tiny[1])
     kernel, xla = tuning.Candidate("float32", "cpu", "cpu_int8"), tuning.Candidate("bfloat16", "reference", "xla")
     assert tuning.tolerance_for(kernel, True) is tuning.TOLERANCES["kquant"]
     assert tuning.tolerance_for(kernel, False) is tuning.TOLERANCES["int8"]
