@@ -177,12 +177,11 @@ class Scheduler:
         """Give every decoding request room for one more token, preempting when the pool is full; returns
         the decoding rows and the running requests still prefilling, each in running order."""
         rows, partial, preempted = [], [], False
-        kv, page_size, in_decode, replays = self.kv, self.cfg.page_size, self._in_decode, self.cfg.deterministic
+        kv, page_size, in_decode = self.kv, self.cfg.page_size, self._in_decode
         running = list(self.running)
         # each entry read before its request's own allocation; a preempted request's is never read (it is not RUNNING)
         for request, held in zip(running, kv.num_pages_held_by(running)):
-            output = request.output_ids  # _in_decode, its common case inlined: the newest token is the one not computed
-            if not (output and (request.num_computed_tokens == len(request.prompt_ids) + len(output) - 1 or (replays and in_decode(request)))):
+            if not in_decode(request):
                 partial.append(request)
                 continue
             rows.append(request)
