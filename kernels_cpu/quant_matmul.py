@@ -59,7 +59,9 @@ def quantize_activations(x: Float[Array, "M I"], block: int = BLOCK) -> tuple[In
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [M, A]
     inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
     codes = jnp.clip(jnp.round(blocks * inverse[..., None]), -127, 127).astype(jnp.int8)
-    return codes, amax / 127.0
+    # The kernel's amax / 127.0f, correctly rounded: XLA rewrites a division by a constant or a broadcast scalar into
+    # a product with its rounded reciprocal (one ulp off for some amax); a full divisor behind a barrier stays a division.
+    return codes, amax / jax.lax.optimization_barrier(jnp.full(amax.shape, 127.0, jnp.float32))
 
 
 def block_dot(

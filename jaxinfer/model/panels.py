@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxinfer.model import mixed_quant, quant
+from jaxinfer.model import mixed_quant, quant, w8a8_reference
 from jaxinfer.model.mixed_quant import MixedQuantStack
 from jaxinfer.model.panel_tensors import (  # noqa: F401  (the types, named where they are used)
     PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense,
@@ -30,7 +30,7 @@ from kernels_cpu import kquant_matmul  # its packing and reference are jnp; the 
 def is_panel(w) -> bool:
     """Whether `w` is in the CPU kernel's layout, or one layer of a stack read in place (read by `einsum`,
     not by quant.qeinsum)."""
-    return isinstance(w, (PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight))
+    return isinstance(w, (PanelTensor, QuantPanelTensor, KQuantPanelTensor, StackedWeight, w8a8_reference.FakeQuantWeight))
 
 
 def to_panels(w: Float[Array, "..."], num_lead: int, num_in: int) -> PanelTensor:
@@ -109,7 +109,10 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     StackedWeight is read in place."""
     from kernels_cpu import layer_matmul, quant_matmul  # noqa: PLC0415  (CPU only; built on first use)
 
+    if isinstance(w, w8a8_reference.FakeQuantWeight):  # the W8A8 kernels' exact reference (w8a8_reference.py)
+        return w8a8_reference.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     if _reads_dense(w):
+        x = _fake_quantized_if_marked(x, w)
         inputs, _, output = spec.replace(" ", "").partition("->")
         if isinstance(w, KQuantPanelTensor) and not w.stacked and len(w.parts) == 1 and len(w.out_shape) == 1 and output[-1:] == inputs[-1:]:
             return _dense_einsum_by_columns(spec, x, w, preferred_element_type)  # a head: never its whole table in f32
@@ -139,7 +142,18 @@ def _reads_dense(w) -> bool:
     """A weight `einsum` dequantizes (one layer) and multiplies with a plain einsum: a MixedQuantStack layer,
     or K-quant panels marked read="dense"."""
     stack = w.stack if isinstance(w, StackedWeight) else w
-    return isinstance(stack, MixedQuantStack) or (isinstance(stack, KQuantPanelTensor) and stack.read == "dense")
+    return isinstance(stack, MixedQuantStack) or (isinstance(stack, KQuantPanelTensor) and stack.read in ("dense", w8a8_reference.READ))
+
+
+def _fake_quantized_if_marked(x: Float[Array, "..."], w) -> Float[Array, "..."]:
+    """x fake-quantized as the K-quant kernel quantizes it where `w` is K-quant panels marked read=w8a8_reference.READ
+    (the kernels' exact reference), else x: its trailing axes flattened into rows of the weight's inputs (a dense
+    read's spec is rows @ matrix, as the kernel's)."""
+    stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
+    if not (isinstance(stack, KQuantPanelTensor) and stack.read == w8a8_reference.READ):
+        return x
+    rows = x.reshape(-1, math.prod(stack.in_shape))  # [M, I]
+    return w8a8_reference.fake_quantize_for(rows, stack, index if stack.stacked else None).reshape(x.shape).astype(x.dtype)
 
 
 def _dense_layer(w, dtype) -> Float[Array, "..."]:
@@ -213,6 +227,11 @@ def has_affine_weights(params: Params) -> bool:
     return any(_affine(leaf) or _kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
 
 
+def kernel_reads(value) -> bool:
+    """Whether a quantized CPU kernel reads matrix `value` under matmul 'cpu_int8' (`pack_panels`: `_affine` or `_kquant`)."""
+    return _affine(value) or _kquant(value)
+
+
 def has_kquant_weights(params: Params) -> bool:
     """Whether any matrix of `params` is one the K-quant kernel reads (`_kquant`)."""
     return any(_kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
@@ -283,6 +302,8 @@ def vocab_slice(head, start: int, stop: int, *, tied: bool):
     rows of a tied [V, D] embedding (`tied`: dense, or a quantized out_in table), columns of a dense [D, V] head,
     output rows of a quantized head, or whole panels of an unstacked KQuantPanelTensor (then `start` and `stop`
     are multiples of kquant_matmul.PANEL, or `stop` is the vocabulary size)."""
+    if isinstance(head, w8a8_reference.FakeQuantWeight):
+        return w8a8_reference.FakeQuantWeight(vocab_slice(head.weight, start, stop, tied=tied))
     if isinstance(head, KQuantPanelTensor):
         if head.stacked or len(head.parts) != 1 or start % kquant_matmul.PANEL or (stop % kquant_matmul.PANEL and stop != head.out_shape[0]):
             raise ValueError(f"a K-quant head is sliced by whole panels of one part; got [{start}, {stop}) of {head.out_shape}")
