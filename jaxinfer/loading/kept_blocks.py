@@ -95,7 +95,8 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
         q = read_layer(0)
         release(0)  # the host copy holds the values now: drop the file's pages first
         if pack:  # panels.PACK_ROWS output rows at a time into the preallocated panels: an 8B's [128256, 4096] head
-            return panels.to_kquant_panels(q)  # never has its one-byte codes or a second packed copy whole (GiBs)
+            packed = panels.to_kquant_panels(q)  # never has its one-byte codes or a second packed copy whole (GiBs)
+            return dataclasses.replace(packed, layout=q.layout)  # "out_in": a tied embedding, kept once for lookup and head
         return _device_put_by_field(q)
     order = list(dict.fromkeys(types))
     layer_part = tuple(order.index(t) for t in types)

@@ -250,7 +250,7 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     Kept when every layer has a kept type; layers that mix kept types (Q4_K_M's Q4_K / Q6_K attn_v and
     ffn_down) become a mixed_quant.MixedQuantStack, each layer as stored (with `mixed` False, for a mesh,
     such a field loads dense). Q/K rows get llama.cpp's permutation undone on the codes. `kquant_panels`:
-    a matrix the K-quant kernel reads (not the embedding, which the lookup reads) is packed layer by layer.
+    a matrix the K-quant kernel reads is packed layer by layer (the embedding only when tied: it is the head).
     """
     names = spec.file_names(cfg, "gguf")
     if any(name not in tensors for name in names):
@@ -279,7 +279,9 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
 
     release = (lambda i: kept_blocks.release_pages(reader, tensors[names[i]])) if reader is not None else (lambda i: None)
     num_in = math.prod(params_lib.axis_sizes(cfg)[a] for a in spec.in_axes)
-    pack = kquant_panels and spec.layout != "out_in" and kept_blocks.packable(types, num_in)
+    # A tied embedding is packed too: the head's panels, which the lookup also reads (forward.embed_lookup), so the
+    # table is kept once; an untied one stays as stored, for the lookup alone.
+    pack = kquant_panels and (spec.layout != "out_in" or cfg.tie_embeddings) and kept_blocks.packable(types, num_in)
     return kept_blocks.kept_weight(read_layer, types, stacked=spec.stacked, pack=pack, release=release)
 
 

@@ -20,7 +20,7 @@ Family features are ModelConfig fields, each read by one function: `rope_scaling
 Nothing branches on the architecture's name.
 
 Every weight matmul goes through `_matmul` (`quant.qeinsum`) and the embedding lookup through
-`quant.take`, so one forward serves dense and quantized params alike: on a dense array they are exactly
+`embed_lookup` (`quant.take`, or K-quant panels' rows), so one forward serves dense and quantized params alike: on a dense array they are exactly
 `jnp.einsum` and `w[tokens]`; a QuantizedTensor is dequantized inside the scanned layer body, so at most
 one layer's weights are expanded at a time. The tied head multiplies by the embedding in whatever format
 it is kept. The engine's step params for the CPU kernels hold panels instead (panels.py owns that
@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 from jaxinfer.model import attention, panels, quant
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, head_view, kquant_take
 from jaxinfer.model.params import LayerParams, Params
 from jaxinfer.model.rope import rope, rotary_frequencies  # noqa: F401  (called here; tests patch them by this module's name)
 
@@ -149,7 +150,9 @@ def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfi
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     # A tied head is the embedding in its kept format (params.weight_format owns that choice): quantized,
     # the head is dequantized once per step, [V, D] at a time, outside the layer scan.
-    if params.lm_head is None:
+    if params.lm_head is None and isinstance(params.embed, KQuantPanelTensor):  # one copy: the embedding's panels are the head's
+        logits = _matmul("btd,dv->btv", x, head_view(params.embed), preferred_element_type=jnp.float32)
+    elif params.lm_head is None:
         logits = _matmul("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
     else:
         logits = _matmul("btd,dv->btv", x, params.lm_head, preferred_element_type=jnp.float32)
@@ -191,7 +194,7 @@ def hidden_states(
     pages: kvp.PageMeta | None = None, attention_impl: str = "reference",
 ) -> tuple[Float[Array, "B T D"], kvp.DenseKVCache | kvp.KVPool | None]:
     """The decoder's last hidden states (before the final norm) and the updated cache; see `forward`."""
-    x = quant.take(params.embed, tokens, dtype=jnp.dtype(cfg.dtype))  # [B, T, D]
+    x = embed_lookup(params.embed, tokens, jnp.dtype(cfg.dtype))  # [B, T, D]
     if cfg.embed_scale != 1.0:  # Gemma: times sqrt(D), the factor cast to the compute dtype first (as transformers does)
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     inv_freq = rotary_frequencies_per_type(positions, cfg)  # [B or 1, R], or [2, B or 1, R] with local_rope_theta
@@ -202,6 +205,14 @@ def hidden_states(
     else:
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_index))
     return x, cache
+
+
+def embed_lookup(embed, tokens: Int[Array, "B T"], dtype) -> Float[Array, "B T D"]:
+    """The embedding rows of `tokens`: a tied embedding kept as K-quant panels (the head's, loading/kept_blocks.py)
+    gathers the tokens' columns and dequantizes only those; dense or quantized tables go through quant.take."""
+    if isinstance(embed, KQuantPanelTensor):
+        return kquant_take(embed, tokens, dtype)
+    return quant.take(embed, tokens, dtype=dtype)
 
 
 def hidden_at(x: Float[Array, "B T D"], logit_indices: Int[Array, "B"] | Int[Array, "B J"]) -> Float[Array, "B J D"]:

@@ -3,7 +3,8 @@
 one, each layer's own format kept, in the K-quant kernel's) and `StackedWeight` (one layer of a stacked one,
 left in place). Pure types with their widths, so that params.py can name them in `Weight`
 without importing panels.py (which imports params.py); panels.py packs and reads them. Also the exact
-dequantization of K-quant panels (`kquant_dense`), which params.dense_params needs. Imports jax and, lazily,
+dequantization of K-quant panels (`kquant_dense`, which params.dense_params needs) and, for a tied embedding kept
+once as the head's panels, its lookup (`kquant_take`: the tokens' columns gathered, only those dequantized). Imports jax and, lazily,
 kernels_cpu/kquant_matmul's jnp unpacking.
 """
 
@@ -81,10 +82,14 @@ class KQuantPanelTensor:
     # dequantized exactly, `kquant_dense`, then a plain einsum in the activations' dtype: the f32 reference and
     # the tuner's non-kernel candidates read the same arrays so).
     read: str = dataclasses.field(default="kernel", metadata=dict(static=True))
+    # "in_out": a matrix [*in_shape, *out_shape]; "out_in": a tied embedding [*out_shape, *in_shape] (V, D), the same
+    # panels read as the head through `head_view` and row by row by `kquant_take` (one copy of the table, not two).
+    layout: str = dataclasses.field(default="in_out", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return ((len(self.layer_part),) if self.stacked else ()) + self.in_shape + self.out_shape
+        logical = self.out_shape + self.in_shape if self.layout == "out_in" else self.in_shape + self.out_shape
+        return ((len(self.layer_part),) if self.stacked else ()) + logical
 
     @property
     def format(self) -> str:
@@ -97,37 +102,87 @@ def _per_column(a: Array) -> Array:
     return jnp.swapaxes(a.astype(jnp.float32), -1, -2).reshape(-1, a.shape[-2])
 
 
-def _layer_rows(fmt: str, one: dict, num_in: int, num_out: int) -> Array:
-    """One layer's panels -> its weights f32 [O, I], bit for bit quant.dequantize's (the same products, in
-    the same order: every one exact in f32 but the final add of a minimum)."""
-    from kernels_cpu import kquant_matmul  # noqa: PLC0415  (jnp only; nothing is built)
-
-    codes = kquant_matmul.unpack_codes(fmt, one, num_in).astype(jnp.float32)  # [F, I]
+def _dequantized_rows(fmt: str, codes: Array, fields: dict[str, Array], num_in: int) -> Array:
+    """f32 weights [F, I] of F columns from their unsigned codes [F, I] and their scale fields, each f32 [F, J]
+    (column by group): the same products, in the same order, as quant.dequantize (every one exact in f32 but
+    the final add of a minimum), so bit for bit its values."""
     sub = 16 if fmt == "q6_k" else 32
-    codes = codes.reshape(codes.shape[0], num_in // sub, sub)
+    codes = codes.astype(jnp.float32).reshape(codes.shape[0], num_in // sub, sub)
     if fmt in ("q4_k", "q5_k"):
-        scale = jnp.repeat(_per_column(one["super_scales"]), 8, axis=1) * _per_column(one["scales"])  # [F, I/32]
-        minimum = jnp.repeat(_per_column(one["super_mins"]), 8, axis=1) * _per_column(one["mins"])
+        scale = jnp.repeat(fields["super_scales"], 8, axis=1) * fields["scales"]  # [F, I/32]
+        minimum = jnp.repeat(fields["super_mins"], 8, axis=1) * fields["mins"]
         rows = scale[..., None] * codes - minimum[..., None]
     elif fmt == "q6_k":
-        scale = jnp.repeat(_per_column(one["super_scales"]), 16, axis=1) * _per_column(one["scales"])  # [F, I/16]
+        scale = jnp.repeat(fields["super_scales"], 16, axis=1) * fields["scales"]  # [F, I/16]
         rows = scale[..., None] * (codes - 32.0)
     elif fmt == "q5_0":
-        rows = _per_column(one["scales"])[..., None] * (codes - 16.0)
+        rows = fields["scales"][..., None] * (codes - 16.0)
     else:  # q5_1
-        rows = _per_column(one["scales"])[..., None] * codes + _per_column(one["mins"])[..., None]
-    return rows.reshape(-1, num_in)[:num_out]
+        rows = fields["scales"][..., None] * codes + fields["mins"][..., None]
+    return rows.reshape(-1, num_in)
+
+
+_SCALE_FIELDS = ("scales", "mins", "super_scales", "super_mins")
+
+
+def _layer_rows(fmt: str, one: dict, num_in: int, num_out: int) -> Array:
+    """One layer's panels -> its weights f32 [O, I], bit for bit quant.dequantize's."""
+    from kernels_cpu import kquant_matmul  # noqa: PLC0415  (jnp only; nothing is built)
+
+    codes = kquant_matmul.unpack_codes(fmt, one, num_in)  # [F, I]
+    fields = {name: _per_column(one[name]) for name in _SCALE_FIELDS if name in one}  # [F, J] each
+    return _dequantized_rows(fmt, codes, fields, num_in)[:num_out]
+
+
+def _column_codes(fmt: str, one: dict, panel: Array, column: Array, num_in: int) -> Array:
+    """The unsigned codes int32 [T, I] of T columns, column[t] of panel[t] (the `pack` layout, kernels_cpu/kquant_matmul)."""
+    from kernels_cpu import kquant_matmul  # noqa: PLC0415
+
+    def picked(a: Array) -> Array:  # [C, R, 64] -> the column's 4 bytes of every row, [T, R, 4]
+        return a.reshape(a.shape[0], a.shape[1], kquant_matmul.PANEL, 4)[panel, :, column, :].astype(jnp.int32)
+
+    low = picked(one["codes"])  # row u: inputs 8u + i (low nibbles), 8u + 4 + i (high)
+    codes = jnp.stack([low & 0x0F, low >> 4], axis=-2).reshape(low.shape[0], num_in)
+    width = kquant_matmul.HIGH_BITS[fmt]
+    if width:  # row g, field s of the byte (bits s * width ..): input g * 32 / width + 4 s + i
+        high = picked(one["high"])[..., None, :]  # [T, R, 1, 4]
+        shifts = (jnp.arange(8 // width, dtype=jnp.int32) * width)[:, None]  # [8 / width, 1]
+        codes = codes | ((((high >> shifts) & ((1 << width) - 1)).reshape(codes.shape)) << 4)
+    return codes
+
+
+def kquant_take(w: KQuantPanelTensor, indices: Array, dtype=jnp.float32) -> Array:
+    """Rows `w[indices]` of an unstacked one-part embedding in panels ([*indices.shape, *in_shape]): each token's
+    column gathered from its panel, then only those rows dequantized (bit for bit quant.dequantize's values)."""
+    from kernels_cpu import kquant_matmul  # noqa: PLC0415
+
+    if w.stacked or len(w.parts) != 1 or len(w.out_shape) != 1:
+        raise ValueError(f"kquant_take reads one unstacked matrix of one format; got {w.stacked=}, {w.formats=}, {w.out_shape=}")
+    (one,), (fmt,), num_in = w.parts, w.formats, math.prod(w.in_shape)
+    flat = jnp.clip(jnp.reshape(indices, (-1,)), 0, w.out_shape[0] - 1)  # [T]; clipped as quant.take's gather
+    panel, column = flat // kquant_matmul.PANEL, flat % kquant_matmul.PANEL
+    codes = _column_codes(fmt, one, panel, column, num_in)  # [T, I]
+    fields = {name: one[name][panel, :, column].astype(jnp.float32) for name in _SCALE_FIELDS if name in one}  # [T, J]
+    rows = _dequantized_rows(fmt, codes, fields, num_in)  # [T, I]
+    return rows.reshape(*jnp.shape(indices), *w.in_shape).astype(dtype)
+
+
+def head_view(w: KQuantPanelTensor) -> KQuantPanelTensor:
+    """A tied embedding's panels (layout "out_in", [V, D]) as the head's [D, V] matrix: the same arrays."""
+    return dataclasses.replace(w, layout="in_out")
 
 
 def kquant_dense(w: KQuantPanelTensor, index=None, dtype=jnp.float32) -> Array:
     """Layer `index` (a traced int; None for an unstacked matrix) of `w` dequantized, in its logical shape
-    [*in_shape, *out_shape]; the part holding it is picked by `lax.switch` when the layers mix formats."""
+    ([*in_shape, *out_shape], or an embedding's [*out_shape, *in_shape]); the part holding it is picked by `lax.switch` when the layers mix formats."""
     num_in, num_out = math.prod(w.in_shape), math.prod(w.out_shape)
 
     def branch(part: int):
         def run(slot):
             one = {name: (a[slot] if w.stacked else a) for name, a in w.parts[part].items()}
             rows = _layer_rows(w.formats[part], one, num_in, num_out)  # [O, I]
+            if w.layout == "out_in":  # an embedding: its rows as they are, [*out_shape, *in_shape]
+                return rows.reshape(*w.out_shape, *w.in_shape).astype(dtype)
             return rows.T.reshape(*w.in_shape, *w.out_shape).astype(dtype)
         return run
 

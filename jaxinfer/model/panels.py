@@ -261,11 +261,12 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
         head = _head_panels(params.embed)  # [D, V]
     elif head is None and quantized and _affine(params.embed):
         head = _to_quant_panels(params.embed)  # an out_in [V, D] embedding is the [D] -> [V] matrix of the head
-    elif head is None and quantized and _kquant(params.embed):
+    elif head is None and quantized and _kquant(params.embed) and not isinstance(params.embed, KQuantPanelTensor):
         head = to_kquant_panels(params.embed)  # the same rows, in the K-quant kernel's panels
     elif head is not None:
         head = pack(head, 0, 1)
-    return dataclasses.replace(params, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
+    embed = pack(params.embed, 0, 1) if isinstance(params.embed, KQuantPanelTensor) else params.embed  # a tied head packed at load
+    return dataclasses.replace(params, embed=embed, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
 
 
 _to_quant_panels = jax.jit(to_quant_panels)  # one fused repack per tensor, not an eager temporary per step

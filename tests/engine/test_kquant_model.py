@@ -234,8 +234,9 @@ def test_a_type_no_kernel_reads_is_converted_not_expanded(tmp_path, capfd):
 
 
 def test_a_tied_k_quant_head_read_dense_a_chunk_of_columns_at_a_time(tmp_path, monkeypatch):
-    """The tuner's f32 reference and non-kernel candidates read a tied K-quant head as its own panels, dequantized
-    PACK_ROWS columns at a time: the same logits as the embedding dequantized whole (no 1 GiB f32 table per step)."""
+    """The tuner's f32 reference and non-kernel candidates read a tied K-quant head, kept once as the embedding's
+    panels, dequantized PACK_ROWS columns at a time: the same logits as the embedding dequantized whole (no 1 GiB f32
+    table per step)."""
     import gguf
 
     source = gguf.GGUFReader(str(path_of("q6_k")))
@@ -255,6 +256,6 @@ def test_a_tied_k_quant_head_read_dense_a_chunk_of_columns_at_a_time(tmp_path, m
     assert cfg.tie_embeddings and params.lm_head is None
     monkeypatch.setattr(panels, "PACK_ROWS", 64)  # 4 chunks of the 256-row table
     chunked = panels.with_read(panels.with_packed_head(params), "dense")
-    assert isinstance(chunked.lm_head, KQuantPanelTensor) and chunked.lm_head.parts[0]["codes"].shape[0] == cfg.vocab_size // 16
+    assert chunked.lm_head is None and isinstance(chunked.embed, KQuantPanelTensor) and chunked.embed.parts[0]["codes"].shape[0] == cfg.vocab_size // 16
     ids = REFERENCE["q6_k_s0_ids"]
-    np.testing.assert_allclose(logits(cfg, chunked, ids), logits(cfg, panels.with_read(params, "dense"), ids), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(logits(cfg, chunked, ids), logits(cfg, params_lib.dense_params(params), ids), rtol=0, atol=1e-5)

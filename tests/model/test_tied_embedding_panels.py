@@ -1,0 +1,129 @@
+"""A tied K-quant embedding is kept once: as the head's K-quant panels (loading/kept_blocks.py), which the lookup
+also reads (panel_tensors.kquant_take: each token's column gathered, only those rows dequantized).
+
+- The gathered rows are gguf.quants.dequantize's values of those rows bit for bit (an independent dequantizer),
+  for every format the panels hold (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), on a vocabulary that ends inside a panel.
+- A tied file loads with its embedding as panels and no head; the engine's packing (pack_panels) adds no copy.
+- The logits of the one-copy params equal those of the two-copy ones (the embedding's blocks for the lookup plus
+  the head packed from them, the previous layout), through the kernel and through the exact dense read, for a
+  Llama with a Q4_K and a Q6_K table and a Gemma 3 (embedding scaled by sqrt(D), logits soft-capped) with Q5_0.
+"""
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+import gguf_files
+from gemma_gguf import gemma_gguf
+from jaxinfer.loading import loading
+from jaxinfer.model import forward as model, panels, quant
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, kquant_dense, kquant_take
+from kernels_cpu import kquant_matmul
+
+KQUANT = FIXTURES / "kquant"
+Q = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(not kquant_matmul.available(), reason="the CPU K-quant kernel could not be built")
+
+
+def _stored(file: str, name: str):
+    tensor = {t.name: t for t in gguf.GGUFReader(str(KQUANT / f"{file}.gguf")).tensors}[name]
+    return np.asarray(tensor.data), int(tensor.tensor_type)
+
+
+def _blocks(fmt: str) -> tuple[np.ndarray, int]:
+    """uint8 [V, row bytes] of a table in `fmt`: llama.cpp's own K-quant blocks from the test files, gguf-py's Q5_0 / Q5_1."""
+    if fmt in ("Q5_0", "Q5_1"):
+        values = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32)
+        return gguf.quants.quantize(values, Q[fmt]), int(Q[fmt])
+    return {"Q4_K": lambda: _stored("q4_k_m", "token_embd.weight"), "Q5_K": lambda: _stored("q5_k_m", "token_embd.weight"),
+            "Q6_K": lambda: _stored("q6_k", "output.weight")}[fmt]()
+
+
+def _embedding_panels(data: np.ndarray, gguf_type: int) -> KQuantPanelTensor:
+    q = quant.from_gguf(data, gguf_type, layout="out_in")
+    return dataclasses.replace(panels.to_kquant_panels(q), layout="out_in")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_rows_gathered_from_panels_equal_gguf_dequantize_bit_for_bit(fmt):
+    data, gguf_type = _blocks(fmt)
+    data = data[:250]  # 250 entries: the last panel is part padding
+    w = _embedding_panels(data, gguf_type)
+    expected = gguf.quants.dequantize(data, gguf_type).astype(np.float32)  # [V, D]
+    tokens = np.array([[0, 249, 17, 17, 31], [32, 5, 240, 248, 100]], np.int32)
+    rows = np.asarray(jax.jit(kquant_take)(w, tokens))
+    assert rows.shape == (2, 5, 256) and w.shape == (250, 256)
+    np.testing.assert_array_equal(rows, expected[tokens])
+    np.testing.assert_array_equal(np.asarray(kquant_dense(w)), expected)  # the whole table, as dense_params reads it: [V, D]
+
+
+def _tied_copy(source: str, path, embedding: str):
+    """`source` (a test K-quant file) written again without output.weight (so its head is tied), its
+    token_embd.weight replaced by the stored tensor `embedding` (the same [V, D] bytes as stored)."""
+    reader = gguf.GGUFReader(str(KQUANT / f"{source}.gguf"))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.name == "output.weight":
+            continue
+        stored = tensors[embedding] if t.name == "token_embd.weight" else t
+        writer.add_tensor(t.name, np.asarray(stored.data), raw_dtype=stored.tensor_type)
+    gguf_files.finish(writer)
+    return path
+
+
+def _files(tmp_path):
+    gemma = gemma_gguf(FIXTURES / "tiny_gemma3", tmp_path / "gemma3_q5_0.gguf", qtype=Q.Q5_0)
+    return {"llama_q4_k": _tied_copy("q4_k_m", tmp_path / "tied_q4_k.gguf", "token_embd.weight"),
+            "llama_q6_k": _tied_copy("q6_k", tmp_path / "tied_q6_k.gguf", "output.weight"), "gemma3_q5_0": gemma}
+
+
+@pytest.mark.parametrize("name", ["llama_q4_k", "llama_q6_k", "gemma3_q5_0"])
+def test_tied_embedding_loads_once_as_the_heads_panels(tmp_path, name):
+    path = _files(tmp_path)[name]
+    cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
+    assert cfg.tie_embeddings and params.lm_head is None
+    assert isinstance(params.embed, KQuantPanelTensor) and params.embed.layout == "out_in" and params.embed.shape == (cfg.vocab_size, cfg.embed_dim)
+    packed = panels.pack_panels(params, quantized=True)
+    assert packed.lm_head is None and packed.embed.read == "kernel"
+    assert all(a is b for a, b in zip(jax.tree.leaves(packed.embed), jax.tree.leaves(params.embed)))  # the same buffers
+    assert quant.resident_bytes(packed) == quant.resident_bytes(params)
+
+
+def _two_copies(path, params):
+    """The previous layout: the embedding's stored blocks for the lookup (loaded without panels) beside them."""
+    _, unpacked = loading.load_model(path, quantization="gguf")
+    assert isinstance(unpacked.embed, quant.QuantizedTensor)
+    return dataclasses.replace(params, embed=unpacked.embed)
+
+
+def _logits(params, cfg, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return np.asarray(jax.jit(lambda p, t, s: model.forward(p, None, t, s, cfg=cfg)[0])(params, tokens, positions))
+
+
+@pytest.mark.parametrize("read", ["dense", pytest.param("kernel", marks=needs_kernel)])
+@pytest.mark.parametrize("name", ["llama_q4_k", "llama_q6_k", "gemma3_q5_0"])
+def test_logits_with_one_copy_equal_the_two_copy_layout(tmp_path, name, read):
+    path = _files(tmp_path)[name]
+    cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
+    old = _two_copies(path, params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    if read == "kernel":
+        one, two = panels.pack_panels(params, quantized=True), panels.pack_panels(old, quantized=True)
+        assert isinstance(two.lm_head, KQuantPanelTensor)  # the old path packed a second copy for the head
+    else:
+        one, two = panels.with_read(params, "dense"), panels.with_packed_head(panels.with_read(old, "dense"))
+    got, expected = _logits(one, cfg, tokens), _logits(two, cfg, tokens)
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0
+    np.testing.assert_array_equal(got, expected)
