@@ -79,6 +79,8 @@ def fast_forward(run, plans) -> bool:
     """Apply the iterations that must repeat `plans`, if any, and the finishing one after them when it
     repeats them too (see the module's docstring); True when requests finished (the caller pulls more)."""
     scheduler = run.scheduler
+    if any(p.phase != "decode" for p in plans):  # as _bounds decides, before reading every row's pages
+        return False
     held = scheduler.kv.num_pages_held_by(scheduler.running)
     known = _bounds(run, plans, held)
     if known is None:

@@ -1,7 +1,7 @@
 """The simulator: the real scheduler, bucket tables and policy on a virtual clock. Host only, no jax, no model.
 
 `simulate(engine_cfg, requests, costs)` submits each `SimRequest` (its prompt and output lengths, and when it
-arrives) to a real `Scheduler` and drives it with the one run loop, `runloop.run`, whose step is a fake that
+arrives) to a real `Scheduler` and drives it as the one run loop, `runloop.run`, does, with a step that is a fake that
 advances a virtual clock by the step-cost table's seconds for the plan (`StepCosts.step_seconds`: the host's
 time for its rows, then its program's time) and draws token 0. Every request generates exactly its output
 length (greedy, EOS ignored), as a finished job's records say it did, so the schedule (keys, padding,
@@ -12,7 +12,9 @@ a batch job pulls its lines: whenever fewer than `max_inflight` are in flight (L
 count from a request's arrival, as RequestOutput's do.
 
 Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
-(ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision.
+(ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision. A
+decode plan's rows are counted, updated and checked in one pass (`_Run._run_decode`, the run loop's
+`run_plan` for these requests); other plans go through `runloop.run_plan` itself.
 Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
 full pages are shared (as a chat template's are in a real job).
 """
@@ -21,7 +23,7 @@ import dataclasses
 import gc
 import heapq
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -182,8 +184,10 @@ class _LengthStops(OutputProcessor):
 class _Run:
     """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
 
-    def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True):
+    def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True,
+                 one_pass_decode: bool = True):
         self.cfg, self.requests, self.costs, self.max_inflight = cfg, requests, costs, max_inflight
+        self.one_pass_decode = one_pass_decode and not cfg.deterministic  # deterministic mode replays rows that keep no token: the run loop's path
         # Not with deadlines (expiry), deterministic mode (replayed decode rows) or a sliding window (pages released every step)
         self.fast_forward = fast_forward and not cfg.deterministic and cfg.release_window is None and all(r.deadline_s is None for r in requests)
         self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
@@ -246,7 +250,6 @@ class _Run:
         return result
 
     def run(self) -> None:
-        processor = self.processor
         while True:
             self.admit()
             if not self.scheduler.has_work():
@@ -254,14 +257,60 @@ class _Run:
                     return
                 self.clock.now = max(self.clock.now, self.timed[-1][0])  # idle until the next arrival
                 continue
-            for request in runloop.run(self.scheduler, self.step, processor, admit=self.admit, clock=self.clock):
+            for request in self._iterations():
                 self.done[request.arrival_index] = request
                 self.inflight -= 1
+
+    def _iterations(self) -> Iterator[Request]:
+        """runloop.run with this run's step, admission and clock, whose decode plans run as `_run_decode`."""
+        scheduler, clock, processor = self.scheduler, self.clock, self.processor
+        one_pass = self.one_pass_decode
+        scheduler.clock = clock
+        while scheduler.has_work():
+            self.admit()
+            finished = scheduler.expire(clock.now)
+            plans = scheduler.schedule()
+            if not plans and not finished:
+                finished = scheduler.abort_all("no step could be planned for this request (the pool or the limits are too small for it)")
+            for plan in plans:
+                if one_pass and plan.phase == "decode":
+                    finished += self._run_decode(plan)
+                else:
+                    finished += runloop.run_plan(scheduler, self.step, processor, plan, clock=clock)
+            yield from finished
+
+    def _run_decode(self, plan: _SketchPlan) -> list[Request]:
+        """runloop.run_plan for a decode plan of the simulator's (one new token 0 per row, every row sampled,
+        no log-probabilities, stops by length only): the same updates in the same order, in one pass over the
+        rows; returns the requests it finished."""
+        scheduler, clock = self.scheduler, self.clock
+        by_id = scheduler.running_by_id
+        rows = [r for r in map(by_id.get, plan.request_ids) if r is not None]  # runloop._count_step's and update's rows
+        start = clock.now
+        self.step(plan)
+        now = clock.now
+        scheduler.observe(plan, now - start)
+        max_context, done = self.cfg.max_context, []
+        for r in rows:
+            r.num_steps += 1
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = start
+            r.num_computed_tokens += 1
+            output, max_tokens = r.output_ids, r.params.max_tokens
+            if max_tokens:
+                output.append(0)
+                r.first_token_time = r.first_token_time or now
+            if not output or len(output) >= max_tokens or len(r.prompt_ids) + len(output) >= max_context:  # _LengthStops.check
+                done.append(r)
+        scheduler.kv.cache_computed_pages_of(rows)  # before any finish, as in Scheduler.update
+        for r in done:
+            scheduler.finish(r, "length", r.error)
+        return done
 
 
 def simulate(
     engine_cfg: EngineConfig, requests: Iterable[SimRequest], costs: StepCosts, *, num_pages: int | None = None, max_inflight: int | None = None,
-    fast_forward: bool = True,
+    fast_forward: bool = True, one_pass_decode: bool = True,
 ) -> SimResult:
     """Run `requests` through the real scheduler on a virtual clock priced by `costs`.
 
@@ -274,6 +323,8 @@ def simulate(
         default for a batch job).
       fast_forward: skip through runs of decode iterations that must repeat the one before (sim_skip.py);
         the results are the same either way (a test checks), only faster.
+      one_pass_decode: run each decode plan's rows in one pass (`_Run._run_decode`) instead of through
+        runloop.run_plan; the results are the same bit for bit (a test checks), only faster.
     """
     started = time.perf_counter()
     requests = list(requests)
@@ -281,7 +332,7 @@ def simulate(
         if r.prompt_tokens < 1 or r.output_tokens < 0 or (r.arrival_s is not None and not r.arrival_s >= 0):
             raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 0 and arrival_s >= 0 or None, got {r}")
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward)
+    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
     gc.disable()  # the run keeps every request it finished (lists of tokens): the cyclic collector's passes over them only cost time
     try:

@@ -144,3 +144,29 @@ def test_fast_forward_matches_every_step_on_a_varied_workload(num_pages):
         np.testing.assert_allclose(getattr(fast, name), getattr(slow, name), rtol=1e-9, atol=1e-12)
     assert fast.steps_by_key == slow.steps_by_key
     assert (fast.num_preemptions > 0) == (num_pages == 24)  # the tight pool really preempts
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_pages", [200, 24])  # roomy; tight enough to preempt
+def test_one_pass_decode_gives_the_run_loops_results_bit_for_bit(num_pages, policy):
+    # Decode plans run in one pass over their rows instead of runloop.run_plan; every timing and statistic
+    # must be exactly the run loop's, with and without the fast-forward, under deadlines, arrivals, shared
+    # prefixes, priorities and preemptions.
+    cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24), policy=policy)
+    rng = np.random.default_rng(11)
+    n = 100
+    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(1.0, n), 0.0))
+    requests = [SimRequest(int(p), int(o), float(t) if i % 2 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s),
+                           deadline_s=float(d) if i % 5 == 0 else None)
+                for i, (p, o, t, s, d) in enumerate(zip(rng.integers(1, 40, n), rng.integers(1, 50, n), arrivals, rng.choice([0, 8, 12], n),
+                                                        rng.uniform(0.5, 20.0, n)))]
+    costs = work_costs(cfg)
+    for fast_forward in (False, True):
+        one_pass = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=24, fast_forward=fast_forward)
+        run_loop = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=24, fast_forward=fast_forward, one_pass_decode=False)
+        for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
+            np.testing.assert_array_equal(getattr(one_pass, name), getattr(run_loop, name))
+        assert one_pass.summary() == run_loop.summary() and one_pass.steps_by_key == run_loop.steps_by_key
+        assert (one_pass.wall_s, one_pass.mean_kv_utilization, one_pass.finish_reasons) == (run_loop.wall_s, run_loop.mean_kv_utilization, run_loop.finish_reasons)
+    assert (one_pass.num_preemptions > 0) == (num_pages == 24)
