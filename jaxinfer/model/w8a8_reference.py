@@ -109,6 +109,7 @@ def with_fake_quant(params):
 
 
 def _embed_as_head(embed):
-    """A tied quantized embedding [V, D] (out_in) as the head [D, V]: the same stored rows, logical layout in_out."""
-    return dataclasses.replace(embed, layout="in_out") if isinstance(embed, quant.QuantizedTensor) else embed
+    """A tied quantized embedding [V, D] (out_in) as the head [D, V]: the same stored rows, logical layout in_out
+    (K-quant panels packed at load included: loading keeps a tied K-quant table once, as the head's panels)."""
+    return dataclasses.replace(embed, layout="in_out") if isinstance(embed, (quant.QuantizedTensor, KQuantPanelTensor)) else embed
 
