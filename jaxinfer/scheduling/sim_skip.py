@@ -18,8 +18,6 @@ that time. Every other event (an admission, a preemption, a bucket change, an ar
 
 import math
 
-import numpy as np
-
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import RequestStatus
@@ -28,11 +26,13 @@ from jaxinfer.scheduling.request import RequestStatus
 def bounds(run, plans) -> tuple[int, int] | None:
     """(iterations before a row takes its last token, iterations that repeat `plans` finishes aside), or
     None when the next iteration is not known to repeat them."""
-    return _bounds(run, plans, run.scheduler.kv.num_pages_held_by(run.scheduler.running))
+    scan = _scan(run, plans, run.scheduler.kv.num_pages_held_by(run.scheduler.running))
+    return None if scan is None else scan[:2]
 
 
-def _bounds(run, plans, held: list[int]) -> tuple[int, int] | None:
-    """bounds, given the pages each running request holds (`held`, in running order)."""
+def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
+    """bounds, given the pages each running request holds (`held`, in running order), with each one's
+    tokens (prompt + generated, in running order) read on the way."""
     scheduler, cfg = run.scheduler, run.cfg
     running, policy = scheduler.running, scheduler.policy
     if not running or type(policy).observe is not SchedulingPolicy.observe:
@@ -45,6 +45,7 @@ def _bounds(run, plans, held: list[int]) -> tuple[int, int] | None:
     page_size, max_context = cfg.page_size, cfg.max_context
     tops = {pages: pad_to_bucket(pages, scheduler.tables.pages) * page_size for pages in set(held)}  # tokens its page bucket holds
     finish = other = math.inf
+    tokens = []
     for r, pages in zip(running, held):
         generated = len(r.output_ids)
         total = len(r.prompt_ids) + generated
@@ -52,9 +53,10 @@ def _bounds(run, plans, held: list[int]) -> tuple[int, int] | None:
             return None
         finish = min(finish, r.params.max_tokens - generated, max_context - total)
         other = min(other, tops[pages] - r.num_computed_tokens)
+        tokens.append(total)
     if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
         other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
-    return int(finish) - 1, int(other)
+    return int(finish) - 1, int(other), tokens
 
 
 def repeats(run, plans) -> int:
@@ -68,61 +70,70 @@ def _iteration_seconds(run, plans) -> float:
     return sum(run.costs.step_seconds(p.bucket, len(p.request_ids)) for p in plans)
 
 
-def _new_pages(scheduler, held: list[int], k: int) -> list[int]:
+def _new_pages(page_size: int, tokens: list[int], held: list[int], k: int) -> list[int]:
     """Pages each running request lacks to hold k more computed tokens (kv.num_new_pages), in running order,
-    given the pages each holds (`held`)."""
-    size = scheduler.cfg.page_size
-    return [max(0, -(-(r.num_computed_tokens + k) // size) - pages) for r, pages in zip(scheduler.running, held)]
+    given its tokens (`tokens`; its computed tokens are one fewer) and the pages it holds (`held`)."""
+    return [max(0, -(-(total - 1 + k) // page_size) - pages) for total, pages in zip(tokens, held)]
 
 
 def fast_forward(run, plans) -> bool:
     """Apply the iterations that must repeat `plans`, if any, and the finishing one after them when it
     repeats them too (see the module's docstring); True when requests finished (the caller pulls more)."""
     scheduler = run.scheduler
-    if any(p.phase != "decode" for p in plans):  # as _bounds decides, before reading every row's pages
+    if any(p.phase != "decode" for p in plans):  # as _scan decides, before reading every row's pages
         return False
     held = scheduler.kv.num_pages_held_by(scheduler.running)
-    known = _bounds(run, plans, held)
-    if known is None:
+    scan = _scan(run, plans, held)
+    if scan is None:
         return False
-    finish, other = known
+    finish, other, tokens = scan
     k = max(0, min(finish, other))
-    grown = _new_pages(scheduler, held, k)
-    if k and sum(grown) > scheduler.kv.num_free_pages:
+    size, free = run.cfg.page_size, scheduler.kv.num_free_pages
+    grown = _new_pages(size, tokens, held, k)
+    if k and sum(grown) > free:
         return False
-    finishing = finish < other and sum(_new_pages(scheduler, held, k + 1)) <= scheduler.kv.num_free_pages  # iteration k + 1 repeats too, and ends rows
+    finishing = finish < other and sum(_new_pages(size, tokens, held, k + 1)) <= free  # iteration k + 1 repeats too, and ends rows
     if k:
-        _apply(run, plans, k, held, grown)
-        held = [pages + more for pages, more in zip(held, grown)]
+        _record_utilization(scheduler, k, size, tokens, held)  # each iteration's planning records it after its allocation
+        _allocate(scheduler, grown, k)
+        _apply(run, plans, k)
+        tokens, held = [total + k for total in tokens], [pages + more for pages, more in zip(held, grown)]
     if finishing:
-        _apply(run, plans, 1, held, _new_pages(scheduler, held, 1), last=True)
+        grown = _new_pages(size, tokens, held, 1)
+        _allocate(scheduler, grown, 1)
+        _record_utilization(scheduler, 1, size, tokens, [pages + more for pages, more in zip(held, grown)])
+        _apply_last(run, plans)
     return finishing
 
 
-def _apply(run, plans, k: int, held: list[int], grown: list[int], last: bool = False) -> None:
-    """k iterations of `plans`: pages, tokens, statistics, steps and the clock; with `last` (k = 1) the run
-    loop's per-plan order, each plan's rows checked by the output processor after its step. `held`: the
-    pages each running request holds now; `grown`: those it lacks for k more tokens (_new_pages)."""
-    scheduler = run.scheduler
-    if not last:
-        _record_utilization(scheduler, k, run.cfg.page_size, held)
+def _allocate(scheduler, grown: list[int], k: int) -> None:
+    """The pages each running request lacks for k more tokens (`grown`, counted free), as
+    `_reserve_decode_pages` allocates them, in running order."""
+    kv = scheduler.kv
     for r, pages in zip(scheduler.running, grown):
-        if pages and scheduler.kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
+        if pages and kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
             raise RuntimeError("fast-forward: pages counted free could not be allocated")  # fast_forward counted them free
+
+
+def _apply(run, plans, k: int) -> None:
+    """k iterations of `plans`, their pages allocated: tokens, statistics, steps and the clock."""
+    scheduler = run.scheduler
     stats = scheduler.stats
-    if last:  # planning records the utilization after allocating, before the step
-        scheduler._record_utilization()
-    else:
-        _advance(scheduler, scheduler.running, k)
-        stats.num_steps += k * len(plans)
-        stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
-        stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
-        for p in plans:
-            run.steps_by_key[p.bucket] += k
-        run.clock.advance(k * _iteration_seconds(run, plans))
-        run.last_step = run.clock.now
-        return
-    by_id = scheduler.running_by_id
+    _advance(scheduler, scheduler.running, k)
+    stats.num_steps += k * len(plans)
+    stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
+    stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
+    for p in plans:
+        run.steps_by_key[p.bucket] += k
+    run.clock.advance(k * _iteration_seconds(run, plans))
+    run.last_step = run.clock.now
+
+
+def _apply_last(run, plans) -> None:
+    """One iteration of `plans`, its pages allocated, in the run loop's per-plan order: each plan's rows
+    take their token and are checked by the output processor after its step."""
+    scheduler = run.scheduler
+    stats, by_id = scheduler.stats, scheduler.running_by_id
     for p in plans:
         rows = [by_id[i] for i in p.request_ids]
         stats.num_steps += 1
@@ -140,24 +151,27 @@ def _apply(run, plans, k: int, held: list[int], grown: list[int], last: bool = F
                 run.inflight -= 1
 
 
-def _record_utilization(scheduler, k: int, page_size: int, held: list[int]) -> None:
+def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], held: list[int]) -> None:
     """The simulator's utilization statistic (simulator._SketchScheduler._record_utilization) as each of the
     next k decode iterations' planning records it, after its allocation: iteration j (1..k) holds T + j - 1
-    tokens per row (T: its tokens now), all in its pages, and each row's pages are its pages now or, if more,
-    those T + j - 1 tokens need; summed in order, as one step at a time adds them."""
-    running = scheduler.running
-    if not running:
-        return
-    tokens = np.array([len(r.prompt_ids) + len(r.output_ids) for r in running], np.int64)  # i64[R]
-    pages = np.array(held, np.int64)  # i64[R]
-    steps = np.arange(k, dtype=np.int64)[:, None]  # i64[k, 1]: j - 1
-    grown = np.maximum(0, -(-(tokens[None, :] + steps) // page_size) - pages[None, :]).sum(axis=1)  # i64[k]: new pages by iteration j
-    used = scheduler.kv.num_used_pages + grown  # i64[k]
-    filled = int(tokens.sum()) + len(running) * steps[:, 0]  # i64[k]
-    utilization = filled / (used * page_size)  # f64[k]; used > 0: every running row holds a page
+    tokens per row (T: `tokens`), all in its pages, and each row's pages are those it holds now (`held`)
+    or, if more, those T + j - 1 tokens need. Exact integers divided once per iteration, summed in order,
+    as one step at a time adds them."""
+    new_at = [0] * (k + 1)  # new_at[j]: rows whose pages first overflow at iteration j (a row past several pages counts once per page)
+    for total, pages in zip(tokens, held):
+        j = pages * page_size - total + 2  # the first iteration whose tokens (total + j - 1) need one more page
+        while j <= k:
+            new_at[max(j, 1)] += 1
+            j += page_size
+    filled, rows, used = sum(tokens), len(tokens), scheduler.kv.num_used_pages
     stats = scheduler.stats
-    stats.peak_kv_utilization = max(stats.peak_kv_utilization, float(utilization.max()))
-    stats.kv_utilization_sum = float(np.cumsum(np.concatenate([[stats.kv_utilization_sum], utilization]))[-1])  # in order, as += does
+    peak, summed = stats.peak_kv_utilization, stats.kv_utilization_sum
+    for j in range(1, k + 1):
+        used += new_at[j]
+        utilization = (filled + rows * (j - 1)) / (used * page_size)
+        peak = max(peak, utilization)
+        summed += utilization
+    stats.peak_kv_utilization, stats.kv_utilization_sum = peak, summed
     stats.kv_utilization_steps += k
 
 
