@@ -159,9 +159,9 @@ class _SketchScheduler(Scheduler):
         its own token), so a page's tokens are its one owner's."""
         used_pages, size = self.kv.num_used_pages, self.cfg.page_size
         if used_pages:
-            filled = 0
-            for r, pages in zip(self.running, self.kv.num_pages_held_by(self.running)):
-                tokens, room = len(r.prompt_ids) + len(r.output_ids), pages * size
+            filled, tables = 0, self.block_pool.tables  # request id -> block table (its length: kv.num_pages_held)
+            for r in self.running:
+                tokens, room = len(r.prompt_ids) + len(r.output_ids), len(tables.get(r.request_id, ())) * size
                 filled += tokens if tokens < room else room
             utilization = filled / (used_pages * size)
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
@@ -299,7 +299,8 @@ class _Run:
             output, max_tokens = r.output_ids, r.params.max_tokens
             if max_tokens:
                 output.append(0)
-                r.first_token_time = r.first_token_time or now
+                if not r.first_token_time:  # Scheduler.update's `first_token_time or now`
+                    r.first_token_time = now
             if not output or len(output) >= max_tokens or len(r.prompt_ids) + len(output) >= max_context:  # _LengthStops.check
                 done.append(r)
         scheduler.kv.cache_computed_pages_of(rows)  # before any finish, as in Scheduler.update
