@@ -20,9 +20,10 @@ whose count reaches zero joins the free queue with its name kept: its KV is stil
 that prefix (a full page, never written again), so a later request may share it until it is evicted.
 """
 
-import array
 import collections
+import functools
 import hashlib
+import struct
 
 NULL_PAGE = 0
 ROOT_HASH = b""  # parent of a sequence's first page
@@ -35,10 +36,16 @@ class OutOfPagesError(RuntimeError):
 def page_hash(parent: bytes, token_ids, cache_salt: str | None = None) -> bytes:
     """The name of a full page: a hash of its parent's name, its token ids and the salt."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(array.array("q", token_ids).tobytes())  # int64 in native order, as np.asarray(token_ids, np.int64).tobytes()
+    digest.update(_int64_packer(len(token_ids)).pack(*token_ids))  # int64 in native order, as array.array("q", token_ids).tobytes()
     if cache_salt is not None:
         digest.update(b"\x00salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))
     return digest.digest()
+
+
+@functools.cache
+def _int64_packer(count: int) -> struct.Struct:
+    """Packs `count` ints as native int64s (array.array("q", ...).tobytes()'s bytes, in half its time for a page)."""
+    return struct.Struct(f"{count}q")
 
 
 def page_hashes(token_ids: list[int], page_size: int, cache_salt: str | None = None) -> list[bytes]:

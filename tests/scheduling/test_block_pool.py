@@ -1,6 +1,9 @@
 """BlockPool: exact page ids, ref counts and free order in scripted sequences, and the same against a
 hand-written LRU model under random allocate/free sequences (hypothesis)."""
 
+import hashlib
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,6 +166,14 @@ def test_page_hashes_chain_over_parent_tokens_and_salt():
     assert a[0] == page_hash(ROOT_HASH, [1, 2, 3, 4]) and a[1] == page_hash(a[0], [5, 6, 7, 8])
     assert page_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)[1] != a[1]  # same page tokens, other parent
     assert page_hashes([1, 2, 3, 4], 4, "tenant-a") != page_hashes([1, 2, 3, 4], 4) != page_hashes([1, 2, 3, 4], 4, "tenant-b")
+
+
+def test_page_hash_is_blake2b_of_parent_and_native_int64_tokens():
+    tokens = [0, 1, -2, 2**40, 151_935, 7]
+    expected = hashlib.blake2b(b"parent", digest_size=16)
+    expected.update(np.asarray(tokens, np.int64).tobytes())
+    assert page_hash(b"parent", tokens) == expected.digest()
+    assert page_hash(b"parent", np.asarray(tokens[:2], np.int32)) == page_hash(b"parent", [0, 1])  # numpy ids too
 
 
 def test_cached_pages_are_shared_with_ref_counts_and_leave_the_free_queue():
