@@ -45,14 +45,16 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
     page_size, max_context = cfg.page_size, cfg.max_context
     tops = {pages: pad_to_bucket(pages, scheduler.tables.pages) * page_size for pages in set(held)}  # tokens its page bucket holds
     finish = other = math.inf
-    tokens = []
+    tokens, running_status = [], RequestStatus.RUNNING
     for r, pages in zip(running, held):
         generated = len(r.output_ids)
         total = len(r.prompt_ids) + generated
-        if r.status != RequestStatus.RUNNING or r.num_computed_tokens != total - 1:
+        computed = r.num_computed_tokens
+        if r.status != running_status or computed != total - 1:
             return None
         finish = min(finish, r.params.max_tokens - generated, max_context - total)
-        other = min(other, tops[pages] - r.num_computed_tokens)
+        if tops[pages] - computed < other:
+            other = tops[pages] - computed
         tokens.append(total)
     if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
         other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
