@@ -11,7 +11,7 @@ import numpy as np
 
 from common import timing
 from common.timing import timed
-from common.workloads import generate, greedy
+from common.workloads import agreement, generate, greedy
 
 
 class StepRecorder:
@@ -82,16 +82,32 @@ def reference_check(params, cfg, eos_id: int, requests: list[dict], engine_token
     chosen = sorted(range(len(requests)), key=lambda i: len(requests[i]["prompt_ids"]) + requests[i]["max_tokens"])[:NUM_REFERENCE_CHECKS]
     reference = generate.generate(params, cfg, [requests[i]["prompt_ids"] for i in chosen],
                                   [greedy(requests[i]["max_tokens"]) for i in chosen], eos_id=eos_id)
-    equal = [e == r.token_ids for e, r in zip(engine_tokens(chosen), reference)]
-    return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal}
+    ours = engine_tokens(chosen)
+    equal = [e == r.token_ids for e, r in zip(ours, reference)]
+    prefix = agreement(ours, [r.token_ids for r in reference])["mean_prefix_fraction"]  # tokens before the first difference
+    return {"requests": chosen, "num_checked": len(chosen), "num_equal": sum(equal), "equal": equal, "mean_prefix_fraction": prefix}
 
 
 def check_against_reference(llm, requests: list[dict]) -> dict:
-    """reference_check of `llm`, the chosen requests generated on their own."""
+    """reference_check of `llm`, the chosen requests generated on their own. An engine whose matmul is the W8A8
+    kernels' ('cpu_int8') is checked against their exact reference (the dense forward with its activations
+    fake-quantized by the kernels' rule: jaxinfer/model/w8a8_reference.py), so `num_equal` says whether the kernel
+    computes what it claims, not how far its 8-bit activations are from f32; the result names the reference."""
     def engine_tokens(chosen):
         return [o.token_ids for o in generate(llm, [requests[i] for i in chosen])]
 
-    return reference_check(llm.engine.params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens)
+    params, reference = reference_params(llm)
+    return {**reference_check(params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens), "reference": reference}
+
+
+def reference_params(llm) -> tuple[object, str]:
+    """(the params the reference generator runs for `llm`'s engine, the reference's name): 'w8a8_exact' for the W8A8
+    kernels (every K-quant panel read dense, the kernels' matrices with fake-quantized activations), else 'loaded'."""
+    if llm.engine.matmul_impl != "cpu_int8":
+        return llm.engine.params, "loaded"
+    from jaxinfer.model import panels, w8a8_reference
+
+    return w8a8_reference.with_fake_quant(panels.with_read(llm.engine.params, "dense")), "w8a8_exact"
 
 
 def timed_generate(llm, requests: list[dict], block_pool=None) -> dict:

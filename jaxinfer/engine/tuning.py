@@ -12,7 +12,9 @@ engine whose only programs are one prefill key (a chunk bucket of the user's tab
 in one row) and one decode key (a row bucket of the table); a short greedy generation runs through the real
 scheduler and engine, timed per program. A candidate passes the numerics check when its prompt-end logits
 are within its dtype's TOLERANCES of the float32 reference (model.forward with no cache, XLA dots and
-jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks. The attention
+jnp attention) and its greedy tokens agree with the reference's for the share TOLERANCES asks; a W8A8 kernel
+candidate (matmul 'cpu_int8') is checked instead against its exact reference (the activations the kernels quantize
+fake-quantized by their rule: model/w8a8_reference.py), whole and matmul by matmul (numerics_check.py). The attention
 implementation is chosen first, per compute dtype, by timing each one alone on contexts of the engine's
 own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
 with the winner are then timed whole. The passing
@@ -52,14 +54,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant
+from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant, w8a8_reference
 from jaxinfer.scheduling import runloop
 from jaxinfer.engine import tune_attention
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
-from jaxinfer.engine.numerics_check import TOLERANCES, Reference, Tolerance, tolerance_for  # noqa: F401  (Tolerance: read by tests)
+from jaxinfer.engine.numerics_check import TOLERANCES, W8A8_MATMUL_TOLERANCE, Reference, Tolerance, tolerance_for, uses_exact_reference  # noqa: F401  (Tolerance: read by tests)
 from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement
 from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
     CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, release_freed_memory, tuning_enabled,
@@ -219,15 +221,19 @@ def _prompt_length(probe_cfg: EngineConfig, rows: int, longest: int) -> int:
     return 1
 
 
-def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED) -> Reference:
+def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], num_tokens: int = NUM_GENERATED, *, w8a8: bool = False) -> Reference:
     """The float32 reference, by model.forward's parts (XLA dots, jnp attention) over right-padded rows with a dense KV
     cache: one prefill of every prompt (causal: the padding is inert, and each row's first generated token
     overwrites the padding slot at its position), then one-token steps, so the model runs num_tokens times on
     one token per row, not on the whole context again. K-quant panels packed at load are dequantized a layer at
     a time (read="dense"), never through the W8A8 kernel; the head's logits come from `reference_logits`,
     REFERENCE_HEAD_ROWS vocabulary entries at a time, so no f32 copy of the whole head (1 GiB for Llama-3.2-1B's
-    tied table, 2 GiB for Llama-3.1-8B's) and no second packed copy of it is ever made."""
+    tied table, 2 GiB for Llama-3.1-8B's) and no second packed copy of it is ever made. `w8a8`: the W8A8 kernels'
+    exact reference instead (w8a8_reference.with_fake_quant: the activations of every matrix they read quantized
+    by their rule; a tied head they read is packed once more, as the kernel's engine packs it)."""
     cfg32, params32 = cast_model(cfg, panels.with_read(params, "dense"), "float32")
+    if w8a8:
+        params32 = w8a8_reference.with_fake_quant(params32)
     lengths = np.array([len(p) for p in prompts], np.int32)
     ids = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for row, prompt in enumerate(prompts):
@@ -309,18 +315,21 @@ def _probe_generation(engine, probe: Probe, prune_above: float | None = None) ->
 
 
 def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe, reference: Reference,
-            best_score: float | None = None, *, auto_weights: bool = False) -> Measurement:
+            best_score: float | None = None, *, auto_weights: bool = False, exact_reference: Reference | None = None) -> Measurement:
     """Time `candidate` on the probe over NUM_TIMED_RUNS generations (prefill: the fastest of its steps, so a
     first call or a busy neighbour does not count; decode: the median of its steps) and check its numerics
-    against `reference` (reference_run's). With `best_score` (the best passing score so far), a candidate whose
+    against `reference` (reference_run's float32 one) or, for a W8A8 kernel candidate (`uses_exact_reference`), against
+    `exact_reference` (reference_run's w8a8 one), its error against f32 kept beside it. With `best_score` (the best passing score so far), a candidate whose
     first steps (or first generation) score above PRUNE_FACTOR times it is not timed further and does not pass
     (note 'pruned'). Its engine is freed before this returns."""
-    row, engine, cand_params = dict(impls=candidate.impls()), None, None
+    row, engine, cand_params, matmul_error = dict(impls=candidate.impls()), None, None, None
     try:
         cand_cfg, cand_params = candidate.prepare(cfg, params, auto_weights=auto_weights)
         engine_cfg = EngineConfig.with_overrides(probe.engine_cfg, attention_impl=candidate.attention_impl, matmul_impl=candidate.matmul_impl)
         engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
         engine.warmup()
+        if uses_exact_reference(candidate):  # each kernel matmul against the exact reference, on the same activations
+            matmul_error = w8a8_reference.kernel_matmul_error(engine.step_params, cand_params)
         bound = None if best_score is None else PRUNE_FACTOR * best_score
         runs = [_probe_generation(engine, probe, prune_above=bound)]
         if bound is None or _score(probe, *_timings(runs)) <= bound:
@@ -337,12 +346,23 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     score = _score(probe, prefill, decode)
     if len(runs) < NUM_TIMED_RUNS:
         return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
-    error = max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(probe.prompts)))
-    tolerance = tolerance_for(candidate, panels.has_kquant_weights(params))
+    f32_error = _logit_error(logits, reference)
+    if uses_exact_reference(candidate):
+        reference = exact_reference if exact_reference is not None else reference_run(cfg, params, probe.prompts, w8a8=True)
+    error = _logit_error(logits, reference)
+    tolerance = tolerance_for(candidate)
     agreement = _greedy_agreement(tokens, reference, tolerance)
-    passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement
-    note = "" if passed else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}"
-    return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note)
+    matmul_ok = matmul_error is None or matmul_error <= W8A8_MATMUL_TOLERANCE
+    passed = error <= tolerance.max_relative_error and agreement >= tolerance.min_greedy_agreement and matmul_ok
+    note = ("" if passed else f"a kernel matmul's error {matmul_error:.2e} > {W8A8_MATMUL_TOLERANCE:g}" if not matmul_ok
+            else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}")
+    return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note,
+                       f32_relative_error=f32_error if uses_exact_reference(candidate) else None, matmul_error=matmul_error)
+
+
+def _logit_error(logits: dict, reference: Reference) -> float:
+    """The largest relative error of the candidate's prompt-end logits ({prompt index: f32[V]}) against `reference`'s."""
+    return max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(reference.logits)))
 
 
 def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, probe: Probe, budget: float, *, progress=None,
@@ -354,7 +374,12 @@ def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, p
     start = time.perf_counter()
     reference = reference_run(cfg, params, probe.prompts)
     log.info("tuning: the float32 reference of %d prompts of %d tokens took %.1f s", len(probe.prompts), len(probe.prompts[0]), time.perf_counter() - start)
-    release_freed_memory()  # the reference's transients, before the first candidate's engine
+    exact = None
+    if any(uses_exact_reference(c) for c in candidates):
+        start = time.perf_counter()
+        exact = reference_run(cfg, params, probe.prompts, w8a8=True)
+        log.info("tuning: the W8A8 kernels' exact reference took %.1f s", time.perf_counter() - start)
+    release_freed_memory()  # the references' transients, before the first candidate's engine
     measurements = []
     expands = auto_weights and dense_fits(params)
     for candidate in candidates:
@@ -365,7 +390,7 @@ def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, p
         elif (need := candidate.extra_bytes(cfg, params, auto_weights=auto_weights)) > budget:
             measurements.append(too_large(candidate, need, budget))
         else:
-            measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights))
+            measurements.append(measure(candidate, cfg, params, probe, reference, best_score=best, auto_weights=auto_weights, exact_reference=exact))
         log.info("tuning: %s: %s (score %s)", measurements[-1].candidate, measurements[-1].status, measurements[-1].score)  # a killed run still shows its rows
         if progress is not None:
             progress(measurements[-1])
@@ -516,9 +541,17 @@ def format_table(result: TuneResult) -> str:
     for m in result.measurements:
         mark = "  <- chosen" if m.candidate == chosen else ""
         lines.append(f"{m.candidate:<28} {cell(m.prefill_ms, '10.1f')} {cell(m.decode_ms, '10.1f')} {cell(m.score, '8.3f')} "
-                     f"{cell(m.relative_error, '10.2e')} {cell(m.greedy_agreement, '7.2f')}  {m.status}{mark}")
+                     f"{cell(m.relative_error, '10.2e')} {cell(m.greedy_agreement, '7.2f')}  {m.status}{_against(m)}{mark}")
     lines.append(f"score = {PROMPT_TOKENS_PER_OUTPUT_TOKEN} x prefill ms per token + decode ms per token; chosen: {result.describe()}")
     return "\n".join(_attention_lines(result.attention) + lines)
+
+
+def _against(m: Measurement) -> str:
+    """What a W8A8 kernel's row was checked against (its exact reference), with its error against f32 beside it."""
+    if m.f32_relative_error is None:
+        return ""
+    matmul = "" if m.matmul_error is None else f"; kernel matmuls {m.matmul_error:.1e}"
+    return f" (exact W8A8 reference{matmul}; vs f32 {m.f32_relative_error:.2e})"
 
 
 def _attention_lines(rows: list) -> list[str]:

@@ -31,7 +31,7 @@ from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 8  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 9  # part of the cache key: a change of the candidates or the check invalidates old choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,8 @@ class Measurement:
     relative_error: float | None = None
     greedy_agreement: float | None = None
     passed: bool = False
+    f32_relative_error: float | None = None  # a W8A8 kernel's (checked against its exact reference): its error against f32
+    matmul_error: float | None = None  # a W8A8 kernel's: its matmuls' largest relative error against the exact reference
     note: str = ""  # why it failed or could not run
 
     @property

@@ -383,16 +383,13 @@ def test_kept_blocks_too_large_to_expand_build_only_the_kernel_once_it_passes(mo
     assert not rows[1].passed and rows[1].note.startswith("not built: it dequantizes kept blocks")
 
 
-def test_the_kernel_on_kquant_panels_is_held_to_the_kquant_tolerance(tiny):
-    """The K-quant kernel (llama.cpp's Q8_K activations) is checked against the 'kquant' tolerance; the same
-    matmul on other blocks against 'int8'; every other candidate against its dtype's."""
-    from conftest import FIXTURES
-    from jaxinfer.model import panels
-
-    _, kquant_params = loading.load_model(FIXTURES / "kquant" / "q4_k_m.gguf", quantization="gguf", kquant_panels=True)
-    assert panels.has_kquant_weights(kquant_params) and not panels.has_kquant_weights(tiny[1])
-    kernel, xla = tuning.Candidate("float32", "cpu", "cpu_int8"), tuning.Candidate("bfloat16", "reference", "xla")
-    assert tuning.tolerance_for(kernel, True) is tuning.TOLERANCES["kquant"]
-    assert tuning.tolerance_for(kernel, False) is tuning.TOLERANCES["int8"]
-    assert tuning.tolerance_for(xla, True) is tuning.TOLERANCES["bfloat16"]
-    assert tuning.TOLERANCES["int8"].max_relative_error < tuning.TOLERANCES["kquant"].max_relative_error < 0.5
+def test_the_w8a8_kernels_are_held_to_their_exact_reference_and_xla_s_w8a8_to_f32():
+    """The W8A8 kernels ('cpu_int8', any weights) are checked against their exact reference with its tolerance, tighter
+    than XLA's W8A8 ('int8') against f32; every other candidate against its dtype's."""
+    kernel, int8 = tuning.Candidate("float32", "cpu", "cpu_int8"), tuning.Candidate("float32", "reference", "int8")
+    xla = tuning.Candidate("bfloat16", "reference", "xla")
+    assert tuning.uses_exact_reference(kernel) and not tuning.uses_exact_reference(int8) and not tuning.uses_exact_reference(xla)
+    assert tuning.tolerance_for(kernel) is tuning.TOLERANCES["w8a8_exact"]
+    assert tuning.tolerance_for(int8) is tuning.TOLERANCES["int8"]
+    assert tuning.tolerance_for(xla) is tuning.TOLERANCES["bfloat16"]
+    assert tuning.TOLERANCES["w8a8_exact"].max_relative_error < tuning.TOLERANCES["int8"].max_relative_error

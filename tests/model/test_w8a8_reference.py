@@ -103,3 +103,20 @@ def test_activation_block_is_each_kernels_group():
     assert [w8a8_reference.activation_block(f) for f in ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_0", "q4_1", "q8_0", "int8")] == [256] * 3 + [32] * 6
     with pytest.raises(ValueError, match="f16"):
         w8a8_reference.activation_block("f16")
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_kernel_matmul_error_is_tight_and_sees_a_wrong_activation_block(monkeypatch):
+    """The tuner's per-matmul check: every kernel matmul of the tiny Q4_K_M file (Q4_K, and Q6_K + Q4_K mixed layers)
+    is its exact reference to f32 sum order; a reference quantizing in blocks of 32 instead of 256 is 1e-2 away."""
+    if not kquant_matmul.available():
+        pytest.skip("the CPU K-quant kernel could not be built")
+    from pathlib import Path
+
+    from jaxinfer.loading import loading
+
+    _, params = loading.load_model(Path(__file__).resolve().parent.parent / "fixtures" / "kquant" / "q4_k_m.gguf", quantization="gguf", kquant_panels=True)
+    step_params = panels.pack_panels(params, quantized=True)
+    assert w8a8_reference.kernel_matmul_error(step_params, params) <= KERNEL_F32
+    monkeypatch.setattr(w8a8_reference, "activation_block", lambda fmt: 32)
+    assert w8a8_reference.kernel_matmul_error(step_params, params) > 1e-3
