@@ -99,6 +99,11 @@ class BlockPool:
     def ref_count(self, page: int) -> int:
         return int(self._ref_counts[page])
 
+    def num_extra_owners(self) -> int:
+        """Owners past each page's first, summed over the pool: how many times a count of every request's
+        pages counts a shared page again (0 when no page is shared). O(pages)."""
+        return sum(count - 1 for count in self._ref_counts if count > 1)
+
     def free_order(self) -> list[int]:
         """The free queue, head (next allocated) first."""
         return list(self._free)

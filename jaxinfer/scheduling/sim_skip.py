@@ -158,14 +158,15 @@ def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], he
     next k decode iterations' planning records it, after its allocation: iteration j (1..k) holds T + j - 1
     tokens per row (T: `tokens`), all in its pages, and each row's pages are those it holds now (`held`)
     or, if more, those T + j - 1 tokens need. Exact integers divided once per iteration, summed in order,
-    as one step at a time adds them."""
+    as one step at a time adds them. A page shared through the prefix cache counts once."""
     new_at = [0] * (k + 1)  # new_at[j]: rows whose pages first overflow at iteration j (a row past several pages counts once per page)
     for total, pages in zip(tokens, held):
         j = pages * page_size - total + 2  # the first iteration whose tokens (total + j - 1) need one more page
         while j <= k:
             new_at[max(j, 1)] += 1
             j += page_size
-    filled, rows, used = sum(tokens), len(tokens), scheduler.kv.num_used_pages
+    # decode allocates fresh pages only, so the shared ones counted twice stay the same over the k iterations
+    filled, rows, used = sum(tokens) - scheduler.shared_tokens_counted_twice(), len(tokens), scheduler.kv.num_used_pages
     stats = scheduler.stats
     peak, summed = stats.peak_kv_utilization, stats.kv_utilization_sum
     for j in range(1, k + 1):

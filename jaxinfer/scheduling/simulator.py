@@ -124,6 +124,7 @@ class _SketchScheduler(Scheduler):
     def __init__(self, cfg: EngineConfig, num_pages: int):
         super().__init__(cfg, num_pages)
         self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
+        self.shares_pages = False  # whether prompts share full pages through the prefix cache (_Run sets it)
 
     def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> _SketchPlan:
         self.stats.num_steps += 1
@@ -154,12 +155,19 @@ class _SketchScheduler(Scheduler):
             samples = (True,) * n
         return _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
 
+    def shared_tokens_counted_twice(self) -> int:
+        """Tokens that a sum of every running request's tokens counts more than once: a page shared through
+        the prefix cache is full (it holds `page_size` tokens of a shared prefix) and counts once per owner.
+        0 without shared prefixes (`shares_pages` False: the O(pages) count is skipped)."""
+        return self.block_pool.num_extra_owners() * self.cfg.page_size if self.shares_pages else 0
+
     def _record_utilization(self) -> None:
-        """The real statistic in O(running): the simulator's prompts never share a page (each starts with
-        its own token), so a page's tokens are its one owner's."""
+        """The real statistic (Scheduler._record_utilization: a shared page counts once) in O(running): a
+        request's pages hold its tokens, the prefix cache's shared pages are full, and past its shared prefix
+        every simulated prompt has a token of its own, so no later page is shared."""
         used_pages, size = self.kv.num_used_pages, self.cfg.page_size
         if used_pages:
-            filled, tables = 0, self.block_pool.tables  # request id -> block table (its length: kv.num_pages_held)
+            filled, tables = -self.shared_tokens_counted_twice(), self.block_pool.tables  # request id -> block table (its length: kv.num_pages_held)
             for r in self.running:
                 tokens, room = len(r.prompt_ids) + len(r.output_ids), len(tables.get(r.request_id, ())) * size
                 filled += tokens if tokens < room else room
@@ -193,6 +201,7 @@ class _Run:
         self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
         self.clock = VirtualClock()
         self.scheduler = _SketchScheduler(cfg, num_pages)
+        self.scheduler.shares_pages = cfg.enable_prefix_caching and any(r.shared_prefix >= cfg.page_size for r in requests)
         self.timed = sorted((r.arrival_s, i) for i, r in enumerate(requests) if r.arrival_s is not None)
         self.timed.reverse()  # popped from the end, earliest first
         self.pulled = [i for i, r in enumerate(requests) if r.arrival_s is None]

@@ -170,3 +170,24 @@ def test_one_pass_decode_gives_the_run_loops_results_bit_for_bit(num_pages, poli
         assert one_pass.summary() == run_loop.summary() and one_pass.steps_by_key == run_loop.steps_by_key
         assert (one_pass.wall_s, one_pass.mean_kv_utilization, one_pass.finish_reasons) == (run_loop.wall_s, run_loop.mean_kv_utilization, run_loop.finish_reasons)
     assert (one_pass.num_preemptions > 0) == (num_pages == 24)
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_kv_utilization_counts_a_page_shared_through_the_prefix_cache_once(monkeypatch, fast_forward):
+    # The reference is the real scheduler's own statistic (Scheduler._record_utilization: every row's block
+    # table read page by page, a shared page counted once), run on the same schedule step by step.
+    from jaxinfer.scheduling import simulator
+    from jaxinfer.scheduling.scheduler import Scheduler
+
+    cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24))
+    rng = np.random.default_rng(5)
+    requests = [SimRequest(int(p), int(o), shared_prefix=int(s)) for p, o, s in zip(rng.integers(20, 40, 60), rng.integers(1, 30, 60), rng.choice([0, 12, 16], 60))]
+    costs = work_costs(cfg)
+    fast = simulate(cfg, requests, costs, num_pages=200, max_inflight=24, fast_forward=fast_forward)
+    monkeypatch.setattr(simulator._SketchScheduler, "_record_utilization", Scheduler._record_utilization)
+    real = simulate(cfg, requests, costs, num_pages=200, max_inflight=24, fast_forward=False)
+    assert fast.num_steps == real.num_steps and fast.padding == real.padding  # the same schedule
+    assert fast.peak_kv_utilization == pytest.approx(real.peak_kv_utilization, rel=1e-12)
+    assert fast.mean_kv_utilization == pytest.approx(real.mean_kv_utilization, rel=1e-12)
+    assert real.peak_kv_utilization <= 1.0  # counted once per owner, the shared pages pushed it past 1
