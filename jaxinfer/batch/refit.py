@@ -150,6 +150,10 @@ class Swap:
     swapped_at_step: int
     num_programs: int
     compile_s: float
+    compile_started: float = 0.0  # perf_counter when the background compile began (the window a step may slow in)
+    compile_ended: float = 0.0  # perf_counter when it ended
+    swapped_at: float = 0.0  # perf_counter at the swap (the first step boundary after compile_ended)
+    compile_nice: int | None = None  # the compile thread's nice value (19 asked; None: it could not be read)
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -158,15 +162,18 @@ def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
     return dataclasses.replace(cfg, buckets=None, prefill_chunk_buckets=table, decode_batch_buckets=tables.decode_rows, decode_page_buckets=tables.pages)
 
 
-def _compile_quietly(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float]:
-    """The engine's compiles for `cfg` at the lowest CPU priority of this thread (Linux: a thread's nice value is its own)."""
+def _compile_quietly(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float, float, int | None]:
+    """The engine's compiles for `cfg` at the lowest CPU priority of this thread (Linux: a thread's nice value is its
+    own). Returns (programs, start, end perf_counter, the nice value the thread ran at or None)."""
+    nice = None
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except (AttributeError, OSError):  # not Linux, or not allowed: compile at the usual priority
         pass
     start = time.perf_counter()
     programs = engine.compile_programs(cfg, state)
-    return programs, time.perf_counter() - start
+    return programs, start, time.perf_counter(), nice
 
 
 class Refit:
@@ -203,7 +210,7 @@ class Refit:
         """Between two steps: the engine first (it gains the programs), then the schedulers and the LLM's config."""
         future, cfg, asked = self._pending
         self._pending = None
-        programs, seconds = future.result()
+        programs, started, ended, nice = future.result()
         old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
         self.llm.engine.use_config(cfg, programs)
         tables = BucketTables.from_config(cfg)
@@ -211,8 +218,8 @@ class Refit:
             scheduler.cfg, scheduler.tables = cfg, tables
         self.llm.engine_config = cfg
         self.watch.reset(tables.chunk_tokens)
-        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), seconds))
-        log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), seconds)
+        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), ended - started, started, ended, time.perf_counter(), nice))
+        log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - started)
 
     def close(self) -> None:
         """Wait for a compile under way (its programs are kept unused) and stop the thread."""

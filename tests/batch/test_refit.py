@@ -159,6 +159,8 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     hook.close()
     (swap,) = hook.swaps
     assert swap.old_table == (16, 32, 512) and swap.new_table != swap.old_table and swap.new_table[-1] == 512
+    assert swap.compile_started < swap.compile_ended <= swap.swapped_at and swap.compile_s == swap.compile_ended - swap.compile_started
+    assert swap.compile_nice in (19, None)  # the lowest priority, or a platform that cannot set a thread's
     assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
     tables = BucketTables.from_config(llm.engine_config)
     assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
