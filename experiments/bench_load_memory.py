@@ -9,10 +9,14 @@ Each file is loaded in a fresh child process (so one load's peak does not hide a
     as a first LLM(path) on a machine does;
   - "llm" (with --llm): `LLM(path)` whole, as a first start on a machine runs it: the load, the tuner (an empty
     tuning cache in a temporary folder), the choice applied and the engine warmed up.
+  - "phases" (with --phases, or --only phases): `LLM(path)` whole, then a short generate, with the engine config
+    experiments/bench_kquant.py uses (--bench-engine) or ENGINE; the peak RSS of each phase apart (VmHWM reset at
+    every phase boundary: load, the tuner's attention timing, its f32 reference, each candidate's engine build,
+    warm-up and probe runs, the chosen engine's build, its warm-up, the generate), so a spike names its phase.
 The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
 bytes; the budget is file + pool + 1 GiB.
 
-    .venv/bin/python experiments/bench_load_memory.py [--tune] [--llm] [FILE.gguf ...]   (default: the K-quant test files and,
+    .venv/bin/python experiments/bench_load_memory.py [--tune] [--llm] [--phases [--bench-engine]] [FILE.gguf ...]   (default: the K-quant test files and,
         where experiments/bench_kquant.py made them, its build/bench_kquant/ K-quant files but the 8B's)
 Writes experiments/results/bench_load_memory.json; the last stdout line is one JSON document.
 """
@@ -59,6 +63,9 @@ if stage == "llm":
     print(json.dumps({"llm_s": time.perf_counter() - start, "tune_s": llm.tuning.seconds, "before": before, "after_llm": status(), "choice": llm.tuning.choice.name,
                       "pool_bytes": quant.resident_bytes(eng.pool), "step_resident_bytes": quant.resident_bytes(eng.step_params)}))
     sys.exit()
+if stage == "phases":
+    exec(PHASES)
+    sys.exit()
 cfg, params = loading.load_for_engine(path, LoadOptions(), EngineConfig(**engine))
 out = {"load_s": time.perf_counter() - start, "before": before, "after_load": status(), "resident_weight_bytes": quant.resident_bytes(params),
        "formats": sorted({fmt for _, fmt in params_lib.weight_bytes(params)})}
@@ -76,16 +83,69 @@ if stage == "engine":
 print(json.dumps(out))
 """
 
+# The "phases" stage (exec'd by CHILD): each wrapped call is a phase; at every boundary the VmHWM since the last one
+# is added to the phase then innermost, and reset (clear_refs 5), so each phase's peak is its own.
+PHASES = r"""
+import functools
+from jaxinfer.api import LLM
+from jaxinfer.engine import engine as engine_lib, tuning, tune_attention
+from jaxinfer.model import quant
+from jaxinfer.scheduling.request import SamplingParams
+peaks, stack, order = {}, ["start"], []
+def boundary():
+    peak = status()["VmHWM"]
+    peaks[stack[-1]] = max(peaks.get(stack[-1], 0), peak)
+    if stack[-1] not in order:
+        order.append(stack[-1])
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+def phase(name_of):
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            boundary()
+            stack.append(name_of(*args, **kwargs))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                boundary()
+                stack.pop()
+        return run
+    return wrap
+inside = lambda name: (lambda *a, **k: "/".join(stack[1:] + [name]))
+loading.load_for_engine = phase(lambda *a, **k: "load")(loading.load_for_engine)
+tune_attention.choose_attention = phase(inside("tune attention"))(tune_attention.choose_attention)
+tuning.reference_run = phase(inside("tune f32 reference"))(tuning.reference_run)
+tuning.measure = phase(lambda c, *a, **k: "tune " + c.name)(tuning.measure)
+tuning.apply_choice = phase(inside("apply choice"))(tuning.apply_choice)
+engine_lib.Engine.__init__ = phase(inside("engine build"))(engine_lib.Engine.__init__)
+engine_lib.Engine.warmup = phase(inside("warm-up"))(engine_lib.Engine.warmup)
+llm = LLM(path, engine_config=EngineConfig(**engine))
+eng = llm.engine
+stack.append("generate")
+boundary()
+prompts = [[(7 * i + j) % 1000 + 10 for j in range(48)] for i in range(4)]
+llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+boundary()
+stack.pop()
+print(tuning.format_table(llm.tuning), file=sys.stderr)
+print(json.dumps({"before": before, "after_phases": status(), "phase_peaks": {name: peaks[name] for name in order},
+                  "peak_rss_bytes_all": max(peaks.values()), "choice": llm.tuning.choice.name, "pool_bytes": quant.resident_bytes(eng.pool),
+                  "step_resident_bytes": quant.resident_bytes(eng.step_params), "resident_weight_bytes": quant.resident_bytes(eng.params)}))
+"""
+BENCH_ENGINE = dict(max_context=1024, max_num_seqs=16, page_size=16, num_pages=16 * (1024 // 16) + 1,  # bench_kquant's engine config
+                    compilation_cache_dir=None)  # (engine_runs.workload_engine_config): no persistent compilation cache, a cold warm-up
 
-def measure(path: Path, stage: str, log: Path) -> dict:
+
+def measure(path: Path, stage: str, log: Path, engine: dict = ENGINE) -> dict:
     """One stage in a fresh child; its stderr (progress, the tuner's table) goes to `log` as it runs."""
-    command = [sys.executable, "-c", CHILD, stage, str(path), json.dumps(ENGINE)]
+    command = [sys.executable, "-c", CHILD.replace("exec(PHASES)", f"exec({PHASES!r})"), stage, str(path), json.dumps(engine)]
     with open(log, "w") as err:
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT)
     if done.returncode != 0:
         return {"error": log.read_text()[-2000:]}
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return out | ({"log_tail": log.read_text()[-4000:]} if stage == "llm" else {})  # the tuner's table
+    return out | ({"log_tail": log.read_text()[-4000:]} if stage in ("llm", "phases") else {})  # the tuner's table
 
 
 def main() -> None:
@@ -93,20 +153,23 @@ def main() -> None:
     parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
     parser.add_argument("--tune", action="store_true", help="also the tuner's peak (minutes per file)")
     parser.add_argument("--llm", action="store_true", help="also LLM(path) whole: load, tune, engine warm-up (minutes per file)")
-    parser.add_argument("--only", choices=("load", "engine", "tune", "llm"), help="that stage alone (an 8B: one load, not four)")
+    parser.add_argument("--phases", action="store_true", help="also LLM(path) + a short generate, the peak RSS of each phase apart")
+    parser.add_argument("--bench-engine", action="store_true", help="the phases stage with bench_kquant's engine config (its 1 GiB pool for a 1B)")
+    parser.add_argument("--only", choices=("load", "engine", "tune", "llm", "phases"), help="that stage alone (an 8B: one load, not four)")
     args = parser.parse_args()
     start, rows, results = time.perf_counter(), [], {}
     for path in (p.resolve() for p in args.files):
         file_bytes = path.stat().st_size
         entry = {"file_bytes": file_bytes}
-        stages = (args.only,) if args.only else ("load", "engine") + ("tune",) * args.tune + ("llm",) * args.llm
+        stages = (args.only,) if args.only else ("load", "engine") + ("tune",) * args.tune + ("llm",) * args.llm + ("phases",) * args.phases
         for stage in stages:
-            entry[stage] = measure(path, stage, args.out.with_name(f"{args.out.stem}.{path.stem}.{stage}.log"))
-        pool = entry.get("engine", entry.get("llm", {})).get("pool_bytes") or 0  # the tune stage alone: its pool is not counted
+            engine = BENCH_ENGINE if stage == "phases" and args.bench_engine else ENGINE
+            entry[stage] = measure(path, stage, args.out.with_name(f"{args.out.stem}.{path.stem}.{stage}.log"), engine)
+        pool = entry.get("engine", entry.get("llm", entry.get("phases", {}))).get("pool_bytes") or 0  # the tune stage alone: its pool is not counted
         budget = file_bytes + pool + SLACK_BYTES
         for stage in stages:
             last = next((entry[stage][k] for k in ("after_llm", "after_tune", "after_engine", "after_load") if k in entry[stage]), {})
-            peak = last.get("VmHWM")
+            peak = entry[stage].get("peak_rss_bytes_all", last.get("VmHWM"))  # phases: VmHWM was reset at each boundary
             entry[stage]["peak_rss_bytes"] = peak
             entry[stage]["within_budget"] = None if peak is None else peak <= budget
         entry["budget_bytes"] = budget
@@ -115,11 +178,13 @@ def main() -> None:
                    f"{(entry.get('load', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, engine {(entry.get('engine', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
                    f"tune {(entry.get('tune', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
                    f"llm {(entry.get('llm', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
-        peaks = [(entry.get(stage, {}).get("peak_rss_bytes") or 0) / 2**20 for stage in ("load", "engine", "tune", "llm")]
+        for name, peak in entry.get("phases", {}).get("phase_peaks", {}).items():
+            report.log("bench_load_memory", f"  phase {name:<48} peak {peak / 2**20:7.0f} MiB ({peak / budget:.2f}x the budget)")
+        peaks = [(entry.get(stage, {}).get("peak_rss_bytes") or 0) / 2**20 for stage in ("load", "engine", "tune", "llm", "phases")]
         rows.append([path.name, file_bytes / 2**20, *peaks, budget / 2**20, ", ".join(entry.get("load", {}).get("formats", [])),
                      all(entry[stage].get("within_budget") for stage in stages)])
     print("\n" + report.format_table([("file", "<22"), ("file MiB", "9.0f"), ("peak load MiB", "13.0f"), ("peak engine MiB", "15.0f"),
-                                      ("peak tune MiB", "13.0f"), ("peak llm MiB", "12.0f"), ("budget MiB", "10.0f"), ("formats", "<40"),
+                                      ("peak tune MiB", "13.0f"), ("peak llm MiB", "12.0f"), ("peak phases MiB", "15.0f"), ("budget MiB", "10.0f"), ("formats", "<40"),
                                       ("within", "<6")], rows))
     doc = {"question": "peak host RSS while a GGUF loads (and its engine starts) against file + KV pool + 1 GiB",
            "results": results, "runtime_s": time.perf_counter() - start}
