@@ -97,7 +97,20 @@ def check_against_reference(llm, requests: list[dict]) -> dict:
         return [o.token_ids for o in generate(llm, [requests[i] for i in chosen])]
 
     params, reference = reference_params(llm)
-    return {**reference_check(params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens), "reference": reference}
+    result = {**reference_check(params, llm.model_config, llm.tokenizer.eos_id, requests, engine_tokens), "reference": reference}
+    if reference == "w8a8_exact":  # the tight check: whole greedy runs part at W8A8's discontinuities (docs/tuning.md)
+        result |= kernel_matmul_check(llm)
+    return result
+
+
+def kernel_matmul_check(llm) -> dict:
+    """Each W8A8 kernel matmul of `llm`'s engine against the exact reference on the same activations
+    (w8a8_reference.kernel_matmul_error), and whether it is within the tuner's W8A8_MATMUL_TOLERANCE."""
+    from jaxinfer.engine.numerics_check import W8A8_MATMUL_TOLERANCE
+    from jaxinfer.model import w8a8_reference
+
+    error = w8a8_reference.kernel_matmul_error(llm.engine.step_params, llm.engine.params)
+    return {"kernel_matmul_error": error, "kernel_matmuls_exact": error <= W8A8_MATMUL_TOLERANCE}
 
 
 def reference_params(llm) -> tuple[object, str]:
