@@ -123,8 +123,19 @@ class Candidate(Impls):
             stage = jax.eval_shape(lambda p: cast_model(cfg, p, self.dtype)[1], stage)
             total += nbytes(stage)
         if self.matmul_impl in ("cpu", "cpu_int8"):  # 'int8' marks the same arrays
-            total += nbytes(jax.eval_shape(packer(self.matmul_impl), stage))
+            total += _new_panel_bytes(jax.eval_shape(packer(self.matmul_impl), stage), stage)
         return total
+
+
+def _new_panel_bytes(packed: Params, params: Params) -> int:
+    """Bytes of the panels `packed` (pack_panels' output, shapes) holds beyond `params`: its panel tensors less the
+    K-quant panels packed at load, which pack_panels hands through as they are (norms and biases are never repacked)."""
+    def panel_bytes(tree, types) -> int:
+        kept = [leaf for leaf in jax.tree.leaves(tree, is_leaf=panels.is_panel) if isinstance(leaf, types)]
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept))
+
+    made = panel_bytes(packed, (panels.PanelTensor, panels.QuantPanelTensor, panels.KQuantPanelTensor))
+    return made - panel_bytes(params, panels.KQuantPanelTensor)
 
 
 def dense_bytes(params: Params) -> int:

@@ -140,3 +140,15 @@ def test_w8a8_reference_of_a_tied_table_kept_once_matches_the_kernel(tmp_path):
     kernel = _logits(panels.pack_panels(params, quantized=True), cfg, tokens)
     reference = _logits(w8a8_reference.with_fake_quant(params), cfg, tokens)
     assert np.linalg.norm(kernel - reference) / np.linalg.norm(reference) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama_q6_k", "gemma3_q5_0"])
+def test_the_kernel_candidate_of_panels_packed_at_load_makes_no_new_weight_arrays(tmp_path, name):
+    """tuning.Candidate.extra_bytes (what `too_large` compares with the tuner's memory budget) counts only new arrays:
+    pack_panels hands K-quant panels packed at load (the tied table included) through as they are, so the kernel
+    candidate of a model whose every matrix is K-quant adds none (the norms are not repacked either)."""
+    from jaxinfer.engine import tuning
+
+    cfg, params = loading.load_model(_files(tmp_path)[name], quantization="gguf", kquant_panels=True)
+    assert quant.resident_bytes(panels.pack_panels(params, quantized=True)) == quant.resident_bytes(params)
+    assert tuning.Candidate("float32", "cpu", "cpu_int8").extra_bytes(cfg, params, auto_weights=True) == 0
