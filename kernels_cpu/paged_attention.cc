@@ -116,6 +116,15 @@ inline void page_update(const float* __restrict s, const float* __restrict vp, i
   }
 }
 
+// Prefetches a page's keys and values ([K, L] and [L, K] floats) into L2 while the page before is computed:
+// the pages of a block table lie anywhere in the pool, so the hardware prefetcher cannot run ahead to them.
+inline void prefetch_page(const float* kp, const float* vp, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) {
+    __builtin_prefetch(kp + i, 0, 2);
+    __builtin_prefetch(vp + i, 0, 2);
+  }
+}
+
 // One task: row b, kv head kv, queries [t0, t1).
 template <int LT, int KT>
 void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_t t0, int64_t t1) {
@@ -135,12 +144,23 @@ void run_task(const Inputs& in, const Geometry& g, int64_t b, int64_t kv, int64_
     lowest = std::min(lowest, static_cast<int64_t>(in.q_pos[b * g.T + t0 + t]) - in.window + 1);
   }
   const int64_t head_pages = (in.layer * g.G + kv) * g.P;
+  const int32_t seg_low = in.q_seg[b * g.T + t0], seg_high = in.q_seg[b * g.T + t1 - 1];  // the tile's sequences (a packed row's are in order)
+  const auto read = [&](int64_t e) {  // whether the tile reads entry e: its page can matter to one of the queries
+    const int32_t first = in.page_pos[b * g.E + e], seg = in.page_seg[b * g.E + e];
+    return first <= last && first + L > lowest && std::min(seg_low, seg_high) <= seg && seg <= std::max(seg_low, seg_high);
+  };
   for (int64_t e = 0; e < g.E; ++e) {
     const int32_t first = in.page_pos[b * g.E + e], seg = in.page_seg[b * g.E + e];
     if (first > last || first + L <= lowest) continue;  // after every query, or before every window
     const int64_t page = in.tables[b * g.E + e];  // in [0, P): check_pages ran before any task
     const float* kp = in.k_pool + (head_pages + page) * K * L;  // [K, L]
     const float* vp = in.v_pool + (head_pages + page) * L * K;  // [L, K]
+    for (int64_t next = e + 1; next < g.E; ++next) {
+      if (!read(next)) continue;
+      const int64_t ahead = head_pages + in.tables[b * g.E + next];
+      prefetch_page(in.k_pool + ahead * K * L, in.v_pool + ahead * L * K, K * L);
+      break;
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t qi = b * g.T + t0 + t;
       const int64_t n = std::min<int64_t>(L, static_cast<int64_t>(in.q_pos[qi]) - first + 1);
