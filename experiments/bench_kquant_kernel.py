@@ -9,7 +9,11 @@ kquant_matmul.pack. "read" is the bytes the GGUF format stores per second (not t
 the machine's read bandwidth (machine.measure_bandwidth_peak), measured in the same run.
 --baseline REV also builds kquant_matmul.cc (with the headers beside it) as git holds it at REV and times it
 in the same process, each repeat alternating the two builds, so a loaded machine slows both alike: the ratio
-is the figure to keep ("speedup": baseline ms / this tree's ms).
+is the figure to keep ("speedup": baseline ms / this tree's ms; "speedup_cpu": the median of the per-repeat
+ratios of CPU time, which a machine shared with other processes moves far less: +-3% between two copies of one
+build at a load of 8 on 2 cores (9 repeats, 16 and 512 rows), where wall-time ratios moved +-30%). "GOP/cpu-s" is against one core's int8
+VNNI peak: a Zen 4 core retires one 512-bit vpdpbusd (64 multiply-adds, 128 ops) a cycle, 467 GOP per
+CPU-second measured (about 3.65 GHz); 2 cores, 934 GOP/s.
 Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one JSON document.
 
     .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...] [--shapes gate_up,...]
@@ -18,6 +22,7 @@ Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one
 """
 
 import ctypes
+import resource
 import subprocess
 import tempfile
 from pathlib import Path
@@ -126,19 +131,31 @@ def check(fmt: str, weights, x, num_in: int) -> float:
     return float(np.abs(ours - expected).max() / np.abs(expected).max())
 
 
-def seconds_per_layer(fns: list, x, layers: int, repeats: int) -> list[float]:
-    """The best seconds per layer of each of `fns`, their calls alternating repeat by repeat."""
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread's (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def seconds_per_layer(fns: list, x, layers: int, repeats: int) -> tuple[list[float], np.ndarray]:
+    """Per layer, for each of `fns`: the best wall seconds, and the CPU seconds of every repeat ([fns, repeats]).
+    Their calls alternate repeat by repeat, in reversed order every other repeat. On a machine other processes
+    share, CPU time (what the kernel's threads ran) moves far less than wall time, which also counts the time
+    they waited for a core: compare builds by the per-repeat ratios of CPU time."""
     import jax
     import jax.numpy as jnp
 
     programs = [jax.jit(lambda fn=fn: jax.lax.fori_loop(0, layers, lambda layer, total: total + fn(x, layer)[0, 0], jnp.float32(0))) for fn in fns]
     for program in programs:
         program().block_until_ready()  # compiled and warm
-    times = [[] for _ in programs]
-    for _ in range(repeats):
-        for program, seconds in zip(programs, times):
-            seconds.append(timing.timed(lambda: program().block_until_ready())[1])
-    return [min(seconds) / layers for seconds in times]
+    wall, cpu = np.zeros((len(programs), repeats)), np.zeros((len(programs), repeats))
+    for repeat in range(repeats):
+        order = range(len(programs)) if repeat % 2 == 0 else reversed(range(len(programs)))
+        for i in order:
+            start = _cpu_seconds()
+            wall[i, repeat] = timing.timed(lambda: programs[i]().block_until_ready())[1]
+            cpu[i, repeat] = _cpu_seconds() - start
+    return list(wall.min(axis=1) / layers), cpu / layers
 
 
 def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int, baseline: bool) -> list[dict]:
@@ -152,13 +169,16 @@ def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], laye
             x = jnp.asarray(rng.standard_normal((rows, num_in)).astype(np.float32))
             error = check(fmt, weights, x, num_in)
             fns = [matmul(fmt, weights, num_in)] + ([matmul(fmt, weights, num_in, baseline=True)] if baseline and fmt != "q4_0" else [])
-            seconds, *before = seconds_per_layer(fns, x, layers, repeats)
+            (seconds, *before), cpu = seconds_per_layer(fns, x, layers, repeats)
+            ops = 2 * rows * num_in * num_out
             row = {"shape": name, "inputs": num_in, "outputs": num_out, "format": fmt, "rows": rows, "ms": 1e3 * seconds,
-                   "gop_per_s": 2 * rows * num_in * num_out / seconds / 1e9, "file_bytes_per_s": file_bytes / seconds,
-                   "relative_error_vs_reference": error}
+                   "gop_per_s": ops / seconds / 1e9, "file_bytes_per_s": file_bytes / seconds, "cpu_ms": 1e3 * float(np.median(cpu[0])),
+                   "gop_per_cpu_s": ops / float(cpu[0].min()) / 1e9, "relative_error_vs_reference": error}
             if before:
-                row |= {"baseline_ms": 1e3 * before[0], "speedup": before[0] / seconds}
-            report.log("bench_kquant_kernel", f"{name} {fmt} rows {rows}: {row['ms']:.3f} ms" + (f" (baseline {1e3 * before[0]:.3f} ms, {before[0] / seconds:.2f}x)" if before else ""))
+                row |= {"baseline_ms": 1e3 * before[0], "speedup": before[0] / seconds, "baseline_cpu_ms": 1e3 * float(np.median(cpu[1])),
+                        "speedup_cpu": float(np.median(cpu[1] / cpu[0]))}  # the median of the paired per-repeat ratios
+            report.log("bench_kquant_kernel", f"{name} {fmt} rows {rows}: {row['ms']:.3f} ms" +
+                       (f" (baseline {1e3 * before[0]:.3f} ms, {before[0] / seconds:.2f}x; CPU time {row['speedup_cpu']:.3f}x)" if before else ""))
             out.append(row)
         del weights
     return out
@@ -190,11 +210,12 @@ def main():
     rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats, bool(args.baseline))]
     peak = bandwidth["best_bytes_per_s"]
     print(report.format_table(
-        [("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("ms", ">8.3f"), ("GOP/s", ">6.0f"), ("read", ">6.1%")],
-        [[r["shape"], r["format"], r["rows"], r["ms"], r["gop_per_s"], r["file_bytes_per_s"] / peak] for r in rows]))
+        [("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("ms", ">8.3f"), ("GOP/s", ">6.0f"), ("GOP/cpu-s", ">9.0f"), ("read", ">6.1%")],
+        [[r["shape"], r["format"], r["rows"], r["ms"], r["gop_per_s"], r["gop_per_cpu_s"], r["file_bytes_per_s"] / peak] for r in rows]))
     if args.baseline:
-        print(report.format_table([("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("before ms", ">9.3f"), ("ms", ">8.3f"), ("speedup", ">7.2f")],
-                                  [[r["shape"], r["format"], r["rows"], r["baseline_ms"], r["ms"], r["speedup"]] for r in rows if "speedup" in r]))
+        print(report.format_table([("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("before ms", ">9.3f"), ("ms", ">8.3f"), ("speedup", ">7.2f"), ("CPU-time speedup", ">16.3f")],
+                                  [[r["shape"], r["format"], r["rows"], r["baseline_ms"], r["ms"], r["speedup"], r["speedup_cpu"]] for r in rows if "speedup" in r]))
+    print("GOP/cpu-s: operations per second of CPU time summed over the kernel's threads (against one core's VNNI peak x cores)")
     print(f"read: the GGUF format's bytes per second against the measured read bandwidth {peak / 1e9:.1f} GB/s")
     worst = max(r["relative_error_vs_reference"] for r in rows)
     doc = {"question": "the CPU K-quant kernel on 1B shapes, weights out of the L3, beside quant_matmul's Q4_0",
