@@ -1,0 +1,277 @@
+"""Does an online refit bring a planned job's padding after a shift in its prompt lengths near a table fitted to the
+second half alone, without any step slowing past 2x while the refit compiles?
+
+The default model (`LLM()` with its defaults) runs one job file (build/bench_refit/lines.jsonl): real text
+(experiments/data, bench_prefix_admission.sentences) cut to prompts of about 25 tokens for the first half, then
+about 300 (log-normal, sigma 0.35: the shape of tests/batch/test_refit.py's shift), greedy, EOS ignored. The job's
+plan is made as `jaxinfer generate --plan` makes it (batch/planning.make_plan, applied, warmed up), but from the
+first half's lines only, so its chunk table is one fitted before the shift. The job then runs twice through the
+CLI's path (BatchJob.run with the hook of planning.refitting): first without refit (the planned tables kept; it
+also pays the process's one-time costs), then with it (batch/refit.Refit). Correctness first: every line has its
+record with exactly max_tokens tokens, and the share of lines whose greedy tokens agree between the two runs.
+
+Per step: its wall time (the on_step hook's seconds) and its program key. Refit records when its background
+compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it.
+Each step is compared to the median of its own program key's steps outside the window (the phase's median where
+the key has none). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
+second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
+a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top). A last probe compiles one
+more program in a thread as Refit does and lists which threads spent CPU meanwhile, and at what nice value.
+
+    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan]
+"""
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+from bench_prefix_admission import sentences
+from common import paths, report
+from common.paths import REPO_ROOT
+from jaxinfer.api import LLM
+from jaxinfer.batch import planning, refit
+from jaxinfer.batch.job import BatchJob
+from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.request import SamplingParams
+
+RESULTS = paths.RESULTS_DIR / "bench_refit.json"
+WORK_DIR = REPO_ROOT / "build" / "bench_refit"
+SHORT_TOKENS, LONG_TOKENS, SIGMA = 25, 300, 0.35
+MAX_NUM_SEQS, MAX_PREFILL_TOKENS = 8, 512  # the refit test's limits: few rows, so a prefill step holds about one prompt
+
+
+def max_tokens_of(index: int) -> int:
+    """8 to 48 output tokens, staggered (the refit test's), so that sequences finish apart and prompts enter one by one."""
+    return 8 + (index * 7) % 41
+GOALS = {"padding_gap": ("padding after the shift, refit run minus a second-half table's (dry run), points / 100", 0.02, "at_most"),
+         "max_ratio_in_window": ("slowest step while the refit compiles / median of its program key outside the window", 2.0, "at_most"),
+         "outputs_agree": ("share of lines whose greedy tokens equal the run without refit", 1.0, "at_least")}
+
+
+def job_lines(tokenizer, count: int, rng: np.random.Generator) -> list[str]:
+    """`count` short prompts, then `count` long ones: slices of the real text's tokens, decoded."""
+    ids = tokenizer.encode(" ".join(sentences()))
+    lengths = np.concatenate([rng.lognormal(np.log(SHORT_TOKENS), SIGMA, count), rng.lognormal(np.log(LONG_TOKENS), SIGMA, count)])
+    starts = rng.integers(0, len(ids) - 800, lengths.size)
+    return [tokenizer.decode(ids[s : s + n]) for s, n in zip(starts, np.clip(lengths.astype(int), 8, 700))]
+
+
+@dataclasses.dataclass
+class StepRecord:
+    ended: float  # perf_counter after the step
+    seconds: float  # the step's wall time (on_step's)
+    phase: str
+    key: str  # the program key
+    real_tokens: int  # prefill: new tokens; decode: rows
+    slots: int  # the bucket's token slots (rows x tokens)
+    second_half: bool  # holds a prompt of the second half
+
+
+def recorder(steps: list[StepRecord], half: int):
+    def on_step(plan, tokens, seconds):
+        second = any(int(r.split(":")[0]) >= half for r in plan.request_ids)
+        steps.append(StepRecord(time.perf_counter(), seconds, plan.phase, str(plan.bucket), int(sum(plan.num_new_tokens)),
+                                plan.bucket.num_rows * plan.bucket.num_tokens, second))
+    return on_step
+
+
+def plan_first_half(llm, prompts) -> planning.Plan:
+    """What `--plan` would choose from a sample of the first half's lines (planning.plan_job, its sample narrowed)."""
+    ids = [p.token_ids for p in prompts]
+    shared = planning.shared_page_tokens(ids, llm.engine_config.page_size) if llm.engine_config.enable_prefix_caching else np.zeros(len(ids), np.int64)
+    sample = planning.WorkloadSample(np.array([len(i) for i in ids]), np.array([p.params.max_tokens for p in prompts]), shared, 2 * len(ids))
+    given = dataclasses.replace(llm.engine_config, num_pages=llm.engine.num_pages)
+    options = planning.PlanOptions(max_num_seqs=(MAX_NUM_SEQS,), max_prefill_tokens=(MAX_PREFILL_TOKENS,))
+    return planning.make_plan(sample, given, planning.engine_costs(llm), options)
+
+
+def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool) -> tuple[list[StepRecord], list, float]:
+    """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds)."""
+    steps, swaps = [], []
+    llm.reset_prefix_cache()
+    with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half), refitting) as on_step:
+        job.runner.on_step = on_step
+        start = time.perf_counter()
+        job.run(llm, progress=False)
+        wall = time.perf_counter() - start
+        swaps = list(getattr(on_step, "swaps", []))
+    return steps, swaps, wall
+
+
+def read_records(output) -> dict[int, dict]:
+    """{line id: record} of the output file's result records."""
+    records = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    return {r["id"]: r for r in records if "id" in r}
+
+
+def check_outputs(records: dict, num_lines: int) -> bool:
+    """One record per line, each finished with exactly its line's max_tokens."""
+    return sorted(records) == list(range(num_lines)) and all(r.get("status") == "ok" and len(r["token_ids"]) == max_tokens_of(i) for i, r in records.items())
+
+
+def padding_of(steps: list[StepRecord], after: float = 0.0) -> float | None:
+    prefill = [s for s in steps if s.phase == "prefill" and s.second_half and s.ended > after]
+    return None if not prefill else 1.0 - sum(s.real_tokens for s in prefill) / sum(s.slots for s in prefill)
+
+
+def window_stats(steps: list[StepRecord], swap: refit.Swap) -> dict:
+    """Per phase: median outside the compile window, max / p99 inside, and each inside step against its key's median."""
+    inside = [s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended for s in steps]
+    outside_by_key, outside_by_phase = {}, {}
+    for s, i in zip(steps, inside):
+        if not i:
+            outside_by_key.setdefault(s.key, []).append(s.seconds)
+            outside_by_phase.setdefault(s.phase, []).append(s.seconds)
+    out = {}
+    for phase in ("prefill", "decode"):
+        seconds = [s.seconds for s, i in zip(steps, inside) if i and s.phase == phase]
+        ratios = [s.seconds / np.median(outside_by_key.get(s.key) or outside_by_phase[phase]) for s, i in zip(steps, inside) if i and s.phase == phase]
+        out[phase] = {"median_outside_s": float(np.median(outside_by_phase[phase])) if phase in outside_by_phase else None,
+                      "num_inside": len(seconds), "max_inside_s": max(seconds, default=None),
+                      "p99_inside_s": float(np.percentile(seconds, 99)) if seconds else None, "max_ratio_to_own_key": max(ratios, default=None)}
+    return out
+
+
+def fitted_table(llm, cfg, prompts, count: int, top: int) -> tuple[int, ...]:
+    """A chunk table of `count` buckets, the largest `top`, fitted to the packed-row sizes of a dry run of these prompts
+    on a fine table (refit.refit_chunk_table, as the refit fits)."""
+    fine, _ = runloop.dry_run(refit.with_chunk_table(cfg, tuple(range(16, top, 16)) + (top,)), [p.token_ids for p in prompts], [p.params.max_tokens for p in prompts], llm.engine.num_pages)
+    sizes = [sum(p.num_new_tokens) for p in fine if p.phase == "prefill"]
+    return refit.refit_chunk_table(np.array(sizes), tuple(range(16, 16 * count, 16)) + (top,))
+
+
+def dry_padding(llm, cfg, table, prompts) -> float:
+    """Prefill padding of a dry run (runloop.dry_run, host only) of these prompts on `cfg` with this chunk table."""
+    plans, _ = runloop.dry_run(refit.with_chunk_table(cfg, table), [p.token_ids for p in prompts], [p.params.max_tokens for p in prompts], llm.engine.num_pages)
+    prefill = [p for p in plans if p.phase == "prefill"]
+    return 1.0 - sum(sum(p.num_new_tokens) for p in prefill) / sum(p.bucket.num_rows * p.bucket.num_tokens for p in prefill)
+
+
+def _threads() -> dict[int, tuple[str, float, int]]:
+    """{tid: (name, cpu seconds, nice)} of this process's threads (Linux /proc)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick, int(fields[16]))
+    return out
+
+
+def probe_compile_threads(llm) -> dict:
+    """One more program compiled as Refit compiles it (refit._compile_quietly in its own thread) while the stepping
+    thread waits: the compile thread's own CPU seconds and nice value, and which other threads spent CPU meanwhile
+    (XLA's own pools: a thread's nice value is its own, so work the compile hands them runs at theirs)."""
+    tables = BucketTables.from_config(llm.engine_config)
+    extra = next(n for n in range(16, tables.chunk_tokens[-1], 16) if n not in tables.chunk_tokens)
+    cfg, result = refit.with_chunk_table(llm.engine_config, (extra, tables.chunk_tokens[-1])), {}
+
+    def compile_here():
+        start = time.thread_time()
+        result["out"] = refit._compile_quietly(llm.engine, cfg, llm.engine.abstract_state())
+        result["cpu_s"] = time.thread_time() - start
+
+    thread, main_tid = threading.Thread(target=compile_here), threading.main_thread().native_id
+    before = _threads()
+    thread.start()
+    thread.join()
+    after = _threads()  # the compile thread has exited: its CPU is its own thread_time
+    others = [{"tid": t, "name": name, "nice": nice, "cpu_s": round(cpu - before.get(t, (name, 0.0, nice))[1], 2), "main_thread": t == main_tid}
+              for t, (name, cpu, nice) in after.items() if cpu - before.get(t, (name, 0.0, nice))[1] >= 0.05]
+    programs, started, ended, nice = result["out"]
+    return {"num_programs": len(programs), "compile_s": round(ended - started, 2), "compile_thread_nice": nice, "compile_thread_cpu_s": round(result["cpu_s"], 2),
+            "other_busy_threads": others, "other_cpu_s_at_normal_priority": round(sum(o["cpu_s"] for o in others if o["nice"] < 19 and not o["main_thread"]), 2)}
+
+
+def main() -> None:
+    parser = report.arg_parser(__doc__, out=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a few lines (a smoke test; its timings are not results)")
+    parser.add_argument("--lines", type=int, default=None, help="lines per half")
+    parser.add_argument("--table", choices=("reach", "plan"), default="reach",
+                        help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")
+    args = parser.parse_args()
+    args.lines = args.lines or (72 if args.quick else 160)
+    if args.quick:
+        args.out = args.out.with_name("bench_refit_quick.json")
+    llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_prefill_tokens=MAX_PREFILL_TOKENS, warmup=False)
+    defaults = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lines = job_lines(llm.tokenizer, args.lines, np.random.default_rng(0))
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    input_path = WORK_DIR / "lines.jsonl"
+    input_path.write_text("".join(json.dumps({"id": i, "prompt": line, "max_tokens": max_tokens_of(i)}) + "\n" for i, line in enumerate(lines)))
+    prompts = [llm.prepare(line, dataclasses.replace(defaults, max_tokens=max_tokens_of(i)), index=i) for i, line in enumerate(lines)]
+    report.log("bench_refit", f"{len(lines)} lines: prompt tokens median {np.median([len(p.token_ids) for p in prompts[: args.lines]]):.0f} then "
+                              f"{np.median([len(p.token_ids) for p in prompts[args.lines :]]):.0f}")
+    plan = plan_first_half(llm, prompts[: args.lines])
+    print(plan.summary())
+    plan_table, top = BucketTables.from_config(plan.config).chunk_tokens, BucketTables.from_config(llm.engine_config).chunk_tokens[-1]
+    if args.table == "reach":  # the refit test's start: the first half's fit, its top the whole chunk limit (the plan's stops at its sizes)
+        config = refit.with_chunk_table(plan.config, fitted_table(llm, plan.config, prompts[: args.lines], len(plan_table), top))
+        plan = dataclasses.replace(plan, config=config)
+    start_table = BucketTables.from_config(plan.config).chunk_tokens
+    report.log("bench_refit", f"the job starts on chunk table {start_table} (the plan's: {plan_table})")
+    planning.apply_plan(llm, plan)
+    llm.engine.warmup()
+    report.log("bench_refit", "run without refit (also the process's one-time costs)")
+    stale_steps, _, stale_wall = run_job(llm, input_path, WORK_DIR / "no_refit.jsonl", defaults, args.lines, refitting=False)
+    report.log("bench_refit", "run with refit")
+    steps, swaps, wall = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True)
+    records, stale_records = read_records(WORK_DIR / "refit.jsonl"), read_records(WORK_DIR / "no_refit.jsonl")
+    complete = check_outputs(records, len(lines)) and check_outputs(stale_records, len(lines))
+    agree = float(np.mean([records[n].get("token_ids") == stale_records[n].get("token_ids") for n in records if n in stale_records])) if records else 0.0
+    alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
+    alone = dry_padding(llm, plan.config, alone_table, prompts[args.lines :])
+    result = summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall)
+    result |= {"plan_chunk_table": list(plan_table), "start_chunk_table": list(start_table), "outputs_complete": complete, "outputs_agree": agree}
+    result["compile_threads"] = probe_compile_threads(llm)
+    print_result(result)
+    goals = report.judge(GOALS, {"padding_gap": result["padding_gap"], "max_ratio_in_window": result["max_ratio_in_window"], "outputs_agree": agree})
+    report.print_goals(goals)
+    doc = {"question": __doc__.split("\n\n")[0].replace("\n", " "), "settings": {k: str(v) for k, v in vars(args).items()}, "result": result, "goals": goals}
+    report.finish(args.out, doc, {"bench": "refit", "goals": {k: g["measured"] for k, g in goals.items()}}, correct=complete)
+
+
+def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -> dict:
+    out = {"wall_s": round(wall, 2), "no_refit_wall_s": round(stale_wall, 2), "num_steps": len(steps), "second_half_table": list(alone_table),
+           "padding_after_shift": padding_of(steps), "padding_after_shift_no_refit": padding_of(stale_steps), "padding_second_half_alone": alone,
+           "swaps": [dataclasses.asdict(s) for s in swaps], "padding_after_swap": None, "window": None, "max_ratio_in_window": None}
+    out["padding_gap"] = None if out["padding_after_shift"] is None else out["padding_after_shift"] - alone
+    if swaps:
+        swap = swaps[0]
+        out["padding_after_swap"] = padding_of(steps, swap.swapped_at)
+        out["window"] = window_stats(steps, swap)
+        ratios = [w["max_ratio_to_own_key"] for w in out["window"].values() if w["max_ratio_to_own_key"] is not None]
+        out["max_ratio_in_window"] = max(ratios, default=None)
+        first = steps[0].ended - steps[0].seconds
+        out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first}
+    return out
+
+
+def print_result(result: dict) -> None:
+    print(f"\nplan's chunk table {tuple(result['plan_chunk_table'])}; the job's start {tuple(result['start_chunk_table'])}; "
+          f"second half alone {tuple(result['second_half_table'])}")
+    for s in result["swaps"]:
+        print(f"swap: {tuple(s['old_table'])} -> {tuple(s['new_table'])} asked at step {s['asked_at_step']}, swapped at {s['swapped_at_step']}; "
+              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']})")
+    pad = [["refit run, after the shift", result["padding_after_shift"]], ["refit run, after the swap", result["padding_after_swap"]],
+           ["no refit, after the shift", result["padding_after_shift_no_refit"]], ["second half alone (dry run)", result["padding_second_half_alone"]]]
+    print("\n" + report.format_table([("prefill padding", "<30"), ("share", "7.1%")], pad))
+    if result["window"]:
+        columns = [("phase", "<8"), ("median out s", "13.3f"), ("steps in", "9d"), ("max in s", "9.3f"), ("p99 in s", "9.3f"), ("max / own key", "14.2f")]
+        rows = [[p, w["median_outside_s"], w["num_inside"], w["max_inside_s"], w["p99_inside_s"], w["max_ratio_to_own_key"]] for p, w in result["window"].items()]
+        print("\n" + report.format_table(columns, rows))
+    probe = result["compile_threads"]
+    print(f"\ncompile probe: {probe['num_programs']} programs in {probe['compile_s']} s; the compile thread {probe['compile_thread_cpu_s']} s CPU at nice "
+          f"{probe['compile_thread_nice']}, other threads (not the main one) at normal priority {probe['other_cpu_s_at_normal_priority']} s")
+    print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
