@@ -3,7 +3,9 @@ second half alone, without any step slowing past 2x while the refit compiles?
 
 The default model (`LLM()` with its defaults) runs one job file (build/bench_refit/lines.jsonl): real text
 (experiments/data, bench_prefix_admission.sentences) cut to prompts of about 25 tokens for the first half, then
-about 300 (log-normal, sigma 0.35: the shape of tests/batch/test_refit.py's shift), greedy, EOS ignored. The job's
+about 300 (log-normal, sigma 0.35: the shape of tests/batch/test_refit.py's shift), greedy, EOS ignored, 8 to 48
+output tokens staggered, 8 sequences and a 512-token prefill budget (the test's: a prefill step holds about one
+prompt, so its size follows the prompts; 32 packed sequences fill every step and nothing drifts). The job's
 plan is made as `jaxinfer generate --plan` makes it (batch/planning.make_plan, applied, warmed up), but from the
 first half's lines only, so its chunk table is one fitted before the shift. The job then runs twice through the
 CLI's path (BatchJob.run with the hook of planning.refitting): first without refit (the planned tables kept; it
@@ -192,7 +194,8 @@ def probe_compile_threads(llm) -> dict:
 
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="a few lines (a smoke test; its timings are not results)")
+    parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing, which ends before the watch sees drift "
+                                                             "(a dry run of this trace refits 42 prefill steps after the shift at 160 lines a half, never at 72)")
     parser.add_argument("--lines", type=int, default=None, help="lines per half")
     parser.add_argument("--table", choices=("reach", "plan"), default="reach",
                         help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")
