@@ -12,7 +12,7 @@ CLI's path (BatchJob.run with the hook of planning.refitting): first without ref
 also pays the process's one-time costs), then with it (batch/refit.Refit). Correctness first: every line has its
 record with exactly max_tokens tokens, and the share of lines whose greedy tokens agree between the two runs.
 
-Per step: its wall time (the on_step hook's seconds) and its program key. Refit records when its background
+Every program compiles for real (a fresh XLA cache, removed at the end). Per step: its wall time (the on_step hook's seconds) and its program key. Refit records when its background
 compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it.
 Each step is compared to the median of its own program key's steps outside the window (the phase's median where
 the key has none). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
@@ -26,6 +26,7 @@ more program in a thread as Refit does and lists which threads spent CPU meanwhi
 import dataclasses
 import json
 import os
+import tempfile
 import threading
 import time
 
@@ -203,7 +204,9 @@ def main() -> None:
     args.lines = args.lines or (72 if args.quick else 160)
     if args.quick:
         args.out = args.out.with_name("bench_refit_quick.json")
-    llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_prefill_tokens=MAX_PREFILL_TOKENS, warmup=False)
+    # a fresh XLA cache: the refit's programs must really compile (the default persistent cache would hold them after one run)
+    cache = tempfile.TemporaryDirectory(prefix="bench_refit_xla_")
+    llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_prefill_tokens=MAX_PREFILL_TOKENS, compilation_cache_dir=cache.name, warmup=False)
     defaults = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     lines = job_lines(llm.tokenizer, args.lines, np.random.default_rng(0))
     WORK_DIR.mkdir(parents=True, exist_ok=True)
@@ -238,6 +241,7 @@ def main() -> None:
     goals = report.judge(GOALS, {"padding_gap": result["padding_gap"], "max_ratio_in_window": result["max_ratio_in_window"], "outputs_agree": agree})
     report.print_goals(goals)
     doc = {"question": __doc__.split("\n\n")[0].replace("\n", " "), "settings": {k: str(v) for k, v in vars(args).items()}, "result": result, "goals": goals}
+    cache.cleanup()
     report.finish(args.out, doc, {"bench": "refit", "goals": {k: g["measured"] for k, g in goals.items()}}, correct=complete)
 
 
