@@ -34,6 +34,7 @@ from jaxinfer.model import kv_pool as kvp
 from jaxinfer.scheduling import guided
 from jaxinfer.model import forward as model, panels, quant, sampling
 from jaxinfer.model import sharding as shd
+from jaxinfer.engine import host_memory
 from jaxinfer.engine.backends import packer, resolve_impl, resolve_matmul_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
@@ -367,6 +368,7 @@ class Engine:
             for key, compiled, seconds in pool.map(self._compile, missing):
                 (self._draws if isinstance(key, int) else self._programs)[key] = compiled
                 self.num_compilations += 1
+                host_memory.trim_heap()  # the compiler's freed working memory, before the next compile adds its own
                 log.info("compiled %s in %.2fs", key, seconds)
                 if progress is not None and not isinstance(key, int):
                     progress(key, seconds)
@@ -434,6 +436,7 @@ class Engine:
                 start = time.perf_counter()
                 self.step(plan, observe=False)
                 self.step_costs.observe(key, time.perf_counter() - start, warmup=True)
+            host_memory.trim_heap()  # a first run's freed buffers, before the next program's
         if missing and runs:
             self.save_step_costs()
 

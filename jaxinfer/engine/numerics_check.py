@@ -44,7 +44,7 @@ TOLERANCES = {
     "w8a8_exact": Tolerance(0.1, 0.5),
 }
 # The tight check of the W8A8 kernels: each matmul they run (the first layer of each format of every matrix they read),
-# against the exact reference on the same activations (w8a8_reference.kernel_matmul_error). Measured 3.9e-7 (the tiny
+# against the exact reference on the same activations (w8a8_exact.kernel_matmul_error). Measured 3.9e-7 (the tiny
 # Q4_K_M fixture), 4.9e-7 (SmolLM2 Q4_1), 4.5e-7 and 5.4e-7 (random Llama-3.2-1B 2 layers and Gemma-3-1B Q4_K_M);
 # activations in the wrong block size or f32 activations give 1e-2.
 W8A8_MATMUL_TOLERANCE = 1e-4
@@ -69,6 +69,11 @@ class Reference:
         logits = self.step_logits[row, step]
         margin = tolerance.max_relative_error * float(np.sqrt(np.mean(np.square(logits))))
         return float(logits[self.tokens[row, step]] - logits[token]) <= margin
+
+
+def logit_error(logits: dict, reference: Reference) -> float:
+    """The largest relative error of a candidate's prompt-end logits ({prompt index: f32[V]}) against `reference`'s."""
+    return max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(reference.logits)))
 
 
 def greedy_agreement(ours: list[list[int]], reference: Reference, tolerance: Tolerance) -> float:

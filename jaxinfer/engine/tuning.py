@@ -54,17 +54,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant, w8a8_reference
+from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant, w8a8_exact
 from jaxinfer.scheduling import runloop
 from jaxinfer.engine import tune_attention
+from jaxinfer.engine.host_memory import release_freed_memory
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import Engine, available_bytes
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls, packer
 from jaxinfer.engine.numerics_check import TOLERANCES, W8A8_MATMUL_TOLERANCE, Reference, Tolerance, tolerance_for, uses_exact_reference  # noqa: F401  (Tolerance: read by tests)
-from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement
+from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement, logit_error
 from jaxinfer.engine.tuning_cache import (  # noqa: F401  (TUNE_ENV, CACHE_ENV and cache_key: this module's settings)
-    CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, release_freed_memory, tuning_enabled,
+    CACHE_ENV, TUNE_ENV, Measurement, TuneResult, cache_dir, cache_key, machine_fingerprint, read_cached, tuning_enabled,
     write_cached,
 )
 from jaxinfer.scheduling.stopping import OutputProcessor
@@ -240,11 +241,11 @@ def reference_run(cfg: ModelConfig, params: Params, prompts: list[list[int]], nu
     a time (read="dense"), never through the W8A8 kernel; the head's logits come from `reference_logits`,
     REFERENCE_HEAD_ROWS vocabulary entries at a time, so no f32 copy of the whole head (1 GiB for Llama-3.2-1B's
     tied table, 2 GiB for Llama-3.1-8B's) and no second packed copy of it is ever made. `w8a8`: the W8A8 kernels'
-    exact reference instead (w8a8_reference.with_fake_quant: the activations of every matrix they read quantized
+    exact reference instead (w8a8_exact.with_fake_quant: the activations of every matrix they read quantized
     by their rule; a tied head they read is packed once more, as the kernel's engine packs it)."""
     cfg32, params32 = cast_model(cfg, panels.with_read(params, "dense"), "float32")
     if w8a8:
-        params32 = w8a8_reference.with_fake_quant(params32)
+        params32 = w8a8_exact.with_fake_quant(params32)
     lengths = np.array([len(p) for p in prompts], np.int32)
     ids = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for row, prompt in enumerate(prompts):
@@ -340,7 +341,7 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
         engine = Engine(cand_cfg, cand_params, engine_cfg, return_logits=True)
         engine.warmup()
         if uses_exact_reference(candidate):  # each kernel matmul against the exact reference, on the same activations
-            matmul_error = w8a8_reference.kernel_matmul_error(engine.step_params, cand_params)
+            matmul_error = w8a8_exact.kernel_matmul_error(engine.step_params, cand_params)
         bound = None if best_score is None else PRUNE_FACTOR * best_score
         runs = [_probe_generation(engine, probe, prune_above=bound)]
         if bound is None or _score(probe, *_timings(runs)) <= bound:
@@ -357,10 +358,10 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
     score = _score(probe, prefill, decode)
     if len(runs) < NUM_TIMED_RUNS:
         return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, note=f"pruned: {score / best_score:.1f}x the best score")
-    f32_error = _logit_error(logits, reference)
+    f32_error = logit_error(logits, reference)
     if uses_exact_reference(candidate):
         reference = exact_reference if exact_reference is not None else reference_run(cfg, params, probe.prompts, w8a8=True)
-    error = _logit_error(logits, reference)
+    error = logit_error(logits, reference)
     tolerance = tolerance_for(candidate)
     agreement = _greedy_agreement(tokens, reference, tolerance)
     matmul_ok = matmul_error is None or matmul_error <= W8A8_MATMUL_TOLERANCE
@@ -369,11 +370,6 @@ def measure(candidate: Candidate, cfg: ModelConfig, params: Params, probe: Probe
             else f"error {error:.2e} > {tolerance.max_relative_error:g}" if error > tolerance.max_relative_error else f"greedy {agreement:.2f} < {tolerance.min_greedy_agreement:g}")
     return Measurement(**row, prefill_ms=prefill, decode_ms=decode, score=score, relative_error=error, greedy_agreement=agreement, passed=passed, note=note,
                        f32_relative_error=f32_error if uses_exact_reference(candidate) else None, matmul_error=matmul_error)
-
-
-def _logit_error(logits: dict, reference: Reference) -> float:
-    """The largest relative error of the candidate's prompt-end logits ({prompt index: f32[V]}) against `reference`'s."""
-    return max(float(np.linalg.norm(logits[i] - reference.logits[i]) / np.linalg.norm(reference.logits[i])) for i in range(len(reference.logits)))
 
 
 def measure_all(candidates: list[Candidate], cfg: ModelConfig, params: Params, probe: Probe, budget: float, *, progress=None,

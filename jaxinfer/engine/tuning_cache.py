@@ -11,9 +11,7 @@ Imports jax (the backend and the fingerprint) and engine/backends.py; tuning.py,
 (its step-cost table) import this module.
 """
 
-import ctypes
 import dataclasses
-import gc
 import hashlib
 import importlib.metadata
 import json
@@ -101,15 +99,6 @@ class TuneResult:
         return f"{self.choice.describe()} ({self.source})"
 
 
-def release_freed_memory() -> None:
-    """Collect garbage, then hand the C heap's free pages back to the system (glibc `malloc_trim`; a no-op
-    elsewhere): XLA:CPU buffers are malloc'd, and a freed engine's or reference's pages otherwise stay resident,
-    under the next candidate's peak (Llama-3.2-1B Q4_K_M: 0.1 GB after the load, 0.3 GB after a candidate's engine); the tuner and the loader call it."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def tuning_enabled() -> bool:

@@ -72,7 +72,7 @@ def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
     """`load_model` for a LoadOptions and an EngineConfig's pins, with quantization='auto' resolved to what
     the engine may run (engine/backends.resolve_quantization owns the rule): a GGUF's blocks kept where the
     CPU quantized-matmul kernel may multiply them, dense weights everywhere else."""
-    from jaxinfer.engine import backends, tuning_cache  # noqa: PLC0415  (jax; loading itself stays light)
+    from jaxinfer.engine import backends, host_memory, tuning_cache  # noqa: PLC0415  (jax; loading itself stays light)
 
     path = resolve_model_path(model)
     pins = backends.Impls(options.dtype, engine_cfg.attention_impl, engine_cfg.matmul_impl)
@@ -82,7 +82,7 @@ def load_for_engine(model, options, engine_cfg) -> tuple[ModelConfig, Params]:
     else:
         kquant_panels = quantization == "gguf" and backends.kquant_kernel_may_run(pins, on_mesh=options.on_mesh)
         loaded = load_model(path, **{**options.load_kwargs, "quantization": quantization, "kquant_panels": kquant_panels})
-    tuning_cache.release_freed_memory()  # the loader's host copies, freed, leave the heap (0.1 GB for Llama-3.2-1B Q4_K_M)
+    host_memory.release_freed_memory()  # the loader's host copies, freed, leave the heap (0.1 GB for Llama-3.2-1B Q4_K_M)
     return loaded
 
 

@@ -131,14 +131,14 @@ def test_logits_with_one_copy_equal_the_two_copy_layout(tmp_path, name, read):
 
 @needs_kernel
 def test_w8a8_reference_of_a_tied_table_kept_once_matches_the_kernel(tmp_path):
-    """The kernels' exact reference (w8a8_reference.with_fake_quant) reads the one-copy table as the [D, V] head."""
-    from jaxinfer.model import w8a8_reference
+    """The kernels' exact reference (w8a8_exact.with_fake_quant) reads the one-copy table as the [D, V] head."""
+    from jaxinfer.model import w8a8_exact
 
     path = _files(tmp_path)["llama_q6_k"]
     cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     kernel = _logits(panels.pack_panels(params, quantized=True), cfg, tokens)
-    reference = _logits(w8a8_reference.with_fake_quant(params), cfg, tokens)
+    reference = _logits(w8a8_exact.with_fake_quant(params), cfg, tokens)
     assert np.linalg.norm(kernel - reference) / np.linalg.norm(reference) < 1e-5
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from jaxinfer.model import panels, quant, w8a8_reference
+from jaxinfer.model import panels, quant, w8a8_exact, w8a8_reference
 from kernels_cpu import kquant_matmul
 from tolerances import KERNEL_F32, relative_error
 
@@ -117,6 +117,6 @@ def test_kernel_matmul_error_is_tight_and_sees_a_wrong_activation_block(monkeypa
 
     _, params = loading.load_model(Path(__file__).resolve().parent.parent / "fixtures" / "kquant" / "q4_k_m.gguf", quantization="gguf", kquant_panels=True)
     step_params = panels.pack_panels(params, quantized=True)
-    assert w8a8_reference.kernel_matmul_error(step_params, params) <= KERNEL_F32
+    assert w8a8_exact.kernel_matmul_error(step_params, params) <= KERNEL_F32
     monkeypatch.setattr(w8a8_reference, "activation_block", lambda fmt: 32)
-    assert w8a8_reference.kernel_matmul_error(step_params, params) > 1e-3
+    assert w8a8_exact.kernel_matmul_error(step_params, params) > 1e-3
