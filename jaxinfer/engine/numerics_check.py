@@ -38,10 +38,12 @@ TOLERANCES = {
     # reference itself moves so under a 2-ulp change of one norm weight (SmolLM2 1e-2, random Llama-3.2-1B 2 layers 3e-2,
     # where f32 moves 1e-7..2e-6). Measured on the probe (loaded 2-core EPYC; greedy with ties within 0.1 forgiven):
     # SmolLM2 Q4_1 0.037 (f32 0.103), random Llama-3.2-1B Q4_K_M 2 layers 0.016 (f32 0.032), random Gemma-3-1B Q4_K_M
-    # 0.034 (f32 0.037), greedy 1.0 on each; the tiny Q4_K_M / Q6_K fixtures 0.023 / 0.015 (f32 0.062 / 0.060). 0.1
-    # leaves room over 0.037 for other models and probes; a wrong kernel gives errors near 1, and the tight check is
+    # 0.034 (f32 0.037), greedy 1.0 on each; the tiny Q4_K_M / Q6_K fixtures 0.023 / 0.015 (f32 0.062 / 0.060). The
+    # error grows with depth and width: random Llama-3.1-8B Q4_K_M (32 layers, D = 4,096) measured 0.097 (f32 0.155,
+    # greedy 0.72; bench_kquant --8b alone at f85ca64), against a first bound of 0.1 that would have refused the kernel
+    # there by a hair. 0.2 leaves room for such models; a wrong kernel gives errors near 1, and the tight check is
     # W8A8_MATMUL_TOLERANCE's, per matmul.
-    "w8a8_exact": Tolerance(0.1, 0.5),
+    "w8a8_exact": Tolerance(0.2, 0.5),
 }
 # The tight check of the W8A8 kernels: each matmul they run (the first layer of each format of every matrix they read),
 # against the exact reference on the same activations (w8a8_exact.kernel_matmul_error). Measured 3.9e-7 (the tiny

@@ -384,12 +384,13 @@ def test_kept_blocks_too_large_to_expand_build_only_the_kernel_once_it_passes(mo
 
 
 def test_the_w8a8_kernels_are_held_to_their_exact_reference_and_xla_s_w8a8_to_f32():
-    """The W8A8 kernels ('cpu_int8', any weights) are checked against their exact reference with its tolerance, tighter
-    than XLA's W8A8 ('int8') against f32; every other candidate against its dtype's."""
+    """The W8A8 kernels ('cpu_int8', any weights) are checked against their exact reference with its tolerance (per
+    matmul within 1e-4; the whole model well under the errors near 1 of a wrong kernel), XLA's W8A8 ('int8') against
+    f32; every other candidate against its dtype's."""
     kernel, int8 = tuning.Candidate("float32", "cpu", "cpu_int8"), tuning.Candidate("float32", "reference", "int8")
     xla = tuning.Candidate("bfloat16", "reference", "xla")
     assert tuning.uses_exact_reference(kernel) and not tuning.uses_exact_reference(int8) and not tuning.uses_exact_reference(xla)
     assert tuning.tolerance_for(kernel) is tuning.TOLERANCES["w8a8_exact"]
     assert tuning.tolerance_for(int8) is tuning.TOLERANCES["int8"]
     assert tuning.tolerance_for(xla) is tuning.TOLERANCES["bfloat16"]
-    assert tuning.TOLERANCES["w8a8_exact"].max_relative_error < tuning.TOLERANCES["int8"].max_relative_error
+    assert tuning.W8A8_MATMUL_TOLERANCE <= 1e-4 and tuning.TOLERANCES["w8a8_exact"].max_relative_error <= 0.25
