@@ -136,7 +136,7 @@ def _new_panel_bytes(packed: Params, params: Params) -> int:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(kept))
 
     made = panel_bytes(packed, (panels.PanelTensor, panels.QuantPanelTensor, panels.KQuantPanelTensor))
-    return made - panel_bytes(params, panels.KQuantPanelTensor)
+    return made - panel_bytes(params, (panels.KQuantPanelTensor, panels.QuantPanelTensor))  # loaded params' are packed at load
 
 
 def dense_bytes(params: Params) -> int:

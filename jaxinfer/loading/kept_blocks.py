@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxinfer.model import panels, quant
 from jaxinfer.model.mixed_quant import MixedQuantStack
-from jaxinfer.model.panel_tensors import KQuantPanelTensor
+from jaxinfer.model.panel_tensors import QUANT_PANEL_WIDTH, KQuantPanelTensor, QuantPanelTensor
 from kernels_cpu import kquant_matmul
 
 _pack = jax.jit(kquant_matmul.pack, static_argnums=0)  # one layer's panels (jnp; builds nothing)
@@ -84,16 +84,28 @@ def packable(types: list[int], num_in: int) -> bool:
     return all(f in kquant_matmul.FORMATS and num_in % kquant_matmul.SUPER[f] == 0 for f in formats)
 
 
+def affine_packable(types: list[int], num_in: int) -> bool:
+    """Whether the quantized kernel (kernels_cpu/quant_matmul) reads a matrix of these GGUF types with `num_in`
+    inputs: one Q8_0, Q4_0 or Q4_1 type (quant.AFFINE_FORMATS' GGUF ones), whole blocks of 32."""
+    formats = {quant.GGUF_KEPT_TYPES[t][0] for t in types}
+    return len(formats) == 1 and formats <= {"q8_0", "q4_0", "q4_1"} and num_in % 32 == 0
+
+
 def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[int], *, stacked: bool, pack: bool = False,
-                release: Callable[[int], None] = lambda i: None) -> quant.QuantizedTensor | MixedQuantStack | KQuantPanelTensor:
+                pack_affine: bool = False, release: Callable[[int], None] = lambda i: None,
+                ) -> quant.QuantizedTensor | MixedQuantStack | KQuantPanelTensor | QuantPanelTensor:
     """The device form of one weight whose layer i is `read_layer(i)` (host numpy fields) of GGUF type
     `types[i]`: a QuantizedTensor (one type, stacked when `stacked`), else a MixedQuantStack with one stack
     per type in order of first appearance; with `pack` (every type one `packable` says the K-quant kernel
     reads) a KQuantPanelTensor of the same parts, each layer packed as it arrives, so the stored fields and
-    the panels never coexist beyond one layer. `release(i)` is called once layer i is on the device."""
+    the panels never coexist beyond one layer. `pack_affine` (one unstacked matrix, `affine_packable`: a tied Q8_0 /
+    Q4_0 / Q4_1 table): a QuantPanelTensor in the quantized kernel's panels, its layout kept (`quant_panels_by_rows`).
+    `release(i)` is called once layer i is on the device."""
     if not stacked:
         q = read_layer(0)
         release(0)  # the host copy holds the values now: drop the file's pages first
+        if pack_affine:
+            return quant_panels_by_rows(q)
         if pack:  # panels.PACK_ROWS output rows at a time into the preallocated panels: an 8B's [128256, 4096] head
             packed = panels.to_kquant_panels(q)  # never has its one-byte codes or a second packed copy whole (GiBs)
             return dataclasses.replace(packed, layout=q.layout)  # "out_in": a tied embedding, kept once for lookup and head
@@ -115,6 +127,45 @@ def kept_weight(read_layer: Callable[[int], quant.QuantizedTensor], types: list[
     if len(parts) == 1:
         return parts[0]
     return MixedQuantStack(parts=parts, layer_part=layer_part, layer_slot=layer_slot)
+
+
+_quant_pack = jax.jit(panels.to_quant_panels)
+
+
+@jax.jit
+def _put_panels(buffer: jax.Array, chunk: jax.Array, first: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(buffer, chunk, first, 0)
+
+
+_put_panels_in_place = jax.jit(_put_panels.__wrapped__, donate_argnums=0)  # the table's buffer is updated in place
+
+
+def quant_panels_by_rows(q: quant.QuantizedTensor) -> QuantPanelTensor:
+    """One unstacked affine matrix (host or device fields, [O, per_row]) packed into the quantized kernel's panels
+    (panels.to_quant_panels, exact for Q8_0 / Q4_0 / Q4_1), panels.PACK_ROWS output rows at a time, each chunk written
+    in place into the panels preallocated for the whole matrix; `q.layout` is kept ("out_in": a tied embedding, read
+    by the lookup and, through panel_tensors.head_view, as the head). A 262k-entry Q8_0 table (Gemma 3) exists so
+    once, beside its host copy and one chunk's transients."""
+    rows, step = q.codes.shape[0], panels.PACK_ROWS  # a multiple of 2 * QUANT_PANEL_WIDTH: chunks are whole column tiles
+    host = quant.array_fields(q)
+
+    def chunk(start: int) -> QuantPanelTensor:
+        fields = {name: jnp.asarray(a[start:start + step]) for name, a in host.items()}
+        return _quant_pack(dataclasses.replace(q, **fields, out_shape=(min(step, rows - start),), layout="out_in"))
+
+    if rows <= step:
+        packed = chunk(0)
+    else:
+        shapes = jax.eval_shape(panels.to_quant_panels, dataclasses.replace(q, layout="out_in"))
+        names = [name for name in ("codes", "scale", "offset") if getattr(shapes, name) is not None]
+        out = {name: jnp.zeros(getattr(shapes, name).shape, getattr(shapes, name).dtype) for name in names}
+        for start in range(0, rows, step):
+            part = chunk(start)
+            at = jnp.int32(start // QUANT_PANEL_WIDTH)  # the chunk's first panel
+            out = {name: _put_panels_in_place(out[name], getattr(part, name), at) for name in names}
+            del part
+        packed = dataclasses.replace(shapes, **out)
+    return dataclasses.replace(packed, out_shape=q.out_shape, in_shape=q.in_shape, layout=q.layout)
 
 
 def _device_put_by_field(q: quant.QuantizedTensor) -> quant.QuantizedTensor:

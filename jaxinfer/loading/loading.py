@@ -282,7 +282,9 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     # A tied embedding is packed too: the head's panels, which the lookup also reads (forward.embed_lookup), so the
     # table is kept once; an untied one stays as stored, for the lookup alone.
     pack = kquant_panels and (spec.layout != "out_in" or cfg.tie_embeddings) and kept_blocks.packable(types, num_in)
-    return kept_blocks.kept_weight(read_layer, types, stacked=spec.stacked, pack=pack, release=release)
+    # A tied Q8_0 / Q4_0 / Q4_1 table likewise, in the quantized kernel's panels (Gemma 3's Q4_K_M keeps a Q8_0 one).
+    pack_affine = kquant_panels and spec.layout == "out_in" and cfg.tie_embeddings and kept_blocks.affine_packable(types, num_in)
+    return kept_blocks.kept_weight(read_layer, types, stacked=spec.stacked, pack=pack, pack_affine=pack_affine, release=release)
 
 
 def _kept_gguf_weights(cfg: ModelConfig, tensors: dict, path: Path, reader=None, kquant_panels: bool = False, mixed: bool = True,

@@ -39,7 +39,7 @@ from jaxtyping import Array, Float, Int
 from jaxinfer.model import attention, panels, quant
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, head_view, kquant_take
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, QuantPanelTensor, head_view, kquant_take, quant_take
 from jaxinfer.model.params import LayerParams, Params
 from jaxinfer.model.rope import rope, rotary_frequencies  # noqa: F401  (called here; tests patch them by this module's name)
 
@@ -150,7 +150,7 @@ def logits_from_hidden(params: Params, x: Float[Array, "B T D"], cfg: ModelConfi
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     # A tied head is the embedding in its kept format (params.weight_format owns that choice): quantized,
     # the head is dequantized once per step, [V, D] at a time, outside the layer scan.
-    if params.lm_head is None and isinstance(params.embed, KQuantPanelTensor):  # one copy: the embedding's panels are the head's
+    if params.lm_head is None and isinstance(params.embed, (KQuantPanelTensor, QuantPanelTensor)):  # one copy: the embedding's panels are the head's
         logits = _matmul("btd,dv->btv", x, head_view(params.embed), preferred_element_type=jnp.float32)
     elif params.lm_head is None:
         logits = _matmul("btd,vd->btv", x, params.embed, preferred_element_type=jnp.float32)
@@ -208,10 +208,13 @@ def hidden_states(
 
 
 def embed_lookup(embed, tokens: Int[Array, "B T"], dtype) -> Float[Array, "B T D"]:
-    """The embedding rows of `tokens`: a tied embedding kept as K-quant panels (the head's, loading/kept_blocks.py)
-    gathers the tokens' columns and dequantizes only those; dense or quantized tables go through quant.take."""
+    """The embedding rows of `tokens`: a tied embedding kept as K-quant or quantized (Q8_0 / Q4_0 / Q4_1) panels (the
+    head's, loading/kept_blocks.py) gathers the tokens' columns and dequantizes only those; dense or quantized tables
+    go through quant.take."""
     if isinstance(embed, KQuantPanelTensor):
         return kquant_take(embed, tokens, dtype)
+    if isinstance(embed, QuantPanelTensor):
+        return quant_take(embed, tokens, dtype)
     return quant.take(embed, tokens, dtype=dtype)
 
 

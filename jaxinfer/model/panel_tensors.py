@@ -4,7 +4,8 @@ one, each layer's own format kept, in the K-quant kernel's) and `StackedWeight` 
 left in place). Pure types with their widths, so that params.py can name them in `Weight`
 without importing panels.py (which imports params.py); panels.py packs and reads them. Also the exact
 dequantization of K-quant panels (`kquant_dense`, which params.dense_params needs) and, for a tied embedding kept
-once as the head's panels, its lookup (`kquant_take`: the tokens' columns gathered, only those dequantized). Imports jax and, lazily,
+once as the head's panels, its lookup (`kquant_take`: the tokens' columns gathered, only those dequantized); the same
+two for a tied Q8_0 / Q4_0 / Q4_1 table kept as quantized panels (`quant_dense`, `quant_take`). Imports jax and, lazily,
 kernels_cpu/kquant_matmul's jnp unpacking.
 """
 
@@ -46,7 +47,8 @@ class QuantPanelTensor:
     `[*lead, C, I / 32, QUANT_PANEL_WIDTH]` with w = code * scale + offset (quant.affine_blocks). A symmetric
     format (q8_0, int8, q4_0: quant.affine_zero_point) keeps no offsets: w = (code - zero_point) * scale, which
     the kernel subtracts in int32 and which reads 1/2 bit less per weight. Packed once by the engine for
-    matmul_impl='cpu_int8' (`pack_panels`); only `einsum` reads it, W8A8 through the kernel."""
+    matmul_impl='cpu_int8' (`pack_panels`), or at load for a tied Q8_0 / Q4_0 / Q4_1 table (layout "out_in", kept once:
+    the lookup's `quant_take` and the head read it); `einsum` reads it, W8A8 through the kernel (or dense, `read`)."""
 
     codes: Array
     scale: Array
@@ -54,10 +56,25 @@ class QuantPanelTensor:
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     zero_point: int = dataclasses.field(default=0, metadata=dict(static=True))  # with offset None
+    # How `panels.einsum` multiplies it, as KQuantPanelTensor.read: "kernel", "dense" (dequantized exactly,
+    # `quant_dense`, a chunk of columns at a time) or the W8A8 kernels' exact reference's mark.
+    read: str = dataclasses.field(default="kernel", metadata=dict(static=True))
+    # "in_out", or "out_in": a tied embedding [V, D] (unstacked) kept once, read as the head through `head_view`
+    # and row by row by `quant_take`, as KQuantPanelTensor.layout.
+    layout: str = dataclasses.field(default="in_out", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape[:-3]) + self.in_shape + self.out_shape
+        logical = self.out_shape + self.in_shape if self.layout == "out_in" else self.in_shape + self.out_shape
+        return tuple(self.codes.shape[:-3]) + logical
+
+    @property
+    def format(self) -> str:
+        """The GGUF format the panels hold (params.weight_bytes reports it): q8_0 (8-bit codes, zero point 128),
+        q4_0 (4-bit, zero point 8) or q4_1 (4-bit, offsets kept)."""
+        if self.codes.shape[-2] * 4 == math.prod(self.in_shape):
+            return "q8_0"
+        return "q4_1" if self.offset is not None else "q4_0"
 
 
 @jax.tree_util.register_dataclass
@@ -167,8 +184,58 @@ def kquant_take(w: KQuantPanelTensor, indices: Array, dtype=jnp.float32) -> Arra
     return rows.reshape(*jnp.shape(indices), *w.in_shape).astype(dtype)
 
 
-def head_view(w: KQuantPanelTensor) -> KQuantPanelTensor:
-    """A tied embedding's panels (layout "out_in", [V, D]) as the head's [D, V] matrix: the same arrays."""
+def _affine_values(quads: Array, scale: Array, offset: Array | None, zero_point: int, num_in: int) -> Array:
+    """f32 weights [F, I] of F columns from their panel rows `quads` int32 [F, S, 4] (S = I / 4 bytes of 8-bit codes,
+    or I / 8 of 4-bit ones: row s holds inputs 8s + i in its low nibbles and 8s + 4 + i in its high ones) and their
+    scale and offset, each f32 [F, I / 32] (offset None: -zero_point * scale): code * scale + offset, exact for the
+    GGUF formats (quant.affine_blocks), so quant.dequantize's values bit for bit."""
+    if quads.shape[1] * 8 == num_in:  # 4-bit
+        quads = jnp.stack([quads & 0x0F, quads >> 4], axis=-2)  # [F, S, 2, 4]
+    codes = quads.astype(jnp.float32).reshape(quads.shape[0], num_in // 32, 32)
+    offset = -float(zero_point) * scale if offset is None else offset
+    return (codes * scale[..., None] + offset[..., None]).reshape(-1, num_in)
+
+
+def _one_matrix(w: QuantPanelTensor, caller: str) -> None:
+    if w.codes.ndim != 3 or len(w.out_shape) != 1:
+        raise ValueError(f"{caller} reads one unstacked matrix with one output axis; got codes {w.codes.shape}, {w.out_shape=}")
+
+
+def quant_take(w: QuantPanelTensor, indices: Array, dtype=jnp.float32) -> Array:
+    """Rows `w[indices]` of an unstacked tied embedding in quantized panels ([*indices.shape, *in_shape]): each token's
+    column gathered from its panel, then only those rows dequantized (bit for bit quant.dequantize's values)."""
+    _one_matrix(w, "quant_take")
+    num_in = math.prod(w.in_shape)
+    flat = jnp.clip(jnp.reshape(indices, (-1,)), 0, w.out_shape[0] - 1)  # [T]; clipped as quant.take's gather
+    panel, column = flat // QUANT_PANEL_WIDTH, flat % QUANT_PANEL_WIDTH
+    codes = w.codes.reshape(*w.codes.shape[:2], QUANT_PANEL_WIDTH, 4)[panel, :, column, :].astype(jnp.int32)  # [T, S, 4]
+
+    def picked(a):  # [C, I/32, 16] -> the tokens' columns f32 [T, I/32]
+        return None if a is None else a[panel, :, column].astype(jnp.float32)
+
+    rows = _affine_values(codes, picked(w.scale), picked(w.offset), w.zero_point, num_in)  # [T, I]
+    return rows.reshape(*jnp.shape(indices), *w.in_shape).astype(dtype)
+
+
+def quant_dense(w: QuantPanelTensor, dtype=jnp.float32) -> Array:
+    """An unstacked QuantPanelTensor dequantized exactly, in its logical shape ([*in_shape, *out_shape], or a tied
+    embedding's [*out_shape, *in_shape])."""
+    _one_matrix(w, "quant_dense")
+    num_in, num_out, num_panels = math.prod(w.in_shape), w.out_shape[0], w.codes.shape[0]
+    quads = jnp.swapaxes(w.codes.reshape(num_panels, -1, QUANT_PANEL_WIDTH, 4), 1, 2).astype(jnp.int32)  # [C, 16, S, 4]
+
+    def by_column(a):  # [C, I/32, 16] -> f32 [16 C, I/32]
+        return None if a is None else jnp.swapaxes(a.astype(jnp.float32), 1, 2).reshape(-1, a.shape[1])
+
+    rows = _affine_values(quads.reshape(-1, *quads.shape[2:]), by_column(w.scale), by_column(w.offset), w.zero_point, num_in)[:num_out]
+    if w.layout == "out_in":
+        return rows.reshape(*w.out_shape, *w.in_shape).astype(dtype)
+    return rows.T.reshape(*w.in_shape, *w.out_shape).astype(dtype)
+
+
+def head_view(w):
+    """A tied embedding's panels (KQuantPanelTensor or QuantPanelTensor, layout "out_in", [V, D]) as the head's
+    [D, V] matrix: the same arrays."""
     return dataclasses.replace(w, layout="in_out")
 
 

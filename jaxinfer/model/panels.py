@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from jaxinfer.model import mixed_quant, quant, w8a8_reference
 from jaxinfer.model.mixed_quant import MixedQuantStack
 from jaxinfer.model.panel_tensors import (  # noqa: F401  (the types, named where they are used)
-    PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense,
+    PANEL_WIDTH, QUANT_PANEL_WIDTH, KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense, quant_dense,
 )
 from jaxinfer.model.params import WEIGHTS, LayerParams, Params
 from kernels_cpu import kquant_matmul  # its packing and reference are jnp; the kernel is built on first use (available())
@@ -114,7 +114,7 @@ def einsum(spec: str, x: Float[Array, "..."], w: PanelTensor | QuantPanelTensor 
     if _reads_dense(w):
         x = _fake_quantized_if_marked(x, w)
         inputs, _, output = spec.replace(" ", "").partition("->")
-        if isinstance(w, KQuantPanelTensor) and not w.stacked and len(w.parts) == 1 and len(w.out_shape) == 1 and output[-1:] == inputs[-1:]:
+        if _one_head_matrix(w) and output[-1:] == inputs[-1:]:
             return _dense_einsum_by_columns(spec, x, w, preferred_element_type)  # a head: never its whole table in f32
         return jnp.einsum(spec, x, _dense_layer(w, x.dtype), preferred_element_type=preferred_element_type)
     if isinstance(w, (PanelTensor, QuantPanelTensor)):
@@ -142,7 +142,14 @@ def _reads_dense(w) -> bool:
     """A weight `einsum` dequantizes (one layer) and multiplies with a plain einsum: a MixedQuantStack layer,
     or K-quant panels marked read="dense"."""
     stack = w.stack if isinstance(w, StackedWeight) else w
-    return isinstance(stack, MixedQuantStack) or (isinstance(stack, KQuantPanelTensor) and stack.read in ("dense", w8a8_reference.READ))
+    return isinstance(stack, MixedQuantStack) or (isinstance(stack, (KQuantPanelTensor, QuantPanelTensor)) and stack.read in ("dense", w8a8_reference.READ))
+
+
+def _one_head_matrix(w) -> bool:
+    """An unstacked panel matrix of one format and one output axis (a head, or a tied table read as one)."""
+    if isinstance(w, QuantPanelTensor):
+        return w.codes.ndim == 3 and len(w.out_shape) == 1
+    return isinstance(w, KQuantPanelTensor) and not w.stacked and len(w.parts) == 1 and len(w.out_shape) == 1
 
 
 def _fake_quantized_if_marked(x: Float[Array, "..."], w) -> Float[Array, "..."]:
@@ -150,9 +157,11 @@ def _fake_quantized_if_marked(x: Float[Array, "..."], w) -> Float[Array, "..."]:
     (the kernels' exact reference), else x: its trailing axes flattened into rows of the weight's inputs (a dense
     read's spec is rows @ matrix, as the kernel's)."""
     stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
-    if not (isinstance(stack, KQuantPanelTensor) and stack.read == w8a8_reference.READ):
+    if not (isinstance(stack, (KQuantPanelTensor, QuantPanelTensor)) and stack.read == w8a8_reference.READ):
         return x
     rows = x.reshape(-1, math.prod(stack.in_shape))  # [M, I]
+    if isinstance(stack, QuantPanelTensor):  # an affine format: blocks of 32, as the quantized kernel reads it
+        return w8a8_reference.fake_quantize(rows, w8a8_reference.activation_block(stack.format)).reshape(x.shape).astype(x.dtype)
     return w8a8_reference.fake_quantize_for(rows, stack, index if stack.stacked else None).reshape(x.shape).astype(x.dtype)
 
 
@@ -161,20 +170,23 @@ def _dense_layer(w, dtype) -> Float[Array, "..."]:
     stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
     if isinstance(stack, MixedQuantStack):
         return mixed_quant.layer_dense(stack, index, dtype)
+    if isinstance(stack, QuantPanelTensor):  # unstacked only: a tied table kept as the head's panels
+        return quant_dense(stack, dtype)
     return kquant_dense(stack, index, dtype)
 
 
-def _dense_einsum_by_columns(spec: str, x: Float[Array, "..."], w: KQuantPanelTensor, preferred_element_type) -> Float[Array, "..."]:
+def _dense_einsum_by_columns(spec: str, x: Float[Array, "..."], w: KQuantPanelTensor | QuantPanelTensor, preferred_element_type) -> Float[Array, "..."]:
     """`jnp.einsum(spec, x, dequantized w)` for one unstacked K-quant matrix whose output axis is the spec's last,
     PACK_ROWS output columns at a time (the chunks' outputs joined), so at most one chunk is ever dequantized:
     a tied 128k-row head is not expanded whole (1 GiB of f32 for Llama-3.2's)."""
-    (part,), num_out = w.parts, w.out_shape[0]
-    per = PACK_ROWS // kquant_matmul.PANEL  # panels per chunk
+    width = QUANT_PANEL_WIDTH if isinstance(w, QuantPanelTensor) else kquant_matmul.PANEL
+    per, num_out = PACK_ROWS // width, w.out_shape[0]  # panels per chunk
     outs = []
-    for first in range(0, part["codes"].shape[0], per):
-        cols = min(per * kquant_matmul.PANEL, num_out - first * kquant_matmul.PANEL)
-        chunk = dataclasses.replace(w, parts=({name: a[first:first + per] for name, a in part.items()},), out_shape=(cols,))
-        outs.append(jnp.einsum(spec, x, kquant_dense(chunk, None, x.dtype), preferred_element_type=preferred_element_type))
+    for first in range(0, -(-num_out // width), per):
+        cols = min(per * width, num_out - first * width)
+        chunk = vocab_slice(w, first * width, first * width + cols, tied=False)
+        dense = quant_dense(chunk, x.dtype) if isinstance(w, QuantPanelTensor) else kquant_dense(chunk, None, x.dtype)
+        outs.append(jnp.einsum(spec, x, dense, preferred_element_type=preferred_element_type))
     return jnp.concatenate(outs, axis=-1)
 
 
@@ -190,13 +202,14 @@ def with_packed_head(params: Params, read: str = "dense") -> Params:
 def with_read(params: Params, read: str) -> Params:
     """`params` with every KQuantPanelTensor marked read=`read` ("kernel" or "dense"): the same arrays; `params`
     itself when it holds none."""
-    if not any(isinstance(leaf, KQuantPanelTensor) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight)):
+    marked = (KQuantPanelTensor, QuantPanelTensor)  # loaded params hold a QuantPanelTensor only as a tied table kept once
+    if not any(isinstance(leaf, marked) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight)):
         return params
 
     def mark(leaf):
-        return dataclasses.replace(leaf, read=read) if isinstance(leaf, KQuantPanelTensor) else leaf
+        return dataclasses.replace(leaf, read=read) if isinstance(leaf, marked) else leaf
 
-    return jax.tree.map(mark, params, is_leaf=lambda leaf: isinstance(leaf, KQuantPanelTensor))
+    return jax.tree.map(mark, params, is_leaf=lambda leaf: isinstance(leaf, marked))
 
 
 def _dense_f32(value) -> bool:
@@ -217,19 +230,20 @@ def _kquant(value) -> bool:
 
 def is_quantized_weight(leaf) -> bool:
     """A quantized matrix as loaded: QuantizedTensor, MixedQuantStack or K-quant panels (a pytree `is_leaf`)."""
-    return isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor))
+    return isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor, QuantPanelTensor))
 
 
 def has_affine_weights(params: Params) -> bool:
     """Whether any matrix of `params` is quantized in a format a quantized CPU kernel reads: the affine ones
     (quant.AFFINE_FORMATS, kernels_cpu/quant_matmul) or the K-quants, Q5_0 and Q5_1 (kernels_cpu/kquant_matmul),
     mixed stacks included. Matmul 'cpu_int8' packs them all."""
-    return any(_affine(leaf) or _kquant(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
+    return any(kernel_reads(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized_weight))
 
 
 def kernel_reads(value) -> bool:
-    """Whether a quantized CPU kernel reads matrix `value` under matmul 'cpu_int8' (`pack_panels`: `_affine` or `_kquant`)."""
-    return _affine(value) or _kquant(value)
+    """Whether a quantized CPU kernel reads matrix `value` under matmul 'cpu_int8' (`pack_panels`: `_affine` or `_kquant`,
+    or a tied affine table packed at load)."""
+    return _affine(value) or _kquant(value) or isinstance(value, QuantPanelTensor)
 
 
 def has_kquant_weights(params: Params) -> bool:
@@ -248,7 +262,7 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
     def pack(value, num_lead: int, num_in: int):
         if _dense_f32(value):
             return _to_panels(value, num_lead, num_in)
-        if isinstance(value, KQuantPanelTensor):  # packed at load (loading/kept_blocks.py): the same arrays, read by the
+        if isinstance(value, (KQuantPanelTensor, QuantPanelTensor)):  # packed at load (loading/kept_blocks.py): the same arrays, read by the
             return dataclasses.replace(value, read="kernel" if quantized else "dense")  # kernel only under 'cpu_int8'
         if quantized and _kquant(value):
             return to_kquant_panels(value)
@@ -265,7 +279,7 @@ def pack_panels(params: Params, *, quantized: bool = False) -> Params:
         head = to_kquant_panels(params.embed)  # the same rows, in the K-quant kernel's panels
     elif head is not None:
         head = pack(head, 0, 1)
-    embed = pack(params.embed, 0, 1) if isinstance(params.embed, KQuantPanelTensor) else params.embed  # a tied head packed at load
+    embed = pack(params.embed, 0, 1) if isinstance(params.embed, (KQuantPanelTensor, QuantPanelTensor)) else params.embed  # a tied head packed at load
     return dataclasses.replace(params, embed=embed, layers=dataclasses.replace(params.layers, **layers), lm_head=head)
 
 
@@ -305,6 +319,12 @@ def vocab_slice(head, start: int, stop: int, *, tied: bool):
     are multiples of kquant_matmul.PANEL, or `stop` is the vocabulary size)."""
     if isinstance(head, w8a8_reference.FakeQuantWeight):
         return w8a8_reference.FakeQuantWeight(vocab_slice(head.weight, start, stop, tied=tied))
+    if isinstance(head, QuantPanelTensor):  # a tied affine table kept once: whole panels of QUANT_PANEL_WIDTH entries
+        if head.codes.ndim != 3 or start % QUANT_PANEL_WIDTH or (stop % QUANT_PANEL_WIDTH and stop != head.out_shape[0]):
+            raise ValueError(f"a quantized panel head is sliced by whole panels; got [{start}, {stop}) of {head.out_shape}")
+        first, last = start // QUANT_PANEL_WIDTH, -(-stop // QUANT_PANEL_WIDTH)
+        fields = {name: getattr(head, name)[first:last] for name in ("codes", "scale", "offset") if getattr(head, name) is not None}
+        return dataclasses.replace(head, **fields, out_shape=(stop - start,))
     if isinstance(head, KQuantPanelTensor):
         if head.stacked or len(head.parts) != 1 or start % kquant_matmul.PANEL or (stop % kquant_matmul.PANEL and stop != head.out_shape[0]):
             raise ValueError(f"a K-quant head is sliced by whole panels of one part; got [{start}, {stop}) of {head.out_shape}")

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jaxinfer.config import DEFAULT_INT4_GROUP_SIZE
 from jaxinfer.model import mixed_quant, quant
 from jaxinfer.model.mixed_quant import MixedQuantStack
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense_stack
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, PanelTensor, QuantPanelTensor, StackedWeight, kquant_dense_stack, quant_dense
 from jaxinfer.config import ModelConfig
 
 KINDS = ("embedding", "attention", "mlp", "head")  # the tensor kinds `jaxinfer info` reports
@@ -351,7 +351,7 @@ def quantize_arrays(arrays: dict[str, object], quantization: str, *, group_size:
 
 
 def _to_device(value, dtype) -> jax.Array | quant.QuantizedTensor:
-    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)):
+    if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor, QuantPanelTensor)):
         return jax.device_put(value)
     return jnp.asarray(value, dtype=dtype)
 
@@ -368,7 +368,7 @@ def weight_bytes(params: Params) -> dict[tuple[str, str], int]:
     a QuantizedTensor's `format` or a dense array's dtype name. Measured with quant.resident_bytes."""
     totals: dict[tuple[str, str], int] = {}
     for field, value in fields_of(params).items():
-        fmt = value.format if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)) else jnp.dtype(value.dtype).name
+        fmt = value.format if isinstance(value, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor, QuantPanelTensor)) else jnp.dtype(value.dtype).name
         key = (weight_spec(field).kind, fmt)
         totals[key] = totals.get(key, 0) + quant.resident_bytes(value)
     return totals
@@ -409,9 +409,12 @@ def dense_params(params: Params) -> Params:
             return mixed_quant.dequantize(leaf)
         if isinstance(leaf, KQuantPanelTensor):  # K-quant panels packed at load: the same values (panel_tensors.kquant_dense)
             return kquant_dense_stack(leaf)
+        if isinstance(leaf, QuantPanelTensor):  # a tied Q8_0 / Q4_0 / Q4_1 table kept once as the head's panels
+            return quant_dense(leaf)
         return quant.dequantize(leaf) if isinstance(leaf, quant.QuantizedTensor) else leaf
 
-    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor)))
+    quantized = (quant.QuantizedTensor, MixedQuantStack, KQuantPanelTensor, QuantPanelTensor)
+    return jax.tree.map(dense, params, is_leaf=lambda leaf: isinstance(leaf, quantized))
 
 
 def cast_model(cfg: ModelConfig, params: Params, dtype: str) -> tuple[ModelConfig, Params]:

@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxinfer.model import panels, quant, w8a8_reference
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, StackedWeight
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, QuantPanelTensor, StackedWeight
 
 
 def with_fake_quant(params):
@@ -28,7 +28,7 @@ def with_fake_quant(params):
             return value
         if isinstance(value, quant.QuantizedTensor) and value.format in quant.AFFINE_FORMATS:
             return w8a8_reference.FakeQuantWeight(value)
-        packed = value if isinstance(value, KQuantPanelTensor) else panels.to_kquant_panels(value)
+        packed = value if isinstance(value, (KQuantPanelTensor, QuantPanelTensor)) else panels.to_kquant_panels(value)  # the latter: a tied table kept once
         return dataclasses.replace(packed, read=w8a8_reference.READ)
 
     layers = {f.name: mark(getattr(params.layers, f.name)) for f in dataclasses.fields(params.layers)}
@@ -41,7 +41,7 @@ def with_fake_quant(params):
 def _embed_as_head(embed):
     """A tied quantized embedding [V, D] (out_in) as the head [D, V]: the same stored rows, logical layout in_out
     (K-quant panels packed at load included: loading keeps a tied K-quant table once, as the head's panels)."""
-    return dataclasses.replace(embed, layout="in_out") if isinstance(embed, (quant.QuantizedTensor, KQuantPanelTensor)) else embed
+    return dataclasses.replace(embed, layout="in_out") if isinstance(embed, (quant.QuantizedTensor, KQuantPanelTensor, QuantPanelTensor)) else embed
 
 
 def kernel_matmul_error(step_params, params, num_rows: int = 4, seed: int = 0) -> float:
