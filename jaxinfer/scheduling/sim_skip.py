@@ -21,6 +21,7 @@ import math
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import RequestStatus
+from jaxinfer.scheduling.sim_decode import end_plan
 
 
 def bounds(run, plans) -> tuple[int, int] | None:
@@ -84,6 +85,8 @@ def fast_forward(run, plans) -> bool:
     scheduler = run.scheduler
     if any(p.phase != "decode" for p in plans):  # as _scan decides, before reading every row's pages
         return False
+    if scheduler.lazy is not None:
+        return _fast_forward_on_clock(run, plans)
     held = scheduler.kv.num_pages_held_by(scheduler.running)
     scan = _scan(run, plans, held)
     if scan is None:
@@ -108,13 +111,87 @@ def fast_forward(run, plans) -> bool:
     return finishing
 
 
+def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
+    """_scan's (finish, other) bounds for rows on the decode clock (sim_decode.py), from its heaps: every
+    registered row decodes, and its tokens are base + ticks."""
+    scheduler = run.scheduler
+    running, policy, lazy = scheduler.running, scheduler.policy, scheduler.lazy
+    scheduler.register_decoders()
+    if not running or type(policy).observe is not SchedulingPolicy.observe or len(lazy.rows) != len(running):
+        return None
+    if sum(len(p.request_ids) for p in plans) != len(running):
+        return None
+    width = policy.decode_width()
+    if scheduler.waiting and len(running) < width:
+        return None
+    ticks = scheduler.decode_clock.ticks
+    finish = lazy.min_finish() - ticks  # min over rows of min(max_tokens - generated, max_context - total)
+    other = lazy.min_top() - ticks + 1  # min over rows of (tokens its page bucket holds - computed)
+    if run.timed and len(running) < width:
+        other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
+    return finish - 1, other
+
+
+def _fast_forward_on_clock(run, plans) -> bool:
+    """fast_forward for rows on the decode clock: the same bounds, pages, statistics and order, visiting only
+    the rows whose pages run out within the iterations applied."""
+    scan = _bounds_on_clock(run, plans)
+    if scan is None:
+        return False
+    scheduler, size = run.scheduler, run.cfg.page_size
+    lazy, kv = scheduler.lazy, scheduler.kv
+    finish, other = scan
+    k = max(0, min(finish, other))
+    ticks = scheduler.decode_clock.ticks
+    rows = lazy.needing_pages(ticks + k + 1)  # the only rows that lack pages for k + 1 more tokens
+    tokens = [r._total_base + ticks for r in rows]
+    held = held_before = kv.num_pages_held_by(rows)
+    free = kv.num_free_pages
+    grown = _new_pages(size, tokens, held, k)
+    finishing = finish < other and sum(_new_pages(size, tokens, held, k + 1)) <= free
+    if k and sum(grown) > free:
+        finishing = k = 0
+    filled, count = lazy.base_sum + len(lazy.rows) * ticks, len(lazy.rows)
+    if k:
+        _record_rows_utilization(scheduler, k, size, tokens, held, filled, count)
+        _allocate_rows(scheduler, rows, grown, k)
+        _apply(run, plans, k)
+        tokens, held = [total + k for total in tokens], [pages + more for pages, more in zip(held, grown)]
+        filled += count * k
+    if finishing:
+        grown = _new_pages(size, tokens, held, 1)
+        _allocate_rows(scheduler, rows, grown, 1)
+        _record_rows_utilization(scheduler, 1, size, tokens, [pages + more for pages, more in zip(held, grown)], filled, count)
+        _apply_last(run, plans)
+    for r, pages in zip(rows, held_before):  # a row given no page gets its entry back (note_allocated gave the others theirs)
+        if r._clock is not None and kv.num_pages_held(r) == pages:
+            lazy.push_need(r)
+    return finishing
+
+
+def _allocate_rows(scheduler, rows, grown: list[int], k: int) -> None:
+    """_allocate for these rows (in running order; the others need no page)."""
+    kv = scheduler.kv
+    for r, pages in zip(rows, grown):
+        if pages:
+            held = kv.num_pages_held(r)
+            if kv.try_allocate(r, r.num_computed_tokens + k) is None:
+                raise RuntimeError("fast-forward: pages counted free could not be allocated")
+            scheduler.note_allocated(r, held)
+
+
 def _allocate(scheduler, grown: list[int], k: int) -> None:
     """The pages each running request lacks for k more tokens (`grown`, counted free), as
     `_reserve_decode_pages` allocates them, in running order."""
-    kv = scheduler.kv
+    kv, lazy = scheduler.kv, scheduler.lazy is not None
     for r, pages in zip(scheduler.running, grown):
-        if pages and kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
+        if not pages:
+            continue
+        held = kv.num_pages_held(r)
+        if kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
             raise RuntimeError("fast-forward: pages counted free could not be allocated")  # fast_forward counted them free
+        if lazy:
+            scheduler.note_allocated(r, held)
 
 
 def _apply(run, plans, k: int) -> None:
@@ -135,15 +212,22 @@ def _apply_last(run, plans) -> None:
     """One iteration of `plans`, its pages allocated, in the run loop's per-plan order: each plan's rows
     take their token and are checked by the output processor after its step."""
     scheduler = run.scheduler
-    stats, by_id = scheduler.stats, scheduler.running_by_id
+    by_id, lazy = scheduler.running_by_id, scheduler.lazy
+    if lazy is not None:  # every row's token at one tick of the decode clock; only the rows filling a page or finishing are visited
+        scheduler.decode_clock.ticks += 1
+        filling, finishing = lazy.filling(), lazy.finishing()
+        first = 0
+        for p in plans:
+            _count_plan(run, p)
+            last = first + len(p.request_ids)
+            for r in end_plan(scheduler, filling, finishing, first, last):
+                run.done[r.arrival_index] = r
+                run.inflight -= 1
+            first = last
+        return
     for p in plans:
         rows = [by_id[i] for i in p.request_ids]
-        stats.num_steps += 1
-        stats.real_tokens += p.num_real_tokens
-        stats.padded_tokens += p.num_padded_tokens
-        run.steps_by_key[p.bucket] += 1
-        run.clock.advance(run.costs.step_seconds(p.bucket, len(rows)))
-        run.last_step = run.clock.now
+        _count_plan(run, p)
         _advance(scheduler, rows, 1)
         for r in rows:  # finish() changes running_by_id, after every row was looked up
             reason = run.processor.check(r)
@@ -151,6 +235,17 @@ def _apply_last(run, plans) -> None:
                 scheduler.finish(r, reason, r.error)
                 run.done[r.arrival_index] = r
                 run.inflight -= 1
+
+
+def _count_plan(run, p) -> None:
+    """One more step of plan `p`: the scheduler's statistics, the step counts and the clock."""
+    stats = run.scheduler.stats
+    stats.num_steps += 1
+    stats.real_tokens += p.num_real_tokens
+    stats.padded_tokens += p.num_padded_tokens
+    run.steps_by_key[p.bucket] += 1
+    run.clock.advance(run.costs.step_seconds(p.bucket, len(p.request_ids)))
+    run.last_step = run.clock.now
 
 
 def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], held: list[int]) -> None:
@@ -165,8 +260,26 @@ def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], he
         while j <= k:
             new_at[max(j, 1)] += 1
             j += page_size
+    _add_utilization(scheduler, k, page_size, new_at, sum(tokens), len(tokens))
+
+
+def _record_rows_utilization(scheduler, k: int, page_size: int, tokens: list[int], held: list[int], filled: int, rows: int) -> None:
+    """_record_utilization when only these rows' pages may run out within k iterations; `filled`: every running
+    row's tokens, `rows`: how many run."""
+    new_at = [0] * (k + 1)
+    for total, pages in zip(tokens, held):
+        j = pages * page_size - total + 2
+        while j <= k:
+            new_at[max(j, 1)] += 1
+            j += page_size
+    _add_utilization(scheduler, k, page_size, new_at, filled, rows)
+
+
+def _add_utilization(scheduler, k: int, page_size: int, new_at: list[int], tokens: int, rows: int) -> None:
+    """Each of k iterations' utilization: `tokens` held by `rows` rows before the first, one more per row and
+    iteration, and new_at[j] pages taken at iteration j."""
     # decode allocates fresh pages only, so the shared ones counted twice stay the same over the k iterations
-    filled, rows, used = sum(tokens) - scheduler.shared_tokens_counted_twice(), len(tokens), scheduler.kv.num_used_pages
+    filled, used = tokens - scheduler.shared_tokens_counted_twice(), scheduler.kv.num_used_pages
     stats = scheduler.stats
     peak, summed = stats.peak_kv_utilization, stats.kv_utilization_sum
     for j in range(1, k + 1):
@@ -179,7 +292,12 @@ def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], he
 
 
 def _advance(scheduler, requests, k: int) -> None:
-    """k decode tokens (token 0) for each of these running requests, whose pages are allocated."""
+    """k decode tokens (token 0) for each of these running requests, whose pages are allocated (on the decode
+    clock, when the scheduler keeps one: `requests` are then every running request, all of them decoding)."""
+    if scheduler.lazy is not None:
+        scheduler.decode_clock.ticks += k
+        scheduler.kv.cache_computed_pages_of(requests)
+        return
     tokens = [0] * k
     for request in requests:
         request.num_computed_tokens += k

@@ -14,14 +14,17 @@ count from a request's arrival, as RequestOutput's do.
 Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
 (ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision. A
 decode plan's rows are counted, updated and checked in one pass (`_Run._run_decode`, the run loop's
-`run_plan` for these requests); other plans go through `runloop.run_plan` itself.
+`run_plan` for these requests); other plans go through `runloop.run_plan` itself. With that one pass (outside
+deterministic mode and sliding-window release), decoding rows are counted on the decode clock (sim_decode.py):
+an iteration's decode tokens are one tick, and the scheduler's decode bookkeeping (`_reserve_decode_pages`,
+`_split_decode`, the utilization statistic) visits only the rows with an event (a page to allocate, a page to
+name, a last token), in the order and with the calls the real methods make.
 Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
 full pages are shared (as a chat template's are in a real job).
 """
 
 import dataclasses
 import gc
-import heapq
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -30,8 +33,10 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
+from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepResult
 from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, total_base
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
@@ -125,6 +130,96 @@ class _SketchScheduler(Scheduler):
         super().__init__(cfg, num_pages)
         self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
         self.shares_pages = False  # whether prompts share full pages through the prefix cache (_Run sets it)
+        self.decode_clock = DecodeClock()
+        self.lazy: DecodeRows | None = None  # the decoding rows counted on the clock (set by use_decode_clock)
+        self._admitted: list[Request] = []  # with the clock: running requests not registered yet (prefilling), in running order
+        self._split: tuple[int, list] | None = None  # (lazy.version, _split_decode's groups) while no row's page bucket changes
+        self._plans: list[_SketchPlan] = []  # the last decode plans, reused while their rows and key are the same
+
+    def use_decode_clock(self) -> None:
+        """Count decoding rows on the decode clock (sim_decode.py); the run loop then ticks it once per iteration."""
+        self.lazy = DecodeRows(self.decode_clock, self.cfg.page_size, self.cfg.max_context, self.block_pool.tables, self.cfg.enable_prefix_caching)
+        self.lazy.page_buckets = self.tables.pages
+
+    def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
+        super()._admit(request, num_cached_tokens)
+        if self.lazy is not None:
+            self._admitted.append(request)
+
+    def _leave(self, request: Request) -> None:
+        """A request stops running (finish, preemption): off the clock, its fields settled."""
+        if request._clock is not None:
+            self.lazy.unregister(request)
+        elif request in self._admitted:
+            self._admitted.remove(request)
+
+    def _preempt(self, request: Request) -> None:
+        if self.lazy is not None:
+            self._leave(request)
+        super()._preempt(request)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        if self.lazy is not None:
+            self._leave(request)
+        super().finish(request, reason, error)
+
+    def register_decoders(self) -> None:
+        """Put the admitted requests that now decode on the clock."""
+        admitted = self._admitted
+        if admitted:
+            decoding = [r for r in admitted if self._in_decode(r)]
+            if decoding:
+                self._admitted = [r for r in admitted if not self._in_decode(r)]
+                for r in decoding:
+                    self.lazy.register(r)
+
+    def note_allocated(self, request: Request, held_before: int) -> None:
+        """A registered row's table grew (from `held_before` pages): its next page need, and the split if its page bucket changed."""
+        self.lazy.push_need(request)
+        buckets = self.tables.pages
+        if self._split is not None and pad_to_bucket(held_before, buckets) != pad_to_bucket(self.kv.num_pages_held(request), buckets):
+            self._split = None
+
+    def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
+        """Scheduler._reserve_decode_pages on the clock: only the rows whose next token needs a page are visited
+        (in running order, with the same allocation and preemption loop); the rows in running order."""
+        lazy = self.lazy
+        if lazy is None:
+            return super()._reserve_decode_pages()
+        self.register_decoders()
+        kv = self.kv
+        for request in lazy.due_pages():
+            if request._clock is None:  # preempted by an earlier row of this loop
+                continue
+            needed, held = request.num_computed_tokens + 1, kv.num_pages_held(request)
+            while kv.num_new_pages(request, needed) and kv.try_allocate(request, needed) is None:
+                victim = self.policy.victim(self.running)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request._clock is not None:
+                self.note_allocated(request, held)
+        return lazy.ordered(), list(self._admitted)
+
+    def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
+        """Scheduler._split_decode, kept while the rows and their page buckets are the same: every registered row
+        gains a token per tick, so their order by length stays (ties in running order); each row's place in
+        the order is kept on it (`_order`)."""
+        lazy = self.lazy
+        if lazy is None or requests is not lazy._ordered:
+            return super()._split_decode(requests)
+        if self._split is not None and self._split[0] == lazy.version:
+            return self._split[1]
+        groups = []
+        if requests:
+            ordered = sorted(requests, key=total_base)
+            pages = self.kv.num_pages_held_by(ordered)
+            split = self._split_point(pages) if len(ordered) > 1 else 0
+            groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
+            for position, r in enumerate(ordered):
+                r._order = position
+        self._split = (lazy.version, groups)
+        return groups
 
     def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> _SketchPlan:
         self.stats.num_steps += 1
@@ -153,7 +248,13 @@ class _SketchScheduler(Scheduler):
             samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
         else:  # every decoding row feeds its newest token (Scheduler._in_decode)
             samples = (True,) * n
-        return _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
+            for plan, rows in self._plans:  # the same rows as a recent plan (their ids in the same order)
+                if plan.bucket == shape and rows == requests:
+                    return plan
+        plan = _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
+        if self.lazy is not None:
+            self._plans = [(plan, requests), *self._plans[:3]]
+        return plan
 
     def shared_tokens_counted_twice(self) -> int:
         """Tokens that a sum of every running request's tokens counts more than once: a page shared through
@@ -168,7 +269,10 @@ class _SketchScheduler(Scheduler):
         used_pages, size = self.kv.num_used_pages, self.cfg.page_size
         if used_pages:
             filled, tables = -self.shared_tokens_counted_twice(), self.block_pool.tables  # request id -> block table (its length: kv.num_pages_held)
-            for r in self.running:
+            lazy = self.lazy
+            if lazy is not None:  # a registered row's pages hold its tokens (it was given room for its next one)
+                filled += lazy.base_sum + len(lazy.rows) * self.decode_clock.ticks
+            for r in self.running if lazy is None else self._admitted:
                 tokens, room = len(r.prompt_ids) + len(r.output_ids), len(tables.get(r.request_id, ())) * size
                 filled += tokens if tokens < room else room
             utilization = filled / (used_pages * size)
@@ -202,6 +306,9 @@ class _Run:
         self.clock = VirtualClock()
         self.scheduler = _SketchScheduler(cfg, num_pages)
         self.scheduler.shares_pages = cfg.enable_prefix_caching and any(r.shared_prefix >= cfg.page_size for r in requests)
+        self.lazy = self.one_pass_decode and cfg.release_window is None  # decoding rows counted on the decode clock (sim_decode.py)
+        if self.lazy:
+            self.scheduler.use_decode_clock()
         self.timed = sorted((r.arrival_s, i) for i, r in enumerate(requests) if r.arrival_s is not None)
         self.timed.reverse()  # popped from the end, earliest first
         self.pulled = [i for i, r in enumerate(requests) if r.arrival_s is None]
@@ -225,7 +332,7 @@ class _Run:
         shared = min(spec.shared_prefix, spec.prompt_tokens)
         prompt = [1] * shared + [index + 2] + [0] * (spec.prompt_tokens - shared - 1) if shared < spec.prompt_tokens else [1] * shared
         try:
-            self.scheduler.add(Request(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now))
+            self.scheduler.add(LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now))
         except ValueError as e:
             raise ValueError(f"request {index} cannot run under these settings: {e}") from None
         self.inflight += 1
@@ -281,12 +388,39 @@ class _Run:
             plans = scheduler.schedule()
             if not plans and not finished:
                 finished = scheduler.abort_all("no step could be planned for this request (the pool or the limits are too small for it)")
+            if self.lazy and plans and plans[0].phase == "decode":  # the decode plans come first (Scheduler._plan_step)
+                finished += self._run_decode_plans([p for p in plans if p.phase == "decode"])
+                plans = [p for p in plans if p.phase != "decode"]
             for plan in plans:
                 if one_pass and plan.phase == "decode":
                     finished += self._run_decode(plan)
                 else:
                     finished += runloop.run_plan(scheduler, self.step, processor, plan, clock=clock)
             yield from finished
+
+    def _run_decode_plans(self, plans: list[_SketchPlan]) -> list[Request]:
+        """`_run_decode` for each of an iteration's decode plans, on the decode clock: one tick gives every
+        decoding row its token, and only the rows whose token fills a page (named, as cache_computed_pages_of
+        would) or is their last (finished) are visited, per plan in its row order after its step."""
+        scheduler, clock = self.scheduler, self.clock
+        lazy = scheduler.lazy
+        scheduler.decode_clock.ticks += 1
+        filling, finishing = lazy.filling(), lazy.finishing()
+        done, first = [], 0
+        for plan in plans:
+            last = first + len(plan.request_ids)
+            start = clock.now
+            self.step(plan)
+            scheduler.observe(plan, clock.now - start)
+            if lazy.untimed:
+                for r in list(lazy.untimed.values()):
+                    if first <= r._order < last and not r.first_token_time:
+                        r.first_token_time = clock.now
+                        if r.first_token_time:
+                            del lazy.untimed[r.admit_index]
+            done += end_plan(scheduler, filling, finishing, first, last)
+            first = last
+        return done
 
     def _run_decode(self, plan: _SketchPlan) -> list[Request]:
         """runloop.run_plan for a decode plan of the simulator's (one new token 0 per row, every row sampled,

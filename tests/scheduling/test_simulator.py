@@ -191,3 +191,45 @@ def test_kv_utilization_counts_a_page_shared_through_the_prefix_cache_once(monke
     assert fast.peak_kv_utilization == pytest.approx(real.peak_kv_utilization, rel=1e-12)
     assert fast.mean_kv_utilization == pytest.approx(real.mean_kv_utilization, rel=1e-12)
     assert real.peak_kv_utilization <= 1.0  # counted once per owner, the shared pages pushed it past 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_pages", [400, 60])  # roomy; tight enough to preempt
+def test_decode_clock_gives_the_run_loops_results_on_larger_batches(num_pages, policy):
+    # Sixteen rows decoding on the clock (sim_decode.py) against the run loop step by step: pulled and timed
+    # requests, priorities, shared prefixes, prompts that are all shared prefix (equal whole sequences, whose
+    # output pages are named alike), long outputs crossing page buckets, and with the small pool preemptions.
+    cfg = small_config(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, prefill_chunk_buckets=(16, 32, 64),
+                       decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32), policy=policy)
+    rng = np.random.default_rng(23)
+    n = 160
+    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
+    prompts, outputs, shared = rng.integers(1, 120, n), rng.integers(1, 130, n), rng.choice([0, 0, 16, 40, 200], n)
+    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
+                for i, (p, o, t, s) in enumerate(zip(prompts, outputs, arrivals, shared))]
+    costs = work_costs(cfg)
+    clock = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40)
+    run_loop = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40, fast_forward=False, one_pass_decode=False)
+    assert clock.summary() == run_loop.summary() and clock.steps_by_key == run_loop.steps_by_key
+    for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):  # the fast-forward moves the clock k iterations at once
+        np.testing.assert_allclose(getattr(clock, name), getattr(run_loop, name), rtol=1e-9, atol=1e-12)
+    assert (clock.mean_kv_utilization, clock.peak_kv_utilization, clock.generated_tokens) == pytest.approx(
+        (run_loop.mean_kv_utilization, run_loop.peak_kv_utilization, run_loop.generated_tokens), rel=1e-12)
+    assert (clock.num_preemptions > 0) == (num_pages == 60)
+
+
+def test_decode_clock_keeps_first_tokens_at_time_zero_as_the_run_loop_does():
+    # Prefills cost nothing, so the first prefills' tokens come at time 0.0, which Scheduler.update's
+    # `first_token_time or now` treats as unset: the end of the row's next decode step is taken instead.
+    cfg = small_config(max_num_seqs=8, max_context=64, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16))
+    costs = StepCosts()
+    for key in BucketTables.from_config(cfg).all_keys():
+        costs.observe(key, 0.0 if key.phase == "prefill" else DECODE_S)
+    costs.observe_host(1, 0.0)
+    requests = [SimRequest(p, o) for p, o in [(3, 9), (5, 2), (9, 20), (2, 1), (4, 30), (7, 5), (6, 12)]]
+    clock = simulate(cfg, requests, costs, fast_forward=False)
+    run_loop = simulate(cfg, requests, costs, fast_forward=False, one_pass_decode=False)
+    np.testing.assert_array_equal(clock.ttft_s, run_loop.ttft_s)
+    assert clock.summary() == run_loop.summary()
+    assert (run_loop.ttft_s == DECODE_S).sum() >= 2  # first tokens at 0.0 replaced by the first decode step's end

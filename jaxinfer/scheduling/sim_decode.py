@@ -1,0 +1,225 @@
+"""The simulator's decode rows, counted by one clock instead of one by one. Host only, no jax.
+
+Every simulated request generates token 0 until its length stops it, and every decoding request takes
+exactly one token per iteration (all of them are planned, none is skipped outside deterministic mode). So
+while a request decodes, its tokens are `base + ticks` (ticks: the decode iterations run so far, one
+`DecodeClock` per simulation) and an iteration's decode bookkeeping is `ticks += 1`, whatever the rows.
+
+`LazyRequest` is a `Request` whose `num_computed_tokens`, `output_ids` and `num_steps` read that clock while
+it is registered (`DecodeRows.register`): any reader (the scheduler, a policy, the KV manager, the output
+processor) sees the exact values, the list of output tokens grown to its length on demand; a write, or
+leaving the decode rows (finish, preemption), settles them back into plain fields. The events that need
+a row one at a time are kept in heaps keyed by tick: its next token needing a page, its last token;
+a full page to name is found by the residue of `base` modulo the page size.
+"""
+
+import heapq
+from operator import attrgetter
+
+from jaxinfer.scheduling.bucket_tables import pad_to_bucket
+from jaxinfer.scheduling.request import Request
+
+total_base = attrgetter("_total_base")
+
+
+class DecodeClock:
+    """Decode iterations run so far in one simulation."""
+
+    def __init__(self):
+        self.ticks = 0
+
+
+class LazyRequest(Request):
+    """A Request whose decode tokens (token 0 each) are counted by a DecodeClock while it is registered."""
+
+    _clock: DecodeClock | None = None  # set while registered
+    _computed = 0
+    _steps = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        clock = self._clock
+        return self._computed if clock is None else self._total_base + clock.ticks - 1
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self._clock is not None:
+            self.settle()
+        self._computed = value
+
+    @property
+    def output_ids(self) -> list[int]:
+        output, clock = self._output, self._clock
+        if clock is not None:
+            missing = self._total_base + clock.ticks - self._prompt_len - len(output)
+            if missing > 0:
+                output.extend([0] * missing)
+        return output
+
+    @output_ids.setter
+    def output_ids(self, value: list[int]) -> None:
+        if self._clock is not None:
+            self.settle()
+        self._output = value
+
+    @property
+    def num_steps(self) -> int:
+        clock = self._clock
+        return self._steps if clock is None else self._steps_base + clock.ticks
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        if self._clock is not None:
+            self.settle()
+        self._steps = value
+
+    def settle(self) -> None:
+        """Stop counting on the clock: the fields take their values now."""
+        clock = self._clock
+        output = self.output_ids  # grown to its length
+        computed, steps = self._total_base + clock.ticks - 1, self._steps_base + clock.ticks
+        self._clock = None
+        self._computed, self._steps, self._output = computed, steps, output
+
+
+class DecodeRows:
+    """The registered (decoding) rows of one scheduler: their count, the sum of their bases, and the heaps
+    of their next events. Entries of a row that left (or, for pages, whose table grew since) are stale and
+    skipped: each carries the row's admit_index (new at every admission) and, for pages, its table length."""
+
+    def __init__(self, clock: DecodeClock, page_size: int, max_context: int, tables: dict[str, list[int]], name_pages: bool):
+        self.clock, self.page_size, self.max_context, self.tables = clock, page_size, max_context, tables
+        self.name_pages = name_pages  # whether full pages are named (prefix caching): the residues are kept only then
+        self.rows: dict[int, LazyRequest] = {}  # admit_index -> row
+        self.base_sum = 0
+        self.version = 0  # changes with the rows
+        self._finishes: list[tuple[int, int, LazyRequest]] = []  # (tick of its last token, admit_index, row)
+        self._needs: list[tuple[int, int, int, LazyRequest]] = []  # (first tick whose token needs a page, admit_index, pages held, row)
+        self._tops: list[tuple[int, int, int, LazyRequest]] = []  # (tokens its page bucket holds - base, admit_index, pages held, row)
+        self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
+        self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
+        self._ordered: list[LazyRequest] | None = None
+        self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
+
+    def register(self, request: LazyRequest) -> None:
+        """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
+        ticks = self.clock.ticks
+        prompt = len(request.prompt_ids)
+        total = prompt + len(request.output_ids)
+        base = total - ticks
+        request._total_base, request._steps_base, request._prompt_len = base, request.num_steps - ticks, prompt
+        request._clock = self.clock
+        index = request.admit_index
+        self.rows[index] = request
+        self.base_sum += base
+        self.version += 1
+        self._ordered = None
+        heapq.heappush(self._finishes, (min(prompt + request.params.max_tokens, self.max_context) - base, index, request))
+        self.push_need(request)
+        if self.name_pages:
+            self._residues.setdefault(base % self.page_size, {})[index] = request
+        if not request.first_token_time:  # a first token at time 0.0: its next step's end is taken instead (Scheduler.update's `or`)
+            self.untimed[index] = request
+
+    def unregister(self, request: LazyRequest) -> None:
+        request.settle()
+        index = request.admit_index
+        del self.rows[index]
+        self.base_sum -= request._total_base
+        self.version += 1
+        self._ordered = None
+        if self.name_pages:
+            del self._residues[request._total_base % self.page_size][index]
+        self.untimed.pop(index, None)
+
+    def push_need(self, request: LazyRequest) -> None:
+        """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table."""
+        held = len(self.tables.get(request.request_id, ()))
+        base, index = request._total_base, request.admit_index
+        heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
+        heapq.heappush(self._tops, (pad_to_bucket(held, self.page_buckets) * self.page_size - base, index, held, request))
+
+    def _valid(self, entry) -> bool:
+        _, index, held, request = entry
+        return request._clock is not None and request.admit_index == index and len(self.tables.get(request.request_id, ())) == held
+
+    def min_finish(self) -> int | None:
+        """The tick of the first row's last token (None: no row)."""
+        finishes = self._finishes
+        while finishes and not (finishes[0][2]._clock is not None and finishes[0][2].admit_index == finishes[0][1]):
+            heapq.heappop(finishes)
+        return finishes[0][0] if finishes else None
+
+    def min_top(self) -> int | None:
+        """min over rows of (tokens its page bucket holds - base): its computed tokens reach its bucket's end at
+        that tick + 1 (None: no row)."""
+        tops = self._tops
+        while tops and not self._valid(tops[0]):
+            heapq.heappop(tops)
+        return tops[0][0] if tops else None
+
+    def needing_pages(self, ticks: int) -> list[LazyRequest]:
+        """Rows whose token at some tick up to `ticks` needs a page, in running order; their entries are taken
+        (push_need gives each its next one)."""
+        needs, rows = self._needs, []
+        while needs and needs[0][0] <= ticks:
+            entry = heapq.heappop(needs)
+            if self._valid(entry) and entry[3] not in rows:
+                rows.append(entry[3])
+        rows.sort(key=attrgetter("admit_index"))
+        return rows
+
+    def ordered(self) -> list[LazyRequest]:
+        """The rows in running (admission) order."""
+        if self._ordered is None:
+            rows = self.rows
+            self._ordered = [rows[i] for i in sorted(rows)]
+        return self._ordered
+
+    def due_pages(self) -> list[LazyRequest]:
+        """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""
+        needs, ticks = self._needs, self.clock.ticks
+        due = []
+        while needs and needs[0][0] <= ticks:
+            entry = heapq.heappop(needs)
+            if self._valid(entry) and entry[3] not in due:
+                due.append(entry[3])
+        if len(due) > 1:
+            due.sort(key=attrgetter("admit_index"))
+        return due
+
+    def finishing(self) -> list[LazyRequest]:
+        """Rows whose token of this tick is their last (taken from the heap)."""
+        finishes, ticks, done = self._finishes, self.clock.ticks, []
+        while finishes and finishes[0][0] <= ticks:
+            _, index, request = heapq.heappop(finishes)
+            if request._clock is not None and request.admit_index == index:
+                done.append(request)
+        return done
+
+    def filling(self) -> list[LazyRequest]:
+        """Rows whose token of this tick fills a page (only with prefix caching; else none)."""
+        if not self.name_pages:
+            return []
+        rows = self._residues.get((1 - self.clock.ticks) % self.page_size)
+        return list(rows.values()) if rows else []
+
+
+_order = attrgetter("_order")
+
+
+def end_plan(scheduler, filling: list[LazyRequest], finishing: list[LazyRequest], first: int, last: int) -> list[LazyRequest]:
+    """After the step of a decode plan holding the rows at places [first, last) of the iteration's order
+    (`_order`): as the run loop's update and output processor would, name the pages its rows' tokens
+    filled (`filling`'s rows of the plan) and then finish its rows whose token was their last (`finishing`'s),
+    each in the plan's row order. Returns the finished rows."""
+    if filling:
+        rows = sorted([r for r in filling if first <= r._order < last], key=_order)
+        if rows:
+            scheduler.kv.cache_computed_pages_of(rows)
+    done = []
+    if finishing:
+        done = sorted([r for r in finishing if first <= r._order < last], key=_order)
+        for r in done:
+            scheduler.finish(r, "length", r.error)
+    return done
