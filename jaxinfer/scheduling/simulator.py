@@ -20,7 +20,8 @@ an iteration's decode tokens are one tick, and the scheduler's decode bookkeepin
 `_split_decode`, the utilization statistic) visits only the rows with an event (a page to allocate, a page to
 name, a last token), in the order and with the calls the real methods make.
 Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
-full pages are shared (as a chat template's are in a real job).
+full pages are shared (as a chat template's are in a real job). Its pages' names (`page_names`) are given by
+that construction, equal exactly where the prefix cache's hashes would be, so nothing is hashed.
 """
 
 import dataclasses
@@ -331,8 +332,10 @@ class _Run:
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
         prompt = [1] * shared + [index + 2] + [0] * (spec.prompt_tokens - shared - 1) if shared < spec.prompt_tokens else [1] * shared
+        request = LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
+        request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context)
         try:
-            self.scheduler.add(LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now))
+            self.scheduler.add(request)
         except ValueError as e:
             raise ValueError(f"request {index} cannot run under these settings: {e}") from None
         self.inflight += 1
@@ -450,6 +453,22 @@ class _Run:
         for r in done:
             scheduler.finish(r, "length", r.error)
         return done
+
+
+def page_names(index: int, prompt_tokens: int, shared: int, output_tokens: int, page_size: int, max_context: int) -> list:
+    """Names for every page the simulated request `index` may fill (Request.page_names, which the KV manager
+    extends by hashing, kv_manager.name_pages), equal exactly where two of its sequences are: page j covers
+    tokens [0, (j + 1) * page_size) of `[1] * shared + [index + 2, 0, ...]` (its prompt) then its output's 0s.
+    A page inside the shared ones is the same in every request (-1 - j); a page past the request's own token
+    (index + 2) is its own ((index + 1) << 20 | j, as max_context // page_size < 2 ** 20); a prompt that is all
+    shared (shared == prompt_tokens) continues with 0s, the same for every prompt of its length
+    (("ones", prompt_tokens, j)). Names are ints and tuples, never a hash's bytes."""
+    num_pages, num_shared = min(prompt_tokens + output_tokens, max_context) // page_size, shared // page_size
+    names = list(range(-1, -1 - min(num_shared, num_pages), -1))
+    if shared < prompt_tokens:
+        own = (index + 1) << 20
+        return names + list(range(own + num_shared, own + num_pages))
+    return names + [("ones", prompt_tokens, j) for j in range(num_shared, num_pages)]
 
 
 def simulate(

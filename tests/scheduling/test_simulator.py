@@ -233,3 +233,39 @@ def test_decode_clock_keeps_first_tokens_at_time_zero_as_the_run_loop_does():
     np.testing.assert_array_equal(clock.ttft_s, run_loop.ttft_s)
     assert clock.summary() == run_loop.summary()
     assert (run_loop.ttft_s == DECODE_S).sum() >= 2  # first tokens at 0.0 replaced by the first decode step's end
+
+
+def test_page_names_are_equal_exactly_where_the_hashed_pages_are():
+    # The reference: the block pool's hash chain over each simulated sequence (prompt, then output 0s).
+    from jaxinfer.scheduling.block_pool import page_hashes
+    from jaxinfer.scheduling.simulator import page_names
+
+    page_size, max_context = 4, 64
+    specs = [(10, 0, 9), (10, 0, 3), (7, 7, 9), (7, 7, 9), (7, 9, 9), (12, 8, 20), (12, 8, 20), (13, 8, 6), (8, 8, 30), (9, 30, 5), (3, 1, 2), (16, 16, 60)]
+    names, hashes = [], []
+    for index, (prompt_tokens, shared, output_tokens) in enumerate(specs):
+        shared = min(shared, prompt_tokens)
+        prompt = [1] * shared + [index + 2] + [0] * (prompt_tokens - shared - 1) if shared < prompt_tokens else [1] * shared
+        sequence = (prompt + [0] * output_tokens)[:max_context]
+        hashes.append(page_hashes(sequence, page_size))
+        names.append(page_names(index, prompt_tokens, shared, output_tokens, page_size, max_context))
+        assert len(names[-1]) == len(hashes[-1])
+    pairs = [(a, b, j) for a in range(len(specs)) for b in range(len(specs)) for j in range(min(len(names[a]), len(names[b])))]
+    assert all((names[a][j] == names[b][j]) == (hashes[a][j] == hashes[b][j]) for a, b, j in pairs)
+    assert sum(hashes[a][j] == hashes[b][j] for a, b, j in pairs if a != b) > 10  # shared pages and equal all-shared sequences are there
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "prefix"])
+def test_page_names_by_construction_give_the_results_of_hashed_names(monkeypatch, policy):
+    from jaxinfer.scheduling import simulator
+
+    cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24), policy=policy)
+    rng = np.random.default_rng(29)
+    requests = [SimRequest(int(p), int(o), shared_prefix=int(s)) for p, o, s in zip(rng.integers(1, 40, 120), rng.integers(1, 40, 120), rng.choice([0, 8, 12, 40], 120))]
+    named = simulate(cfg, requests, work_costs(cfg), num_pages=30, max_inflight=24)
+    monkeypatch.setattr(simulator, "page_names", lambda *args: [])  # the KV manager hashes every page
+    hashed = simulate(cfg, requests, work_costs(cfg), num_pages=30, max_inflight=24)
+    assert named.summary() == hashed.summary() and named.steps_by_key == hashed.steps_by_key
+    np.testing.assert_array_equal(named.ttft_s, hashed.ttft_s)
+    assert named.num_preemptions > 0
