@@ -197,6 +197,21 @@ class DecodeRows:
                 done.append(request)
         return done
 
+    def filled_within(self, ticks: int) -> list[LazyRequest]:
+        """Rows whose tokens fill a page at one of the `ticks` ticks up to now, in running order (only with
+        prefix caching; else none)."""
+        if not self.name_pages:
+            return []
+        if ticks >= self.page_size:
+            return self.ordered()
+        now, residues, rows = self.clock.ticks, self._residues, []
+        for tick in range(now - ticks + 1, now + 1):
+            found = residues.get((1 - tick) % self.page_size)
+            if found:
+                rows += found.values()
+        rows.sort(key=attrgetter("admit_index"))
+        return rows
+
     def filling(self) -> list[LazyRequest]:
         """Rows whose token of this tick fills a page (only with prefix caching; else none)."""
         if not self.name_pages:
@@ -205,21 +220,27 @@ class DecodeRows:
         return list(rows.values()) if rows else []
 
 
-_order = attrgetter("_order")
+def in_order(rows: list[LazyRequest], order: list[LazyRequest]) -> list[tuple[int, LazyRequest]]:
+    """(place in `order`, row) of each of these rows, by place."""
+    return sorted([(order.index(r), r) for r in rows], key=_first) if rows else []
 
 
-def end_plan(scheduler, filling: list[LazyRequest], finishing: list[LazyRequest], first: int, last: int) -> list[LazyRequest]:
-    """After the step of a decode plan holding the rows at places [first, last) of the iteration's order
-    (`_order`): as the run loop's update and output processor would, name the pages its rows' tokens
-    filled (`filling`'s rows of the plan) and then finish its rows whose token was their last (`finishing`'s),
-    each in the plan's row order. Returns the finished rows."""
+def _first(pair: tuple[int, LazyRequest]) -> int:
+    return pair[0]
+
+
+def end_plan(scheduler, filling: list[tuple[int, LazyRequest]], finishing: list[tuple[int, LazyRequest]], first: int, last: int) -> list[LazyRequest]:
+    """After the step of a decode plan holding the rows at places [first, last) of the iteration's decode
+    order: as the run loop's update and output processor would, name the pages its rows' tokens filled
+    (`filling`'s rows of the plan) and then finish its rows whose token was their last (`finishing`'s), each
+    in the plan's row order (both lists: (place, row) by place, in_order). Returns the finished rows."""
     if filling:
-        rows = sorted([r for r in filling if first <= r._order < last], key=_order)
+        rows = [r for place, r in filling if first <= place < last]
         if rows:
             scheduler.kv.cache_computed_pages_of(rows)
     done = []
     if finishing:
-        done = sorted([r for r in finishing if first <= r._order < last], key=_order)
+        done = [r for place, r in finishing if first <= place < last]
         for r in done:
             scheduler.finish(r, "length", r.error)
     return done

@@ -21,7 +21,7 @@ import math
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import RequestStatus
-from jaxinfer.scheduling.sim_decode import end_plan
+from jaxinfer.scheduling.sim_decode import end_plan, in_order
 
 
 def bounds(run, plans) -> tuple[int, int] | None:
@@ -83,8 +83,9 @@ def fast_forward(run, plans) -> bool:
     """Apply the iterations that must repeat `plans`, if any, and the finishing one after them when it
     repeats them too (see the module's docstring); True when requests finished (the caller pulls more)."""
     scheduler = run.scheduler
-    if any(p.phase != "decode" for p in plans):  # as _scan decides, before reading every row's pages
-        return False
+    for p in plans:  # as _scan decides, before reading every row's pages
+        if p.phase != "decode":
+            return False
     if scheduler.lazy is not None:
         return _fast_forward_on_clock(run, plans)
     held = scheduler.kv.num_pages_held_by(scheduler.running)
@@ -119,7 +120,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
     scheduler.register_decoders()
     if not running or type(policy).observe is not SchedulingPolicy.observe or len(lazy.rows) != len(running):
         return None
-    if sum(len(p.request_ids) for p in plans) != len(running):
+    if sum([len(p.request_ids) for p in plans]) != len(running):
         return None
     width = policy.decode_width()
     if scheduler.waiting and len(running) < width:
@@ -215,7 +216,8 @@ def _apply_last(run, plans) -> None:
     by_id, lazy = scheduler.running_by_id, scheduler.lazy
     if lazy is not None:  # every row's token at one tick of the decode clock; only the rows filling a page or finishing are visited
         scheduler.decode_clock.ticks += 1
-        filling, finishing = lazy.filling(), lazy.finishing()
+        order = scheduler.decode_order  # the plans' rows, one plan after the other (no row left since they were planned: _scan)
+        filling, finishing = in_order(lazy.filling(), order), in_order(lazy.finishing(), order)
         first = 0
         for p in plans:
             _count_plan(run, p)
@@ -294,9 +296,9 @@ def _add_utilization(scheduler, k: int, page_size: int, new_at: list[int], token
 def _advance(scheduler, requests, k: int) -> None:
     """k decode tokens (token 0) for each of these running requests, whose pages are allocated (on the decode
     clock, when the scheduler keeps one: `requests` are then every running request, all of them decoding)."""
-    if scheduler.lazy is not None:
+    if scheduler.lazy is not None:  # the rows that filled a page are the only ones cache_computed_pages_of names pages of
         scheduler.decode_clock.ticks += k
-        scheduler.kv.cache_computed_pages_of(requests)
+        scheduler.kv.cache_computed_pages_of(scheduler.lazy.filled_within(k))
         return
     tokens = [0] * k
     for request in requests:

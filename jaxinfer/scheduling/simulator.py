@@ -37,7 +37,7 @@ from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepResult
 from jaxinfer.scheduling.request import Request, SamplingParams
-from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, total_base
+from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
@@ -136,6 +136,7 @@ class _SketchScheduler(Scheduler):
         self._admitted: list[Request] = []  # with the clock: running requests not registered yet (prefilling), in running order
         self._split: tuple[int, list] | None = None  # (lazy.version, _split_decode's groups) while no row's page bucket changes
         self._plans: list[_SketchPlan] = []  # the last decode plans, reused while their rows and key are the same
+        self.decode_order: list[Request] = []  # with the clock: the decoding rows in the order of the decode plans (_split_decode)
 
     def use_decode_clock(self) -> None:
         """Count decoding rows on the decode clock (sim_decode.py); the run loop then ticks it once per iteration."""
@@ -204,8 +205,8 @@ class _SketchScheduler(Scheduler):
 
     def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
         """Scheduler._split_decode, kept while the rows and their page buckets are the same: every registered row
-        gains a token per tick, so their order by length stays (ties in running order); each row's place in
-        the order is kept on it (`_order`)."""
+        gains a token per tick, so their order by length stays (ties in running order), kept as `decode_order`
+        (the rows of the iteration's decode plans, one plan after the other)."""
         lazy = self.lazy
         if lazy is None or requests is not lazy._ordered:
             return super()._split_decode(requests)
@@ -217,8 +218,7 @@ class _SketchScheduler(Scheduler):
             pages = self.kv.num_pages_held_by(ordered)
             split = self._split_point(pages) if len(ordered) > 1 else 0
             groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
-            for position, r in enumerate(ordered):
-                r._order = position
+            self.decode_order = ordered
         self._split = (lazy.version, groups)
         return groups
 
@@ -408,7 +408,8 @@ class _Run:
         scheduler, clock = self.scheduler, self.clock
         lazy = scheduler.lazy
         scheduler.decode_clock.ticks += 1
-        filling, finishing = lazy.filling(), lazy.finishing()
+        order = scheduler.decode_order
+        filling, finishing = in_order(lazy.filling(), order), in_order(lazy.finishing(), order)
         done, first = [], 0
         for plan in plans:
             last = first + len(plan.request_ids)
@@ -417,7 +418,7 @@ class _Run:
             scheduler.observe(plan, clock.now - start)
             if lazy.untimed:
                 for r in list(lazy.untimed.values()):
-                    if first <= r._order < last and not r.first_token_time:
+                    if first <= order.index(r) < last and not r.first_token_time:
                         r.first_token_time = clock.now
                         if r.first_token_time:
                             del lazy.untimed[r.admit_index]
