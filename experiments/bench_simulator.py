@@ -5,14 +5,30 @@ Two parts (--part simulate|errors|all):
 1. simulate: --num-requests (100,000) synthetic requests (conversation-fitted lengths, clipped to the
    context) simulated as one batch job on the default EngineConfig, priced by a made-up cost table
    (seconds linear in each program's work); the seconds it takes. Host only, no model. Goal: <= 10 s.
-2. errors: real runs of the default model (LLM() with a small engine) on a scaled sample of the
-   conversation trace (jaxinfer.bucketing.traces.shared_trace, lengths and gaps divided by --scale) and on
-   a synthetic trace, each replayed with its arrival times, under every policy (config.POLICIES) and three
-   bucket tables (default, fitted:4 and powers-of-two:4 fitted to the sample). Before each run the
-   simulator predicts it from the step-cost table as it stands (warm-up timings and the runs before);
-   predicted vs measured wall time and TTFT p50. Goals: wall within 10%, TTFT p50 within 15%.
+2. errors: real runs of the default model (one LLM with a small engine, loaded and tuned once) on a scaled
+   sample of the conversation trace (jaxinfer.bucketing.traces.shared_trace, lengths and gaps divided by
+   --scale) and on a synthetic trace, each replayed with its arrival times, under every policy
+   (config.POLICIES) and three bucket tables (default, fitted:4 and powers-of-two:4, fitted to both traces'
+   samples together): 2 x 5 x 3 = 30 runs of --requests (32) each. Every table's programs are compiled and
+   timed before the first real run (the engine swaps tables as a refit does: Engine.use_config, warm-up
+   compiling only what it lacks), so the step costs warm-up saves to the tuner cache hold no run's steps.
+   Per table, a discarded warm-up run per trace (--warm-up requests, those just after the sample) pays the
+   table's programs' first real steps and refreshes their costs. Before each measured run the simulator
+   predicts it from a copy of the step-cost table as it stands (warm-up timings, this machine's cached ones
+   included, and the runs before; never the run itself); predicted vs measured wall time (first step's start
+   to last step's end, the step log's and the simulator's span) and TTFT p50 (arrival to first token in both).
+   Each row also holds both schedules' steps per program key (`same_schedule`) and device seconds, which
+   separate a schedule that differs from a cost that does. Goals: wall within 10%, TTFT p50 within 15%,
+   judged only when the runs cover both traces, every policy and the three tables.
+
+Runtime of `--part errors` alone on a 2-core CPU (estimated from loaded partial runs' CPU time; caches
+warm): about 8 minutes: load, tune (cached) and warm up the default tables ~0.5 min, the two other tables'
+programs ~1 min (~1.5 min more where the XLA cache is cold, ~0.5 min more where the tuner's is), six
+warm-up runs ~0.2 min, 30 runs of 32 requests ~5 min (each run ~4-10 s; a prediction takes < 0.1 s).
+`phase_seconds` in the result JSON has the real split. --quick: one run of 8 requests, ~1 minute.
 
     .venv/bin/python experiments/bench_simulator.py [--part all] [--num-requests 100000] [--quick]
+    JAXINFER_TRACE_DIR=/work/shared/data .venv/bin/python experiments/bench_simulator.py --part errors [--policies fcfs] [--tables default]
 """
 
 import dataclasses
@@ -26,6 +42,7 @@ from common import paths, report
 from jaxinfer.bucketing import strategies, traces
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.plan import BucketKey
 from jaxinfer.scheduling.simulator import SimRequest, simulate
 from jaxinfer.scheduling.step_costs import StepCosts
 
@@ -66,10 +83,11 @@ def sample(trace: traces.Trace, n: int, scale: float, max_prompt: int, max_outpu
     return list(zip(prompts.tolist(), outputs.tolist(), arrivals.tolist()))
 
 
-def table_config(spec: str, rows: list[tuple[int, int, float]]) -> EngineConfig:
-    base = EngineConfig(**ENGINE)
+def table_config(spec: str, rows: list[tuple[int, int, float]], base: EngineConfig | None = None) -> EngineConfig:
+    """`base` (default: ENGINE's settings) with the bucket tables `spec` names, fitted to `rows` where fitted."""
+    base = base or EngineConfig(**ENGINE)
     if spec == "default":
-        return base
+        return dataclasses.replace(base, buckets=None)
     kind, budget = spec.split(":")
     prompts = np.array([min(p, base.max_prefill_tokens) for p, _, _ in rows])
     pages = np.array([math.ceil((p + o) / base.page_size) for p, o, _ in rows])
@@ -77,81 +95,175 @@ def table_config(spec: str, rows: list[tuple[int, int, float]]) -> EngineConfig:
     return dataclasses.replace(base, buckets=strategies.EngineBuckets.from_samples(kind, int(budget), chunk=prompts, rows=decode_rows, pages=pages))
 
 
-def one_run(llm, cfg: EngineConfig, policy: str, rows: list[tuple[int, int, float]]) -> dict:
-    """Predict with the cost table as it stands, then run for real and measure."""
+def prepare_tables(llm, cfg: EngineConfig) -> float:
+    """Compile and time the programs of `cfg`'s tables that the loaded LLM lacks (Engine.warmup does only those;
+    the tuner's choice is kept); the seconds that took."""
+    start = time.perf_counter()
+    llm.engine.use_config(cfg)
+    llm.engine.warmup()
+    return time.perf_counter() - start
+
+
+def use_tables(llm, cfg: EngineConfig) -> None:
+    """Run `cfg`'s tables from now on (their programs already compiled and timed)."""
+    llm.engine.use_config(cfg)
+    llm.engine_config = cfg
+
+
+def real_run(llm, rows: list[tuple[int, int, float]], costs: StepCosts | None) -> tuple[dict, float, dict]:
+    """Replay `rows` (greedy, EOS ignored, random prompt ids); (what it measured, the seconds it took, the step
+    log's totals per program key). Its steps' host gaps refine `costs` (the LLM's table), as a job's step log does."""
     from jaxinfer.batch.step_log import StepLog
     from jaxinfer.scheduling.request import SamplingParams
 
-    run_cfg = dataclasses.replace(llm.engine_config, policy=policy)
-    llm.engine_config = run_cfg  # the programs do not depend on the policy; each stream's scheduler reads it
-    costs = StepCosts.from_json(llm.step_costs().to_json())
-    requests = [SimRequest(p, o, t) for p, o, t in rows]
-    predicted = simulate(run_cfg, requests, costs, num_pages=llm.engine.num_pages).summary()
     rng = np.random.default_rng(len(rows))
     prompts = [rng.integers(100, 20000, p).tolist() for p, _, _ in rows]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o, _ in rows]
     llm.reset_prefix_cache()
+    start = time.perf_counter()
     with tempfile.NamedTemporaryFile(suffix=".steps.jsonl") as f:
-        log = StepLog(f.name, {}, costs=llm.step_costs())
+        log = StepLog(f.name, {}, costs=costs)
         outputs = llm.generate(prompts, params, arrival_times=[t for _, _, t in rows], on_step=log, progress=False)
         log.close()
-    measured = {"wall_s": log.summary()["wall_s"], "ttft_p50_s": float(np.percentile([o.time_to_first_token for o in outputs], 50))}
-    errors = {name: (predicted[name] - measured[name]) / measured[name] for name in measured}
-    return {"policy": policy, "measured": measured, "predicted": {k: predicted[k] for k in ("wall_s", "ttft_p50_s", "padding", "num_steps")},
-            "wall_error": round(errors["wall_s"], 4), "ttft_p50_error": round(errors["ttft_p50_s"], 4)}
+    seconds = time.perf_counter() - start
+    summary = log.summary()
+    return {"wall_s": summary["wall_s"], "ttft_p50_s": float(np.percentile([o.time_to_first_token for o in outputs], 50)),
+            "num_steps": summary["num_steps"], "padding": summary["padding"], "device_s": round(sum(t.device_s for t in log.totals.values()), 6),
+            "steps_by_key": {":".join(map(str, key)): t.steps for key, t in sorted(log.totals.items())}}, seconds, log.totals
 
 
-def part_errors(args) -> list[dict]:
+def predict(llm, cfg: EngineConfig, rows: list[tuple[int, int, float]], costs: StepCosts | None = None) -> tuple[dict, float]:
+    """The simulator's run of `rows` under `cfg`, priced by `costs` (default: a copy of the LLM's step-cost table
+    as it stands now); (its figures, the seconds it took)."""
+    start = time.perf_counter()
+    costs = costs or StepCosts.from_json(llm.step_costs().to_json())  # a copy: a run after this refines the LLM's own table
+    result = simulate(cfg, [SimRequest(p, o, t) for p, o, t in rows], costs, num_pages=llm.engine.num_pages)
+    predicted = {k: result.summary()[k] for k in ("wall_s", "ttft_p50_s", "num_steps", "padding")}
+    predicted["device_s"] = round(sum(n * costs.device_seconds(key) for key, n in result.steps_by_key.items()), 6)  # the wall less host time and idle waits
+    predicted["steps_by_key"] = {":".join(map(str, key)): n for key, n in sorted(result.steps_by_key.items())}
+    return predicted, time.perf_counter() - start
+
+
+def relative_errors(predicted: dict, measured: dict) -> dict:
+    return {f"{name[:-2]}_error": round((predicted[name] - measured[name]) / measured[name], 4) for name in ("wall_s", "ttft_p50_s")}
+
+
+def own_costs(totals: dict) -> StepCosts:
+    """A run's own seconds per program key as a cost table: each key's mean step plus host gap (step log totals),
+    no host model; with the run's schedule, the simulator's wall is then the run's by construction."""
+    costs = StepCosts()
+    for key, t in totals.items():
+        costs.observe(BucketKey(*key), (t.device_s + t.host_s) / t.steps)
+    return costs
+
+
+def one_run(llm, policy: str, rows: list[tuple[int, int, float]]) -> dict:
+    """Predict with the cost table as it stands (before this run), then run for real and measure. `own_costs`, a
+    diagnostic only, never the goal's figure: the run simulated again priced by its own mean seconds per key,
+    whose TTFT error (and wall error, where the schedule differs) is the simulator's alone, the cost table's left out."""
+    run_cfg = dataclasses.replace(llm.engine_config, policy=policy)
+    llm.engine_config = run_cfg  # the programs do not depend on the policy; each stream's scheduler reads it
+    predicted, predict_s = predict(llm, run_cfg, rows)
+    measured, run_s, totals = real_run(llm, rows, llm.step_costs())
+    replay = predict(llm, run_cfg, rows, own_costs(totals))[0]
+    return {"policy": policy, "measured": measured, "predicted": predicted, **relative_errors(predicted, measured),
+            "same_schedule": predicted["steps_by_key"] == measured["steps_by_key"],
+            "own_costs": {k: replay[k] for k in ("wall_s", "ttft_p50_s")} | relative_errors(replay, measured),
+            "seconds": {"predict": round(predict_s, 3), "run": round(run_s, 3)}}
+
+
+def part_errors(args) -> tuple[list[dict], dict]:
+    """The runs' rows and the seconds each phase took (construct, per table: tables, warm_up, runs)."""
     from jaxinfer.api import LLM
-    from jaxinfer.config import POLICIES
 
     workloads = {"synthetic": traces.synthetic_trace(5000, 1, requests_per_s=traces.CONVERSATION_REQUESTS_PER_S)}
     try:
         workloads["conversation"] = traces.load_trace(traces.shared_trace())
     except traces.TraceError as e:
         report.log("bench_simulator", f"no conversation trace ({e}); synthetic only")
-    policies = ["fcfs"] if args.quick else list(POLICIES)
-    tables = TABLES[:1] if args.quick else TABLES
     names = ["synthetic"] if args.quick else list(workloads)
     n = 8 if args.quick else args.requests
+    lengths = dict(max_prompt=ENGINE["max_context"] // 2, max_output=args.max_output)
+    windows = {name: sample(workloads[name], n + args.warm_up, args.scale, **lengths, seed=2) for name in names}
+    samples = {name: rows[:n] for name, rows in windows.items()}
+    warm_ups = {name: [(p, o, t - rows[n][2]) for p, o, t in rows[n:]] for name, rows in windows.items()}  # the requests after the sample's
+    fit_rows = [row for name in names for row in samples[name]]  # fitted tables: to every run's requests
+    phases = {"tables": {}}
+    start = time.perf_counter()
+    llm = LLM(None, engine_config=EngineConfig(**ENGINE))
+    phases["construct"] = round(time.perf_counter() - start, 2)
+    report.log("bench_simulator", f"loaded, tuned and warmed up the default model in {phases['construct']:.1f} s ({llm.choices})")
+    configs = {spec: table_config(spec, fit_rows, llm.engine_config) for spec in args.tables}
+    for spec, cfg in configs.items():  # all before any real run: the step costs warm-up saves (tuning_cache) hold no run's steps
+        phases["tables"][spec] = {"tables": round(prepare_tables(llm, cfg), 2), "warm_up": 0.0, "runs": 0.0}
     rows = []
-    for spec in tables:
-        samples = {name: sample(workloads[name], n, args.scale, ENGINE["max_context"] // 2, ENGINE["max_context"] // 4, seed=2) for name in names}
-        cfg = table_config(spec, samples[names[0]])
-        report.log("bench_simulator", f"loading the default model with tables {spec}")
-        llm = LLM(None, engine_config=cfg)
+    for spec, cfg in configs.items():
+        use_tables(llm, cfg)
+        times = phases["tables"][spec]
+        for name in names if args.warm_up else []:  # discarded: the table's programs' first real steps and the host model's first gaps
+            times["warm_up"] += round(real_run(llm, warm_ups[name], llm.step_costs())[1], 2)
+        report.log("bench_simulator", f"tables {spec}: programs compiled and timed in {times['tables']:.1f} s, warm-up runs {times['warm_up']:.1f} s")
         for name in names:
-            for policy in policies:
-                row = {"trace": name, "tables": spec, **one_run(llm, cfg, policy, samples[name])}
-                report.log("bench_simulator", f"{name} {spec} {policy}: wall error {row['wall_error']:+.1%}, ttft p50 error {row['ttft_p50_error']:+.1%}")
+            for policy in args.policies:
+                row = {"trace": name, "tables": spec, **one_run(llm, policy, samples[name])}
+                times["runs"] += row["seconds"]["run"] + row["seconds"]["predict"]
+                report.log("bench_simulator", f"{name} {spec} {policy}: wall error {row['wall_error']:+.1%}, ttft p50 error {row['ttft_p50_error']:+.1%} "
+                           f"(own costs {row['own_costs']['wall_error']:+.1%}, {row['own_costs']['ttft_p50_error']:+.1%}; steps {row['predicted']['num_steps']} predicted, {row['measured']['num_steps']} run{'' if row['same_schedule'] else ', other keys'}; "
+                           f"device s {row['predicted']['device_s']:.2f} predicted, {row['measured']['device_s']:.2f} run; run {row['seconds']['run']:.1f} s)")
                 rows.append(row)
-    return rows
+        times["runs"] = round(times["runs"], 2)
+    return rows, phases
 
 
 def main() -> None:
+    from jaxinfer.config import POLICIES
+
     parser = report.arg_parser(__doc__, out=RESULTS)
+    parser.epilog = "--part errors takes about 8 minutes alone on a 2-core CPU with warm caches (see the module docstring); --quick about 1."
     parser.add_argument("--part", default="all", choices=("simulate", "errors", "all"))
     parser.add_argument("--num-requests", type=int, default=100_000, help="requests of part 1")
     parser.add_argument("--requests", type=int, default=32, help="requests per real run of part 2")
     parser.add_argument("--scale", type=float, default=8.0, help="part 2's trace lengths and gaps are divided by this")
+    parser.add_argument("--max-output", type=int, default=ENGINE["max_context"] // 4, help="part 2's output lengths are clipped to this")
+    parser.add_argument("--warm-up", type=int, default=None, help="requests of the discarded warm-up run per table and trace (default: --requests; 0: none)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="part 2's policies, comma separated (the goals need every one)")
+    parser.add_argument("--tables", default=",".join(TABLES), help=f"part 2's bucket tables, comma separated, of {', '.join(TABLES)} (the goals need three)")
     parser.add_argument("--quick", action="store_true", help="part 1 on 2,000 requests; part 2: 8 requests, synthetic, fcfs, default tables")
     args = parser.parse_args()
-    doc, measured = {"question": __doc__.split("\n")[0], "engine": ENGINE, "scale": args.scale}, {}
+    args.warm_up = (8 if args.quick else args.requests) if args.warm_up is None else args.warm_up
+    args.policies = ["fcfs"] if args.quick else report.comma_list(parser, args.policies, POLICIES, "policies")
+    args.tables = ["default"] if args.quick else report.comma_list(parser, args.tables, TABLES, "tables")
+    doc, measured = {"question": __doc__.split("\n")[0], "engine": ENGINE, "scale": args.scale, "max_output": args.max_output, "warm_up": args.warm_up}, {}
     if args.part in ("simulate", "all"):
         doc["simulate"] = part_simulate(2000 if args.quick else args.num_requests)
         measured["simulate_seconds"] = doc["simulate"]["seconds"] if doc["simulate"]["num_requests"] >= 100_000 else None
     if args.part in ("errors", "all"):
-        doc["runs"] = part_errors(args)
+        doc["runs"], doc["phase_seconds"] = part_errors(args)
         columns = [("trace", "<13"), ("tables", "<16"), ("policy", "<16"), ("wall s", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%"),
                    ("ttft50", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%")]
         print(report.format_table(columns, [[r["trace"], r["tables"], r["policy"], r["measured"]["wall_s"], r["predicted"]["wall_s"], r["wall_error"],
                                              r["measured"]["ttft_p50_s"], r["predicted"]["ttft_p50_s"], r["ttft_p50_error"]] for r in doc["runs"]]))
-        measured["worst_wall_error"] = max(abs(r["wall_error"]) for r in doc["runs"])
-        measured["worst_ttft_p50_error"] = max(abs(r["ttft_p50_error"]) for r in doc["runs"])
+        doc["worst_errors"] = {"wall": max(abs(r["wall_error"]) for r in doc["runs"]), "ttft_p50": max(abs(r["ttft_p50_error"]) for r in doc["runs"])}
+        missing = coverage_gaps(doc["runs"], POLICIES)
+        if missing:  # the goals are over every policy, both traces and three tables: a subset is no measurement of them
+            report.log("bench_simulator", f"the goals' errors are not measured: the runs lack {'; '.join(missing)}")
+        doc["coverage_gaps"] = missing
+        measured["worst_wall_error"] = None if missing else doc["worst_errors"]["wall"]
+        measured["worst_ttft_p50_error"] = None if missing else doc["worst_errors"]["ttft_p50"]
     doc["goals"] = report.judge(GOALS, measured)
     report.print_goals(doc["goals"])
     summary = {name: goal["measured"] for name, goal in doc["goals"].items()}
     report.finish(args.out.with_name(args.out.stem + "_quick.json") if args.quick else args.out, doc, summary)
+
+
+def coverage_gaps(runs: list[dict], policies) -> list[str]:
+    """What the runs lack of the goals' dimensions: both traces, every policy, three tables (empty: none)."""
+    gaps = []
+    for name, have, need in (("traces", {r["trace"] for r in runs}, {"synthetic", "conversation"}), ("policies", {r["policy"] for r in runs}, set(policies)),
+                             ("tables", {r["tables"] for r in runs}, set(TABLES))):
+        if have != need:
+            gaps.append(f"{name} {sorted(need - have)}")
+    return gaps
 
 
 if __name__ == "__main__":
