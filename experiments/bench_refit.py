@@ -169,11 +169,13 @@ def _threads() -> dict[int, tuple[str, float, int]]:
 
 
 def probe_compile_threads(llm) -> dict:
-    """One more program compiled as Refit compiles it (refit._compile_quietly in its own thread) while the stepping
-    thread waits: the compile thread's own CPU seconds and nice value, and which other threads spent CPU meanwhile
-    (XLA's own pools: a thread's nice value is its own, so work the compile hands them runs at theirs)."""
+    """One more program compiled as Refit compiles it (refit._compile_quietly in its own thread, after
+    refit.quiet_idle_threads has lowered the threads a few steps left idle) while the stepping thread waits: the compile
+    thread's own CPU seconds and nice value, and which other threads spent CPU meanwhile, at what nice value (XLA's
+    own pools: a thread's nice value is its own, so work the compile hands them runs at theirs)."""
     tables = BucketTables.from_config(llm.engine_config)
-    extra = next(n for n in range(16, tables.chunk_tokens[-1], 16) if n not in tables.chunk_tokens)
+    compiled = {k.num_tokens for k in llm.engine._programs if k.phase == "prefill"}  # every table's so far: none is dropped
+    extra = next(n for n in range(16, tables.chunk_tokens[-1], 16) if n not in compiled)
     cfg, result = refit.with_chunk_table(llm.engine_config, (extra, tables.chunk_tokens[-1])), {}
 
     def compile_here():
@@ -182,15 +184,21 @@ def probe_compile_threads(llm) -> dict:
         result["cpu_s"] = time.thread_time() - start
 
     thread, main_tid = threading.Thread(target=compile_here), threading.main_thread().native_id
+    stepped = refit.thread_cpu()
+    llm.generate(["a few steps"] * 2, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # which threads the steps use
+    quieted = refit.quiet_idle_threads(stepped, refit.thread_cpu(), {main_tid})
     before = _threads()
     thread.start()
     thread.join()
     after = _threads()  # the compile thread has exited: its CPU is its own thread_time
+    refit.restore_threads(quieted)
     others = [{"tid": t, "name": name, "nice": nice, "cpu_s": round(cpu - before.get(t, (name, 0.0, nice))[1], 2), "main_thread": t == main_tid}
               for t, (name, cpu, nice) in after.items() if cpu - before.get(t, (name, 0.0, nice))[1] >= 0.05]
     programs, started, ended, nice = result["out"]
     return {"num_programs": len(programs), "compile_s": round(ended - started, 2), "compile_thread_nice": nice, "compile_thread_cpu_s": round(result["cpu_s"], 2),
-            "other_busy_threads": others, "other_cpu_s_at_normal_priority": round(sum(o["cpu_s"] for o in others if o["nice"] < 19 and not o["main_thread"]), 2)}
+            "quieted_threads": len(quieted), "other_busy_threads": others,
+            "other_cpu_s_at_normal_priority": round(sum(o["cpu_s"] for o in others if o["nice"] < 19 and not o["main_thread"]), 2),
+            "other_cpu_s_at_nice_19": round(sum(o["cpu_s"] for o in others if o["nice"] >= 19), 2)}
 
 
 def main() -> None:
@@ -266,7 +274,7 @@ def print_result(result: dict) -> None:
           f"second half alone {tuple(result['second_half_table'])}")
     for s in result["swaps"]:
         print(f"swap: {tuple(s['old_table'])} -> {tuple(s['new_table'])} asked at step {s['asked_at_step']}, swapped at {s['swapped_at_step']}; "
-              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']})")
+              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']}, {s['quieted_threads']} idle threads at nice 19)")
     pad = [["refit run, after the shift", result["padding_after_shift"]], ["refit run, after the swap", result["padding_after_swap"]],
            ["no refit, after the shift", result["padding_after_shift_no_refit"]], ["second half alone (dry run)", result["padding_second_half_alone"]]]
     print("\n" + report.format_table([("prefill padding", "<30"), ("share", "7.1%")], pad))
@@ -276,7 +284,8 @@ def print_result(result: dict) -> None:
         print("\n" + report.format_table(columns, rows))
     probe = result["compile_threads"]
     print(f"\ncompile probe: {probe['num_programs']} programs in {probe['compile_s']} s; the compile thread {probe['compile_thread_cpu_s']} s CPU at nice "
-          f"{probe['compile_thread_nice']}, other threads (not the main one) at normal priority {probe['other_cpu_s_at_normal_priority']} s")
+          f"{probe['compile_thread_nice']}; {probe['quieted_threads']} threads idle while stepping set to nice 19; other threads (not the main one) "
+          f"at normal priority {probe['other_cpu_s_at_normal_priority']} s, at nice 19 {probe['other_cpu_s_at_nice_19']} s")
     print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
 
 

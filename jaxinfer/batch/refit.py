@@ -13,7 +13,9 @@ over 8 points on 16 rows, no error margin) refitted 1 to 4 times in 2,000 prefil
 very distribution its table was fitted to; this one, on 10 seeds of four such distributions, never did.
 `Refit` is the job's on_step hook: on drift it asks each engine for the programs the new table needs
 (`Engine.compile_programs`, in a thread at the lowest CPU priority, against shapes taken on the stepping
-thread), and once they are compiled it swaps, at one step boundary, the engine's config (which adds the
+thread; XLA hands most of a compile to its own pools' threads, made at warm-up at the usual priority, so the
+threads that spent no CPU while the job stepped get the lowest too until the swap, and the GIL switch interval is
+shortened, so the stepping thread waits less for the GIL the compile thread's lowering holds), and once they are compiled it swaps, at one step boundary, the engine's config (which adds the
 programs and drops none) and then the running schedulers' tables and the LLM's config, so a plan made on
 the old tables still finds its program and every later plan is made on the new ones.
 
@@ -28,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +43,8 @@ from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
 log = logging.getLogger(__name__)
 
 _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (planning.py's fine table step)
+_CPU_EVERY = 16  # steps between two snapshots of the threads' CPU time (which threads the steps use)
+_SWITCH_S = 0.0005  # the GIL switch interval while a refit compiles (CPython's default: 0.005)
 
 
 def padded_slots(sizes: np.ndarray, table: tuple[int, ...]) -> np.ndarray:
@@ -154,12 +159,67 @@ class Swap:
     compile_ended: float = 0.0  # perf_counter when it ended
     swapped_at: float = 0.0  # perf_counter at the swap (the first step boundary after compile_ended)
     compile_nice: int | None = None  # the compile thread's nice value (19 asked; None: it could not be read)
+    quieted_threads: int = 0  # threads idle while the job stepped (XLA's compile pools) set to nice 19 for the compile
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
     """`cfg` with this chunk table and its other two tables as they are now (given explicitly)."""
     tables = BucketTables.from_config(cfg)
     return dataclasses.replace(cfg, buckets=None, prefill_chunk_buckets=table, decode_batch_buckets=tables.decode_rows, decode_page_buckets=tables.pages)
+
+
+def thread_cpu() -> dict[int, float]:
+    """{native thread id: CPU seconds} of this process's threads (Linux /proc; {} elsewhere)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread has exited
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def quiet_idle_threads(before: dict[int, float], after: dict[int, float], keep: set[int]) -> dict[int, int]:
+    """Sets nice 19 on every thread of this process that spent no CPU between two thread_cpu() snapshots taken while
+    the job stepped (and is not in `keep`): XLA compiles on its own pools' threads (nice 0, made at warm-up), not only
+    on the thread that asks, so a nice-19 compile thread alone leaves most of the compile at the steps' priority. The
+    threads the steps use (the stepping thread, XLA's intra-op pool) spent CPU, so they keep theirs. Returns {thread
+    id: the nice value it had} for restore_threads."""
+    quieted = {}
+    for tid in after:
+        if tid in keep or after[tid] > before.get(tid, after[tid]):
+            continue
+        try:
+            old = os.getpriority(os.PRIO_PROCESS, tid)
+            if old < 19:
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+                quieted[tid] = old
+        except OSError:  # exited, or not allowed
+            continue
+    return quieted
+
+
+def restore_threads(quieted: dict[int, int]) -> int:
+    """Gives the threads quiet_idle_threads lowered their nice values back; returns how many could not be (raising a
+    priority needs CAP_SYS_NICE: those stay at 19, compile-only threads, so only later compiles are slower)."""
+    failed = 0
+    for tid, nice in quieted.items():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue
+        except OSError:
+            failed += 1
+    if failed:
+        log.info("refit: %d compile threads keep nice 19 (raising a priority needs CAP_SYS_NICE)", failed)
+    return failed
 
 
 def _compile_quietly(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float, float, int | None]:
@@ -188,6 +248,9 @@ class Refit:
         self.step = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-refit")
         self._pending: tuple | None = None  # (future, new config, asked at step)
+        self._cpu: deque[tuple[int, dict]] = deque(maxlen=2)  # (step, thread_cpu()) every _CPU_EVERY steps while none compiles
+        self._quieted: dict[int, int] = {}  # thread id -> its nice value before the compile (quiet_idle_threads)
+        self._switch: float | None = None  # the GIL switch interval before the compile
 
     def __call__(self, plan, tokens, seconds) -> None:
         if self.chain is not None:
@@ -199,18 +262,43 @@ class Refit:
             if self._pending[0].done():
                 self._swap()
             return
+        if self.step % _CPU_EVERY == 1:
+            self._cpu.append((self.step, thread_cpu()))
         table = self.watch.observe(plan)
         if table is not None:
             cfg = with_chunk_table(self.llm.engine_config, table)
+            self._quiet_compile_pools()
             future = self._executor.submit(_compile_quietly, self.llm.engine, cfg, self.llm.engine.abstract_state())
             self._pending = (future, cfg, self.step)
             log.info("refit: prefill sizes drifted; compiling chunk table %s in the background", table)
+
+    def _quiet_compile_pools(self) -> None:
+        """For the compile: nice 19 for the threads that spent no CPU in the last _CPU_EVERY / 2 or more steps (not the
+        stepping thread), and a short GIL switch interval, so that the stepping thread waits _SWITCH_S, not the 5 ms
+        default, for the GIL while the compile thread lowers (Python) at nice 19."""
+        before = next((cpu for step, cpu in self._cpu if step <= self.step - _CPU_EVERY // 2), None)
+        if before is not None:
+            self._quieted = quiet_idle_threads(before, thread_cpu(), {threading.get_native_id()})
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, _SWITCH_S))
+
+    def _unquiet(self) -> int:
+        """Undoes _quiet_compile_pools; returns how many threads it had quieted."""
+        quieted = len(self._quieted)
+        restore_threads(self._quieted)
+        self._quieted = {}
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
+        return quieted
 
     def _swap(self) -> None:
         """Between two steps: the engine first (it gains the programs), then the schedulers and the LLM's config."""
         future, cfg, asked = self._pending
         self._pending = None
         programs, started, ended, nice = future.result()
+        quieted = self._unquiet()
+        self._cpu.clear()  # its steps ran beside the compile: the next refit's idle threads are judged on later ones
         old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
         self.llm.engine.use_config(cfg, programs)
         tables = BucketTables.from_config(cfg)
@@ -218,12 +306,13 @@ class Refit:
             scheduler.cfg, scheduler.tables = cfg, tables
         self.llm.engine_config = cfg
         self.watch.reset(tables.chunk_tokens)
-        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), ended - started, started, ended, time.perf_counter(), nice))
+        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), ended - started, started, ended, time.perf_counter(), nice, quieted))
         log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - started)
 
     def close(self) -> None:
         """Wait for a compile under way (its programs are kept unused) and stop the thread."""
         self._executor.shutdown(wait=True)
+        self._unquiet()
 
     def report(self) -> str:
         """One line per swap, for the job's end."""

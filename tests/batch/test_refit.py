@@ -2,7 +2,7 @@
 steps. The shift tests run the real scheduler on a fake step (runloop, host only); one test refits a real
 engine in the background."""
 
-import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -161,6 +161,7 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     assert swap.old_table == (16, 32, 512) and swap.new_table != swap.old_table and swap.new_table[-1] == 512
     assert swap.compile_started < swap.compile_ended <= swap.swapped_at and swap.compile_s == swap.compile_ended - swap.compile_started
     assert swap.compile_nice in (19, None)  # the lowest priority, or a platform that cannot set a thread's
+    assert swap.quieted_threads > 0 or not os.path.isdir("/proc/self/task")  # XLA's compile pools, idle while it stepped
     assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
     tables = BucketTables.from_config(llm.engine_config)
     assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
@@ -178,3 +179,45 @@ def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
         count, multiple = int(rng.integers(1, 12)), int(rng.choice([1, 16]))
         assert fit_table(sizes, count, multiple_of=multiple) == fit_buckets(sizes, count, multiple_of=multiple)
     assert fit_table([10, 10, 30, 80], 2) == (30, 80)  # by hand: {10, 10, 30} to 30 and {80}: 170 slots; {10, 10} and {30, 80}: 180
+
+
+def test_quieting_lowers_only_the_threads_idle_between_two_snapshots_and_restoring_gives_their_priority_back():
+    import os
+    import threading
+    import time
+
+    from jaxinfer.batch.refit import quiet_idle_threads, restore_threads, thread_cpu
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("thread CPU times come from Linux /proc")
+    stop, ids = threading.Event(), {}
+
+    def spin():
+        ids["busy"] = threading.get_native_id()
+        while not stop.is_set():
+            sum(range(1000))
+
+    def wait():
+        ids["idle"] = threading.get_native_id()
+        stop.wait()
+
+    threads = [threading.Thread(target=spin), threading.Thread(target=wait)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    before = thread_cpu()
+    while thread_cpu()[ids["busy"]] <= before[ids["busy"]]:  # a clock tick of the busy thread's CPU
+        time.sleep(0.01)
+    quieted = quiet_idle_threads(before, thread_cpu(), {threading.get_native_id()})
+    try:
+        assert ids["idle"] in quieted and os.getpriority(os.PRIO_PROCESS, ids["idle"]) == 19
+        assert ids["busy"] not in quieted and threading.get_native_id() not in quieted
+        failed = restore_threads(quieted)
+        if failed == 0:  # with CAP_SYS_NICE (or a nice value it may raise back to)
+            assert os.getpriority(os.PRIO_PROCESS, ids["idle"]) == quieted[ids["idle"]]
+        else:  # without, none can be raised back
+            assert failed == len(quieted)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
