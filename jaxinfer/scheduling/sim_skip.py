@@ -14,6 +14,10 @@ once more, and some of its rows take their last token), it is applied too, as th
 step: per plan, the clock moves on by the plan's seconds, its rows take their token, and the output
 processor (`run.processor`, the run loop's) decides who is done, whom `Scheduler.finish` then ends at
 that time. Every other event (an admission, a preemption, a bucket change, an arrival) runs for real.
+
+With the rows on the decode clock (sim_decode.py), the same is done from its heaps (`_fast_forward_on_clock`):
+the bounds are the earliest last token and bucket end, k iterations are k ticks, and only the rows whose
+pages run out, fill or end within them are visited, in the order and with the calls given above.
 """
 
 import math

@@ -331,7 +331,10 @@ class _Run:
             params = self.params[spec.output_tokens] = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
-        prompt = [1] * shared + [index + 2] + [0] * (spec.prompt_tokens - shared - 1) if shared < spec.prompt_tokens else [1] * shared
+        prompt = [1] * shared  # [1] * shared + [index + 2] + [0, ...], built in one list
+        if shared < spec.prompt_tokens:
+            prompt += [0] * (spec.prompt_tokens - shared)
+            prompt[shared] = index + 2
         request = LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
         request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context)
         try:
@@ -488,7 +491,8 @@ def simulate(
       fast_forward: skip through runs of decode iterations that must repeat the one before (sim_skip.py);
         the results are the same either way (a test checks), only faster.
       one_pass_decode: run each decode plan's rows in one pass (`_Run._run_decode`) instead of through
-        runloop.run_plan; the results are the same bit for bit (a test checks), only faster.
+        runloop.run_plan, and (without a sliding-window release) count decoding rows on the decode clock
+        (sim_decode.py); the results are the same bit for bit (tests check), only faster.
     """
     started = time.perf_counter()
     requests = list(requests)
