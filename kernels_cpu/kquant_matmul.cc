@@ -21,13 +21,15 @@
 //   q5_0        per 32:  acc += ((dot - 16 sum) sx) d
 //   q5_1        per 32:  acc += (dot sx) d + (sx sum) m
 // The integer sums are exact in int32 (|sum sc dot| < 2^28); the float work is once per 256 inputs. sc_j dot_j
-// is a vpmulld per sub-block; the min (q6_k: zero-point) term is a vpdpwssd per two sub-blocks, of the 16-bit
+// is a vpmulld per sub-block (on Zen 4 a vpdpwssd costs as much as vpmulld + vpaddd: q4_k's dots of 16 inputs fit
+// an int16, but one vpdpwssd per 16 inputs made the kernel 7% slower on one core, and a GFNI affine for the
+// high nibbles made a loop of the tile's instructions 5% slower than the shift and mask); the min (q6_k: zero-point) term is a vpdpwssd per two sub-blocks, of the 16-bit
 // pairs (m_j, m_j+1) of a column with the activation sums (sum_j, sum_j+1), kept as int16 pairs per row.
 // Activations are quantized by w8a8.h's quantize_group (AVX-512 where built). Codes: the low nibbles as
 // quant_matmul.cc's (one 64-byte row: 8 inputs of 16 columns, two vpdpbusd), the bits above them merged in by
 // vpternlogd from a 64-byte row of high bits per 32 (1 bit) or 16 (2 bits) inputs. The design is quant_matmul.cc's: column tiles of kPanels panels of 16
-// columns split across XLA's intra-op threads, kRows rows in registers (5 for the K-quants, whose f32 sums wait
-// in `out` between super-blocks; 4 for q5_0 / q5_1), and up to 16 rows runs of kRun tiles, each tile's last
+// columns split across XLA's intra-op threads, up to kRows rows in registers (5 for the K-quants, whose f32 sums
+// wait in `out` between super-blocks; 4 for q5_0 / q5_1; no tile of 1 or 2 rows after full ones), and up to 16 rows runs of kRun tiles, each tile's last
 // pass prefetching the next one's bytes (codes, high bits, scales) into L2. Under kDecodeRows rows
 // each panel is a pass of its own that prefetches the next panel: six arrays per panel are many pointers, and
 // a pair of panels spilled them. From kTallRows rows q6_k's passes are one panel by kTallRows rows (its 2-bit
@@ -338,10 +340,18 @@ void column_tile(const Activations& a, const Layer& w, int64_t p0, int64_t M, bo
       return;
     }
   }
+  // Tiles of Rows rows and one of the rest, unless the rest is 1 or 2 rows: then ceil(M / Rows) tiles of near-equal
+  // rows (16: 4 4 4 4, not 5 5 5 1). A tile of one or two rows keeps too few chains of vpdpbusd in flight to hide
+  // their latency (16 rows: 4-8% less CPU time on the 1B shapes, loaded A/B; 8 rows, 5 3, were no faster as 4 4).
   constexpr int Rows = kRows(Fmt);
-  int64_t m = 0;
-  for (; m + Rows <= M; m += Rows) tile<Rows, kPanels, Fmt>(a, w, p0, m, ahead && m + Rows == M, out);
-  tile_rows<Rows, kPanels, Fmt>(M - m, a, w, p0, m, ahead, out);
+  const int64_t tiles = (M + Rows - 1) / Rows, rest = M % Rows;
+  const bool spread = rest == 1 || rest == 2;
+  const int64_t base = spread ? M / tiles : Rows, taller = spread ? M % tiles : 0;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t rows = std::min(base + (t < taller), M - m);
+    tile_rows<Rows + 1, kPanels, Fmt>(rows, a, w, p0, m, ahead && t + 1 == tiles, out);
+    m += rows;
+  }
 }
 
 void column_tile_vnni(int format, const Activations& a, const Layer& w, int64_t p0, int64_t M, bool ahead, float* out) {

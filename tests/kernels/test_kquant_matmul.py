@@ -272,3 +272,29 @@ def test_activation_ties_round_to_even_as_numpy_does(fmt):
     for vectorized in (True, False):
         ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(0), fmt=fmt, num_in=num_in, vectorized=vectorized))
         assert np.abs(ours - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), vectorized
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_largest_codes_and_scales_against_full_scale_activations_stay_exact(fmt):
+    """Every code and sub-scale at its largest (all bits set; q6_k's int8 scales 127) times activations all at
+    +-127: the integer dots of a sub-block reach their bound (q4_k: 15 * 127 * 32 = 60960, past an int16, so a
+    kernel folding them through 16-bit multiplies would wrap; random blocks never come near), and rows of mixed
+    signs cancel them. Four rows: one register tile of four, and the plain loop."""
+    blocks = random_blocks(fmt, 1, 32, 2, seed=4)
+    size = quant.GGUF_KEPT_TYPES[int(TYPES[fmt])][2]
+    per_block = blocks.reshape(1, 32, 2, size)
+    keep = np.zeros(size, bool)  # the fp16 scales stay random; every other byte saturates
+    for offset in FP16_OFFSETS[fmt]:
+        keep[offset : offset + 2] = True
+    per_block[..., ~keep] = 0xFF
+    if fmt == "q6_k":
+        per_block[..., 192:208] = 127
+    blocks = per_block.reshape(1, 32, -1)
+    q, packed = _packed(fmt, blocks)
+    num_in = q.in_shape[0]
+    ones = np.ones(num_in, np.float32)
+    x = np.stack([ones, -ones, np.where(np.arange(num_in) % 32 < 16, ones, -ones), np.where(np.arange(num_in) % 2 == 0, 3 * ones, -ones)])
+    expected = numpy_kquant_w8a8(x, fmt, blocks[0])
+    for vectorized in (True, False):
+        ours = np.asarray(kquant_matmul.kquant_matmul(jnp.asarray(x), packed, jnp.int32(0), fmt=fmt, num_in=num_in, vectorized=vectorized))
+        assert np.abs(ours - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), vectorized
