@@ -18,14 +18,17 @@ Two parts (--part simulate|errors|all):
    included, and the runs before; never the run itself); predicted vs measured wall time (first step's start
    to last step's end, the step log's and the simulator's span) and TTFT p50 (arrival to first token in both).
    Each row also holds both schedules' steps per program key (`same_schedule`) and device seconds, which
-   separate a schedule that differs from a cost that does. Goals: wall within 10%, TTFT p50 within 15%,
+   separate a schedule that differs from a cost that does, and `own_costs`: the run simulated again priced by
+   its own mean seconds per key (step plus host gap), the simulator's error with the cost table's taken out
+   (a diagnostic after the fact, never the goal's figure). Goals: wall within 10%, TTFT p50 within 15%,
    judged only when the runs cover both traces, every policy and the three tables.
 
-Runtime of `--part errors` alone on a 2-core CPU (estimated from loaded partial runs' CPU time; caches
-warm): about 8 minutes: load, tune (cached) and warm up the default tables ~0.5 min, the two other tables'
-programs ~1 min (~1.5 min more where the XLA cache is cold, ~0.5 min more where the tuner's is), six
-warm-up runs ~0.2 min, 30 runs of 32 requests ~5 min (each run ~4-10 s; a prediction takes < 0.1 s).
-`phase_seconds` in the result JSON has the real split. --quick: one run of 8 requests, ~1 minute.
+Runtime of `--part errors` alone on a 2-core CPU, estimated from the CPU seconds of loaded partial runs:
+about 6 minutes with warm caches, about 9 with cold ones. Of it: 30 runs of 32 requests ~5 min (~10 s of
+CPU each; a prediction < 0.1 s), six warm-up runs ~0.5 min, loading, tuning and warming up the default
+tables ~15 s (~2 min when the tuner's cache misses, as after a kernel or tuner change, and its choice
+needs every program compiled anew), the other two tables' programs ~20 s (~1 min cold).
+`phase_seconds` in the result JSON has the real split. --quick: under a minute with warm caches.
 
     .venv/bin/python experiments/bench_simulator.py [--part all] [--num-requests 100000] [--quick]
     JAXINFER_TRACE_DIR=/work/shared/data .venv/bin/python experiments/bench_simulator.py --part errors [--policies fcfs] [--tables default]
@@ -219,7 +222,7 @@ def main() -> None:
     from jaxinfer.config import POLICIES
 
     parser = report.arg_parser(__doc__, out=RESULTS)
-    parser.epilog = "--part errors takes about 8 minutes alone on a 2-core CPU with warm caches (see the module docstring); --quick about 1."
+    parser.epilog = "--part errors takes about 6 minutes alone on a 2-core CPU with warm caches, about 9 cold (see the module docstring); --quick under 1 warm."
     parser.add_argument("--part", default="all", choices=("simulate", "errors", "all"))
     parser.add_argument("--num-requests", type=int, default=100_000, help="requests of part 1")
     parser.add_argument("--requests", type=int, default=32, help="requests per real run of part 2")
