@@ -338,6 +338,7 @@ class Engine:
         self.compile_seconds = 0.0
         self.step_costs = StepCosts()  # seconds per program key: timed at warm-up, refined by every step (step_costs.py)
         self._costs_key: str | None = None
+        self._costs_read: set[str] = set()  # the step-cost cache files already merged into step_costs
 
     def bucket_keys(self) -> list[BucketKey]:
         """Every key a plan can have (the engine config's BucketTables owns them)."""
@@ -416,6 +417,7 @@ class Engine:
         for key, program in (programs or {}).items():
             (self._draws if isinstance(key, int) else self._programs)[key] = program
         self.engine_cfg = engine_cfg
+        self._costs_key = None  # the tables are part of the key: timings of these programs are cached under their own
 
     def time_programs(self, runs: int | None = None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then
@@ -424,10 +426,12 @@ class Engine:
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
 
         runs = tuning_cache.step_timing_runs() if runs is None else runs
-        cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key()) if runs else None
-        if cached is not None:
-            cached.merge(self.step_costs)
-            self.step_costs = cached
+        if runs and self.costs_key() not in self._costs_read:  # merged once: a second warm-up would count its timings twice
+            self._costs_read.add(self.costs_key())
+            cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key())
+            if cached is not None:
+                cached.merge(self.step_costs)
+                self.step_costs = cached
         tables = BucketTables.from_config(self.engine_cfg)
         missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:

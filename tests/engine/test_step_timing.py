@@ -52,6 +52,22 @@ def test_warm_up_times_every_program_on_the_null_page_and_saves_the_table(tiny_l
     assert sum(obs.count for obs in engine.step_costs.programs.values()) == scheduler.stats.num_steps
 
 
+def test_a_second_warm_up_reads_the_cache_once_and_other_tables_keep_their_own_file(tiny_llama, compile_cache, cost_cache):
+    import dataclasses
+
+    cfg, params = tiny_llama
+    Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache)).warmup()  # fills the cache file
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    engine.time_programs()
+    engine.time_programs()  # a second warm-up (another table swapped in and out) must not merge the file again
+    assert all(len(obs.warmup) == 2 for obs in engine.step_costs.programs.values())
+    first_key = engine.costs_key()
+    engine.use_config(dataclasses.replace(engine.engine_cfg, prefill_chunk_buckets=(8, 16)))
+    engine.warmup()
+    assert engine.costs_key() != first_key
+    assert {p.stem for p in (cost_cache / "step_costs").glob("*.json")} == {first_key, engine.costs_key()}
+
+
 def test_under_jaxinfer_tune_0_nothing_is_timed_read_or_written(tiny_llama, compile_cache, cost_cache, monkeypatch):
     monkeypatch.delenv(tuning_cache.STEP_TIMING_ENV)
     monkeypatch.setenv(tuning_cache.TUNE_ENV, "0")
