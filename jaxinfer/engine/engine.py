@@ -331,7 +331,6 @@ class Engine:
         self.last_logits: np.ndarray | None = None  # f32[R, V] of the latest step, with return_logits
         self._programs: dict[tuple, jax.stages.Compiled] = {}  # bucket key -> its forward program
         self._draws: dict[int, jax.stages.Compiled] = {}  # sequence slots of a step -> its draw program
-        self._ran: set = set()  # bucket keys whose programs have run once (step trims the heap after a first run)
         self.overlap_masks = engine_cfg.overlap_masks
         self.num_compilations = 0
         self.refit_compilations = 0  # of num_compilations, those made after warm-up by a bucket refit (compile_programs)
@@ -497,9 +496,6 @@ class Engine:
         )
         if observe:
             self.step_costs.observe(plan.bucket, time.perf_counter() - start)
-        if plan.bucket not in self._ran:  # a first run's one-time transients stay resident in the heap until trimmed
-            self._ran.add(plan.bucket)  # (warm-up with cached step costs runs none: they would pile up in the served steps)
-            host_memory.trim_heap()
         return result
 
 
