@@ -15,9 +15,10 @@ very distribution its table was fitted to; this one, on 10 seeds of four such di
 (`Engine.compile_programs`, in a thread at the lowest CPU priority, against shapes taken on the stepping
 thread; XLA hands most of a compile to its own pools' threads, made at warm-up at the usual priority, so the
 threads that spent no CPU while the job stepped get the lowest too until the swap, and the GIL switch interval is
-shortened, so the stepping thread waits less for the GIL the compile thread's lowering holds), and once they are compiled it swaps, at one step boundary, the engine's config (which adds the
-programs and drops none) and then the running schedulers' tables and the LLM's config, so a plan made on
-the old tables still finds its program and every later plan is made on the new ones.
+shortened, so the stepping thread waits less for the GIL the compile thread's lowering holds), and once they
+are compiled it swaps, at one step boundary, the engine's config (which adds the programs and drops none) and
+then the running schedulers' tables and the LLM's config, so a plan made on the old tables still finds its
+program and every later plan is made on the new ones.
 
 These are compiles after warm-up, on purpose: `Engine.refit_compilations` counts them (also in
 num_compilations), each is logged as a refit compile, and `Refit.swaps` records each swap. A refit changes
@@ -43,7 +44,7 @@ from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
 log = logging.getLogger(__name__)
 
 _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (planning.py's fine table step)
-_CPU_EVERY = 16  # steps between two snapshots of the threads' CPU time (which threads the steps use)
+_CPU_EVERY = 16  # steps between two snapshots of the threads' CPU time (which threads the steps use; the oldest of 4 is used)
 _SWITCH_S = 0.0005  # the GIL switch interval while a refit compiles (CPython's default: 0.005)
 
 
@@ -248,7 +249,7 @@ class Refit:
         self.step = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-refit")
         self._pending: tuple | None = None  # (future, new config, asked at step)
-        self._cpu: deque[tuple[int, dict]] = deque(maxlen=2)  # (step, thread_cpu()) every _CPU_EVERY steps while none compiles
+        self._cpu: deque[tuple[int, dict]] = deque(maxlen=4)  # (step, thread_cpu()) every _CPU_EVERY steps while none compiles
         self._quieted: dict[int, int] = {}  # thread id -> its nice value before the compile (quiet_idle_threads)
         self._switch: float | None = None  # the GIL switch interval before the compile
 
@@ -273,8 +274,9 @@ class Refit:
             log.info("refit: prefill sizes drifted; compiling chunk table %s in the background", table)
 
     def _quiet_compile_pools(self) -> None:
-        """For the compile: nice 19 for the threads that spent no CPU in the last _CPU_EVERY / 2 or more steps (not the
-        stepping thread), and a short GIL switch interval, so that the stepping thread waits _SWITCH_S, not the 5 ms
+        """For the compile: nice 19 for the threads that spent no CPU since the oldest snapshot, up to 4 x _CPU_EVERY
+        steps back (/proc counts CPU in 10 ms ticks: a pool thread the steps use little must have time to show; not
+        the stepping thread), and a short GIL switch interval, so that the stepping thread waits _SWITCH_S, not the 5 ms
         default, for the GIL while the compile thread lowers (Python) at nice 19."""
         before = next((cpu for step, cpu in self._cpu if step <= self.step - _CPU_EVERY // 2), None)
         if before is not None:
