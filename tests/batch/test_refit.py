@@ -211,10 +211,13 @@ def test_quieting_lowers_only_the_threads_idle_between_two_snapshots_and_restori
     quieted = quiet_idle_threads(before, thread_cpu(), {threading.get_native_id()})
     try:
         assert ids["idle"] in quieted and os.getpriority(os.PRIO_PROCESS, ids["idle"]) == 19
+        if hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(ids["idle"]) == os.SCHED_IDLE and os.sched_getscheduler(ids["busy"]) != os.SCHED_IDLE
         assert ids["busy"] not in quieted and threading.get_native_id() not in quieted
         failed = restore_threads(quieted)
         if failed == 0:  # with CAP_SYS_NICE (or a nice value it may raise back to)
             assert os.getpriority(os.PRIO_PROCESS, ids["idle"]) == quieted[ids["idle"]]
+            assert not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(ids["idle"]) == os.SCHED_OTHER
         else:  # without, none can be raised back
             assert failed == len(quieted)
     finally:
