@@ -179,7 +179,7 @@ def probe_compile_threads(llm) -> dict:
     cfg, result = refit.with_chunk_table(llm.engine_config, (extra, tables.chunk_tokens[-1])), {}
 
     def compile_here():
-        start = time.thread_time()
+        result["tid"], start = threading.get_native_id(), time.thread_time()
         result["out"] = refit._compile_quietly(llm.engine, cfg, llm.engine.abstract_state())
         result["cpu_s"] = time.thread_time() - start
 
@@ -190,10 +190,10 @@ def probe_compile_threads(llm) -> dict:
     before = _threads()
     thread.start()
     thread.join()
-    after = _threads()  # the compile thread has exited: its CPU is its own thread_time
+    after = _threads()  # the compile thread's CPU is its own thread_time (its /proc entry may outlive it a moment)
     refit.restore_threads(quieted)
     others = [{"tid": t, "name": name, "nice": nice, "cpu_s": round(cpu - before.get(t, (name, 0.0, nice))[1], 2), "main_thread": t == main_tid}
-              for t, (name, cpu, nice) in after.items() if cpu - before.get(t, (name, 0.0, nice))[1] >= 0.05]
+              for t, (name, cpu, nice) in after.items() if cpu - before.get(t, (name, 0.0, nice))[1] >= 0.05 and t != result["tid"]]
     programs, started, ended, nice = result["out"]
     return {"num_programs": len(programs), "compile_s": round(ended - started, 2), "compile_thread_nice": nice, "compile_thread_cpu_s": round(result["cpu_s"], 2),
             "quieted_threads": len(quieted), "other_busy_threads": others,
