@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jaxinfer.model import panels, quant, w8a8_reference
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, QuantPanelTensor, StackedWeight
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, QuantPanelTensor, StackedWeight, head_view
 
 
 def with_fake_quant(params):
@@ -39,9 +39,9 @@ def with_fake_quant(params):
 
 
 def _embed_as_head(embed):
-    """A tied quantized embedding [V, D] (out_in) as the head [D, V]: the same stored rows, logical layout in_out
-    (K-quant panels packed at load included: loading keeps a tied K-quant table once, as the head's panels)."""
-    return dataclasses.replace(embed, layout="in_out") if isinstance(embed, (quant.QuantizedTensor, KQuantPanelTensor, QuantPanelTensor)) else embed
+    """A tied quantized embedding [V, D] (out_in) as the head [D, V]: head_view, the same stored rows with layout
+    in_out (block tensors too, and the panels loading packs a tied K-quant or Q8_0 table into)."""
+    return head_view(embed) if isinstance(embed, (quant.QuantizedTensor, KQuantPanelTensor, QuantPanelTensor)) else embed
 
 
 def kernel_matmul_error(step_params, params, num_rows: int = 4, seed: int = 0) -> float:
