@@ -328,8 +328,10 @@ class Refit:
         self._unquiet()
 
     def report(self) -> str:
-        """One line per swap, for the job's end."""
-        if not self.swaps:
-            return "refit: no drift, no program compiled after warm-up"
-        return "\n".join(f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
-                         f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, in the background" for s in self.swaps)
+        """One line per swap, and one for a refit asked for but not swapped in (its compile outlasted the job), for the job's end."""
+        lines = [f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
+                 f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, in the background" for s in self.swaps]
+        if self._pending is not None:
+            lines.append(f"refit: prefill sizes drifted at step {self._pending[2]}; the refitted programs were still compiling at step {self.step}, "
+                         "the job's last, and were not used")
+        return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"

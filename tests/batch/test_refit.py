@@ -154,6 +154,7 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     first = list(llm.stream(prompts[:8], on_step=hook))
     assert hook._pending is not None or hook.swaps  # drift seen: the compile is under way (or done and swapped)
     if hook._pending is not None:
+        assert "still compiling" in hook.report() and "no drift" not in hook.report()  # a job ending now says its refit went unused
         hook._pending[0].result()  # let it finish; the next stream's first step swaps it in
     second = list(llm.stream(prompts[8:], on_step=hook))
     hook.close()
