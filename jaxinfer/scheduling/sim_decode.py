@@ -35,6 +35,9 @@ class LazyRequest(Request):
     _clock: DecodeClock | None = None  # set while registered
     _computed = 0
     _steps = 0
+    # Pages whose names another request may look up (its shared prefix's); the rest, its own, are named only
+    # if it is preempted (simulator._SimKV). None: every full page is named as it fills (the KV manager's rule).
+    public_pages: int | None = None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -116,7 +119,7 @@ class DecodeRows:
         self._ordered = None
         heapq.heappush(self._finishes, (min(prompt + request.params.max_tokens, self.max_context) - base, index, request))
         self.push_need(request)
-        if self.name_pages:
+        if self.name_pages and request.public_pages is None:  # a row with a public_pages count names no decode page (its own)
             self._residues.setdefault(base % self.page_size, {})[index] = request
         if not request.first_token_time:  # a first token at time 0.0: its next step's end is taken instead (Scheduler.update's `or`)
             self.untimed[index] = request
@@ -128,7 +131,7 @@ class DecodeRows:
         self.base_sum -= request._total_base
         self.version += 1
         self._ordered = None
-        if self.name_pages:
+        if self.name_pages and request.public_pages is None:
             del self._residues[request._total_base % self.page_size][index]
         self.untimed.pop(index, None)
 
@@ -203,7 +206,7 @@ class DecodeRows:
         if not self.name_pages:
             return []
         if ticks >= self.page_size:
-            return self.ordered()
+            return [r for r in self.ordered() if r.public_pages is None]
         now, residues, rows = self.clock.ticks, self._residues, []
         for tick in range(now - ticks + 1, now + 1):
             found = residues.get((1 - tick) % self.page_size)

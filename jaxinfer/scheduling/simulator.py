@@ -34,7 +34,9 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
+from jaxinfer.scheduling.block_pool import NULL_PAGE
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
+from jaxinfer.scheduling.kv_manager import KVManager, name_pages
 from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepResult
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
@@ -124,11 +126,50 @@ class _SketchPlan(NamedTuple):
         return self.bucket.num_rows * self.bucket.num_tokens
 
 
+class _SimKV(KVManager):
+    """The KV manager, naming a request's own pages only if it is preempted.
+
+    A page whose name no other request can have (past a simulated prompt's shared prefix: page_names) is
+    looked up only by its own request, and only after a preemption; until then no one reads its name, and
+    naming it evicts nothing (the request holds it). So a request with `public_pages` set names only those
+    pages as they fill, and the rest at its first preemption (`name_owed`), before its pages go back: the pool
+    is then as if each had been named as it filled. Its pages freed at its finish stay unnamed, which no
+    lookup can tell."""
+
+    def cache_computed_pages_of(self, requests: list[Request]) -> None:
+        if not self.enable_prefix_caching:
+            return
+        named, size = self._num_named, self.page_size
+        for request in requests:
+            full, public = request.num_computed_tokens // size, request.public_pages
+            if public is not None and full > public:
+                full = public
+            if full > named.get(request.request_id, 0):
+                self._name(request, full)
+
+    def _name(self, request: Request, num_full: int) -> None:
+        """KVManager.cache_computed_pages up to page `num_full` (outside deterministic mode)."""
+        first = self._num_named.get(request.request_id, 0)
+        pages, names = self._tables[request.request_id], name_pages(request, num_full, self.page_size)
+        for i in range(first, num_full):
+            if pages[i] != NULL_PAGE:
+                self.block_pool.cache_page(pages[i], names[i])
+        self._num_named[request.request_id] = num_full
+
+    def name_owed(self, request: Request) -> None:
+        """Name the request's full pages not named yet (it is being preempted); from now on each as it fills."""
+        if request.public_pages is not None:
+            request.public_pages = None
+            self.cache_computed_pages(request)
+
+
 class _SketchScheduler(Scheduler):
     """The real scheduler (every decision its own) whose plans are sketches (no arrays)."""
 
     def __init__(self, cfg: EngineConfig, num_pages: int):
         super().__init__(cfg, num_pages)
+        self.kv = _SimKV(self.kv.block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
+                         window=cfg.release_window)
         self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
         self.shares_pages = False  # whether prompts share full pages through the prefix cache (_Run sets it)
         self.decode_clock = DecodeClock()
@@ -158,6 +199,7 @@ class _SketchScheduler(Scheduler):
     def _preempt(self, request: Request) -> None:
         if self.lazy is not None:
             self._leave(request)
+        self.kv.name_owed(request)
         super()._preempt(request)
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
@@ -297,6 +339,8 @@ class _LengthStops(OutputProcessor):
 class _Run:
     """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
 
+    defer_names = True  # requests name their own pages only if preempted (_SimKV); the results are the same either way (a test checks)
+
     def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True,
                  one_pass_decode: bool = True):
         self.cfg, self.requests, self.costs, self.max_inflight = cfg, requests, costs, max_inflight
@@ -337,6 +381,8 @@ class _Run:
             prompt[shared] = index + 2
         request = LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
         request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context)
+        if self.defer_names and shared < spec.prompt_tokens and not self.cfg.deterministic:  # its pages past the shared ones are its own (page_names)
+            request.public_pages = shared // self.cfg.page_size
         try:
             self.scheduler.add(request)
         except ValueError as e:

@@ -269,3 +269,29 @@ def test_page_names_by_construction_give_the_results_of_hashed_names(monkeypatch
     assert named.summary() == hashed.summary() and named.steps_by_key == hashed.steps_by_key
     np.testing.assert_array_equal(named.ttft_s, hashed.ttft_s)
     assert named.num_preemptions > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_pages", [400, 40])  # roomy; tight enough to preempt (a preempted request finds its own named pages)
+def test_own_pages_named_only_at_preemption_give_the_results_of_naming_each_as_it_fills(monkeypatch, num_pages, policy):
+    from jaxinfer.scheduling import simulator
+
+    cfg = small_config(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, prefill_chunk_buckets=(16, 32, 64),
+                       decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32), policy=policy)
+    rng = np.random.default_rng(31)
+    n = 160
+    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
+    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
+                for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 120, n), rng.integers(1, 130, n), arrivals, rng.choice([0, 0, 16, 40, 200], n)))]
+    costs = work_costs(cfg)
+    runs = {}
+    for defer in (True, False):
+        monkeypatch.setattr(simulator._Run, "defer_names", defer)
+        for fast_forward in (True, False):
+            runs[defer, fast_forward] = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40, fast_forward=fast_forward)
+    for fast_forward in (True, False):
+        deferred, named = runs[True, fast_forward], runs[False, fast_forward]
+        assert deferred.summary() == named.summary() and deferred.steps_by_key == named.steps_by_key
+        for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
+            np.testing.assert_array_equal(getattr(deferred, name), getattr(named, name))
+    assert (runs[True, True].num_preemptions > 0) == (num_pages == 40)
