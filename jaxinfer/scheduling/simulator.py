@@ -24,6 +24,7 @@ full pages are shared (as a chat template's are in a real job). Its pages' names
 that construction, equal exactly where the prefix cache's hashes would be, so nothing is hashed.
 """
 
+import collections
 import dataclasses
 import gc
 import time
@@ -551,28 +552,25 @@ def simulate(
     gc.disable()  # the run keeps every request it finished (lists of tokens): the cyclic collector's passes over them only cost time
     try:
         run.run()
+        return _result(run, time.perf_counter() - started)
     finally:
         if collecting:
             gc.enable()
-    return _result(run, time.perf_counter() - started)
 
 
 def _result(run: _Run, seconds: float) -> SimResult:
-    ttft, tpot, queue, latency, reasons, generated = [], [], [], [], {}, 0
-    for request in run.done:
-        finish = request.finish_time
-        first = request.first_token_time
-        ttft.append(first - request.arrival_time if first is not None else np.nan)
-        tokens = len(request.output_ids)
-        tpot.append((finish - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0)
-        queue.append((finish if request.first_scheduled_time is None else request.first_scheduled_time) - request.arrival_time)
-        latency.append(finish - request.arrival_time)
-        reasons[request.finish_reason] = reasons.get(request.finish_reason, 0) + 1
-        generated += tokens
+    done = run.done
+    arrival, finish = np.array([r.arrival_time for r in done]), np.array([r.finish_time for r in done], np.float64)
+    first = np.array([np.nan if r.first_token_time is None else r.first_token_time for r in done], np.float64)
+    started = np.array([r.finish_time if r.first_scheduled_time is None else r.first_scheduled_time for r in done], np.float64)
+    tokens = np.array([len(r.output_ids) for r in done], np.int64)
+    decoded = ~np.isnan(first) & (tokens > 1)  # a first token and more after it
+    tpot = np.zeros(len(done))
+    np.divide(finish - first, tokens - 1, out=tpot, where=decoded)  # the same IEEE division per element as Python's
     stats = run.scheduler.stats
     return SimResult(
-        wall_s=run.last_step - (run.first_step or 0.0), ttft_s=np.array(ttft), tpot_s=np.array(tpot), queue_s=np.array(queue), latency_s=np.array(latency),
-        finish_reasons=reasons, num_steps=stats.num_steps, steps_by_key=run.steps_by_key, padding=stats.padding_waste,
-        num_preemptions=stats.num_preemptions, peak_kv_utilization=stats.peak_kv_utilization, mean_kv_utilization=stats.mean_kv_utilization,
-        generated_tokens=generated, seconds=seconds,
+        wall_s=run.last_step - (run.first_step or 0.0), ttft_s=first - arrival, tpot_s=tpot, queue_s=started - arrival, latency_s=finish - arrival,
+        finish_reasons=dict(collections.Counter([r.finish_reason for r in done])), num_steps=stats.num_steps, steps_by_key=run.steps_by_key,
+        padding=stats.padding_waste, num_preemptions=stats.num_preemptions, peak_kv_utilization=stats.peak_kv_utilization,
+        mean_kv_utilization=stats.mean_kv_utilization, generated_tokens=int(tokens.sum()), seconds=seconds,
     )
