@@ -74,7 +74,7 @@ def repeats(run, plans) -> int:
 
 
 def _iteration_seconds(run, plans) -> float:
-    return sum(run.costs.step_seconds(p.bucket, len(p.request_ids)) for p in plans)
+    return sum([run.step_seconds(p) for p in plans])
 
 
 def _new_pages(page_size: int, tokens: list[int], held: list[int], k: int) -> list[int]:
@@ -250,7 +250,7 @@ def _count_plan(run, p) -> None:
     stats.real_tokens += p.num_real_tokens
     stats.padded_tokens += p.num_padded_tokens
     run.steps_by_key[p.bucket] += 1
-    run.clock.advance(run.costs.step_seconds(p.bucket, len(p.request_ids)))
+    run.clock.advance(run.step_seconds(p))
     run.last_step = run.clock.now
 
 

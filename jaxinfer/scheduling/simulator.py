@@ -365,6 +365,7 @@ class _Run:
         self.done: list[Request | None] = [None] * len(requests)
         self.steps_by_key: dict[BucketKey, int] = {}
         self.results: dict[int, StepResult] = {}  # rows -> the fake step's result
+        self._step_seconds: dict[tuple[BucketKey, int], float] = {}  # (key, rows) -> costs.step_seconds (the table is not changed during a run)
         self.first_step: float | None = None
         self.last_step = 0.0
 
@@ -408,7 +409,7 @@ class _Run:
     def step(self, plan: _SketchPlan) -> np.ndarray:
         start = self.clock.now
         self.first_step = start if self.first_step is None else self.first_step
-        self.clock.advance(self.costs.step_seconds(plan.bucket, len(plan.request_ids)))
+        self.clock.advance(self.step_seconds(plan))
         self.last_step = self.clock.now
         self.steps_by_key[plan.bucket] = self.steps_by_key.get(plan.bucket, 0) + 1
         self.plans.append(plan)
@@ -417,6 +418,14 @@ class _Run:
         if result is None:  # token 0 for every row; Scheduler.update only reads it, so one serves every step of its size
             result = self.results[rows] = StepResult(np.zeros(rows, np.int32))
         return result
+
+    def step_seconds(self, plan: _SketchPlan) -> float:
+        """costs.step_seconds of the plan's key and rows, memoised."""
+        at = (plan.bucket, len(plan.request_ids))
+        seconds = self._step_seconds.get(at)
+        if seconds is None:
+            seconds = self._step_seconds[at] = self.costs.step_seconds(*at)
+        return seconds
 
     def run(self) -> None:
         while True:
