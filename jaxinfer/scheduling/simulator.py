@@ -38,7 +38,7 @@ from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.block_pool import NULL_PAGE
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.kv_manager import KVManager, name_pages
-from jaxinfer.scheduling.plan import BucketKey, RowChunk, StepResult
+from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -172,6 +172,7 @@ class _SketchScheduler(Scheduler):
         self.kv = _SimKV(self.kv.block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
                          window=cfg.release_window)
         self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
+        self._prefill_keys: dict[tuple[int, int, int], BucketKey] = {}  # (rows, tokens, pages) -> tables.prefill_key
         self.shares_pages = False  # whether prompts share full pages through the prefix cache (_Run sets it)
         self.decode_clock = DecodeClock()
         self.lazy: DecodeRows | None = None  # the decoding rows counted on the clock (set by use_decode_clock)
@@ -265,12 +266,21 @@ class _SketchScheduler(Scheduler):
         self._split = (lazy.version, groups)
         return groups
 
-    def _build_plan(self, phase: str, chunks: list[RowChunk], shape: BucketKey) -> _SketchPlan:
-        self.stats.num_steps += 1
-        lengths = tuple(c.length for c in chunks)
-        self.stats.real_tokens += sum(lengths)
-        self.stats.padded_tokens += shape.num_rows * shape.num_tokens
-        return _SketchPlan(phase, shape, tuple(c.request.request_id for c in chunks), lengths, tuple(c.sample for c in chunks))
+    def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> _SketchPlan:
+        """Scheduler._prefill_plan's sketch: the same key (memoised) and counts, without RowChunks (each copies
+        its request's block table, whose length is all the key reads)."""
+        held = self.kv.num_pages_held
+        lengths, pages = tuple([n for _, n in pairs]), [held(r) for r, _ in pairs]
+        at = (1, sum(lengths), sum(pages)) if self.tables.packed else (len(pairs), max(lengths), max(pages))
+        key = self._prefill_keys.get(at)
+        if key is None:
+            key = self._prefill_keys[at] = self.tables.prefill_key(*at)
+        stats = self.stats
+        stats.num_steps += 1
+        stats.real_tokens += sum(lengths)
+        stats.padded_tokens += key.num_rows * key.num_tokens
+        samples = tuple([r.num_computed_tokens + n == r.num_tokens for r, n in pairs])
+        return _SketchPlan("prefill", key, tuple([r.request_id for r, _ in pairs]), lengths, samples)
 
     def _decode_key(self, requests: list[Request], max_pages: int | None = None) -> BucketKey:
         """Scheduler._decode_key, memoised."""
