@@ -13,8 +13,8 @@ count from a request's arrival, as RequestOutput's do.
 
 Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
 (ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision. A
-decode plan's rows are counted, updated and checked in one pass (`_Run._run_decode`, the run loop's
-`run_plan` for these requests); other plans go through `runloop.run_plan` itself. With that one pass (outside
+plan's rows are counted, updated and checked in one pass (`_Run._run_plan`, the run loop's `run_plan` for
+these requests; in deterministic mode plans go through `runloop.run_plan` itself). With that one pass (outside
 deterministic mode and sliding-window release), decoding rows are counted on the decode clock (sim_decode.py):
 an iteration's decode tokens are one tick, and the scheduler's decode bookkeeping (`_reserve_decode_pages`,
 `_split_decode`, the utilization statistic) visits only the rows with an event (a page to allocate, a page to
@@ -450,7 +450,7 @@ class _Run:
                 self.inflight -= 1
 
     def _iterations(self) -> Iterator[Request]:
-        """runloop.run with this run's step, admission and clock, whose decode plans run as `_run_decode`."""
+        """runloop.run with this run's step, admission and clock, whose plans run as `_run_plan` (one pass over their rows)."""
         scheduler, clock, processor = self.scheduler, self.clock, self.processor
         one_pass = self.one_pass_decode
         scheduler.clock = clock
@@ -464,14 +464,14 @@ class _Run:
                 finished += self._run_decode_plans([p for p in plans if p.phase == "decode"])
                 plans = [p for p in plans if p.phase != "decode"]
             for plan in plans:
-                if one_pass and plan.phase == "decode":
-                    finished += self._run_decode(plan)
+                if one_pass:
+                    finished += self._run_plan(plan)
                 else:
                     finished += runloop.run_plan(scheduler, self.step, processor, plan, clock=clock)
             yield from finished
 
     def _run_decode_plans(self, plans: list[_SketchPlan]) -> list[Request]:
-        """`_run_decode` for each of an iteration's decode plans, on the decode clock: one tick gives every
+        """`_run_plan` for each of an iteration's decode plans, on the decode clock: one tick gives every
         decoding row its token, and only the rows whose token fills a page (named, as cache_computed_pages_of
         would) or is their last (finished) are visited, per plan in its row order after its step."""
         scheduler, clock = self.scheduler, self.clock
@@ -495,23 +495,25 @@ class _Run:
             first = last
         return done
 
-    def _run_decode(self, plan: _SketchPlan) -> list[Request]:
-        """runloop.run_plan for a decode plan of the simulator's (one new token 0 per row, every row sampled,
-        no log-probabilities, stops by length only): the same updates in the same order, in one pass over the
-        rows; returns the requests it finished."""
+    def _run_plan(self, plan: _SketchPlan) -> list[Request]:
+        """runloop.run_plan for a plan of the simulator's (new token 0 for each sampled row, no log-probabilities,
+        stops by length only): the same updates in the same order, in one pass over the rows; returns the
+        requests it finished."""
         scheduler, clock = self.scheduler, self.clock
         by_id = scheduler.running_by_id
-        rows = [r for r in map(by_id.get, plan.request_ids) if r is not None]  # runloop._count_step's and update's rows
+        rows = [(r, n, sample) for r, n, sample in zip(map(by_id.get, plan.request_ids), plan.num_new_tokens, plan.samples) if r is not None]
         start = clock.now
         self.step(plan)
         now = clock.now
         scheduler.observe(plan, now - start)
         max_context, done = self.cfg.max_context, []
-        for r in rows:
-            r.num_steps += 1
+        for r, n, sample in rows:
+            r.num_steps += 1  # runloop._count_step
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = start
-            r.num_computed_tokens += 1
+            r.num_computed_tokens += n  # Scheduler.update
+            if not sample:
+                continue
             output, max_tokens = r.output_ids, r.params.max_tokens
             if max_tokens:
                 output.append(0)
@@ -519,7 +521,7 @@ class _Run:
                     r.first_token_time = now
             if not output or len(output) >= max_tokens or len(r.prompt_ids) + len(output) >= max_context:  # _LengthStops.check
                 done.append(r)
-        scheduler.kv.cache_computed_pages_of(rows)  # before any finish, as in Scheduler.update
+        scheduler.kv.cache_computed_pages_of([r for r, _, _ in rows])  # before any finish, as in Scheduler.update
         for r in done:
             scheduler.finish(r, "length", r.error)
         return done
@@ -556,7 +558,7 @@ def simulate(
         default for a batch job).
       fast_forward: skip through runs of decode iterations that must repeat the one before (sim_skip.py);
         the results are the same either way (a test checks), only faster.
-      one_pass_decode: run each decode plan's rows in one pass (`_Run._run_decode`) instead of through
+      one_pass_decode: run each plan's rows (decode and prefill) in one pass (`_Run._run_plan`) instead of through
         runloop.run_plan, and (without a sliding-window release) count decoding rows on the decode clock
         (sim_decode.py); the results are the same bit for bit (tests check), only faster.
     """
