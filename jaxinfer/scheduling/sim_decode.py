@@ -76,6 +76,24 @@ class LazyRequest(Request):
             self.settle()
         self._steps = value
 
+    @classmethod
+    def make(cls, request_id: str, prompt_ids: list[int], params, **fields) -> "LazyRequest":
+        """`cls(request_id, prompt_ids, params, seed=0, **fields)` without the dataclass's __init__: a copy of a
+        prototype's fields, each list, dict or set field a new empty one (the default factories')."""
+        prototype = cls.__dict__.get("_prototype")
+        if prototype is None:
+            made = cls("", [], params, seed=0)
+            prototype = cls._prototype = (made.__dict__, tuple((k, type(v)) for k, v in made.__dict__.items() if isinstance(v, (list, dict, set))))
+        values, fresh = prototype
+        state = values.copy()
+        for name, kind in fresh:
+            state[name] = kind()
+        state.update(fields)
+        state["request_id"], state["prompt_ids"], state["params"] = request_id, prompt_ids, params
+        request = object.__new__(cls)
+        request.__dict__ = state
+        return request
+
     def settle(self) -> None:
         """Stop counting on the clock: the fields take their values now."""
         clock = self._clock

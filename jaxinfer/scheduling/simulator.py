@@ -387,11 +387,12 @@ class _Run:
             params = self.params[spec.output_tokens] = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
-        prompt = [1] * shared  # [1] * shared + [index + 2] + [0, ...], built in one list
+        prompt = [0] * spec.prompt_tokens  # [1] * shared + [index + 2] + [0, ...]
+        if shared:
+            prompt[:shared] = [1] * shared
         if shared < spec.prompt_tokens:
-            prompt += [0] * (spec.prompt_tokens - shared)
             prompt[shared] = index + 2
-        request = LazyRequest(str(index), prompt, params, seed=0, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
+        request = LazyRequest.make(str(index), prompt, params, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
         request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context)
         if self.defer_names and shared < spec.prompt_tokens and not self.cfg.deterministic:  # its pages past the shared ones are its own (page_names)
             request.public_pages = shared // self.cfg.page_size
@@ -536,9 +537,11 @@ def page_names(index: int, prompt_tokens: int, shared: int, output_tokens: int, 
     shared (shared == prompt_tokens) continues with 0s, the same for every prompt of its length
     (("ones", prompt_tokens, j)). Names are ints and tuples, never a hash's bytes."""
     num_pages, num_shared = min(prompt_tokens + output_tokens, max_context) // page_size, shared // page_size
+    own = (index + 1) << 20
+    if not num_shared and shared < prompt_tokens:  # no shared page (most prompts)
+        return list(range(own, own + num_pages))
     names = list(range(-1, -1 - min(num_shared, num_pages), -1))
     if shared < prompt_tokens:
-        own = (index + 1) << 20
         return names + list(range(own + num_shared, own + num_pages))
     return names + [("ones", prompt_tokens, j) for j in range(num_shared, num_pages)]
 

@@ -295,3 +295,16 @@ def test_own_pages_named_only_at_preemption_give_the_results_of_naming_each_as_i
         for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
             np.testing.assert_array_equal(getattr(deferred, name), getattr(named, name))
     assert (runs[True, True].num_preemptions > 0) == (num_pages == 40)
+
+
+def test_a_request_made_from_the_prototype_equals_one_built_by_its_constructor():
+    from jaxinfer.scheduling.request import SamplingParams
+    from jaxinfer.scheduling.sim_decode import LazyRequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    built = LazyRequest("3", [5, 0, 0], params, seed=0, priority=2, deadline=4.5, arrival_index=3, arrival_time=1.25)
+    made, other = (LazyRequest.make("3", [5, 0, 0], params, priority=2, deadline=4.5, arrival_index=3, arrival_time=1.25) for _ in range(2))
+    assert list(made.__dict__.items()) == list(built.__dict__.items())  # every field, in the constructor's order
+    made.output_ids.append(0)
+    made.page_names.append(1)
+    assert other.output_ids == [] and other.page_names == [] and LazyRequest.make("4", [1], params).output_ids == []  # no list is shared
