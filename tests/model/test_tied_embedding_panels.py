@@ -6,7 +6,9 @@ also reads (panel_tensors.kquant_take: each token's column gathered, only those 
 - A tied file loads with its embedding as panels and no head; the engine's packing (pack_panels) adds no copy.
 - The logits of the one-copy params equal those of the two-copy ones (the embedding's blocks for the lookup plus
   the head packed from them, the previous layout), through the kernel and through the exact dense read, for a
-  Llama with a Q4_K and a Q6_K table and a Gemma 3 (embedding scaled by sqrt(D), logits soft-capped) with Q5_0.
+  Llama with a Q4_K and a Q6_K table and a Gemma 3 (embedding scaled by sqrt(D), logits soft-capped) with Q5_0;
+  also for a Gemma 3 with Q8_0 (kept once as the quantized kernel's panels: test_tied_quant_panels.py), whose
+  dense read agrees to f32 rounding. The W8A8 exact reference of the one-copy Q6_K and Q8_0 params matches the kernel.
 """
 
 import dataclasses
@@ -22,12 +24,13 @@ import gguf_files
 from gemma_gguf import gemma_gguf
 from jaxinfer.loading import loading
 from jaxinfer.model import forward as model, panels, quant
-from jaxinfer.model.panel_tensors import KQuantPanelTensor, kquant_dense, kquant_take
-from kernels_cpu import kquant_matmul
+from jaxinfer.model.panel_tensors import KQuantPanelTensor, QuantPanelTensor, kquant_dense, kquant_take
+from kernels_cpu import kquant_matmul, quant_matmul
 
 KQUANT = FIXTURES / "kquant"
 Q = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not kquant_matmul.available(), reason="the CPU K-quant kernel could not be built")
+needs_quant_kernel = pytest.mark.skipif(not quant_matmul.available(), reason="the CPU quantized-matmul kernel could not be built")
 
 
 def _stored(file: str, name: str):
@@ -82,15 +85,22 @@ def _tied_copy(source: str, path, embedding: str):
     return path
 
 
-def _files(tmp_path):
-    gemma = gemma_gguf(FIXTURES / "tiny_gemma3", tmp_path / "gemma3_q5_0.gguf", qtype=Q.Q5_0)
-    return {"llama_q4_k": _tied_copy("q4_k_m", tmp_path / "tied_q4_k.gguf", "token_embd.weight"),
-            "llama_q6_k": _tied_copy("q6_k", tmp_path / "tied_q6_k.gguf", "output.weight"), "gemma3_q5_0": gemma}
+def _file(tmp_path, name: str):
+    """The tied test file `name`, only that one written: a Llama with a K-quant table, or a Gemma 3 in one format."""
+    if name.startswith("gemma3_"):
+        return gemma_gguf(FIXTURES / "tiny_gemma3", tmp_path / f"{name}.gguf", qtype=Q[name.removeprefix("gemma3_").upper()])
+    source, embedding = {"llama_q4_k": ("q4_k_m", "token_embd.weight"), "llama_q6_k": ("q6_k", "output.weight")}[name]
+    return _tied_copy(source, tmp_path / f"tied_{name}.gguf", embedding)
+
+
+# The tables kept once: K-quant panels, or the quantized kernel's panels for Q8_0 (Gemma 3's Q4_K_M files keep such
+# a table; its loading and its Q4_0 / Q4_1 siblings are tested in test_tied_quant_panels.py).
+PANELS = {"llama_q4_k": KQuantPanelTensor, "llama_q6_k": KQuantPanelTensor, "gemma3_q5_0": KQuantPanelTensor, "gemma3_q8_0": QuantPanelTensor}
 
 
 @pytest.mark.parametrize("name", ["llama_q4_k", "llama_q6_k", "gemma3_q5_0"])
 def test_tied_embedding_loads_once_as_the_heads_panels(tmp_path, name):
-    path = _files(tmp_path)[name]
+    path = _file(tmp_path, name)
     cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
     assert cfg.tie_embeddings and params.lm_head is None
     assert isinstance(params.embed, KQuantPanelTensor) and params.embed.layout == "out_in" and params.embed.shape == (cfg.vocab_size, cfg.embed_dim)
@@ -100,10 +110,10 @@ def test_tied_embedding_loads_once_as_the_heads_panels(tmp_path, name):
     assert quant.resident_bytes(packed) == quant.resident_bytes(params)
 
 
-def _two_copies(path, params):
+def _two_copies(path, params, name: str):
     """The previous layout: the embedding's stored blocks for the lookup (loaded without panels) beside them."""
     _, unpacked = loading.load_model(path, quantization="gguf")
-    assert isinstance(unpacked.embed, quant.QuantizedTensor)
+    assert isinstance(unpacked.embed, quant.QuantizedTensor) and unpacked.embed.format == name.split("_", 1)[1]  # llama_q4_k: q4_k
     return dataclasses.replace(params, embed=unpacked.embed)
 
 
@@ -112,29 +122,35 @@ def _logits(params, cfg, tokens):
     return np.asarray(jax.jit(lambda p, t, s: model.forward(p, None, t, s, cfg=cfg)[0])(params, tokens, positions))
 
 
-@pytest.mark.parametrize("read", ["dense", pytest.param("kernel", marks=needs_kernel)])
-@pytest.mark.parametrize("name", ["llama_q4_k", "llama_q6_k", "gemma3_q5_0"])
+@pytest.mark.parametrize("read", ["dense", "kernel"])
+@pytest.mark.parametrize("name", ["llama_q4_k", "llama_q6_k", "gemma3_q5_0", "gemma3_q8_0"])
 def test_logits_with_one_copy_equal_the_two_copy_layout(tmp_path, name, read):
-    path = _files(tmp_path)[name]
+    if read == "kernel" and not (quant_matmul if name == "gemma3_q8_0" else kquant_matmul).available():
+        pytest.skip("the CPU kernel of this table's format could not be built")
+    path = _file(tmp_path, name)
     cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
-    old = _two_copies(path, params)
+    assert isinstance(params.embed, PANELS[name])
+    old = _two_copies(path, params, name)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     if read == "kernel":
         one, two = panels.pack_panels(params, quantized=True), panels.pack_panels(old, quantized=True)
-        assert isinstance(two.lm_head, KQuantPanelTensor)  # the old path packed a second copy for the head
+        assert isinstance(two.lm_head, PANELS[name])  # the old path packed a second copy for the head
     else:
         one, two = panels.with_read(params, "dense"), panels.with_packed_head(panels.with_read(old, "dense"))
     got, expected = _logits(one, cfg, tokens), _logits(two, cfg, tokens)
     assert np.isfinite(expected).all() and np.abs(expected).max() > 0
-    np.testing.assert_array_equal(got, expected)
+    if read == "dense" and name == "gemma3_q8_0":  # with_packed_head gives a K-quant head only: the stored Q8_0 blocks' head sums in another order
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    else:
+        np.testing.assert_array_equal(got, expected)
 
 
-@needs_kernel
-def test_w8a8_reference_of_a_tied_table_kept_once_matches_the_kernel(tmp_path):
+@pytest.mark.parametrize("name", [pytest.param("llama_q6_k", marks=needs_kernel), pytest.param("gemma3_q8_0", marks=needs_quant_kernel)])
+def test_w8a8_reference_of_a_tied_table_kept_once_matches_the_kernel(tmp_path, name):
     """The kernels' exact reference (w8a8_exact.with_fake_quant) reads the one-copy table as the [D, V] head."""
     from jaxinfer.model import w8a8_exact
 
-    path = _files(tmp_path)["llama_q6_k"]
+    path = _file(tmp_path, name)
     cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     kernel = _logits(panels.pack_panels(params, quantized=True), cfg, tokens)
@@ -149,6 +165,6 @@ def test_the_kernel_candidate_of_panels_packed_at_load_makes_no_new_weight_array
     candidate of a model whose every matrix is K-quant adds none (the norms are not repacked either)."""
     from jaxinfer.engine import tuning
 
-    cfg, params = loading.load_model(_files(tmp_path)[name], quantization="gguf", kquant_panels=True)
+    cfg, params = loading.load_model(_file(tmp_path, name), quantization="gguf", kquant_panels=True)
     assert quant.resident_bytes(panels.pack_panels(params, quantized=True)) == quant.resident_bytes(params)
     assert tuning.Candidate("float32", "cpu", "cpu_int8").extra_bytes(cfg, params, auto_weights=True) == 0
