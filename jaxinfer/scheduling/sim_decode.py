@@ -119,6 +119,7 @@ class DecodeRows:
         self._tops: list[tuple[int, int, int, LazyRequest]] = []  # (tokens its page bucket holds - base, admit_index, pages held, row)
         self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
         self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
+        self._num_naming = 0  # rows in _residues
         self._ordered: list[LazyRequest] | None = None
         self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
 
@@ -139,6 +140,7 @@ class DecodeRows:
         self.push_need(request)
         if self.name_pages and request.public_pages is None:  # a row with a public_pages count names no decode page (its own)
             self._residues.setdefault(base % self.page_size, {})[index] = request
+            self._num_naming += 1
         if not request.first_token_time:  # a first token at time 0.0: its next step's end is taken instead (Scheduler.update's `or`)
             self.untimed[index] = request
 
@@ -151,6 +153,7 @@ class DecodeRows:
         self._ordered = None
         if self.name_pages and request.public_pages is None:
             del self._residues[request._total_base % self.page_size][index]
+            self._num_naming -= 1
         self.untimed.pop(index, None)
 
     def push_need(self, request: LazyRequest) -> None:
@@ -219,9 +222,9 @@ class DecodeRows:
         return done
 
     def filled_within(self, ticks: int) -> list[LazyRequest]:
-        """Rows whose tokens fill a page at one of the `ticks` ticks up to now, in running order (only with
-        prefix caching; else none)."""
-        if not self.name_pages:
+        """Rows whose tokens fill a page at one of the `ticks` ticks up to now, in running order (only rows that
+        name their pages as they fill: with prefix caching, and no public_pages count)."""
+        if not self._num_naming:
             return []
         if ticks >= self.page_size:
             return [r for r in self.ordered() if r.public_pages is None]
@@ -234,8 +237,8 @@ class DecodeRows:
         return rows
 
     def filling(self) -> list[LazyRequest]:
-        """Rows whose token of this tick fills a page (only with prefix caching; else none)."""
-        if not self.name_pages:
+        """Rows whose token of this tick fills a page (only rows that name their pages as they fill)."""
+        if not self._num_naming:
             return []
         rows = self._residues.get((1 - self.clock.ticks) % self.page_size)
         return list(rows.values()) if rows else []

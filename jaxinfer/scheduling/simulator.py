@@ -39,6 +39,7 @@ from jaxinfer.scheduling.block_pool import NULL_PAGE
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.kv_manager import KVManager, name_pages
 from jaxinfer.scheduling.plan import BucketKey, StepResult
+from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
 from jaxinfer.scheduling.scheduler import Scheduler
@@ -247,6 +248,13 @@ class _SketchScheduler(Scheduler):
                 self.note_allocated(request, held)
         return lazy.ordered(), list(self._admitted)
 
+    def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
+        """Scheduler._plan_prefill, which plans nothing, and reads or changes nothing, when no request prefills
+        and no sequence slot is free or nothing waits (every policy's admission_order offers no request then)."""
+        if not partial and (not self.waiting or self.policy.decode_width() <= len(self.running)):
+            return []
+        return super()._plan_prefill(partial)
+
     def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
         """Scheduler._split_decode, kept while the rows and their page buckets are the same: every registered row
         gains a token per tick, so their order by length stays (ties in running order), kept as `decode_order`
@@ -361,6 +369,8 @@ class _Run:
         self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
         self.clock = VirtualClock()
         self.scheduler = _SketchScheduler(cfg, num_pages)
+        # Scheduler.expire finds nothing when no request has a deadline and the policy sheds none (the base's shed)
+        self.expires = any(r.deadline_s is not None for r in requests) or type(self.scheduler.policy).shed is not SchedulingPolicy.shed
         self.scheduler.shares_pages = cfg.enable_prefix_caching and any(r.shared_prefix >= cfg.page_size for r in requests)
         self.lazy = self.one_pass_decode and cfg.release_window is None  # decoding rows counted on the decode clock (sim_decode.py)
         if self.lazy:
@@ -457,7 +467,7 @@ class _Run:
         scheduler.clock = clock
         while scheduler.has_work():
             self.admit()
-            finished = scheduler.expire(clock.now)
+            finished = scheduler.expire(clock.now) if self.expires else []
             plans = scheduler.schedule()
             if not plans and not finished:
                 finished = scheduler.abort_all("no step could be planned for this request (the pool or the limits are too small for it)")
