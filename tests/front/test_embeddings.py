@@ -137,12 +137,15 @@ def _worker(model: str) -> dict:
 
     limits = dict(dtype="float32", max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64,
                   compilation_cache_dir=tempfile.mkdtemp(prefix="jaxinfer_embed_xla_"))
+    # Embeddings run only prefill programs, and TEXTS (31 tokens together) fit one 64-token chunk: 2 programs per
+    # engine to warm up, not the full tables' 16 (deterministic mode fixes its own tables).
+    narrow = dict(prefill_chunk_buckets=(64,), decode_batch_buckets=(4,), decode_page_buckets=(8,))
     report = {}
     for tp in (1, 2):
-        llm = Engine(model, tensor_parallel=tp, **limits)
+        llm = Engine(model, tensor_parallel=tp, **limits, **narrow)
         for pooling in embedding.POOLINGS:
             report[f"tp{tp}_{pooling}"] = [o.embedding.tolist() for o in llm.embed(TEXTS, pooling=pooling)]
-    replicas = Engine(model, data_parallel=2, **limits)
+    replicas = Engine(model, data_parallel=2, **limits, **narrow)
     report["dp2_last"] = [o.embedding.tolist() for o in replicas.embed(TEXTS * 2)][: len(TEXTS)]
     report["dp2_routes"] = sorted(set(replicas.last_routes))
     deterministic = Engine(model, deterministic=True, **limits)
