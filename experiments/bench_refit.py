@@ -20,7 +20,7 @@ second-half prompt, in the refit run, against a dry run (runloop.dry_run, host o
 a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top). A last probe compiles one
 more program in a thread as Refit does and lists which threads spent CPU meanwhile, and at what nice value.
 
-    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan]
+    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan] [--ask-at STEPS] [--yield-share S] [--no-idle]
 """
 
 import dataclasses
@@ -93,11 +93,32 @@ def plan_first_half(llm, prompts) -> planning.Plan:
     return planning.make_plan(sample, given, planning.engine_costs(llm), options)
 
 
-def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool) -> tuple[list[StepRecord], list, float]:
-    """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds)."""
+@dataclasses.dataclass
+class AskAt(refit.DriftWatch):
+    """--ask-at: a watch that proposes `proposal` once, `after` steps after the first prefill of a second-half line,
+    whatever the sizes (the compile window and the swap measured at a chosen moment, not the drift judge's)."""
+
+    half: int = 0
+    after: int = 0
+    proposal: tuple[int, ...] = ()
+
+    def observe(self, plan) -> tuple[int, ...] | None:
+        if not hasattr(self, "shifted_at") and plan.phase == "prefill" and any(int(r.split(":")[0]) >= self.half for r in plan.request_ids):
+            self.shifted_at, self.calls = 0, 0
+        if not hasattr(self, "shifted_at"):
+            return None
+        self.calls += 1
+        return self.proposal if self.calls == self.after + 1 else None
+
+
+def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None) -> tuple[list[StepRecord], list, float]:
+    """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds). `options`: Refit attributes
+    set after planning.refitting made it (watch, yield_share, idle)."""
     steps, swaps = [], []
     llm.reset_prefix_cache()
     with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half), refitting) as on_step:
+        for name, value in (options or {}).items():
+            setattr(on_step, name, value)
         job.runner.on_step = on_step
         start = time.perf_counter()
         job.run(llm, progress=False)
@@ -123,7 +144,8 @@ def padding_of(steps: list[StepRecord], after: float = 0.0) -> float | None:
 
 
 def window_stats(steps: list[StepRecord], swap: refit.Swap) -> dict:
-    """Per phase: median outside the compile window, max / p99 inside, and each inside step against its key's median."""
+    """Per phase: median outside the compile window, max / p99 inside, each inside step against its key's median
+    (and with the sleep Refit took after it, yield_share of its seconds), and how many inside steps passed 2x."""
     inside = [s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended for s in steps]
     outside_by_key, outside_by_phase = {}, {}
     for s, i in zip(steps, inside):
@@ -136,7 +158,9 @@ def window_stats(steps: list[StepRecord], swap: refit.Swap) -> dict:
         ratios = [s.seconds / np.median(outside_by_key.get(s.key) or outside_by_phase[phase]) for s, i in zip(steps, inside) if i and s.phase == phase]
         out[phase] = {"median_outside_s": float(np.median(outside_by_phase[phase])) if phase in outside_by_phase else None,
                       "num_inside": len(seconds), "max_inside_s": max(seconds, default=None),
-                      "p99_inside_s": float(np.percentile(seconds, 99)) if seconds else None, "max_ratio_to_own_key": max(ratios, default=None)}
+                      "p99_inside_s": float(np.percentile(seconds, 99)) if seconds else None, "max_ratio_to_own_key": max(ratios, default=None),
+                      "p50_ratio_to_own_key": float(np.median(ratios)) if ratios else None, "num_over_2x": sum(r > 2.0 for r in ratios),
+                      "max_ratio_with_yield": max(ratios, default=0.0) * (1.0 + swap.yield_share) if ratios else None}
     return out
 
 
@@ -208,6 +232,12 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=None, help="lines per half")
     parser.add_argument("--table", choices=("reach", "plan"), default="reach",
                         help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")
+    parser.add_argument("--ask-at", type=int, default=None, metavar="STEPS",
+                        help="ask for the refit (the second-half table) this many steps after the first second-half prefill, instead of the drift "
+                             "watch's judgement: measures the compile window and the swap under --quick, whose watch never asks")
+    parser.add_argument("--yield-share", type=float, default=refit.YIELD_SHARE,
+                        help=f"Refit's sleep after each step while the compile runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
+    parser.add_argument("--no-idle", action="store_true", help="the compile's threads at nice 19 without SCHED_IDLE")
     args = parser.parse_args()
     args.lines = args.lines or (72 if args.quick else 160)
     if args.quick:
@@ -231,16 +261,19 @@ def main() -> None:
         plan = dataclasses.replace(plan, config=config)
     start_table = BucketTables.from_config(plan.config).chunk_tokens
     report.log("bench_refit", f"the job starts on chunk table {start_table} (the plan's: {plan_table})")
+    alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
+    options = {"yield_share": args.yield_share, "idle": not args.no_idle}
+    if args.ask_at is not None:
+        options["watch"] = AskAt(start_table, half=args.lines, after=args.ask_at, proposal=alone_table)
     planning.apply_plan(llm, plan)
     llm.engine.warmup()
     report.log("bench_refit", "run without refit (also the process's one-time costs)")
     stale_steps, _, stale_wall = run_job(llm, input_path, WORK_DIR / "no_refit.jsonl", defaults, args.lines, refitting=False)
     report.log("bench_refit", "run with refit")
-    steps, swaps, wall = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True)
+    steps, swaps, wall = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True, options=options)
     records, stale_records = read_records(WORK_DIR / "refit.jsonl"), read_records(WORK_DIR / "no_refit.jsonl")
     complete = check_outputs(records, len(lines)) and check_outputs(stale_records, len(lines))
     agree = float(np.mean([records[n].get("token_ids") == stale_records[n].get("token_ids") for n in records if n in stale_records])) if records else 0.0
-    alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
     alone = dry_padding(llm, plan.config, alone_table, prompts[args.lines :])
     result = summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall)
     result |= {"plan_chunk_table": list(plan_table), "start_chunk_table": list(start_table), "outputs_complete": complete, "outputs_agree": agree}
@@ -254,9 +287,10 @@ def main() -> None:
 
 
 def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -> dict:
-    out = {"wall_s": round(wall, 2), "no_refit_wall_s": round(stale_wall, 2), "num_steps": len(steps), "second_half_table": list(alone_table),
+    out = {"wall_s": round(wall, 2), "no_refit_wall_s": round(stale_wall, 2), "wall_cost_s": round(wall - stale_wall, 2), "num_steps": len(steps), "second_half_table": list(alone_table),
            "padding_after_shift": padding_of(steps), "padding_after_shift_no_refit": padding_of(stale_steps), "padding_second_half_alone": alone,
-           "swaps": [dataclasses.asdict(s) for s in swaps], "padding_after_swap": None, "window": None, "max_ratio_in_window": None}
+           "swaps": [dataclasses.asdict(s) for s in swaps], "padding_after_swap": None, "window": None, "max_ratio_in_window": None,
+           "window_s": None, "compile_window_s": None, "yield_share_of_window": None}
     out["padding_gap"] = None if out["padding_after_shift"] is None else out["padding_after_shift"] - alone
     if swaps:
         swap = swaps[0]
@@ -265,7 +299,10 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
         ratios = [w["max_ratio_to_own_key"] for w in out["window"].values() if w["max_ratio_to_own_key"] is not None]
         out["max_ratio_in_window"] = max(ratios, default=None)
         first = steps[0].ended - steps[0].seconds
-        out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first}
+        out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first,
+                           "job_ended": steps[-1].ended - first}
+        out["compile_window_s"] = swap.compile_ended - swap.compile_started
+        out["yield_share_of_window"] = swap.yield_s / out["compile_window_s"]
     return out
 
 
@@ -274,19 +311,25 @@ def print_result(result: dict) -> None:
           f"second half alone {tuple(result['second_half_table'])}")
     for s in result["swaps"]:
         print(f"swap: {tuple(s['old_table'])} -> {tuple(s['new_table'])} asked at step {s['asked_at_step']}, swapped at {s['swapped_at_step']}; "
-              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']}, {s['quieted_threads']} idle threads at nice 19)")
+              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']}, {s['quieted_threads']} idle threads at nice 19; "
+              f"the steps slept {s['yield_s']:.1f} s for it after {s['num_yields']} steps, {s['yield_share']} of each)")
     pad = [["refit run, after the shift", result["padding_after_shift"]], ["refit run, after the swap", result["padding_after_swap"]],
            ["no refit, after the shift", result["padding_after_shift_no_refit"]], ["second half alone (dry run)", result["padding_second_half_alone"]]]
     print("\n" + report.format_table([("prefill padding", "<30"), ("share", "7.1%")], pad))
     if result["window"]:
-        columns = [("phase", "<8"), ("median out s", "13.3f"), ("steps in", "9d"), ("max in s", "9.3f"), ("p99 in s", "9.3f"), ("max / own key", "14.2f")]
-        rows = [[p, w["median_outside_s"], w["num_inside"], w["max_inside_s"], w["p99_inside_s"], w["max_ratio_to_own_key"]] for p, w in result["window"].items()]
+        columns = [("phase", "<8"), ("median out s", "13.3f"), ("steps in", "9d"), ("max in s", "9.3f"), ("p99 in s", "9.3f"), ("max / own key", "14.2f"),
+                   ("p50 / own key", "14.2f"), ("over 2x", "8d"), ("max with sleep", "15.2f")]
+        rows = [[p, w["median_outside_s"], w["num_inside"], w["max_inside_s"], w["p99_inside_s"], w["max_ratio_to_own_key"], w["p50_ratio_to_own_key"],
+                 w["num_over_2x"], w["max_ratio_with_yield"]] for p, w in result["window"].items()]
         print("\n" + report.format_table(columns, rows))
     probe = result["compile_threads"]
     print(f"\ncompile probe: {probe['num_programs']} programs in {probe['compile_s']} s; the compile thread {probe['compile_thread_cpu_s']} s CPU at nice "
           f"{probe['compile_thread_nice']}; {probe['quieted_threads']} threads idle while stepping set to nice 19; other threads (not the main one) "
           f"at normal priority {probe['other_cpu_s_at_normal_priority']} s, at nice 19 {probe['other_cpu_s_at_nice_19']} s")
     print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
+    if result["window_s"]:
+        print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "
+              f"to {result['window_s']['compile_ended']:.1f} s; swap at {result['window_s']['swapped_at']:.1f} s; the job's last step ended at {result['window_s']['job_ended']:.1f} s")
 
 
 if __name__ == "__main__":

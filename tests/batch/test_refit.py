@@ -139,14 +139,15 @@ def _lengths_of(rng, count: int, mean: float, sigma: float) -> np.ndarray:
 @pytest.mark.slow
 def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_every_plan_finds_its_program(tiny_chat_model, compile_cache):
     from jaxinfer.api import LLM
-    from jaxinfer.batch.refit import Refit
+    from jaxinfer.batch.refit import YIELD_SHARE, Refit
 
     # one sequence at a time, so that each prefill step holds one prompt (packed rows would fill the 512 top)
     # (no prefix cache: each prompt prefills whole, not the few tokens past the previous prompt's pages)
     llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
               prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # a table fitted to short prompts; these are ~150 tokens
     warm = llm.engine.num_compilations
-    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2))
+    seconds = []  # each step's, in order (Refit counts steps from 1)
+    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2), chain=lambda plan, tokens, s: seconds.append(s))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Sizes in the same range in every 4-row window (120, 147, 138, 129, ...): the drift judge fits a table to a
     # window's older half and needs it to save on the newer half, so that half must lie within the older's sizes.
@@ -163,6 +164,11 @@ def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_ever
     assert swap.compile_started < swap.compile_ended <= swap.swapped_at and swap.compile_s == swap.compile_ended - swap.compile_started
     assert swap.compile_nice in (19, None)  # the lowest priority, or a platform that cannot set a thread's
     assert swap.quieted_threads > 0 or not os.path.isdir("/proc/self/task")  # XLA's compile pools, idle while it stepped
+    # every step between the ask and the swap slept yield_share of its seconds for the compile, with the compile's threads
+    # at their own priority meanwhile where raising a priority is allowed (root)
+    assert swap.yield_share == YIELD_SHARE and swap.num_yields == swap.swapped_at_step - swap.asked_at_step - 1
+    assert swap.yield_s >= YIELD_SHARE * sum(seconds[swap.asked_at_step : swap.swapped_at_step - 1])
+    assert swap.yield_raised == (swap.num_yields > 0 and os.geteuid() == 0) or not os.path.isdir("/proc/self/task")
     assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
     tables = BucketTables.from_config(llm.engine_config)
     assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
@@ -225,3 +231,54 @@ def test_quieting_lowers_only_the_threads_idle_between_two_snapshots_and_restori
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_the_gate_holds_a_compile_threads_python_while_shut_until_opened_or_its_deadline():
+    import sys
+    import threading
+    import time
+
+    from jaxinfer.batch.refit import _Gate
+
+    gate, calls, stop = _Gate(), [0], threading.Event()
+
+    def count():
+        calls[0] += 1
+
+    def run():
+        sys.settrace(gate.trace)  # this thread only, as Refit's compile thread
+        while not stop.is_set():
+            count()
+        sys.settrace(None)
+
+    def held(seconds: float) -> bool:
+        start = calls[0]
+        time.sleep(seconds)
+        return calls[0] == start
+
+    def resumes() -> float:
+        """perf_counter when the thread next made a call (it may wait for a core on a loaded machine)."""
+        start, until = calls[0], time.perf_counter() + 10
+        while calls[0] == start and time.perf_counter() < until:
+            time.sleep(0.001)
+        assert calls[0] > start
+        return time.perf_counter()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        resumes()  # open: runs
+        gate.shut(60.0)
+        time.sleep(0.05)  # it may finish the call it is in
+        assert held(0.3)  # shut: no Python call passes
+        gate.open()
+        resumes()
+        gate.shut(1.0)
+        deadline = time.perf_counter() + 1.0
+        time.sleep(0.05)
+        assert held(0.2)
+        assert resumes() >= deadline - 0.06  # past the deadline it goes on by itself (a job that ended with the gate shut)
+    finally:
+        gate.open()
+        stop.set()
+        thread.join()
