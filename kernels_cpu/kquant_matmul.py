@@ -186,10 +186,12 @@ def _per_column(a: Array) -> Array:
 
 def kquant_matmul(
     x: Float[Array, "M I"], panels: dict[str, Array], layer: Int[Array, ""], *, fmt: str, num_in: int, vectorized: bool = True,
+    amx: bool = True,
 ) -> Float[Array, "M F"]:
     """`x @ w[layer]` for `w` packed by `pack` with a leading layer axis N (every panel array [N, C, ...]),
     reading layer `layer` in place. F = 16 C (the padded output). `vectorized=False` runs the kernel's plain
-    loop (what a CPU without AVX512-VNNI runs) instead of its VNNI tiles: the same sums."""
+    loop (what a CPU without AVX512-VNNI runs) instead of its VNNI tiles: the same sums. `amx=False` keeps a
+    K-quant's many rows off the AMX tiles (where the CPU has them) on the VNNI ones: the same bits."""
     _check_format(fmt)
     if not available():
         raise RuntimeError("the CPU K-quant matmul kernel could not be built; see the warning above")
@@ -200,7 +202,7 @@ def kquant_matmul(
     empty = jnp.zeros((0,), jnp.uint8)
     args = [panels[name] if name in PANEL_FIELDS[fmt] else empty for name in _ARGS]
     return jax.ffi.ffi_call(TARGET, result)(
-        x.astype(jnp.float32), *args, jnp.asarray(layer, jnp.int32), format=np.int32(FORMAT_IDS[fmt]), vectorized=np.int32(vectorized),
+        x.astype(jnp.float32), *args, jnp.asarray(layer, jnp.int32), format=np.int32(FORMAT_IDS[fmt]), vectorized=np.int32(2 if vectorized and amx else int(vectorized)),
     )
 
 
