@@ -120,6 +120,9 @@ class DecodeRows:
         self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
         self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
         self._num_naming = 0  # rows in _residues
+        self._buckets: dict[int, int] = {}  # pages -> their page bucket (page_bucket)
+        self._max_index = -1  # the largest admit_index registered while rows were registered in admission order
+        self._in_admission_order = True  # whether `rows` (a dict: registration order) holds them in admit_index order
         self._ordered: list[LazyRequest] | None = None
         self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
 
@@ -132,6 +135,11 @@ class DecodeRows:
         request._total_base, request._steps_base, request._prompt_len = base, request.num_steps - ticks, prompt
         request._clock = self.clock
         index = request.admit_index
+        if not self.rows:
+            self._in_admission_order, self._max_index = True, -1
+        if index < self._max_index:
+            self._in_admission_order = False
+        self._max_index = max(self._max_index, index)
         self.rows[index] = request
         self.base_sum += base
         self.version += 1
@@ -161,7 +169,14 @@ class DecodeRows:
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
-        heapq.heappush(self._tops, (pad_to_bucket(held, self.page_buckets) * self.page_size - base, index, held, request))
+        heapq.heappush(self._tops, (self.page_bucket(held) * self.page_size - base, index, held, request))
+
+    def page_bucket(self, pages: int) -> int:
+        """pad_to_bucket(pages, page_buckets), memoised (the tables are fixed)."""
+        bucket = self._buckets.get(pages)
+        if bucket is None:
+            bucket = self._buckets[pages] = pad_to_bucket(pages, self.page_buckets)
+        return bucket
 
     def _valid(self, entry) -> bool:
         _, index, held, request = entry
@@ -197,7 +212,7 @@ class DecodeRows:
         """The rows in running (admission) order."""
         if self._ordered is None:
             rows = self.rows
-            self._ordered = [rows[i] for i in sorted(rows)]
+            self._ordered = list(rows.values()) if self._in_admission_order else [rows[i] for i in sorted(rows)]
         return self._ordered
 
     def due_pages(self) -> list[LazyRequest]:

@@ -27,6 +27,8 @@ that construction, equal exactly where the prefix cache's hashes would be, so no
 import collections
 import dataclasses
 import gc
+import itertools
+import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -36,7 +38,6 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.block_pool import NULL_PAGE
-from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.kv_manager import KVManager, name_pages
 from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
@@ -46,6 +47,7 @@ from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
 
+_request_id = operator.attrgetter("request_id")
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines of a lazy input, per max_num_seqs
 
 
@@ -223,8 +225,8 @@ class _SketchScheduler(Scheduler):
     def note_allocated(self, request: Request, held_before: int) -> None:
         """A registered row's table grew (from `held_before` pages): its next page need, and the split if its page bucket changed."""
         self.lazy.push_need(request)
-        buckets = self.tables.pages
-        if self._split is not None and pad_to_bucket(held_before, buckets) != pad_to_bucket(self.kv.num_pages_held(request), buckets):
+        bucket = self.lazy.page_bucket
+        if self._split is not None and bucket(held_before) != bucket(self.kv.num_pages_held(request)):
             self._split = None
 
     def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
@@ -267,7 +269,7 @@ class _SketchScheduler(Scheduler):
         groups = []
         if requests:
             ordered = sorted(requests, key=total_base)
-            pages = self.kv.num_pages_held_by(ordered)
+            pages = list(map(len, map(self.block_pool.tables.get, map(_request_id, ordered), itertools.repeat(()))))  # kv.num_pages_held_by, in C loops
             split = self._split_point(pages) if len(ordered) > 1 else 0
             groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
             self.decode_order = ordered
