@@ -308,3 +308,52 @@ def test_a_request_made_from_the_prototype_equals_one_built_by_its_constructor()
     made.output_ids.append(0)
     made.page_names.append(1)
     assert other.output_ids == [] and other.page_names == [] and LazyRequest.make("4", [1], params).output_ids == []  # no list is shared
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_pages", [400, 40])  # roomy; tight enough to preempt
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monkeypatch, num_pages, packed, policy):
+    # The plain path: prefill plans built by Scheduler._prefill_plan (a real StepPlan, its arrays and key), prefill
+    # planned by Scheduler._plan_prefill at every iteration, an expiry pass at every iteration, decoding rows sorted
+    # by admission at every change. Every timing and count must be the same, bit for bit.
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.scheduling import simulator
+    from jaxinfer.scheduling.scheduler import Scheduler
+    from jaxinfer.scheduling.sim_decode import DecodeRows
+
+    tables = dict(prefill_chunk_buckets=(16, 32, 64), decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32))
+    cfg = (EngineConfig(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, policy=policy, **tables) if packed else
+           small_config(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, policy=policy, **tables))
+    rng = np.random.default_rng(37)
+    n = 160
+    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
+    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
+                for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 120, n), rng.integers(1, 130, n), arrivals, rng.choice([0, 0, 16, 40, 200], n)))]
+    costs = work_costs(cfg)
+    sketch = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40)
+
+    def real_prefill_plan(self, pairs):
+        plan = Scheduler._prefill_plan(self, pairs)  # Scheduler._build_plan: a StepPlan, counted in the stats
+        return simulator._SketchPlan("prefill", plan.bucket, plan.request_ids, tuple(plan.num_new_tokens), tuple(plan.samples))
+
+    init = simulator._Run.__init__
+
+    def expiring_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.expires = True
+
+    def sorted_rows(self):
+        self._in_admission_order = False
+        return ordered(self)
+
+    ordered = DecodeRows.ordered
+    monkeypatch.setattr(simulator._SketchScheduler, "_prefill_plan", real_prefill_plan)
+    monkeypatch.setattr(simulator._SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
+    monkeypatch.setattr(simulator._Run, "__init__", expiring_init)
+    monkeypatch.setattr(DecodeRows, "ordered", sorted_rows)
+    plain = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40)
+    assert sketch.summary() == plain.summary() and sketch.steps_by_key == plain.steps_by_key
+    for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
+        np.testing.assert_array_equal(getattr(sketch, name), getattr(plain, name))
+    assert (sketch.num_preemptions > 0) == (num_pages == 40)
