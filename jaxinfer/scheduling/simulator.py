@@ -315,7 +315,7 @@ class _SketchScheduler(Scheduler):
             for plan, rows in self._plans:  # the same rows as a recent plan (their ids in the same order)
                 if plan.bucket == shape and rows == requests:
                     return plan
-        plan = _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
+        plan = _SketchPlan("decode", shape, tuple(map(_request_id, requests)), (1,) * n, samples)
         if self.lazy is not None:
             self._plans = [(plan, requests), *self._plans[:3]]
         return plan
