@@ -147,15 +147,21 @@ def test_logits_with_one_copy_equal_the_two_copy_layout(tmp_path, name, read):
 
 @pytest.mark.parametrize("name", [pytest.param("llama_q6_k", marks=needs_kernel), pytest.param("gemma3_q8_0", marks=needs_quant_kernel)])
 def test_w8a8_reference_of_a_tied_table_kept_once_matches_the_kernel(tmp_path, name):
-    """The kernels' exact reference (w8a8_exact.with_fake_quant) reads the one-copy table as the [D, V] head."""
+    """The kernels' exact reference (w8a8_exact.with_fake_quant) reads the one-copy table as the [D, V] head: on the
+    same hidden states the kernel's head and the reference's agree to float rounding, and so does every layer matmul
+    (kernel_matmul_error). Whole-model logits are not compared this tightly: an 8-bit activation that rounds the other
+    way on one machine's float order moves them by about 1% (a Sapphire Rapids host did, on this very file)."""
     from jaxinfer.model import w8a8_exact
 
     path = _file(tmp_path, name)
     cfg, params = loading.load_model(path, quantization="gguf", kquant_panels=True)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-    kernel = _logits(panels.pack_panels(params, quantized=True), cfg, tokens)
-    reference = _logits(w8a8_exact.with_fake_quant(params), cfg, tokens)
+    packed = panels.pack_panels(params, quantized=True)
+    hidden = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, cfg.embed_dim)), jnp.float32)  # [B, T, D]
+    kernel = np.asarray(model.logits_from_hidden(packed, hidden, cfg))  # [B, T, V]
+    reference = np.asarray(model.logits_from_hidden(w8a8_exact.with_fake_quant(params), hidden, cfg))
+    assert np.abs(reference).max() > 0
     assert np.linalg.norm(kernel - reference) / np.linalg.norm(reference) < 1e-5
+    assert w8a8_exact.kernel_matmul_error(packed, params) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["llama_q6_k", "gemma3_q5_0"])
