@@ -4,7 +4,7 @@ kernels_cpu/kquant_matmul on Llama-3.2-1B's layer shapes (2,048 x 8,192 gate/up,
 2,048 x 2,048 q/o) in Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1, beside kernels_cpu/quant_matmul's Q4_0 in the same run,
 at 1/4/16 rows (decode) and 512 (prefill). Each shape is stacked over 16 layers, more than the L3 holds, and one
 jitted loop multiplies every layer in turn, as a decode step does. Each format and shape is first checked
-against the kernel's jnp reference (up to 17 rows). Blocks are random bytes with valid fp16 scales, packed by
+against the kernel's jnp reference (up to 33 rows). Blocks are random bytes with valid fp16 scales, packed by
 kquant_matmul.pack. "read" is the bytes the GGUF format stores per second (not the panels' few more) against
 the machine's read bandwidth (machine.measure_bandwidth_peak), measured in the same run.
 --baseline REV also builds kquant_matmul.cc (with the headers beside it) as git holds it at REV and times it
@@ -19,6 +19,7 @@ Writes experiments/results/bench_kquant_kernel.json; the last stdout line is one
     .venv/bin/python experiments/bench_kquant_kernel.py [--rows 1,4,16,512] [--repeats 5] [--formats q4_k,...] [--shapes gate_up,...]
     .venv/bin/python experiments/bench_kquant_kernel.py --quick   # 4 layers, gate_up, rows 1 and 4: a smoke run
     .venv/bin/python experiments/bench_kquant_kernel.py --baseline HEAD --formats q4_k --rows 16,512 --layers 4
+    .venv/bin/python experiments/bench_kquant_kernel.py --amx-ab --formats q4_k,q6_k --rows 32,512 --layers 4   # AMX tiles vs VNNI
 """
 
 import ctypes
@@ -105,23 +106,24 @@ def baseline_matmul(x, weights, layer, *, fmt: str):
                                                      vectorized=np.int32(1))
 
 
-def matmul(fmt: str, weights, num_in: int, baseline: bool = False):
+def matmul(fmt: str, weights, num_in: int, baseline: bool = False, amx: bool = True):
     from kernels_cpu import kquant_matmul, quant_matmul
 
     if fmt == "q4_0":
         return lambda x, layer: quant_matmul.quant_matmul(x, weights.codes, weights.scale, None, layer, zero_point=weights.zero_point)
     if baseline:
         return lambda x, layer: baseline_matmul(x, weights, layer, fmt=fmt)
-    return lambda x, layer: kquant_matmul.kquant_matmul(x, weights, layer, fmt=fmt, num_in=num_in)
+    return lambda x, layer: kquant_matmul.kquant_matmul(x, weights, layer, fmt=fmt, num_in=num_in, amx=amx)
 
 
 def check(fmt: str, weights, x, num_in: int) -> float:
-    """Relative max error of the kernel against its jnp reference on layer 1, over at most 17 rows."""
+    """Relative max error of the kernel against its jnp reference on layer 1, over at most 33 rows (the AMX tiles
+    run from 32)."""
     import jax.numpy as jnp
 
     from kernels_cpu import kquant_matmul, quant_matmul
 
-    x = x[:17]
+    x = x[:33]
     ours = np.asarray(matmul(fmt, weights, num_in)(x, jnp.int32(1)))
     if fmt == "q4_0":
         expected = quant_matmul.reference(x, weights.codes, weights.scale, None, jnp.int32(1), zero_point=weights.zero_point)
@@ -158,7 +160,8 @@ def seconds_per_layer(fns: list, x, layers: int, repeats: int) -> tuple[list[flo
     return list(wall.min(axis=1) / layers), cpu / layers
 
 
-def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int, baseline: bool) -> list[dict]:
+def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], layers: int, repeats: int, baseline: bool, amx_ab: bool = False) -> list[dict]:
+    """Each format's rows; with `baseline` (or `amx_ab`: this build's VNNI tiles, amx=False, as the baseline) timed beside it."""
     import jax.numpy as jnp
 
     num_in, num_out = SHAPES[name]
@@ -169,6 +172,7 @@ def measure_shape(rng, name: str, formats: list[str], rows_list: list[int], laye
             x = jnp.asarray(rng.standard_normal((rows, num_in)).astype(np.float32))
             error = check(fmt, weights, x, num_in)
             fns = [matmul(fmt, weights, num_in)] + ([matmul(fmt, weights, num_in, baseline=True)] if baseline and fmt != "q4_0" else [])
+            fns += [matmul(fmt, weights, num_in, amx=False)] if amx_ab and fmt != "q4_0" else []
             (seconds, *before), cpu = seconds_per_layer(fns, x, layers, repeats)
             ops = 2 * rows * num_in * num_out
             row = {"shape": name, "inputs": num_in, "outputs": num_out, "format": fmt, "rows": rows, "ms": 1e3 * seconds,
@@ -193,6 +197,7 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--quick", action="store_true", help="4 layers, gate_up only, rows 1 and 4, 2 repeats: a smoke run")
     parser.add_argument("--baseline", default=None, help="a git revision whose kquant_matmul.cc is timed beside this tree's, alternating")
+    parser.add_argument("--amx-ab", action="store_true", help="time this build's VNNI tiles (amx=False) as the baseline instead, alternating")
     args = parser.parse_args()
     from kernels_cpu import kquant_matmul
 
@@ -207,19 +212,21 @@ def main():
         build_baseline(args.baseline)
     rng = np.random.default_rng(0)
     bandwidth = machine.measure_bandwidth_peak(repeats)
-    rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats, bool(args.baseline))]
+    if args.baseline and args.amx_ab:
+        parser.error("--baseline and --amx-ab each name the baseline; give one")
+    rows = [row for name in shapes for row in measure_shape(rng, name, formats, rows_list, layers, repeats, bool(args.baseline), args.amx_ab)]
     peak = bandwidth["best_bytes_per_s"]
     print(report.format_table(
         [("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("ms", ">8.3f"), ("GOP/s", ">6.0f"), ("GOP/cpu-s", ">9.0f"), ("read", ">6.1%")],
         [[r["shape"], r["format"], r["rows"], r["ms"], r["gop_per_s"], r["gop_per_cpu_s"], r["file_bytes_per_s"] / peak] for r in rows]))
-    if args.baseline:
+    if args.baseline or args.amx_ab:
         print(report.format_table([("shape", "<8"), ("format", "<5"), ("rows", ">5"), ("before ms", ">9.3f"), ("ms", ">8.3f"), ("speedup", ">7.2f"), ("CPU-time speedup", ">16.3f")],
                                   [[r["shape"], r["format"], r["rows"], r["baseline_ms"], r["ms"], r["speedup"], r["speedup_cpu"]] for r in rows if "speedup" in r]))
     print("GOP/cpu-s: operations per second of CPU time summed over the kernel's threads (against one core's VNNI peak x cores)")
     print(f"read: the GGUF format's bytes per second against the measured read bandwidth {peak / 1e9:.1f} GB/s")
     worst = max(r["relative_error_vs_reference"] for r in rows)
     doc = {"question": "the CPU K-quant kernel on 1B shapes, weights out of the L3, beside quant_matmul's Q4_0",
-           "layers": layers, "quick": args.quick, "baseline": args.baseline, "results": rows, "worst_relative_error_vs_reference": worst}
+           "layers": layers, "quick": args.quick, "baseline": "this build, amx=False (VNNI tiles)" if args.amx_ab else args.baseline, "results": rows, "worst_relative_error_vs_reference": worst}
     report.finish(args.out, doc, {"bench": "kquant_kernel", "worst_relative_error_vs_reference": worst,
                                    "read_fraction": {f"{r['shape']}/{r['format']}/{r['rows']}": round(r["file_bytes_per_s"] / peak, 3) for r in rows}},
                    correct=worst <= 1e-5, peaks={"bandwidth": bandwidth})
