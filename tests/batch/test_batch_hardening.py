@@ -33,7 +33,10 @@ HUGE = "9" * 5000
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    # 2 programs (one 64-token chunk, the 4-row 8-page decode), not the full tables' 16: what is tested is the job's
+    # bookkeeping; test_api_validation's LLM has these limits and tables, so one of the two compiles them a session.
+    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
+               prefill_chunk_buckets=(64,), decode_batch_buckets=(4,), decode_page_buckets=(8,))
 
 
 def write_lines(path: Path, lines: list[str], *, final_newline: bool = True) -> Path:
