@@ -36,7 +36,7 @@ class LazyRequest(Request):
     _computed = 0
     _steps = 0
     # Pages whose names another request may look up (its shared prefix's); the rest, its own, are named only
-    # if it is preempted (simulator._SimKV). None: every full page is named as it fills (the KV manager's rule).
+    # if it is preempted (sim_pages.SimKV). None: every full page is named as it fills (the KV manager's rule).
     public_pages: int | None = None
 
     @property

@@ -20,8 +20,9 @@ an iteration's decode tokens are one tick, and the scheduler's decode bookkeepin
 `_split_decode`, the utilization statistic) visits only the rows with an event (a page to allocate, a page to
 name, a last token), in the order and with the calls the real methods make.
 Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
-full pages are shared (as a chat template's are in a real job). Its pages' names (`page_names`) are given by
-that construction, equal exactly where the prefix cache's hashes would be, so nothing is hashed.
+full pages are shared (as a chat template's are in a real job). Its pages' names (sim_pages.py) are given by
+that construction, equal exactly where the prefix cache's hashes would be, so nothing is hashed, and its own
+pages (past the shared prefix) are named only if it is preempted.
 """
 
 import collections
@@ -37,11 +38,10 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
-from jaxinfer.scheduling.block_pool import NULL_PAGE
-from jaxinfer.scheduling.kv_manager import KVManager, name_pages
 from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.sim_pages import SimKV, page_names
 from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
@@ -130,49 +130,12 @@ class _SketchPlan(NamedTuple):
         return self.bucket.num_rows * self.bucket.num_tokens
 
 
-class _SimKV(KVManager):
-    """The KV manager, naming a request's own pages only if it is preempted.
-
-    A page whose name no other request can have (past a simulated prompt's shared prefix: page_names) is
-    looked up only by its own request, and only after a preemption; until then no one reads its name, and
-    naming it evicts nothing (the request holds it). So a request with `public_pages` set names only those
-    pages as they fill, and the rest at its first preemption (`name_owed`), before its pages go back: the pool
-    is then as if each had been named as it filled. Its pages freed at its finish stay unnamed, which no
-    lookup can tell."""
-
-    def cache_computed_pages_of(self, requests: list[Request]) -> None:
-        if not self.enable_prefix_caching:
-            return
-        named, size = self._num_named, self.page_size
-        for request in requests:
-            full, public = request.num_computed_tokens // size, request.public_pages
-            if public is not None and full > public:
-                full = public
-            if full > named.get(request.request_id, 0):
-                self._name(request, full)
-
-    def _name(self, request: Request, num_full: int) -> None:
-        """KVManager.cache_computed_pages up to page `num_full` (outside deterministic mode)."""
-        first = self._num_named.get(request.request_id, 0)
-        pages, names = self._tables[request.request_id], name_pages(request, num_full, self.page_size)
-        for i in range(first, num_full):
-            if pages[i] != NULL_PAGE:
-                self.block_pool.cache_page(pages[i], names[i])
-        self._num_named[request.request_id] = num_full
-
-    def name_owed(self, request: Request) -> None:
-        """Name the request's full pages not named yet (it is being preempted); from now on each as it fills."""
-        if request.public_pages is not None:
-            request.public_pages = None
-            self.cache_computed_pages(request)
-
-
 class _SketchScheduler(Scheduler):
     """The real scheduler (every decision its own) whose plans are sketches (no arrays)."""
 
     def __init__(self, cfg: EngineConfig, num_pages: int):
         super().__init__(cfg, num_pages)
-        self.kv = _SimKV(self.kv.block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
+        self.kv = SimKV(self.kv.block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
                          window=cfg.release_window)
         self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
         self._prefill_keys: dict[tuple[int, int, int], BucketKey] = {}  # (rows, tokens, pages) -> tables.prefill_key
@@ -360,7 +323,7 @@ class _LengthStops(OutputProcessor):
 class _Run:
     """One simulation's state: the clock, the scheduler, the requests not yet submitted and those done."""
 
-    defer_names = True  # requests name their own pages only if preempted (_SimKV); the results are the same either way (a test checks)
+    defer_names = True  # requests name their own pages only if preempted (sim_pages.SimKV); the results are the same either way (a test checks)
 
     def __init__(self, cfg: EngineConfig, requests: Sequence[SimRequest], costs: StepCosts, num_pages: int, max_inflight: int, fast_forward: bool = True,
                  one_pass_decode: bool = True):
@@ -538,24 +501,6 @@ class _Run:
         for r in done:
             scheduler.finish(r, "length", r.error)
         return done
-
-
-def page_names(index: int, prompt_tokens: int, shared: int, output_tokens: int, page_size: int, max_context: int) -> list:
-    """Names for every page the simulated request `index` may fill (Request.page_names, which the KV manager
-    extends by hashing, kv_manager.name_pages), equal exactly where two of its sequences are: page j covers
-    tokens [0, (j + 1) * page_size) of `[1] * shared + [index + 2, 0, ...]` (its prompt) then its output's 0s.
-    A page inside the shared ones is the same in every request (-1 - j); a page past the request's own token
-    (index + 2) is its own ((index + 1) << 20 | j, as max_context // page_size < 2 ** 20); a prompt that is all
-    shared (shared == prompt_tokens) continues with 0s, the same for every prompt of its length
-    (("ones", prompt_tokens, j)). Names are ints and tuples, never a hash's bytes."""
-    num_pages, num_shared = min(prompt_tokens + output_tokens, max_context) // page_size, shared // page_size
-    own = (index + 1) << 20
-    if not num_shared and shared < prompt_tokens:  # no shared page (most prompts)
-        return list(range(own, own + num_pages))
-    names = list(range(-1, -1 - min(num_shared, num_pages), -1))
-    if shared < prompt_tokens:
-        return names + list(range(own + num_shared, own + num_pages))
-    return names + [("ones", prompt_tokens, j) for j in range(num_shared, num_pages)]
 
 
 def simulate(
