@@ -41,7 +41,9 @@
 // rows 1.48x / 1.82x; 32 rows 1.15-1.39x; 16 rows 0.84-0.91x (hence the threshold). A first form that kept q6_k's
 // zero-point term and q4_k's mins term out of the tiles gave q6_k 1.98x; a third tile for the mins (16 rows a
 // pass) and a super-block-outer loop were no faster; double-buffered sum tiles (the f32 steps of super-block
-// g - 1 while g's tiles compute) gained about 5%.
+// g - 1 while g's tiles compute) gained about 5%; tasks of up to 4 panels (kAmxTaskBytes), each 16-row block
+// through all of them in turn (its activation codes from L2 after the first), 1.09-1.15x at 512 rows, ~1.0-1.07x
+// at 64 (same-process A/B against the one-panel tasks).
 
 #include <algorithm>
 #include <cmath>
@@ -387,6 +389,7 @@ void column_tile_vnni(int format, const Activations& a, const Layer& w, int64_t 
 // third, x . (m_j of each input's sub-block). The f32 steps per super-block are super_tile's, op for op, so the
 // outputs are the same bits.
 constexpr int64_t kAmxTileRows = 16;  // rows of an A (activation) and C (sum) tile
+constexpr int64_t kAmxTaskBytes = 512 * 1024;  // B bytes a task unpacks: 4 panels of 2,048 inputs, 2 of 8,192
 
 bool amx_permitted() {  // Linux hands a process the AMX tile state only when asked (ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
@@ -495,52 +498,57 @@ inline void super_tiles(const int8_t* x, int64_t I, const __m512i* lo, const __m
   }
 }
 
-// out[:, panel p] of a K-quant by AMX tiles, 16 rows at a time; super-block g's sums go to tiles 3-4 or 5-6 by
-// its parity, and those of g - 1 are stored and finished (AVX-512) while the tiles of g compute. The activation
-// codes hold whole tiles of rows (those past M are zeros, their sums never written).
+// One row block (16 rows from m0) of panel p: super-block g's sums go to tiles 3-4 or 5-6 by its parity, and
+// those of g - 1 are stored and finished (AVX-512) while the tiles of g compute.
 template <int Fmt>
-void amx_panel(const Activations& a, const Layer& w, int64_t p, int64_t M, float* out) {
-  thread_local std::vector<uint8_t> bytes;  // lo, hi: I / 4 rows of 64 bytes each, from a 64-byte boundary
-  bytes.resize(32 * w.I + 64);
-  __m512i* lo = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
-  __m512i* hi = lo + w.I / 4;
-  scaled_codes<Fmt>(w, p, lo, hi);
+void amx_rows(const Activations& a, const Layer& w, int64_t p, int64_t m0, int64_t M, const __m512i* lo, const __m512i* hi, float* out) {
   alignas(64) int32_t sums[2][2][kAmxTileRows][kPanel];  // by parity of g: x . lo, x . hi
-  for (int64_t m0 = 0; m0 < M; m0 += kAmxTileRows) {
-    const int8_t* x = a.codes.data() + m0 * a.I;
-    const int64_t rows = std::min(kAmxTileRows, M - m0);
-    for (int64_t g = 0; g < w.supers; ++g) {
-      if (g % 2 == 0) {
-        if (g > 0) {
-          _tile_stored(5, sums[1][0], 64);
-          _tile_stored(6, sums[1][1], 64);
-        }
-        super_tiles<false>(x, a.I, lo, hi, g);
-      } else {
-        _tile_stored(3, sums[0][0], 64);
-        _tile_stored(4, sums[0][1], 64);
-        super_tiles<true>(x, a.I, lo, hi, g);
+  const int8_t* x = a.codes.data() + m0 * a.I;
+  const int64_t rows = std::min(kAmxTileRows, M - m0);
+  for (int64_t g = 0; g < w.supers; ++g) {
+    if (g % 2 == 0) {
+      if (g > 0) {
+        _tile_stored(5, sums[1][0], 64);
+        _tile_stored(6, sums[1][1], 64);
       }
-      if (g > 0) finish_rows<Fmt>(a, w, p, m0, rows, g - 1, sums[(g - 1) % 2][0], sums[(g - 1) % 2][1], out);
-    }
-    const int64_t last = w.supers - 1;
-    if (last % 2 == 0) {
+      super_tiles<false>(x, a.I, lo, hi, g);
+    } else {
       _tile_stored(3, sums[0][0], 64);
       _tile_stored(4, sums[0][1], 64);
-    } else {
-      _tile_stored(5, sums[1][0], 64);
-      _tile_stored(6, sums[1][1], 64);
+      super_tiles<true>(x, a.I, lo, hi, g);
     }
-    finish_rows<Fmt>(a, w, p, m0, rows, last, sums[last % 2][0], sums[last % 2][1], out);
+    if (g > 0) finish_rows<Fmt>(a, w, p, m0, rows, g - 1, sums[(g - 1) % 2][0], sums[(g - 1) % 2][1], out);
   }
+  const int64_t last = w.supers - 1;
+  if (last % 2 == 0) {
+    _tile_stored(3, sums[0][0], 64);
+    _tile_stored(4, sums[0][1], 64);
+  } else {
+    _tile_stored(5, sums[1][0], 64);
+    _tile_stored(6, sums[1][1], 64);
+  }
+  finish_rows<Fmt>(a, w, p, m0, rows, last, sums[last % 2][0], sums[last % 2][1], out);
 }
 
-void amx_panel_of(int format, const Activations& a, const Layer& w, int64_t p, int64_t M, float* out) {
+// out[:, panels p0 .. p0 + count) of a K-quant by AMX tiles: every panel's B bytes unpacked first, then each row
+// block of 16 through every panel in turn, so its activation codes (16 I bytes) are read from L2 by all but the
+// first. The activation codes hold whole tiles of rows (those past M are zeros, their sums never written).
+template <int Fmt>
+void amx_panels(const Activations& a, const Layer& w, int64_t p0, int64_t count, int64_t M, float* out) {
+  thread_local std::vector<uint8_t> bytes;  // per panel lo, hi: I / 4 rows of 64 bytes each, from a 64-byte boundary
+  bytes.resize(count * 32 * w.I + 64);
+  __m512i* base = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
+  for (int64_t v = 0; v < count; ++v) scaled_codes<Fmt>(w, p0 + v, base + v * w.I / 2, base + v * w.I / 2 + w.I / 4);
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxTileRows)
+    for (int64_t v = 0; v < count; ++v) amx_rows<Fmt>(a, w, p0 + v, m0, M, base + v * w.I / 2, base + v * w.I / 2 + w.I / 4, out);
+}
+
+void amx_panels_of(int format, const Activations& a, const Layer& w, int64_t p0, int64_t count, int64_t M, float* out) {
   configure_tiles();
   switch (format) {
-    case kQ4K: amx_panel<kQ4K>(a, w, p, M, out); break;
-    case kQ5K: amx_panel<kQ5K>(a, w, p, M, out); break;
-    default: amx_panel<kQ6K>(a, w, p, M, out); break;
+    case kQ4K: amx_panels<kQ4K>(a, w, p0, count, M, out); break;
+    case kQ5K: amx_panels<kQ5K>(a, w, p0, count, M, out); break;
+    default: amx_panels<kQ6K>(a, w, p0, count, M, out); break;
   }
   _tile_release();
 }
@@ -655,7 +663,9 @@ ffi::Error KquantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   float* op = out->typed_data();
 #ifdef JAXINFER_AMX
   if (amx) {
-    jaxinfer::parallel_for(pool, C, [&](int64_t p) { amx_panel_of(format, a, w, p, M, op); });
+    const int64_t per_task = std::clamp<int64_t>(kAmxTaskBytes / (32 * I), 1, 4);  // panels a task (their B bytes in L2)
+    jaxinfer::parallel_for(pool, (C + per_task - 1) / per_task,
+                           [&](int64_t t) { amx_panels_of(format, a, w, t * per_task, std::min(per_task, C - t * per_task), M, op); });
     return ffi::Error::Success();
   }
 #endif
