@@ -113,6 +113,15 @@ SMOLLM2_SMALL_ENGINE = dict(
 )
 
 
+# A small engine on tiny_chat_model for the tests of what runs around the engine (the API's validation, batch
+# jobs, OpenAI batch files): 2 programs (one 64-token chunk, the 4-row 8-page decode), not the full tables' 16.
+# One dict, so the files that use it compile its programs once a session (compile_cache).
+TINY_CHAT_ENGINE = dict(
+    max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, prefill_chunk_buckets=(64,),
+    decode_batch_buckets=(4,), decode_page_buckets=(8,),
+)
+
+
 @pytest.fixture(scope="session")
 def smollm2_llm(compile_cache):
     """LLM(None) (the default model, f32) on SMOLLM2_SMALL_ENGINE, warmed once a session: test_api's

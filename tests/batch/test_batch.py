@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer.api import LLM
 import subprocess
 
@@ -36,7 +37,7 @@ def read_done(path: Path):
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 class Killed(Exception):

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer.engine import engine as engine_module
 from jaxinfer.api import LLM
 from jaxinfer.batch.input import InputFileError, LineError, iter_lines, parse, read_lines
@@ -33,10 +34,7 @@ HUGE = "9" * 5000
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    # 2 programs (one 64-token chunk, the 4-row 8-page decode), not the full tables' 16: what is tested is the job's
-    # bookkeeping; test_api_validation's LLM has these limits and tables, so one of the two compiles them a session.
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
-               prefill_chunk_buckets=(64,), decode_batch_buckets=(4,), decode_page_buckets=(8,))
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 def write_lines(path: Path, lines: list[str], *, final_newline: bool = True) -> Path:

@@ -12,6 +12,7 @@ from openai.types import completion_create_params
 from openai.types.chat import ChatCompletion, ChatCompletionSystemMessageParam, ChatCompletionUserMessageParam
 from openai.types.chat import completion_create_params as chat_create_params
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.api import LLM
 from jaxinfer.batch.input import InputFileError, iter_lines, read_lines
@@ -27,7 +28,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 def chat_request(custom_id: str, text: str, **body) -> dict:

@@ -8,6 +8,7 @@ import json
 import pytest
 from openai.types import CompletionUsage
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer.api import LLM
 from jaxinfer.batch.job import BatchJob
 from jaxinfer.scheduling.request import SamplingParams
@@ -19,7 +20,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 def completion(custom_id: str, prompt, **body) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from openai.types import CreateEmbeddingResponse
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer import SamplingParams
 from jaxinfer.api import LLM
 from jaxinfer.batch.job import BatchJob
@@ -23,7 +24,7 @@ URL = "/v1/embeddings"
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 def line(custom_id: str, **body) -> str:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import TINY_CHAT_ENGINE
 from jaxinfer.api import LLM
 from jaxinfer.scheduling.request import truncate_prompt
 from jaxinfer.config import EngineConfig
@@ -22,10 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    # 2 programs (one 64-token chunk, the 4-row 8-page decode), not the full tables' 16: what is tested is the
-    # boundary, and every valid request still runs (prompts up to max_context, padded to these shapes).
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=4, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
-               prefill_chunk_buckets=(64,), decode_batch_buckets=(4,), decode_page_buckets=(8,))
+    return LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
 
 
 @contextmanager
