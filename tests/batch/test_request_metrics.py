@@ -11,7 +11,9 @@ from jaxinfer.scheduling.request import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model, compile_cache):
-    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=compile_cache)
+    # 2 programs (one 64-token chunk, the 2-row 8-page decode), not the full tables' 16: the metrics do not depend on them
+    return LLM(tiny_chat_model, max_context=128, page_size=16, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=compile_cache,
+               prefill_chunk_buckets=(64,), decode_batch_buckets=(2,), decode_page_buckets=(8,))
 
 
 def test_queue_prefill_and_decode_add_up_to_the_latency(llm):
