@@ -15,7 +15,9 @@ record with exactly max_tokens tokens, and the share of lines whose greedy token
 Every program compiles for real (a fresh XLA cache, removed at the end). Per step: its wall time (the on_step hook's seconds) and its program key. Refit records when its background
 compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it.
 Each step is compared to the median of its own program key's steps outside the window (the phase's median where
-the key has none). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
+the key has none). While the refit compiles, Refit sleeps --yield-share (refit.YIELD_SHARE) of each step's seconds
+after the step so that the compile progresses: a step's seconds exclude that sleep, and "max with sleep" counts it
+(refit.Swap records the sleeps; a refit still compiling at the job's end is recorded as unfinished_refit). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
 second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
 a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top). A last probe compiles one
 more program in a thread as Refit does and lists which threads spent CPU meanwhile, and at what nice value.
@@ -111,8 +113,9 @@ class AskAt(refit.DriftWatch):
         return self.proposal if self.calls == self.after + 1 else None
 
 
-def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None) -> tuple[list[StepRecord], list, float]:
-    """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds). `options`: Refit attributes
+def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None) -> tuple[list[StepRecord], list, float, dict | None]:
+    """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds, a refit still compiling at the end
+    (Refit.unfinished)). `options`: Refit attributes
     set after planning.refitting made it (watch, yield_share, idle)."""
     steps, swaps = [], []
     llm.reset_prefix_cache()
@@ -124,7 +127,10 @@ def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, op
         job.run(llm, progress=False)
         wall = time.perf_counter() - start
         swaps = list(getattr(on_step, "swaps", []))
-    return steps, swaps, wall
+        unfinished = on_step.unfinished() if hasattr(on_step, "unfinished") else None
+    if unfinished is not None:
+        report.log("bench_refit", f"the refit asked for was still compiling when the job ended: {unfinished}")
+    return steps, swaps, wall, unfinished
 
 
 def read_records(output) -> dict[int, dict]:
@@ -228,7 +234,8 @@ def probe_compile_threads(llm) -> dict:
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing, which ends before the watch sees drift "
-                                                             "(a dry run of this trace refits 42 prefill steps after the shift at 160 lines a half, never at 72)")
+                                                             "(a dry run of this trace refits 42 prefill steps after the shift at 160 lines a half, never at 72); "
+                                                             "with --ask-at 10 it measures a compile window and a swap")
     parser.add_argument("--lines", type=int, default=None, help="lines per half")
     parser.add_argument("--table", choices=("reach", "plan"), default="reach",
                         help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")
@@ -268,15 +275,15 @@ def main() -> None:
     planning.apply_plan(llm, plan)
     llm.engine.warmup()
     report.log("bench_refit", "run without refit (also the process's one-time costs)")
-    stale_steps, _, stale_wall = run_job(llm, input_path, WORK_DIR / "no_refit.jsonl", defaults, args.lines, refitting=False)
+    stale_steps, _, stale_wall, _ = run_job(llm, input_path, WORK_DIR / "no_refit.jsonl", defaults, args.lines, refitting=False)
     report.log("bench_refit", "run with refit")
-    steps, swaps, wall = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True, options=options)
+    steps, swaps, wall, unfinished = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True, options=options)
     records, stale_records = read_records(WORK_DIR / "refit.jsonl"), read_records(WORK_DIR / "no_refit.jsonl")
     complete = check_outputs(records, len(lines)) and check_outputs(stale_records, len(lines))
     agree = float(np.mean([records[n].get("token_ids") == stale_records[n].get("token_ids") for n in records if n in stale_records])) if records else 0.0
     alone = dry_padding(llm, plan.config, alone_table, prompts[args.lines :])
     result = summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall)
-    result |= {"plan_chunk_table": list(plan_table), "start_chunk_table": list(start_table), "outputs_complete": complete, "outputs_agree": agree}
+    result |= {"unfinished_refit": unfinished, "plan_chunk_table": list(plan_table), "start_chunk_table": list(start_table), "outputs_complete": complete, "outputs_agree": agree}
     result["compile_threads"] = probe_compile_threads(llm)
     print_result(result)
     goals = report.judge(GOALS, {"padding_gap": result["padding_gap"], "max_ratio_in_window": result["max_ratio_in_window"], "outputs_agree": agree})

@@ -48,14 +48,17 @@ log = logging.getLogger(__name__)
 _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (planning.py's fine table step)
 _CPU_EVERY = 16  # steps between two snapshots of the threads' CPU time (which threads the steps use; the oldest of 4 is used)
 _SWITCH_S = 0.0005  # the GIL switch interval while a refit compiles (CPython's default: 0.005)
-# While a refit compiles, the stepping thread sleeps this share of each step's seconds after it (a third of the
-# window's wall time is the compile's), with the compile's threads at their own priority and its Python through the
-# gate meanwhile, and at the lowest (nice 19, SCHED_IDLE) while the steps run. Without it they got only what the
-# steps left idle: on 2 cores bench_refit's compile (12 programs) never finished before the job ended (b982cae).
-# Measured (/tmp probe, a warm default-model LLM stepping 16 prompts while 8 refit programs compile; 2 cores loaded
-# by other sessions, load 8-10, indicative): 0.5 compiled in 37.5 s and 47.4 s, 0 (the lowest priority alone) in
-# 117 s; the steps' seconds in the window summed to 0.97x and 0.90x their keys' medians at 0.5 (0.74x at 0).
-YIELD_SHARE = 0.5
+# While a refit compiles, the stepping thread sleeps this share of each step's seconds after it (1.0: half the
+# window's wall time is the compile's; the steps themselves run as before, a step and its sleep take 2x the step),
+# with the compile's threads at their own priority and its Python through the gate meanwhile, and at the lowest
+# (nice 19, SCHED_IDLE) while the steps run. Without it they got only what the steps left idle: on 2 cores
+# bench_refit's compile (12 programs) never finished before the job ended (b982cae). The job pays about the
+# compile's CPU seconds / cores whatever the share; a larger one ends the window sooner. Measured on 2 cores loaded
+# by other sessions (indicative): a probe stepping a warm default-model LLM while 8 programs compile took 37.5 s and
+# 47.4 s at 0.5, 117 s at 0 (load 8-10); bench_refit --quick --ask-at 10 (12 programs): at 0.5 the compile had not
+# finished 455 steps later, when the job ended (load 9-10); at 1.0 it finished in 118 s and swapped 37 s before the
+# end, the padding after the swap 7.0% against 6.8% for a second-half table (load 13-15).
+YIELD_SHARE = 1.0
 _GATE_HOLD_S = 1.0  # the longest the compile's Python waits for the steps' next pause (at least 4 steps' seconds)
 
 
@@ -257,6 +260,21 @@ def _lower_threads(tids, idle: bool) -> None:
             continue
 
 
+def _new_idle_threads(known: dict[int, int], nice: int) -> dict[int, int]:
+    """{thread id: `nice`} for this process's SCHED_IDLE threads not in `known`: threads the compile made (they inherit
+    its lowest priority; XLA and LLVM start some lazily), to be raised with the others while the steps sleep."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return {}
+    found = {}
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            if tid not in known and os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                found[tid] = nice
+        except OSError:  # exited
+            continue
+    return found
+
+
 def restore_threads(quieted: dict[int, int]) -> int:
     """Gives the threads quiet_idle_threads lowered their policy and nice values back; returns how many could not be (raising a
     priority needs CAP_SYS_NICE: those stay at 19, compile-only threads, so only later compiles are slower)."""
@@ -379,9 +397,11 @@ class Refit:
     def _yield(self, seconds: float) -> None:
         """Sleeps yield_share of the step's `seconds`, bounded by the step it follows, with the compile's threads at
         their own priority and its Python let through the gate meanwhile; then puts them back at the lowest (the next
-        step preempts them at once) and shuts the gate. So the compile gets a third of the window's wall time at the
-        default share on a machine of its own, and a fair share of it beside other processes."""
+        step preempts them at once) and shuts the gate. So the compile gets half the window's wall time at the default
+        share on a machine of its own, and a fair share of it beside other processes."""
         start = time.perf_counter()
+        if self._raise:
+            self._quieted |= _new_idle_threads(self._quieted, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         if self._raise and _raise_threads(self._quieted):
             self._raise = False  # raising a priority needs CAP_SYS_NICE: the compile gets only the CPU left idle
             log.info("refit: the compile's threads keep nice 19 while the steps sleep (raising a priority needs CAP_SYS_NICE)")
@@ -428,11 +448,17 @@ class Refit:
         self._executor.shutdown(wait=True)
         self._unquiet()
 
+    def unfinished(self) -> dict | None:
+        """The refit under way (asked for, not swapped in): the step it was asked at and the sleeps given to it; None if none."""
+        if self._pending is None:
+            return None
+        return {"asked_at_step": self._pending[2], "at_step": self.step, "yield_s": self._yielded[0], "num_yields": self._yielded[1]}
+
     def report(self) -> str:
         """One line per swap, and one for a refit asked for but not swapped in (its compile outlasted the job), for the job's end."""
         lines = [f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
                  f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, in the background" for s in self.swaps]
         if self._pending is not None:
             lines.append(f"refit: prefill sizes drifted at step {self._pending[2]}; the refitted programs were still compiling at step {self.step}, "
-                         "the job's last, and were not used")
+                         f"the job's last (the steps slept {self._yielded[0]:.1f} s for it after {self._yielded[1]}), and were not used")
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"
