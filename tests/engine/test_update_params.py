@@ -99,7 +99,9 @@ def test_mismatched_params_are_refused_naming_the_field(deterministic_llm):
 def test_swap_repacks_the_cpu_kernel_panels(tiny_chat_model, compile_cache, cpu_kernels):
     """The default CPU engine multiplies panels packed at start (step_params); after a swap they are the new
     weights' panels: greedy outputs equal a fresh LLM on the new params, token for token."""
-    limits = dict(LIMITS, attention_impl="cpu", matmul_impl="cpu")
+    # 2 programs (one 64-token chunk, the 4-row 8-page decode), not the full tables' 16: a swap that recompiled would
+    # recompile these too
+    limits = dict(LIMITS, attention_impl="cpu", matmul_impl="cpu", prefill_chunk_buckets=(64,), decode_batch_buckets=(4,), decode_page_buckets=(8,))
     llm = LLM(tiny_chat_model, compilation_cache_dir=compile_cache, **limits)
     greedy = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
     new = perturbed(llm.params, seed=1)
