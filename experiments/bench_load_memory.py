@@ -11,8 +11,8 @@ Each file is loaded in a fresh child process (so one load's peak does not hide a
     tuning cache in a temporary folder), the choice applied and the engine warmed up.
   - "phases" (with --phases, or --only phases): `LLM(path)` whole, then a short generate, with the engine config
     experiments/bench_kquant.py uses (--bench-engine) or ENGINE; the peak RSS of each phase apart (VmHWM reset at
-    every phase boundary: load, the tuner's attention timing, its f32 reference, each candidate's engine build,
-    warm-up and probe runs, the chosen engine's build, its warm-up, the generate), so a spike names its phase.
+    every phase boundary: load, the tokenizer, the tuner's attention timing, its f32 reference, each candidate's engine build,
+    warm-up (its compiles, then its timing runs apart) and probe runs, the chosen engine's build, its warm-up, the generate), so a spike names its phase.
 The child reports its VmHWM (peak resident set, /proc/self/status) and VmRSS, the file's size and the pool's
 bytes; the budget is file + pool + 1 GiB.
 
@@ -44,9 +44,9 @@ os.environ["JAXINFER_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_load_memory_")
 import logging
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 logging.getLogger("jaxinfer").setLevel(logging.INFO)  # progress, to the stage's log
-def status():
+def status(keys=("VmHWM", "VmRSS")):
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmHWM", "VmRSS")}
+    return {key: int(fields[key].split()[0]) * 1024 for key in keys}
 from jaxinfer.config import EngineConfig
 from jaxinfer.options import LoadOptions
 from jaxinfer.loading import loading
@@ -87,14 +87,17 @@ print(json.dumps(out))
 # is added to the phase then innermost, and reset (clear_refs 5), so each phase's peak is its own.
 PHASES = r"""
 import functools
+from jaxinfer import api
 from jaxinfer.api import LLM
 from jaxinfer.engine import engine as engine_lib, tuning, tune_attention
 from jaxinfer.model import quant
 from jaxinfer.scheduling.request import SamplingParams
-peaks, stack, order = {}, ["start"], []
+peaks, stack, order, ends = {}, ["start"], [], {}
 def boundary():
-    peak = status()["VmHWM"]
+    now = status(("VmHWM", "VmRSS", "RssAnon", "RssFile"))
+    peak = now.pop("VmHWM")
     peaks[stack[-1]] = max(peaks.get(stack[-1], 0), peak)
+    ends[stack[-1]] = now  # the RSS as the phase (or its latest stretch) ends: what stays resident, apart from the transient
     if stack[-1] not in order:
         order.append(stack[-1])
     with open("/proc/self/clear_refs", "w") as refs:
@@ -114,12 +117,14 @@ def phase(name_of):
     return wrap
 inside = lambda name: (lambda *a, **k: "/".join(stack[1:] + [name]))
 loading.load_for_engine = phase(lambda *a, **k: "load")(loading.load_for_engine)
+api._load_tokenizer = phase(lambda *a, **k: "tokenizer")(api._load_tokenizer)
 tune_attention.choose_attention = phase(inside("tune attention"))(tune_attention.choose_attention)
 tuning.reference_run = phase(inside("tune f32 reference"))(tuning.reference_run)
 tuning.measure = phase(lambda c, *a, **k: "tune " + c.name)(tuning.measure)
 tuning.apply_choice = phase(inside("apply choice"))(tuning.apply_choice)
 engine_lib.Engine.__init__ = phase(inside("engine build"))(engine_lib.Engine.__init__)
 engine_lib.Engine.warmup = phase(inside("warm-up"))(engine_lib.Engine.warmup)
+engine_lib.Engine.time_programs = phase(inside("timing runs"))(engine_lib.Engine.time_programs)  # warm-up's runs apart from its compiles
 llm = LLM(path, engine_config=EngineConfig(**engine))
 eng = llm.engine
 stack.append("generate")
@@ -130,6 +135,7 @@ boundary()
 stack.pop()
 print(tuning.format_table(llm.tuning), file=sys.stderr)
 print(json.dumps({"before": before, "after_phases": status(), "phase_peaks": {name: peaks[name] for name in order},
+                  "phase_end_rss": {name: ends[name] for name in order},
                   "peak_rss_bytes_all": max(peaks.values()), "choice": llm.tuning.choice.name, "pool_bytes": quant.resident_bytes(eng.pool),
                   "step_resident_bytes": quant.resident_bytes(eng.step_params), "resident_weight_bytes": quant.resident_bytes(eng.params)}))
 """
@@ -179,7 +185,9 @@ def main() -> None:
                    f"tune {(entry.get('tune', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, "
                    f"llm {(entry.get('llm', {}).get('peak_rss_bytes') or 0) / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
         for name, peak in entry.get("phases", {}).get("phase_peaks", {}).items():
-            report.log("bench_load_memory", f"  phase {name:<48} peak {peak / 2**20:7.0f} MiB ({peak / budget:.2f}x the budget)")
+            end = entry["phases"].get("phase_end_rss", {}).get(name, {})
+            report.log("bench_load_memory", f"  phase {name:<48} peak {peak / 2**20:7.0f} MiB ({peak / budget:.3f}x the budget), at its end RSS "
+                       f"{end.get('VmRSS', 0) / 2**20:.0f} MiB (anon {end.get('RssAnon', 0) / 2**20:.0f}, file {end.get('RssFile', 0) / 2**20:.0f})")
         peaks = [(entry.get(stage, {}).get("peak_rss_bytes") or 0) / 2**20 for stage in ("load", "engine", "tune", "llm", "phases")]
         rows.append([path.name, file_bytes / 2**20, *peaks, budget / 2**20, ", ".join(entry.get("load", {}).get("formats", [])),
                      all(entry[stage].get("within_budget") for stage in stages)])
