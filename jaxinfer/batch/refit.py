@@ -238,7 +238,7 @@ def _set_idle_policy(tid: int, idle: bool) -> None:
 def _raise_threads(quieted: dict[int, int]) -> int:
     """SCHED_OTHER and their own nice value back for these threads; returns how many could not be (EPERM)."""
     failed = 0
-    for tid, nice in quieted.items():
+    for tid, nice in list(quieted.items()):  # a copy: the compile thread adds itself to Refit's dict as it starts
         try:
             _set_idle_policy(tid, False)
             os.setpriority(os.PRIO_PROCESS, tid, nice)
