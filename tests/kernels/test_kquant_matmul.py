@@ -274,13 +274,10 @@ def test_activation_ties_round_to_even_as_numpy_does(fmt):
         assert np.abs(ours - expected).max() <= ULPS * np.finfo(np.float32).eps * np.abs(expected).max(), vectorized
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
-def test_largest_codes_and_scales_against_full_scale_activations_stay_exact(fmt):
-    """Every code and sub-scale at its largest (all bits set; q6_k's int8 scales 127) times activations all at
-    +-127: the integer dots of a sub-block reach their bound (q4_k: 15 * 127 * 32 = 60960, past an int16, so a
-    kernel folding them through 16-bit multiplies would wrap; random blocks never come near), and rows of mixed
-    signs cancel them. Four rows: one register tile of four, and the plain loop."""
-    blocks = random_blocks(fmt, 1, 32, 2, seed=4)
+def saturated_blocks(fmt: str, seed: int, q6_scale: int = 127) -> np.ndarray:
+    """u8[1, 32, 2 blocks]: random blocks whose every byte but the fp16 scales saturates (all bits set: codes and
+    6-bit sub-scales at their largest); q6_k's int8 sub-scales set to `q6_scale`."""
+    blocks = random_blocks(fmt, 1, 32, 2, seed=seed)
     size = quant.GGUF_KEPT_TYPES[int(TYPES[fmt])][2]
     per_block = blocks.reshape(1, 32, 2, size)
     keep = np.zeros(size, bool)  # the fp16 scales stay random; every other byte saturates
@@ -288,8 +285,17 @@ def test_largest_codes_and_scales_against_full_scale_activations_stay_exact(fmt)
         keep[offset : offset + 2] = True
     per_block[..., ~keep] = 0xFF
     if fmt == "q6_k":
-        per_block[..., 192:208] = 127
-    blocks = per_block.reshape(1, 32, -1)
+        per_block[..., 192:208] = np.uint8(q6_scale & 0xFF)
+    return per_block.reshape(1, 32, -1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_largest_codes_and_scales_against_full_scale_activations_stay_exact(fmt):
+    """Every code and sub-scale at its largest (all bits set; q6_k's int8 scales 127) times activations all at
+    +-127: the integer dots of a sub-block reach their bound (q4_k: 15 * 127 * 32 = 60960, past an int16, so a
+    kernel folding them through 16-bit multiplies would wrap; random blocks never come near), and rows of mixed
+    signs cancel them. Four rows: one register tile of four, and the plain loop."""
+    blocks = saturated_blocks(fmt, seed=4)
     q, packed = _packed(fmt, blocks)
     num_in = q.in_shape[0]
     ones = np.ones(num_in, np.float32)

@@ -7,9 +7,8 @@ transcription is what still checks them."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kquant_matmul import FP16_OFFSETS, TYPES, ULPS, _activations, _packed, kquant_kernel, numpy_kquant_w8a8, random_blocks  # noqa: F401  (a fixture)
+from test_kquant_matmul import ULPS, _activations, _packed, kquant_kernel, numpy_kquant_w8a8, random_blocks, saturated_blocks  # noqa: F401  (a fixture)
 
-from jaxinfer.model import quant
 from kernels_cpu import kquant_matmul
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "kquant_kernel")
@@ -46,18 +45,10 @@ def test_largest_scaled_codes_against_full_scale_activations_stay_exact(fmt, q6_
     q6_k scales 127 or -128 against codes 0 and 63: sc (q - 32) from -4064 to 4096), times activations all at
     +-127 in rows of mixed signs, 33 rows: the tiles' split sc q = 256 hi + lo at its widest, and a last tile of one
     row. A wrapped or mis-signed byte would move an output by far more than the tolerance."""
-    blocks = random_blocks(fmt, 1, 32, 2, seed=9)
-    size = quant.GGUF_KEPT_TYPES[int(TYPES[fmt])][2]
-    per_block = blocks.reshape(1, 32, 2, size)
-    keep = np.zeros(size, bool)  # the fp16 scales stay random; every other byte saturates
-    for offset in FP16_OFFSETS[fmt]:
-        keep[offset : offset + 2] = True
-    per_block[..., ~keep] = 0xFF
+    blocks = saturated_blocks(fmt, seed=9, q6_scale=q6_scale or 127)
     if fmt == "q6_k":
-        per_block[..., 192:208] = np.uint8(q6_scale & 0xFF)
-        per_block[:, ::2, :, :128] = 0  # half the columns at code 0 (q - 32 = -32), half at 63 (+31)
-        per_block[:, ::2, :, 128:192] = 0
-    blocks = per_block.reshape(1, 32, -1)
+        per_block = blocks.reshape(1, 32, 2, -1)  # a view: half the columns at code 0 (q - 32 = -32), half at 63 (+31)
+        per_block[:, ::2, :, :192] = 0
     q, packed = _packed(fmt, blocks)
     num_in = q.in_shape[0]
     ones = np.ones(num_in, np.float32)

@@ -271,6 +271,15 @@ def test_page_names_by_construction_give_the_results_of_hashed_names(monkeypatch
     assert named.num_preemptions > 0
 
 
+def varied_requests(seed: int, n: int = 160) -> list[SimRequest]:
+    """Bursty arrivals, a third of them at time 0, two priorities, prompts of 1-119 tokens, outputs of 1-129, and
+    shared prefixes of 0, 16, 40 or 200 tokens (longer than the prompt: the whole prompt shared)."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
+    return [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
+            for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 120, n), rng.integers(1, 130, n), arrivals, rng.choice([0, 0, 16, 40, 200], n)))]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("num_pages", [400, 40])  # roomy; tight enough to preempt (a preempted request finds its own named pages)
 def test_own_pages_named_only_at_preemption_give_the_results_of_naming_each_as_it_fills(monkeypatch, num_pages, policy):
@@ -278,11 +287,7 @@ def test_own_pages_named_only_at_preemption_give_the_results_of_naming_each_as_i
 
     cfg = small_config(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, prefill_chunk_buckets=(16, 32, 64),
                        decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32), policy=policy)
-    rng = np.random.default_rng(31)
-    n = 160
-    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
-    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
-                for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 120, n), rng.integers(1, 130, n), arrivals, rng.choice([0, 0, 16, 40, 200], n)))]
+    requests = varied_requests(31)
     costs = work_costs(cfg)
     runs = {}
     for defer in (True, False):
@@ -325,11 +330,7 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
     tables = dict(prefill_chunk_buckets=(16, 32, 64), decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32))
     cfg = (EngineConfig(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, policy=policy, **tables) if packed else
            small_config(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, policy=policy, **tables))
-    rng = np.random.default_rng(37)
-    n = 160
-    arrivals = np.cumsum(np.where(rng.random(n) < 0.3, rng.exponential(0.5, n), 0.0))
-    requests = [SimRequest(int(p), int(o), float(t) if i % 3 else None, priority=int(rng.integers(0, 2)), shared_prefix=int(s))
-                for i, (p, o, t, s) in enumerate(zip(rng.integers(1, 120, n), rng.integers(1, 130, n), arrivals, rng.choice([0, 0, 16, 40, 200], n)))]
+    requests = varied_requests(37)
     costs = work_costs(cfg)
     sketch = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40)
 
