@@ -13,6 +13,7 @@ a row one at a time are kept in heaps keyed by tick: its next token needing a pa
 a full page to name is found by the residue of `base` modulo the page size.
 """
 
+import bisect
 import heapq
 from operator import attrgetter
 
@@ -125,6 +126,8 @@ class DecodeRows:
         self._in_admission_order = True  # whether `rows` (a dict: registration order) holds them in admit_index order
         self._ordered: list[LazyRequest] | None = None
         self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
+        self._by_length: list[LazyRequest] = []  # the rows sorted by (base, admit_index): by length, ties in running order
+        self._length_keys: list[tuple[int, int]] = []  # their (base, admit_index), for bisect
 
     def register(self, request: LazyRequest) -> None:
         """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
@@ -141,6 +144,9 @@ class DecodeRows:
             self._in_admission_order = False
         self._max_index = max(self._max_index, index)
         self.rows[index] = request
+        at = bisect.bisect(self._length_keys, (base, index))
+        self._length_keys.insert(at, (base, index))
+        self._by_length.insert(at, request)
         self.base_sum += base
         self.version += 1
         self._ordered = None
@@ -156,6 +162,8 @@ class DecodeRows:
         request.settle()
         index = request.admit_index
         del self.rows[index]
+        at = bisect.bisect_left(self._length_keys, (request._total_base, index))
+        del self._length_keys[at], self._by_length[at]
         self.base_sum -= request._total_base
         self.version += 1
         self._ordered = None
@@ -214,6 +222,11 @@ class DecodeRows:
             rows = self.rows
             self._ordered = list(rows.values()) if self._in_admission_order else [rows[i] for i in sorted(rows)]
         return self._ordered
+
+    def by_length(self) -> list[LazyRequest]:
+        """The rows sorted by length (tokens: base + ticks), ties in running order: `sorted(self.ordered(),
+        key=total_base)`, kept sorted as rows register and leave (a new list)."""
+        return self._by_length[:]
 
     def due_pages(self) -> list[LazyRequest]:
         """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""

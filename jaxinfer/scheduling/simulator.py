@@ -42,7 +42,7 @@ from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.sim_pages import SimKV, page_names
-from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order, total_base
+from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
@@ -231,13 +231,20 @@ class _SketchScheduler(Scheduler):
             return self._split[1]
         groups = []
         if requests:
-            ordered = sorted(requests, key=total_base)
+            ordered = lazy.by_length()
             pages = list(map(len, map(self.block_pool.tables.get, map(_request_id, ordered), itertools.repeat(()))))  # kv.num_pages_held_by, in C loops
-            split = self._split_point(pages) if len(ordered) > 1 else 0
+            split = self._cut(pages) if len(ordered) > 1 else 0
             groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
             self.decode_order = ordered
         self._split = (lazy.version, groups)
         return groups
+
+    def _cut(self, pages: list[int]) -> int:
+        """Scheduler._split_point(pages), its memo read with the rows' page buckets looked up in C loops (the
+        method itself on a miss: a page count or a bucket pattern it has not met, or new tables)."""
+        key = tuple(map(self._page_buckets.get, pages))
+        split = self._splits.get(key) if self._splits_of is self.tables and None not in key else None
+        return self._split_point(pages) if split is None else split
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> _SketchPlan:
         """Scheduler._prefill_plan's sketch: the same key (memoised) and counts, without RowChunks (each copies

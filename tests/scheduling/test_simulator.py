@@ -321,11 +321,12 @@ def test_a_request_made_from_the_prototype_equals_one_built_by_its_constructor()
 def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monkeypatch, num_pages, packed, policy):
     # The plain path: prefill plans built by Scheduler._prefill_plan (a real StepPlan, its arrays and key), prefill
     # planned by Scheduler._plan_prefill at every iteration, an expiry pass at every iteration, decoding rows sorted
-    # by admission at every change. Every timing and count must be the same, bit for bit.
+    # by admission and by length at every change, the decode split by Scheduler._split_point. Every timing and count
+    # must be the same, bit for bit.
     from jaxinfer.config import EngineConfig
     from jaxinfer.scheduling import simulator
     from jaxinfer.scheduling.scheduler import Scheduler
-    from jaxinfer.scheduling.sim_decode import DecodeRows
+    from jaxinfer.scheduling.sim_decode import DecodeRows, total_base
 
     tables = dict(prefill_chunk_buckets=(16, 32, 64), decode_batch_buckets=(4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16, 32))
     cfg = (EngineConfig(max_num_seqs=16, max_context=256, page_size=8, max_prefill_tokens=64, policy=policy, **tables) if packed else
@@ -349,6 +350,8 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
         return ordered(self)
 
     ordered = DecodeRows.ordered
+    monkeypatch.setattr(DecodeRows, "by_length", lambda self: sorted(self.ordered(), key=total_base))  # sorted anew at every change
+    monkeypatch.setattr(simulator._SketchScheduler, "_cut", Scheduler._split_point)
     monkeypatch.setattr(simulator._SketchScheduler, "_prefill_plan", real_prefill_plan)
     monkeypatch.setattr(simulator._SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
     monkeypatch.setattr(simulator._Run, "__init__", expiring_init)
