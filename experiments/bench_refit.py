@@ -13,23 +13,21 @@ also pays the process's one-time costs), then with it (batch/refit.Refit). Corre
 record with exactly max_tokens tokens, and the share of lines whose greedy tokens agree between the two runs.
 
 Every program compiles for real (a fresh XLA cache, removed at the end). Per step: its wall time (the on_step hook's seconds) and its program key. Refit records when its background
-compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it.
+compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it
+(the compile runs in a child process that Refit stops while a step runs: engine/compile_worker.py).
 Each step is compared to the median of its own program key's steps outside the window (the phase's median where
-the key has none). While the refit compiles, Refit sleeps --yield-share (refit.YIELD_SHARE) of each step's seconds
-after the step so that the compile progresses: a step's seconds exclude that sleep, and "max with sleep" counts it
+the key has none), also per key. While the refit compiles, Refit lets the child run for --yield-share (refit.YIELD_SHARE) of each step's seconds
+after the step: a step's seconds exclude that pause, and "max with sleep" counts it
 (refit.Swap records the sleeps; a refit still compiling at the job's end is recorded as unfinished_refit). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
 second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
-a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top). A last probe compiles one
-more program in a thread as Refit does and lists which threads spent CPU meanwhile, and at what nice value.
+a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top).
 
-    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan] [--ask-at STEPS] [--yield-share S] [--no-idle]
+    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan] [--ask-at STEPS] [--yield-share S]
 """
 
 import dataclasses
 import json
-import os
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -116,7 +114,7 @@ class AskAt(refit.DriftWatch):
 def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None) -> tuple[list[StepRecord], list, float, dict | None]:
     """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds, a refit still compiling at the end
     (Refit.unfinished)). `options`: Refit attributes
-    set after planning.refitting made it (watch, yield_share, idle)."""
+    set after planning.refitting made it (watch, yield_share)."""
     steps, swaps = [], []
     llm.reset_prefix_cache()
     with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half), refitting) as on_step:
@@ -170,6 +168,19 @@ def window_stats(steps: list[StepRecord], swap: refit.Swap) -> dict:
     return out
 
 
+def window_by_key(steps: list[StepRecord], swap: refit.Swap) -> dict:
+    """Per program key with steps inside the compile window: how many, the median outside, the slowest inside / that
+    median, and how many inside passed 2x (keys with no step outside are left out)."""
+    out = {}
+    for key in sorted({s.key for s in steps}):
+        mine = [(s.seconds, s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended) for s in steps if s.key == key]
+        inside, outside = [t for t, i in mine if i], [t for t, i in mine if not i]
+        if inside and outside:
+            median = float(np.median(outside))
+            out[key] = {"num_inside": len(inside), "median_outside_s": median, "max_ratio": max(inside) / median, "num_over_2x": sum(t > 2 * median for t in inside)}
+    return out
+
+
 def fitted_table(llm, cfg, prompts, count: int, top: int) -> tuple[int, ...]:
     """A chunk table of `count` buckets, the largest `top`, fitted to the packed-row sizes of a dry run of these prompts
     on a fine table (refit.refit_chunk_table, as the refit fits)."""
@@ -185,52 +196,6 @@ def dry_padding(llm, cfg, table, prompts) -> float:
     return 1.0 - sum(sum(p.num_new_tokens) for p in prefill) / sum(p.bucket.num_rows * p.bucket.num_tokens for p in prefill)
 
 
-def _threads() -> dict[int, tuple[str, float, int]]:
-    """{tid: (name, cpu seconds, nice)} of this process's threads (Linux /proc)."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = open(f"/proc/self/task/{tid}/stat").read()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick, int(fields[16]))
-    return out
-
-
-def probe_compile_threads(llm) -> dict:
-    """One more program compiled as Refit compiles it (refit._compile_quietly in its own thread, after
-    refit.quiet_idle_threads has lowered the threads a few steps left idle) while the stepping thread waits: the compile
-    thread's own CPU seconds and nice value, and which other threads spent CPU meanwhile, at what nice value (XLA's
-    own pools: a thread's nice value is its own, so work the compile hands them runs at theirs)."""
-    tables = BucketTables.from_config(llm.engine_config)
-    compiled = {k.num_tokens for k in llm.engine._programs if k.phase == "prefill"}  # every table's so far: none is dropped
-    extra = next(n for n in range(16, tables.chunk_tokens[-1], 16) if n not in compiled)
-    cfg, result = refit.with_chunk_table(llm.engine_config, (extra, tables.chunk_tokens[-1])), {}
-
-    def compile_here():
-        result["tid"], start = threading.get_native_id(), time.thread_time()
-        result["out"] = refit._compile_quietly(llm.engine, cfg, llm.engine.abstract_state())
-        result["cpu_s"] = time.thread_time() - start
-
-    thread, main_tid = threading.Thread(target=compile_here), threading.main_thread().native_id
-    stepped = refit.thread_cpu()
-    llm.generate(["a few steps"] * 2, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # which threads the steps use
-    quieted = refit.quiet_idle_threads(stepped, refit.thread_cpu(), {main_tid})
-    before = _threads()
-    thread.start()
-    thread.join()
-    after = _threads()  # the compile thread's CPU is its own thread_time (its /proc entry may outlive it a moment)
-    refit.restore_threads(quieted)
-    others = [{"tid": t, "name": name, "nice": nice, "cpu_s": round(cpu - before.get(t, (name, 0.0, nice))[1], 2), "main_thread": t == main_tid}
-              for t, (name, cpu, nice) in after.items() if cpu - before.get(t, (name, 0.0, nice))[1] >= 0.05 and t != result["tid"]]
-    programs, started, ended, nice = result["out"]
-    return {"num_programs": len(programs), "compile_s": round(ended - started, 2), "compile_thread_nice": nice, "compile_thread_cpu_s": round(result["cpu_s"], 2),
-            "quieted_threads": len(quieted), "other_busy_threads": others,
-            "other_cpu_s_at_normal_priority": round(sum(o["cpu_s"] for o in others if o["nice"] < 19 and not o["main_thread"]), 2),
-            "other_cpu_s_at_nice_19": round(sum(o["cpu_s"] for o in others if o["nice"] >= 19), 2)}
-
-
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing, which ends before the watch sees drift "
@@ -243,8 +208,7 @@ def main() -> None:
                         help="ask for the refit (the second-half table) this many steps after the first second-half prefill, instead of the drift "
                              "watch's judgement: measures the compile window and the swap under --quick, whose watch never asks")
     parser.add_argument("--yield-share", type=float, default=refit.YIELD_SHARE,
-                        help=f"Refit's sleep after each step while the compile runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
-    parser.add_argument("--no-idle", action="store_true", help="the compile's threads at nice 19 without SCHED_IDLE")
+                        help=f"Refit's pause for the compile child after each step while it runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
     args = parser.parse_args()
     args.lines = args.lines or (72 if args.quick else 160)
     if args.quick:
@@ -269,7 +233,7 @@ def main() -> None:
     start_table = BucketTables.from_config(plan.config).chunk_tokens
     report.log("bench_refit", f"the job starts on chunk table {start_table} (the plan's: {plan_table})")
     alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
-    options = {"yield_share": args.yield_share, "idle": not args.no_idle}
+    options = {"yield_share": args.yield_share}
     if args.ask_at is not None:
         options["watch"] = AskAt(start_table, half=args.lines, after=args.ask_at, proposal=alone_table)
     planning.apply_plan(llm, plan)
@@ -284,7 +248,6 @@ def main() -> None:
     alone = dry_padding(llm, plan.config, alone_table, prompts[args.lines :])
     result = summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall)
     result |= {"unfinished_refit": unfinished, "plan_chunk_table": list(plan_table), "start_chunk_table": list(start_table), "outputs_complete": complete, "outputs_agree": agree}
-    result["compile_threads"] = probe_compile_threads(llm)
     print_result(result)
     goals = report.judge(GOALS, {"padding_gap": result["padding_gap"], "max_ratio_in_window": result["max_ratio_in_window"], "outputs_agree": agree})
     report.print_goals(goals)
@@ -297,7 +260,7 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
     out = {"wall_s": round(wall, 2), "no_refit_wall_s": round(stale_wall, 2), "wall_cost_s": round(wall - stale_wall, 2), "num_steps": len(steps), "second_half_table": list(alone_table),
            "padding_after_shift": padding_of(steps), "padding_after_shift_no_refit": padding_of(stale_steps), "padding_second_half_alone": alone,
            "swaps": [dataclasses.asdict(s) for s in swaps], "padding_after_swap": None, "window": None, "max_ratio_in_window": None,
-           "window_s": None, "compile_window_s": None, "yield_share_of_window": None}
+           "window_s": None, "compile_window_s": None, "yield_share_of_window": None, "window_by_key": None}
     out["padding_gap"] = None if out["padding_after_shift"] is None else out["padding_after_shift"] - alone
     if swaps:
         swap = swaps[0]
@@ -305,6 +268,7 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
         out["window"] = window_stats(steps, swap)
         ratios = [w["max_ratio_to_own_key"] for w in out["window"].values() if w["max_ratio_to_own_key"] is not None]
         out["max_ratio_in_window"] = max(ratios, default=None)
+        out["window_by_key"] = window_by_key(steps, swap)
         first = steps[0].ended - steps[0].seconds
         out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first,
                            "job_ended": steps[-1].ended - first}
@@ -318,8 +282,8 @@ def print_result(result: dict) -> None:
           f"second half alone {tuple(result['second_half_table'])}")
     for s in result["swaps"]:
         print(f"swap: {tuple(s['old_table'])} -> {tuple(s['new_table'])} asked at step {s['asked_at_step']}, swapped at {s['swapped_at_step']}; "
-              f"{s['num_programs']} programs in {s['compile_s']:.1f} s (nice {s['compile_nice']}, {s['quieted_threads']} idle threads at nice 19; "
-              f"the steps slept {s['yield_s']:.1f} s for it after {s['num_yields']} steps, {s['yield_share']} of each)")
+              f"{s['num_programs']} programs in {s['compile_s']:.1f} s ({'in a child process' if s['in_child'] else 'in a thread'}: {s['child_cpu_s']:.1f} s CPU, "
+              f"peak RSS {s['child_peak_rss'] / 2**20:.0f} MiB; the steps gave it {s['yield_s']:.1f} s after {s['num_yields']} steps, {s['yield_share']} of each)")
     pad = [["refit run, after the shift", result["padding_after_shift"]], ["refit run, after the swap", result["padding_after_swap"]],
            ["no refit, after the shift", result["padding_after_shift_no_refit"]], ["second half alone (dry run)", result["padding_second_half_alone"]]]
     print("\n" + report.format_table([("prefill padding", "<30"), ("share", "7.1%")], pad))
@@ -329,10 +293,8 @@ def print_result(result: dict) -> None:
         rows = [[p, w["median_outside_s"], w["num_inside"], w["max_inside_s"], w["p99_inside_s"], w["max_ratio_to_own_key"], w["p50_ratio_to_own_key"],
                  w["num_over_2x"], w["max_ratio_with_yield"]] for p, w in result["window"].items()]
         print("\n" + report.format_table(columns, rows))
-    probe = result["compile_threads"]
-    print(f"\ncompile probe: {probe['num_programs']} programs in {probe['compile_s']} s; the compile thread {probe['compile_thread_cpu_s']} s CPU at nice "
-          f"{probe['compile_thread_nice']}; {probe['quieted_threads']} threads idle while stepping set to nice 19; other threads (not the main one) "
-          f"at normal priority {probe['other_cpu_s_at_normal_priority']} s, at nice 19 {probe['other_cpu_s_at_nice_19']} s")
+        keys = [[k, w["num_inside"], w["median_outside_s"], w["max_ratio"], w["num_over_2x"]] for k, w in result["window_by_key"].items()]
+        print("\n" + report.format_table([("program key (in window)", "<60"), ("steps in", "9d"), ("median out s", "13.3f"), ("max / median", "13.2f"), ("over 2x", "8d")], keys))
     print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
     if result["window_s"]:
         print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "

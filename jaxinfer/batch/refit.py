@@ -1,6 +1,6 @@
 """Online bucket refit: a planned job (`--plan`) watches its prefill sizes, and when they drift from what the
-chunk table was fitted to, compiles a refitted table's programs in a background thread and swaps them in
-between two steps.
+chunk table was fitted to, compiles a refitted table's programs in a child process that is stopped while the job
+steps, and swaps them in between two steps.
 
 `DriftWatch` (host only, numpy) keeps the token counts of the last `window` prefill rows. Every `every`
 prefill steps it fits a table to the older half of the window (`fit_table`, the exact fit, with the same number
@@ -11,16 +11,20 @@ is not judged on its own fit. Drift needs evidence: the slots saved per row, pai
 fitted to the newer half (the rows the evidence is about) is proposed. The judge it replaces (a padding gap
 over 8 points on 16 rows, no error margin) refitted 1 to 4 times in 2,000 prefill steps of sizes from the
 very distribution its table was fitted to; this one, on 10 seeds of four such distributions, never did.
-`Refit` is the job's on_step hook: on drift it asks each engine for the programs the new table needs
-(`Engine.compile_programs`, in a thread at the lowest CPU priority, against shapes taken on the stepping
-thread; XLA hands most of a compile to its own pools' threads, made at warm-up at the usual priority, so the
-threads that spent no CPU while the job stepped get the lowest too until the swap, and the GIL switch interval is
-shortened, so the stepping thread waits less for the GIL the compile thread's lowering holds). So that the compile
-still progresses, after each step the stepping thread sleeps YIELD_SHARE of that step's seconds with the compile's
-threads at their own priority and its Python let through a gate (sys.settrace in its thread), then lowers them
-again and shuts the gate before the next step. Once they are compiled it swaps, at one step boundary, the
-engine's config (which adds the programs and drops none) and then the running schedulers' tables and the LLM's
-config, so a plan made on the old tables still finds its program and every later plan is made on the new ones.
+
+`Refit` is the job's on_step hook. On drift it starts a child process that compiles the programs the new table
+needs (engine/compile_worker.py's ChildCompile: the configs and the state's shapes, no weights; the programs come
+back serialized and `Engine.load_program` loads them here). The child runs only inside the hook: after
+each step the stepping thread lets it run (SIGCONT) for YIELD_SHARE of that step's seconds, loading what it
+sent meanwhile, and stops it (SIGSTOP) before returning, so every step runs with the cores to itself. In the
+job's own process a compile's native threads took the cores the step's threads wait for at a barrier, and its
+lowering held the GIL, whatever their priorities: in-window steps up to 5.13x their median (082dbeb). A child
+that fails (its exit and the tail of its stderr are logged) abandons the refit, and the job refits no more;
+its outputs are unaffected. With a mesh the programs compile in this process, in a background thread
+(`Engine.compile_programs`), with the same sleeps and no protection of the steps. Once they are all loaded it
+swaps, at one step boundary, the engine's config (which adds the programs and drops none) and then the running
+schedulers' tables and the LLM's config, so a plan made on the old tables still finds its program and every
+later plan is made on the new ones.
 
 These are compiles after warm-up, on purpose: `Engine.refit_compilations` counts them (also in
 num_compilations), each is logged as a refit compile, and `Refit.swaps` records each swap. A refit changes
@@ -32,34 +36,22 @@ Only one replica (data_parallel 1) is refitted. Host code only (numpy); never im
 import concurrent.futures
 import dataclasses
 import logging
-import os
-import sys
-import threading
 import time
 from collections import deque
 
 import numpy as np
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine.compile_worker import ChildCompile  # host side: its module imports no jax
 from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
 
 log = logging.getLogger(__name__)
 
 _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (planning.py's fine table step)
-_CPU_EVERY = 16  # steps between two snapshots of the threads' CPU time (which threads the steps use; the oldest of 4 is used)
-_SWITCH_S = 0.0005  # the GIL switch interval while a refit compiles (CPython's default: 0.005)
-# While a refit compiles, the stepping thread sleeps this share of each step's seconds after it (1.0: half the
-# window's wall time is the compile's; the steps themselves run as before, a step and its sleep take 2x the step),
-# with the compile's threads at their own priority and its Python through the gate meanwhile, and at the lowest
-# (nice 19, SCHED_IDLE) while the steps run. Without it they got only what the steps left idle: on 2 cores
-# bench_refit's compile (12 programs) never finished before the job ended (b982cae). The job pays about the
-# compile's CPU seconds / cores whatever the share; a larger one ends the window sooner. Measured on 2 cores loaded
-# by other sessions (indicative): a probe stepping a warm default-model LLM while 8 programs compile took 37.5 s and
-# 47.4 s at 0.5, 117 s at 0 (load 8-10); bench_refit --quick --ask-at 10 (12 programs): at 0.5 the compile had not
-# finished 455 steps later, when the job ended (load 9-10); at 1.0 it finished in 118 s and swapped 37 s before the
-# end, the padding after the swap 7.0% against 6.8% for a second-half table (load 13-15).
+# While a refit compiles, the stepping thread gives the compile this share of each step's seconds after it (1.0: a
+# step and its pause take 2x the step; the steps themselves run as before). The job pays about the compile's CPU
+# seconds / cores whatever the share; a larger one ends the window sooner.
 YIELD_SHARE = 1.0
-_GATE_HOLD_S = 1.0  # the longest the compile's Python waits for the steps' next pause (at least 4 steps' seconds)
 
 
 def padded_slots(sizes: np.ndarray, table: tuple[int, ...]) -> np.ndarray:
@@ -170,15 +162,15 @@ class Swap:
     swapped_at_step: int
     num_programs: int
     compile_s: float
-    compile_started: float = 0.0  # perf_counter when the background compile began (the window a step may slow in)
-    compile_ended: float = 0.0  # perf_counter when it ended
-    swapped_at: float = 0.0  # perf_counter at the swap (the first step boundary after compile_ended)
-    compile_nice: int | None = None  # the compile thread's nice value (19 asked; None: it could not be read)
-    quieted_threads: int = 0  # threads set to nice 19 for the compile: those idle while the job stepped (XLA's compile pools) and the compile thread
-    yield_share: float = 0.0  # the stepping thread slept this share of each step's seconds while the compile ran
-    yield_s: float = 0.0  # seconds it slept so, in all (the job's wall time given to the compile)
-    num_yields: int = 0  # steps after which it slept
-    yield_raised: bool = False  # the compile's threads ran at their own priority during those sleeps (False: the lowest throughout)
+    compile_started: float = 0.0  # perf_counter when the compile began (the window a step may slow in)
+    compile_ended: float = 0.0  # perf_counter when its last program was loaded here
+    swapped_at: float = 0.0  # perf_counter at the swap (the step boundary at or after compile_ended)
+    in_child: bool = False  # compiled in a child process stopped while the job stepped (False: in a thread here, a mesh)
+    child_cpu_s: float = 0.0  # the child's CPU seconds compiling (all its threads)
+    child_peak_rss: int = 0  # the child's peak resident memory, bytes
+    yield_share: float = 0.0  # the stepping thread gave the compile this share of each step's seconds
+    yield_s: float = 0.0  # seconds it gave so, in all (the job's wall time given to the compile)
+    num_yields: int = 0  # steps after which it gave them
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -187,177 +179,61 @@ def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
     return dataclasses.replace(cfg, buckets=None, prefill_chunk_buckets=table, decode_batch_buckets=tables.decode_rows, decode_page_buckets=tables.pages)
 
 
-def thread_cpu() -> dict[int, float]:
-    """{native thread id: CPU seconds} of this process's threads (Linux /proc; {} elsewhere)."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread has exited
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
-def quiet_idle_threads(before: dict[int, float], after: dict[int, float], keep: set[int], *, idle: bool = True) -> dict[int, int]:
-    """Sets nice 19 (and SCHED_IDLE, unless not `idle`) on every thread of this process that spent no CPU between two thread_cpu() snapshots taken while
-    the job stepped (and is not in `keep`): XLA compiles on its own pools' threads (nice 0, made at warm-up), not only
-    on the thread that asks, so a nice-19 compile thread alone leaves most of the compile at the steps' priority. The
-    threads the steps use (the stepping thread, XLA's intra-op pool) spent CPU, so they keep theirs. Returns {thread
-    id: the nice value it had} for restore_threads."""
-    quieted = {}
-    for tid in after:
-        if tid in keep or after[tid] > before.get(tid, after[tid]):
-            continue
-        try:
-            old = os.getpriority(os.PRIO_PROCESS, tid)
-            if old < 19:
-                os.setpriority(os.PRIO_PROCESS, tid, 19)
-                quieted[tid] = old
-                if idle:
-                    _set_idle_policy(tid, True)
-        except OSError:  # exited, or not allowed
-            continue
-    return quieted
+@dataclasses.dataclass
+class _Compile:
+    """A refit under way: a child process (compile_worker.ChildCompile) or, with a mesh, a thread's future."""
 
+    cfg: EngineConfig
+    asked_at: int  # step
+    started: float  # perf_counter
+    child: ChildCompile | None = None
+    future: concurrent.futures.Future | None = None
+    yield_s: float = 0.0
+    num_yields: int = 0
 
-def _set_idle_policy(tid: int, idle: bool) -> None:
-    """SCHED_IDLE for a thread (0: the calling one), or back to SCHED_OTHER, where Linux has it: a waking thread of
-    the usual policy preempts a SCHED_IDLE one at once, where a nice-19 one may run on to the end of its slice (a
-    quiet probe: in-window decode steps 1.2x their median, against 1.7x at nice 19 alone). OSError: not allowed."""
-    if hasattr(os, "SCHED_IDLE") and hasattr(os, "sched_setscheduler"):
-        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+    def done(self) -> bool:
+        return self.child.finished if self.child is not None else self.future.done()
 
+    def error(self) -> str | None:
+        if self.child is not None:
+            return self.child.error
+        return None if not self.future.done() or self.future.exception() is None else repr(self.future.exception())
 
-def _raise_threads(quieted: dict[int, int]) -> int:
-    """SCHED_OTHER and their own nice value back for these threads; returns how many could not be (EPERM)."""
-    failed = 0
-    for tid, nice in list(quieted.items()):  # a copy: the compile thread adds itself to Refit's dict as it starts
-        try:
-            _set_idle_policy(tid, False)
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:
-            continue
-        except OSError:
-            failed += 1
-    return failed
-
-
-def _lower_threads(tids, idle: bool) -> None:
-    """nice 19 (and SCHED_IDLE if `idle`) for these threads again (ones that exited are skipped)."""
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-            if idle:
-                _set_idle_policy(tid, True)
-        except OSError:
-            continue
-
-
-def _new_idle_threads(known: dict[int, int], nice: int) -> dict[int, int]:
-    """{thread id: `nice`} for this process's SCHED_IDLE threads not in `known`: threads the compile made (they inherit
-    its lowest priority; XLA and LLVM start some lazily), to be raised with the others while the steps sleep."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return {}
-    found = {}
-    for tid in (int(t) for t in os.listdir("/proc/self/task")):
-        try:
-            if tid not in known and os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                found[tid] = nice
-        except OSError:  # exited
-            continue
-    return found
-
-
-def restore_threads(quieted: dict[int, int]) -> int:
-    """Gives the threads quiet_idle_threads lowered their policy and nice values back; returns how many could not be (raising a
-    priority needs CAP_SYS_NICE: those stay at 19, compile-only threads, so only later compiles are slower)."""
-    failed = _raise_threads(quieted)
-    if failed:
-        log.info("refit: %d compile threads keep nice 19 (raising a priority needs CAP_SYS_NICE)", failed)
-    return failed
-
-
-class _Gate:
-    """Holds the compile thread's Python back while the job steps: the GIL has no priorities, so a compile thread that
-    lowers (Python) takes it from the stepping thread at every switch interval, whatever its nice value. The compile
-    thread runs `trace` (sys.settrace, its own thread only), which waits at each Python call while the gate is shut,
-    at most until the deadline `shut` set (a job that ends with the gate shut lets the compile on by itself)."""
-
-    def __init__(self):
-        self._open = threading.Event()
-        self._open.set()
-        self._deadline = 0.0
-
-    def shut(self, hold_s: float) -> None:
-        self._deadline = time.perf_counter() + hold_s
-        self._open.clear()
-
-    def open(self) -> None:
-        self._open.set()
-
-    def trace(self, frame, event, arg):
-        if not self._open.is_set() and (left := self._deadline - time.perf_counter()) > 0:
-            self._open.wait(left)  # releases the GIL
-        return None  # no line events
-
-
-def _compile_quietly(engine, cfg: EngineConfig, state: tuple, idle: bool = True, gate: _Gate | None = None,
-                     threads: dict[int, int] | None = None) -> tuple[dict, float, float, int | None]:
-    """The engine's compiles for `cfg` at the lowest CPU priority of this thread (Linux: a thread's nice value and
-    policy are its own; nice 19 and, if `idle`, SCHED_IDLE), its Python behind `gate` if given; its id and nice value
-    before are added to `threads` (the threads Refit raises while it yields). Returns (programs, start, end
-    perf_counter, the nice value the thread ran at or None)."""
-    nice, tid = None, threading.get_native_id()
-    try:
-        old = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-        nice = os.getpriority(os.PRIO_PROCESS, tid)
-        if idle:
-            _set_idle_policy(0, True)
-        if threads is not None:
-            threads[tid] = old
-    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the usual priority
-        pass
-    previous = sys.gettrace()
-    if gate is not None:
-        sys.settrace(gate.trace)
-    try:
+    def give(self, seconds: float) -> None:
+        """The compile's turn after a step: the child runs (then stops before the next step); a thread gets a sleep."""
         start = time.perf_counter()
-        programs = engine.compile_programs(cfg, state)
-        return programs, start, time.perf_counter(), nice
-    finally:
-        sys.settrace(previous)
+        if self.child is not None:
+            self.child.work(seconds)
+            self.child.pause()
+        else:
+            concurrent.futures.wait([self.future], timeout=seconds)  # a sleep that ends when the compile does
+        self.yield_s += time.perf_counter() - start
+        self.num_yields += 1
+
+
+def _compile_here(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float]:
+    """A mesh's programs, compiled in this process's refit thread; returns (programs, perf_counter at the end)."""
+    return engine.compile_programs(cfg, state), time.perf_counter()
 
 
 class Refit:
     """The on_step hook of a planned job: watches prefill sizes (DriftWatch), compiles a refitted chunk table's
-    programs in the background and swaps them in between steps. `chain`: the hook it wraps (called first).
-    `yield_share`: while the compile runs, the stepping thread sleeps this share of each step's seconds after the
-    step, so that the compile's lowest-priority threads get the cores then (0: never). `idle`: the compile's threads
-    run SCHED_IDLE as well as at nice 19 (False: nice 19 alone)."""
+    programs in a child process it stops while the job steps, and swaps them in between steps. `chain`: the
+    hook it wraps (called first). `yield_share`: after each step while the compile runs, it gets this share of
+    the step's seconds (0: none, it never progresses)."""
 
-    def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None, yield_share: float = YIELD_SHARE, idle: bool = True):
-        self.llm, self.chain = llm, chain
-        self.yield_share, self.idle = yield_share, idle
+    def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None, yield_share: float = YIELD_SHARE):
+        self.llm, self.chain, self.yield_share = llm, chain, yield_share
         self.enabled = not llm.engine_config.deterministic and len(llm.replicas) == 1
         self.watch = watch or DriftWatch(BucketTables.from_config(llm.engine_config).chunk_tokens)
         self.swaps: list[Swap] = []
         self.step = 0
+        # Starts each child (it dies with the thread that started it: this one lives as long as the Refit), or
+        # compiles a mesh's programs.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-refit")
-        self._pending: tuple | None = None  # (future, new config, asked at step)
-        self._cpu: deque[tuple[int, dict]] = deque(maxlen=4)  # (step, thread_cpu()) every _CPU_EVERY steps while none compiles
-        self._quieted: dict[int, int] = {}  # thread id -> its nice value before the compile (quiet_idle_threads)
-        self._switch: float | None = None  # the GIL switch interval before the compile
-        self._yielded = [0.0, 0]  # seconds slept for the compile under way, and after how many steps
-        self._raise = True  # whether the compile's threads may be given their own priority while the steps sleep
-        self._gate = _Gate()
+        self._pending: _Compile | None = None
 
     def __call__(self, plan, tokens, seconds) -> None:
         if self.chain is not None:
@@ -365,100 +241,78 @@ class Refit:
         self.step += 1
         if not self.enabled:
             return
-        if self._pending is not None:
-            if self._pending[0].done():
-                self._swap()
-            elif self.yield_share > 0:
-                self._yield(seconds)
-            return
-        if self.step % _CPU_EVERY == 1:
-            self._cpu.append((self.step, thread_cpu()))
-        table = self.watch.observe(plan)
-        if table is not None:
-            cfg = with_chunk_table(self.llm.engine_config, table)
-            self._quiet_compile_pools()
-            self._gate.shut(_GATE_HOLD_S)  # until the first sleep: the compile's Python waits for the steps' pauses
-            future = self._executor.submit(_compile_quietly, self.llm.engine, cfg, self.llm.engine.abstract_state(), self.idle,
-                                           self._gate if self.yield_share > 0 else None, self._quieted)
-            self._pending = (future, cfg, self.step)
-            log.info("refit: prefill sizes drifted; compiling chunk table %s in the background", table)
+        if self._pending is None:
+            table = self.watch.observe(plan)
+            if table is None:
+                return
+            self._start(with_chunk_table(self.llm.engine_config, table))
+        self._advance(seconds)
 
-    def _quiet_compile_pools(self) -> None:
-        """For the compile: nice 19 for the threads that spent no CPU since the oldest snapshot, up to 4 x _CPU_EVERY
-        steps back (/proc counts CPU in 10 ms ticks: a pool thread the steps use little must have time to show; not
-        the stepping thread), and a short GIL switch interval, so that the stepping thread waits _SWITCH_S, not the 5 ms
-        default, for the GIL while the compile thread lowers (Python) at nice 19."""
-        before = next((cpu for step, cpu in self._cpu if step <= self.step - _CPU_EVERY // 2), None)
-        if before is not None:
-            self._quieted = quiet_idle_threads(before, thread_cpu(), {threading.get_native_id()}, idle=self.idle)
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch, _SWITCH_S))
+    def _start(self, cfg: EngineConfig) -> None:
+        engine, started = self.llm.engine, time.perf_counter()
+        child = self._executor.submit(ChildCompile, engine, cfg).result() if engine.mesh is None else None
+        future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
+        self._pending = _Compile(cfg, self.step, started, child, future)
+        log.info("refit: prefill sizes drifted; compiling chunk table %s %s", BucketTables.from_config(cfg).chunk_tokens,
+                 "in a child process" if child is not None else "in the background")
 
-    def _yield(self, seconds: float) -> None:
-        """Sleeps yield_share of the step's `seconds`, bounded by the step it follows, with the compile's threads at
-        their own priority and its Python let through the gate meanwhile; then puts them back at the lowest (the next
-        step preempts them at once) and shuts the gate. So the compile gets half the window's wall time at the default
-        share on a machine of its own, and a fair share of it beside other processes."""
-        start = time.perf_counter()
-        if self._raise:
-            self._quieted |= _new_idle_threads(self._quieted, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        if self._raise and _raise_threads(self._quieted):
-            self._raise = False  # raising a priority needs CAP_SYS_NICE: the compile gets only the CPU left idle
-            log.info("refit: the compile's threads keep nice 19 while the steps sleep (raising a priority needs CAP_SYS_NICE)")
-        self._gate.open()
-        time.sleep(self.yield_share * seconds)
-        self._gate.shut(max(_GATE_HOLD_S, 4 * seconds))
-        if self._raise:
-            _lower_threads(list(self._quieted), self.idle)
-        self._yielded[0] += time.perf_counter() - start
-        self._yielded[1] += 1
+    def _advance(self, seconds: float) -> None:
+        """After a step: the compile's turn, then the swap if it is done, or the end of the refit if it failed."""
+        pending = self._pending
+        if not pending.done() and pending.error() is None and self.yield_share > 0:
+            pending.give(self.yield_share * seconds)
+        if (error := pending.error()) is not None:
+            self._abandon(error)
+        elif pending.done():
+            self._swap()
 
-    def _unquiet(self) -> int:
-        """Undoes _quiet_compile_pools; returns how many threads it had quieted."""
-        quieted = len(self._quieted)
-        restore_threads(self._quieted)
-        self._quieted = {}
-        if self._switch is not None:
-            sys.setswitchinterval(self._switch)
-            self._switch = None
-        return quieted
+    def _abandon(self, error: str) -> None:
+        log.warning("refit: the compile of chunk table %s failed; the job keeps %s and refits no more: %s",
+                    BucketTables.from_config(self._pending.cfg).chunk_tokens, BucketTables.from_config(self.llm.engine_config).chunk_tokens, error)
+        self._close_pending()
+        self.enabled = False
 
     def _swap(self) -> None:
         """Between two steps: the engine first (it gains the programs), then the schedulers and the LLM's config."""
-        future, cfg, asked = self._pending
-        self._pending = None
-        programs, started, ended, nice = future.result()
-        quieted = self._unquiet()
-        self._cpu.clear()  # its steps ran beside the compile: the next refit's idle threads are judged on later ones
-        old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
+        pending, child = self._pending, self._pending.child
+        programs, ended = (child.programs, child.finished_at) if child is not None else pending.future.result()
+        self._close_pending()
+        cfg, old = pending.cfg, BucketTables.from_config(self.llm.engine_config).chunk_tokens
         self.llm.engine.use_config(cfg, programs)
         tables = BucketTables.from_config(cfg)
         for scheduler in getattr(getattr(self.llm, "stream_run", None), "schedulers", []):
             scheduler.cfg, scheduler.tables = cfg, tables
         self.llm.engine_config = cfg
         self.watch.reset(tables.chunk_tokens)
-        self.swaps.append(Swap(old, tables.chunk_tokens, asked, self.step, len(programs), ended - started, started, ended, time.perf_counter(), nice, quieted,
-                               self.yield_share, *self._yielded, self._raise and self._yielded[1] > 0))
-        self._yielded = [0.0, 0]
-        log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - started)
+        self.swaps.append(Swap(old, tables.chunk_tokens, pending.asked_at, self.step, len(programs), ended - pending.started, pending.started, ended,
+                               time.perf_counter(), child is not None, child.cpu_s if child else 0.0, child.peak_rss if child else 0,
+                               self.yield_share, pending.yield_s, pending.num_yields))
+        log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - pending.started)
+
+    def _close_pending(self) -> None:
+        if self._pending is not None and self._pending.child is not None:
+            self._pending.child.close()
+        self._pending = None
 
     def close(self) -> None:
-        """Wait for a compile under way (its programs are kept unused) and stop the thread."""
-        self._gate.open()
+        """Kill a child still compiling (its programs are not used); wait for a mesh's compile thread and stop it."""
+        if self._pending is not None and self._pending.child is not None:
+            self._pending.child.close()
         self._executor.shutdown(wait=True)
-        self._unquiet()
 
     def unfinished(self) -> dict | None:
-        """The refit under way (asked for, not swapped in): the step it was asked at and the sleeps given to it; None if none."""
+        """The refit under way (asked for, not swapped in): the step it was asked at and the time given to it; None if none."""
         if self._pending is None:
             return None
-        return {"asked_at_step": self._pending[2], "at_step": self.step, "yield_s": self._yielded[0], "num_yields": self._yielded[1]}
+        return {"asked_at_step": self._pending.asked_at, "at_step": self.step, "yield_s": self._pending.yield_s, "num_yields": self._pending.num_yields}
 
     def report(self) -> str:
         """One line per swap, and one for a refit asked for but not swapped in (its compile outlasted the job), for the job's end."""
         lines = [f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
-                 f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, in the background" for s in self.swaps]
+                 f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, "
+                 + (f"in a child process stopped while the job stepped ({s.child_cpu_s:.1f} s CPU, peak {s.child_peak_rss / 2**20:.0f} MiB)" if s.in_child else "in the background")
+                 for s in self.swaps]
         if self._pending is not None:
-            lines.append(f"refit: prefill sizes drifted at step {self._pending[2]}; the refitted programs were still compiling at step {self.step}, "
-                         f"the job's last (the steps slept {self._yielded[0]:.1f} s for it after {self._yielded[1]}), and were not used")
+            lines.append(f"refit: prefill sizes drifted at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
+                         f"the job's last (the steps gave it {self._pending.yield_s:.1f} s after {self._pending.num_yields}), and were not used")
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"

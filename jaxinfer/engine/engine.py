@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -390,21 +391,45 @@ class Engine:
         """The programs `engine_cfg`'s tables need that this engine lacks, compiled in the calling thread (a refit's
         background one, batch/refit.py) against `state` (abstract_state()). Compiles after warm-up: counted in
         num_compilations and refit_compilations, and logged as such. Returns them for use_config."""
-        missing = [k for k in program_keys(engine_cfg) if k not in (self._draws if isinstance(k, int) else self._programs)]
         compiled = {}
-        for key in missing:
+        for key in self.missing_programs(engine_cfg):
             start = time.perf_counter()
             with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
                 if isinstance(key, int):
                     compiled[key] = self._jitted_draw.lower(*abstract_draw_inputs(key, engine_cfg, self.cfg.vocab_size, keep_raw=self.keep_raw)).compile()
                 else:
                     compiled[key] = self._jitted.lower(*state, abstract_step_inputs(key, engine_cfg, self.cfg.vocab_size)).compile()
-            seconds = time.perf_counter() - start
-            self.compile_seconds += seconds
-            log.info("compiled %s in %.2fs after warm-up (a bucket refit)", key, seconds)
-        self.num_compilations += len(compiled)
-        self.refit_compilations += len(compiled)
+            self.count_refit_compile(key, time.perf_counter() - start)
         return compiled
+
+    def missing_programs(self, engine_cfg: EngineConfig) -> list:
+        """The program keys `engine_cfg`'s tables need that this engine lacks."""
+        return [k for k in program_keys(engine_cfg) if k not in (self._draws if isinstance(k, int) else self._programs)]
+
+    def count_refit_compile(self, key, seconds: float) -> None:
+        """One program compiled after warm-up for a bucket refit (here, or in a child process: compile_worker.py):
+        counted in num_compilations and refit_compilations, and logged as such."""
+        self.compile_seconds += seconds
+        self.num_compilations += 1
+        self.refit_compilations += 1
+        log.info("compiled %s in %.2fs after warm-up (a bucket refit)", key, seconds)
+
+    def compile_request(self, engine_cfg: EngineConfig) -> dict:
+        """What a child process needs to compile the programs `engine_cfg`'s tables need that this engine lacks
+        (compile_worker.py): picklable, the state as shapes without their device shardings. One device only."""
+        if self.mesh is not None:
+            raise ValueError("a mesh's programs compile in this process (compile_programs)")
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.abstract_state())
+        return {"cfg": self.cfg, "engine_cfg": engine_cfg, "impl": self.impl, "keep_raw": self.keep_raw, "state": state, "keys": self.missing_programs(engine_cfg)}
+
+    def load_program(self, key, serialized: bytes, cpu_s: float) -> jax.stages.Compiled:
+        """A program a child process compiled (compile_worker.py: its serialize_executable output, pickled), loaded
+        here; counted as a refit compile of `cpu_s` (the child's CPU seconds)."""
+        from jax.experimental import serialize_executable  # noqa: PLC0415
+
+        program = serialize_executable.deserialize_and_load(*pickle.loads(serialized))
+        self.count_refit_compile(key, cpu_s)
+        return program
 
     def use_config(self, engine_cfg: EngineConfig, programs: dict | None = None) -> None:
         """Swap in another config with the same pool and program inputs (_KEPT_FIELDS): a plan before warm-up, or a

@@ -1,8 +1,6 @@
 """Online bucket refit: drift in the prefill sizes is detected and a refitted chunk table swapped in between
-steps. The shift tests run the real scheduler on a fake step (runloop, host only); one test refits a real
-engine in the background."""
-
-import os
+steps. The shift tests run the real scheduler on a fake step (runloop, host only); three tests refit a real
+engine, its programs compiled in a child process (engine/compile_worker.py)."""
 
 import numpy as np
 import pytest
@@ -136,45 +134,89 @@ def _lengths_of(rng, count: int, mean: float, sigma: float) -> np.ndarray:
     return np.clip(rng.lognormal(np.log(mean), sigma, count).astype(int), 8, 900)
 
 
-@pytest.mark.slow
-def test_a_real_engine_compiles_the_refitted_programs_in_the_background_and_every_plan_finds_its_program(tiny_chat_model, compile_cache):
+def _refit_job(model, cache, *, during_step=None):
+    """A real engine (tiny_chat_model) on a table fitted to short prompts runs 16 prompts of ~150 tokens twice: without
+    refit, then with a Refit (window 4, every 2) that sees drift in the first 8. `during_step(hook)` runs inside
+    every step of the refit run, before the engine's own. Returns (llm, hook, tokens without, tokens with, the
+    engine's compiles before the refit run, each refit-run step's seconds)."""
     from jaxinfer.api import LLM
-    from jaxinfer.batch.refit import YIELD_SHARE, Refit
+    from jaxinfer.batch.refit import Refit
 
     # one sequence at a time, so that each prefill step holds one prompt (packed rows would fill the 512 top)
     # (no prefix cache: each prompt prefills whole, not the few tokens past the previous prompt's pages)
-    llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
+    llm = LLM(str(model), compilation_cache_dir=cache, num_pages=96, max_num_seqs=1, max_context=512,
               prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # a table fitted to short prompts; these are ~150 tokens
-    warm = llm.engine.num_compilations
-    seconds = []  # each step's, in order (Refit counts steps from 1)
-    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2), chain=lambda plan, tokens, s: seconds.append(s))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # Sizes in the same range in every 4-row window (120, 147, 138, 129, ...): the drift judge fits a table to a
     # window's older half and needs it to save on the newer half, so that half must lie within the older's sizes.
     prompts = [llm.prepare("word " * (120 + 9 * (3 * i % 4)), params, index=i) for i in range(16)]
+    without = [o.token_ids for o in llm.stream(prompts)]
+    warm, seconds = llm.engine.num_compilations, []  # each step's, in order (Refit counts steps from 1)
+    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2), chain=lambda plan, tokens, s: seconds.append(s))
+    if during_step is not None:
+        step = llm.engine.step
+        llm.engine.step = lambda plan, **kw: (during_step(hook), step(plan, **kw))[1]  # the runloop takes it at the stream's start
     first = list(llm.stream(prompts[:8], on_step=hook))
-    assert hook._pending is not None or hook.swaps  # drift seen: the compile is under way (or done and swapped)
+    assert hook._pending is not None or hook.swaps or not hook.enabled  # drift seen: the compile under way, done or failed
     if hook._pending is not None:
         assert "still compiling" in hook.report() and "no drift" not in hook.report()  # a job ending now says its refit went unused
-        hook._pending[0].result()  # let it finish; the next stream's first step swaps it in
+        while not hook._pending.done() and hook._pending.error() is None:
+            hook._pending.give(1.0)  # let it finish (as the steps' pauses would); the next stream's first step swaps it in
     second = list(llm.stream(prompts[8:], on_step=hook))
     hook.close()
+    assert [o.finish_reason for o in first + second] == ["length"] * 16  # no step lacked its program
+    return llm, hook, without, [o.token_ids for o in first + second], warm, seconds
+
+
+@pytest.mark.slow
+def test_a_refit_compiled_in_a_child_process_swaps_in_and_leaves_every_token_as_without_refit(tiny_chat_model, compile_cache):
+    from jaxinfer.batch.refit import YIELD_SHARE
+
+    llm, hook, without, tokens, warm, seconds = _refit_job(tiny_chat_model, compile_cache)
     (swap,) = hook.swaps
     assert swap.old_table == (16, 32, 512) and swap.new_table != swap.old_table and swap.new_table[-1] == 512
     assert swap.compile_started < swap.compile_ended <= swap.swapped_at and swap.compile_s == swap.compile_ended - swap.compile_started
-    assert swap.compile_nice in (19, None)  # the lowest priority, or a platform that cannot set a thread's
-    assert swap.quieted_threads > 0 or not os.path.isdir("/proc/self/task")  # XLA's compile pools, idle while it stepped
-    # every step between the ask and the swap slept yield_share of its seconds for the compile, with the compile's threads
-    # at their own priority meanwhile where raising a priority is allowed (root)
-    assert swap.yield_share == YIELD_SHARE and swap.num_yields == swap.swapped_at_step - swap.asked_at_step - 1
-    assert swap.yield_s >= YIELD_SHARE * sum(seconds[swap.asked_at_step : swap.swapped_at_step - 1])
-    assert swap.yield_raised == (swap.num_yields > 0 and os.geteuid() == 0) or not os.path.isdir("/proc/self/task")
+    assert swap.in_child and swap.child_cpu_s > 0 and swap.child_peak_rss > 0
+    # every step from the ask to the swap gave the compile yield_share of its seconds (the test's own waits count too)
+    assert swap.yield_share == YIELD_SHARE and swap.num_yields >= swap.swapped_at_step - swap.asked_at_step
+    assert swap.yield_s >= YIELD_SHARE * sum(seconds[swap.asked_at_step - 1 : swap.swapped_at_step - 1])
     assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
     tables = BucketTables.from_config(llm.engine_config)
     assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
     assert all(s.tables == tables for s in llm.stream_run.schedulers)
     assert set(tables.all_keys()) <= set(llm.engine._programs)
-    assert [o.finish_reason for o in first + second] == ["length"] * 16  # no step lacked its program
+    assert tokens == without  # the refitted (deserialized) programs pad differently, never change a token
+    assert "in a child process" in hook.report() and hook.unfinished() is None
+
+
+@pytest.mark.slow
+def test_the_compile_child_is_stopped_while_every_step_runs(tiny_chat_model, compile_cache):
+    states = []
+
+    def record(hook):
+        if hook._pending is not None and hook._pending.child is not None:
+            states.append(hook._pending.child.state())
+
+    _, hook, _, _, _, _ = _refit_job(tiny_chat_model, compile_cache, during_step=record)
+    assert hook.swaps and states and set(states) == {"T"}  # Linux /proc state: stopped (by SIGSTOP) in each step
+
+
+@pytest.mark.slow
+def test_a_failing_compile_child_abandons_the_refit_and_leaves_the_outputs_intact(tiny_chat_model, compile_cache, caplog):
+    import logging
+    import os
+    import signal
+
+    def kill(hook):
+        if hook._pending is not None and hook._pending.child is not None and hook._pending.child.proc.poll() is None:
+            os.kill(hook._pending.child.proc.pid, signal.SIGKILL)
+
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.batch.refit"):
+        llm, hook, without, tokens, warm, _ = _refit_job(tiny_chat_model, compile_cache, during_step=kill)
+    assert not hook.swaps and not hook.enabled and hook._pending is None
+    assert "killed by signal 9" in caplog.text and "refits no more" in caplog.text
+    assert BucketTables.from_config(llm.engine_config).chunk_tokens == (16, 32, 512) and llm.engine.num_compilations == warm
+    assert tokens == without
 
 
 def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
@@ -186,99 +228,3 @@ def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
         count, multiple = int(rng.integers(1, 12)), int(rng.choice([1, 16]))
         assert fit_table(sizes, count, multiple_of=multiple) == fit_buckets(sizes, count, multiple_of=multiple)
     assert fit_table([10, 10, 30, 80], 2) == (30, 80)  # by hand: {10, 10, 30} to 30 and {80}: 170 slots; {10, 10} and {30, 80}: 180
-
-
-def test_quieting_lowers_only_the_threads_idle_between_two_snapshots_and_restoring_gives_their_priority_back():
-    import os
-    import threading
-    import time
-
-    from jaxinfer.batch.refit import quiet_idle_threads, restore_threads, thread_cpu
-
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("thread CPU times come from Linux /proc")
-    stop, ids = threading.Event(), {}
-
-    def spin():
-        ids["busy"] = threading.get_native_id()
-        while not stop.is_set():
-            sum(range(1000))
-
-    def wait():
-        ids["idle"] = threading.get_native_id()
-        stop.wait()
-
-    threads = [threading.Thread(target=spin), threading.Thread(target=wait)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    before = thread_cpu()
-    while thread_cpu()[ids["busy"]] <= before[ids["busy"]]:  # a clock tick of the busy thread's CPU
-        time.sleep(0.01)
-    quieted = quiet_idle_threads(before, thread_cpu(), {threading.get_native_id()})
-    try:
-        assert ids["idle"] in quieted and os.getpriority(os.PRIO_PROCESS, ids["idle"]) == 19
-        if hasattr(os, "SCHED_IDLE"):
-            assert os.sched_getscheduler(ids["idle"]) == os.SCHED_IDLE and os.sched_getscheduler(ids["busy"]) != os.SCHED_IDLE
-        assert ids["busy"] not in quieted and threading.get_native_id() not in quieted
-        failed = restore_threads(quieted)
-        if failed == 0:  # with CAP_SYS_NICE (or a nice value it may raise back to)
-            assert os.getpriority(os.PRIO_PROCESS, ids["idle"]) == quieted[ids["idle"]]
-            assert not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(ids["idle"]) == os.SCHED_OTHER
-        else:  # without, none can be raised back
-            assert failed == len(quieted)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-
-
-def test_the_gate_holds_a_compile_threads_python_while_shut_until_opened_or_its_deadline():
-    import sys
-    import threading
-    import time
-
-    from jaxinfer.batch.refit import _Gate
-
-    gate, calls, stop = _Gate(), [0], threading.Event()
-
-    def count():
-        calls[0] += 1
-
-    def run():
-        sys.settrace(gate.trace)  # this thread only, as Refit's compile thread
-        while not stop.is_set():
-            count()
-        sys.settrace(None)
-
-    def held(seconds: float) -> bool:
-        start = calls[0]
-        time.sleep(seconds)
-        return calls[0] == start
-
-    def resumes() -> float:
-        """perf_counter when the thread next made a call (it may wait for a core on a loaded machine)."""
-        start, until = calls[0], time.perf_counter() + 10
-        while calls[0] == start and time.perf_counter() < until:
-            time.sleep(0.001)
-        assert calls[0] > start
-        return time.perf_counter()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        resumes()  # open: runs
-        gate.shut(60.0)
-        time.sleep(0.05)  # it may finish the call it is in
-        assert held(0.3)  # shut: no Python call passes
-        gate.open()
-        resumes()
-        gate.shut(1.0)
-        deadline = time.perf_counter() + 1.0
-        time.sleep(0.05)
-        assert held(0.2)
-        assert resumes() >= deadline - 0.06  # past the deadline it goes on by itself (a job that ended with the gate shut)
-    finally:
-        gate.open()
-        stop.set()
-        thread.join()

@@ -1,0 +1,191 @@
+"""A bucket refit's compiles in a child process that the job stops while it steps.
+
+XLA's compile runs native threads and its lowering holds the GIL, so a compile in the job's process takes the
+cores and the GIL its steps wait for, whatever the priorities. `ChildCompile` runs
+`python -m jaxinfer.engine.compile_worker` on `Engine.compile_request` (the configs and the state as shapes: no
+weights); the child builds the same `step_functions`, jits them as the engine does, lowers and compiles each
+missing key against the shapes, and sends each program back serialized (`jax.experimental.serialize_executable`),
+which `Engine.load_program` loads in the pauses the job gives the child. The caller (batch/refit.py) stops the
+child (SIGSTOP, `pause`) before every step and lets it run (SIGCONT, `work`) for a share of the step's seconds
+after it, so the steps run with every core to themselves. The child never uses the persistent compilation
+cache: on CPU an executable loaded from it serializes without its kernels.
+
+The child dies with the thread that started it (PR_SET_PDEATHSIG, SIGKILL: also while stopped) and is killed by
+`close`. Its stderr goes to a temporary file whose tail a failure reports (`error`). One device only (mesh
+None): a mesh's programs compile in the job's process (Engine.compile_programs). This module's top imports no
+jax: the parent's side is host code; the child's (`main`) imports the engine.
+
+Protocol, child stdout: frames of an 8-byte length and a pickle: ("program", key, pickled serialize() output, CPU
+seconds) per program, then ("done", peak RSS in bytes).
+"""
+
+import ctypes
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+_HEADER = struct.Struct("<Q")
+_STOP_WAIT_S = 0.05  # the longest pause() waits for the child to show as stopped (it stops when it next runs: on a loaded machine, later)
+
+
+def compile_all(req: dict):
+    """Yields (key, compiled) for each key of `req`, lowered and compiled as the engine's own programs are."""
+    import jax  # noqa: PLC0415
+
+    from jaxinfer.engine import engine as eng  # noqa: PLC0415  (the model's modules register the CPU kernels' FFI targets)
+
+    cfg, engine_cfg = req["cfg"], req["engine_cfg"]
+    # Never the persistent cache: an executable it loads serializes without its kernels on CPU (running one
+    # deserialized fails: "Function maximum_bitcast_fusion not found"), so every program here compiles for real.
+    jax.config.update("jax_enable_compilation_cache", False)
+    forward, draw = eng.step_functions(cfg, engine_cfg, req["impl"], keep_raw=req["keep_raw"])
+    jitted, jitted_draw = jax.jit(forward, donate_argnames=("pool", "history")), jax.jit(draw)
+    for key in req["keys"]:
+        if isinstance(key, int):
+            yield key, jitted_draw.lower(*eng.abstract_draw_inputs(key, engine_cfg, cfg.vocab_size, keep_raw=req["keep_raw"])).compile()
+        else:
+            yield key, jitted.lower(*req["state"], eng.abstract_step_inputs(key, engine_cfg, cfg.vocab_size)).compile()
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the thread that started this process ends (Linux; a stopped child too), or now if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: close() still kills it
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main() -> None:
+    """The child: one request on stdin, frames on the stdout it was given (its own prints go to stderr)."""
+    import resource  # noqa: PLC0415
+
+    from jax.experimental import serialize_executable  # noqa: PLC0415
+
+    _die_with_parent(int(sys.argv[1]))
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    req = pickle.load(sys.stdin.buffer)
+
+    def send(message) -> None:
+        data = pickle.dumps(message)
+        out.write(_HEADER.pack(len(data)) + data)
+        out.flush()
+
+    cpu = time.process_time()
+    for key, compiled in compile_all(req):
+        now = time.process_time()
+        send(("program", key, pickle.dumps(serialize_executable.serialize(compiled)), now - cpu))
+        cpu = now
+    send(("done", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+class ChildCompile:
+    """The parent's side of one child compile of the programs `engine` lacks for `engine_cfg`. `work(seconds)` lets
+    it run and loads what it sent; `pause()` stops it. `programs` ({key: compiled}) once `finished`; `error` (a
+    message) if it failed."""
+
+    def __init__(self, engine, engine_cfg):
+        req = engine.compile_request(engine_cfg)
+        self.engine, self.keys = engine, list(req["keys"])
+        self.programs: dict = {}
+        self.cpu_s = 0.0  # the child's CPU seconds compiling (all its threads)
+        self.peak_rss = 0  # bytes, the child's, reported when it finishes
+        self.error: str | None = None
+        self.finished = False
+        self.finished_at = 0.0  # perf_counter when the last program was loaded
+        self._buffer = bytearray()
+        self._stderr = tempfile.TemporaryFile()
+        with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: a large request never blocks the stepping thread
+            stdin.write(pickle.dumps(req))
+            stdin.seek(0)
+            self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.compile_worker", str(os.getpid())], stdin=stdin,
+                                         stdout=subprocess.PIPE, stderr=self._stderr)
+        self._stopped = False
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    def pause(self) -> None:
+        """SIGSTOP the child (a step is next) and wait, at most _STOP_WAIT_S, until it has stopped (the signal is
+        delivered asynchronously)."""
+        if self._stopped or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGSTOP)
+        self._stopped = True
+        end = time.perf_counter() + _STOP_WAIT_S
+        while self.state() not in ("T", "Z", None) and time.perf_counter() < end:
+            time.sleep(0.0002)
+
+    def state(self) -> str | None:
+        """The child's state letter in /proc ('T' stopped, 'R' running, ...); None where it cannot be read."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+
+    def work(self, seconds: float) -> None:
+        """Let the child run for `seconds` (or until it is done), loading each program it sends meanwhile."""
+        end = time.perf_counter() + seconds
+        if self._stopped:
+            self.proc.send_signal(signal.SIGCONT)
+            self._stopped = False
+        while not self.finished and self.error is None and (left := end - time.perf_counter()) > 0:
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                self._read()
+
+    def _read(self) -> None:
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:  # EOF: it exited
+            self.proc.wait()
+            if not self.finished:
+                self.error = self._failure()
+            return
+        self._buffer += chunk
+        while len(self._buffer) >= _HEADER.size and len(self._buffer) >= _HEADER.size + (size := _HEADER.unpack_from(self._buffer)[0]):
+            message = pickle.loads(bytes(self._buffer[_HEADER.size : _HEADER.size + size]))
+            del self._buffer[: _HEADER.size + size]
+            self._take(message)
+
+    def _take(self, message) -> None:
+        if message[0] == "program":
+            _, key, serialized, cpu_s = message
+            self.programs[key] = self.engine.load_program(key, serialized, cpu_s)
+            self.cpu_s += cpu_s
+        else:
+            self.peak_rss = message[1]
+            self.finished, self.finished_at = set(self.programs) == set(self.keys), time.perf_counter()
+            if not self.finished:
+                self.error = f"the compile child sent {len(self.programs)} of {len(self.keys)} programs"
+
+    def _failure(self) -> str:
+        code = self.proc.returncode
+        self._stderr.seek(0)
+        tail = self._stderr.read()[-4000:].decode(errors="replace").strip()
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"the compile child {how} after {len(self.programs)} of {len(self.keys)} programs" + (f"; its stderr ends:\n{tail}" if tail else "")
+
+    def close(self) -> None:
+        """Kill the child if it still runs (a stopped one too) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self._stderr.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
