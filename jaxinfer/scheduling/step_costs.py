@@ -3,7 +3,12 @@
 jaxinfer runs a finite set of compiled programs, one per bucket key, so the device cost of a step is close
 to a lookup: `StepCosts` keeps, per `BucketKey`, the most recent measured seconds of that program (a few
 timed runs at warm-up, `Engine.time_programs`, then every step a job runs, `Engine.step`) and answers with
-their median. A key never measured is estimated from the measured keys of its phase, by a least-squares
+their mean, each run counted at most CAP times their median. A wall time is the sum of its steps, so a key's
+price is its expected step, which the median is not: a program's steps are not one size (on the loaded 2-core
+CPU a decode step right after another program's ran a median 1.3x one right after its own; attention reads
+only the pages its rows fill, 0.7x to 1x of a full table's), and pricing at the median left the predicted
+device seconds low in 23 of 30 runs of bench_simulator. The cap keeps one stall (a collection, a page-fault
+storm) from raising a key's price by more than (CAP - 1) / KEEP of its median. A key never measured is estimated from the measured keys of its phase, by a least-squares
 line in the key's work (`work`: token slots computed plus page slots read). The host's time per step
 (planning, sampling masks, detokenizing, writing records: the gap between one step's end and the next one's
 start) is a line in the step's rows, fitted through the median gap at each row count (`HostModel`), so a
@@ -24,7 +29,8 @@ import statistics
 from jaxinfer.scheduling.plan import BucketKey
 
 FORMAT = "jaxinfer-step-costs/1"
-KEEP = 32  # most recent observations kept per program (and per host row count); the median is over these
+KEEP = 32  # most recent observations kept per program (and per host row count); the price is over these
+CAP = 3.0  # a program run counts at most this many times its key's median in the key's mean
 DEFAULT_STEP_S = 0.01  # seconds of a step when nothing at all was measured
 MAX_HOST_GAP_S = 1.0  # host gaps longer than this are waits (an arrival, a new batch), not host work
 
@@ -48,6 +54,13 @@ class Observations:
     @property
     def median(self) -> float:
         return statistics.median(self.recent or self.warmup)
+
+    @property
+    def expected(self) -> float:
+        """The mean of the recent runs (else the warm-up ones), each counted at most CAP x their median."""
+        kept = self.recent or self.warmup
+        ceiling = CAP * statistics.median(kept)
+        return sum(min(s, ceiling) for s in kept) / len(kept)
 
 
 def work(key: BucketKey) -> int:
@@ -93,7 +106,7 @@ class HostModel:
 
 
 class StepCosts:
-    """Measured seconds per program key (median of the recent ones), an estimate for a key never
+    """Measured seconds per program key (the capped mean of the recent ones), an estimate for a key never
     measured, and the host's seconds per step (HostModel)."""
 
     def __init__(self):
@@ -118,22 +131,23 @@ class StepCosts:
         return BucketKey(*key) in self.programs
 
     def device_seconds(self, key: BucketKey) -> float:
-        """The median of the key's recent real runs, else of its warm-up runs times its phase's calibration,
-        else the estimate from its phase's measured keys."""
+        """The capped mean (Observations.expected) of the key's recent real runs, else of its warm-up runs times
+        its phase's calibration, else the estimate from its phase's measured keys."""
         cached = self._cache.get(key)
         if cached is None:
             observed = self.programs.get(key)
             if observed is None:
                 cached = self.estimate(key)
             else:
-                cached = observed.median * (1.0 if observed.recent else self.calibration(key.phase))
+                cached = observed.expected * (1.0 if observed.recent else self.calibration(key.phase))
             self._cache[key] = cached
         return cached
 
     def calibration(self, phase: str) -> float:
-        """Real runs over warm-up runs (the median ratio over the phase's keys that have both; 1 with none):
-        a padding plan's run can be faster than real rows'."""
-        ratios = [statistics.median(o.recent) / statistics.median(o.warmup) for k, o in self.programs.items()
+        """Real runs over warm-up runs (the median over the phase's keys that have both of the ratio of their
+        real runs' price, Observations.expected, to their warm-up runs' median; 1 with none): a padding plan's
+        run can be faster than real rows', or slower (it reads every page of its table)."""
+        ratios = [o.expected / statistics.median(o.warmup) for k, o in self.programs.items()
                   if k.phase == phase and o.recent and o.warmup and statistics.median(o.warmup) > 0]
         return statistics.median(ratios) if ratios else 1.0
 

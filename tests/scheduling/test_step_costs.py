@@ -1,25 +1,36 @@
-"""The step-cost table: medians of recent runs, estimates for keys never measured, the host line, JSON. Host only."""
+"""The step-cost table: capped means of recent runs, estimates for keys never measured, the host line, JSON. Host only."""
 
 import json
 
 import pytest
 
 from jaxinfer.scheduling.plan import BucketKey
-from jaxinfer.scheduling.step_costs import DEFAULT_STEP_S, KEEP, MAX_HOST_GAP_S, StepCosts, work
+from jaxinfer.scheduling.step_costs import CAP, DEFAULT_STEP_S, KEEP, MAX_HOST_GAP_S, StepCosts, work
 
 PREFILL = BucketKey("prefill", 1, 64, 4)
 DECODE = BucketKey("decode", 4, 1, 4)
 
 
-def test_a_measured_key_costs_the_median_of_its_recent_runs():
+def test_a_measured_key_costs_the_mean_of_its_recent_runs_a_stall_counted_at_most_cap_times_their_median():
     costs = StepCosts()
-    for seconds in (0.30, 0.10, 0.20, 5.0, 0.25):  # one outlier does not move a median much
+    for seconds in (0.30, 0.10, 0.20, 5.0, 0.25):  # median 0.25, so the 5 s stall counts as CAP x 0.25
         costs.observe(PREFILL, seconds)
-    assert costs.device_seconds(PREFILL) == pytest.approx(0.25)
+    assert costs.device_seconds(PREFILL) == pytest.approx((0.30 + 0.10 + 0.20 + CAP * 0.25 + 0.25) / 5)
     for _ in range(KEEP):  # only the most recent KEEP runs count
         costs.observe(PREFILL, 0.5)
     assert costs.device_seconds(PREFILL) == pytest.approx(0.5)
     assert costs.programs[PREFILL].count == 5 + KEEP
+
+
+def test_a_key_whose_steps_come_in_two_sizes_is_priced_at_what_they_sum_to_not_its_median():
+    """A program's steps after another program's run slower than after its own: 3 of 8 at 1.4x. The simulator
+    adds a key's price once per step, so only the mean makes the sum of 8 steps right."""
+    costs = StepCosts()
+    steps = [0.10] * 5 + [0.14] * 3
+    for seconds in steps:
+        costs.observe(DECODE, seconds)
+    assert 8 * costs.device_seconds(DECODE) == pytest.approx(sum(steps))
+    assert costs.programs[DECODE].median == pytest.approx(0.10)  # 8 x the median would be 12% short
 
 
 def test_an_unmeasured_key_is_estimated_on_the_line_through_its_phases_measured_keys():
