@@ -128,6 +128,8 @@ class DecodeRows:
         self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
         self._by_length: list[LazyRequest] = []  # the rows sorted by (base, admit_index): by length, ties in running order
         self._length_keys: list[tuple[int, int]] = []  # their (base, admit_index), for bisect
+        self._length_pages: list[int] = []  # their pages held (kept by push_need, which every growth of a row's table calls)
+        self._length_buckets: list[int] = []  # the page buckets of those
 
     def register(self, request: LazyRequest) -> None:
         """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
@@ -147,6 +149,8 @@ class DecodeRows:
         at = bisect.bisect(self._length_keys, (base, index))
         self._length_keys.insert(at, (base, index))
         self._by_length.insert(at, request)
+        self._length_pages.insert(at, 0)
+        self._length_buckets.insert(at, 0)
         self.base_sum += base
         self.version += 1
         self._ordered = None
@@ -163,7 +167,7 @@ class DecodeRows:
         index = request.admit_index
         del self.rows[index]
         at = bisect.bisect_left(self._length_keys, (request._total_base, index))
-        del self._length_keys[at], self._by_length[at]
+        del self._length_keys[at], self._by_length[at], self._length_pages[at], self._length_buckets[at]
         self.base_sum -= request._total_base
         self.version += 1
         self._ordered = None
@@ -176,6 +180,8 @@ class DecodeRows:
         """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table."""
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
+        at = bisect.bisect_left(self._length_keys, (base, index))
+        self._length_pages[at], self._length_buckets[at] = held, self.page_bucket(held)
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
         heapq.heappush(self._tops, (self.page_bucket(held) * self.page_size - base, index, held, request))
 
@@ -223,10 +229,11 @@ class DecodeRows:
             self._ordered = list(rows.values()) if self._in_admission_order else [rows[i] for i in sorted(rows)]
         return self._ordered
 
-    def by_length(self) -> list[LazyRequest]:
-        """The rows sorted by length (tokens: base + ticks), ties in running order: `sorted(self.ordered(),
-        key=total_base)`, kept sorted as rows register and leave (a new list)."""
-        return self._by_length[:]
+    def by_length(self) -> tuple[list[LazyRequest], list[int], tuple[int, ...]]:
+        """The rows sorted by length (tokens: base + ticks), ties in running order (`sorted(self.ordered(),
+        key=total_base)`), the pages each holds and their page buckets; kept as rows register, grow and leave (new
+        lists)."""
+        return self._by_length[:], self._length_pages[:], tuple(self._length_buckets)
 
     def due_pages(self) -> list[LazyRequest]:
         """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""

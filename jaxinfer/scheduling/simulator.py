@@ -28,7 +28,6 @@ pages (past the shared prefix) are named only if it is preempted.
 import collections
 import dataclasses
 import gc
-import itertools
 import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -231,19 +230,17 @@ class _SketchScheduler(Scheduler):
             return self._split[1]
         groups = []
         if requests:
-            ordered = lazy.by_length()
-            pages = list(map(len, map(self.block_pool.tables.get, map(_request_id, ordered), itertools.repeat(()))))  # kv.num_pages_held_by, in C loops
-            split = self._cut(pages) if len(ordered) > 1 else 0
+            ordered, pages, buckets = lazy.by_length()
+            split = self._cut(pages, buckets) if len(ordered) > 1 else 0
             groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
             self.decode_order = ordered
         self._split = (lazy.version, groups)
         return groups
 
-    def _cut(self, pages: list[int]) -> int:
-        """Scheduler._split_point(pages), its memo read with the rows' page buckets looked up in C loops (the
-        method itself on a miss: a page count or a bucket pattern it has not met, or new tables)."""
-        key = tuple(map(self._page_buckets.get, pages))
-        split = self._splits.get(key) if self._splits_of is self.tables and None not in key else None
+    def _cut(self, pages: list[int], buckets: tuple[int, ...]) -> int:
+        """Scheduler._split_point(pages) read from its memo with the rows' page buckets (`buckets`, kept by the
+        decode rows); the method itself on a miss (a bucket pattern it has not met, or new tables)."""
+        split = self._splits.get(buckets) if self._splits_of is self.tables else None
         return self._split_point(pages) if split is None else split
 
     def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> _SketchPlan:

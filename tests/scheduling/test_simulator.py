@@ -349,9 +349,14 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
         self._in_admission_order = False
         return ordered(self)
 
+    def by_length(self):  # sorted anew at every change, the pages read from the block tables
+        rows = sorted(self.ordered(), key=total_base)
+        pages = [len(self.tables.get(r.request_id, ())) for r in rows]
+        return rows, pages, ()
+
     ordered = DecodeRows.ordered
-    monkeypatch.setattr(DecodeRows, "by_length", lambda self: sorted(self.ordered(), key=total_base))  # sorted anew at every change
-    monkeypatch.setattr(simulator._SketchScheduler, "_cut", Scheduler._split_point)
+    monkeypatch.setattr(DecodeRows, "by_length", by_length)
+    monkeypatch.setattr(simulator._SketchScheduler, "_cut", lambda self, pages, buckets: Scheduler._split_point(self, pages))
     monkeypatch.setattr(simulator._SketchScheduler, "_prefill_plan", real_prefill_plan)
     monkeypatch.setattr(simulator._SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
     monkeypatch.setattr(simulator._Run, "__init__", expiring_init)
