@@ -17,8 +17,9 @@ Two parts (--part simulate|errors|all):
    predicts it from a copy of the step-cost table as it stands (warm-up timings, this machine's cached ones
    included, and the runs before; never the run itself); predicted vs measured wall time (first step's start
    to last step's end, the step log's and the simulator's span) and TTFT p50 (arrival to first token in both).
-   Each row also holds both schedules' steps per program key (`same_schedule`) and device seconds, which
-   separate a schedule that differs from a cost that does, and `own_costs`: the run simulated again priced by
+   Each row also holds both schedules' steps per program key (`same_schedule`) and device seconds, with the
+   run's own steps priced by the prediction's table (`device_s_priced`), which separate a schedule that differs
+   from a cost that does, and `own_costs`: the run simulated again priced by
    its own mean seconds per key (step plus host gap), the simulator's error with the cost table's taken out
    (a diagnostic after the fact, never the goal's figure). Goals: wall within 10%, TTFT p50 within 15%,
    judged only when the runs cover both traces, every policy and the three tables.
@@ -166,9 +167,12 @@ def one_run(llm, policy: str, rows: list[tuple[int, int, float]]) -> dict:
     whose TTFT error (and wall error, where the schedule differs) is the simulator's alone, the cost table's left out."""
     run_cfg = dataclasses.replace(llm.engine_config, policy=policy)
     llm.engine_config = run_cfg  # the programs do not depend on the policy; each stream's scheduler reads it
-    predicted, predict_s = predict(llm, run_cfg, rows)
+    table = StepCosts.from_json(llm.step_costs().to_json())  # a copy: the run refines the LLM's own table
+    predicted, predict_s = predict(llm, run_cfg, rows, table)
     measured, run_s, totals = real_run(llm, rows, llm.step_costs())
     replay = predict(llm, run_cfg, rows, own_costs(totals))[0]
+    # the run's own steps priced by the table the prediction used: its error is the cost table's alone, the schedule's left out
+    measured["device_s_priced"] = round(sum(t.steps * table.device_seconds(BucketKey(*key)) for key, t in totals.items()), 6)
     return {"policy": policy, "measured": measured, "predicted": predicted, **relative_errors(predicted, measured),
             "same_schedule": predicted["steps_by_key"] == measured["steps_by_key"],
             "own_costs": {k: replay[k] for k in ("wall_s", "ttft_p50_s")} | relative_errors(replay, measured),
@@ -212,7 +216,7 @@ def part_errors(args) -> tuple[list[dict], dict]:
                 times["runs"] += row["seconds"]["run"] + row["seconds"]["predict"]
                 report.log("bench_simulator", f"{name} {spec} {policy}: wall error {row['wall_error']:+.1%}, ttft p50 error {row['ttft_p50_error']:+.1%} "
                            f"(own costs {row['own_costs']['wall_error']:+.1%}, {row['own_costs']['ttft_p50_error']:+.1%}; steps {row['predicted']['num_steps']} predicted, {row['measured']['num_steps']} run{'' if row['same_schedule'] else ', other keys'}; "
-                           f"device s {row['predicted']['device_s']:.2f} predicted, {row['measured']['device_s']:.2f} run; run {row['seconds']['run']:.1f} s)")
+                           f"device s {row['predicted']['device_s']:.2f} predicted, {row['measured']['device_s']:.2f} run, {row['measured']['device_s_priced']:.2f} its steps at the table's prices; run {row['seconds']['run']:.1f} s)")
                 rows.append(row)
         times["runs"] = round(times["runs"], 2)
     return rows, phases
