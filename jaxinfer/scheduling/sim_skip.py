@@ -227,8 +227,7 @@ def _apply_last(run, plans) -> None:
             _count_plan(run, p)
             last = first + len(p.request_ids)
             for r in end_plan(scheduler, filling, finishing, first, last):
-                run.done[r.arrival_index] = r
-                run.inflight -= 1
+                run.retire(r)
             first = last
         return
     for p in plans:
@@ -239,8 +238,7 @@ def _apply_last(run, plans) -> None:
             reason = run.processor.check(r)
             if reason is not None:
                 scheduler.finish(r, reason, r.error)
-                run.done[r.arrival_index] = r
-                run.inflight -= 1
+                run.retire(r)
 
 
 def _count_plan(run, p) -> None:

@@ -312,6 +312,18 @@ class _SketchScheduler(Scheduler):
             self.stats.kv_utilization_steps += 1
 
 
+class _Done(NamedTuple):
+    """What the results read of a finished request; the request itself is let go (its prompt and output
+    lists, a few kilobytes each, would otherwise be most of a long run's memory)."""
+
+    arrival_time: float
+    finish_time: float
+    first_token_time: float | None
+    first_scheduled_time: float | None
+    num_output_tokens: int
+    finish_reason: str | None
+
+
 class _LengthStops(OutputProcessor):
     """The run loop's output processor for the simulator's requests, which stop by length only: greedy,
     EOS ignored, no stop ids or strings, no guide or thinking budget, no tokenizer. `check` is
@@ -351,7 +363,7 @@ class _Run:
         self.inflight = 0
         self.params: dict[int, SamplingParams] = {}  # output tokens -> the requests' sampling parameters
         self.processor = _LengthStops(None, None, cfg.max_context)  # the run loop's; sim_skip checks the rows it finishes with it
-        self.done: list[Request | None] = [None] * len(requests)
+        self.done: list[_Done | None] = [None] * len(requests)  # by submission order
         self.steps_by_key: dict[BucketKey, int] = {}
         self.results: dict[int, StepResult] = {}  # rows -> the fake step's result
         self._step_seconds: dict[tuple[BucketKey, int], float] = {}  # (key, rows) -> costs.step_seconds (the table is not changed during a run)
@@ -426,8 +438,13 @@ class _Run:
                 self.clock.now = max(self.clock.now, self.timed[-1][0])  # idle until the next arrival
                 continue
             for request in self._iterations():
-                self.done[request.arrival_index] = request
-                self.inflight -= 1
+                self.retire(request)
+
+    def retire(self, request: Request) -> None:
+        """A request finished: keep what the results read of it, and pull the next one's place."""
+        self.done[request.arrival_index] = _Done(request.arrival_time, request.finish_time, request.first_token_time, request.first_scheduled_time,
+                                                 len(request.output_ids), request.finish_reason)
+        self.inflight -= 1
 
     def _iterations(self) -> Iterator[Request]:
         """runloop.run with this run's step, admission and clock, whose plans run as `_run_plan` (one pass over their rows)."""
@@ -534,7 +551,7 @@ def simulate(
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
     run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
-    gc.disable()  # the run keeps every request it finished (lists of tokens): the cyclic collector's passes over them only cost time
+    gc.disable()  # the run makes many objects and no garbage cycle: the cyclic collector's passes over them only cost time
     try:
         run.run()
         return _result(run, time.perf_counter() - started)
@@ -548,7 +565,7 @@ def _result(run: _Run, seconds: float) -> SimResult:
     arrival, finish = np.array([r.arrival_time for r in done]), np.array([r.finish_time for r in done], np.float64)
     first = np.array([np.nan if r.first_token_time is None else r.first_token_time for r in done], np.float64)
     started = np.array([r.finish_time if r.first_scheduled_time is None else r.first_scheduled_time for r in done], np.float64)
-    tokens = np.array([len(r.output_ids) for r in done], np.int64)
+    tokens = np.array([r.num_output_tokens for r in done], np.int64)
     decoded = ~np.isnan(first) & (tokens > 1)  # a first token and more after it
     tpot = np.zeros(len(done))
     np.divide(finish - first, tokens - 1, out=tpot, where=decoded)  # the same IEEE division per element as Python's
