@@ -36,6 +36,7 @@ class LazyRequest(Request):
     _clock: DecodeClock | None = None  # set while registered
     _computed = 0
     _steps = 0
+    _top_bucket = 0  # the page bucket of its newest entry in DecodeRows._tops
     # Pages whose names another request may look up (its shared prefix's); the rest, its own, are named only
     # if it is preempted (sim_pages.SimKV). None: every full page is named as it fills (the KV manager's rule).
     public_pages: int | None = None
@@ -117,7 +118,7 @@ class DecodeRows:
         self.version = 0  # changes with the rows
         self._finishes: list[tuple[int, int, LazyRequest]] = []  # (tick of its last token, admit_index, row)
         self._needs: list[tuple[int, int, int, LazyRequest]] = []  # (first tick whose token needs a page, admit_index, pages held, row)
-        self._tops: list[tuple[int, int, int, LazyRequest]] = []  # (tokens its page bucket holds - base, admit_index, pages held, row)
+        self._tops: list[tuple[int, int, int, LazyRequest]] = []  # (tokens its page bucket holds - base, admit_index, page bucket, row)
         self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
         self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
         self._num_naming = 0  # rows in _residues
@@ -180,10 +181,12 @@ class DecodeRows:
         """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table."""
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
-        at = bisect.bisect_left(self._length_keys, (base, index))
-        self._length_pages[at], self._length_buckets[at] = held, self.page_bucket(held)
+        at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
+        self._length_pages[at] = held
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
-        heapq.heappush(self._tops, (self.page_bucket(held) * self.page_size - base, index, held, request))
+        if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
+            self._length_buckets[at] = request._top_bucket = bucket
+            heapq.heappush(self._tops, (bucket * self.page_size - base, index, bucket, request))
 
     def page_bucket(self, pages: int) -> int:
         """pad_to_bucket(pages, page_buckets), memoised (the tables are fixed)."""
@@ -207,9 +210,16 @@ class DecodeRows:
         """min over rows of (tokens its page bucket holds - base): its computed tokens reach its bucket's end at
         that tick + 1 (None: no row)."""
         tops = self._tops
-        while tops and not self._valid(tops[0]):
+        while tops and not self._valid_top(tops[0]):
             heapq.heappop(tops)
         return tops[0][0] if tops else None
+
+    @staticmethod
+    def _valid_top(entry) -> bool:
+        """Whether a _tops entry is its row's newest (the row is registered, under this admission, in this bucket):
+        a row's bucket only grows while it is registered, and push_need pushes an entry at each growth."""
+        _, index, bucket, request = entry
+        return request._clock is not None and request.admit_index == index and request._top_bucket == bucket
 
     def needing_pages(self, ticks: int) -> list[LazyRequest]:
         """Rows whose token at some tick up to `ticks` needs a page, in running order; their entries are taken

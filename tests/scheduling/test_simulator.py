@@ -321,8 +321,8 @@ def test_a_request_made_from_the_prototype_equals_one_built_by_its_constructor()
 def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monkeypatch, num_pages, packed, policy):
     # The plain path: prefill plans built by Scheduler._prefill_plan (a real StepPlan, its arrays and key), prefill
     # planned by Scheduler._plan_prefill at every iteration, an expiry pass at every iteration, decoding rows sorted
-    # by admission and by length at every change, the decode split by Scheduler._split_point. Every timing and count
-    # must be the same, bit for bit.
+    # by admission and by length at every change, the decode split by Scheduler._split_point, the fast-forward's
+    # bound on page buckets from every row's table. Every timing and count must be the same, bit for bit.
     from jaxinfer.config import EngineConfig
     from jaxinfer.scheduling import simulator
     from jaxinfer.scheduling.scheduler import Scheduler
@@ -354,8 +354,13 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
         pages = [len(self.tables.get(r.request_id, ())) for r in rows]
         return rows, pages, ()
 
+    def min_top(self):  # every row's bucket end read from its block table
+        tops = [self.page_bucket(len(self.tables.get(r.request_id, ()))) * self.page_size - r._total_base for r in self.rows.values()]
+        return min(tops) if tops else None
+
     ordered = DecodeRows.ordered
     monkeypatch.setattr(DecodeRows, "by_length", by_length)
+    monkeypatch.setattr(DecodeRows, "min_top", min_top)
     monkeypatch.setattr(simulator._SketchScheduler, "_cut", lambda self, pages, buckets: Scheduler._split_point(self, pages))
     monkeypatch.setattr(simulator._SketchScheduler, "_prefill_plan", real_prefill_plan)
     monkeypatch.setattr(simulator._SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
