@@ -177,8 +177,9 @@ class DecodeRows:
             self._num_naming -= 1
         self.untimed.pop(index, None)
 
-    def push_need(self, request: LazyRequest) -> None:
-        """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table."""
+    def push_need(self, request: LazyRequest) -> bool:
+        """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table;
+        whether its page bucket changed since the last call (True at its registration)."""
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
         at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
@@ -187,6 +188,8 @@ class DecodeRows:
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
             self._length_buckets[at] = request._top_bucket = bucket
             heapq.heappush(self._tops, (bucket * self.page_size - base, index, bucket, request))
+            return True
+        return False
 
     def page_bucket(self, pages: int) -> int:
         """pad_to_bucket(pages, page_buckets), memoised (the tables are fixed)."""

@@ -179,10 +179,9 @@ def _allocate_rows(scheduler, rows, grown: list[int], k: int) -> None:
     kv = scheduler.kv
     for r, pages in zip(rows, grown):
         if pages:
-            held = kv.num_pages_held(r)
             if kv.try_allocate(r, r.num_computed_tokens + k) is None:
                 raise RuntimeError("fast-forward: pages counted free could not be allocated")
-            scheduler.note_allocated(r, held)
+            scheduler.note_allocated(r)
 
 
 def _allocate(scheduler, grown: list[int], k: int) -> None:
@@ -192,11 +191,10 @@ def _allocate(scheduler, grown: list[int], k: int) -> None:
     for r, pages in zip(scheduler.running, grown):
         if not pages:
             continue
-        held = kv.num_pages_held(r)
         if kv.try_allocate(r, r.num_computed_tokens + k) is None:  # none needed: try_allocate allocates nothing
             raise RuntimeError("fast-forward: pages counted free could not be allocated")  # fast_forward counted them free
         if lazy:
-            scheduler.note_allocated(r, held)
+            scheduler.note_allocated(r)
 
 
 def _apply(run, plans, k: int) -> None:

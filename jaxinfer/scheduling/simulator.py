@@ -184,11 +184,9 @@ class _SketchScheduler(Scheduler):
                 for r in decoding:
                     self.lazy.register(r)
 
-    def note_allocated(self, request: Request, held_before: int) -> None:
-        """A registered row's table grew (from `held_before` pages): its next page need, and the split if its page bucket changed."""
-        self.lazy.push_need(request)
-        bucket = self.lazy.page_bucket
-        if self._split is not None and bucket(held_before) != bucket(self.kv.num_pages_held(request)):
+    def note_allocated(self, request: Request) -> None:
+        """A registered row's table grew: its next page need, and the split if its page bucket changed."""
+        if self.lazy.push_need(request):
             self._split = None
 
     def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
@@ -202,14 +200,14 @@ class _SketchScheduler(Scheduler):
         for request in lazy.due_pages():
             if request._clock is None:  # preempted by an earlier row of this loop
                 continue
-            needed, held = request.num_computed_tokens + 1, kv.num_pages_held(request)
+            needed = request.num_computed_tokens + 1
             while kv.num_new_pages(request, needed) and kv.try_allocate(request, needed) is None:
                 victim = self.policy.victim(self.running)
                 self._preempt(victim)
                 if victim is request:
                     break
             if request._clock is not None:
-                self.note_allocated(request, held)
+                self.note_allocated(request)
         return lazy.ordered(), list(self._admitted)
 
     def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
@@ -270,7 +268,9 @@ class _SketchScheduler(Scheduler):
     def _decode_plan(self, requests: list[Request], max_pages: int | None = None) -> _SketchPlan:
         """The real decode plan's sketch, without RowChunks (each copies its request's block table)."""
         n = len(requests)
-        shape = self._decode_key(requests, max_pages)
+        shape = self._decode_keys.get((n, max_pages))  # _decode_key's memo (a miss when max_pages is None)
+        if shape is None:
+            shape = self._decode_key(requests, max_pages)
         stats = self.stats
         stats.num_steps += 1
         stats.real_tokens += n
