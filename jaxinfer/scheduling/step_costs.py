@@ -4,12 +4,13 @@ jaxinfer runs a finite set of compiled programs, one per bucket key, so the devi
 to a lookup: `StepCosts` keeps, per `BucketKey`, the most recent measured seconds of that program (a few
 timed runs at warm-up, `Engine.time_programs`, then every step a job runs, `Engine.step`) and answers with
 their mean, each run counted at most CAP times their median. A wall time is the sum of its steps, so a key's
-price is its expected step, which the median is not: a program's steps are not one size (on the loaded 2-core
-CPU a decode step right after another program's ran a median 1.3x one right after its own; attention reads
-only the pages its rows fill, 0.7x to 1x of a full table's), and pricing at the median left the predicted
-device seconds low in 23 of 30 runs of bench_simulator. The cap keeps one stall (a collection, a page-fault
-storm) from raising a key's price by more than (CAP - 1) / KEEP of its median. A key never measured is estimated from the measured keys of its phase, by a least-squares
-line in the key's work (`work`: token slots computed plus page slots read). The host's time per step
+price is its expected step, which the median is not: a program's steps are not one size (in runs on the loaded
+2-core CPU a decode step right after another program's ran a median 1.3x one right after its own, 1.04x to
+1.13x in an A/B on the null page; attention reads only the pages its rows fill, 0.7x to 1x of a full table's),
+and pricing at the median left the predicted device seconds low in 23 of 30 runs of bench_simulator. The cap
+keeps one stall (a collection, a page-fault storm) from raising a key's price by more than (CAP - 1) / KEEP of
+its median. A key never measured is estimated from the measured keys of its phase, by a least-squares line in
+the key's work (`work`: token slots computed plus page slots read). The host's time per step
 (planning, sampling masks, detokenizing, writing records: the gap between one step's end and the next one's
 start) is a line in the step's rows, fitted through the median gap at each row count (`HostModel`), so a
 stray long gap (an idle wait, a fsync) moves it little.
