@@ -16,7 +16,7 @@ Every program compiles for real (a fresh XLA cache, removed at the end). Per ste
 compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it
 (the compile runs in a child process that Refit stops while a step runs: engine/compile_worker.py).
 Each step is compared to the median of its own program key's steps outside the window (the phase's median where
-the key has none), also per key. While the refit compiles, Refit lets the child run for --yield-share (refit.YIELD_SHARE) of each step's seconds
+the key has none: its median in the run without refit, else the phase's), also per key. While the refit compiles, Refit lets the child run for --yield-share (refit.YIELD_SHARE) of each step's seconds
 after the step: a step's seconds exclude that pause, and "max with sleep" counts it
 (refit.Swap records the sleeps; a refit still compiling at the job's end is recorded as unfinished_refit). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
 second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
@@ -147,37 +147,42 @@ def padding_of(steps: list[StepRecord], after: float = 0.0) -> float | None:
     return None if not prefill else 1.0 - sum(s.real_tokens for s in prefill) / sum(s.slots for s in prefill)
 
 
-def window_stats(steps: list[StepRecord], swap: refit.Swap) -> dict:
+def window_stats(steps: list[StepRecord], swap: refit.Swap, baseline: list[StepRecord]) -> dict:
     """Per phase: median outside the compile window, max / p99 inside, each inside step against its key's median
-    (and with the sleep Refit took after it, yield_share of its seconds), and how many inside steps passed 2x."""
+    outside the window (a key with no step outside it: that key's median in `baseline`, the run without refit, else
+    the phase's), also with the pause Refit took after it (yield_share of its seconds), and how many inside steps passed 2x."""
     inside = [s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended for s in steps]
-    outside_by_key, outside_by_phase = {}, {}
+    outside_by_key, outside_by_phase, baseline_by_key = {}, {}, {}
     for s, i in zip(steps, inside):
         if not i:
             outside_by_key.setdefault(s.key, []).append(s.seconds)
             outside_by_phase.setdefault(s.phase, []).append(s.seconds)
+    for s in baseline:
+        baseline_by_key.setdefault(s.key, []).append(s.seconds)
     out = {}
     for phase in ("prefill", "decode"):
         seconds = [s.seconds for s, i in zip(steps, inside) if i and s.phase == phase]
-        ratios = [s.seconds / np.median(outside_by_key.get(s.key) or outside_by_phase[phase]) for s, i in zip(steps, inside) if i and s.phase == phase]
+        ratios = [s.seconds / np.median(outside_by_key.get(s.key) or baseline_by_key.get(s.key) or outside_by_phase[phase]) for s, i in zip(steps, inside) if i and s.phase == phase]
         out[phase] = {"median_outside_s": float(np.median(outside_by_phase[phase])) if phase in outside_by_phase else None,
                       "num_inside": len(seconds), "max_inside_s": max(seconds, default=None),
                       "p99_inside_s": float(np.percentile(seconds, 99)) if seconds else None, "max_ratio_to_own_key": max(ratios, default=None),
                       "p50_ratio_to_own_key": float(np.median(ratios)) if ratios else None, "num_over_2x": sum(r > 2.0 for r in ratios),
+                      "num_inside_keys_only_inside": sum(1 for s, i in zip(steps, inside) if i and s.phase == phase and s.key not in outside_by_key),
                       "max_ratio_with_yield": max(ratios, default=0.0) * (1.0 + swap.yield_share) if ratios else None}
     return out
 
 
 def window_by_key(steps: list[StepRecord], swap: refit.Swap) -> dict:
-    """Per program key with steps inside the compile window: how many, the median outside, the slowest inside / that
-    median, and how many inside passed 2x (keys with no step outside are left out)."""
+    """Per program key with steps both inside and outside the compile window: how many inside, the median outside,
+    the slowest inside / that median, how many inside passed 2x, and (the noise without a compile) how many outside did."""
     out = {}
     for key in sorted({s.key for s in steps}):
         mine = [(s.seconds, s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended) for s in steps if s.key == key]
         inside, outside = [t for t, i in mine if i], [t for t, i in mine if not i]
         if inside and outside:
             median = float(np.median(outside))
-            out[key] = {"num_inside": len(inside), "median_outside_s": median, "max_ratio": max(inside) / median, "num_over_2x": sum(t > 2 * median for t in inside)}
+            out[key] = {"num_inside": len(inside), "median_outside_s": median, "max_ratio": max(inside) / median, "num_over_2x": sum(t > 2 * median for t in inside),
+                        "num_outside": len(outside), "num_outside_over_2x": sum(t > 2 * median for t in outside)}
     return out
 
 
@@ -265,7 +270,7 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
     if swaps:
         swap = swaps[0]
         out["padding_after_swap"] = padding_of(steps, swap.swapped_at)
-        out["window"] = window_stats(steps, swap)
+        out["window"] = window_stats(steps, swap, stale_steps)
         ratios = [w["max_ratio_to_own_key"] for w in out["window"].values() if w["max_ratio_to_own_key"] is not None]
         out["max_ratio_in_window"] = max(ratios, default=None)
         out["window_by_key"] = window_by_key(steps, swap)
@@ -293,8 +298,9 @@ def print_result(result: dict) -> None:
         rows = [[p, w["median_outside_s"], w["num_inside"], w["max_inside_s"], w["p99_inside_s"], w["max_ratio_to_own_key"], w["p50_ratio_to_own_key"],
                  w["num_over_2x"], w["max_ratio_with_yield"]] for p, w in result["window"].items()]
         print("\n" + report.format_table(columns, rows))
-        keys = [[k, w["num_inside"], w["median_outside_s"], w["max_ratio"], w["num_over_2x"]] for k, w in result["window_by_key"].items()]
-        print("\n" + report.format_table([("program key (in window)", "<60"), ("steps in", "9d"), ("median out s", "13.3f"), ("max / median", "13.2f"), ("over 2x", "8d")], keys))
+        keys = [[k, w["num_inside"], w["median_outside_s"], w["max_ratio"], w["num_over_2x"], w["num_outside"], w["num_outside_over_2x"]] for k, w in result["window_by_key"].items()]
+        print("\n" + report.format_table([("program key (in window)", "<60"), ("steps in", "9d"), ("median out s", "13.3f"), ("max / median", "13.2f"), ("over 2x", "8d"),
+                                           ("steps out", "10d"), ("out over 2x", "12d")], keys))
     print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
     if result["window_s"]:
         print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "
