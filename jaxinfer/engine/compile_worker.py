@@ -49,10 +49,7 @@ def compile_all(req: dict):
     forward, draw = eng.step_functions(cfg, engine_cfg, req["impl"], keep_raw=req["keep_raw"])
     jitted, jitted_draw = jax.jit(forward, donate_argnames=("pool", "history")), jax.jit(draw)
     for key in req["keys"]:
-        if isinstance(key, int):
-            yield key, jitted_draw.lower(*eng.abstract_draw_inputs(key, engine_cfg, cfg.vocab_size, keep_raw=req["keep_raw"])).compile()
-        else:
-            yield key, jitted.lower(*req["state"], eng.abstract_step_inputs(key, engine_cfg, cfg.vocab_size)).compile()
+        yield key, eng.lower_program(jitted, jitted_draw, key, engine_cfg, cfg.vocab_size, req["state"], keep_raw=req["keep_raw"]).compile()
 
 
 def _die_with_parent(parent: int) -> None:

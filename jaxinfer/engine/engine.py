@@ -348,23 +348,18 @@ class Engine:
         """What warm-up compiles: every bucket key's forward program, and a draw program per sequence-slot count."""
         return program_keys(self.engine_cfg)
 
-    def _abstract_inputs(self, key: BucketKey) -> StepInputs:
-        return abstract_step_inputs(key, self.engine_cfg, self.cfg.vocab_size)
-
     def _compile(self, key) -> tuple[tuple, jax.stages.Compiled, float]:
         """A bucket key's forward program, or (an int: the step's sequence slots) its draw program."""
         start = time.perf_counter()
         with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):  # the kernel's shard_map reads it
-            if isinstance(key, int):
-                compiled = self._jitted_draw.lower(*abstract_draw_inputs(key, self.engine_cfg, self.cfg.vocab_size, keep_raw=self.keep_raw)).compile()
-            else:
-                compiled = self._jitted.lower(self.step_params, self.pool, self.history, self._abstract_inputs(key)).compile()
+            state = (self.step_params, self.pool, self.history)
+            compiled = lower_program(self._jitted, self._jitted_draw, key, self.engine_cfg, self.cfg.vocab_size, state, keep_raw=self.keep_raw).compile()
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:
         """Compile every bucket's forward program and every draw program (in parallel threads). `progress(key,
         seconds)` is called per forward program."""
-        missing = [k for k in self.program_keys() if k not in (self._draws if isinstance(k, int) else self._programs)]
+        missing = self.missing_programs(self.engine_cfg)
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
             for key, compiled, seconds in pool.map(self._compile, missing):
@@ -395,10 +390,7 @@ class Engine:
         for key in self.missing_programs(engine_cfg):
             start = time.perf_counter()
             with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
-                if isinstance(key, int):
-                    compiled[key] = self._jitted_draw.lower(*abstract_draw_inputs(key, engine_cfg, self.cfg.vocab_size, keep_raw=self.keep_raw)).compile()
-                else:
-                    compiled[key] = self._jitted.lower(*state, abstract_step_inputs(key, engine_cfg, self.cfg.vocab_size)).compile()
+                compiled[key] = lower_program(self._jitted, self._jitted_draw, key, engine_cfg, self.cfg.vocab_size, state, keep_raw=self.keep_raw).compile()
             self.count_refit_compile(key, time.perf_counter() - start)
         return compiled
 
@@ -559,6 +551,15 @@ def program_keys(engine_cfg: EngineConfig) -> list:
 
 def _num_slots(key: BucketKey, engine_cfg: EngineConfig) -> int:
     return key.num_rows * BucketTables.from_config(engine_cfg).samples_per_row(key.phase)
+
+
+def lower_program(jitted, jitted_draw, key, engine_cfg: EngineConfig, vocab_size: int, state: tuple, *, keep_raw: bool) -> jax.stages.Lowered:
+    """One program lowered: a draw program for `key` sequence slots (an int), else a bucket key's forward program
+    against `state` (params, pool, history: arrays or shapes). Warm-up, a refit here and a refit's child
+    (compile_worker.py) lower through this."""
+    if isinstance(key, int):
+        return jitted_draw.lower(*abstract_draw_inputs(key, engine_cfg, vocab_size, keep_raw=keep_raw))
+    return jitted.lower(*state, abstract_step_inputs(key, engine_cfg, vocab_size))
 
 
 def abstract_step_inputs(key: BucketKey, engine_cfg: EngineConfig, vocab_size: int) -> StepInputs:
