@@ -22,7 +22,13 @@ after the step: a step's seconds exclude that pause, and "max with sleep" counts
 second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
 a chunk table fitted to it (refit.refit_chunk_table: the plan's bucket count and top).
 
+--dry-run replaces both runs with the job's schedule alone (the real scheduler and the job's drift watch, host only,
+seconds; no program compiles): the watch's proposal is swapped in --dry-delay prefill steps after it asks (the
+measured compile windows spanned 10 to 14 prefill steps), and the padding after the shift is judged against the same
+second-half table. It shows how the gap depends on the trace's length (--lines), which a real run takes minutes to.
+
     .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan] [--ask-at STEPS] [--yield-share S]
+    .venv/bin/python experiments/bench_refit.py --dry-run [--lines N] [--dry-delay PREFILL_STEPS]
 """
 
 import dataclasses
@@ -40,7 +46,9 @@ from jaxinfer.batch import planning, refit
 from jaxinfer.batch.job import BatchJob
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
-from jaxinfer.scheduling.request import SamplingParams
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.stopping import OutputProcessor
 
 RESULTS = paths.RESULTS_DIR / "bench_refit.json"
 WORK_DIR = REPO_ROOT / "build" / "bench_refit"
@@ -201,6 +209,59 @@ def dry_padding(llm, cfg, table, prompts) -> float:
     return 1.0 - sum(sum(p.num_new_tokens) for p in prefill) / sum(p.bucket.num_rows * p.bucket.num_tokens for p in prefill)
 
 
+def dry_refit(cfg, prompts, half: int, watch: refit.DriftWatch, delay: int, num_pages: int) -> dict:
+    """The job's schedule alone (runloop.run with a step that returns token 0, as runloop.dry_run) on `cfg`, `watch`
+    judging every step as Refit's does, each proposal swapped into the scheduler after `delay` more prefill steps
+    (Refit's swap, without the compile); the prefill padding of the steps that hold a second-half prompt, and the
+    steps at which it asked and swapped."""
+    scheduler = Scheduler(cfg, num_pages)
+    for i, p in enumerate(prompts):
+        scheduler.add(Request(str(i), list(p.token_ids), dataclasses.replace(p.params, temperature=0.0, ignore_eos=True), seed=i, arrival_index=i))
+    state = {"step": 0, "real": 0, "slots": 0, "pending": None, "wait": 0, "asked_at": [], "swapped_at": []}
+
+    def on_step(plan, tokens, seconds):
+        state["step"] += 1
+        if plan.phase == "prefill" and any(int(r) >= half for r in plan.request_ids):
+            state["real"] += sum(plan.num_new_tokens)
+            state["slots"] += plan.bucket.num_rows * plan.bucket.num_tokens
+        if state["pending"] is None and (table := watch.observe(plan)) is not None:
+            state["pending"], state["wait"] = table, delay
+            state["asked_at"].append(state["step"])
+        elif state["pending"] is not None and plan.phase == "prefill":
+            state["wait"] -= 1
+            if state["wait"] < 0:
+                swap(state.pop("pending"))
+
+    def swap(table):
+        scheduler.cfg = refit.with_chunk_table(scheduler.cfg, table)
+        scheduler.tables = BucketTables.from_config(scheduler.cfg)
+        watch.reset(table)
+        state["pending"] = None
+        state["swapped_at"].append(state["step"])
+
+    fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
+    finished = list(runloop.run(scheduler, fake_step, OutputProcessor(None, None, cfg.max_context), on_step=on_step))
+    complete = len(finished) == len(prompts) and all(r.finish_reason == "length" and len(r.output_ids) == r.params.max_tokens for r in finished)
+    return {"padding_after_shift": 1.0 - state["real"] / max(1, state["slots"]), "asked_at_step": state["asked_at"], "swapped_at_step": state["swapped_at"],
+            "new_table": list(watch.table), "num_steps": state["step"], "complete": complete}
+
+
+def dry_main(args, llm, plan, prompts, start_table, alone_table) -> None:
+    """--dry-run: the schedule alone, with the watch (swapped --dry-delay prefill steps after it asks) and without."""
+    alone = dry_padding(llm, plan.config, alone_table, prompts[args.lines :])
+    with_watch = dry_refit(plan.config, prompts, args.lines, refit.DriftWatch(start_table), args.dry_delay, llm.engine.num_pages)
+    stale = dry_refit(plan.config, prompts, args.lines, refit.DriftWatch(start_table, window=10**9), 0, llm.engine.num_pages)
+    result = {"lines_per_half": args.lines, "dry_delay_prefill_steps": args.dry_delay, "start_chunk_table": list(start_table), "second_half_table": list(alone_table),
+              "padding_second_half_alone": alone, "refit": with_watch, "no_refit": stale, "padding_gap": with_watch["padding_after_shift"] - alone}
+    rows = [["watch, swap after the delay", with_watch["padding_after_shift"], str(with_watch["asked_at_step"]), str(with_watch["swapped_at_step"])],
+            ["no refit", stale["padding_after_shift"], "", ""], ["second half alone", alone, "", ""]]
+    print(report.format_table([("dry run, prefill padding after the shift", "<42"), ("share", "7.1%"), ("asked at", "<12"), ("swapped at", "<12")], rows))
+    goals = report.judge({"padding_gap": GOALS["padding_gap"]}, {"padding_gap": result["padding_gap"]})
+    report.print_goals(goals)
+    doc = {"question": __doc__.split("\n\n")[0].replace("\n", " "), "settings": {k: str(v) for k, v in vars(args).items()}, "result": result, "goals": goals}
+    report.finish(args.out, doc, {"bench": "refit_dry_run", "padding_gap": result["padding_gap"]}, correct=with_watch["complete"] and stale["complete"])
+
+
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing, which ends before the watch sees drift "
@@ -214,10 +275,14 @@ def main() -> None:
                              "watch's judgement: measures the compile window and the swap under --quick, whose watch never asks")
     parser.add_argument("--yield-share", type=float, default=refit.YIELD_SHARE,
                         help=f"Refit's pause for the compile child after each step while it runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
+    parser.add_argument("--dry-run", action="store_true", help="the job's schedule alone (host only, seconds): the watch's padding gap, no program compiled")
+    parser.add_argument("--dry-delay", type=int, default=12, metavar="PREFILL_STEPS", help="--dry-run: prefill steps between the watch's ask and the swap (default 12)")
     args = parser.parse_args()
     args.lines = args.lines or (72 if args.quick else 160)
     if args.quick:
         args.out = args.out.with_name("bench_refit_quick.json")
+    if args.dry_run and args.out == RESULTS:
+        args.out = args.out.with_name(f"bench_refit_dry_run_{args.lines}.json")
     # a fresh XLA cache: the refit's programs must really compile (the default persistent cache would hold them after one run)
     cache = tempfile.TemporaryDirectory(prefix="bench_refit_xla_")
     llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_prefill_tokens=MAX_PREFILL_TOKENS, compilation_cache_dir=cache.name, warmup=False)
@@ -238,6 +303,8 @@ def main() -> None:
     start_table = BucketTables.from_config(plan.config).chunk_tokens
     report.log("bench_refit", f"the job starts on chunk table {start_table} (the plan's: {plan_table})")
     alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
+    if args.dry_run:
+        return dry_main(args, llm, plan, prompts, start_table, alone_table)
     options = {"yield_share": args.yield_share}
     if args.ask_at is not None:
         options["watch"] = AskAt(start_table, half=args.lines, after=args.ask_at, proposal=alone_table)
