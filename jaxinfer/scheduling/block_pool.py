@@ -118,10 +118,13 @@ class BlockPool:
         table = self._req_to_pages.setdefault(request_id, [])
         if not num_new_pages:
             return []
-        pages = [self._free.popitem(last=False)[0] for _ in range(num_new_pages)]
+        popitem = self._free.popitem
+        pages = [popitem(False)[0] for _ in range(num_new_pages)]
+        if self._page_to_hash:  # no page is named without prefix caching, nor in a simulation until a preemption (sim_pages)
+            for page in pages:
+                self._evict(page)
         counts = self._ref_counts
         for page in pages:
-            self._evict(page)
             counts[page] += 1
         table.extend(pages)
         return pages
@@ -151,13 +154,13 @@ class BlockPool:
 
     def _drop(self, pages) -> list[int]:
         """Drop one reference from each page (null entries skipped); those reaching zero join the free queue."""
-        released = []
+        released, counts, free = [], self._ref_counts, self._free
         for page in pages:
             if page == NULL_PAGE:
                 continue
-            self._ref_counts[page] -= 1
-            if self._ref_counts[page] == 0:
-                self._free[page] = None
+            counts[page] -= 1
+            if not counts[page]:
+                free[page] = None
                 released.append(page)
         return released
 

@@ -148,9 +148,8 @@ class Scheduler:
                 self.kv.release_outside_window(request)
         decode_rows, partial = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill(partial)
-        plans = []
+        plans, size = [], self.tables.max_decode_rows  # programs of a group (_decode_programs), each with its largest table
         for group, pages in self._split_decode(decode_rows):
-            size = self.tables.max_decode_rows  # programs of a group (_decode_programs), each with its largest table
             plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
@@ -239,7 +238,7 @@ class Scheduler:
             rows.append((request, chunk))
             budget -= chunk
             if pages_left is not None:
-                pages_left -= len(self.kv.pages_of(request))
+                pages_left -= self.kv.num_pages_held(request)
         return rows
 
     def _prompt_shared(self, request: Request) -> bool:
@@ -406,7 +405,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request (running or waiting) and free its pages (named ones stay cached until evicted)."""
         self.kv.release(request)
-        if request in self.running:
+        if self._running_ids.get(request.request_id) is request:  # request in self.running, without the scan
             self.running.remove(request)
             del self._running_ids[request.request_id]
         elif request in self.waiting:

@@ -145,6 +145,15 @@ class _SketchScheduler(Scheduler):
         self._split: tuple[int, list] | None = None  # (lazy.version, _split_decode's groups) while no row's page bucket changes
         self._plans: list[_SketchPlan] = []  # the last decode plans, reused while their rows and key are the same
         self.decode_order: list[Request] = []  # with the clock: the decoding rows in the order of the decode plans (_split_decode)
+        self._checked: set[tuple[int, int]] = set()  # (prompt tokens, max_tokens) that Scheduler.check passed
+        self._group_plans: tuple[list, list[_SketchPlan], tuple[int, int, int]] | None = None  # (_split_decode's groups, their plans, counts)
+
+    def check(self, request: Request) -> None:
+        """Scheduler.check, once per prompt length and max_tokens (all it reads of a request)."""
+        at = (len(request.prompt_ids), request.params.max_tokens)
+        if at not in self._checked:
+            super().check(request)
+            self._checked.add(at)
 
     def use_decode_clock(self) -> None:
         """Count decoding rows on the decode clock (sim_decode.py); the run loop then ticks it once per iteration."""
@@ -178,11 +187,12 @@ class _SketchScheduler(Scheduler):
         """Put the admitted requests that now decode on the clock."""
         admitted = self._admitted
         if admitted:
-            decoding = [r for r in admitted if self._in_decode(r)]
-            if decoding:
-                self._admitted = [r for r in admitted if not self._in_decode(r)]
-                for r in decoding:
-                    self.lazy.register(r)
+            decoding = list(map(self._in_decode, admitted))
+            if any(decoding):
+                self._admitted = [r for r, decodes in zip(admitted, decoding) if not decodes]
+                for r, decodes in zip(admitted, decoding):
+                    if decodes:
+                        self.lazy.register(r)
 
     def note_allocated(self, request: Request) -> None:
         """A registered row's table grew: its next page need, and the split if its page bucket changed."""
@@ -209,6 +219,42 @@ class _SketchScheduler(Scheduler):
             if request._clock is not None:
                 self.note_allocated(request)
         return lazy.ordered(), list(self._admitted)
+
+    def _plan_step(self) -> list[_SketchPlan]:
+        """Scheduler._plan_step with the rows on the clock (no sliding window then): the decode plans of the same
+        groups as the last iteration's (the rows and their page buckets unchanged) are the same plans."""
+        if self.lazy is None:
+            return super()._plan_step()
+        decode_rows, partial = self._reserve_decode_pages()
+        prefill_rows = self._plan_prefill(partial)
+        plans = self._decode_plans(self._split_decode(decode_rows))
+        if prefill_rows:
+            plans.append(self._prefill_plan(prefill_rows))
+        self._record_utilization()
+        return plans
+
+    def _decode_plans(self, groups: list[tuple[list[Request], list[int]]]) -> list[_SketchPlan]:
+        """Scheduler._plan_step's decode plans of these groups, each group's programs with their largest tables; those
+        of the last groups again (the same plans, counted in the statistics as _decode_plan counts them)."""
+        memo, stats = self._group_plans, self.stats
+        if memo is not None and memo[0] is groups:
+            steps, real, padded = memo[2]
+            stats.num_steps += steps
+            stats.real_tokens += real
+            stats.padded_tokens += padded
+            return list(memo[1])
+        plans, size = [], self.tables.max_decode_rows
+        for group, pages in groups:
+            if len(group) <= size:  # one program (every group outside deterministic mode)
+                plans.append(self._decode_plan(group, max(pages)))
+            else:
+                plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
+        real = padded = 0
+        for plan in plans:
+            real += len(plan.request_ids)
+            padded += plan.bucket.num_rows * plan.bucket.num_tokens
+        self._group_plans = (groups, plans, (len(plans), real, padded))
+        return list(plans)
 
     def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
         """Scheduler._plan_prefill, which plans nothing, and reads or changes nothing, when no request prefills
@@ -297,9 +343,10 @@ class _SketchScheduler(Scheduler):
         """The real statistic (Scheduler._record_utilization: a shared page counts once) in O(running): a
         request's pages hold its tokens, the prefix cache's shared pages are full, and past its shared prefix
         every simulated prompt has a token of its own, so no later page is shared."""
-        used_pages, size = self.kv.num_used_pages, self.cfg.page_size
+        pool, size = self.kv.block_pool, self.cfg.page_size
+        used_pages = pool.num_used
         if used_pages:
-            filled, tables = -self.shared_tokens_counted_twice(), self.block_pool.tables  # request id -> block table (its length: kv.num_pages_held)
+            filled, tables = -self.shared_tokens_counted_twice() if self.shares_pages else 0, pool.tables  # request id -> block table (its length: kv.num_pages_held)
             lazy = self.lazy
             if lazy is not None:  # a registered row's pages hold its tokens (it was given room for its next one)
                 filled += lazy.base_sum + len(lazy.rows) * self.decode_clock.ticks
@@ -352,6 +399,8 @@ class _Run:
         self.scheduler = _SketchScheduler(cfg, num_pages)
         # Scheduler.expire finds nothing when no request has a deadline and the policy sheds none (the base's shed)
         self.expires = any(r.deadline_s is not None for r in requests) or type(self.scheduler.policy).shed is not SchedulingPolicy.shed
+        # Scheduler.observe does nothing under a policy that learns nothing from a step (the base's observe)
+        self.observes = type(self.scheduler.policy).observe is not SchedulingPolicy.observe
         self.scheduler.shares_pages = cfg.enable_prefix_caching and any(r.shared_prefix >= cfg.page_size for r in requests)
         self.lazy = self.one_pass_decode and cfg.release_window is None  # decoding rows counted on the decode clock (sim_decode.py)
         if self.lazy:
@@ -409,17 +458,25 @@ class _Run:
             self.submit(self.pulled.pop(), now)
 
     def step(self, plan: _SketchPlan) -> np.ndarray:
-        start = self.clock.now
-        self.first_step = start if self.first_step is None else self.first_step
-        self.clock.advance(self.step_seconds(plan))
-        self.last_step = self.clock.now
-        self.steps_by_key[plan.bucket] = self.steps_by_key.get(plan.bucket, 0) + 1
-        self.plans.append(plan)
+        self.run_step(plan)
         rows = len(plan.request_ids)
         result = self.results.get(rows)
         if result is None:  # token 0 for every row; Scheduler.update only reads it, so one serves every step of its size
             result = self.results[rows] = StepResult(np.zeros(rows, np.int32))
         return result
+
+    def run_step(self, plan: _SketchPlan) -> None:
+        """The plan's step on the clock (no result: the one-pass paths read none): its seconds, its count, the
+        iteration's plans."""
+        clock = self.clock
+        if self.first_step is None:
+            self.first_step = clock.now
+        seconds = self._step_seconds.get((plan.bucket, len(plan.request_ids)))
+        clock.now += self.step_seconds(plan) if seconds is None else seconds  # VirtualClock.advance
+        self.last_step = clock.now
+        steps = self.steps_by_key
+        steps[plan.bucket] = steps.get(plan.bucket, 0) + 1
+        self.plans.append(plan)
 
     def step_seconds(self, plan: _SketchPlan) -> float:
         """costs.step_seconds of the plan's key and rows, memoised."""
@@ -458,8 +515,9 @@ class _Run:
             if not plans and not finished:
                 finished = scheduler.abort_all("no step could be planned for this request (the pool or the limits are too small for it)")
             if self.lazy and plans and plans[0].phase == "decode":  # the decode plans come first (Scheduler._plan_step)
-                finished += self._run_decode_plans([p for p in plans if p.phase == "decode"])
-                plans = [p for p in plans if p.phase != "decode"]
+                last = plans[-1].phase == "prefill"  # at most one prefill plan, the last
+                finished += self._run_decode_plans(plans[:-1] if last else plans)
+                plans = plans[-1:] if last else []
             for plan in plans:
                 if one_pass:
                     finished += self._run_plan(plan)
@@ -480,15 +538,17 @@ class _Run:
         for plan in plans:
             last = first + len(plan.request_ids)
             start = clock.now
-            self.step(plan)
-            scheduler.observe(plan, clock.now - start)
+            self.run_step(plan)
+            if self.observes:
+                scheduler.observe(plan, clock.now - start)
             if lazy.untimed:
                 for r in list(lazy.untimed.values()):
                     if first <= order.index(r) < last and not r.first_token_time:
                         r.first_token_time = clock.now
                         if r.first_token_time:
                             del lazy.untimed[r.admit_index]
-            done += end_plan(scheduler, filling, finishing, first, last)
+            if filling or finishing:
+                done += end_plan(scheduler, filling, finishing, first, last)
             first = last
         return done
 
@@ -500,9 +560,10 @@ class _Run:
         by_id = scheduler.running_by_id
         rows = [(r, n, sample) for r, n, sample in zip(map(by_id.get, plan.request_ids), plan.num_new_tokens, plan.samples) if r is not None]
         start = clock.now
-        self.step(plan)
+        self.run_step(plan)
         now = clock.now
-        scheduler.observe(plan, now - start)
+        if self.observes:
+            scheduler.observe(plan, now - start)
         max_context, done = self.cfg.max_context, []
         for r, n, sample in rows:
             r.num_steps += 1  # runloop._count_step
