@@ -182,7 +182,10 @@ class DecodeRows:
         whether its page bucket changed since the last call (True at its registration)."""
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
-        at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
+        bucket = self._buckets.get(held)
+        if bucket is None:
+            bucket = self.page_bucket(held)
+        at = bisect.bisect_left(self._length_keys, (base, index))
         self._length_pages[at] = held
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
@@ -211,18 +214,16 @@ class DecodeRows:
 
     def min_top(self) -> int | None:
         """min over rows of (tokens its page bucket holds - base): its computed tokens reach its bucket's end at
-        that tick + 1 (None: no row)."""
+        that tick + 1 (None: no row). An entry counts only if it is its row's newest (the row is registered, under
+        this admission, in this bucket): a row's bucket only grows while it is registered, and push_need pushes an
+        entry at each growth; the others are dropped as they reach the top."""
         tops = self._tops
-        while tops and not self._valid_top(tops[0]):
+        while tops:
+            _, index, bucket, request = tops[0]
+            if request._clock is not None and request.admit_index == index and request._top_bucket == bucket:
+                return tops[0][0]
             heapq.heappop(tops)
-        return tops[0][0] if tops else None
-
-    @staticmethod
-    def _valid_top(entry) -> bool:
-        """Whether a _tops entry is its row's newest (the row is registered, under this admission, in this bucket):
-        a row's bucket only grows while it is registered, and push_need pushes an entry at each growth."""
-        _, index, bucket, request = entry
-        return request._clock is not None and request.admit_index == index and request._top_bucket == bucket
+        return None
 
     def needing_pages(self, ticks: int) -> list[LazyRequest]:
         """Rows whose token at some tick up to `ticks` needs a page, in running order; their entries are taken
@@ -252,9 +253,12 @@ class DecodeRows:
         """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""
         needs, ticks = self._needs, self.clock.ticks
         due = []
+        if not needs or needs[0][0] > ticks:
+            return due
+        valid = self._valid
         while needs and needs[0][0] <= ticks:
             entry = heapq.heappop(needs)
-            if self._valid(entry) and entry[3] not in due:
+            if valid(entry) and entry[3] not in due:
                 due.append(entry[3])
         if len(due) > 1:
             due.sort(key=attrgetter("admit_index"))

@@ -199,14 +199,17 @@ def _allocate(scheduler, grown: list[int], k: int) -> None:
 
 def _apply(run, plans, k: int) -> None:
     """k iterations of `plans`, their pages allocated: tokens, statistics, steps and the clock."""
-    scheduler = run.scheduler
+    scheduler, steps = run.scheduler, run.steps_by_key
     stats = scheduler.stats
     _advance(scheduler, scheduler.running, k)
-    stats.num_steps += k * len(plans)
-    stats.real_tokens += k * sum(p.num_real_tokens for p in plans)
-    stats.padded_tokens += k * sum(p.num_padded_tokens for p in plans)
+    real = padded = 0
     for p in plans:
-        run.steps_by_key[p.bucket] += k
+        real += p.num_real_tokens
+        padded += p.num_padded_tokens
+        steps[p.bucket] += k
+    stats.num_steps += k * len(plans)
+    stats.real_tokens += k * real
+    stats.padded_tokens += k * padded
     run.clock.advance(k * _iteration_seconds(run, plans))
     run.last_step = run.clock.now
 
@@ -224,8 +227,9 @@ def _apply_last(run, plans) -> None:
         for p in plans:
             _count_plan(run, p)
             last = first + len(p.request_ids)
-            for r in end_plan(scheduler, filling, finishing, first, last):
-                run.retire(r)
+            if filling or finishing:
+                for r in end_plan(scheduler, filling, finishing, first, last):
+                    run.retire(r)
             first = last
         return
     for p in plans:
@@ -298,7 +302,9 @@ def _advance(scheduler, requests, k: int) -> None:
     clock, when the scheduler keeps one: `requests` are then every running request, all of them decoding)."""
     if scheduler.lazy is not None:  # the rows that filled a page are the only ones cache_computed_pages_of names pages of
         scheduler.decode_clock.ticks += k
-        scheduler.kv.cache_computed_pages_of(scheduler.lazy.filled_within(k))
+        filled = scheduler.lazy.filled_within(k)
+        if filled:
+            scheduler.kv.cache_computed_pages_of(filled)
         return
     tokens = [0] * k
     for request in requests:

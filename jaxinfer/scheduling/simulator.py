@@ -187,7 +187,8 @@ class _SketchScheduler(Scheduler):
         """Put the admitted requests that now decode on the clock."""
         admitted = self._admitted
         if admitted:
-            decoding = list(map(self._in_decode, admitted))
+            # Scheduler._in_decode outside deterministic mode (the clock's only mode), from the fields of rows off the clock
+            decoding = [bool(r._output) and r._computed == len(r.prompt_ids) + len(r._output) - 1 for r in admitted]
             if any(decoding):
                 self._admitted = [r for r, decodes in zip(admitted, decoding) if not decodes]
                 for r, decodes in zip(admitted, decoding):
