@@ -214,31 +214,33 @@ class Scheduler:
         """(request, chunk length) pairs under the token budget, the sequence limit and free pages; a
         packed row also under its largest chunk bucket and its widest table (pages summed over its sequences).
         `partial`: the running requests not decoding (partial prefills), in running order."""
-        tables = self.tables
+        tables, kv, page_size = self.tables, self.kv, self.cfg.page_size
         budget = self.policy.prefill_budget()
         budget = min(budget, tables.max_chunk) if tables.packed else budget
         pages_left = tables.max_pages if tables.packed else None
+        max_rows = tables.max_prefill_rows
         rows: list[tuple[Request, int]] = []
         for request in itertools.chain(partial, self._waiting_in_order()):
-            if budget <= 0 or len(rows) == tables.max_prefill_rows:
+            if budget <= 0 or len(rows) == max_rows:
                 break
-            if request.status == RequestStatus.WAITING and not self._prompt_shared(request):
+            waiting = request.status == RequestStatus.WAITING  # until its admission below
+            if waiting and not self._prompt_shared(request):
                 break  # a sample of n waits for its first sample's prompt pages; the order is kept
-            hit = self.kv.share_cached_prefix(request, self._prefill_end(request)) if request.status == RequestStatus.WAITING else 0
-            limit = budget if pages_left is None else min(budget, pages_left * self.cfg.page_size - request.num_computed_tokens)
+            hit = kv.share_cached_prefix(request, self._prefill_end(request)) if waiting else 0
+            limit = budget if pages_left is None else min(budget, pages_left * page_size - request.num_computed_tokens)
             chunk = self._fit_chunk(request, limit) if limit > 0 else 0
             if chunk == 0:
-                if request.status == RequestStatus.WAITING:  # undo the prefix it shared
-                    self.kv.release(request)
+                if waiting:  # undo the prefix it shared
+                    kv.release(request)
                     request.num_computed_tokens = 0
                     break  # no room to admit: keep the priority order, do not skip ahead
                 continue
-            if request.status == RequestStatus.WAITING:
+            if waiting:
                 self._admit(request, hit)
             rows.append((request, chunk))
             budget -= chunk
             if pages_left is not None:
-                pages_left -= self.kv.num_pages_held(request)
+                pages_left -= kv.num_pages_held(request)
         return rows
 
     def _prompt_shared(self, request: Request) -> bool:
@@ -256,11 +258,11 @@ class Scheduler:
 
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
-        remaining = self._prefill_end(request) - request.num_computed_tokens
-        chunk = min(remaining, budget, self.tables.max_chunk)
-        while chunk > 0 and self.kv.try_allocate(request, request.num_computed_tokens + chunk) is None:
+        computed = request.num_computed_tokens  # allocation leaves it as it is
+        chunk = min(self._prefill_end(request) - computed, budget, self.tables.max_chunk)
+        while chunk > 0 and self.kv.try_allocate(request, computed + chunk) is None:
             free_tokens = self.kv.num_free_pages * self.cfg.page_size
-            spare = len(self.kv.pages_of(request)) * self.cfg.page_size - request.num_computed_tokens
+            spare = self.kv.num_pages_held(request) * self.cfg.page_size - computed
             chunk = min(chunk - 1, spare + free_tokens)
         return chunk
 
