@@ -127,7 +127,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
     if sum([len(p.request_ids) for p in plans]) != len(running):
         return None
     width = policy.decode_width()
-    if scheduler.waiting and len(running) < width:
+    if len(running) < width and scheduler.waiting:
         return None
     ticks = scheduler.decode_clock.ticks
     finish = lazy.min_finish() - ticks  # min over rows of min(max_tokens - generated, max_context - total)

@@ -28,7 +28,6 @@ pages (past the shared prefix) are named only if it is preempted.
 import collections
 import dataclasses
 import gc
-import operator
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -46,7 +45,6 @@ from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
 
-_request_id = operator.attrgetter("request_id")
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines of a lazy input, per max_num_seqs
 
 
@@ -329,7 +327,7 @@ class _SketchScheduler(Scheduler):
             for plan, rows in self._plans:  # the same rows as a recent plan (their ids in the same order)
                 if plan.bucket == shape and rows == requests:
                     return plan
-        plan = _SketchPlan("decode", shape, tuple(map(_request_id, requests)), (1,) * n, samples)
+        plan = _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
         if self.lazy is not None:
             self._plans = [(plan, requests), *self._plans[:3]]
         return plan
