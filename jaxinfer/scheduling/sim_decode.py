@@ -298,7 +298,9 @@ class DecodeRows:
 
 def in_order(rows: list[LazyRequest], order: list[LazyRequest]) -> list[tuple[int, LazyRequest]]:
     """(place in `order`, row) of each of these rows, by place."""
-    return sorted([(order.index(r), r) for r in rows], key=_first) if rows else []
+    if not rows:
+        return rows
+    return sorted([(order.index(r), r) for r in rows], key=_first) if len(rows) > 1 else [(order.index(rows[0]), rows[0])]
 
 
 def _first(pair: tuple[int, LazyRequest]) -> int:
