@@ -93,9 +93,8 @@ class KVManager:
     def try_allocate(self, request: Request, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold `num_tokens` tokens; the new pages ([] when none are needed),
         or None when the pool has too few free pages (nothing is allocated then)."""
-        held = len(self._tables.get(request.request_id, ()))
         try:
-            return self.block_pool.allocate(request.request_id, max(0, -(-num_tokens // self.page_size) - held))  # num_new_pages
+            return self.block_pool.allocate(request.request_id, self.num_new_pages(request, num_tokens))
         except OutOfPagesError:
             return None
 
