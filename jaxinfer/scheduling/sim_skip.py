@@ -255,7 +255,7 @@ def _count_plan(run, p) -> None:
 
 
 def _record_utilization(scheduler, k: int, page_size: int, tokens: list[int], held: list[int]) -> None:
-    """The simulator's utilization statistic (simulator._SketchScheduler._record_utilization) as each of the
+    """The simulator's utilization statistic (sim_scheduler.SketchScheduler._record_utilization) as each of the
     next k decode iterations' planning records it, after its allocation: iteration j (1..k) holds T + j - 1
     tokens per row (T: `tokens`), all in its pages, and each row's pages are those it holds now (`held`)
     or, if more, those T + j - 1 tokens need. Exact integers divided once per iteration, summed in order,

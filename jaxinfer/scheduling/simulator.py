@@ -11,7 +11,7 @@ Requests arrive at their `arrival_s` (trace replay, as LLM.generate(arrival_time
 a batch job pulls its lines: whenever fewer than `max_inflight` are in flight (LLM.stream's rule). Timings
 count from a request's arrival, as RequestOutput's do.
 
-Speed: the scheduler builds `_SketchPlan`s, which carry what the run loop and `Scheduler.update` read
+Speed: the scheduler (sim_scheduler.py) builds `SketchPlan`s, which carry what the run loop and `Scheduler.update` read
 (ids, new tokens, samples, the key) but none of StepPlan's arrays, whose layout changes no decision. A
 plan's rows are counted, updated and checked in one pass (`_Run._run_plan`, the run loop's `run_plan` for
 these requests; in deterministic mode plans go through `runloop.run_plan` itself). With that one pass (outside
@@ -39,9 +39,9 @@ from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request, SamplingParams
-from jaxinfer.scheduling.sim_pages import SimKV, page_names
-from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows, LazyRequest, end_plan, in_order
-from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.sim_pages import page_names
+from jaxinfer.scheduling.sim_decode import LazyRequest, end_plan, in_order
+from jaxinfer.scheduling.sim_scheduler import SketchPlan, SketchScheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
 
@@ -106,258 +106,6 @@ class VirtualClock:
         self.now += seconds
 
 
-class _SketchPlan(NamedTuple):
-    """A plan without arrays: what the run loop and Scheduler.update read of a StepPlan."""
-
-    phase: str
-    bucket: BucketKey
-    request_ids: tuple[str, ...]
-    num_new_tokens: tuple[int, ...]
-    samples: tuple[bool, ...]
-
-    def chunk_starts(self) -> list[tuple[int, int]]:
-        return [(i, 0) for i in range(len(self.request_ids))]
-
-    @property
-    def num_real_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def num_padded_tokens(self) -> int:
-        return self.bucket.num_rows * self.bucket.num_tokens
-
-
-class _SketchScheduler(Scheduler):
-    """The real scheduler (every decision its own) whose plans are sketches (no arrays)."""
-
-    def __init__(self, cfg: EngineConfig, num_pages: int):
-        super().__init__(cfg, num_pages)
-        self.kv = SimKV(self.kv.block_pool, page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching, deterministic=cfg.deterministic,
-                         window=cfg.release_window)
-        self._decode_keys: dict[tuple[int, int], BucketKey] = {}  # (rows, largest pages) -> tables.decode_key (the tables are fixed)
-        self._prefill_keys: dict[tuple[int, int, int], BucketKey] = {}  # (rows, tokens, pages) -> tables.prefill_key
-        self.shares_pages = False  # whether prompts share full pages through the prefix cache (_Run sets it)
-        self.decode_clock = DecodeClock()
-        self.lazy: DecodeRows | None = None  # the decoding rows counted on the clock (set by use_decode_clock)
-        self._admitted: list[Request] = []  # with the clock: running requests not registered yet (prefilling), in running order
-        self._split: tuple[int, list] | None = None  # (lazy.version, _split_decode's groups) while no row's page bucket changes
-        self._plans: list[_SketchPlan] = []  # the last decode plans, reused while their rows and key are the same
-        self.decode_order: list[Request] = []  # with the clock: the decoding rows in the order of the decode plans (_split_decode)
-        self._checked: set[tuple[int, int]] = set()  # (prompt tokens, max_tokens) that Scheduler.check passed
-        self._group_plans: tuple[list, list[_SketchPlan], tuple[int, int, int]] | None = None  # (_split_decode's groups, their plans, counts)
-
-    def check(self, request: Request) -> None:
-        """Scheduler.check, once per prompt length and max_tokens (all it reads of a request)."""
-        at = (len(request.prompt_ids), request.params.max_tokens)
-        if at not in self._checked:
-            super().check(request)
-            self._checked.add(at)
-
-    def use_decode_clock(self) -> None:
-        """Count decoding rows on the decode clock (sim_decode.py); the run loop then ticks it once per iteration."""
-        self.lazy = DecodeRows(self.decode_clock, self.cfg.page_size, self.cfg.max_context, self.block_pool.tables, self.cfg.enable_prefix_caching)
-        self.lazy.page_buckets = self.tables.pages
-
-    def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
-        super()._admit(request, num_cached_tokens)
-        if self.lazy is not None:
-            self._admitted.append(request)
-
-    def _leave(self, request: Request) -> None:
-        """A request stops running (finish, preemption): off the clock, its fields settled."""
-        if request._clock is not None:
-            self.lazy.unregister(request)
-        elif request in self._admitted:
-            self._admitted.remove(request)
-
-    def _preempt(self, request: Request) -> None:
-        if self.lazy is not None:
-            self._leave(request)
-        self.kv.name_owed(request)
-        super()._preempt(request)
-
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        if self.lazy is not None:
-            self._leave(request)
-        super().finish(request, reason, error)
-
-    def register_decoders(self) -> None:
-        """Put the admitted requests that now decode on the clock."""
-        admitted = self._admitted
-        if admitted:
-            # Scheduler._in_decode outside deterministic mode (the clock's only mode), from the fields of rows off the clock
-            decoding = [bool(r._output) and r._computed == len(r.prompt_ids) + len(r._output) - 1 for r in admitted]
-            if any(decoding):
-                self._admitted = [r for r, decodes in zip(admitted, decoding) if not decodes]
-                for r, decodes in zip(admitted, decoding):
-                    if decodes:
-                        self.lazy.register(r)
-
-    def note_allocated(self, request: Request) -> None:
-        """A registered row's table grew: its next page need, and the split if its page bucket changed."""
-        if self.lazy.push_need(request):
-            self._split = None
-
-    def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
-        """Scheduler._reserve_decode_pages on the clock: only the rows whose next token needs a page are visited
-        (in running order, with the same allocation and preemption loop); the rows in running order."""
-        lazy = self.lazy
-        if lazy is None:
-            return super()._reserve_decode_pages()
-        self.register_decoders()
-        kv = self.kv
-        for request in lazy.due_pages():
-            if request._clock is None:  # preempted by an earlier row of this loop
-                continue
-            needed = request.num_computed_tokens + 1
-            while kv.num_new_pages(request, needed) and kv.try_allocate(request, needed) is None:
-                victim = self.policy.victim(self.running)
-                self._preempt(victim)
-                if victim is request:
-                    break
-            if request._clock is not None:
-                self.note_allocated(request)
-        return lazy.ordered(), list(self._admitted)
-
-    def _plan_step(self) -> list[_SketchPlan]:
-        """Scheduler._plan_step with the rows on the clock (no sliding window then): the decode plans of the same
-        groups as the last iteration's (the rows and their page buckets unchanged) are the same plans."""
-        if self.lazy is None:
-            return super()._plan_step()
-        decode_rows, partial = self._reserve_decode_pages()
-        prefill_rows = self._plan_prefill(partial)
-        plans = self._decode_plans(self._split_decode(decode_rows))
-        if prefill_rows:
-            plans.append(self._prefill_plan(prefill_rows))
-        self._record_utilization()
-        return plans
-
-    def _decode_plans(self, groups: list[tuple[list[Request], list[int]]]) -> list[_SketchPlan]:
-        """Scheduler._plan_step's decode plans of these groups, each group's programs with their largest tables; those
-        of the last groups again (the same plans, counted in the statistics as _decode_plan counts them)."""
-        memo, stats = self._group_plans, self.stats
-        if memo is not None and memo[0] is groups:
-            steps, real, padded = memo[2]
-            stats.num_steps += steps
-            stats.real_tokens += real
-            stats.padded_tokens += padded
-            return list(memo[1])
-        plans, size = [], self.tables.max_decode_rows
-        for group, pages in groups:
-            if len(group) <= size:  # one program (every group outside deterministic mode)
-                plans.append(self._decode_plan(group, max(pages)))
-            else:
-                plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
-        real = padded = 0
-        for plan in plans:
-            real += len(plan.request_ids)
-            padded += plan.bucket.num_rows * plan.bucket.num_tokens
-        self._group_plans = (groups, plans, (len(plans), real, padded))
-        return list(plans)
-
-    def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
-        """Scheduler._plan_prefill, which plans nothing, and reads or changes nothing, when no request prefills
-        and no sequence slot is free or nothing waits (every policy's admission_order offers no request then)."""
-        if not partial and (not self.waiting or self.policy.decode_width() <= len(self.running)):
-            return []
-        return super()._plan_prefill(partial)
-
-    def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
-        """Scheduler._split_decode, kept while the rows and their page buckets are the same: every registered row
-        gains a token per tick, so their order by length stays (ties in running order), kept as `decode_order`
-        (the rows of the iteration's decode plans, one plan after the other)."""
-        lazy = self.lazy
-        if lazy is None or requests is not lazy._ordered:
-            return super()._split_decode(requests)
-        if self._split is not None and self._split[0] == lazy.version:
-            return self._split[1]
-        groups = []
-        if requests:
-            ordered, pages, buckets = lazy.by_length()
-            split = self._cut(pages, buckets) if len(ordered) > 1 else 0
-            groups = [(ordered[:split], pages[:split]), (ordered[split:], pages[split:])] if split else [(ordered, pages)]
-            self.decode_order = ordered
-        self._split = (lazy.version, groups)
-        return groups
-
-    def _cut(self, pages: list[int], buckets: tuple[int, ...]) -> int:
-        """Scheduler._split_point(pages) read from its memo with the rows' page buckets (`buckets`, kept by the
-        decode rows); the method itself on a miss (a bucket pattern it has not met, or new tables)."""
-        split = self._splits.get(buckets) if self._splits_of is self.tables else None
-        return self._split_point(pages) if split is None else split
-
-    def _prefill_plan(self, pairs: list[tuple[Request, int]]) -> _SketchPlan:
-        """Scheduler._prefill_plan's sketch: the same key (memoised) and counts, without RowChunks (each copies
-        its request's block table, whose length is all the key reads)."""
-        held = self.kv.num_pages_held
-        lengths, pages = tuple([n for _, n in pairs]), [held(r) for r, _ in pairs]
-        at = (1, sum(lengths), sum(pages)) if self.tables.packed else (len(pairs), max(lengths), max(pages))
-        key = self._prefill_keys.get(at)
-        if key is None:
-            key = self._prefill_keys[at] = self.tables.prefill_key(*at)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.real_tokens += sum(lengths)
-        stats.padded_tokens += key.num_rows * key.num_tokens
-        samples = tuple([r.num_computed_tokens + n == r.num_tokens for r, n in pairs])
-        return _SketchPlan("prefill", key, tuple([r.request_id for r, _ in pairs]), lengths, samples)
-
-    def _decode_key(self, requests: list[Request], max_pages: int | None = None) -> BucketKey:
-        """Scheduler._decode_key, memoised."""
-        at = (len(requests), max(self.kv.num_pages_held_by(requests)) if max_pages is None else max_pages)
-        key = self._decode_keys.get(at)
-        if key is None:
-            key = self._decode_keys[at] = self.tables.decode_key(*at)
-        return key
-
-    def _decode_plan(self, requests: list[Request], max_pages: int | None = None) -> _SketchPlan:
-        """The real decode plan's sketch, without RowChunks (each copies its request's block table)."""
-        n = len(requests)
-        shape = self._decode_keys.get((n, max_pages))  # _decode_key's memo (a miss when max_pages is None)
-        if shape is None:
-            shape = self._decode_key(requests, max_pages)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.real_tokens += n
-        stats.padded_tokens += shape.num_rows * shape.num_tokens
-        if self.cfg.deterministic:  # a replayed row keeps no token
-            samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
-        else:  # every decoding row feeds its newest token (Scheduler._in_decode)
-            samples = (True,) * n
-            for plan, rows in self._plans:  # the same rows as a recent plan (their ids in the same order)
-                if plan.bucket == shape and rows == requests:
-                    return plan
-        plan = _SketchPlan("decode", shape, tuple([r.request_id for r in requests]), (1,) * n, samples)
-        if self.lazy is not None:
-            self._plans = [(plan, requests), *self._plans[:3]]
-        return plan
-
-    def shared_tokens_counted_twice(self) -> int:
-        """Tokens that a sum of every running request's tokens counts more than once: a page shared through
-        the prefix cache is full (it holds `page_size` tokens of a shared prefix) and counts once per owner.
-        0 without shared prefixes (`shares_pages` False: the O(pages) count is skipped)."""
-        return self.block_pool.num_extra_owners() * self.cfg.page_size if self.shares_pages else 0
-
-    def _record_utilization(self) -> None:
-        """The real statistic (Scheduler._record_utilization: a shared page counts once) in O(running): a
-        request's pages hold its tokens, the prefix cache's shared pages are full, and past its shared prefix
-        every simulated prompt has a token of its own, so no later page is shared."""
-        pool, size = self.kv.block_pool, self.cfg.page_size
-        used_pages = pool.num_used
-        if used_pages:
-            filled, tables = -self.shared_tokens_counted_twice() if self.shares_pages else 0, pool.tables  # request id -> block table (its length: kv.num_pages_held)
-            lazy = self.lazy
-            if lazy is not None:  # a registered row's pages hold its tokens (it was given room for its next one)
-                filled += lazy.base_sum + len(lazy.rows) * self.decode_clock.ticks
-            for r in self.running if lazy is None else self._admitted:
-                tokens, room = len(r.prompt_ids) + len(r.output_ids), len(tables.get(r.request_id, ())) * size
-                filled += tokens if tokens < room else room
-            utilization = filled / (used_pages * size)
-            self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, utilization)
-            self.stats.kv_utilization_sum += utilization
-            self.stats.kv_utilization_steps += 1
-
-
 class _Done(NamedTuple):
     """What the results read of a finished request; the request itself is let go (its prompt and output
     lists, a few kilobytes each, would otherwise be most of a long run's memory)."""
@@ -393,9 +141,9 @@ class _Run:
         self.one_pass_decode = one_pass_decode and not cfg.deterministic  # deterministic mode replays rows that keep no token: the run loop's path
         # Not with deadlines (expiry), deterministic mode (replayed decode rows) or a sliding window (pages released every step)
         self.fast_forward = fast_forward and not cfg.deterministic and cfg.release_window is None and all(r.deadline_s is None for r in requests)
-        self.plans: list[_SketchPlan] = []  # the plans of the iteration under way
+        self.plans: list[SketchPlan] = []  # the plans of the iteration under way
         self.clock = VirtualClock()
-        self.scheduler = _SketchScheduler(cfg, num_pages)
+        self.scheduler = SketchScheduler(cfg, num_pages)
         # Scheduler.expire finds nothing when no request has a deadline and the policy sheds none (the base's shed)
         self.expires = any(r.deadline_s is not None for r in requests) or type(self.scheduler.policy).shed is not SchedulingPolicy.shed
         # Scheduler.observe does nothing under a policy that learns nothing from a step (the base's observe)
@@ -456,7 +204,7 @@ class _Run:
         while self.pulled and self.inflight < self.max_inflight:
             self.submit(self.pulled.pop(), now)
 
-    def step(self, plan: _SketchPlan) -> np.ndarray:
+    def step(self, plan: SketchPlan) -> np.ndarray:
         self.run_step(plan)
         rows = len(plan.request_ids)
         result = self.results.get(rows)
@@ -464,7 +212,7 @@ class _Run:
             result = self.results[rows] = StepResult(np.zeros(rows, np.int32))
         return result
 
-    def run_step(self, plan: _SketchPlan) -> None:
+    def run_step(self, plan: SketchPlan) -> None:
         """The plan's step on the clock (no result: the one-pass paths read none): its seconds, its count, the
         iteration's plans."""
         clock = self.clock
@@ -477,7 +225,7 @@ class _Run:
         steps[plan.bucket] = steps.get(plan.bucket, 0) + 1
         self.plans.append(plan)
 
-    def step_seconds(self, plan: _SketchPlan) -> float:
+    def step_seconds(self, plan: SketchPlan) -> float:
         """costs.step_seconds of the plan's key and rows, memoised."""
         at = (plan.bucket, len(plan.request_ids))
         seconds = self._step_seconds.get(at)
@@ -524,7 +272,7 @@ class _Run:
                     finished += runloop.run_plan(scheduler, self.step, processor, plan, clock=clock)
             yield from finished
 
-    def _run_decode_plans(self, plans: list[_SketchPlan]) -> list[Request]:
+    def _run_decode_plans(self, plans: list[SketchPlan]) -> list[Request]:
         """`_run_plan` for each of an iteration's decode plans, on the decode clock: one tick gives every
         decoding row its token, and only the rows whose token fills a page (named, as cache_computed_pages_of
         would) or is their last (finished) are visited, per plan in its row order after its step."""
@@ -551,7 +299,7 @@ class _Run:
             first = last
         return done
 
-    def _run_plan(self, plan: _SketchPlan) -> list[Request]:
+    def _run_plan(self, plan: SketchPlan) -> list[Request]:
         """runloop.run_plan for a plan of the simulator's (new token 0 for each sampled row, no log-probabilities,
         stops by length only): the same updates in the same order, in one pass over the rows; returns the
         requests it finished."""

@@ -176,7 +176,7 @@ def test_one_pass_decode_gives_the_run_loops_results_bit_for_bit(num_pages, poli
 def test_kv_utilization_counts_a_page_shared_through_the_prefix_cache_once(monkeypatch, fast_forward):
     # The reference is the real scheduler's own statistic (Scheduler._record_utilization: every row's block
     # table read page by page, a shared page counted once), run on the same schedule step by step.
-    from jaxinfer.scheduling import simulator
+    from jaxinfer.scheduling import sim_scheduler
     from jaxinfer.scheduling.scheduler import Scheduler
 
     cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
@@ -185,7 +185,7 @@ def test_kv_utilization_counts_a_page_shared_through_the_prefix_cache_once(monke
     requests = [SimRequest(int(p), int(o), shared_prefix=int(s)) for p, o, s in zip(rng.integers(20, 40, 60), rng.integers(1, 30, 60), rng.choice([0, 12, 16], 60))]
     costs = work_costs(cfg)
     fast = simulate(cfg, requests, costs, num_pages=200, max_inflight=24, fast_forward=fast_forward)
-    monkeypatch.setattr(simulator._SketchScheduler, "_record_utilization", Scheduler._record_utilization)
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_record_utilization", Scheduler._record_utilization)
     real = simulate(cfg, requests, costs, num_pages=200, max_inflight=24, fast_forward=False)
     assert fast.num_steps == real.num_steps and fast.padding == real.padding  # the same schedule
     assert fast.peak_kv_utilization == pytest.approx(real.peak_kv_utilization, rel=1e-12)
@@ -324,7 +324,7 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
     # by admission and by length at every change, the decode split by Scheduler._split_point, the fast-forward's
     # bound on page buckets from every row's table. Every timing and count must be the same, bit for bit.
     from jaxinfer.config import EngineConfig
-    from jaxinfer.scheduling import simulator
+    from jaxinfer.scheduling import sim_scheduler, simulator
     from jaxinfer.scheduling.scheduler import Scheduler
     from jaxinfer.scheduling.sim_decode import DecodeRows, total_base
 
@@ -337,7 +337,7 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
 
     def real_prefill_plan(self, pairs):
         plan = Scheduler._prefill_plan(self, pairs)  # Scheduler._build_plan: a StepPlan, counted in the stats
-        return simulator._SketchPlan("prefill", plan.bucket, plan.request_ids, tuple(plan.num_new_tokens), tuple(plan.samples))
+        return sim_scheduler.SketchPlan("prefill", plan.bucket, plan.request_ids, tuple(plan.num_new_tokens), tuple(plan.samples))
 
     init = simulator._Run.__init__
 
@@ -361,9 +361,9 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
     ordered = DecodeRows.ordered
     monkeypatch.setattr(DecodeRows, "by_length", by_length)
     monkeypatch.setattr(DecodeRows, "min_top", min_top)
-    monkeypatch.setattr(simulator._SketchScheduler, "_cut", lambda self, pages, buckets: Scheduler._split_point(self, pages))
-    monkeypatch.setattr(simulator._SketchScheduler, "_prefill_plan", real_prefill_plan)
-    monkeypatch.setattr(simulator._SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_cut", lambda self, pages, buckets: Scheduler._split_point(self, pages))
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_prefill_plan", real_prefill_plan)
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
     monkeypatch.setattr(simulator._Run, "__init__", expiring_init)
     monkeypatch.setattr(DecodeRows, "ordered", sorted_rows)
     plain = simulate(cfg, requests, costs, num_pages=num_pages, max_inflight=40)
