@@ -182,10 +182,7 @@ class DecodeRows:
         whether its page bucket changed since the last call (True at its registration)."""
         held = len(self.tables.get(request.request_id, ()))
         base, index = request._total_base, request.admit_index
-        bucket = self._buckets.get(held)
-        if bucket is None:
-            bucket = self.page_bucket(held)
-        at = bisect.bisect_left(self._length_keys, (base, index))
+        at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
         self._length_pages[at] = held
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
@@ -253,12 +250,9 @@ class DecodeRows:
         """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""
         needs, ticks = self._needs, self.clock.ticks
         due = []
-        if not needs or needs[0][0] > ticks:
-            return due
-        valid = self._valid
         while needs and needs[0][0] <= ticks:
             entry = heapq.heappop(needs)
-            if valid(entry) and entry[3] not in due:
+            if self._valid(entry) and entry[3] not in due:
                 due.append(entry[3])
         if len(due) > 1:
             due.sort(key=attrgetter("admit_index"))
@@ -298,9 +292,7 @@ class DecodeRows:
 
 def in_order(rows: list[LazyRequest], order: list[LazyRequest]) -> list[tuple[int, LazyRequest]]:
     """(place in `order`, row) of each of these rows, by place."""
-    if not rows:
-        return rows
-    return sorted([(order.index(r), r) for r in rows], key=_first) if len(rows) > 1 else [(order.index(rows[0]), rows[0])]
+    return sorted([(order.index(r), r) for r in rows], key=_first) if rows else []
 
 
 def _first(pair: tuple[int, LazyRequest]) -> int:

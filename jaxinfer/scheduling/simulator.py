@@ -218,8 +218,7 @@ class _Run:
         clock = self.clock
         if self.first_step is None:
             self.first_step = clock.now
-        seconds = self._step_seconds.get((plan.bucket, len(plan.request_ids)))
-        clock.now += self.step_seconds(plan) if seconds is None else seconds  # VirtualClock.advance
+        clock.now += self.step_seconds(plan)  # VirtualClock.advance
         self.last_step = clock.now
         steps = self.steps_by_key
         steps[plan.bucket] = steps.get(plan.bucket, 0) + 1
