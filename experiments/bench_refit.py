@@ -16,7 +16,8 @@ Every program compiles for real (a fresh XLA cache, removed at the end). Per ste
 compile started and ended and when the swap happened (refit.Swap); a step that overlaps that window is inside it
 (the compile runs in a child process that Refit stops while a step runs: engine/compile_worker.py).
 Each step is compared to the median of its own program key's steps outside the window (the phase's median where
-the key has none: its median in the run without refit, else the phase's), also per key. While the refit compiles, Refit lets the child run for --yield-share (refit.YIELD_SHARE) of each step's seconds
+the key has none: its median in the run without refit, else the phase's), also per key; the noise without a compile
+beside it: the slowest step outside the window, and in the run without refit, against its key's median. While the refit compiles, Refit lets the child run for --yield-share (refit.YIELD_SHARE) of each step's seconds
 after the step: a step's seconds exclude that pause, and "max with sleep" counts it
 (refit.Swap records the sleeps; a refit still compiling at the job's end is recorded as unfinished_refit). Padding after the shift: 1 - real / padded token slots of the prefill steps that hold a
 second-half prompt, in the refit run, against a dry run (runloop.dry_run, host only) of the second half alone on
@@ -194,6 +195,20 @@ def window_by_key(steps: list[StepRecord], swap: refit.Swap) -> dict:
     return out
 
 
+def slowest_outside(steps: list[StepRecord], swap: refit.Swap | None) -> dict | None:
+    """The noise without a compile: the slowest step outside the compile window (all of them without a swap) against
+    its own key's median there, over keys with at least 5 such steps; None if none has."""
+    by_key: dict[str, list[StepRecord]] = {}
+    for s in steps:
+        if swap is None or not (s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended):
+            by_key.setdefault(s.key, []).append(s)
+    ratios = [(s.seconds / float(np.median([t.seconds for t in mine])), s) for mine in by_key.values() if len(mine) >= 5 for s in mine]
+    if not ratios:
+        return None
+    ratio, step = max(ratios, key=lambda pair: pair[0])
+    return {"max_ratio": ratio, "key": step.key, "seconds": step.seconds, "num_over_2x": sum(r > 2.0 for r, _ in ratios), "num_steps": len(ratios)}
+
+
 def fitted_table(llm, cfg, prompts, count: int, top: int) -> tuple[int, ...]:
     """A chunk table of `count` buckets, the largest `top`, fitted to the packed-row sizes of a dry run of these prompts
     on a fine table (refit.refit_chunk_table, as the refit fits)."""
@@ -334,6 +349,8 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
            "swaps": [dataclasses.asdict(s) for s in swaps], "padding_after_swap": None, "window": None, "max_ratio_in_window": None,
            "window_s": None, "compile_window_s": None, "yield_share_of_window": None, "window_by_key": None}
     out["padding_gap"] = None if out["padding_after_shift"] is None else out["padding_after_shift"] - alone
+    out["slowest_outside_window"] = slowest_outside(steps, swaps[0] if swaps else None)
+    out["slowest_no_refit"] = slowest_outside(stale_steps, None)
     if swaps:
         swap = swaps[0]
         out["padding_after_swap"] = padding_of(steps, swap.swapped_at)
@@ -369,6 +386,10 @@ def print_result(result: dict) -> None:
         print("\n" + report.format_table([("program key (in window)", "<60"), ("steps in", "9d"), ("median out s", "13.3f"), ("max / median", "13.2f"), ("over 2x", "8d"),
                                            ("steps out", "10d"), ("out over 2x", "12d")], keys))
     print(f"outputs complete: {result['outputs_complete']}; agree with the run without refit: {result['outputs_agree']:.1%}; wall {result['wall_s']} s (no refit {result['no_refit_wall_s']} s)")
+    for name, slow in (("outside the window", result["slowest_outside_window"]), ("in the run without refit", result["slowest_no_refit"])):
+        if slow:
+            print(f"slowest step {name}: {slow['max_ratio']:.2f}x its key's median ({slow['key']}, {slow['seconds']:.3f} s); "
+                  f"{slow['num_over_2x']} of {slow['num_steps']} steps over 2x")
     if result["window_s"]:
         print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "
               f"to {result['window_s']['compile_ended']:.1f} s; swap at {result['window_s']['swapped_at']:.1f} s; the job's last step ended at {result['window_s']['job_ended']:.1f} s")

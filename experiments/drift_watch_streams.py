@@ -1,6 +1,6 @@
 """Does the refit's drift watch refit a stream whose sizes never changed, and how soon and how well does it follow a shift?
 
-Host only, no model, about a minute. Each stream feeds `batch/refit.DriftWatch` one single-row prefill step per size
+Host only, no model, about two minutes. Each stream feeds `batch/refit.DriftWatch` one single-row prefill step per size
 (what the watch reads of a plan), its table swapped in at once when it proposes one (a real job swaps it a compile
 later). Three judges: the watch as it ships (the two-sample test, then the saving at one standard error); the
 saving alone (every two-sample test passing, `alpha=2.0`); and the judge before the test (the saving alone at
@@ -8,11 +8,16 @@ three standard errors, `z=3.0`; it judged from 64 rows, not 96).
 
 1. Stationary: --steps (2,000) sizes from the very log-normal distribution the table was fitted to (5,000 draws;
    5 buckets, multiples of 16, then the 512 top, as tests/batch/test_refit.py), means 20 to 150 tokens, sigmas 0.6
-   to 1.2, --seeds (20) each from seed 5000 (seeds none of the tests use). Every proposal is a false refit.
+   to 1.2, --seeds (20) each from seed 5000 (the tests use others). Every proposal is a false refit.
 2. Shifts: 1,000 sizes of one mean (sigma 0.35) then 1,000 of another, the table fitted to the first; the prefill
    step of the first proposal after the shift (None: never), 10 seeds each from seed 100, and the padding of the
    rows after the shift (on the table in force at each) less that of the table fitted to them alone
    (`refit_chunk_table`), in points, the seeds' mean.
+3. Small changes: 1,000 sizes of one distribution then 3,000 of a near one (means 25 to 30 and to 35, 60 to 70 at
+   sigma 0.8; 25 to 30 at 1.0; 40 to 50 at 0.6), 20 seeds each from seed 900, too small for a table fitted to the
+   new sizes to save much: the refits after the change, and the padding of its rows less the table kept's, in
+   points. After a change the watch leaves alone, its sample before the window mixes both distributions, so the
+   two-sample test passes on every window for a while and only the saving guards.
 
     .venv/bin/python experiments/drift_watch_streams.py [--seeds 20] [--steps 2000]
 """
@@ -31,6 +36,7 @@ RESULTS = paths.RESULTS_DIR / "drift_watch_streams.json"
 TOP = 512
 MEANS, SIGMAS = (20, 25, 30, 40, 60, 150), (0.6, 0.8, 1.0, 1.2)
 SHIFTS = ((60, 300), (25, 300), (25, 60), (60, 120), (150, 60), (300, 60))
+SMALL_CHANGES = ((25, 30, 0.8), (25, 35, 0.8), (60, 70, 0.8), (25, 30, 1.0), (40, 50, 0.6))
 JUDGES: dict[str, Callable[[tuple[int, ...]], DriftWatch]] = {
     "watch": lambda table: DriftWatch(table),
     "saving alone": lambda table: DriftWatch(table, alpha=2.0),
@@ -99,6 +105,21 @@ def shifted(make: Callable) -> dict[str, dict]:
     return seen
 
 
+def small_changes(make: Callable) -> dict[str, dict]:
+    """Per small change, the refits after it in 20 streams, and the padding of its rows less the table kept's."""
+    seen = {}
+    for before, after, sigma in SMALL_CHANGES:
+        refits, gaps = 0, []
+        for seed in range(900, 920):
+            rng = np.random.default_rng(seed)
+            sizes = np.minimum(np.concatenate([lengths(rng, 1000, before, sigma), lengths(rng, 3000, after, sigma)]), TOP)
+            table, slots = fitted_table(rng, before, sigma), []
+            refits += len(proposals(make(table), sizes, slots))
+            gaps.append(1 - sizes[1000:].sum() / sum(slots[1000:]) - padding(sizes[1000:], table))
+        seen[f"{before}->{after}, sigma {sigma}"] = {"refits": refits, "padding_over_kept_points": round(100 * float(np.mean(gaps)), 2)}
+    return seen
+
+
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
     parser.add_argument("--seeds", type=int, default=20, help="seeds per stationary distribution (default 20)")
@@ -108,7 +129,7 @@ def main() -> None:
     result = {}
     for name, make in JUDGES.items():
         report.log("drift_watch_streams", f"{name}: {streams} stationary streams, {len(SHIFTS) * 10} shifted")
-        result[name] = {"false_refits": stationary(make, args.seeds, args.steps), "shifts": shifted(make)}
+        result[name] = {"false_refits": stationary(make, args.seeds, args.steps), "shifts": shifted(make), "small_changes": small_changes(make)}
     rows = [[name, streams, len(r["false_refits"]), sum(len(f["steps"]) for f in r["false_refits"])] for name, r in result.items()]
     print(report.format_table([("judge", "<16"), ("streams", ">8d"), ("refitted", ">9d"), ("refits", ">7d")], rows))
     print("\nshifts: padding gap after the shift (points, mean of 10 seeds); first proposal, prefill steps after it (- never):")
@@ -116,6 +137,10 @@ def main() -> None:
         for name in JUDGES:
             seen = result[name]["shifts"][f"{shift[0]}->{shift[1]}"]
             print(f"  {shift[0]:>3} -> {shift[1]:<4} {name:<16} {seen['padding_gap_points']:6.2f}   " + " ".join("-" if s is None else str(s) for s in seen["first_proposal"]))
+    print("\nsmall changes: refits in 20 streams, padding after the change less the table kept's (points):")
+    for change in result["watch"]["small_changes"]:
+        print(f"  {change:<22} " + "   ".join(f"{name}: {r['small_changes'][change]['refits']}, {r['small_changes'][change]['padding_over_kept_points']:+.2f}"
+                                             for name, r in result.items()))
     doc = {"question": __doc__.split("\n\n")[0].replace("\n", " "), "settings": {k: str(v) for k, v in vars(args).items()}, "streams": streams, "result": result}
     report.finish(args.out, doc, {"bench": "drift_watch_streams", "streams": streams, "false_refits": {n: len(r["false_refits"]) for n, r in result.items()},
                                   "padding_gap_points": {n: {k: v["padding_gap_points"] for k, v in r["shifts"].items()} for n, r in result.items()}})

@@ -4,8 +4,8 @@ steps, and swaps them in between two steps.
 
 `DriftWatch` (host only, numpy) keeps the token counts of the last `window` prefill rows, and a sample of the
 rows before them since its table was set (every 2**k-th row, k growing as the sample fills). Every `every`
-prefill steps it judges the window, once the sample holds half a window of rows. Drift is a change, with
-evidence of two kinds, both needed:
+prefill steps it judges the window, once the sample holds half a window of rows (or `reference`). Drift is a
+change, with evidence of two kinds, both needed:
 - the window's newer half is not drawn from the rows before it: a two-sample Kolmogorov-Smirnov test
   (`ks_pvalue`) below `alpha`;
 - it pads to fewer slots under a table fitted to the window's older half (`fit_table`, the exact fit, with
@@ -15,14 +15,15 @@ evidence of two kinds, both needed:
   (`significant_saving`).
 Then the table fitted to the newer half (the rows the evidence is about) is proposed. The test proves the change,
 so the saving needs only one standard error (z = 1); the saving alone, at three, mistook a window without a row
-of a long tail for drift. On 480 streams of sizes from the distribution their table was fitted to (log-normal,
-means 20 to 150 tokens, sigmas 0.6 to 1.2, 20 seeds) the saving alone refitted 34 at three standard errors and
-267 at one, dropping the table's tail buckets (one such stream padded 48% against 36% on the table kept); the
-watch refitted none. On shifts of 10 seeds each it follows small ones sooner than the saving alone at three:
-the padding after a shift from 25 to 60 tokens is 6.3 points over a table fitted to it alone, against 20.3
-(60 to 120: 2.9 against 6.6; experiments/drift_watch_streams.py). The judge before both (a padding gap over 8
-points on 16 rows, no error margin) refitted 1 to 4 times in 2,000 prefill steps of such sizes. A table that
-never suited the job's sizes is the plan's to fit (it samples the input); the watch refits on change.
+of a long tail for drift and dropped the table's tail buckets (one stream of an earlier set, in a script, padded
+48% against 36% on the table kept). On 480 streams of sizes from the distribution their table was fitted to
+(log-normal, means 20 to 150 tokens, sigmas 0.6 to 1.2, 20 seeds) the saving alone refitted 34 at three standard
+errors and 267 at one; the watch refitted none. It follows small shifts sooner than the saving alone at three:
+the padding after a shift from 25 to 60 tokens is 6.3 points over a table fitted to it alone, against 20.3 (60
+to 120: 2.9 against 6.6; experiments/drift_watch_streams.py). The judge before both (a padding gap over 8 points
+on 16 rows, no error margin) refitted 1 to 4 times in 2,000 prefill steps of the test's stationary streams
+(means 60 to 220, sigmas 0.35 to 0.8). A table that never suited the job's sizes is the plan's to fit (it
+samples the input); the watch refits on change.
 
 `Refit` is the job's on_step hook. On drift it starts a child process that compiles the programs the new table
 needs (engine/compile_worker.py's ChildCompile: the configs and the state's shapes, no weights; the programs come
@@ -93,21 +94,31 @@ def significant_saving(sizes: np.ndarray, table: tuple[int, ...], trial: tuple[i
     return bool(saved.mean() - z * error > threshold * current.mean())
 
 
-def ks_pvalue(a, b) -> float:
-    """The p-value of the two-sample Kolmogorov-Smirnov test that `a` and `b` are drawn from one distribution: the
-    largest gap D between their empirical CDFs, against the Kolmogorov distribution's tail at Stephens' scaled
-    (sqrt(ne) + 0.12 + 0.11 / sqrt(ne)) * D, ne = n * m / (n + m) (asymptotic; ties make it conservative)."""
-    a, b = np.sort(np.asarray(a, np.float64)), np.sort(np.asarray(b, np.float64))
-    if a.size == 0 or b.size == 0:
+def ks_pvalue(sample, reference) -> float:
+    """The p-value of the two-sample Kolmogorov-Smirnov test that two samples are drawn from one distribution.
+
+    The largest gap D between their empirical CDFs, against the Kolmogorov distribution's tail at Stephens'
+    scaled (sqrt(ne) + 0.12 + 0.11 / sqrt(ne)) * D, ne = n * m / (n + m). Asymptotic: ties make it
+    conservative, and at 32 rows against 32 it runs slightly low (about 0.7 of the exact p for continuous data).
+
+    Args:
+      sample: i64[N] or f64[N]; the sizes to judge.
+      reference: i64[M] or f64[M]; the sizes they are compared with.
+
+    Returns:
+      The p-value in [0, 1]; 1.0 when either sample is empty.
+    """
+    sample, reference = np.sort(np.asarray(sample, np.float64)), np.sort(np.asarray(reference, np.float64))
+    if sample.size == 0 or reference.size == 0:
         return 1.0
-    values = np.concatenate([a, b])
-    gap = np.abs(np.searchsorted(a, values, "right") / a.size - np.searchsorted(b, values, "right") / b.size).max()
-    root = np.sqrt(a.size * b.size / (a.size + b.size))
+    values = np.concatenate([sample, reference])
+    gap = np.abs(np.searchsorted(sample, values, "right") / sample.size - np.searchsorted(reference, values, "right") / reference.size).max()
+    root = np.sqrt(sample.size * reference.size / (sample.size + reference.size))
     scaled = (root + 0.12 + 0.11 / root) * gap
     if scaled < 0.2:  # the tail is 1 there to 12 digits, and the series slow to converge
         return 1.0
-    k = np.arange(1, 101)
-    return float(np.clip(2.0 * np.sum((-1.0) ** (k - 1) * np.exp(-2.0 * (k * scaled) ** 2)), 0.0, 1.0))
+    terms = np.arange(1, 101)
+    return float(np.clip(2.0 * np.sum((-1.0) ** (terms - 1) * np.exp(-2.0 * (terms * scaled) ** 2)), 0.0, 1.0))
 
 
 def fit_table(sizes, count: int, *, multiple_of: int = 1) -> tuple[int, ...]:
@@ -158,9 +169,12 @@ class DriftWatch:
     threshold: float = 0.08  # share of the current table's slots a refitted table must save to count as drift
     z: float = 1.0  # standard errors of the per-row saving that must lie above the threshold (the change is the test's to prove)
     alpha: float = 1e-4  # the newer half must differ from the rows before the window at this level (ks_pvalue)
-    reference: int = 512  # rows before the window kept at most, from every 2**k-th (1024 before a halving)
+    reference: int = 512  # rows before the window kept: every 2**k-th, `reference` to 2 x reference - 1 once halved
 
     def __post_init__(self):
+        if self.window < 2 or self.every < 1 or self.reference < 1:
+            raise ValueError(f"DriftWatch needs window >= 2, every >= 1 and reference >= 1, got window={self.window}, every={self.every}, "
+                             f"reference={self.reference}")
         self.sizes: deque[int] = deque(maxlen=self.window)
         self.seen = 0
         self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
@@ -188,13 +202,14 @@ class DriftWatch:
         for size in [sum(plan.num_new_tokens)] if plan.bucket.num_rows == 1 else plan.num_new_tokens:
             self._push(size)
         self.seen += 1
-        # after a swap, a whole window of the new table's steps and half a window before it
-        if self.seen % self.every or len(self.sizes) < self.window or len(self.before) < self.window // 2:
+        # after a swap, a whole window of the new table's steps and half a window before it (or `reference` rows)
+        if self.seen % self.every or len(self.sizes) < self.window or len(self.before) < min(self.window // 2, self.reference):
             return None
         sizes = np.array(self.sizes)
         older, newer = sizes[: sizes.size // 2], sizes[sizes.size // 2 :]
-        drifted = ks_pvalue(newer, self.before) < self.alpha and significant_saving(
-            newer, self.table, refit_chunk_table(older, self.table, self.count), self.threshold, self.z)  # out of sample: a table fitted to a window always wins on it
+        changed = ks_pvalue(newer, self.before) < self.alpha
+        trial = refit_chunk_table(older, self.table, self.count) if changed else None  # out of sample: a table fitted to a window always wins on it
+        drifted = changed and significant_saving(newer, self.table, trial, self.threshold, self.z)
         self.strikes = self.strikes + 1 if drifted else 0
         return refit_chunk_table(newer, self.table, self.count) if self.strikes >= self.strikes_needed else None
 
