@@ -148,12 +148,18 @@ class Scheduler:
                 self.kv.release_outside_window(request)
         decode_rows, partial = self._reserve_decode_pages()
         prefill_rows = self._plan_prefill(partial)
-        plans, size = [], self.tables.max_decode_rows  # programs of a group (_decode_programs), each with its largest table
-        for group, pages in self._split_decode(decode_rows):
-            plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
+        plans = self._decode_plans(self._split_decode(decode_rows))
         if prefill_rows:
             plans.append(self._prefill_plan(prefill_rows))
         self._record_utilization()
+        return plans
+
+    def _decode_plans(self, groups: list[tuple[list[Request], list[int]]]) -> list[StepPlan]:
+        """The decode plans of these groups (_split_decode's): each group's programs (_decode_programs), each
+        with its largest table."""
+        plans, size = [], self.tables.max_decode_rows
+        for group, pages in groups:
+            plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
         return plans
 
     # ------------------------------------------------------------ phases of a running request

@@ -92,8 +92,7 @@ class SketchScheduler(Scheduler):
         """Put the admitted requests that now decode on the clock."""
         admitted = self._admitted
         if admitted:
-            # Scheduler._in_decode outside deterministic mode (the clock's only mode), from the fields of rows off the clock
-            decoding = [bool(r._output) and r._computed == len(r.prompt_ids) + len(r._output) - 1 for r in admitted]
+            decoding = [self._in_decode(r) for r in admitted]
             if any(decoding):
                 self._admitted = [r for r, decodes in zip(admitted, decoding) if not decodes]
                 for r, decodes in zip(admitted, decoding):
@@ -126,22 +125,9 @@ class SketchScheduler(Scheduler):
                 self.note_allocated(request)
         return lazy.ordered(), list(self._admitted)
 
-    def _plan_step(self) -> list[SketchPlan]:
-        """Scheduler._plan_step with the rows on the clock (no sliding window then): the decode plans of the same
-        groups as the last iteration's (the rows and their page buckets unchanged) are the same plans."""
-        if self.lazy is None:
-            return super()._plan_step()
-        decode_rows, partial = self._reserve_decode_pages()
-        prefill_rows = self._plan_prefill(partial)
-        plans = self._decode_plans(self._split_decode(decode_rows))
-        if prefill_rows:
-            plans.append(self._prefill_plan(prefill_rows))
-        self._record_utilization()
-        return plans
-
     def _decode_plans(self, groups: list[tuple[list[Request], list[int]]]) -> list[SketchPlan]:
-        """Scheduler._plan_step's decode plans of these groups, each group's programs with their largest tables; those
-        of the last groups again (the same plans, counted in the statistics as _decode_plan counts them)."""
+        """Scheduler._decode_plans; for the groups of the last iteration again (the rows on the clock and their page
+        buckets unchanged: _split_decode's memo), the same plans, counted in the statistics as _decode_plan counts them."""
         memo, stats = self._group_plans, self.stats
         if memo is not None and memo[0] is groups:
             steps, real, padded = memo[2]

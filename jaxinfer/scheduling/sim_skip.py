@@ -227,9 +227,8 @@ def _apply_last(run, plans) -> None:
         for p in plans:
             _count_plan(run, p)
             last = first + len(p.request_ids)
-            if filling or finishing:
-                for r in end_plan(scheduler, filling, finishing, first, last):
-                    run.retire(r)
+            for r in end_plan(scheduler, filling, finishing, first, last):
+                run.retire(r)
             first = last
         return
     for p in plans:

@@ -293,8 +293,7 @@ class _Run:
                         r.first_token_time = clock.now
                         if r.first_token_time:
                             del lazy.untimed[r.admit_index]
-            if filling or finishing:
-                done += end_plan(scheduler, filling, finishing, first, last)
+            done += end_plan(scheduler, filling, finishing, first, last)
             first = last
         return done
 
