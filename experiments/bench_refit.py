@@ -156,11 +156,16 @@ def padding_of(steps: list[StepRecord], after: float = 0.0) -> float | None:
     return None if not prefill else 1.0 - sum(s.real_tokens for s in prefill) / sum(s.slots for s in prefill)
 
 
+def in_window(step: StepRecord, swap: refit.Swap) -> bool:
+    """Whether the step overlaps the refit's compile window."""
+    return step.ended > swap.compile_started and step.ended - step.seconds < swap.compile_ended
+
+
 def window_stats(steps: list[StepRecord], swap: refit.Swap, baseline: list[StepRecord]) -> dict:
     """Per phase: median outside the compile window, max / p99 inside, each inside step against its key's median
     outside the window (a key with no step outside it: that key's median in `baseline`, the run without refit, else
     the phase's), also with the pause Refit took after it (yield_share of its seconds), and how many inside steps passed 2x."""
-    inside = [s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended for s in steps]
+    inside = [in_window(s, swap) for s in steps]
     outside_by_key, outside_by_phase, baseline_by_key = {}, {}, {}
     for s, i in zip(steps, inside):
         if not i:
@@ -186,7 +191,7 @@ def window_by_key(steps: list[StepRecord], swap: refit.Swap) -> dict:
     the slowest inside / that median, how many inside passed 2x, and (the noise without a compile) how many outside did."""
     out = {}
     for key in sorted({s.key for s in steps}):
-        mine = [(s.seconds, s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended) for s in steps if s.key == key]
+        mine = [(s.seconds, in_window(s, swap)) for s in steps if s.key == key]
         inside, outside = [t for t, i in mine if i], [t for t, i in mine if not i]
         if inside and outside:
             median = float(np.median(outside))
@@ -200,7 +205,7 @@ def slowest_outside(steps: list[StepRecord], swap: refit.Swap | None) -> dict | 
     its own key's median there, over keys with at least 5 such steps; None if none has."""
     by_key: dict[str, list[StepRecord]] = {}
     for s in steps:
-        if swap is None or not (s.ended > swap.compile_started and s.ended - s.seconds < swap.compile_ended):
+        if swap is None or not in_window(s, swap):
             by_key.setdefault(s.key, []).append(s)
     ratios = [(s.seconds / float(np.median([t.seconds for t in mine])), s) for mine in by_key.values() if len(mine) >= 5 for s in mine]
     if not ratios:
@@ -248,8 +253,7 @@ def dry_refit(cfg, prompts, half: int, watch: refit.DriftWatch, delay: int, num_
                 swap(state.pop("pending"))
 
     def swap(table):
-        scheduler.cfg = refit.with_chunk_table(scheduler.cfg, table)
-        scheduler.tables = BucketTables.from_config(scheduler.cfg)
+        scheduler.use_config(refit.with_chunk_table(scheduler.cfg, table))
         watch.reset(table)
         state["pending"] = None
         state["swapped_at"].append(state["step"])

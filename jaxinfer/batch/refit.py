@@ -348,7 +348,7 @@ class Refit:
         self.llm.engine.use_config(cfg, programs)
         tables = BucketTables.from_config(cfg)
         for scheduler in getattr(getattr(self.llm, "stream_run", None), "schedulers", []):
-            scheduler.cfg, scheduler.tables = cfg, tables
+            scheduler.use_config(cfg)
         self.llm.engine_config = cfg
         self.watch.reset(tables.chunk_tokens)
         self.swaps.append(Swap(old, tables.chunk_tokens, pending.asked_at, self.step, len(programs), ended - pending.started, pending.started, ended,

@@ -87,11 +87,17 @@ class Scheduler:
         self._running_ids: dict[str, Request] = {}  # request id -> its running request (kept with `running`)
         self.stats = SchedulerStats()
         self._admissions = 0
-        self._program_costs: dict[tuple[int, int], float] = {}  # (rows, largest pages) -> _program_cost (the tables are fixed)
+        self._program_costs: dict[tuple[int, int], float] = {}  # (rows, largest pages) -> _program_cost (cleared by use_config)
         self._splits: dict[tuple[int, ...], int] = {}  # decode rows' page buckets -> _split_point
         self._splits_of: BucketTables | None = None  # the tables _splits holds cuts for
         self._page_buckets: dict[int, int] = {}  # pages -> their bucket (pad_to_bucket)
         self.clock: Callable[[], float] = time.perf_counter  # read by expire, update and finish (runloop.run sets it; the simulator's is virtual)
+
+    def use_config(self, cfg: EngineConfig) -> None:
+        """Plan with `cfg`'s bucket tables from the next iteration on (batch/refit.py swaps a refitted chunk table in
+        between steps); the pool, the policy and the requests stay as they are."""
+        self.cfg, self.tables = cfg, BucketTables.from_config(cfg)
+        self._program_costs.clear()
 
     @property
     def block_pool(self) -> BlockPool:

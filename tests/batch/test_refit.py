@@ -54,8 +54,7 @@ def _run(lengths, table, *, watch=None, shift_at=None):
             slots[1] += plan.bucket.num_rows * plan.bucket.num_tokens
         new = watch.observe(plan) if watch is not None else None
         if new is not None:  # what Refit does once the programs are compiled: the scheduler takes the new tables
-            scheduler.cfg = with_chunk_table(scheduler.cfg, new)
-            scheduler.tables = BucketTables.from_config(scheduler.cfg)
+            scheduler.use_config(with_chunk_table(scheduler.cfg, new))
             watch.reset(new)
 
     fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
