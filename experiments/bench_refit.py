@@ -237,16 +237,22 @@ def dry_refit(cfg, prompts, half: int, watch: refit.DriftWatch, delay: int, num_
     scheduler = Scheduler(cfg, num_pages)
     for i, p in enumerate(prompts):
         scheduler.add(Request(str(i), list(p.token_ids), dataclasses.replace(p.params, temperature=0.0, ignore_eos=True), seed=i, arrival_index=i))
-    state = {"step": 0, "real": 0, "slots": 0, "pending": None, "wait": 0, "asked_at": [], "swapped_at": []}
+    state = {"step": 0, "real": 0, "slots": 0, "rows": 0, "pending": None, "wait": 0, "asked_at": [], "swapped_at": [], "rows_at_ask": [], "rows_at_swap": [],
+             "real_after_swap": 0, "slots_after_swap": 0}
 
     def on_step(plan, tokens, seconds):
         state["step"] += 1
         if plan.phase == "prefill" and any(int(r) >= half for r in plan.request_ids):
             state["real"] += sum(plan.num_new_tokens)
             state["slots"] += plan.bucket.num_rows * plan.bucket.num_tokens
+            state["rows"] += sum(int(r) >= half for r in plan.request_ids)
+            if state["swapped_at"]:
+                state["real_after_swap"] += sum(plan.num_new_tokens)
+                state["slots_after_swap"] += plan.bucket.num_rows * plan.bucket.num_tokens
         if state["pending"] is None and (table := watch.observe(plan)) is not None:
             state["pending"], state["wait"] = table, delay
             state["asked_at"].append(state["step"])
+            state["rows_at_ask"].append(state["rows"])
         elif state["pending"] is not None and plan.phase == "prefill":
             state["wait"] -= 1
             if state["wait"] < 0:
@@ -257,12 +263,14 @@ def dry_refit(cfg, prompts, half: int, watch: refit.DriftWatch, delay: int, num_
         watch.reset(table)
         state["pending"] = None
         state["swapped_at"].append(state["step"])
+        state["rows_at_swap"].append(state["rows"])
 
     fake_step = lambda plan: np.zeros(plan.seeds.shape[0], np.int32)  # noqa: E731
     finished = list(runloop.run(scheduler, fake_step, OutputProcessor(None, None, cfg.max_context), on_step=on_step))
     complete = len(finished) == len(prompts) and all(r.finish_reason == "length" and len(r.output_ids) == r.params.max_tokens for r in finished)
     return {"padding_after_shift": 1.0 - state["real"] / max(1, state["slots"]), "asked_at_step": state["asked_at"], "swapped_at_step": state["swapped_at"],
-            "new_table": list(watch.table), "num_steps": state["step"], "complete": complete}
+            "second_half_rows_at_ask": state["rows_at_ask"], "second_half_rows_at_swap": state["rows_at_swap"],
+            "padding_after_swap": 1.0 - state["real_after_swap"] / state["slots_after_swap"] if state["slots_after_swap"] else None, "new_table": list(watch.table), "num_steps": state["step"], "complete": complete}
 
 
 def dry_main(args, llm, plan, prompts, start_table, alone_table) -> None:

@@ -4,26 +4,30 @@ steps, and swaps them in between two steps.
 
 `DriftWatch` (host only, numpy) keeps the token counts of the last `window` prefill rows, and a sample of the
 rows before them since its table was set (every 2**k-th row, k growing as the sample fills). Every `every`
-prefill steps it judges the window, once the sample holds half a window of rows (or `reference`). Drift is a
+prefill step it judges the window, once the sample holds half a window of rows (or `reference`). Drift is a
 change, with evidence of two kinds, both needed:
 - the window's newer half is not drawn from the rows before it: a two-sample Kolmogorov-Smirnov test
   (`ks_pvalue`) below `alpha`;
-- it pads to fewer slots under a table fitted to the window's older half (`fit_table`, the exact fit, with
-  the same number of buckets, the current largest bucket kept, so the chunk limit and with it the schedule's
-  chunking stay as they were): out of sample, so a window is not judged on its own fit. The slots saved per
-  row, paired row by row, must exceed `threshold` of the current table's slots by `z` standard errors
-  (`significant_saving`).
-Then the table fitted to the newer half (the rows the evidence is about) is proposed. The test proves the change,
-so the saving needs only one standard error (z = 1); the saving alone, at three, mistook a window without a row
-of a long tail for drift and dropped the table's tail buckets (one stream of an earlier set, in a script, padded
-48% against 36% on the table kept). On 480 streams of sizes from the distribution their table was fitted to
-(log-normal, means 20 to 150 tokens, sigmas 0.6 to 1.2, 20 seeds) the saving alone refitted 34 at three standard
-errors and 267 at one; the watch refitted none. It follows small shifts sooner than the saving alone at three:
-the padding after a shift from 25 to 60 tokens is 6.3 points over a table fitted to it alone, against 20.3 (60
-to 120: 2.9 against 6.6; experiments/drift_watch_streams.py). The judge before both (a padding gap over 8 points
-on 16 rows, no error margin) refitted 1 to 4 times in 2,000 prefill steps of the test's stationary streams
-(means 60 to 220, sigmas 0.35 to 0.8). A table that never suited the job's sizes is the plan's to fit (it
-samples the input); the watch refits on change.
+- the rows after the change (`change_point`: the split of the window whose later rows differ most from those
+  before it, at least `least` of them) pad to fewer slots under a table fitted to half of them (`fit_table`, the
+  exact fit, to the even rows, with the same number of buckets, the current largest bucket kept, so the chunk
+  limit and with it the schedule's chunking stay as they were) than under the current table: out of sample (tested
+  on the odd rows), so rows are not judged on their own fit. The slots saved per row, paired row by row, must
+  exceed `threshold` of the current table's slots by `z` standard errors (`significant_saving`).
+Then the table fitted to the rows after the change is proposed. The test proves the change, so the saving needs
+only one standard error (z = 1); the saving alone, at three, mistook a window without a row of a long tail for
+drift and dropped the table's tail buckets (one stream of an earlier set, in a script, padded 48% against 36% on
+the table kept). On 480 streams of sizes from the distribution their table was fitted to (log-normal, means 20 to
+150 tokens, sigmas 0.6 to 1.2, 20 seeds) the saving alone refitted 34 at three standard errors and 267 at one;
+the watch refitted none (experiments/drift_watch_streams.py).
+
+Judged from the rows after the change point, a large shift is proposed about a dozen rows after it; the watch
+before (a table fitted to the window's older half, tested on its newer half) waited until the older half held
+the new sizes, about 35 rows. A table fitted to a dozen rows is rough, so once `settle_rows` rows have run on a
+drift's table the watch judges them once more, out of sample as above: if a table fitted to their even rows
+saves `settle_threshold` of the slots on their odd rows, the table fitted to all of them is proposed (once per
+drift; `reason` says which kind a proposal is). A table that never suited the job's sizes is the plan's to fit
+(it samples the input); the watch refits on change.
 
 `Refit` is the job's on_step hook. On drift it starts a child process that compiles the programs the new table
 needs (engine/compile_worker.py's ChildCompile: the configs and the state's shapes, no weights; the programs come
@@ -94,6 +98,13 @@ def significant_saving(sizes: np.ndarray, table: tuple[int, ...], trial: tuple[i
     return bool(saved.mean() - z * error > threshold * current.mean())
 
 
+def _ks_gap(sample: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(D, sqrt(n m / (n + m))): the largest gap between two sorted samples' empirical CDFs, and its scale."""
+    values = np.concatenate([sample, reference])
+    gap = np.abs(np.searchsorted(sample, values, "right") / sample.size - np.searchsorted(reference, values, "right") / reference.size).max()
+    return float(gap), float(np.sqrt(sample.size * reference.size / (sample.size + reference.size)))
+
+
 def ks_pvalue(sample, reference) -> float:
     """The p-value of the two-sample Kolmogorov-Smirnov test that two samples are drawn from one distribution.
 
@@ -111,14 +122,37 @@ def ks_pvalue(sample, reference) -> float:
     sample, reference = np.sort(np.asarray(sample, np.float64)), np.sort(np.asarray(reference, np.float64))
     if sample.size == 0 or reference.size == 0:
         return 1.0
-    values = np.concatenate([sample, reference])
-    gap = np.abs(np.searchsorted(sample, values, "right") / sample.size - np.searchsorted(reference, values, "right") / reference.size).max()
-    root = np.sqrt(sample.size * reference.size / (sample.size + reference.size))
+    gap, root = _ks_gap(sample, reference)
     scaled = (root + 0.12 + 0.11 / root) * gap
     if scaled < 0.2:  # the tail is 1 there to 12 digits, and the series slow to converge
         return 1.0
     terms = np.arange(1, 101)
     return float(np.clip(2.0 * np.sum((-1.0) ** (terms - 1) * np.exp(-2.0 * (terms * scaled) ** 2)), 0.0, 1.0))
+
+
+def change_point(window, before, least: int) -> int:
+    """Where the rows of `window` (oldest first) start to differ most from those before them: the split c whose
+    later rows window[c:] (at least `least` of them) are farthest, by the scaled two-sample Kolmogorov-Smirnov
+    gap sqrt(ne) * D, from `before` and window[:c] together; the earliest such c on a tie.
+
+    Args:
+      window: i64[W]; the sizes, oldest first.
+      before: i64[B]; the sizes before them (a sample).
+      least: the fewest rows after the split (1 to W).
+
+    Returns:
+      c in [0, W - least].
+    """
+    window, before = np.asarray(window, np.float64), np.asarray(before, np.float64)
+    best, at = -1.0, 0
+    for c in range(window.size - least + 1):
+        earlier = np.sort(np.concatenate([before, window[:c]]))
+        if earlier.size == 0:
+            continue
+        gap, root = _ks_gap(np.sort(window[c:]), earlier)
+        if root * gap > best:
+            best, at = root * gap, c
+    return at
 
 
 def fit_table(sizes, count: int, *, multiple_of: int = 1) -> tuple[int, ...]:
@@ -164,21 +198,26 @@ class DriftWatch:
 
     table: tuple[int, ...]
     window: int = 64  # rows of prefill steps judged (a packed step's rows count one each)
-    every: int = 4  # prefill steps between two judgements
+    every: int = 1  # prefill steps between two judgements
     strikes_needed: int = 1  # judgements in a row that must see drift
     threshold: float = 0.08  # share of the current table's slots a refitted table must save to count as drift
     z: float = 1.0  # standard errors of the per-row saving that must lie above the threshold (the change is the test's to prove)
     alpha: float = 1e-4  # the newer half must differ from the rows before the window at this level (ks_pvalue)
     reference: int = 512  # rows before the window kept: every 2**k-th, `reference` to 2 x reference - 1 once halved
+    least: int = 8  # fewest rows after a change point (change_point; at most half the window)
+    settle_rows: int = 256  # rows after a drift's swap at which the table is judged once more (0: never)
+    settle_threshold: float = 0.02  # share of slots a table fitted to those rows must save to replace it
 
     def __post_init__(self):
-        if self.window < 2 or self.every < 1 or self.reference < 1:
-            raise ValueError(f"DriftWatch needs window >= 2, every >= 1 and reference >= 1, got window={self.window}, every={self.every}, "
-                             f"reference={self.reference}")
+        if self.window < 2 or self.every < 1 or self.reference < 1 or self.least < 1 or self.settle_rows < 0:
+            raise ValueError(f"DriftWatch needs window >= 2, every >= 1, reference >= 1, least >= 1 and settle_rows >= 0, got window={self.window}, "
+                             f"every={self.every}, reference={self.reference}, least={self.least}, settle_rows={self.settle_rows}")
         self.sizes: deque[int] = deque(maxlen=self.window)
         self.seen = 0
         self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
         self.strikes = 0  # judgements in a row that saw drift; `strikes_needed` of them refit (noise rarely repeats)
+        self.reason: str | None = None  # why the last table was proposed: "drift" or "settle"
+        self.after: list[int] | None = None  # rows since a drift's table was swapped in, while its settle is due
         self._clear_before()
 
     def _clear_before(self) -> None:
@@ -196,25 +235,53 @@ class DriftWatch:
         self.sizes.append(size)
 
     def observe(self, plan) -> tuple[int, ...] | None:
-        """A step's plan; the refitted chunk table when the window shows drift, else None."""
+        """A step's plan; the refitted chunk table when the window shows drift (or a drift's settle refits), else None."""
         if plan.phase != "prefill":
             return None
-        for size in [sum(plan.num_new_tokens)] if plan.bucket.num_rows == 1 else plan.num_new_tokens:
+        rows = [sum(plan.num_new_tokens)] if plan.bucket.num_rows == 1 else list(plan.num_new_tokens)
+        for size in rows:
             self._push(size)
         self.seen += 1
+        proposal = self._drift()
+        if proposal is None and self.after is not None:
+            self.after += rows
+            proposal = self._settle()
+        return proposal
+
+    def _drift(self) -> tuple[int, ...] | None:
+        """The judgement of the window (the module's docstring): a table fitted to the rows after its change point, or None."""
         # after a swap, a whole window of the new table's steps and half a window before it (or `reference` rows)
         if self.seen % self.every or len(self.sizes) < self.window or len(self.before) < min(self.window // 2, self.reference):
             return None
         sizes = np.array(self.sizes)
-        older, newer = sizes[: sizes.size // 2], sizes[sizes.size // 2 :]
-        changed = ks_pvalue(newer, self.before) < self.alpha
-        trial = refit_chunk_table(older, self.table, self.count) if changed else None  # out of sample: a table fitted to a window always wins on it
-        drifted = changed and significant_saving(newer, self.table, trial, self.threshold, self.z)
-        self.strikes = self.strikes + 1 if drifted else 0
-        return refit_chunk_table(newer, self.table, self.count) if self.strikes >= self.strikes_needed else None
+        if ks_pvalue(sizes[sizes.size // 2 :], self.before) >= self.alpha:
+            self.strikes = 0
+            return None
+        later = sizes[change_point(sizes, self.before, min(self.least, sizes.size // 2)) :]
+        self.strikes = self.strikes + 1 if self._saves(later, self.threshold) else 0
+        return self._propose(later, "drift") if self.strikes >= self.strikes_needed else None
+
+    def _settle(self) -> tuple[int, ...] | None:
+        """Once `settle_rows` rows ran on a drift's table (fitted to a few dozen rows): a table fitted to them, if it
+        saves `settle_threshold` of the slots, or None. Once per drift."""
+        if len(self.after) < self.settle_rows:
+            return None
+        rows, self.after = np.array(self.after), None
+        return self._propose(rows, "settle") if self._saves(rows, self.settle_threshold) else None
+
+    def _saves(self, rows: np.ndarray, threshold: float) -> bool:
+        """Whether a table fitted to the even rows saves `threshold` of the slots on the odd ones (out of sample)."""
+        trial = refit_chunk_table(rows[0::2], self.table, self.count)
+        return significant_saving(rows[1::2], self.table, trial, threshold, self.z)
+
+    def _propose(self, rows: np.ndarray, reason: str) -> tuple[int, ...]:
+        self.reason = reason
+        return refit_chunk_table(rows, self.table, self.count)
 
     def reset(self, table: tuple[int, ...]) -> None:
-        self.table, self.seen, self.strikes = table, 0, 0
+        """`table` is swapped in (the last proposal, or another): the judgements start over; after a drift's, its settle is due."""
+        self.after = [] if self.reason == "drift" and self.settle_rows else None
+        self.table, self.seen, self.strikes, self.reason = table, 0, 0, None
         self.sizes.clear()
         self._clear_before()
 
@@ -320,7 +387,8 @@ class Refit:
         child = self._executor.submit(ChildCompile, engine, cfg).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
         self._pending = _Compile(cfg, self.step, started, child, future)
-        log.info("refit: prefill sizes drifted; compiling chunk table %s %s", BucketTables.from_config(cfg).chunk_tokens,
+        why = "a table fitted to the rows since the last refit pads less" if self.watch.reason == "settle" else "prefill sizes drifted"
+        log.info("refit: %s; compiling chunk table %s %s", why, BucketTables.from_config(cfg).chunk_tokens,
                  "in a child process" if child is not None else "in the background")
 
     def _advance(self, seconds: float) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.batch.refit import DriftWatch, ks_pvalue, padding, refit_chunk_table, with_chunk_table
+from jaxinfer.batch.refit import DriftWatch, change_point, ks_pvalue, padding, refit_chunk_table, with_chunk_table
 from jaxinfer.bucketing.strategies import fit_buckets
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling import runloop
@@ -107,6 +107,45 @@ def test_a_shift_is_proposed_within_two_windows_keeping_the_bucket_count_and_the
     assert padding(_lengths(rng, 2000, 330), new) < padding(_lengths(rng, 2000, 330), table) - 0.1
 
 
+def test_the_change_point_is_where_the_later_rows_differ_most_from_those_before():
+    # [10] * 20 before, then 8 more 10s and 8 100s: every later part from the first 100 on is all 100s against
+    # all 10s (D = 1), whose scale sqrt(n m / (n + m)) is largest with the most 100s: c = 8
+    assert change_point([10] * 8 + [100] * 8, [10] * 20, 2) == 8
+    assert change_point([10] * 8 + [100] * 8, [10] * 20, 12) == 4  # at least 12 rows after it: the split nearest the change
+    assert change_point([10] * 16, [10] * 20, 2) == 0  # no change (D = 0 everywhere): the earliest split
+
+
+def test_a_large_shift_is_proposed_a_dozen_rows_after_it_from_those_rows_alone():
+    rng = np.random.default_rng(2)
+    table = cut_table(fit_buckets(np.minimum(_lengths(rng, 5000, 60), TOP - 1), 5, multiple_of=16), TOP, reach=True)
+    sizes = np.minimum(np.concatenate([_lengths(rng, 500, 60), _lengths(rng, 200, 300)]), TOP)
+    watch = DriftWatch(table)
+    step, proposal = next((i, p) for i, n in enumerate(sizes) if (p := watch.observe(_prefill(int(n)))) is not None)
+    assert 500 + 8 <= step < 500 + 24  # the old judge (the window's older half fits, its newer half tests) needed about 35
+    assert watch.reason == "drift" and watch.table == table  # proposed, not yet swapped in
+    assert proposal == refit_chunk_table(sizes[500 : step + 1], table)  # fitted to the rows after the change point: the shift's, all of them
+
+
+def test_a_drifts_table_is_refitted_once_to_the_rows_run_on_it_when_that_pads_less():
+    rng = np.random.default_rng(3)
+    table = cut_table(fit_buckets(np.minimum(_lengths(rng, 5000, 60), TOP - 1), 5, multiple_of=16), TOP, reach=True)
+    rough = (96, 112, 128, 144, 160, TOP)  # a drift's table as if fitted to a dozen rows: too narrow for sizes around 300
+    later = np.minimum(_lengths(rng, 400, 300), TOP)
+    watch = DriftWatch(table, settle_rows=64)
+    watch.reason = "drift"  # as after a drift's proposal
+    watch.reset(rough)
+    proposals = [(i, watch.observe(_prefill(int(n)))) for i, n in enumerate(later)]
+    found = [(i, p) for i, p in proposals if p is not None]
+    assert [i for i, _ in found] == [63] and watch.reason == "settle"  # at the 64th row, once
+    assert found[0][1] == refit_chunk_table(later[:64], rough) and padding(later[64:], found[0][1]) < padding(later[64:], rough) - 0.05
+    watch.reset(found[0][1])
+    assert watch.after is None  # a settle's table is not judged so again
+    kept = DriftWatch(found[0][1], settle_rows=64)
+    kept.reason = "drift"
+    kept.reset(found[0][1])
+    assert [kept.observe(_prefill(int(n))) for n in later[64:128]] == [None] * 64  # a table that fits them already stays
+
+
 def _proposals(watch: DriftWatch, sizes) -> list[int]:
     """The prefill steps at which the watch proposed a table, fed one row of each size (swapped in at once)."""
     plans, steps = {}, []
@@ -199,10 +238,10 @@ def _refit_job(model, cache, *, during_step=None):
     llm = LLM(str(model), compilation_cache_dir=cache, num_pages=96, max_num_seqs=1, max_context=512,
               prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # a table fitted to short prompts; then ~150 tokens
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    # After the short ones, sizes in the same range in every 4-row window (120, 147, 138, 129, ...): the drift judge
-    # fits a table to a window's older half and needs it to save on the newer half, so that half must lie within
-    # the older's sizes; and that half must differ from the rows before the window (the short ones).
-    prompts = [llm.prepare("word " * (4 if i < 4 else 120 + 9 * (3 * i % 4)), params, index=i) for i in range(16)]
+    # After the short ones, words 150, 141, 132, 123, 150, ...: the window's newer half must differ from the rows
+    # before it (the short ones), and the drift judge fits a table to the even rows after the change point and needs
+    # it to save on the odd ones, so each odd row must lie within the even rows' sizes.
+    prompts = [llm.prepare("word " * (4 if i < 4 else 150 - 9 * (i % 4)), params, index=i) for i in range(16)]
     without = [o.token_ids for o in llm.stream(prompts)]
     warm, seconds = llm.engine.num_compilations, []  # each step's, in order (Refit counts steps from 1)
     hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2, alpha=0.05), chain=lambda plan, tokens, s: seconds.append(s))
