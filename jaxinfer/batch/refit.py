@@ -144,15 +144,16 @@ def change_point(window, before, least: int) -> int:
       c in [0, W - least].
     """
     window, before = np.asarray(window, np.float64), np.asarray(before, np.float64)
-    best, at = -1.0, 0
-    for c in range(window.size - least + 1):
-        earlier = np.sort(np.concatenate([before, window[:c]]))
-        if earlier.size == 0:
-            continue
-        gap, root = _ks_gap(np.sort(window[c:]), earlier)
-        if root * gap > best:
-            best, at = root * gap, c
-    return at
+    grid = np.unique(np.concatenate([window, before]))  # every CDF step
+    below = window[:, None] <= grid[None, :]  # below[i, v]: row i at or under grid value v
+    head = np.concatenate([np.zeros((1, grid.size)), np.cumsum(below, axis=0)])  # head[c, v]: rows of window[:c] at or under v
+    splits = np.arange(window.size - least + 1)
+    later_n, earlier_n = window.size - splits, before.size + splits
+    later = (head[-1] - head[splits]) / later_n[:, None]
+    earlier = (np.searchsorted(np.sort(before), grid, "right")[None, :] + head[splits]) / np.maximum(earlier_n, 1)[:, None]
+    scaled = np.abs(later - earlier).max(axis=1) * np.sqrt(later_n * earlier_n / (later_n + earlier_n))
+    scaled[earlier_n == 0] = -1.0  # nothing before the split to differ from
+    return int(np.argmax(scaled))  # the first maximum: the earliest split on a tie
 
 
 def fit_table(sizes, count: int, *, multiple_of: int = 1) -> tuple[int, ...]:
