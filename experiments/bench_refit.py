@@ -291,9 +291,9 @@ def dry_main(args, llm, plan, prompts, start_table, alone_table) -> None:
 
 def main() -> None:
     parser = report.arg_parser(__doc__, out=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing, which ends before the watch sees drift "
-                                                             "(a dry run of this trace refits 42 prefill steps after the shift at 160 lines a half, never at 72); "
-                                                             "with --ask-at 10 it measures a compile window and a swap")
+    parser.add_argument("--quick", action="store_true", help="72 lines a half: a smoke test of the plumbing (a dry run of this trace asks for a refit "
+                                                             "41 second-half rows after the shift at 72 lines a half, 20 at 160; 8e3587f); "
+                                                             "with --ask-at 10 it measures a compile window and a swap whatever the watch judges")
     parser.add_argument("--lines", type=int, default=None, help="lines per half")
     parser.add_argument("--table", choices=("reach", "plan"), default="reach",
                         help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")

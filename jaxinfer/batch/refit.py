@@ -218,7 +218,7 @@ class DriftWatch:
         self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
         self.strikes = 0  # judgements in a row that saw drift; `strikes_needed` of them refit (noise rarely repeats)
         self.reason: str | None = None  # why the last table was proposed: "drift" or "settle"
-        self.after: list[int] | None = None  # rows since a drift's table was swapped in, while its settle is due
+        self.settle_sizes: list[int] | None = None  # rows since a drift's table was swapped in, while its settle is due
         self._clear_before()
 
     def _clear_before(self) -> None:
@@ -244,8 +244,8 @@ class DriftWatch:
             self._push(size)
         self.seen += 1
         proposal = self._drift()
-        if proposal is None and self.after is not None:
-            self.after += rows
+        if proposal is None and self.settle_sizes is not None:
+            self.settle_sizes += rows
             proposal = self._settle()
         return proposal
 
@@ -265,9 +265,9 @@ class DriftWatch:
     def _settle(self) -> tuple[int, ...] | None:
         """Once `settle_rows` rows ran on a drift's table (fitted to a few dozen rows): a table fitted to them, if it
         saves `settle_threshold` of the slots, or None. Once per drift."""
-        if len(self.after) < self.settle_rows:
+        if len(self.settle_sizes) < self.settle_rows:
             return None
-        rows, self.after = np.array(self.after), None
+        rows, self.settle_sizes = np.array(self.settle_sizes), None
         return self._propose(rows, "settle") if self._saves(rows, self.settle_threshold) else None
 
     def _saves(self, rows: np.ndarray, threshold: float) -> bool:
@@ -281,7 +281,7 @@ class DriftWatch:
 
     def reset(self, table: tuple[int, ...]) -> None:
         """`table` is swapped in (the last proposal, or another): the judgements start over; after a drift's, its settle is due."""
-        self.after = [] if self.reason == "drift" and self.settle_rows else None
+        self.settle_sizes = [] if self.reason == "drift" and self.settle_rows else None
         self.table, self.seen, self.strikes, self.reason = table, 0, 0, None
         self.sizes.clear()
         self._clear_before()

@@ -139,7 +139,7 @@ def test_a_drifts_table_is_refitted_once_to_the_rows_run_on_it_when_that_pads_le
     assert [i for i, _ in found] == [63] and watch.reason == "settle"  # at the 64th row, once
     assert found[0][1] == refit_chunk_table(later[:64], rough) and padding(later[64:], found[0][1]) < padding(later[64:], rough) - 0.05
     watch.reset(found[0][1])
-    assert watch.after is None  # a settle's table is not judged so again
+    assert watch.settle_sizes is None  # a settle's table is not judged so again
     kept = DriftWatch(found[0][1], settle_rows=64)
     kept.reason = "drift"
     kept.reset(found[0][1])
