@@ -55,6 +55,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from typing import Literal
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def ks_pvalue(sample, reference) -> float:
 def change_point(window, before, least: int) -> int:
     """Where the rows of `window` (oldest first) start to differ most from those before them: the split c whose
     later rows window[c:] (at least `least` of them) are farthest, by the scaled two-sample Kolmogorov-Smirnov
-    gap sqrt(ne) * D, from `before` and window[:c] together; the earliest such c on a tie.
+    gap sqrt(ne) * D, from `before` and window[:c] together; the earliest such c on an exact tie.
 
     Args:
       window: i64[W]; the sizes, oldest first.
@@ -144,14 +145,16 @@ def change_point(window, before, least: int) -> int:
       c in [0, W - least].
     """
     window, before = np.asarray(window, np.float64), np.asarray(before, np.float64)
+    if not 1 <= least <= window.size:
+        raise ValueError(f"change_point needs 1 <= least <= {window.size} (the window's rows), got {least=}")
     grid = np.unique(np.concatenate([window, before]))  # every CDF step
-    below = window[:, None] <= grid[None, :]  # below[i, v]: row i at or under grid value v
-    head = np.concatenate([np.zeros((1, grid.size)), np.cumsum(below, axis=0)])  # head[c, v]: rows of window[:c] at or under v
-    splits = np.arange(window.size - least + 1)
+    below = window[:, None] <= grid[None, :]  # bool[W, V]: row i at or under grid value v
+    head = np.concatenate([np.zeros((1, grid.size)), np.cumsum(below, axis=0)])  # f64[W + 1, V]: rows of window[:c] at or under v
+    splits = np.arange(window.size - least + 1)  # i64[C]
     later_n, earlier_n = window.size - splits, before.size + splits
-    later = (head[-1] - head[splits]) / later_n[:, None]
-    earlier = (np.searchsorted(np.sort(before), grid, "right")[None, :] + head[splits]) / np.maximum(earlier_n, 1)[:, None]
-    scaled = np.abs(later - earlier).max(axis=1) * np.sqrt(later_n * earlier_n / (later_n + earlier_n))
+    later = (head[-1] - head[splits]) / later_n[:, None]  # f64[C, V]: window[c:]'s CDF
+    earlier = (np.searchsorted(np.sort(before), grid, "right")[None, :] + head[splits]) / np.maximum(earlier_n, 1)[:, None]  # f64[C, V]
+    scaled = np.abs(later - earlier).max(axis=1) * np.sqrt(later_n * earlier_n / (later_n + earlier_n))  # f64[C]
     scaled[earlier_n == 0] = -1.0  # nothing before the split to differ from
     return int(np.argmax(scaled))  # the first maximum: the earliest split on a tie
 
@@ -217,7 +220,7 @@ class DriftWatch:
         self.seen = 0
         self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
         self.strikes = 0  # judgements in a row that saw drift; `strikes_needed` of them refit (noise rarely repeats)
-        self.reason: str | None = None  # why the last table was proposed: "drift" or "settle"
+        self.reason: Literal["drift", "settle"] | None = None  # why the last table was proposed
         self.settle_sizes: list[int] | None = None  # rows since a drift's table was swapped in, while its settle is due
         self._clear_before()
 
@@ -275,7 +278,8 @@ class DriftWatch:
         trial = refit_chunk_table(rows[0::2], self.table, self.count)
         return significant_saving(rows[1::2], self.table, trial, threshold, self.z)
 
-    def _propose(self, rows: np.ndarray, reason: str) -> tuple[int, ...]:
+    def _propose(self, rows: np.ndarray, reason: Literal["drift", "settle"]) -> tuple[int, ...]:
+        """The table fitted to `rows`, proposed for `reason`."""
         self.reason = reason
         return refit_chunk_table(rows, self.table, self.count)
 
@@ -449,6 +453,7 @@ class Refit:
                  + (f"in a child process stopped while the job stepped ({s.child_cpu_s:.1f} s CPU, peak {s.child_peak_rss / 2**20:.0f} MiB)" if s.in_child else "in the background")
                  for s in self.swaps]
         if self._pending is not None:
-            lines.append(f"refit: prefill sizes drifted at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
+            why = "a closer fit was asked for" if self.watch.reason == "settle" else "prefill sizes drifted"
+            lines.append(f"refit: {why} at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
                          f"the job's last (the steps gave it {self._pending.yield_s:.1f} s after {self._pending.num_yields}), and were not used")
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"

@@ -108,11 +108,13 @@ def test_a_shift_is_proposed_within_two_windows_keeping_the_bucket_count_and_the
 
 
 def test_the_change_point_is_where_the_later_rows_differ_most_from_those_before():
-    # [10] * 20 before, then 8 more 10s and 8 100s: every later part from the first 100 on is all 100s against
-    # all 10s (D = 1), whose scale sqrt(n m / (n + m)) is largest with the most 100s: c = 8
+    # [10] * 20 before, then 8 more 10s and 8 100s: before the split at 8 the later part holds 10s (D = 8 / (16 - c)),
+    # after it the earlier part holds 100s (D = 28 / (20 + c)); only at c = 8 is D = 1, and the scaled gap peaks there
     assert change_point([10] * 8 + [100] * 8, [10] * 20, 2) == 8
     assert change_point([10] * 8 + [100] * 8, [10] * 20, 12) == 4  # at least 12 rows after it: the split nearest the change
     assert change_point([10] * 16, [10] * 20, 2) == 0  # no change (D = 0 everywhere): the earliest split
+    with pytest.raises(ValueError, match="least"):
+        change_point([10] * 4, [10] * 20, 5)  # more rows after the split than the window holds
 
 
 def test_a_large_shift_is_proposed_a_dozen_rows_after_it_from_those_rows_alone():
@@ -240,7 +242,8 @@ def _refit_job(model, cache, *, during_step=None):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # After the short ones, words 150, 141, 132, 123, 150, ...: the window's newer half must differ from the rows
     # before it (the short ones), and the drift judge fits a table to the even rows after the change point and needs
-    # it to save on the odd ones, so each odd row must lie within the even rows' sizes.
+    # it to save on the odd ones, so each odd row must lie within the even rows' sizes: true of the windows judged
+    # here (every=2, a prompt a prefill step: windows from i % 4 == 0 or 2), not of those from i % 4 == 1 or 3.
     prompts = [llm.prepare("word " * (4 if i < 4 else 150 - 9 * (i % 4)), params, index=i) for i in range(16)]
     without = [o.token_ids for o in llm.stream(prompts)]
     warm, seconds = llm.engine.num_compilations, []  # each step's, in order (Refit counts steps from 1)
