@@ -72,6 +72,8 @@ _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (plann
 # the old table. bench_refit on a loaded 2-core Xeon (indicative): at 1.0 the 12 programs took 54.5 s, 201 steps;
 # at 3.0 23.4 s, 47 steps, and the padding after the shift 16.7% against 18.6%.
 YIELD_SHARE = 3.0
+# Why a refit was asked for (DriftWatch.reason; None: a watch that sets none, as a benchmark's forced ask), for the log and the job's report
+_WHY = {"drift": "prefill sizes drifted", "settle": "a table fitted to the rows since the last refit pads less", None: "a refit was asked for"}
 
 
 def padded_slots(sizes: np.ndarray, table: tuple[int, ...]) -> np.ndarray:
@@ -392,8 +394,7 @@ class Refit:
         child = self._executor.submit(ChildCompile, engine, cfg).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
         self._pending = _Compile(cfg, self.step, started, child, future)
-        why = "a table fitted to the rows since the last refit pads less" if self.watch.reason == "settle" else "prefill sizes drifted"
-        log.info("refit: %s; compiling chunk table %s %s", why, BucketTables.from_config(cfg).chunk_tokens,
+        log.info("refit: %s; compiling chunk table %s %s", _WHY[self.watch.reason], BucketTables.from_config(cfg).chunk_tokens,
                  "in a child process" if child is not None else "in the background")
 
     def _advance(self, seconds: float) -> None:
@@ -453,7 +454,6 @@ class Refit:
                  + (f"in a child process stopped while the job stepped ({s.child_cpu_s:.1f} s CPU, peak {s.child_peak_rss / 2**20:.0f} MiB)" if s.in_child else "in the background")
                  for s in self.swaps]
         if self._pending is not None:
-            why = "a closer fit was asked for" if self.watch.reason == "settle" else "prefill sizes drifted"
-            lines.append(f"refit: {why} at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
+            lines.append(f"refit: {_WHY[self.watch.reason]} at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
                          f"the job's last (the steps gave it {self._pending.yield_s:.1f} s after {self._pending.num_yields}), and were not used")
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"
