@@ -15,8 +15,12 @@ Two parts (--part simulate|errors|all):
    Per table, a discarded warm-up run per trace (--warm-up requests, those just after the sample) pays the
    table's programs' first real steps and refreshes their costs. Before each measured run the simulator
    predicts it from a copy of the step-cost table as it stands (warm-up timings, this machine's cached ones
-   included, and the runs before; never the run itself); predicted vs measured wall time (first step's start
-   to last step's end, the step log's and the simulator's span) and TTFT p50 (arrival to first token in both).
+   included, and the runs before; never the run itself); then the requests run --repeats (3) times, and the
+   prediction is compared with the median of their wall times (first step's start to last step's end, the
+   step log's and the simulator's span) and of their TTFT p50s (arrival to first token in both): one run's wall
+   time moves with the machine (on a 2-core AMD EPYC a 5-s run's steps took 0.90-1.31x the table's prices from
+   one run to the next, with the same schedule), which no prediction made before it can know. `first_run`
+   keeps each prediction's errors against its first run alone (the protocol of one run), reported beside.
    Each row also holds both schedules' steps per program key (`same_schedule`) and device seconds, with the
    run's own steps priced by the prediction's table (`device_s_priced`), which separate a schedule that differs
    from a cost that does, and `own_costs`: the run simulated again priced by
@@ -24,9 +28,9 @@ Two parts (--part simulate|errors|all):
    (a diagnostic after the fact, never the goal's figure). Goals: wall within 10%, TTFT p50 within 15%,
    judged only when the runs cover both traces, every policy and the three tables.
 
-Runtime of `--part errors` alone on a 2-core CPU, estimated from the CPU seconds of loaded partial runs:
-about 6 minutes with warm caches, about 9 with cold ones. Of it: 30 runs of 32 requests ~5 min (~10 s of
-CPU each; a prediction < 0.1 s), six warm-up runs ~0.5 min, loading, tuning and warming up the default
+Runtime of `--part errors` alone on a 2-core CPU: with one repeat about 4 to 6 minutes with warm caches (3 min
+22 s and 4 min 54 s on an AMD EPYC), about 9 with cold ones; each further repeat adds about 3 minutes. Of a
+repeat: 30 runs of 32 requests ~3 min (~5 s each; a prediction < 0.1 s); besides: six warm-up runs ~0.5 min, loading, tuning and warming up the default
 tables ~15 s (~2 min when the tuner's cache misses, as after a kernel or tuner change, and its choice
 needs every program compiled anew), the other two tables' programs ~20 s (~1 min cold).
 `phase_seconds` in the result JSON has the real split. --quick: under a minute with warm caches.
@@ -161,22 +165,30 @@ def own_costs(totals: dict) -> StepCosts:
     return costs
 
 
-def one_run(llm, policy: str, rows: list[tuple[int, int, float]]) -> dict:
-    """Predict with the cost table as it stands (before this run), then run for real and measure. `own_costs`, a
-    diagnostic only, never the goal's figure: the run simulated again priced by its own mean seconds per key,
-    whose TTFT error (and wall error, where the schedule differs) is the simulator's alone, the cost table's left out."""
+def one_run(llm, policy: str, rows: list[tuple[int, int, float]], repeats: int = 1) -> dict:
+    """Predict with the cost table as it stands (before this run), then run for real `repeats` times and measure.
+    The errors are against the median of the repeats' wall times and of their TTFT p50s (one run's wall time moves
+    with the machine: on a 2-core AMD EPYC a run's steps took 0.90-1.31x the table's prices from one 5-s run to
+    the next); `first_run` keeps the errors against the first repeat alone, the protocol of one run. `measured`
+    is the repeat whose wall time is the median, `own_costs` a diagnostic only, never the goal's figure: that
+    run simulated again priced by its own mean seconds per key, whose TTFT error (and wall error, where the
+    schedule differs) is the simulator's alone, the cost table's left out."""
     run_cfg = dataclasses.replace(llm.engine_config, policy=policy)
     llm.engine_config = run_cfg  # the programs do not depend on the policy; each stream's scheduler reads it
-    table = StepCosts.from_json(llm.step_costs().to_json())  # a copy: the run refines the LLM's own table
+    table = StepCosts.from_json(llm.step_costs().to_json())  # a copy: the runs refine the LLM's own table
     predicted, predict_s = predict(llm, run_cfg, rows, table)
-    measured, run_s, totals = real_run(llm, rows, llm.step_costs())
+    runs = [real_run(llm, rows, llm.step_costs()) for _ in range(repeats)]
+    for measured, _, totals in runs:  # each run's own steps priced by the table the prediction used: its error is the cost table's alone
+        measured["device_s_priced"] = round(sum(t.steps * table.device_seconds(BucketKey(*key)) for key, t in totals.items()), 6)
+    measured, _, totals = sorted(runs, key=lambda run: run[0]["wall_s"])[(repeats - 1) // 2]  # the median run (the lower of two)
+    median = {name: float(np.median([run[0][name] for run in runs])) for name in ("wall_s", "ttft_p50_s")}
     replay = predict(llm, run_cfg, rows, own_costs(totals))[0]
-    # the run's own steps priced by the table the prediction used: its error is the cost table's alone, the schedule's left out
-    measured["device_s_priced"] = round(sum(t.steps * table.device_seconds(BucketKey(*key)) for key, t in totals.items()), 6)
-    return {"policy": policy, "measured": measured, "predicted": predicted, **relative_errors(predicted, measured),
+    return {"policy": policy, "measured": measured, "predicted": predicted, "median": median, **relative_errors(predicted, median),
+            "first_run": relative_errors(predicted, runs[0][0]),
+            "repeats": [{k: run[0][k] for k in ("wall_s", "ttft_p50_s", "device_s", "device_s_priced")} for run in runs],
             "same_schedule": predicted["steps_by_key"] == measured["steps_by_key"],
             "own_costs": {k: replay[k] for k in ("wall_s", "ttft_p50_s")} | relative_errors(replay, measured),
-            "seconds": {"predict": round(predict_s, 3), "run": round(run_s, 3)}}
+            "seconds": {"predict": round(predict_s, 3), "run": round(sum(run[1] for run in runs), 3)}}
 
 
 def part_errors(args) -> tuple[list[dict], dict]:
@@ -212,9 +224,11 @@ def part_errors(args) -> tuple[list[dict], dict]:
         report.log("bench_simulator", f"tables {spec}: programs compiled and timed in {times['tables']:.1f} s, warm-up runs {times['warm_up']:.1f} s")
         for name in names:
             for policy in args.policies:
-                row = {"trace": name, "tables": spec, **one_run(llm, policy, samples[name])}
+                row = {"trace": name, "tables": spec, **one_run(llm, policy, samples[name], args.repeats)}
                 times["runs"] += row["seconds"]["run"] + row["seconds"]["predict"]
+                walls = ", ".join(f"{r['wall_s']:.2f}" for r in row["repeats"])
                 report.log("bench_simulator", f"{name} {spec} {policy}: wall error {row['wall_error']:+.1%}, ttft p50 error {row['ttft_p50_error']:+.1%} "
+                           f"(first run alone {row['first_run']['wall_error']:+.1%}, {row['first_run']['ttft_p50_error']:+.1%}; the runs' walls {walls} s) "
                            f"(own costs {row['own_costs']['wall_error']:+.1%}, {row['own_costs']['ttft_p50_error']:+.1%}; steps {row['predicted']['num_steps']} predicted, {row['measured']['num_steps']} run{'' if row['same_schedule'] else ', other keys'}; "
                            f"device s {row['predicted']['device_s']:.2f} predicted, {row['measured']['device_s']:.2f} run, {row['measured']['device_s_priced']:.2f} its steps at the table's prices; run {row['seconds']['run']:.1f} s)")
                 rows.append(row)
@@ -226,17 +240,20 @@ def main() -> None:
     from jaxinfer.config import POLICIES
 
     parser = report.arg_parser(__doc__, out=RESULTS)
-    parser.epilog = "--part errors takes about 6 minutes alone on a 2-core CPU with warm caches, about 9 cold (see the module docstring); --quick under 1 warm."
+    parser.epilog = "--part errors takes about 10 minutes alone on a 2-core CPU with warm caches at 3 repeats (see the module docstring); --quick under 1 warm."
     parser.add_argument("--part", default="all", choices=("simulate", "errors", "all"))
     parser.add_argument("--num-requests", type=int, default=100_000, help="requests of part 1")
     parser.add_argument("--requests", type=int, default=32, help="requests per real run of part 2")
     parser.add_argument("--scale", type=float, default=8.0, help="part 2's trace lengths and gaps are divided by this")
     parser.add_argument("--max-output", type=int, default=ENGINE["max_context"] // 4, help="part 2's output lengths are clipped to this")
+    parser.add_argument("--repeats", type=int, default=3, help="real runs of each prediction; its errors are against their medians (default: %(default)s)")
     parser.add_argument("--warm-up", type=int, default=None, help="requests of the discarded warm-up run per table and trace (default: --requests; 0: none)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="part 2's policies, comma separated (the goals need every one)")
     parser.add_argument("--tables", default=",".join(TABLES), help=f"part 2's bucket tables, comma separated, of {', '.join(TABLES)} (the goals need three)")
     parser.add_argument("--quick", action="store_true", help="part 1 on 2,000 requests; part 2: 8 requests, synthetic, fcfs, default tables")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     args.warm_up = (8 if args.quick else args.requests) if args.warm_up is None else args.warm_up
     args.policies = ["fcfs"] if args.quick else report.comma_list(parser, args.policies, POLICIES, "policies")
     args.tables = ["default"] if args.quick else report.comma_list(parser, args.tables, TABLES, "tables")
@@ -246,11 +263,14 @@ def main() -> None:
         measured["simulate_seconds"] = doc["simulate"]["seconds"] if doc["simulate"]["num_requests"] >= 100_000 else None
     if args.part in ("errors", "all"):
         doc["runs"], doc["phase_seconds"] = part_errors(args)
-        columns = [("trace", "<13"), ("tables", "<16"), ("policy", "<16"), ("wall s", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%"),
-                   ("ttft50", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%")]
-        print(report.format_table(columns, [[r["trace"], r["tables"], r["policy"], r["measured"]["wall_s"], r["predicted"]["wall_s"], r["wall_error"],
-                                             r["measured"]["ttft_p50_s"], r["predicted"]["ttft_p50_s"], r["ttft_p50_error"]] for r in doc["runs"]]))
-        doc["worst_errors"] = {"wall": max(abs(r["wall_error"]) for r in doc["runs"]), "ttft_p50": max(abs(r["ttft_p50_error"]) for r in doc["runs"])}
+        columns = [("trace", "<13"), ("tables", "<16"), ("policy", "<16"), ("wall s", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%"), ("1 run", ">7.1%"),
+                   ("ttft50", ">8.3f"), ("pred", ">8.3f"), ("err", ">7.1%"), ("1 run", ">7.1%")]
+        print(report.format_table(columns, [[r["trace"], r["tables"], r["policy"], r["median"]["wall_s"], r["predicted"]["wall_s"], r["wall_error"], r["first_run"]["wall_error"],
+                                             r["median"]["ttft_p50_s"], r["predicted"]["ttft_p50_s"], r["ttft_p50_error"], r["first_run"]["ttft_p50_error"]]
+                                            for r in doc["runs"]]))
+        worst = lambda errors: {"wall": max(abs(e["wall_error"]) for e in errors), "ttft_p50": max(abs(e["ttft_p50_error"]) for e in errors)}  # noqa: E731
+        doc["worst_errors"], doc["worst_first_run_errors"] = worst(doc["runs"]), worst([r["first_run"] for r in doc["runs"]])
+        doc["repeats"] = args.repeats
         missing = coverage_gaps(doc["runs"], POLICIES)
         if missing:  # the goals are over every policy, both traces and three tables: a subset is no measurement of them
             report.log("bench_simulator", f"the goals' errors are not measured: the runs lack {'; '.join(missing)}")
