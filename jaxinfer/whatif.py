@@ -182,7 +182,8 @@ def _relative(predicted, measured) -> float | None:
 
 def format_report(report: dict) -> str:
     """The three columns (measured, replay, predicted) and the replay's error, one figure a line."""
-    lines = [f"whatif: {report['num_requests']} requests; changes: {report['changes'] or 'none (the replay of the job itself)'}"]
+    changes = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in report["changes"].items())
+    lines = [f"whatif: {report['num_requests']} requests; changes: {changes or 'none (the replay of the job itself)'}"]
     if report["resumed"]:
         lines.append("note: the step log is of a resumed run; the measured wall time covers that run only")
     lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8} {'predicted':>12}")

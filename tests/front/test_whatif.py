@@ -56,6 +56,9 @@ def test_whatif_predicts_more_steps_and_time_with_one_sequence_at_a_time(finishe
     assert report["predicted"]["num_steps"] > report["replay"]["num_steps"]
     assert report["predicted"]["wall_s"] > report["replay"]["wall_s"]
     assert report["measured"] == whatif_json(finished_job)["measured"]  # the job's own figures do not change
+    text = cli("whatif", str(finished_job), "--max-num-seqs", "1", "--buckets", "fitted:2", timeout=120)
+    # the text report names the changes as the flags that ask for them (policy, buckets, then sequences)
+    assert text.returncode == 0 and "changes: --buckets fitted:2, --max-num-seqs 1\n" in text.stdout, text.stdout
 
 
 def test_an_output_without_a_step_log_or_missing_is_a_one_line_error(tmp_path):
