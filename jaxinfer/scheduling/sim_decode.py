@@ -36,7 +36,6 @@ class LazyRequest(Request):
     _clock: DecodeClock | None = None  # set while registered
     _computed = 0
     _steps = 0
-    _top_bucket = 0  # the page bucket of its newest entry in DecodeRows._tops
     # Pages whose names another request may look up (its shared prefix's); the rest, its own, are named only
     # if it is preempted (sim_pages.SimKV). None: every full page is named as it fills (the KV manager's rule).
     public_pages: int | None = None
@@ -118,7 +117,6 @@ class DecodeRows:
         self.version = 0  # changes with the rows
         self._finishes: list[tuple[int, int, LazyRequest]] = []  # (tick of its last token, admit_index, row)
         self._needs: list[tuple[int, int, int, LazyRequest]] = []  # (first tick whose token needs a page, admit_index, pages held, row)
-        self._tops: list[tuple[int, int, int, LazyRequest]] = []  # (tokens its page bucket holds - base, admit_index, page bucket, row)
         self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
         self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
         self._num_naming = 0  # rows in _residues
@@ -131,6 +129,7 @@ class DecodeRows:
         self._length_keys: list[tuple[int, int]] = []  # their (base, admit_index), for bisect
         self._length_pages: list[int] = []  # their pages held (kept by push_need, which every growth of a row's table calls)
         self._length_buckets: list[int] = []  # the page buckets of those
+        self._length_tops: list[int] = []  # tokens each one's page bucket holds - its base (min_top)
 
     def register(self, request: LazyRequest) -> None:
         """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
@@ -152,6 +151,7 @@ class DecodeRows:
         self._by_length.insert(at, request)
         self._length_pages.insert(at, 0)
         self._length_buckets.insert(at, 0)
+        self._length_tops.insert(at, 0)
         self.base_sum += base
         self.version += 1
         self._ordered = None
@@ -168,7 +168,7 @@ class DecodeRows:
         index = request.admit_index
         del self.rows[index]
         at = bisect.bisect_left(self._length_keys, (request._total_base, index))
-        del self._length_keys[at], self._by_length[at], self._length_pages[at], self._length_buckets[at]
+        del self._length_keys[at], self._by_length[at], self._length_pages[at], self._length_buckets[at], self._length_tops[at]
         self.base_sum -= request._total_base
         self.version += 1
         self._ordered = None
@@ -186,8 +186,8 @@ class DecodeRows:
         self._length_pages[at] = held
         heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
-            self._length_buckets[at] = request._top_bucket = bucket
-            heapq.heappush(self._tops, (bucket * self.page_size - base, index, bucket, request))
+            self._length_buckets[at] = bucket
+            self._length_tops[at] = bucket * self.page_size - base
             return True
         return False
 
@@ -211,16 +211,9 @@ class DecodeRows:
 
     def min_top(self) -> int | None:
         """min over rows of (tokens its page bucket holds - base): its computed tokens reach its bucket's end at
-        that tick + 1 (None: no row). An entry counts only if it is its row's newest (the row is registered, under
-        this admission, in this bucket): a row's bucket only grows while it is registered, and push_need pushes an
-        entry at each growth; the others are dropped as they reach the top."""
-        tops = self._tops
-        while tops:
-            _, index, bucket, request = tops[0]
-            if request._clock is not None and request.admit_index == index and request._top_bucket == bucket:
-                return tops[0][0]
-            heapq.heappop(tops)
-        return None
+        that tick + 1 (None: no row). Kept per row beside its length (push_need sets it at each bucket change)."""
+        tops = self._length_tops
+        return min(tops) if tops else None
 
     def needing_pages(self, ticks: int) -> list[LazyRequest]:
         """Rows whose token at some tick up to `ticks` needs a page, in running order; their entries are taken
