@@ -9,8 +9,10 @@ while a request decodes, its tokens are `base + ticks` (ticks: the decode iterat
 it is registered (`DecodeRows.register`): any reader (the scheduler, a policy, the KV manager, the output
 processor) sees the exact values, the list of output tokens grown to its length on demand; a write, or
 leaving the decode rows (finish, preemption), settles them back into plain fields. The events that need
-a row one at a time are kept in heaps keyed by tick: its next token needing a page, its last token;
-a full page to name is found by the residue of `base` modulo the page size.
+a row one at a time are kept by tick: its last token in a heap; the first tick whose token needs a page past
+its table, and its page bucket's end, in lists kept beside the rows sorted by length (32 rows: one `min` over a
+list costs less than a heap's stale entries); a full page to name is found by the residue of `base` modulo
+the page size.
 """
 
 import bisect
@@ -21,6 +23,7 @@ from jaxinfer.scheduling.bucket_tables import pad_to_bucket
 from jaxinfer.scheduling.request import Request
 
 total_base = attrgetter("_total_base")
+_admit_index = attrgetter("admit_index")
 
 
 class DecodeClock:
@@ -105,9 +108,10 @@ class LazyRequest(Request):
 
 
 class DecodeRows:
-    """The registered (decoding) rows of one scheduler: their count, the sum of their bases, and the heaps
-    of their next events. Entries of a row that left (or, for pages, whose table grew since) are stale and
-    skipped: each carries the row's admit_index (new at every admission) and, for pages, its table length."""
+    """The registered (decoding) rows of one scheduler: their count, the sum of their bases, and their next
+    events: the last tokens in a heap, whose entries of a row that left are stale and skipped (each carries the
+    row's admit_index, new at every admission); the page needs and bucket ends in lists beside the rows sorted
+    by length, which `push_need` sets at every growth of a row's table."""
 
     def __init__(self, clock: DecodeClock, page_size: int, max_context: int, tables: dict[str, list[int]], name_pages: bool):
         self.clock, self.page_size, self.max_context, self.tables = clock, page_size, max_context, tables
@@ -116,7 +120,6 @@ class DecodeRows:
         self.base_sum = 0
         self.version = 0  # changes with the rows
         self._finishes: list[tuple[int, int, LazyRequest]] = []  # (tick of its last token, admit_index, row)
-        self._needs: list[tuple[int, int, int, LazyRequest]] = []  # (first tick whose token needs a page, admit_index, pages held, row)
         self.page_buckets: tuple[int, ...] = ()  # the decode page buckets (the scheduler's tables.pages)
         self._residues: dict[int, dict[int, LazyRequest]] = {}  # base % page_size -> rows (they fill a page when (base + tick - 1) % page_size == 0)
         self._num_naming = 0  # rows in _residues
@@ -130,6 +133,7 @@ class DecodeRows:
         self._length_pages: list[int] = []  # their pages held (kept by push_need, which every growth of a row's table calls)
         self._length_buckets: list[int] = []  # the page buckets of those
         self._length_tops: list[int] = []  # tokens each one's page bucket holds - its base (min_top)
+        self._length_needs: list[int] = []  # the first tick whose token needs a page past each one's table (due_pages)
 
     def register(self, request: LazyRequest) -> None:
         """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
@@ -152,6 +156,7 @@ class DecodeRows:
         self._length_pages.insert(at, 0)
         self._length_buckets.insert(at, 0)
         self._length_tops.insert(at, 0)
+        self._length_needs.insert(at, 0)
         self.base_sum += base
         self.version += 1
         self._ordered = None
@@ -168,7 +173,7 @@ class DecodeRows:
         index = request.admit_index
         del self.rows[index]
         at = bisect.bisect_left(self._length_keys, (request._total_base, index))
-        del self._length_keys[at], self._by_length[at], self._length_pages[at], self._length_buckets[at], self._length_tops[at]
+        del self._length_keys[at], self._by_length[at], self._length_pages[at], self._length_buckets[at], self._length_tops[at], self._length_needs[at]
         self.base_sum -= request._total_base
         self.version += 1
         self._ordered = None
@@ -184,7 +189,7 @@ class DecodeRows:
         base, index = request._total_base, request.admit_index
         at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
         self._length_pages[at] = held
-        heapq.heappush(self._needs, (held * self.page_size - base + 1, index, held, request))
+        self._length_needs[at] = held * self.page_size - base + 1
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
             self._length_buckets[at] = bucket
             self._length_tops[at] = bucket * self.page_size - base
@@ -197,10 +202,6 @@ class DecodeRows:
         if bucket is None:
             bucket = self._buckets[pages] = pad_to_bucket(pages, self.page_buckets)
         return bucket
-
-    def _valid(self, entry) -> bool:
-        _, index, held, request = entry
-        return request._clock is not None and request.admit_index == index and len(self.tables.get(request.request_id, ())) == held
 
     def min_finish(self) -> int | None:
         """The tick of the first row's last token (None: no row)."""
@@ -216,14 +217,13 @@ class DecodeRows:
         return min(tops) if tops else None
 
     def needing_pages(self, ticks: int) -> list[LazyRequest]:
-        """Rows whose token at some tick up to `ticks` needs a page, in running order; their entries are taken
-        (push_need gives each its next one)."""
-        needs, rows = self._needs, []
-        while needs and needs[0][0] <= ticks:
-            entry = heapq.heappop(needs)
-            if self._valid(entry) and entry[3] not in rows:
-                rows.append(entry[3])
-        rows.sort(key=attrgetter("admit_index"))
+        """Rows whose token at some tick up to `ticks` needs a page past their table, in running order."""
+        needs = self._length_needs
+        if not needs or min(needs) > ticks:
+            return []
+        rows = [row for row, need in zip(self._by_length, needs) if need <= ticks]
+        if len(rows) > 1:
+            rows.sort(key=_admit_index)
         return rows
 
     def ordered(self) -> list[LazyRequest]:
@@ -240,16 +240,8 @@ class DecodeRows:
         return self._by_length[:], self._length_pages[:], tuple(self._length_buckets)
 
     def due_pages(self) -> list[LazyRequest]:
-        """Rows whose next token (this tick's + 1) needs a page, in running order; their entries are taken."""
-        needs, ticks = self._needs, self.clock.ticks
-        due = []
-        while needs and needs[0][0] <= ticks:
-            entry = heapq.heappop(needs)
-            if self._valid(entry) and entry[3] not in due:
-                due.append(entry[3])
-        if len(due) > 1:
-            due.sort(key=attrgetter("admit_index"))
-        return due
+        """Rows whose next token (this tick's + 1) needs a page past their table, in running order."""
+        return self.needing_pages(self.clock.ticks)
 
     def finishing(self) -> list[LazyRequest]:
         """Rows whose token of this tick is their last (taken from the heap)."""
@@ -272,7 +264,7 @@ class DecodeRows:
             found = residues.get((1 - tick) % self.page_size)
             if found:
                 rows += found.values()
-        rows.sort(key=attrgetter("admit_index"))
+        rows.sort(key=_admit_index)
         return rows
 
     def filling(self) -> list[LazyRequest]:

@@ -15,7 +15,7 @@ step: per plan, the clock moves on by the plan's seconds, its rows take their to
 processor (`run.processor`, the run loop's) decides who is done, whom `Scheduler.finish` then ends at
 that time. Every other event (an admission, a preemption, a bucket change, an arrival) runs for real.
 
-With the rows on the decode clock (sim_decode.py), the same is done from its heaps (`_fast_forward_on_clock`):
+With the rows on the decode clock (sim_decode.py), the same is done from its kept events (`_fast_forward_on_clock`):
 the bounds are the earliest last token and bucket end, k iterations are k ticks, and only the rows whose
 pages run out, fill or end within them are visited, in the order and with the calls given above.
 """
@@ -117,7 +117,7 @@ def fast_forward(run, plans) -> bool:
 
 
 def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
-    """_scan's (finish, other) bounds for rows on the decode clock (sim_decode.py), from its heaps: every
+    """_scan's (finish, other) bounds for rows on the decode clock (sim_decode.py), from its kept events: every
     registered row decodes, and its tokens are base + ticks."""
     scheduler = run.scheduler
     running, policy, lazy = scheduler.running, scheduler.policy, scheduler.lazy
@@ -150,7 +150,7 @@ def _fast_forward_on_clock(run, plans) -> bool:
     ticks = scheduler.decode_clock.ticks
     rows = lazy.needing_pages(ticks + k + 1)  # the only rows that lack pages for k + 1 more tokens
     tokens = [r._total_base + ticks for r in rows]
-    held = held_before = kv.num_pages_held_by(rows)
+    held = kv.num_pages_held_by(rows)
     free = kv.num_free_pages
     grown = _new_pages(size, tokens, held, k)
     finishing = finish < other and sum(_new_pages(size, tokens, held, k + 1)) <= free
@@ -168,9 +168,6 @@ def _fast_forward_on_clock(run, plans) -> bool:
         _allocate_rows(scheduler, rows, grown, 1)
         _record_rows_utilization(scheduler, 1, size, tokens, [pages + more for pages, more in zip(held, grown)], filled, count)
         _apply_last(run, plans)
-    for r, pages in zip(rows, held_before):  # a row given no page gets its entry back (note_allocated gave the others theirs)
-        if r._clock is not None and kv.num_pages_held(r) == pages:
-            lazy.push_need(r)
     return finishing
 
 
