@@ -134,6 +134,7 @@ class DecodeRows:
         self._length_buckets: list[int] = []  # the page buckets of those
         self._length_tops: list[int] = []  # tokens each one's page bucket holds - its base (min_top)
         self._length_needs: list[int] = []  # the first tick whose token needs a page past each one's table (due_pages)
+        self._first_need = 0  # at most min(_length_needs): needing_pages reads the list only from that tick on
 
     def register(self, request: LazyRequest) -> None:
         """Count a request that now decodes (its newest token is its only uncomputed one) on the clock."""
@@ -189,7 +190,9 @@ class DecodeRows:
         base, index = request._total_base, request.admit_index
         at, bucket = bisect.bisect_left(self._length_keys, (base, index)), self.page_bucket(held)
         self._length_pages[at] = held
-        self._length_needs[at] = held * self.page_size - base + 1
+        need = self._length_needs[at] = held * self.page_size - base + 1
+        if need < self._first_need:
+            self._first_need = need
         if self._length_buckets[at] != bucket:  # registered (its bucket was 0), or its table grew past its bucket: a new top
             self._length_buckets[at] = bucket
             self._length_tops[at] = bucket * self.page_size - base
@@ -218,8 +221,13 @@ class DecodeRows:
 
     def needing_pages(self, ticks: int) -> list[LazyRequest]:
         """Rows whose token at some tick up to `ticks` needs a page past their table, in running order."""
+        if ticks < self._first_need:
+            return []
         needs = self._length_needs
-        if not needs or min(needs) > ticks:
+        if not needs:
+            return []
+        self._first_need = min(needs)
+        if ticks < self._first_need:
             return []
         rows = [row for row, need in zip(self._by_length, needs) if need <= ticks]
         if len(rows) > 1:
