@@ -117,6 +117,8 @@ class RequestQueue:
         if k <= 0:
             return iter(())
         self._drop_stale_tops(self._order)
+        if k == 1:  # the top itself (a step that admits into one free slot: most of a full batch's steps)
+            return iter((self._order[0][-1],) if self._order else ())
         return self._walk(self._order, k)
 
     def _walk(self, heap: list[tuple], k: int) -> Iterator[Request]:
