@@ -67,24 +67,25 @@ class BucketTables:
     pages: tuple[int, ...]  # table widths, pages per row (decode and prefill)
     packed_seqs: int = 0  # sequences one packed prefill row holds at most; 0: unpacked prefill
 
-    @property
+    # Derived once (the tables are frozen): the scheduler reads these at every step.
+    @functools.cached_property
     def packed(self) -> bool:
         return self.packed_seqs > 0
 
-    @property
+    @functools.cached_property
     def max_chunk(self) -> int:
         return self.chunk_tokens[-1]
 
-    @property
+    @functools.cached_property
     def max_prefill_rows(self) -> int:
         """Sequences one prefill step holds at most."""
         return self.packed_seqs if self.packed else self.prefill_rows[-1]
 
-    @property
+    @functools.cached_property
     def max_decode_rows(self) -> int:
         return self.decode_rows[-1]
 
-    @property
+    @functools.cached_property
     def max_pages(self) -> int:
         return self.pages[-1]
 
