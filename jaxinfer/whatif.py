@@ -1,5 +1,6 @@
-"""`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--json]`: a finished job
-replayed on the simulator under other settings. No model is loaded and jax is never imported.
+"""`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--max-prefill-tokens N]
+[--num-pages N] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
+jax is never imported.
 
 It reads the job's output records (each line's prompt and output lengths, its measured TTFT) and its step
 log (`<output>.steps.jsonl`, batch/step_log.py: the engine's settings, the pool, the in-flight limit, the
@@ -7,7 +8,9 @@ step-cost table and the measured wall time and padding). The simulator (scheduli
 replays the job as it ran, which gives the simulator's error on this job, then runs it under the new
 settings. `--buckets KIND:K` fits a bucket strategy (bucketing/strategies.py: fitted, quantile, ...) with
 K buckets per table to the job's own prompt lengths, decode batch sizes and pages per sequence; `default`
-is the engine's default tables.
+is the engine's default tables. A new limit (`--max-num-seqs`, `--max-prefill-tokens`) cuts the job's own table
+of that dimension at it and adds it (bucket_tables.cut_table), as the default tables end at their limits;
+`--num-pages` sizes the KV pool (pages, the null page included), where a smaller pool preempts.
 """
 
 import argparse
@@ -22,6 +25,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
 from jaxinfer import config
 from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling.bucket_tables import cut_table
 from jaxinfer.scheduling import simulator
 from jaxinfer.scheduling.simulator import SimRequest
 from jaxinfer.validation import FieldError
@@ -125,19 +129,22 @@ def bucket_strategy(spec: str, job: FinishedJob, cfg: EngineConfig):
     return strategies.EngineBuckets.from_samples(kind, int(budget), chunk=prompts, rows=np.minimum(decode_rows, cfg.max_num_seqs), pages=pages)
 
 
-def new_config(job: FinishedJob, *, policy: str | None = None, buckets: str | None = None, max_num_seqs: int | None = None) -> EngineConfig:
-    """The job's engine settings with the changes asked for (a bucket strategy replaces the tables it sets)."""
+def new_config(job: FinishedJob, *, policy: str | None = None, buckets: str | None = None, max_num_seqs: int | None = None,
+               max_prefill_tokens: int | None = None, num_pages: int | None = None) -> EngineConfig:
+    """The job's engine settings with the changes asked for (a bucket strategy replaces the tables it sets; a new
+    limit cuts the job's table of its dimension at it, the limit added). ValueError naming the flag."""
     cfg, changes = job.engine_config, {}
-    if max_num_seqs is not None:
-        changes["max_num_seqs"] = max_num_seqs
-        if cfg.decode_batch_buckets is not None and cfg.decode_batch_buckets[-1] < max_num_seqs:
-            changes["decode_batch_buckets"] = None
     if policy is not None:
         if not any(f.name == "policy" for f in dataclasses.fields(EngineConfig)):
             raise ValueError("--policy: this jaxinfer has no scheduling policies (EngineConfig has no 'policy')")
         changes["policy"] = policy
+    limits = {"max_num_seqs": (max_num_seqs, "decode_batch_buckets"), "max_prefill_tokens": (max_prefill_tokens, "prefill_chunk_buckets")}
+    asked = {name: table for name, (value, table) in limits.items() if value is not None}
+    changes |= {name: limits[name][0] for name in asked} | ({"num_pages": num_pages} if num_pages is not None else {})
     try:
-        cfg = dataclasses.replace(cfg, **changes)
+        checked = dataclasses.replace(cfg, **changes, **{table: None for table in asked.values()})  # the new limits checked (FieldError)
+        cut = {table: cut_table(getattr(cfg, table), _table_top(checked, name), reach=True) for name, table in asked.items() if getattr(cfg, table) is not None}
+        cfg = dataclasses.replace(checked, **cut)
         if buckets is not None:
             engine_buckets = bucket_strategy(buckets, job, cfg)
             tables = {"prefill_chunk_buckets": None, "decode_batch_buckets": None, "decode_page_buckets": None}
@@ -145,6 +152,11 @@ def new_config(job: FinishedJob, *, policy: str | None = None, buckets: str | No
     except FieldError as e:
         raise ValueError(f"--{e.field.replace('_', '-')} {e.problem}") from None
     return cfg
+
+
+def _table_top(cfg: EngineConfig, limit: str) -> int:
+    """The largest size a table under this limit holds: max_num_seqs rows, or the largest chunk."""
+    return cfg.max_num_seqs if limit == "max_num_seqs" else min(cfg.max_prefill_tokens, cfg.max_context)
 
 
 def _inflight(job: FinishedJob, cfg: EngineConfig) -> int:
@@ -157,18 +169,21 @@ def predict(job: FinishedJob, cfg: EngineConfig) -> dict:
     costs = job.log.costs
     if costs is None:
         raise ValueError("the step log holds no step-cost table (the job was killed before it ended); rerun the job")
-    result = simulator.simulate(cfg, job.requests, costs, num_pages=job.log.header.get("num_pages"), max_inflight=_inflight(job, cfg))
+    pages = cfg.num_pages or job.log.header.get("num_pages")  # a --num-pages asked for, else the job's pool
+    result = simulator.simulate(cfg, job.requests, costs, num_pages=pages, max_inflight=_inflight(job, cfg))
     summary = result.summary()
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
 
-def whatif(output: Path, *, policy: str | None = None, buckets: str | None = None, max_num_seqs: int | None = None, step_log: Path | None = None) -> dict:
+def whatif(output: Path, *, step_log: Path | None = None, **settings) -> dict:
     """{"measured", "replay", "replay_error", "predicted", "changes"}: the job's figures, the simulator's replay
-    of it as it ran and its relative error, and the prediction under the changes (the replay when none)."""
+    of it as it ran and its relative error, and the prediction under the changes (the replay when none).
+    `settings`: new_config's changes (policy, buckets, max_num_seqs, max_prefill_tokens, num_pages); None keeps the job's."""
     job = read_job(output, step_log)
+    changes = {k: v for k, v in settings.items() if v is not None}
+    target = new_config(job, **changes) if changes else None  # a bad setting is refused before anything is simulated
     measured, replay = job.measured(), predict(job, job.engine_config)
-    changes = {k: v for k, v in {"policy": policy, "buckets": buckets, "max_num_seqs": max_num_seqs}.items() if v is not None}
-    predicted = predict(job, new_config(job, policy=policy, buckets=buckets, max_num_seqs=max_num_seqs)) if changes else replay
+    predicted = predict(job, target) if changes else replay
     error = {name: _relative(replay[name], measured[name]) for name in FIGURES}
     return {"measured": measured, "replay": replay, "replay_error": error, "predicted": predicted, "changes": changes,
             "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
@@ -204,6 +219,8 @@ def add_subparser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--policy", default=None, choices=getattr(config, "POLICIES", None), help="scheduling policy to simulate (default: the job's)")
     parser.add_argument("--buckets", default=None, metavar="KIND:K", help="bucket tables: a strategy fitted to the job with K buckets each (e.g. fitted:16), or default")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="sequences decoded together at most (default: the job's)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N", help="prefill tokens per step at most, the largest chunk (default: the job's)")
+    parser.add_argument("--num-pages", type=int, default=None, metavar="N", help="KV pool pages, the null page included (default: the job's pool)")
     parser.add_argument("--step-log", type=Path, default=None, metavar="FILE", help="the job's step log (default: OUTPUT.steps.jsonl)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted")
     parser.set_defaults(func=run)
@@ -211,6 +228,7 @@ def add_subparser(commands) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    report = whatif(args.output, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs, step_log=args.step_log)
+    report = whatif(args.output, step_log=args.step_log, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
+                    max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

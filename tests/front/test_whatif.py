@@ -1,10 +1,13 @@
 """`jaxinfer whatif` end to end: a real job on the default model, then its replay and a prediction under other settings."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
+
+from jaxinfer import whatif
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.", "Describe a cat.", "Who painted the Mona Lisa?"]
 ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "4", "--page-size", "16", "--temperature", "0", "--no-progress", "--dtype", "float32"]
@@ -59,6 +62,30 @@ def test_whatif_predicts_more_steps_and_time_with_one_sequence_at_a_time(finishe
     text = cli("whatif", str(finished_job), "--max-num-seqs", "1", "--buckets", "fitted:2", timeout=120)
     # the text report names the changes as the flags that ask for them (policy, buckets, then sequences)
     assert text.returncode == 0 and "changes: --buckets fitted:2, --max-num-seqs 1\n" in text.stdout, text.stdout
+
+
+@pytest.mark.slow
+def test_whatif_under_a_smaller_prefill_budget_and_a_smaller_pool_predicts_more_steps_and_preemptions(finished_job):
+    report = whatif_json(finished_job, "--max-prefill-tokens", "8", "--num-pages", "6")
+    assert report["changes"] == {"max_prefill_tokens": 8, "num_pages": 6}
+    assert report["replay"]["num_preemptions"] == 0 and report["predicted"]["num_preemptions"] > 0  # 5 free pages for 4 sequences of 3 to 5
+    assert report["predicted"]["num_steps"] > report["replay"]["num_steps"]  # the first prompt alone takes 8-token chunks
+    assert report["predicted"]["finish_reasons"] == report["replay"]["finish_reasons"]  # preempted requests still finish
+    for flags, message in ((["--num-pages", "1"], "--num-pages must be >= 2"), (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1")):
+        result = cli("whatif", str(finished_job), *flags, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_a_new_limit_cuts_the_jobs_own_table_at_it_and_adds_it(finished_job):
+    job = whatif.read_job(finished_job)
+    engine = job.log.header["engine"] | {"prefill_chunk_buckets": [32, 80, 160, 224], "decode_batch_buckets": [1, 2, 4]}  # as a planned job's log holds them
+    planned = dataclasses.replace(job, log=dataclasses.replace(job.log, header=job.log.header | {"engine": engine}))
+    cfg = whatif.new_config(planned, max_prefill_tokens=100, max_num_seqs=8)
+    assert (cfg.prefill_chunk_buckets, cfg.decode_batch_buckets, cfg.max_prefill_tokens, cfg.max_num_seqs) == ((32, 80, 100), (1, 2, 4, 8), 100, 8)
+    cfg = whatif.new_config(planned, max_prefill_tokens=400, max_num_seqs=2)
+    assert (cfg.prefill_chunk_buckets, cfg.decode_batch_buckets) == ((32, 80, 160, 224, 256), (1, 2))  # a chunk is at most max_context (256)
+    assert whatif.new_config(planned, num_pages=40).decode_batch_buckets == (1, 2, 4)  # a change of no limit keeps the tables
 
 
 def test_an_output_without_a_step_log_or_missing_is_a_one_line_error(tmp_path):
