@@ -10,16 +10,21 @@ settings. `--buckets KIND:K` fits a bucket strategy (bucketing/strategies.py: fi
 K buckets per table to the job's own prompt lengths, decode batch sizes and pages per sequence; `default`
 is the engine's default tables. A new limit (`--max-num-seqs`, `--max-prefill-tokens`) cuts the job's own table
 of that dimension at it and adds it (bucket_tables.cut_table), as the default tables end at their limits;
-`--num-pages` sizes the KV pool (pages, the null page included), where a smaller pool preempts.
+`--num-pages` sizes the KV pool (pages, the null page included), where a smaller pool preempts. Each setting
+takes several values separated by commas (`--max-num-seqs 8,16,32 --policy fcfs,prefix`): every combination is
+predicted, a line each, the least predicted wall time marked.
 """
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
@@ -175,18 +180,45 @@ def predict(job: FinishedJob, cfg: EngineConfig) -> dict:
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
 
-def whatif(output: Path, *, step_log: Path | None = None, **settings) -> dict:
+def whatif(output: Path, *, step_log: Path | None = None, progress: bool | None = None, **settings) -> dict:
     """{"measured", "replay", "replay_error", "predicted", "changes"}: the job's figures, the simulator's replay
     of it as it ran and its relative error, and the prediction under the changes (the replay when none).
-    `settings`: new_config's changes (policy, buckets, max_num_seqs, max_prefill_tokens, num_pages); None keeps the job's."""
+
+    `settings`: new_config's changes (policy, buckets, max_num_seqs, max_prefill_tokens, num_pages), each a value
+    or a list of values; None keeps the job's. Lists make a grid, every combination predicted (in the order of
+    the lists, the last varying fastest) into "grid" ([{"changes", "predicted"}]); "predicted" and "changes"
+    are then the combination of the least predicted wall time (the first of equals). `progress`: a bar over the
+    grid (None: where stderr is a terminal)."""
     job = read_job(output, step_log)
-    changes = {k: v for k, v in settings.items() if v is not None}
-    target = new_config(job, **changes) if changes else None  # a bad setting is refused before anything is simulated
+    grid = _combinations(settings)
+    targets = [new_config(job, **changes) for changes in grid]  # a bad setting is refused before anything is simulated
     measured, replay = job.measured(), predict(job, job.engine_config)
-    predicted = predict(job, target) if changes else replay
+    runs = _predict_grid(job, grid, targets, replay, progress)
+    best = min(runs, key=lambda run: run["predicted"]["wall_s"])
     error = {name: _relative(replay[name], measured[name]) for name in FIGURES}
-    return {"measured": measured, "replay": replay, "replay_error": error, "predicted": predicted, "changes": changes,
-            "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
+    report = {"measured": measured, "replay": replay, "replay_error": error, "predicted": best["predicted"], "changes": best["changes"],
+              "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
+    return report | ({"grid": runs} if len(runs) > 1 else {})
+
+
+def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict, progress: bool | None) -> list[dict]:
+    """[{"changes", "predicted"}] of each combination (the replay where nothing changes), with a bar over several."""
+    show = len(grid) > 1 and (progress if progress is not None else sys.stderr.isatty())
+    runs = []
+    with tqdm(total=len(grid), desc="whatif", unit="setting", disable=not show) as bar:
+        for changes, cfg in zip(grid, targets):
+            runs.append({"changes": changes, "predicted": predict(job, cfg) if changes else replay})
+            bar.update()
+    return runs
+
+
+def _combinations(settings: dict) -> list[dict]:
+    """Every combination of the settings given (a list each, or one value), in order, the last varying fastest."""
+    given = {name: value if isinstance(value, list) else [value] for name, value in settings.items() if value is not None}
+    for name, values in given.items():
+        if not values:
+            raise ValueError(f"--{name.replace('_', '-')} needs at least one value")
+    return [dict(zip(given, values)) for values in itertools.product(*given.values())]
 
 
 def _relative(predicted, measured) -> float | None:
@@ -196,17 +228,37 @@ def _relative(predicted, measured) -> float | None:
 
 
 def format_report(report: dict) -> str:
-    """The three columns (measured, replay, predicted) and the replay's error, one figure a line."""
-    changes = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in report["changes"].items())
-    lines = [f"whatif: {report['num_requests']} requests; changes: {changes or 'none (the replay of the job itself)'}"]
-    if report["resumed"]:
-        lines.append("note: the step log is of a resumed run; the measured wall time covers that run only")
-    lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8} {'predicted':>12}")
+    """The three columns (measured, replay, predicted) and the replay's error, one figure a line; for a grid, the
+    first two and the replay's error, then a line per combination."""
+    grid = report.get("grid")
+    head = f"whatif: {report['num_requests']} requests; " + (f"{len(grid)} settings" if grid else f"changes: {_flags(report['changes']) or 'none (the replay of the job itself)'}")
+    lines = [head] + (["note: the step log is of a resumed run; the measured wall time covers that run only"] if report["resumed"] else [])
+    lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8}" + ("" if grid else f" {'predicted':>12}"))
     for name in FIGURES:
-        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         err = report["replay_error"][name]
-        lines.append(f"{name:<12} {fmt(report['measured'][name]):>12} {fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8} {fmt(report['predicted'][name]):>12}")
-    return "\n".join(lines)
+        lines.append(f"{name:<12} {_fmt(report['measured'][name]):>12} {_fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8}"
+                     + ("" if grid else f" {_fmt(report['predicted'][name]):>12}"))
+    return "\n".join(lines + (_grid_lines(report) if grid else []))
+
+
+def _grid_lines(report: dict) -> list[str]:
+    """A line per combination: its flags, predicted figures and wall time over the replay's; * marks the least."""
+    width = max(len(_flags(run["changes"])) for run in report["grid"])
+    lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ replay':>9} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}"]
+    for run in report["grid"]:
+        p, mark = run["predicted"], "*" if run["changes"] == report["changes"] else " "
+        ratio = _fmt(p["wall_s"] / report["replay"]["wall_s"] if report["replay"]["wall_s"] else None, "{:.2f}x")
+        lines.append(f"{mark} {_flags(run['changes']):<{width}} {_fmt(p['wall_s']):>10} {ratio:>9} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
+                     f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}")
+    return lines + ["* the least predicted wall time"]
+
+
+def _flags(changes: dict) -> str:
+    return ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
+
+
+def _fmt(value, spec: str = "{:.4f}") -> str:
+    return "-" if value is None else spec.format(value)
 
 
 def add_subparser(commands) -> argparse.ArgumentParser:
@@ -216,19 +268,37 @@ def add_subparser(commands) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1],
     )
     parser.add_argument("output", type=Path, metavar="OUTPUT.jsonl", help="a finished job's output (its step log lies beside it)")
-    parser.add_argument("--policy", default=None, choices=getattr(config, "POLICIES", None), help="scheduling policy to simulate (default: the job's)")
-    parser.add_argument("--buckets", default=None, metavar="KIND:K", help="bucket tables: a strategy fitted to the job with K buckets each (e.g. fitted:16), or default")
-    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="sequences decoded together at most (default: the job's)")
-    parser.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N", help="prefill tokens per step at most, the largest chunk (default: the job's)")
-    parser.add_argument("--num-pages", type=int, default=None, metavar="N", help="KV pool pages, the null page included (default: the job's pool)")
+    parser.add_argument("--policy", default=None, type=_values(str, getattr(config, "POLICIES", None)), metavar="P[,P...]",
+                        help=f"scheduling policy to simulate: {', '.join(getattr(config, 'POLICIES', ()))} (default: the job's)")
+    parser.add_argument("--buckets", default=None, type=_values(str), metavar="KIND:K[,...]",
+                        help="bucket tables: a strategy fitted to the job with K buckets each (e.g. fitted:16), or default")
+    parser.add_argument("--max-num-seqs", type=_values(int), default=None, metavar="N[,N...]", help="sequences decoded together at most (default: the job's)")
+    parser.add_argument("--max-prefill-tokens", type=_values(int), default=None, metavar="N[,N...]",
+                        help="prefill tokens per step at most, the largest chunk (default: the job's)")
+    parser.add_argument("--num-pages", type=_values(int), default=None, metavar="N[,N...]", help="KV pool pages, the null page included (default: the job's pool)")
     parser.add_argument("--step-log", type=Path, default=None, metavar="FILE", help="the job's step log (default: OUTPUT.steps.jsonl)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted (and grid)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar over a grid of settings")
     parser.set_defaults(func=run)
     return parser
 
 
+def _values(kind: type, choices=None):
+    """An argparse type: one value, or several separated by commas (a list: the grid's axis)."""
+    def parse(text: str):
+        values = [part.strip() for part in text.split(",")]
+        try:
+            values = [kind(v) for v in values if v]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {kind.__name__} values separated by commas, got {text!r}") from None
+        if not values or (choices is not None and any(v not in choices for v in values)):
+            raise argparse.ArgumentTypeError(f"expects one or more of {', '.join(choices)} separated by commas, got {text!r}" if choices else f"got no value in {text!r}")
+        return values[0] if len(values) == 1 else values
+    return parse
+
+
 def run(args) -> int:
-    report = whatif(args.output, step_log=args.step_log, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
+    report = whatif(args.output, step_log=args.step_log, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -77,6 +77,22 @@ def test_whatif_under_a_smaller_prefill_budget_and_a_smaller_pool_predicts_more_
 
 
 @pytest.mark.slow
+def test_settings_with_several_values_predict_every_combination_and_mark_the_fastest(finished_job):
+    report = whatif_json(finished_job, "--max-num-seqs", "1,4", "--num-pages", "6,200")
+    grid = report["grid"]
+    assert [run["changes"] for run in grid] == [{"max_num_seqs": m, "num_pages": n} for m in (1, 4) for n in (6, 200)]
+    fastest = min(grid, key=lambda run: run["predicted"]["wall_s"])
+    assert report["predicted"] == fastest["predicted"] and report["changes"] == fastest["changes"] == {"max_num_seqs": 4, "num_pages": 200}
+    same = ("wall_s", "ttft_p50_s", "ttft_p99_s", "padding", "num_steps")  # 4 sequences and a pool large enough: the job's own schedule
+    assert {k: fastest["predicted"][k] for k in same} == {k: report["replay"][k] for k in same}
+    assert grid[0]["predicted"]["num_steps"] > report["replay"]["num_steps"] and grid[2]["predicted"]["num_preemptions"] > 0
+    text = cli("whatif", str(finished_job), "--max-num-seqs", "1,4", "--num-pages", "6,200", timeout=120).stdout
+    assert "4 settings" in text and "* --max-num-seqs 4, --num-pages 200 " in text and text.count("--max-num-seqs 1, --num-pages") == 2, text
+    bad = cli("whatif", str(finished_job), "--policy", "fcfs,magic", timeout=120)
+    assert bad.returncode == 2 and "--policy: expects one or more of fcfs" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
 def test_a_new_limit_cuts_the_jobs_own_table_at_it_and_adds_it(finished_job):
     job = whatif.read_job(finished_job)
     engine = job.log.header["engine"] | {"prefill_chunk_buckets": [32, 80, 160, 224], "decode_batch_buckets": [1, 2, 4]}  # as a planned job's log holds them
