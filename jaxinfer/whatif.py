@@ -1,5 +1,5 @@
 """`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--max-prefill-tokens N]
-[--num-pages N] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
+[--num-pages N] [--trace TRACE.csv] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
 jax is never imported.
 
 It reads the job's output records (each line's prompt and output lengths, its measured TTFT) and its step
@@ -12,7 +12,9 @@ is the engine's default tables. A new limit (`--max-num-seqs`, `--max-prefill-to
 of that dimension at it and adds it (bucket_tables.cut_table), as the default tables end at their limits;
 `--num-pages` sizes the KV pool (pages, the null page included), where a smaller pool preempts. Each setting
 takes several values separated by commas (`--max-num-seqs 8,16,32 --policy fcfs,prefix`): every combination is
-predicted, a line each, the least predicted wall time marked.
+predicted, a line each, the least predicted wall time marked. `--trace TRACE.csv` predicts a request trace (the
+Azure format, arrivals as recorded or `--rate` times as fast) instead of the job's own requests, on the job's
+engine settings and step costs: what this machine and model would do with that traffic.
 """
 
 import argparse
@@ -180,7 +182,8 @@ def predict(job: FinishedJob, cfg: EngineConfig) -> dict:
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
 
-def whatif(output: Path, *, step_log: Path | None = None, progress: bool | None = None, **settings) -> dict:
+def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = None, rate: float = 1.0, trace_requests: int | None = None,
+           progress: bool | None = None, **settings) -> dict:
     """{"measured", "replay", "replay_error", "predicted", "changes"}: the job's figures, the simulator's replay
     of it as it ran and its relative error, and the prediction under the changes (the replay when none).
 
@@ -188,26 +191,60 @@ def whatif(output: Path, *, step_log: Path | None = None, progress: bool | None 
     or a list of values; None keeps the job's. Lists make a grid, every combination predicted (in the order of
     the lists, the last varying fastest) into "grid" ([{"changes", "predicted"}]); "predicted" and "changes"
     are then the combination of the least predicted wall time (the first of equals). `progress`: a bar over the
-    grid (None: where stderr is a terminal)."""
+    grid (None: where stderr is a terminal).
+
+    `trace`: predict a request trace (traces.load_trace's format; its first `trace_requests`, arrivals divided
+    by `rate`) instead of the job's own requests, priced by the job's step costs on its engine settings. The
+    grid's first line is then the trace under the job's own settings ("base"), and "trace" says what was read."""
     job = read_job(output, step_log)
+    workload, read = (job, None) if trace is None else _with_trace(job, trace, rate, trace_requests)
     grid = _combinations(settings)
-    targets = [new_config(job, **changes) for changes in grid]  # a bad setting is refused before anything is simulated
+    if trace is not None:
+        grid = [{}] + [changes for changes in grid if changes]
+    targets = [new_config(workload, **changes) for changes in grid]  # a bad setting is refused before anything is simulated
     measured, replay = job.measured(), predict(job, job.engine_config)
-    runs = _predict_grid(job, grid, targets, replay, progress)
+    runs = _predict_grid(workload, grid, targets, replay if trace is None else None, progress)
     best = min(runs, key=lambda run: run["predicted"]["wall_s"])
     error = {name: _relative(replay[name], measured[name]) for name in FIGURES}
     report = {"measured": measured, "replay": replay, "replay_error": error, "predicted": best["predicted"], "changes": best["changes"],
               "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
-    return report | ({"grid": runs} if len(runs) > 1 else {})
+    if read is not None:
+        report |= {"trace": read, "base": runs[0]["predicted"]}
+    return report | ({"grid": runs} if len(runs) > 1 or trace is not None else {})
 
 
-def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict, progress: bool | None) -> list[dict]:
-    """[{"changes", "predicted"}] of each combination (the replay where nothing changes), with a bar over several."""
+def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) -> tuple[FinishedJob, dict]:
+    """The job with a trace's requests in place of its own, and what was read: a prompt with no room in the job's
+    context for one generated token is left out (the engine refuses it), an output is the trace's."""
+    from jaxinfer.bucketing import traces  # noqa: PLC0415  (only a trace's whatif reads one)
+
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"--rate must be a positive number, got {rate}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--trace-requests must be >= 1, got {limit}")
+    try:
+        trace = traces.load_trace(path)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such trace file") from None
+    trace = trace.head(limit) if limit is not None else trace
+    max_context = job.engine_config.max_context
+    fits = trace.context_tokens < max_context
+    arrivals = trace.timestamps / rate
+    requests = [SimRequest(int(p), int(o), float(t)) for p, o, t, ok in zip(trace.context_tokens, trace.generated_tokens, arrivals, fits) if ok]
+    if not requests:
+        raise ValueError(f"{path}: no request of the trace fits the job's context ({max_context} tokens)")
+    read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(arrivals[-1] - arrivals[0]), 3),
+            "rate": rate, "max_context": max_context}
+    return dataclasses.replace(job, requests=requests), read
+
+
+def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict | None, progress: bool | None) -> list[dict]:
+    """[{"changes", "predicted"}] of each combination (`replay`, where given, when nothing changes), with a bar over several."""
     show = len(grid) > 1 and (progress if progress is not None else sys.stderr.isatty())
     runs = []
     with tqdm(total=len(grid), desc="whatif", unit="setting", disable=not show) as bar:
         for changes, cfg in zip(grid, targets):
-            runs.append({"changes": changes, "predicted": predict(job, cfg) if changes else replay})
+            runs.append({"changes": changes, "predicted": replay if not changes and replay is not None else predict(job, cfg)})
             bar.update()
     return runs
 
@@ -229,9 +266,14 @@ def _relative(predicted, measured) -> float | None:
 
 def format_report(report: dict) -> str:
     """The three columns (measured, replay, predicted) and the replay's error, one figure a line; for a grid, the
-    first two and the replay's error, then a line per combination."""
-    grid = report.get("grid")
-    head = f"whatif: {report['num_requests']} requests; " + (f"{len(grid)} settings" if grid else f"changes: {_flags(report['changes']) or 'none (the replay of the job itself)'}")
+    first two and the replay's error, then a line per combination; for a trace, what was read first."""
+    grid, trace = report.get("grid"), report.get("trace")
+    if trace is not None:
+        head = (f"whatif: trace {trace['path']}: {trace['num_requests']} requests arriving over {trace['span_s']:.1f} s (rate {trace['rate']:g})"
+                + (f", {trace['num_left_out']} left out (prompts of {trace['max_context']} tokens or more)" if trace["num_left_out"] else "")
+                + f"; priced by the job's step costs. The simulator on the job itself ({report['num_requests']} requests):")
+    else:
+        head = f"whatif: {report['num_requests']} requests; " + (f"{len(grid)} settings" if grid else f"changes: {_flags(report['changes']) or 'none (the replay of the job itself)'}")
     lines = [head] + (["note: the step log is of a resumed run; the measured wall time covers that run only"] if report["resumed"] else [])
     lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8}" + ("" if grid else f" {'predicted':>12}"))
     for name in FIGURES:
@@ -242,15 +284,18 @@ def format_report(report: dict) -> str:
 
 
 def _grid_lines(report: dict) -> list[str]:
-    """A line per combination: its flags, predicted figures and wall time over the replay's; * marks the least."""
-    width = max(len(_flags(run["changes"])) for run in report["grid"])
-    lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ replay':>9} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}"]
-    for run in report["grid"]:
+    """A line per combination: its flags, predicted figures and wall time over the job's own settings'; * marks the least."""
+    base = report.get("base", report["replay"])
+    names = [_flags(run["changes"]) or "(the job's settings)" for run in report["grid"]]
+    width = max(map(len, names))
+    lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ base':>7} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}"]
+    for name, run in zip(names, report["grid"]):
         p, mark = run["predicted"], "*" if run["changes"] == report["changes"] else " "
-        ratio = _fmt(p["wall_s"] / report["replay"]["wall_s"] if report["replay"]["wall_s"] else None, "{:.2f}x")
-        lines.append(f"{mark} {_flags(run['changes']):<{width}} {_fmt(p['wall_s']):>10} {ratio:>9} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
+        ratio = _fmt(p["wall_s"] / base["wall_s"] if base["wall_s"] else None, "{:.2f}x")
+        lines.append(f"{mark} {name:<{width}} {_fmt(p['wall_s']):>10} {ratio:>7} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
                      f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}")
-    return lines + ["* the least predicted wall time"]
+    what = "the trace under the job's own settings" if "base" in report else "the replay, the job's own settings"
+    return lines + [f"* the least predicted wall time; base: {what}"]
 
 
 def _flags(changes: dict) -> str:
@@ -276,6 +321,11 @@ def add_subparser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--max-prefill-tokens", type=_values(int), default=None, metavar="N[,N...]",
                         help="prefill tokens per step at most, the largest chunk (default: the job's)")
     parser.add_argument("--num-pages", type=_values(int), default=None, metavar="N[,N...]", help="KV pool pages, the null page included (default: the job's pool)")
+    parser.add_argument("--trace", type=Path, default=None, metavar="TRACE.csv",
+                        help="predict this request trace (TIMESTAMP,ContextTokens,GeneratedTokens, the Azure format) instead of the job's requests, "
+                             "on the job's engine settings and step costs")
+    parser.add_argument("--rate", type=float, default=1.0, metavar="R", help="with --trace: arrivals R times as fast (default 1: as recorded)")
+    parser.add_argument("--trace-requests", type=int, default=None, metavar="N", help="with --trace: its first N requests (default: all)")
     parser.add_argument("--step-log", type=Path, default=None, metavar="FILE", help="the job's step log (default: OUTPUT.steps.jsonl)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted (and grid)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar over a grid of settings")
@@ -298,7 +348,9 @@ def _values(kind: type, choices=None):
 
 
 def run(args) -> int:
-    report = whatif(args.output, step_log=args.step_log, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
+    if args.trace is None and (args.rate != 1.0 or args.trace_requests is not None):
+        raise ValueError("--rate and --trace-requests work with --trace")
+    report = whatif(args.output, step_log=args.step_log, trace=args.trace, rate=args.rate, trace_requests=args.trace_requests, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jaxinfer import whatif
+from jaxinfer.scheduling import simulator
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.", "Describe a cat.", "Who painted the Mona Lisa?"]
 ENGINE_FLAGS = ["--max-context", "256", "--max-num-seqs", "4", "--page-size", "16", "--temperature", "0", "--no-progress", "--dtype", "float32"]
@@ -90,6 +91,40 @@ def test_settings_with_several_values_predict_every_combination_and_mark_the_fas
     assert "4 settings" in text and "* --max-num-seqs 4, --num-pages 200 " in text and text.count("--max-num-seqs 1, --num-pages") == 2, text
     bad = cli("whatif", str(finished_job), "--policy", "fcfs,magic", timeout=120)
     assert bad.returncode == 2 and "--policy: expects one or more of fcfs" in bad.stderr, bad.stderr
+
+
+TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.000000,40,12
+2023-11-16 18:15:46.050000,300,20
+2023-11-16 18:15:46.100000,90,30
+2023-11-16 18:15:46.200000,25,8
+2023-11-16 18:15:46.400000,256,4
+2023-11-16 18:15:46.800000,130,40
+2023-11-16 18:15:47.000000,60,16
+"""
+
+
+@pytest.mark.slow
+def test_a_trace_is_predicted_on_the_jobs_settings_and_step_costs_beside_other_settings(finished_job, tmp_path):
+    (tmp_path / "trace.csv").write_text(TRACE)
+    report = whatif_json(finished_job, "--trace", str(tmp_path / "trace.csv"), "--rate", "2", "--max-num-seqs", "1")
+    # the job ran with a 256-token context: the prompts of 300 and 256 tokens leave no room for a token
+    assert report["trace"] | {"path": None} == {"path": None, "num_requests": 5, "num_left_out": 2, "span_s": 0.5, "rate": 2.0, "max_context": 256}
+    assert [run["changes"] for run in report["grid"]] == [{}, {"max_num_seqs": 1}]
+    assert report["base"] == report["grid"][0]["predicted"] and report["replay"]["num_requests"] == 6
+    job = whatif.read_job(finished_job)  # the same prediction from the simulator itself, the arrivals divided by hand
+    kept = [(40, 12, 0.0), (90, 30, 0.05), (25, 8, 0.1), (130, 40, 0.4), (60, 16, 0.5)]
+    direct = simulator.simulate(job.engine_config, [simulator.SimRequest(p, o, t) for p, o, t in kept], job.log.costs,
+                                num_pages=job.log.header["num_pages"], max_inflight=16).summary()
+    assert {k: report["base"][k] for k in ("wall_s", "ttft_p50_s", "num_steps")} == {k: direct[k] for k in ("wall_s", "ttft_p50_s", "num_steps")}
+    one = report["grid"][1]["predicted"]
+    assert one["num_steps"] > report["base"]["num_steps"] and one["ttft_p99_s"] > report["base"]["ttft_p99_s"]  # one at a time: every wait is queueing
+    text = cli("whatif", str(finished_job), "--trace", str(tmp_path / "trace.csv"), timeout=120)
+    assert text.returncode == 0 and "5 requests arriving over 1.0 s (rate 1), 2 left out" in text.stdout and "(the job's settings)" in text.stdout, text.stdout
+    for flags, message in ((["--rate", "2"], "--rate and --trace-requests work with --trace"), (["--trace", str(tmp_path / "none.csv")], "no such trace file"),
+                           (["--trace", str(tmp_path / "trace.csv"), "--rate", "0"], "--rate must be a positive number")):
+        bad = cli("whatif", str(finished_job), *flags, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow
