@@ -215,7 +215,8 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
 
 def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) -> tuple[FinishedJob, dict]:
     """The job with a trace's requests in place of its own, and what was read: a prompt with no room in the job's
-    context for one generated token is left out (the engine refuses it), an output is the trace's."""
+    context for one generated token is left out (the engine refuses it), an output is the trace's (at least one
+    token: a request the trace says generated none still ran its prefill, which samples one)."""
     from jaxinfer.bucketing import traces  # noqa: PLC0415  (only a trace's whatif reads one)
 
     if not (rate > 0 and math.isfinite(rate)):
@@ -230,7 +231,7 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
     max_context = job.engine_config.max_context
     fits = trace.context_tokens < max_context
     arrivals = trace.timestamps / rate
-    requests = [SimRequest(int(p), int(o), float(t)) for p, o, t, ok in zip(trace.context_tokens, trace.generated_tokens, arrivals, fits) if ok]
+    requests = [SimRequest(int(p), max(int(o), 1), float(t)) for p, o, t, ok in zip(trace.context_tokens, trace.generated_tokens, arrivals, fits) if ok]
     if not requests:
         raise ValueError(f"{path}: no request of the trace fits the job's context ({max_context} tokens)")
     read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(arrivals[-1] - arrivals[0]), 3),

@@ -357,8 +357,8 @@ def simulate(
     started = time.perf_counter()
     requests = list(requests)
     for i, r in enumerate(requests):
-        if r.prompt_tokens < 1 or r.output_tokens < 0 or (r.arrival_s is not None and not r.arrival_s >= 0):
-            raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 0 and arrival_s >= 0 or None, got {r}")
+        if r.prompt_tokens < 1 or r.output_tokens < 1 or (r.arrival_s is not None and not r.arrival_s >= 0):  # a generation samples a token at least
+            raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 1 and arrival_s >= 0 or None, got {r}")
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
     run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()

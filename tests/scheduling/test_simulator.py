@@ -89,6 +89,9 @@ def test_a_request_that_cannot_run_is_named():
     cfg = small_config()
     with pytest.raises(ValueError, match="request 1 cannot run"):
         simulate(cfg, [SimRequest(4, 2), SimRequest(40, 2)], flat_costs(cfg))
+    for bad in (SimRequest(4, 0), SimRequest(0, 2), SimRequest(4, 2, -1.0)):  # a generation samples a token at least, from a prompt, once arrived
+        with pytest.raises(ValueError, match="request 1: needs prompt_tokens >= 1, output_tokens >= 1"):
+            simulate(cfg, [SimRequest(4, 2), bad], flat_costs(cfg))
 
 
 def test_the_simulator_imports_no_jax():
