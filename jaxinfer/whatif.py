@@ -93,7 +93,8 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
             fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record.get("status") == "ok" else None
             if fields is not None:
                 generated = sum(s["num_generated_tokens"] for s in fields.get("samples") or [fields])
-                rows.append((record.get("line", number), fields["num_prompt_tokens"], generated, fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0)))
+                # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token does
+                rows.append((record.get("line", number), fields["num_prompt_tokens"], max(generated, 1), fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0)))
     if not rows:
         raise ValueError(f"{output}: no finished (ok) record to replay")
     rows.sort()
