@@ -33,7 +33,7 @@ import traceback
 
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("<Q")
-_STOP_WAIT_S = 0.05  # the longest pause() waits for the child to show as stopped (it stops when it next runs: on a loaded machine, later)
+_STOP_WAIT_S = 0.05  # the longest stop() waits for every thread of the child to show as stopped (each stops when it next enters the kernel)
 
 
 def compile_all(req: dict):
@@ -89,6 +89,44 @@ def main() -> None:
     send(("done", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
+_STOPPED = ("T", "t")  # /proc state letters of a stopped thread (by a signal; traced)
+_GONE = ("Z", "X")  # exited
+
+
+def stop(proc: subprocess.Popen, wait_s: float = _STOP_WAIT_S) -> bool:
+    """SIGSTOP `proc` and wait, at most `wait_s`, until every one of its threads has stopped; whether they all did.
+    The signal stops each thread when it next enters the kernel: a thread computing on another core can run on for
+    a scheduler tick (4 ms at 250 Hz) after the one that took the signal shows stopped, into the step that follows."""
+    proc.send_signal(signal.SIGSTOP)
+    end = time.perf_counter() + wait_s
+    pending = None  # threads not seen stopped yet (a stopped one stays stopped until SIGCONT)
+    while True:
+        states = thread_states(proc.pid, pending)
+        pending = [tid for tid, letter in states.items() if letter not in _STOPPED + _GONE]
+        if not pending:
+            return True
+        if time.perf_counter() >= end:
+            return False
+        time.sleep(0.0002)
+
+
+def thread_states(pid: int, tids: list[str] | None = None) -> dict[str, str]:
+    """{thread id: /proc state letter} of `pid`'s threads (those of `tids`, where given) that can be read; {} when
+    the process is gone."""
+    try:
+        tids = tids if tids is not None else os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    states = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states[tid] = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread exited
+    return states
+
+
 class ChildCompile:
     """The parent's side of one child compile of the programs `engine` lacks for `engine_cfg`. `work(seconds)` lets
     it run and loads what it sent; `pause()` stops it. `programs` ({key: compiled}) once `finished`; `error` (a
@@ -114,23 +152,19 @@ class ChildCompile:
         os.set_blocking(self.proc.stdout.fileno(), False)
 
     def pause(self) -> None:
-        """SIGSTOP the child (a step is next) and wait, at most _STOP_WAIT_S, until it has stopped (the signal is
-        delivered asynchronously)."""
+        """Stop the child (a step is next): `stop`, unless it is stopped or gone."""
         if self._stopped or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGSTOP)
+        stop(self.proc)
         self._stopped = True
-        end = time.perf_counter() + _STOP_WAIT_S
-        while self.state() not in ("T", "Z", None) and time.perf_counter() < end:
-            time.sleep(0.0002)
 
     def state(self) -> str | None:
-        """The child's state letter in /proc ('T' stopped, 'R' running, ...); None where it cannot be read."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        """The child's state over its threads, per /proc: 'T' when every one is stopped, else the letter of one that
+        is not ('R' running, 'S' sleeping, 'Z' exited, ...); None where it cannot be read."""
+        states = thread_states(self.proc.pid)
+        if not states:
             return None
+        return next((letter for letter in states.values() if letter not in _STOPPED), "T")
 
     def work(self, seconds: float) -> None:
         """Let the child run for `seconds` (or until it is done), loading each program it sends meanwhile."""
