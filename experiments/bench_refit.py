@@ -200,6 +200,25 @@ def window_by_key(steps: list[StepRecord], swap: refit.Swap) -> dict:
     return out
 
 
+def after_load(steps: list[StepRecord], swap: refit.Swap) -> dict:
+    """The window's steps split by whether a program was loaded here in the turn just before them (refit.Swap.loaded_at):
+    per side, how many, and each step against its key's median outside the window (median, max, how many over 1.5x
+    and 2x). A load maps a compiled program into this process between two steps."""
+    outside: dict[str, list[float]] = {}
+    for s in steps:
+        if not in_window(s, swap):
+            outside.setdefault(s.key, []).append(s.seconds)
+    sides: dict[str, list[float]] = {"after_a_load": [], "after_no_load": []}
+    previous_end = -np.inf
+    for s in steps:
+        if in_window(s, swap) and s.key in outside:
+            loaded = any(previous_end < t <= s.ended - s.seconds for t in swap.loaded_at)
+            sides["after_a_load" if loaded else "after_no_load"].append(s.seconds / float(np.median(outside[s.key])))
+        previous_end = s.ended
+    return {side: {"num_steps": len(r), "p50_ratio": float(np.median(r)) if r else None, "max_ratio": max(r, default=None),
+                   "num_over_1_5x": sum(x > 1.5 for x in r), "num_over_2x": sum(x > 2.0 for x in r)} for side, r in sides.items()}
+
+
 def slowest_outside(steps: list[StepRecord], swap: refit.Swap | None) -> dict | None:
     """The noise without a compile: the slowest step outside the compile window (all of them without a swap) against
     its own key's median there, over keys with at least 5 such steps; None if none has."""
@@ -370,6 +389,7 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
         ratios = [w["max_ratio_to_own_key"] for w in out["window"].values() if w["max_ratio_to_own_key"] is not None]
         out["max_ratio_in_window"] = max(ratios, default=None)
         out["window_by_key"] = window_by_key(steps, swap)
+        out["window_after_load"] = after_load(steps, swap)
         first = steps[0].ended - steps[0].seconds
         out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first,
                            "job_ended": steps[-1].ended - first}
@@ -405,6 +425,9 @@ def print_result(result: dict) -> None:
     if result["window_s"]:
         print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "
               f"to {result['window_s']['compile_ended']:.1f} s; swap at {result['window_s']['swapped_at']:.1f} s; the job's last step ended at {result['window_s']['job_ended']:.1f} s")
+        for side, w in result["window_after_load"].items():
+            print(f"window steps {side.replace('_', ' ')}: {w['num_steps']}, median {w['p50_ratio'] or 0:.2f}x and max {w['max_ratio'] or 0:.2f}x their key's median outside, "
+                  f"{w['num_over_1_5x']} over 1.5x, {w['num_over_2x']} over 2x")
 
 
 if __name__ == "__main__":

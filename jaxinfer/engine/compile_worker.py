@@ -141,6 +141,7 @@ class ChildCompile:
         self.error: str | None = None
         self.finished = False
         self.finished_at = 0.0  # perf_counter when the last program was loaded
+        self.loaded_at: list[float] = []  # perf_counter after each program's load here
         self._buffer = bytearray()
         self._stderr = tempfile.TemporaryFile()
         with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: a large request never blocks the stepping thread
@@ -194,6 +195,7 @@ class ChildCompile:
         if message[0] == "program":
             _, key, serialized, cpu_s = message
             self.programs[key] = self.engine.load_program(key, serialized, cpu_s)
+            self.loaded_at.append(time.perf_counter())
             self.cpu_s += cpu_s
         else:
             self.peak_rss = message[1]
