@@ -48,14 +48,19 @@ class FinishedJob:
     requests: list[SimRequest]
     ttft_s: np.ndarray  # f64[N]
     log: StepLogContents
+    tpot_s: np.ndarray | None = None  # f64[N], NaN where a record has none
 
     @property
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.log.header["engine"])
 
-    def measured(self) -> dict:
+    def measured(self, slo: tuple[float, float] | None = None) -> dict:
+        """The job's figures (FIGURES), and with `slo` (TTFT, TPOT seconds) the share of its ok lines within both."""
         summary = self.log.summary or _summary_of_steps(self.log.steps)
-        return {"wall_s": summary["wall_s"], "ttft_p50_s": _pct(self.ttft_s, 50), "ttft_p99_s": _pct(self.ttft_s, 99), "padding": summary["padding"]}
+        figures = {"wall_s": summary["wall_s"], "ttft_p50_s": _pct(self.ttft_s, 50), "ttft_p99_s": _pct(self.ttft_s, 99), "padding": summary["padding"]}
+        if slo is not None:  # every record read is an ok one: finished by stop or length
+            figures["slo_attainment"] = round(float(np.mean(simulator.slo_met(self.ttft_s, self.tpot_s, np.ones(self.ttft_s.size, bool), *slo))), 4)
+        return figures
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -94,14 +99,16 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
             if fields is not None:
                 generated = sum(s["num_generated_tokens"] for s in fields.get("samples") or [fields])
                 # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token does
-                rows.append((record.get("line", number), fields["num_prompt_tokens"], max(generated, 1), fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0)))
+                tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
+                rows.append((record.get("line", number), fields["num_prompt_tokens"], max(generated, 1), fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0),
+                             np.nan if tpot is None else tpot))
     if not rows:
         raise ValueError(f"{output}: no finished (ok) record to replay")
     rows.sort()
     extra = _line_fields(Path(log.header.get("input", "")), {r[0] for r in rows})
     shared = max(r[4] for r in rows)  # the prefix the cache shared (a chat template's): every request starts with it
-    requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _ in rows]
-    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log)
+    requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _, _ in rows]
+    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64))
 
 
 def _line_fields(input_path: Path, lines: set[int]) -> dict[int, tuple[int, float | None]]:
@@ -172,19 +179,20 @@ def _inflight(job: FinishedJob, cfg: EngineConfig) -> int:
     return header.get("max_inflight_given") or _INFLIGHT_PER_SEQ * cfg.max_num_seqs * header.get("replicas", 1)
 
 
-def predict(job: FinishedJob, cfg: EngineConfig) -> dict:
-    """The simulator's figures for the job's requests under `cfg` (FIGURES, then the rest of its summary)."""
+def predict(job: FinishedJob, cfg: EngineConfig, slo: tuple[float, float] | None = None) -> dict:
+    """The simulator's figures for the job's requests under `cfg` (FIGURES, then the rest of its summary; with `slo`,
+    (TTFT, TPOT) seconds, the share of requests within both: slo_attainment)."""
     costs = job.log.costs
     if costs is None:
         raise ValueError("the step log holds no step-cost table (the job was killed before it ended); rerun the job")
     pages = cfg.num_pages or job.log.header.get("num_pages")  # a --num-pages asked for, else the job's pool
     result = simulator.simulate(cfg, job.requests, costs, num_pages=pages, max_inflight=_inflight(job, cfg))
-    summary = result.summary()
+    summary = result.summary() | ({"slo_attainment": round(result.slo_attainment(*slo), 4)} if slo is not None else {})
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
 
 def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = None, rate: float = 1.0, trace_requests: int | None = None,
-           progress: bool | None = None, **settings) -> dict:
+           slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, progress: bool | None = None, **settings) -> dict:
     """{"measured", "replay", "replay_error", "predicted", "changes"}: the job's figures, the simulator's replay
     of it as it ran and its relative error, and the prediction under the changes (the replay when none).
 
@@ -196,19 +204,24 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
 
     `trace`: predict a request trace (traces.load_trace's format; its first `trace_requests`, arrivals divided
     by `rate`) instead of the job's own requests, priced by the job's step costs on its engine settings. The
-    grid's first line is then the trace under the job's own settings ("base"), and "trace" says what was read."""
+    grid's first line is then the trace under the job's own settings ("base"), and "trace" says what was read.
+
+    `slo_ttft_s`, `slo_tpot_s`: an SLO (either alone leaves the other unbounded); every figure set then holds
+    slo_attainment, the share of requests that finished within both, and "slo" says which."""
+    slo = _slo(slo_ttft_s, slo_tpot_s)
     job = read_job(output, step_log)
     workload, read = (job, None) if trace is None else _with_trace(job, trace, rate, trace_requests)
     grid = _combinations(settings)
     if trace is not None:
         grid = [{}] + [changes for changes in grid if changes]
     targets = [new_config(workload, **changes) for changes in grid]  # a bad setting is refused before anything is simulated
-    measured, replay = job.measured(), predict(job, job.engine_config)
-    runs = _predict_grid(workload, grid, targets, replay if trace is None else None, progress)
+    measured, replay = job.measured(slo), predict(job, job.engine_config, slo)
+    runs = _predict_grid(workload, grid, targets, replay if trace is None else None, slo, progress)
     best = min(runs, key=lambda run: run["predicted"]["wall_s"])
-    error = {name: _relative(replay[name], measured[name]) for name in FIGURES}
+    error = {name: _relative(replay[name], measured[name]) for name in _figures(slo)}
     report = {"measured": measured, "replay": replay, "replay_error": error, "predicted": best["predicted"], "changes": best["changes"],
-              "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed"))}
+              "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed")),
+              "slo": None if slo is None else {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
     if read is not None:
         report |= {"trace": read, "base": runs[0]["predicted"]}
     return report | ({"grid": runs} if len(runs) > 1 or trace is not None else {})
@@ -240,13 +253,25 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
     return dataclasses.replace(job, requests=requests), read
 
 
-def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict | None, progress: bool | None) -> list[dict]:
+def _slo(ttft_s: float | None, tpot_s: float | None) -> tuple[float, float] | None:
+    """(TTFT, TPOT) seconds, an unbounded one infinite; None when neither is given. ValueError naming the flag."""
+    for flag, value in (("--slo-ttft", ttft_s), ("--slo-tpot", tpot_s)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
+    return None if ttft_s is None and tpot_s is None else (ttft_s or math.inf, tpot_s or math.inf)
+
+
+def _figures(slo) -> tuple[str, ...]:
+    return FIGURES + (("slo_attainment",) if slo is not None else ())
+
+
+def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict | None, slo, progress: bool | None) -> list[dict]:
     """[{"changes", "predicted"}] of each combination (`replay`, where given, when nothing changes), with a bar over several."""
     show = len(grid) > 1 and (progress if progress is not None else sys.stderr.isatty())
     runs = []
     with tqdm(total=len(grid), desc="whatif", unit="setting", disable=not show) as bar:
         for changes, cfg in zip(grid, targets):
-            runs.append({"changes": changes, "predicted": replay if not changes and replay is not None else predict(job, cfg)})
+            runs.append({"changes": changes, "predicted": replay if not changes and replay is not None else predict(job, cfg, slo)})
             bar.update()
     return runs
 
@@ -277,10 +302,10 @@ def format_report(report: dict) -> str:
     else:
         head = f"whatif: {report['num_requests']} requests; " + (f"{len(grid)} settings" if grid else f"changes: {_flags(report['changes']) or 'none (the replay of the job itself)'}")
     lines = [head] + (["note: the step log is of a resumed run; the measured wall time covers that run only"] if report["resumed"] else [])
-    lines.append(f"{'':<12} {'measured':>12} {'replay':>12} {'error':>8}" + ("" if grid else f" {'predicted':>12}"))
-    for name in FIGURES:
+    lines.append(f"{'':<14} {'measured':>12} {'replay':>12} {'error':>8}" + ("" if grid else f" {'predicted':>12}"))
+    for name in report["replay_error"]:  # FIGURES, and slo_attainment under an SLO
         err = report["replay_error"][name]
-        lines.append(f"{name:<12} {_fmt(report['measured'][name]):>12} {_fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8}"
+        lines.append(f"{name:<14} {_fmt(report['measured'][name]):>12} {_fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8}"
                      + ("" if grid else f" {_fmt(report['predicted'][name]):>12}"))
     return "\n".join(lines + (_grid_lines(report) if grid else []))
 
@@ -290,12 +315,13 @@ def _grid_lines(report: dict) -> list[str]:
     base = report.get("base", report["replay"])
     names = [_flags(run["changes"]) or "(the job's settings)" for run in report["grid"]]
     width = max(map(len, names))
-    lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ base':>7} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}"]
+    slo = "slo_attainment" in base
+    lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ base':>7} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}" + (f" {'SLO met':>8}" if slo else "")]
     for name, run in zip(names, report["grid"]):
         p, mark = run["predicted"], "*" if run["changes"] == report["changes"] else " "
         ratio = _fmt(p["wall_s"] / base["wall_s"] if base["wall_s"] else None, "{:.2f}x")
         lines.append(f"{mark} {name:<{width}} {_fmt(p['wall_s']):>10} {ratio:>7} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
-                     f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}")
+                     f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}" + (f" {p['slo_attainment']:>8.1%}" if slo else ""))
     what = "the trace under the job's own settings" if "base" in report else "the replay, the job's own settings"
     return lines + [f"* the least predicted wall time; base: {what}"]
 
@@ -328,6 +354,9 @@ def add_subparser(commands) -> argparse.ArgumentParser:
                              "on the job's engine settings and step costs")
     parser.add_argument("--rate", type=float, default=1.0, metavar="R", help="with --trace: arrivals R times as fast (default 1: as recorded)")
     parser.add_argument("--trace-requests", type=int, default=None, metavar="N", help="with --trace: its first N requests (default: all)")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="an SLO's time to first token, seconds: every figure set gains the share "
+                        "of requests within it and --slo-tpot (slo_attainment, DistServe's goodput share)")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="S", help="an SLO's time per output token after the first, seconds")
     parser.add_argument("--step-log", type=Path, default=None, metavar="FILE", help="the job's step log (default: OUTPUT.steps.jsonl)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: measured, replay, replay_error, predicted (and grid)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar over a grid of settings")
@@ -352,7 +381,8 @@ def _values(kind: type, choices=None):
 def run(args) -> int:
     if args.trace is None and (args.rate != 1.0 or args.trace_requests is not None):
         raise ValueError("--rate and --trace-requests work with --trace")
-    report = whatif(args.output, step_log=args.step_log, trace=args.trace, rate=args.rate, trace_requests=args.trace_requests, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
+    report = whatif(args.output, step_log=args.step_log, trace=args.trace, rate=args.rate, trace_requests=args.trace_requests,
+                    slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

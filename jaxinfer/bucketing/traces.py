@@ -5,7 +5,7 @@ columns `TIMESTAMP,ContextTokens,GeneratedTokens`; extra columns are ignored), a
 generator for users with no trace, where the shared traces live (`shared_trace`: the one reader of
 $JAXINFER_TRACE_DIR; they are kept outside the repository), and the arrival-time replay (`replay`: an LLM admits each request at its
 trace time, scaled by a rate; `replay_report`: TTFT, TPOT, throughput and goodput under an SLO). Must not
-import jax; numpy and the stdlib only.
+import jax; numpy, the stdlib and the host-only scheduling layer (its SLO rule, simulator.slo_met) only.
 Invariants: a `Trace` holds three read-only arrays of equal length; timestamps are float64 seconds since
 the first request; token counts are int64, the lengths column named at load time is positive, the other
 is non-negative. Every malformed file raises `TraceError` naming the file and, where there is one, the
@@ -20,6 +20,8 @@ import pathlib
 from typing import Literal
 
 import numpy as np
+
+from jaxinfer.scheduling.simulator import slo_met
 
 TIMESTAMP, CONTEXT_TOKENS, GENERATED_TOKENS = "TIMESTAMP", "ContextTokens", "GeneratedTokens"
 LENGTH_COLUMNS = (CONTEXT_TOKENS, GENERATED_TOKENS)
@@ -278,7 +280,7 @@ def replay_report(outputs: list, arrivals, *, slo_ttft_s: float = DEFAULT_SLO_TT
     ttft = np.array([o.time_to_first_token for o in outputs])
     tpot = np.array([o.metrics.time_per_output_token_s for o in outputs])
     duration = float(max(arrivals[o.index] + o.latency for o in outputs) - arrivals.min())
-    met = int(np.sum((ttft <= slo_ttft_s) & (tpot <= slo_tpot_s) & np.array([o.finish_reason in ("stop", "length") for o in outputs])))
+    met = int(np.sum(slo_met(ttft, tpot, [o.finish_reason in ("stop", "length") for o in outputs], slo_ttft_s, slo_tpot_s)))
     tokens = sum(o.num_generated_tokens for o in outputs)
     return {
         "num_requests": len(outputs), "duration_s": round(duration, 4), "output_tokens_per_s": round(tokens / duration, 3),

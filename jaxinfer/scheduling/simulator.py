@@ -28,6 +28,7 @@ pages (past the shared prefix) are named only if it is preempted.
 import collections
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
@@ -80,6 +81,10 @@ class SimResult:
     generated_tokens: int
     seconds: float = 0.0  # real seconds the simulation took
 
+    def slo_attainment(self, slo_ttft_s: float = math.inf, slo_tpot_s: float = math.inf) -> float:
+        """The share of requests that met both SLOs (slo_met); a simulated request with a first token finished by length."""
+        return float(np.mean(slo_met(self.ttft_s, self.tpot_s, np.isfinite(self.ttft_s), slo_ttft_s, slo_tpot_s))) if self.ttft_s.size else 0.0
+
     def summary(self) -> dict:
         """The headline figures as JSON-ready numbers."""
         pct = lambda values, q: round(float(np.nanpercentile(values, q)), 6) if np.isfinite(values).any() else None  # noqa: E731
@@ -91,6 +96,12 @@ class SimResult:
             "output_tokens_per_s": round(self.generated_tokens / self.wall_s, 3) if self.wall_s > 0 else None,
             "finish_reasons": dict(self.finish_reasons),
         }
+
+
+def slo_met(ttft_s: np.ndarray, tpot_s: np.ndarray, finished: np.ndarray, slo_ttft_s: float = math.inf, slo_tpot_s: float = math.inf) -> np.ndarray:
+    """bool[N]: the requests that finished (`finished`: stop or length, not an error or a deadline) with a TTFT and a
+    TPOT within the SLOs, the ones DistServe's goodput counts; a NaN time (no first token) meets none."""
+    return np.asarray(finished, bool) & (np.asarray(ttft_s, np.float64) <= slo_ttft_s) & (np.asarray(tpot_s, np.float64) <= slo_tpot_s)
 
 
 class VirtualClock:

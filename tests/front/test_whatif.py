@@ -128,6 +128,24 @@ def test_a_trace_is_predicted_on_the_jobs_settings_and_step_costs_beside_other_s
 
 
 @pytest.mark.slow
+def test_an_slo_adds_the_share_of_requests_within_it_measured_from_the_records_and_predicted(finished_job):
+    records = [json.loads(line) for line in finished_job.read_text().splitlines()]
+    ttfts = sorted(r["time_to_first_token_s"] for r in records)
+    slo_ttft = (ttfts[2] + ttfts[3]) / 2  # about half the lines within it (lines that shared a prefill step may tie)
+    report = whatif_json(finished_job, "--slo-ttft", str(slo_ttft), "--slo-tpot", "1000", "--max-num-seqs", "1,4")
+    within = sum(r["time_to_first_token_s"] <= slo_ttft and r["metrics"]["time_per_output_token_s"] <= 1000 for r in records)
+    assert report["measured"]["slo_attainment"] == round(within / len(records), 4) and 0 < within < len(records)
+    assert report["slo"] == {"ttft_s": slo_ttft, "tpot_s": 1000.0} and "slo_attainment" in report["replay_error"]
+    for run in report["grid"]:
+        assert 0.0 <= run["predicted"]["slo_attainment"] <= 1.0
+    assert whatif_json(finished_job, "--slo-tpot", "1000")["replay"]["slo_attainment"] == 1.0  # no TTFT bound, and no step takes 1000 s
+    text = cli("whatif", str(finished_job), "--slo-ttft", str(slo_ttft), "--max-num-seqs", "1,4", timeout=120).stdout
+    assert "SLO met" in text and "slo_attainment" in text, text
+    bad = cli("whatif", str(finished_job), "--slo-ttft", "0", timeout=120)
+    assert bad.returncode == 2 and "--slo-ttft must be a positive number of seconds" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
 def test_a_new_limit_cuts_the_jobs_own_table_at_it_and_adds_it(finished_job):
     job = whatif.read_job(finished_job)
     engine = job.log.header["engine"] | {"prefill_chunk_buckets": [32, 80, 160, 224], "decode_batch_buckets": [1, 2, 4]}  # as a planned job's log holds them

@@ -9,7 +9,7 @@ import pytest
 from jaxinfer.config import POLICIES
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
-from jaxinfer.scheduling.simulator import SimRequest, simulate
+from jaxinfer.scheduling.simulator import SimRequest, SimResult, simulate, slo_met
 from jaxinfer.scheduling.step_costs import StepCosts
 
 from fakes import small_config
@@ -92,6 +92,16 @@ def test_a_request_that_cannot_run_is_named():
     for bad in (SimRequest(4, 0), SimRequest(0, 2), SimRequest(4, 2, -1.0)):  # a generation samples a token at least, from a prompt, once arrived
         with pytest.raises(ValueError, match="request 1: needs prompt_tokens >= 1, output_tokens >= 1"):
             simulate(cfg, [SimRequest(4, 2), bad], flat_costs(cfg))
+
+
+def test_slo_attainment_counts_requests_within_both_slos_and_never_one_without_a_first_token():
+    nan = float("nan")
+    result = SimResult(wall_s=1.0, ttft_s=np.array([0.1, 0.5, nan, 0.2, 0.3]), tpot_s=np.array([0.01, 0.01, 0.0, 0.5, 0.1]), queue_s=np.zeros(5),
+                       latency_s=np.ones(5), finish_reasons={"length": 5}, num_steps=1, steps_by_key={}, padding=0.0, num_preemptions=0,
+                       peak_kv_utilization=0.0, mean_kv_utilization=0.0, generated_tokens=5)
+    assert result.slo_attainment(0.3, 0.1) == 2 / 5  # the first, and the last (both bounds inclusive); over TTFT, none, over TPOT
+    assert result.slo_attainment(0.3) == 3 / 5 and result.slo_attainment() == 4 / 5  # an SLO not given bounds nothing
+    assert slo_met([0.1, 0.1], [0.0, 0.0], [True, False], 1.0, 1.0).tolist() == [True, False]  # an error or a deadline never meets one
 
 
 def test_the_simulator_imports_no_jax():
