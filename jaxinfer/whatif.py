@@ -1,5 +1,5 @@
 """`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--max-prefill-tokens N]
-[--num-pages N] [--trace TRACE.csv] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
+[--num-pages N] [--trace TRACE.csv] [--slo-ttft S] [--slo-tpot S] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
 jax is never imported.
 
 It reads the job's output records (each line's prompt and output lengths, its measured TTFT) and its step
@@ -14,7 +14,8 @@ of that dimension at it and adds it (bucket_tables.cut_table), as the default ta
 takes several values separated by commas (`--max-num-seqs 8,16,32 --policy fcfs,prefix`): every combination is
 predicted, a line each, the least predicted wall time marked. `--trace TRACE.csv` predicts a request trace (the
 Azure format, arrivals as recorded or `--rate` times as fast) instead of the job's own requests, on the job's
-engine settings and step costs: what this machine and model would do with that traffic.
+engine settings and step costs: what this machine and model would do with that traffic. `--slo-ttft S` and
+`--slo-tpot S` add the share of requests within that SLO to every figure set.
 """
 
 import argparse
