@@ -2,8 +2,8 @@
 
 A refit compiles its programs in a child process (engine/compile_worker.py) that the job stops before each step.
 The signal stops each thread when it next enters the kernel, so a thread compiling on the other core runs on after
-the one that took it. This starts a real ChildCompile of the default model (a chunk table none of whose programs the
-engine has: --programs of them), gives it --turn-ms turns, and after each turn sends SIGSTOP and reads every
+the one that took it. This starts a real ChildCompile of the default model (the programs of a chunk table, CHUNKS, that
+the engine lacks: 10 of them), gives it --turn-ms turns, and after each turn sends SIGSTOP and reads every
 thread's /proc state until all show stopped: when the thread that took the signal (the process's main thread, which
 `stop` waited for until b0d652b) showed stopped, and when every thread did. Correctness first: every stop ends with
 every thread stopped, and the child sends every program. A turn here is --turn-ms; in a job it is refit.YIELD_SHARE

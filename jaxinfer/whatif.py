@@ -44,12 +44,12 @@ _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines per max_num_seqs p
 
 @dataclasses.dataclass(frozen=True)
 class FinishedJob:
-    """What a finished job says of itself: its requests (in input order), their measured TTFTs, its step log."""
+    """What a finished job says of itself: its requests (in input order), their measured TTFTs, its step log, their TPOTs."""
 
     requests: list[SimRequest]
     ttft_s: np.ndarray  # f64[N]
     log: StepLogContents
-    tpot_s: np.ndarray | None = None  # f64[N], NaN where a record has none
+    tpot_s: np.ndarray  # f64[N], NaN where a record has none
 
     @property
     def engine_config(self) -> EngineConfig:
