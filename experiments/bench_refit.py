@@ -34,6 +34,7 @@ second-half table. It shows how the gap depends on the trace's length (--lines),
 
 import dataclasses
 import json
+import os
 import tempfile
 import time
 
@@ -82,13 +83,57 @@ class StepRecord:
     real_tokens: int  # prefill: new tokens; decode: rows
     slots: int  # the bucket's token slots (rows x tokens)
     second_half: bool  # holds a prompt of the second half
+    cpu_ms: float | None = None  # --sched-stats: this process's threads' CPU time from just before the step to just after it
+    wait_ms: float | None = None  # their time runnable but waiting for a core (run-queue wait)
+    steal_ticks: int | None = None  # the machine's steal time meanwhile (1/100 s ticks: the hypervisor ran something else)
 
 
-def recorder(steps: list[StepRecord], half: int):
+class SchedProbe:
+    """--sched-stats: the CPU and run-queue-wait nanoseconds of this process's threads (/proc/self/task/*/schedstat)
+    and the machine's steal ticks (/proc/stat), read just before each step (after every hook, the refit's turn
+    included) and just after it, so a slow step shows whether its threads ran longer, waited for a core, or lost
+    the virtual CPU to the hypervisor."""
+
+    def __init__(self):
+        self.before = self.read()
+
+    @staticmethod
+    def read() -> tuple[int, int, int]:
+        cpu = wait = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    on_cpu, waiting, _ = f.read().split()
+            except (OSError, ValueError):  # a thread that just ended
+                continue
+            cpu, wait = cpu + int(on_cpu), wait + int(waiting)
+        with open("/proc/stat") as f:
+            steal = int(f.readline().split()[8])  # cpu user nice system idle iowait irq softirq steal ...
+        return cpu, wait, steal
+
+    def mark(self) -> None:
+        self.before = self.read()
+
+    def since(self) -> tuple[float, float, int]:
+        """(CPU ms, wait ms, steal ticks) since the last mark."""
+        now = self.read()
+        return (now[0] - self.before[0]) / 1e6, (now[1] - self.before[1]) / 1e6, now[2] - self.before[2]
+
+
+def recorder(steps: list[StepRecord], half: int, probe: SchedProbe | None = None):
     def on_step(plan, tokens, seconds):
+        sched = probe.since() if probe is not None else (None, None, None)
         second = any(int(r.split(":")[0]) >= half for r in plan.request_ids)
         steps.append(StepRecord(time.perf_counter(), seconds, plan.phase, str(plan.bucket), int(sum(plan.num_new_tokens)),
-                                plan.bucket.num_rows * plan.bucket.num_tokens, second))
+                                plan.bucket.num_rows * plan.bucket.num_tokens, second, *sched))
+    return on_step
+
+
+def marking(hook, probe: SchedProbe):
+    """`hook`, then the probe's mark: the next step's figures start after every hook (the refit's turn included)."""
+    def on_step(plan, tokens, seconds):
+        hook(plan, tokens, seconds)
+        probe.mark()
     return on_step
 
 
@@ -120,16 +165,20 @@ class AskAt(refit.DriftWatch):
         return self.proposal if self.calls == self.after + 1 else None
 
 
-def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None) -> tuple[list[StepRecord], list, float, dict | None]:
+def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, options: dict | None = None,
+            sched_stats: bool = False) -> tuple[list[StepRecord], list, float, dict | None]:
     """The job run as cli._run_job runs it; (steps, the refit's swaps, wall seconds, a refit still compiling at the end
-    (Refit.unfinished)). `options`: Refit attributes
-    set after planning.refitting made it (watch, yield_share)."""
+    (Refit.unfinished)). `options`: Refit attributes set after planning.refitting made it (watch, yield_share).
+    `sched_stats`: each step's StepRecord holds its SchedProbe figures."""
     steps, swaps = [], []
     llm.reset_prefix_cache()
-    with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half), refitting) as on_step:
+    probe = SchedProbe() if sched_stats else None
+    with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half, probe), refitting) as on_step:
         for name, value in (options or {}).items():
             setattr(on_step, name, value)
-        job.runner.on_step = on_step
+        job.runner.on_step = on_step if probe is None else marking(on_step, probe)
+        if probe is not None:
+            probe.mark()
         start = time.perf_counter()
         job.run(llm, progress=False)
         wall = time.perf_counter() - start
@@ -217,6 +266,32 @@ def after_load(steps: list[StepRecord], swap: refit.Swap) -> dict:
         previous_end = s.ended
     return {side: {"num_steps": len(r), "p50_ratio": float(np.median(r)) if r else None, "max_ratio": max(r, default=None),
                    "num_over_1_5x": sum(x > 1.5 for x in r), "num_over_2x": sum(x > 2.0 for x in r)} for side, r in sides.items()}
+
+
+def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) -> dict | None:
+    """--sched-stats: where a slow step's time went. The steps of keys with steps outside the compile window, in three
+    groups: in the window over `slow` x their key's median outside it, the other window steps, and the steps outside.
+    Per group: how many, and the median and max of each figure (CPU ms of this process's threads, their run-queue
+    wait ms, the machine's steal ticks) and of CPU ms against the key's median CPU ms outside. Then each slow step."""
+    if not steps or steps[0].cpu_ms is None:
+        return None
+    outside: dict[str, list[StepRecord]] = {}
+    for s in steps:
+        if not in_window(s, swap):
+            outside.setdefault(s.key, []).append(s)
+    med = {k: (float(np.median([t.seconds for t in v])), float(np.median([t.cpu_ms for t in v]))) for k, v in outside.items()}
+    groups: dict[str, list[tuple[float, float, StepRecord]]] = {"window_slow": [], "window_other": [], "outside": []}
+    for s in steps:
+        if s.key in med:
+            ratio, cpu_ratio = s.seconds / med[s.key][0], s.cpu_ms / med[s.key][1] if med[s.key][1] else float("nan")
+            side = "outside" if not in_window(s, swap) else "window_slow" if ratio > slow else "window_other"
+            groups[side].append((ratio, cpu_ratio, s))
+    stat = lambda values: {"p50": float(np.median(values)), "max": float(np.max(values))} if values else None  # noqa: E731
+    out = {side: {"num_steps": len(rows), "cpu_ms": stat([s.cpu_ms for _, _, s in rows]), "cpu_to_key_median": stat([c for _, c, _ in rows]),
+                  "wait_ms": stat([s.wait_ms for _, _, s in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s in rows])} for side, rows in groups.items()}
+    out["slow_steps"] = [{"key": s.key, "ratio": r, "seconds": s.seconds, "cpu_ms": s.cpu_ms, "key_median_cpu_ms": med[s.key][1], "wait_ms": s.wait_ms,
+                          "steal_ticks": s.steal_ticks} for r, _, s in sorted(groups["window_slow"], key=lambda row: -row[0])]
+    return out
 
 
 def slowest_outside(steps: list[StepRecord], swap: refit.Swap | None) -> dict | None:
@@ -323,6 +398,9 @@ def main() -> None:
                         help=f"Refit's pause for the compile child after each step while it runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
     parser.add_argument("--dry-run", action="store_true", help="the job's schedule alone (host only, seconds): the watch's padding gap, no program compiled")
     parser.add_argument("--dry-delay", type=int, default=12, metavar="PREFILL_STEPS", help="--dry-run: prefill steps between the watch's ask and the swap (default 12)")
+    parser.add_argument("--sched-stats", action="store_true",
+                        help="read each step's CPU and run-queue-wait time of the job's threads and the machine's steal time (/proc) before and after it: "
+                             "where a slow step in the compile window lost its time (about 1 ms of reads per step, outside its timing)")
     args = parser.parse_args()
     args.lines = args.lines or (72 if args.quick else 160)
     if args.quick:
@@ -359,7 +437,8 @@ def main() -> None:
     report.log("bench_refit", "run without refit (also the process's one-time costs)")
     stale_steps, _, stale_wall, _ = run_job(llm, input_path, WORK_DIR / "no_refit.jsonl", defaults, args.lines, refitting=False)
     report.log("bench_refit", "run with refit")
-    steps, swaps, wall, unfinished = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True, options=options)
+    steps, swaps, wall, unfinished = run_job(llm, input_path, WORK_DIR / "refit.jsonl", defaults, args.lines, refitting=True, options=options,
+                                             sched_stats=args.sched_stats)
     records, stale_records = read_records(WORK_DIR / "refit.jsonl"), read_records(WORK_DIR / "no_refit.jsonl")
     complete = check_outputs(records, len(lines)) and check_outputs(stale_records, len(lines))
     agree = float(np.mean([records[n].get("token_ids") == stale_records[n].get("token_ids") for n in records if n in stale_records])) if records else 0.0
@@ -390,6 +469,7 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
         out["max_ratio_in_window"] = max(ratios, default=None)
         out["window_by_key"] = window_by_key(steps, swap)
         out["window_after_load"] = after_load(steps, swap)
+        out["window_sched"] = sched_split(steps, swap)
         first = steps[0].ended - steps[0].seconds
         out["window_s"] = {"compile_started": swap.compile_started - first, "compile_ended": swap.compile_ended - first, "swapped_at": swap.swapped_at - first,
                            "job_ended": steps[-1].ended - first}
@@ -428,6 +508,16 @@ def print_result(result: dict) -> None:
         for side, w in result["window_after_load"].items():
             print(f"window steps {side.replace('_', ' ')}: {w['num_steps']}, median {w['p50_ratio'] or 0:.2f}x and max {w['max_ratio'] or 0:.2f}x their key's median outside, "
                   f"{w['num_over_1_5x']} over 1.5x, {w['num_over_2x']} over 2x")
+    sched = result.get("window_sched")
+    if sched:
+        fmt = lambda figure: "-" if figure is None else f"{figure['p50']:.2f} / {figure['max']:.2f}"  # noqa: E731
+        rows = [[side.replace("_", " "), g["num_steps"], fmt(g["cpu_ms"]), fmt(g["cpu_to_key_median"]), fmt(g["wait_ms"]), fmt(g["steal_ticks"])]
+                for side, g in sched.items() if side != "slow_steps"]
+        print("\n" + report.format_table([("steps (p50 / max)", "<14"), ("steps", "6d"), ("CPU ms", ">14"), ("CPU / key's", ">14"), ("run-queue wait ms", ">18"),
+                                           ("steal ticks", ">12")], rows))
+        for s in sched["slow_steps"]:
+            print(f"slow window step {s['ratio']:.2f}x ({s['key']}, {s['seconds'] * 1e3:.1f} ms): CPU {s['cpu_ms']:.1f} ms (key's median {s['key_median_cpu_ms']:.1f}), "
+                  f"wait {s['wait_ms']:.2f} ms, steal {s['steal_ticks']} ticks")
 
 
 if __name__ == "__main__":
