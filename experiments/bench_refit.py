@@ -35,6 +35,7 @@ second-half table. It shows how the gap depends on the trace's length (--lines),
 import dataclasses
 import json
 import os
+import resource
 import tempfile
 import time
 
@@ -86,11 +87,12 @@ class StepRecord:
     cpu_ms: float | None = None  # --sched-stats: this process's threads' CPU time from just before the step to just after it
     wait_ms: float | None = None  # their time runnable but waiting for a core (run-queue wait)
     steal_ticks: int | None = None  # the machine's steal time meanwhile (1/100 s ticks: the hypervisor ran something else)
+    minor_faults: int | None = None  # this process's minor page faults meanwhile (memory mapped or touched for the first time)
 
 
 class SchedProbe:
-    """--sched-stats: the CPU and run-queue-wait nanoseconds of this process's threads (/proc/self/task/*/schedstat)
-    and the machine's steal ticks (/proc/stat), read just before each step (after every hook, the refit's turn
+    """--sched-stats: the CPU and run-queue-wait nanoseconds of this process's threads (/proc/self/task/*/schedstat),
+    its minor page faults (getrusage) and the machine's steal ticks (/proc/stat), read just before each step (after every hook, the refit's turn
     included) and just after it, so a slow step shows whether its threads ran longer, waited for a core, or lost
     the virtual CPU to the hypervisor."""
 
@@ -98,7 +100,7 @@ class SchedProbe:
         self.before = self.read()
 
     @staticmethod
-    def read() -> tuple[int, int, int]:
+    def read() -> tuple[int, int, int, int]:
         cpu = wait = 0
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -109,20 +111,20 @@ class SchedProbe:
             cpu, wait = cpu + int(on_cpu), wait + int(waiting)
         with open("/proc/stat") as f:
             steal = int(f.readline().split()[8])  # cpu user nice system idle iowait irq softirq steal ...
-        return cpu, wait, steal
+        return cpu, wait, steal, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def mark(self) -> None:
         self.before = self.read()
 
-    def since(self) -> tuple[float, float, int]:
-        """(CPU ms, wait ms, steal ticks) since the last mark."""
+    def since(self) -> tuple[float, float, int, int]:
+        """(CPU ms, wait ms, steal ticks, minor faults) since the last mark."""
         now = self.read()
-        return (now[0] - self.before[0]) / 1e6, (now[1] - self.before[1]) / 1e6, now[2] - self.before[2]
+        return (now[0] - self.before[0]) / 1e6, (now[1] - self.before[1]) / 1e6, now[2] - self.before[2], now[3] - self.before[3]
 
 
 def recorder(steps: list[StepRecord], half: int, probe: SchedProbe | None = None):
     def on_step(plan, tokens, seconds):
-        sched = probe.since() if probe is not None else (None, None, None)
+        sched = probe.since() if probe is not None else (None, None, None, None)
         second = any(int(r.split(":")[0]) >= half for r in plan.request_ids)
         steps.append(StepRecord(time.perf_counter(), seconds, plan.phase, str(plan.bucket), int(sum(plan.num_new_tokens)),
                                 plan.bucket.num_rows * plan.bucket.num_tokens, second, *sched))
@@ -272,7 +274,7 @@ def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) ->
     """--sched-stats: where a slow step's time went. The steps of keys with steps outside the compile window, in three
     groups: in the window over `slow` x their key's median outside it, the other window steps, and the steps outside.
     Per group: how many, and the median and max of each figure (CPU ms of this process's threads, their run-queue
-    wait ms, the machine's steal ticks) and of CPU ms against the key's median CPU ms outside. Then each slow step."""
+    wait ms, the machine's steal ticks, minor page faults) and of CPU ms against the key's median CPU ms outside. Then each slow step."""
     if not steps or steps[0].cpu_ms is None:
         return None
     outside: dict[str, list[StepRecord]] = {}
@@ -288,9 +290,10 @@ def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) ->
             groups[side].append((ratio, cpu_ratio, s))
     stat = lambda values: {"p50": float(np.median(values)), "max": float(np.max(values))} if values else None  # noqa: E731
     out = {side: {"num_steps": len(rows), "cpu_ms": stat([s.cpu_ms for _, _, s in rows]), "cpu_to_key_median": stat([c for _, c, _ in rows]),
-                  "wait_ms": stat([s.wait_ms for _, _, s in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s in rows])} for side, rows in groups.items()}
+                  "wait_ms": stat([s.wait_ms for _, _, s in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s in rows]),
+                  "minor_faults": stat([s.minor_faults for _, _, s in rows])} for side, rows in groups.items()}
     out["slow_steps"] = [{"key": s.key, "ratio": r, "seconds": s.seconds, "cpu_ms": s.cpu_ms, "key_median_cpu_ms": med[s.key][1], "wait_ms": s.wait_ms,
-                          "steal_ticks": s.steal_ticks} for r, _, s in sorted(groups["window_slow"], key=lambda row: -row[0])]
+                          "steal_ticks": s.steal_ticks, "minor_faults": s.minor_faults} for r, _, s in sorted(groups["window_slow"], key=lambda row: -row[0])]
     return out
 
 
@@ -399,7 +402,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="the job's schedule alone (host only, seconds): the watch's padding gap, no program compiled")
     parser.add_argument("--dry-delay", type=int, default=12, metavar="PREFILL_STEPS", help="--dry-run: prefill steps between the watch's ask and the swap (default 12)")
     parser.add_argument("--sched-stats", action="store_true",
-                        help="read each step's CPU and run-queue-wait time of the job's threads and the machine's steal time (/proc) before and after it: "
+                        help="read each step's CPU and run-queue-wait time of the job's threads, its page faults and the machine's steal time (/proc) before and after it: "
                              "where a slow step in the compile window lost its time (about 1 ms of reads per step, outside its timing)")
     args = parser.parse_args()
     args.lines = args.lines or (72 if args.quick else 160)
@@ -511,13 +514,13 @@ def print_result(result: dict) -> None:
     sched = result.get("window_sched")
     if sched:
         fmt = lambda figure: "-" if figure is None else f"{figure['p50']:.2f} / {figure['max']:.2f}"  # noqa: E731
-        rows = [[side.replace("_", " "), g["num_steps"], fmt(g["cpu_ms"]), fmt(g["cpu_to_key_median"]), fmt(g["wait_ms"]), fmt(g["steal_ticks"])]
+        rows = [[side.replace("_", " "), g["num_steps"], fmt(g["cpu_ms"]), fmt(g["cpu_to_key_median"]), fmt(g["wait_ms"]), fmt(g["steal_ticks"]), fmt(g["minor_faults"])]
                 for side, g in sched.items() if side != "slow_steps"]
         print("\n" + report.format_table([("steps (p50 / max)", "<14"), ("steps", "6d"), ("CPU ms", ">14"), ("CPU / key's", ">14"), ("run-queue wait ms", ">18"),
-                                           ("steal ticks", ">12")], rows))
+                                           ("steal ticks", ">12"), ("minor faults", ">16")], rows))
         for s in sched["slow_steps"]:
             print(f"slow window step {s['ratio']:.2f}x ({s['key']}, {s['seconds'] * 1e3:.1f} ms): CPU {s['cpu_ms']:.1f} ms (key's median {s['key_median_cpu_ms']:.1f}), "
-                  f"wait {s['wait_ms']:.2f} ms, steal {s['steal_ticks']} ticks")
+                  f"wait {s['wait_ms']:.2f} ms, steal {s['steal_ticks']} ticks, {s['minor_faults']} minor faults")
 
 
 if __name__ == "__main__":
