@@ -59,6 +59,12 @@ class WorkloadSample:
     output_tokens: np.ndarray  # i64[N]; each request's max_tokens (a plan cannot know where EOS comes)
     shared_tokens: np.ndarray  # i64[N]; leading tokens in full pages equal to an earlier sampled prompt's
     num_lines: int  # lines the job has to do (the sample is drawn from these)
+    num_requests: float | None = None  # requests the job will run, estimated from the sample (None: one per line to do)
+
+    @property
+    def requests_to_run(self) -> float:
+        """The requests the job will run, whose work the sample's requests stand for."""
+        return self.num_lines if self.num_requests is None else self.num_requests
 
     @property
     def shared_fraction(self) -> float:
@@ -71,13 +77,15 @@ class WorkloadSample:
 
 def shared_page_tokens(prompts: list[list[int]], page_size: int) -> np.ndarray:
     """i64[N]: per prompt, the tokens of its leading full pages whose whole prefix an earlier prompt has
-    (the prefix cache's rule: a page is named by its tokens and its parent's name)."""
+    (the prefix cache's rule: a page is named by its tokens and its parent's name, and a prompt's last token is
+    always computed, so a prompt shares at most (its tokens - 1) // page_size pages; every full page of a prompt
+    is named once it is computed)."""
     seen, shared = set(), np.zeros(len(prompts), np.int64)
     for i, ids in enumerate(prompts):
-        name, matching = None, True
+        name, matching, shareable = None, True, (len(ids) - 1) // page_size
         for page in range(len(ids) // page_size):
             name = hash((name, tuple(ids[page * page_size : (page + 1) * page_size])))
-            if matching and name in seen:
+            if matching and page < shareable and name in seen:
                 shared[i] += page_size
             else:
                 matching = False
@@ -96,8 +104,10 @@ def reservoir(items, size: int, rng: random.Random) -> list:
     return kept
 
 
-def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample:
-    """The lines still to do, sampled and prepared as the job prepares them (lines that cannot run left out)."""
+def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample | None:
+    """The lines still to do, sampled and prepared as the job prepares them (lines that cannot run left out), or None
+    when no sampled line can run. Each of a line's n samples is a request; a scored prompt (max_tokens 0) is sampled
+    as one of one generated token, the simulator's nearest to a prefill alone."""
     rng = random.Random(options.seed)
     lines = reservoir((line for line in job.todo if job.runner.host_error(line) is None), options.sample_lines, rng)
     rng.shuffle(lines)
@@ -109,11 +119,12 @@ def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample
             continue
         for _ in range(prompt.params.n):
             prompts.append(prompt.token_ids)
-            outputs.append(prompt.params.max_tokens)
+            outputs.append(max(1, prompt.params.max_tokens))
     if not prompts:
-        raise ValueError("--plan: no sampled line can run, so there is nothing to plan from")
+        return None
     shared = shared_page_tokens(prompts, llm.engine_config.page_size) if llm.engine_config.enable_prefix_caching else np.zeros(len(prompts), np.int64)
-    return WorkloadSample(np.array([len(p) for p in prompts]), np.array(outputs), shared, len(job.todo))
+    # the lines sampled stand for every line that parsed (num_runnable); their requests, for the requests those make
+    return WorkloadSample(np.array([len(p) for p in prompts]), np.array(outputs), shared, len(job.todo), job.num_runnable * len(prompts) / len(lines))
 
 
 def prior_costs() -> StepCosts:
@@ -260,17 +271,18 @@ class Plan:
     given: EngineConfig
     programs: int
     given_programs: int
-    predicted_wall_s: float  # for every line to do (the simulated sample's wall time, scaled by lines)
+    predicted_wall_s: float  # for every request to run (the simulated sample's wall time, scaled by requests: WorkloadSample.requests_to_run)
     given_wall_s: float
-    prefill_tokens_saved: int  # prompt tokens of the lines to do that the prefix cache shares (estimated from the sample)
-    prompt_tokens: int  # of the lines to do (estimated)
+    prefill_tokens_saved: int  # prompt tokens of the requests to run that the prefix cache shares (estimated from the sample)
+    prompt_tokens: int  # of the requests to run (estimated)
     sample: WorkloadSample
     grid: tuple[GridPoint, ...]
 
     def summary(self) -> str:
         """The plan in a few lines: what changes, the programs, the predicted wall time, the prefill tokens saved."""
         cfg, given = self.config, self.given
-        lines = [f"plan: {self.sample.prompt_tokens.size} sampled requests of {self.sample.num_lines} lines to do; {len(self.grid)} configurations simulated"]
+        lines = [f"plan: {self.sample.prompt_tokens.size} sampled requests of {self.sample.num_lines} lines to do (about {self.sample.requests_to_run:,.0f} "
+                 f"requests to run); {len(self.grid)} configurations simulated"]
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
             before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")
@@ -313,12 +325,12 @@ def make_plan(sample: WorkloadSample, given: EngineConfig, costs: StepCosts, opt
     budget = options.program_budget or num_programs(given)
     grid = tuple(evaluate(base, requests, costs, budget, s, t) for s, t in grid_values(base, options))
     best = min(grid, key=lambda point: point.wall_s)
-    scale = sample.num_lines / len(requests)
+    scale = sample.requests_to_run / len(requests)
     predicted = simulate(best.config, requests, costs, num_pages=given.num_pages).wall_s * scale
     as_given = simulate(given, requests, costs, num_pages=given.num_pages).wall_s * scale
-    per_line = sample.num_lines / sample.prompt_tokens.size
+    per_request = sample.requests_to_run / sample.prompt_tokens.size
     return Plan(best.config, given, best.programs, num_programs(given), predicted, as_given,
-                int(sample.shared_tokens.sum() * per_line), int(sample.prompt_tokens.sum() * per_line), sample, grid)
+                int(sample.shared_tokens.sum() * per_request), int(sample.prompt_tokens.sum() * per_request), sample, grid)
 
 
 def engine_costs(llm) -> StepCosts:
@@ -354,7 +366,11 @@ def plan_job(job, args, load_options, engine_config, options: PlanOptions = Plan
     print(f"loading {args.model or 'the default model'} to plan the job (no compile yet)...", file=sys.stderr)
     llm = LLM(args.model, options=load_options, engine_config=engine_config, warmup=False)
     given = dataclasses.replace(llm.engine_config, num_pages=llm.engine.num_pages)
-    plan = make_plan(sample_job(job, llm, options), given, engine_costs(llm), options)
+    sample = sample_job(job, llm, options)
+    if sample is None:  # every sampled line is an error record (a prompt over the context, ...): the job writes them
+        print("plan: no sampled line can run (each is an error record), nothing to plan from; the job runs as given", file=sys.stderr)
+        return None
+    plan = make_plan(sample, given, engine_costs(llm), options)
     print(plan.summary(), file=sys.stdout if args.plan_only else sys.stderr)
     if args.plan_only:
         return None

@@ -165,30 +165,52 @@ class PrefixAware(SchedulingPolicy):
     before a later one, whose requests may wait until the input ends. `epoch` bounds that wait: requests
     are ordered by (arrival index // epoch) first, the trie only within an epoch of that many arrivals
     (None: one epoch, the most sharing).
+
+    The ranks are kept for the names of queued requests only: once the names ranked are over twice those
+    of the last prune plus `prune_slack`, the others are dropped (a queued request's key never changes;
+    a name seen again later ranks after every name ranked so far), so a long job's memory stays bounded.
     """
 
     name = "prefix"
+    prune_slack = 65536  # names ranked beyond twice those kept at the last prune before the next prune
 
     def __init__(self, cfg: EngineConfig, *, epoch: int | None = None):
         super().__init__(cfg)
         self.epoch = None if epoch is None else check_int("epoch", epoch, low=1)
-        self._rank: dict[bytes, int] = {}  # page name -> order first seen
+        self._rank: dict[bytes, int] = {}  # page name -> order first seen (names of queued requests, and those since the last prune)
+        self._next_rank = 0
+        self._kept = 0  # names kept at the last prune
 
     def _names(self, request: Request) -> list[bytes]:
         """Names of the prompt's full pages that a prefix-cache hit may serve (its last token is computed)."""
         return name_pages(request, (len(request.prompt_ids) - 1) // self.cfg.page_size, self.cfg.page_size)
 
     def queue_key(self, request: Request) -> tuple:
-        path = tuple(self._rank.setdefault(name, len(self._rank)) for name in self._names(request))
+        rank, path = self._rank, []
+        for name in self._names(request):
+            place = rank.get(name)
+            if place is None:
+                place = rank[name] = self._next_rank
+                self._next_rank += 1
+            path.append(place)
+        path = tuple(path)
         epoch = request.arrival_index // self.epoch if self.epoch else 0
         return (request.priority, epoch, path, request.arrival_index)
 
     def admission_order(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
+        if len(self._rank) > 2 * self._kept + self.prune_slack:
+            self._prune(view)
         if free_slots <= 0:
             return iter(())
         if not self.cfg.enable_prefix_caching:
             return view.waiting.first(free_slots)
         return self._not_waiting_for_pages(view, free_slots)
+
+    def _prune(self, view: SchedulerView) -> None:
+        """Drop the ranks of names no queued request holds (amortized: the ranked names at least doubled since the last)."""
+        live = {name for request in view.waiting for name in self._names(request)}
+        self._rank = {name: place for name, place in self._rank.items() if name in live}
+        self._kept = len(self._rank)
 
     def _not_waiting_for_pages(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
         computing = set()  # names of prompt pages a running request is computing
@@ -215,6 +237,11 @@ class AdaptiveBudgets(SchedulingPolicy):
     used (mean utilisation, tokens / budget or rows / width, at least `busy`), it grows (x `grow`, up to the
     configured maximum). Floors are the smallest chunk bucket and the smallest decode-row bucket, so every
     budget maps to programs compiled at warm-up. `changes` records (step, phase, p99, new limit).
+
+    A decode step is an iteration's decode plans together: the scheduler may split its decoding rows into two
+    programs by length (each observed on its own), and a sequence waits for both, so their seconds and rows are
+    summed. The plans of one iteration hold disjoint rows and come before its prefill plan: an iteration's decode
+    step ends at a prefill plan, or at a decode plan holding a row already seen.
     """
 
     name = "adaptive"
@@ -231,6 +258,7 @@ class AdaptiveBudgets(SchedulingPolicy):
                        "decode": (min(tables.decode_rows[0], cfg.max_num_seqs), cfg.max_num_seqs)}
         self.current = {"prefill": cfg.max_prefill_tokens, "decode": cfg.max_num_seqs}
         self._seen: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}  # (seconds, utilisation)
+        self._decode: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
         self.num_steps = 0
         self.changes: list[tuple[int, str, float, int]] = []
 
@@ -242,10 +270,26 @@ class AdaptiveBudgets(SchedulingPolicy):
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         self.num_steps += 1
-        phase = plan.phase
-        used = sum(plan.num_new_tokens) if phase == "prefill" else len(plan.request_ids)
+        if plan.phase == "decode":
+            rows = set(plan.request_ids)
+            if self._decode is not None and not rows.isdisjoint(self._decode[0]):  # a new iteration: the last one's decode step is whole
+                self._end_decode()
+            seen_rows, spent = self._decode or (set(), 0.0)
+            self._decode = (seen_rows | rows, spent + float(seconds))
+            return
+        self._end_decode()
+        self._record("prefill", float(seconds), sum(plan.num_new_tokens))
+
+    def _end_decode(self) -> None:
+        """The decode step under way (the iteration's decode plans so far), recorded."""
+        if self._decode is not None:
+            rows, seconds = self._decode
+            self._decode = None
+            self._record("decode", seconds, len(rows))
+
+    def _record(self, phase: str, seconds: float, used: int) -> None:
         seen = self._seen[phase]
-        seen.append((float(seconds), min(1.0, used / self.current[phase])))
+        seen.append((seconds, min(1.0, used / self.current[phase])))
         if len(seen) >= self.window:
             self._steer(phase, seen)
             seen.clear()

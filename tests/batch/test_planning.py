@@ -13,9 +13,13 @@ from jaxinfer.batch import planning
 from jaxinfer.bucketing.strategies import fit_buckets
 from jaxinfer.cli import main
 from jaxinfer.config import EngineConfig
+from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
+from jaxinfer.scheduling.request import Request, SamplingParams
+from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.simulator import simulate
 from jaxinfer.scheduling.step_costs import StepCosts
+from jaxinfer.scheduling.stopping import OutputProcessor
 
 CONFIG = EngineConfig(num_pages=400, max_num_seqs=16, max_context=1024)
 
@@ -26,6 +30,22 @@ def test_shared_page_tokens_counts_full_pages_whose_whole_prefix_came_before():
     # prompt 0 is first; prompt 1 shares its first 2 pages; prompt 2 starts elsewhere, so its later equal pages
     # are not shared (their parent differs); prompt 3 shares all 3 full pages of prompt 0.
     assert planning.shared_page_tokens(prompts, 4).tolist() == [0, 8, 0, 12]
+
+
+def test_shared_page_tokens_equal_the_real_prefix_caches_hits():
+    """Each prompt run alone on the real scheduler after the ones before it: the tokens its prefix-cache hit covered,
+    prompts of whole pages included (their last page is computed, never shared)."""
+    cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=4)
+    base = list(range(100, 148))  # three full pages
+    prompts = [base, base, base + [1], base[:32] + [5] * 16, [9] + base, base[:40]]
+    scheduler, hits = Scheduler(cfg, num_pages=64), []
+    for i, ids in enumerate(prompts):
+        request = Request(str(i), list(ids), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), seed=0, arrival_index=i)
+        scheduler.add(request)
+        list(runloop.run(scheduler, lambda plan: np.zeros(plan.seeds.shape[0], np.int32), OutputProcessor(None, None, cfg.max_context)))
+        hits.append(request.num_cached_tokens)
+    assert hits == [0, 32, 48, 32, 0, 32]  # the second 48-token prompt shares 2 of its 3 pages
+    assert planning.shared_page_tokens(prompts, 16).tolist() == hits
 
 
 def test_reservoir_keeps_everything_when_short_and_samples_uniformly_when_long():
@@ -139,3 +159,31 @@ def test_a_planned_deterministic_job_writes_the_same_tokens_as_an_unplanned_one(
         tokens[name] = {r["id"]: r["token_ids"] for r in map(json.loads, output.read_text().splitlines())}
     assert "policy                 fcfs -> prefix" in capsys.readouterr().err  # the plan changed the schedule
     assert len(tokens["plain"]) == 9 and tokens["planned"] == tokens["plain"]
+
+
+@pytest.mark.slow
+def test_the_plan_counts_requests_to_run_and_takes_scored_lines_and_lines_that_cannot_run(tmp_path, capsys, compile_cache):
+    """Two lines of n=2, a scored prompt (max_tokens 0), a prompt over the context and a line that is not JSON: the
+    sample holds 5 requests, standing for the 5 the job will run (the other two lines are error records); a file of
+    lines none of which can run is planned from nothing and says so."""
+    lines = [json.dumps({"id": i, "prompt": f"Write a line about the number {i}.", "max_tokens": 6, "n": 2, "temperature": 0.8, "seed": i}) for i in range(2)]
+    lines += [json.dumps({"id": "scored", "prompt": "The sky is blue.", "max_tokens": 0, "prompt_logprobs": 1}),
+              json.dumps({"id": "long", "prompt": "word " * 1000, "max_tokens": 6}), "{not json"]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    args = ["--output", str(tmp_path / "out.jsonl"), "--plan-only", "--max-context", "512", "--compile-cache", compile_cache]
+    assert main(["generate", "--input", str(tmp_path / "in.jsonl"), *args]) == 0
+    assert "plan: 5 sampled requests of 5 lines to do (about 5 requests to run)" in capsys.readouterr().out
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "prompt": "word " * 1000, "max_tokens": 6}) + "\n")
+    assert main(["generate", "--input", str(tmp_path / "long.jsonl"), *args]) == 0
+    assert "plan: no sampled line can run" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_predicted_wall_time_is_scaled_by_the_requests_to_run():
+    prompts, outputs = _conversation(40)
+    options = planning.PlanOptions(max_num_seqs=(16,), max_prefill_tokens=(512,), simulated_requests=40)
+    per_line = planning.make_plan(_sample(prompts, outputs, lines=400), CONFIG, planning.prior_costs(), options)
+    two_per_line = planning.make_plan(dataclasses.replace(_sample(prompts, outputs, lines=200), num_requests=400.0), CONFIG, planning.prior_costs(), options)
+    assert two_per_line.predicted_wall_s == pytest.approx(per_line.predicted_wall_s) and two_per_line.prompt_tokens == per_line.prompt_tokens
+    assert per_line.predicted_wall_s == pytest.approx(10 * simulate(per_line.config, _sample(prompts, outputs).requests(40), planning.prior_costs().monotone(),
+                                                                    num_pages=CONFIG.num_pages).wall_s)

@@ -220,6 +220,41 @@ def test_prefix_policy_computes_under_a_third_of_fcfs_prefill_on_a_shared_preamb
     assert counts["prefix", 64] <= counts["prefix", 1000] * 1.2, counts  # the small pool costs the prefix policy little
 
 
+def test_prefix_policy_keeps_ranks_for_queued_requests_only_and_shares_as_much(monkeypatch):
+    """A stream of 3,000 requests, each run before the next arrives, leaves no name ranked beyond the pruning
+    bound (before it, every name ever seen was kept). 300 lines over 20 preambles arriving five a step: pruning
+    as often as the bound allows, the prefix policy computes within 5% of the prefill tokens of never pruning (a family
+    whose names were dropped ranks anew when it comes back, so the order may differ: 7,964 against 8,049 tokens)."""
+    monkeypatch.setattr(PrefixAware, "prune_slack", 16)
+    cfg = small_config(policy="prefix", max_context=64)
+    scheduler, engine = Scheduler(cfg, num_pages=40), FakePagedEngine(40, 4)
+    for i in range(3000):
+        scheduler.add(prompt_request(f"r{i}", [(i * 13 + j) % 997 + 1 for j in range(16)], 1, i))
+        run_to_completion(scheduler, engine)
+    assert len(scheduler.policy._rank) <= 16 + 3  # the slack, and the last request's names (3 full pages that may be shared)
+    prompts = preamble_workload(300, 20, 100)
+    cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=32, max_prefill_tokens=256, compilation_cache_dir=None, policy="prefix")
+    prunes, prune = [], PrefixAware._prune
+    monkeypatch.setattr(PrefixAware, "_prune", lambda self, view: (prunes.append(len(self._rank)), prune(self, view)))
+
+    def streamed() -> int:  # five requests arrive before each step; the prefill tokens computed
+        scheduler, engine, plans, pending = Scheduler(cfg, num_pages=64), FakePagedEngine(64, 16), [], list(enumerate(prompts))
+
+        def admit():
+            for i, prompt in pending[:5]:
+                scheduler.add(prompt_request(f"r{i}", prompt, 8, i))
+            del pending[:5]
+        admit()
+        processor = runloop.OutputProcessor(None, None, cfg.max_context)
+        finished = list(runloop.run(scheduler, engine.step, processor, admit=admit, on_step=lambda plan, *_: plans.append(plan)))
+        assert len(finished) == len(prompts) and all(r.output_ids == expected_output(r) for r in finished)
+        return prefill_tokens(plans)
+
+    pruned = streamed()
+    monkeypatch.setattr(PrefixAware, "prune_slack", 10**9)
+    assert len(prunes) >= 3 and abs(streamed() - pruned) <= 0.05 * pruned, prunes
+
+
 def test_adaptive_budgets_shrink_to_the_floors_when_slow_and_grow_back_when_fast_and_busy():
     """Steps take 0.5 s (target 0.1 s) for the first 30 steps, then 0.01 s: the prefill budget and the
     decode width fall to the smallest buckets (4 tokens, 2 rows), every step keeps to them, and both grow
@@ -244,6 +279,26 @@ def test_adaptive_budgets_shrink_to_the_floors_when_slow_and_grow_back_when_fast
     lowest = {phase: min(v for _, p, _, v in policy.changes if p == phase) for phase in ("prefill", "decode")}
     assert lowest == {"prefill": 4, "decode": 2}, policy.changes
     assert (policy.prefill_budget(), policy.decode_width()) == (8, 4), policy.changes
+
+
+def test_adaptive_budgets_take_an_iterations_split_decode_as_one_step():
+    """One long prompt and three short ones: the scheduler splits the decoding rows into two programs by length.
+    With the decode width shrunk to 2 and every step far under the target, the two programs of an iteration are
+    one decode step using the whole width, so the width grows back to 4 and the waiting requests run."""
+    cfg = small_config(policy="adaptive", max_context=256, page_size=4, max_num_seqs=4, decode_batch_buckets=(1, 2, 4),
+                       decode_page_buckets=(1, 2, 4, 8, 16, 32, 64), latency_target_s=0.1, max_prefill_tokens=8, prefill_chunk_buckets=(4, 8))
+    policy = AdaptiveBudgets(cfg, window=4)
+    policy.current["decode"] = 2  # as a slow spell leaves it (its floor is 1)
+    scheduler, engine, split = Scheduler(cfg, num_pages=200, policy=policy), FakePagedEngine(200, 4), False
+    for i, n in enumerate((200, 3, 3, 3)):
+        scheduler.add(prompt_request(f"r{i}", [(5 * i + j) % 900 + 1 for j in range(n)], 150, i))
+    for _ in range(60):
+        plans = scheduler.schedule()
+        split |= sum(p.phase == "decode" for p in plans) == 2
+        for plan in plans:
+            scheduler.update(plan, engine.step(plan))
+            scheduler.observe(plan, 0.001)
+    assert split and policy.decode_width() == 4 and len(scheduler.running) == 4, policy.changes
 
 
 # ------------------------------------------------------------ the real model, deterministic mode
