@@ -1,13 +1,13 @@
-"""`jaxinfer whatif OUTPUT.jsonl [--policy P] [--buckets KIND:K] [--max-num-seqs N] [--max-prefill-tokens N]
-[--num-pages N] [--trace TRACE.csv] [--slo-ttft S] [--slo-tpot S] [--json]`: a finished job replayed on the simulator under other settings. No model is loaded and
-jax is never imported.
+"""`jaxinfer whatif OUTPUT.jsonl [--policy P[,P...]] [--buckets KIND:K[,...]] [--max-num-seqs N[,N...]] [--max-prefill-tokens N[,N...]]
+[--num-pages N[,N...]] [--trace TRACE.csv [--rate R] [--trace-requests N]] [--slo-ttft S] [--slo-tpot S] [--step-log FILE] [--json]`: a finished
+job replayed on the simulator under other settings. No model is loaded, and this module imports no jax.
 
 It reads the job's output records (each line's prompt and output lengths, its measured TTFT) and its step
 log (`<output>.steps.jsonl`, batch/step_log.py: the engine's settings, the pool, the in-flight limit, the
 step-cost table and the measured wall time and padding). The simulator (scheduling/simulator.py) first
 replays the job as it ran, which gives the simulator's error on this job, then runs it under the new
 settings. `--buckets KIND:K` fits a bucket strategy (bucketing/strategies.py: fitted, quantile, ...) with
-K buckets per table to the job's own prompt lengths, decode batch sizes and pages per sequence; `default`
+K buckets per table to the job's own prompt lengths (with --trace, the trace's), decode batch sizes and pages per sequence; `default`
 is the engine's default tables. A new limit (`--max-num-seqs`, `--max-prefill-tokens`) cuts the job's own table
 of that dimension at it and adds it (bucket_tables.cut_table), as the default tables end at their limits;
 `--num-pages` sizes the KV pool (pages, the null page included), where a smaller pool preempts. Each setting
@@ -19,6 +19,7 @@ engine settings and step costs: what this machine and model would do with that t
 """
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import json
@@ -50,6 +51,7 @@ class FinishedJob:
     ttft_s: np.ndarray  # f64[N]
     log: StepLogContents
     tpot_s: np.ndarray  # f64[N], NaN where a record has none
+    has_samples: bool = False  # a line of n > 1 samples: replayed as n requests that each compute the prompt
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -79,37 +81,118 @@ def _summary_of_steps(steps: list[dict]) -> dict:
 
 
 def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
-    """The ok records of `output` (either format) as SimRequests in input order, and its step log."""
+    """The ok records of `output` (either format) of the run its step log describes, as SimRequests in input order,
+    and its step log. A resumed run's log describes that run only: the records before it are left out. A line of n
+    samples is n requests (each sample's tokens; the prompt they share in the job is computed by each). The prefix
+    every request shares (a chat template's pages) is _shared_prefix's."""
     output = Path(output)
     if not output.is_file():
         raise ValueError(f"{output}: no such output file")
     path = Path(step_log) if step_log is not None else log_path(output)
     if not path.is_file():
-        raise ValueError(f"{path}: no step log beside {output} (jobs write one since jaxinfer's step log; rerun the job)")
+        raise ValueError(f"--step-log {path}: no such file" if step_log is not None else
+                         f"{path}: no step log beside {output} (jobs write one since jaxinfer's step log; rerun the job)")
     log = read_step_log(path)
+    _check_engine(path, log.header)
     if log.header.get("replicas", 1) != 1:
         raise ValueError(f"{path}: the job ran {log.header['replicas']} data-parallel replicas; the simulator runs one")
-    rows = []
-    with open(output, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise ValueError(f"{output}:{number}: not a JSON record") from None
-            fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record.get("status") == "ok" else None
-            if fields is not None:
-                generated = sum(s["num_generated_tokens"] for s in fields.get("samples") or [fields])
-                # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token does
-                tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
-                rows.append((record.get("line", number), fields["num_prompt_tokens"], max(generated, 1), fields["time_to_first_token_s"], fields.get("num_cached_tokens", 0),
-                             np.nan if tpot is None else tpot))
+    records = _records(output, int(log.header.get("num_skipped") or 0) if log.header.get("resumed") else 0)
+    input_path = Path(log.header.get("input", ""))
+    lines_of = _custom_id_lines(input_path) if any("custom_id" in r for _, r in records) else {}
+    rows, has_samples = [], False
+    for number, record in records:
+        fields = _ok_fields(output, number, record)
+        if fields is None:
+            continue
+        line = lines_of.get(record["custom_id"], number) if "custom_id" in record else record.get("line", number)
+        samples = fields.get("samples") or [fields]
+        has_samples |= len(samples) > 1
+        tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
+        for sample in samples:  # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token does
+            rows.append((line, fields["num_prompt_tokens"], max(int(sample["num_generated_tokens"]), 1), fields["time_to_first_token_s"],
+                         int(fields.get("num_cached_tokens") or 0), np.nan if tpot is None else tpot))
     if not rows:
         raise ValueError(f"{output}: no finished (ok) record to replay")
-    rows.sort()
-    extra = _line_fields(Path(log.header.get("input", "")), {r[0] for r in rows})
-    shared = max(r[4] for r in rows)  # the prefix the cache shared (a chat template's): every request starts with it
+    rows.sort(key=lambda row: row[0])
+    extra = _line_fields(input_path, {r[0] for r in rows})
+    shared = _shared_prefix([r[4] for r in rows])
     requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _, _ in rows]
-    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64))
+    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64), has_samples)
+
+
+def _shared_prefix(cached: list[int]) -> int:
+    """The prefix every request shares (a chat template's or a system prompt's full pages), from the records' cached
+    tokens: the most common count above 0 that at least 2 records and a tenth of them had (the first requests of a job
+    run before any page is cached and have none); 0 when none has (a repeated line's hit is not everyone's prefix)."""
+    counts = collections.Counter(c for c in cached if c > 0)
+    if not counts:
+        return 0
+    value, times = max(counts.items(), key=lambda item: (item[1], item[0]))
+    return value if times >= 2 and times >= 0.1 * len(cached) else 0
+
+
+def _check_engine(path: Path, header: dict) -> None:
+    """The step log's engine settings are this jaxinfer's EngineConfig fields (a log of another version may not be)."""
+    engine = header.get("engine")
+    if not isinstance(engine, dict):
+        raise ValueError(f"{path}: the step log's header holds no engine settings")
+    unknown = sorted(set(engine) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise ValueError(f"{path}: the step log's engine settings name fields this jaxinfer lacks: {', '.join(unknown)} (a log of another version)")
+
+
+def _records(output: Path, skip: int) -> list[tuple[int, dict]]:
+    """(line number, record) of the output's records past its first `skip` (a resumed run's log leaves out the records
+    before it); blank lines skipped, a torn last line (a killed job's) dropped. ValueError naming the line."""
+    records = []
+    try:
+        with open(output, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    if not line.endswith("\n"):
+                        break  # a torn last line: the job was killed while writing it
+                    raise ValueError(f"{output}:{number}: not a JSON record") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{output}:{number}: not a JSON record (a JSON {type(record).__name__})")
+                records.append((number, record))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{output}: not UTF-8 text ({e})") from None
+    return records[skip:]
+
+
+def _ok_fields(output: Path, number: int, record: dict) -> dict | None:
+    """A record's summary fields (jaxinfer's names) when it is an ok one, else None; ValueError naming the line for a
+    record that lacks what a replay reads."""
+    try:
+        fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record.get("status") == "ok" else None
+        if fields is not None:
+            for name in ("num_prompt_tokens", "time_to_first_token_s"):
+                if not isinstance(fields[name], (int, float)) or isinstance(fields[name], bool):
+                    raise ValueError(f"{output}:{number}: the record's {name} is not a number: {fields[name]!r}")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{output}:{number}: not a jaxinfer or OpenAI batch result record (no {e})") from None
+    return fields
+
+
+def _custom_id_lines(input_path: Path) -> dict[str, int]:
+    """custom_id -> its line in an OpenAI batch input, where the input is still there: an OpenAI record carries no line
+    number, and results are written as they finish."""
+    lines = {}
+    if not input_path.is_file():
+        return lines
+    with open(input_path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                custom_id = json.loads(raw).get("custom_id")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(custom_id, str):
+                lines.setdefault(custom_id, number)
+    return lines
 
 
 def _line_fields(input_path: Path, lines: set[int]) -> dict[int, tuple[int, float | None]]:
@@ -199,7 +282,7 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
 
     `settings`: new_config's changes (policy, buckets, max_num_seqs, max_prefill_tokens, num_pages), each a value
     or a list of values; None keeps the job's. Lists make a grid, every combination predicted (in the order of
-    the lists, the last varying fastest) into "grid" ([{"changes", "predicted"}]); "predicted" and "changes"
+    the lists, the last varying fastest) into "grid" ([{"changes", "predicted", "best"}]); "predicted" and "changes"
     are then the combination of the least predicted wall time (the first of equals). `progress`: a bar over the
     grid (None: where stderr is a terminal).
 
@@ -219,13 +302,30 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
     measured, replay = job.measured(slo), predict(job, job.engine_config, slo)
     runs = _predict_grid(workload, grid, targets, replay if trace is None else None, slo, progress)
     best = min(runs, key=lambda run: run["predicted"]["wall_s"])
+    for run in runs:
+        run["best"] = run is best
     error = {name: _relative(replay[name], measured[name]) for name in _figures(slo)}
     report = {"measured": measured, "replay": replay, "replay_error": error, "predicted": best["predicted"], "changes": best["changes"],
-              "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed")),
+              "num_requests": len(job.requests), "resumed": bool(job.log.header.get("resumed")), "notes": _notes(job, replay),
               "slo": None if slo is None else {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
     if read is not None:
         report |= {"trace": read, "base": runs[0]["predicted"]}
     return report | ({"grid": runs} if len(runs) > 1 or trace is not None else {})
+
+
+def _notes(job: FinishedJob, replay: dict) -> list[str]:
+    """What makes the replay's error more than the simulator's on this job: a resumed run's log, lines of n samples,
+    and a replay whose steps are not the job's (an interrupted job's unfinished lines, a step log of another job)."""
+    notes = []
+    if job.log.header.get("resumed"):
+        notes.append("the step log is of a resumed run: the measured figures and the replay cover that run's records only")
+    if job.has_samples:
+        notes.append("lines of n > 1 samples are replayed as n requests that each compute the prompt (the job shares it)")
+    ran = (job.log.summary or {}).get("num_steps")
+    if ran is not None and ran != replay["num_steps"]:
+        notes.append(f"the replay ran {replay['num_steps']} steps where the job ran {ran} (an interrupted job's unfinished lines, n > 1 samples, "
+                     "or the step log of another job): the error is not the simulator's alone")
+    return notes
 
 
 def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) -> tuple[FinishedJob, dict]:
@@ -246,10 +346,14 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
     max_context = job.engine_config.max_context
     fits = trace.context_tokens < max_context
     arrivals = trace.timestamps / rate
+    if not np.isfinite(arrivals).all():
+        row = int(np.flatnonzero(~np.isfinite(arrivals))[0])
+        raise ValueError(f"{path}: request {row + 1}'s arrival is not a finite time ({trace.timestamps[row]} s" + (f" / --rate {rate:g})" if rate != 1.0 else ")"))
     requests = [SimRequest(int(p), max(int(o), 1), float(t)) for p, o, t, ok in zip(trace.context_tokens, trace.generated_tokens, arrivals, fits) if ok]
     if not requests:
         raise ValueError(f"{path}: no request of the trace fits the job's context ({max_context} tokens)")
-    read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(arrivals[-1] - arrivals[0]), 3),
+    kept = arrivals[fits]
+    read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(kept.max() - kept.min()), 3),
             "rate": rate, "max_context": max_context}
     return dataclasses.replace(job, requests=requests), read
 
@@ -302,7 +406,7 @@ def format_report(report: dict) -> str:
                 + f"; priced by the job's step costs. The simulator on the job itself ({report['num_requests']} requests):")
     else:
         head = f"whatif: {report['num_requests']} requests; " + (f"{len(grid)} settings" if grid else f"changes: {_flags(report['changes']) or 'none (the replay of the job itself)'}")
-    lines = [head] + (["note: the step log is of a resumed run; the measured wall time covers that run only"] if report["resumed"] else [])
+    lines = [head] + [f"note: {note}" for note in report["notes"]]
     lines.append(f"{'':<14} {'measured':>12} {'replay':>12} {'error':>8}" + ("" if grid else f" {'predicted':>12}"))
     for name in report["replay_error"]:  # FIGURES, and slo_attainment under an SLO
         err = report["replay_error"][name]
@@ -319,7 +423,7 @@ def _grid_lines(report: dict) -> list[str]:
     slo = "slo_attainment" in base
     lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ base':>7} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}" + (f" {'SLO met':>8}" if slo else "")]
     for name, run in zip(names, report["grid"]):
-        p, mark = run["predicted"], "*" if run["changes"] == report["changes"] else " "
+        p, mark = run["predicted"], "*" if run["best"] else " "
         ratio = _fmt(p["wall_s"] / base["wall_s"] if base["wall_s"] else None, "{:.2f}x")
         lines.append(f"{mark} {name:<{width}} {_fmt(p['wall_s']):>10} {ratio:>7} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
                      f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}" + (f" {p['slo_attainment']:>8.1%}" if slo else ""))
@@ -345,7 +449,7 @@ def add_subparser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--policy", default=None, type=_values(str, getattr(config, "POLICIES", None)), metavar="P[,P...]",
                         help=f"scheduling policy to simulate: {', '.join(getattr(config, 'POLICIES', ()))} (default: the job's)")
     parser.add_argument("--buckets", default=None, type=_values(str), metavar="KIND:K[,...]",
-                        help="bucket tables: a strategy fitted to the job with K buckets each (e.g. fitted:16), or default")
+                        help="bucket tables: a strategy fitted to the job (with --trace, to the trace) with K buckets each (e.g. fitted:16), or default")
     parser.add_argument("--max-num-seqs", type=_values(int), default=None, metavar="N[,N...]", help="sequences decoded together at most (default: the job's)")
     parser.add_argument("--max-prefill-tokens", type=_values(int), default=None, metavar="N[,N...]",
                         help="prefill tokens per step at most, the largest chunk (default: the job's)")
@@ -385,5 +489,5 @@ def run(args) -> int:
     report = whatif(args.output, step_log=args.step_log, trace=args.trace, rate=args.rate, trace_requests=args.trace_requests,
                     slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, progress=args.progress, policy=args.policy, buckets=args.buckets, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages)
-    print(json.dumps(report) if args.json else format_report(report))
+    print(json.dumps(report, allow_nan=False) if args.json else format_report(report))
     return 0

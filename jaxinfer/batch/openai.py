@@ -190,7 +190,8 @@ def response_body(key: str, endpoint: dict, output, token_text=None, token_bytes
     fills a chat logprob's `bytes` (default: its text's UTF-8)."""
     samples = output.samples or [output]
     completion = sum(sample.num_generated_tokens for sample in samples)
-    usage = {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion, "total_tokens": output.num_prompt_tokens + completion}
+    usage = {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": completion, "total_tokens": output.num_prompt_tokens + completion,
+             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}  # OpenAI's field: prompt tokens served from the prefix cache
     chat = ENDPOINTS[endpoint["url"]] == "chat"
     token_text = token_text or str
     token_bytes = token_bytes or (lambda token: token_text(token).encode("utf-8", "surrogatepass"))
@@ -267,4 +268,6 @@ def summary_fields(record: dict) -> dict | None:
     if response.get("status_code") != 200:
         return None
     usage, metrics = response["body"]["usage"], record["metrics"]
-    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage.get("completion_tokens", 0), "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage.get("completion_tokens", 0), "num_cached_tokens": cached,
+            "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}

@@ -51,6 +51,7 @@ def test_whatif_with_no_change_replays_the_job_beside_its_measured_figures(finis
     assert report["replay"]["num_steps"] == summary["num_steps"]
     assert report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
     assert report["replay"]["wall_s"] > 0 and report["replay_error"]["padding"] == pytest.approx(0.0, abs=1e-4)
+    assert report["notes"] == []  # nothing but the simulator between the replay and the job
 
 
 @pytest.mark.slow
@@ -170,3 +171,92 @@ def test_an_output_without_a_step_log_or_missing_is_a_one_line_error(tmp_path):
 def test_an_unknown_bucket_strategy_is_named(finished_job):
     result = cli("whatif", str(finished_job), "--buckets", "magic:4", timeout=120)
     assert result.returncode == 2 and "--buckets must be" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_shared_prefix_is_a_cached_count_most_records_had_never_one_repeated_lines_hit():
+    assert whatif._shared_prefix([0, 0, 16, 16, 16, 16]) == 16  # a chat template: the first requests ran before it was cached
+    assert whatif._shared_prefix([0, 0, 0, 0, 0, 64]) == 0  # one repeated line
+    assert whatif._shared_prefix([0] * 20 + [64, 64]) == 0  # two of 22 records: under a tenth
+    assert whatif._shared_prefix([0, 32, 32, 48, 48, 48]) == 48
+    assert whatif._shared_prefix([]) == 0 and whatif._shared_prefix([0, 0]) == 0
+
+
+def _copy_job(job, folder, edit_records=None, edit_log=None):
+    """The finished job's output and step log copied into `folder`, each list of lines edited by a function if given."""
+    records = job.read_text().splitlines(keepends=True)
+    log = job.with_name("out.jsonl.steps.jsonl").read_text().splitlines(keepends=True)
+    output = folder / "out.jsonl"
+    output.write_text("".join(edit_records(records) if edit_records else records))
+    output.with_name("out.jsonl.steps.jsonl").write_text("".join(edit_log(log) if edit_log else log))
+    return output
+
+
+def _header(edit):
+    def apply(log):
+        header = json.loads(log[0])
+        edit(header)
+        return [json.dumps(header) + "\n", *log[1:]]
+    return apply
+
+
+@pytest.mark.slow
+def test_a_resumed_runs_log_replays_that_runs_records_only(finished_job, tmp_path):
+    def resumed(header):
+        header["resumed"], header["num_skipped"] = True, 2
+    output = _copy_job(finished_job, tmp_path, edit_log=_header(resumed))
+    records = [json.loads(line) for line in finished_job.read_text().splitlines()]
+    job = whatif.read_job(output)
+    assert len(job.requests) == 4 and job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[2:]]
+    assert any("resumed run" in note for note in whatif.whatif(output, progress=False)["notes"])
+
+
+@pytest.mark.slow
+def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_path):
+    def drop_prompt_count(records):
+        first = json.loads(records[0])
+        del first["num_prompt_tokens"]
+        return [json.dumps(first) + "\n", *records[1:]]
+
+    def null_ttft(records):
+        first = json.loads(records[0])
+        first["time_to_first_token_s"] = None
+        return [json.dumps(first) + "\n", *records[1:]]
+
+    cases = [(dict(edit_records=lambda records: records + ["5\n"]), r"out.jsonl:7: not a JSON record \(a JSON int\)"),
+             (dict(edit_records=drop_prompt_count), r"out.jsonl:1: not a jaxinfer or OpenAI batch result record \(no 'num_prompt_tokens'\)"),
+             (dict(edit_records=null_ttft), r"out.jsonl:1: the record's time_to_first_token_s is not a number: None"),
+             (dict(edit_log=_header(lambda header: header["engine"].update(future_field=1))), r"fields this jaxinfer lacks: future_field"),
+             (dict(edit_log=_header(lambda header: header.pop("engine"))), r"holds no engine settings")]
+    for i, (edits, message) in enumerate(cases):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        with pytest.raises(ValueError, match=message):
+            whatif.read_job(_copy_job(finished_job, folder, **edits))
+    torn = _copy_job(finished_job, tmp_path, edit_records=lambda records: records + ['{"line": 7, "status": "o'])  # a killed job's last line
+    assert len(whatif.read_job(torn).requests) == 6
+    with pytest.raises(ValueError, match=r"--step-log .*none.jsonl: no such file"):
+        whatif.read_job(finished_job, tmp_path / "none.jsonl")
+    (tmp_path / "inf.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,12\ninf,30,5\n")
+    with pytest.raises(ValueError, match=r"inf.csv: request 2's arrival is not a finite time"):
+        whatif.whatif(finished_job, trace=tmp_path / "inf.csv", progress=False)
+
+
+@pytest.mark.slow
+def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(tmp_path, compile_cache):
+    """Chat lines whose first one generates the most, so the results are written in another order than the input's,
+    and a chat template every prompt shares: the replay, put back in input order by custom_id with the cached tokens of
+    usage.prompt_tokens_details, runs the job's steps with its padding."""
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 24 - 4 * i}} for i, q in enumerate(QUESTIONS[:5])]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out.jsonl"
+    result = cli("generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(output), "--compile-cache", compile_cache,
+                 *ENGINE_FLAGS[:2], "--max-num-seqs", "2", *ENGINE_FLAGS[4:])
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["custom_id"] for r in records] != [line["custom_id"] for line in lines]  # written as they finished
+    assert max(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in records) > 0
+    summary = next(json.loads(line) for line in output.with_name("out.jsonl.steps.jsonl").read_text().splitlines() if '"summary"' in line)
+    report = whatif_json(output)
+    assert report["replay"]["num_steps"] == summary["num_steps"] and report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
+    assert report["notes"] == []
