@@ -47,6 +47,7 @@ from common.paths import REPO_ROOT
 from jaxinfer.api import LLM
 from jaxinfer.batch import planning, refit
 from jaxinfer.batch.job import BatchJob
+from jaxinfer.engine import compile_worker  # host side: imports no jax
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
@@ -88,6 +89,9 @@ class StepRecord:
     wait_ms: float | None = None  # their time runnable but waiting for a core (run-queue wait)
     steal_ticks: int | None = None  # the machine's steal time meanwhile (1/100 s ticks: the hypervisor ran something else)
     minor_faults: int | None = None  # this process's minor page faults meanwhile (memory mapped or touched for the first time)
+    threads_ran: int | None = None  # this process's threads that ran meanwhile
+    most_waiting: str | None = None  # the thread that waited longest for a core meanwhile: "name ms"
+    child_ms: float | None = None  # the refit's compile child's CPU time meanwhile (0: it was stopped, as it should be)
 
 
 class SchedProbe:
@@ -96,35 +100,60 @@ class SchedProbe:
     included) and just after it, so a slow step shows whether its threads ran longer, waited for a core, or lost
     the virtual CPU to the hypervisor."""
 
-    def __init__(self):
+    def __init__(self, child=None):
+        self.names: dict[str, str] = {}  # thread id -> its name (/proc/self/task/ID/comm)
+        self.child = child  # a callable: the refit's compile child's pid, or None while there is none
         self.before = self.read()
 
-    @staticmethod
-    def read() -> tuple[int, int, int, int]:
-        cpu = wait = 0
+    def read(self) -> tuple[dict[str, tuple[int, int]], int, int, tuple[int | None, int]]:
+        """({thread id: (CPU ns, wait ns)}, steal ticks, minor faults, (the compile child's pid, its threads' CPU ns))."""
+        threads = {}
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/schedstat") as f:
                     on_cpu, waiting, _ = f.read().split()
+                if tid not in self.names:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        self.names[tid] = f.read().strip()
             except (OSError, ValueError):  # a thread that just ended
                 continue
-            cpu, wait = cpu + int(on_cpu), wait + int(waiting)
+            threads[tid] = (int(on_cpu), int(waiting))
         with open("/proc/stat") as f:
             steal = int(f.readline().split()[8])  # cpu user nice system idle iowait irq softirq steal ...
-        return cpu, wait, steal, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return threads, steal, resource.getrusage(resource.RUSAGE_SELF).ru_minflt, self._child_cpu()
+
+    def _child_cpu(self) -> tuple[int | None, int]:
+        pid, cpu = self.child() if self.child is not None else None, 0
+        if pid is not None:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                return None, 0
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        cpu += int(f.read().split()[0])
+                except (OSError, ValueError):
+                    continue
+        return pid, cpu
 
     def mark(self) -> None:
         self.before = self.read()
 
-    def since(self) -> tuple[float, float, int, int]:
-        """(CPU ms, wait ms, steal ticks, minor faults) since the last mark."""
+    def since(self) -> tuple[float, float, int, int, int, str, float | None]:
+        """(CPU ms, wait ms, steal ticks, minor faults, threads that ran, the longest waiter) since the last mark, over
+        the threads alive at both reads."""
         now = self.read()
-        return (now[0] - self.before[0]) / 1e6, (now[1] - self.before[1]) / 1e6, now[2] - self.before[2], now[3] - self.before[3]
+        deltas = {tid: (cpu - self.before[0][tid][0], wait - self.before[0][tid][1]) for tid, (cpu, wait) in now[0].items() if tid in self.before[0]}
+        waiter = max(deltas, key=lambda tid: deltas[tid][1], default=None)
+        return (sum(d[0] for d in deltas.values()) / 1e6, sum(d[1] for d in deltas.values()) / 1e6, now[1] - self.before[1], now[2] - self.before[2],
+                sum(d[0] > 0 for d in deltas.values()), "-" if waiter is None else f"{self.names.get(waiter, waiter)} {deltas[waiter][1] / 1e6:.2f}",
+                (now[3][1] - self.before[3][1]) / 1e6 if now[3][0] is not None and now[3][0] == self.before[3][0] else None)
 
 
 def recorder(steps: list[StepRecord], half: int, probe: SchedProbe | None = None):
     def on_step(plan, tokens, seconds):
-        sched = probe.since() if probe is not None else (None, None, None, None)
+        sched = probe.since() if probe is not None else (None,) * 7
         second = any(int(r.split(":")[0]) >= half for r in plan.request_ids)
         steps.append(StepRecord(time.perf_counter(), seconds, plan.phase, str(plan.bucket), int(sum(plan.num_new_tokens)),
                                 plan.bucket.num_rows * plan.bucket.num_tokens, second, *sched))
@@ -174,8 +203,11 @@ def run_job(llm, input_path, output, defaults, half: int, *, refitting: bool, op
     `sched_stats`: each step's StepRecord holds its SchedProbe figures."""
     steps, swaps = [], []
     llm.reset_prefix_cache()
-    probe = SchedProbe() if sched_stats else None
+    hook: list = []
+    pending = lambda: getattr(hook[0], "_pending", None) if hook else None  # noqa: E731  (the Refit's compile under way)
+    probe = SchedProbe(lambda: pending().child.proc.pid if pending() is not None and pending().child is not None else None) if sched_stats else None
     with BatchJob(input_path, output, defaults) as job, planning.refitting(llm, recorder(steps, half, probe), refitting) as on_step:
+        hook.append(on_step)
         for name, value in (options or {}).items():
             setattr(on_step, name, value)
         job.runner.on_step = on_step if probe is None else marking(on_step, probe)
@@ -282,18 +314,30 @@ def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) ->
         if not in_window(s, swap):
             outside.setdefault(s.key, []).append(s)
     med = {k: (float(np.median([t.seconds for t in v])), float(np.median([t.cpu_ms for t in v]))) for k, v in outside.items()}
-    groups: dict[str, list[tuple[float, float, StepRecord]]] = {"window_slow": [], "window_other": [], "outside": []}
-    for s in steps:
+    late, previous_end = {}, -np.inf  # step index -> the letters of the child's threads a stop just before it left running (refit.Swap.late_stops)
+    for i, s in enumerate(steps):
+        letters = [letters for t, letters in swap.late_stops if previous_end < t <= s.ended - s.seconds]
+        if letters:
+            late[i] = ",".join(letters)
+        previous_end = s.ended
+    groups: dict[str, list[tuple[float, float, StepRecord, str | None]]] = {"window_slow": [], "window_other": [], "outside": []}
+    for i, s in enumerate(steps):
         if s.key in med:
             ratio, cpu_ratio = s.seconds / med[s.key][0], s.cpu_ms / med[s.key][1] if med[s.key][1] else float("nan")
             side = "outside" if not in_window(s, swap) else "window_slow" if ratio > slow else "window_other"
-            groups[side].append((ratio, cpu_ratio, s))
+            groups[side].append((ratio, cpu_ratio, s, late.get(i)))
     stat = lambda values: {"p50": float(np.median(values)), "max": float(np.max(values))} if values else None  # noqa: E731
-    out = {side: {"num_steps": len(rows), "cpu_ms": stat([s.cpu_ms for _, _, s in rows]), "cpu_to_key_median": stat([c for _, c, _ in rows]),
-                  "wait_ms": stat([s.wait_ms for _, _, s in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s in rows]),
-                  "minor_faults": stat([s.minor_faults for _, _, s in rows])} for side, rows in groups.items()}
+    out = {side: {"num_steps": len(rows), "cpu_ms": stat([s.cpu_ms for _, _, s, _ in rows]), "cpu_to_key_median": stat([c for _, c, _, _ in rows]),
+                  "wait_ms": stat([s.wait_ms for _, _, s, _ in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s, _ in rows]),
+                  "minor_faults": stat([s.minor_faults for _, _, s, _ in rows]), "threads_ran": stat([s.threads_ran for _, _, s, _ in rows]),
+                  "after_a_late_stop": sum(letters is not None for _, _, _, letters in rows),
+                  "child_ms": stat([s.child_ms for _, _, s, _ in rows if s.child_ms is not None]),
+                  "child_ran": sum(s.child_ms is not None and s.child_ms > 0.5 for _, _, s, _ in rows)}
+           for side, rows in groups.items()}
+    out["late_stops"] = len(swap.late_stops)
     out["slow_steps"] = [{"key": s.key, "ratio": r, "seconds": s.seconds, "cpu_ms": s.cpu_ms, "key_median_cpu_ms": med[s.key][1], "wait_ms": s.wait_ms,
-                          "steal_ticks": s.steal_ticks, "minor_faults": s.minor_faults} for r, _, s in sorted(groups["window_slow"], key=lambda row: -row[0])]
+                          "steal_ticks": s.steal_ticks, "minor_faults": s.minor_faults, "threads_ran": s.threads_ran, "most_waiting": s.most_waiting,
+                          "late_stop_before": letters, "child_ms": s.child_ms} for r, _, s, letters in sorted(groups["window_slow"], key=lambda row: -row[0])]
     return out
 
 
@@ -515,12 +559,16 @@ def print_result(result: dict) -> None:
     if sched:
         fmt = lambda figure: "-" if figure is None else f"{figure['p50']:.2f} / {figure['max']:.2f}"  # noqa: E731
         rows = [[side.replace("_", " "), g["num_steps"], fmt(g["cpu_ms"]), fmt(g["cpu_to_key_median"]), fmt(g["wait_ms"]), fmt(g["steal_ticks"]), fmt(g["minor_faults"])]
-                for side, g in sched.items() if side != "slow_steps"]
+                for side, g in sched.items() if side not in ("slow_steps", "late_stops")]
         print("\n" + report.format_table([("steps (p50 / max)", "<14"), ("steps", "6d"), ("CPU ms", ">14"), ("CPU / key's", ">14"), ("run-queue wait ms", ">18"),
                                            ("steal ticks", ">12"), ("minor faults", ">16")], rows))
         for s in sched["slow_steps"]:
             print(f"slow window step {s['ratio']:.2f}x ({s['key']}, {s['seconds'] * 1e3:.1f} ms): CPU {s['cpu_ms']:.1f} ms (key's median {s['key_median_cpu_ms']:.1f}), "
-                  f"wait {s['wait_ms']:.2f} ms, steal {s['steal_ticks']} ticks, {s['minor_faults']} minor faults")
+                  f"wait {s['wait_ms']:.2f} ms (longest: {s['most_waiting']} ms), steal {s['steal_ticks']} ticks, {s['minor_faults']} minor faults, "
+                  f"{s['threads_ran']} threads ran, the child ran {s['child_ms'] if s['child_ms'] is not None else '-'} ms" + (f"; the stop before it timed out with the child's threads {s['late_stop_before']} running" if s["late_stop_before"] else ""))
+        print(f"the child's stops that timed out (after {compile_worker._STOP_WAIT_S * 1e3:.0f} ms): {sched['late_stops']}; window steps after one: "
+              f"{sched['window_slow']['after_a_late_stop']} slow, {sched['window_other']['after_a_late_stop']} others; the child ran over 0.5 ms during "
+              f"{sched['window_slow']['child_ran']} slow and {sched['window_other']['child_ran']} other window steps")
 
 
 if __name__ == "__main__":

@@ -565,12 +565,9 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return 130
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from jaxinfer.engine.engine import PoolTooLargeError
-    from jaxinfer.loading.loading import ModelLoadError
-
     try:
         return args.func(args)
-    except (ModelLoadError, PoolTooLargeError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # ModelLoadError and PoolTooLargeError among them (ValueErrors: no engine import, so whatif imports no jax)
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # during load or compile; a running batch job stops cleanly by itself

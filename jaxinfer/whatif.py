@@ -52,6 +52,7 @@ class FinishedJob:
     log: StepLogContents
     tpot_s: np.ndarray  # f64[N], NaN where a record has none
     has_samples: bool = False  # a line of n > 1 samples: replayed as n requests that each compute the prompt
+    labels: tuple[str, ...] = ()  # each request's origin, for a message that names it ("input line 5", "trace request 12")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -117,7 +118,8 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     extra = _line_fields(input_path, {r[0] for r in rows})
     shared = _shared_prefix([r[4] for r in rows])
     requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _, _ in rows]
-    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64), has_samples)
+    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64), has_samples,
+                       tuple(f"input line {r[0]}" for r in rows))
 
 
 def _shared_prefix(cached: list[int]) -> int:
@@ -263,6 +265,10 @@ def _inflight(job: FinishedJob, cfg: EngineConfig) -> int:
     return header.get("max_inflight_given") or _INFLIGHT_PER_SEQ * cfg.max_num_seqs * header.get("replicas", 1)
 
 
+class Refused(ValueError):
+    """Settings under which the simulated engine refuses a request (Scheduler.check), the request named by its origin."""
+
+
 def predict(job: FinishedJob, cfg: EngineConfig, slo: tuple[float, float] | None = None) -> dict:
     """The simulator's figures for the job's requests under `cfg` (FIGURES, then the rest of its summary; with `slo`,
     (TTFT, TPOT) seconds, the share of requests within both: slo_attainment)."""
@@ -270,7 +276,11 @@ def predict(job: FinishedJob, cfg: EngineConfig, slo: tuple[float, float] | None
     if costs is None:
         raise ValueError("the step log holds no step-cost table (the job was killed before it ended); rerun the job")
     pages = cfg.num_pages or job.log.header.get("num_pages")  # a --num-pages asked for, else the job's pool
-    result = simulator.simulate(cfg, job.requests, costs, num_pages=pages, max_inflight=_inflight(job, cfg))
+    try:
+        result = simulator.simulate(cfg, job.requests, costs, num_pages=pages, max_inflight=_inflight(job, cfg))
+    except simulator.RequestRefused as e:
+        label = job.labels[e.index] if e.index < len(job.labels) else f"request {e.index}"
+        raise Refused(f"{label} cannot run under these settings: {e.reason}") from None
     summary = result.summary() | ({"slo_attainment": round(result.slo_attainment(*slo), 4)} if slo is not None else {})
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
@@ -301,7 +311,10 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
     targets = [new_config(workload, **changes) for changes in grid]  # a bad setting is refused before anything is simulated
     measured, replay = job.measured(slo), predict(job, job.engine_config, slo)
     runs = _predict_grid(workload, grid, targets, replay if trace is None else None, slo, progress)
-    best = min(runs, key=lambda run: run["predicted"]["wall_s"])
+    ran = [run for run in runs if run["predicted"] is not None]
+    if not ran:  # every combination refused a request: the first's reason
+        raise Refused(runs[0]["refused"])
+    best = min(ran, key=lambda run: run["predicted"]["wall_s"])
     for run in runs:
         run["best"] = run is best
     error = {name: _relative(replay[name], measured[name]) for name in _figures(slo)}
@@ -350,12 +363,13 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
         row = int(np.flatnonzero(~np.isfinite(arrivals))[0])
         raise ValueError(f"{path}: request {row + 1}'s arrival is not a finite time ({trace.timestamps[row]} s" + (f" / --rate {rate:g})" if rate != 1.0 else ")"))
     requests = [SimRequest(int(p), max(int(o), 1), float(t)) for p, o, t, ok in zip(trace.context_tokens, trace.generated_tokens, arrivals, fits) if ok]
+    labels = tuple(f"trace request {i + 1}" for i in np.flatnonzero(fits))
     if not requests:
         raise ValueError(f"{path}: no request of the trace fits the job's context ({max_context} tokens)")
     kept = arrivals[fits]
     read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(kept.max() - kept.min()), 3),
             "rate": rate, "max_context": max_context}
-    return dataclasses.replace(job, requests=requests), read
+    return dataclasses.replace(job, requests=requests, labels=labels), read
 
 
 def _slo(ttft_s: float | None, tpot_s: float | None) -> tuple[float, float] | None:
@@ -371,12 +385,18 @@ def _figures(slo) -> tuple[str, ...]:
 
 
 def _predict_grid(job: FinishedJob, grid: list[dict], targets: list[EngineConfig], replay: dict | None, slo, progress: bool | None) -> list[dict]:
-    """[{"changes", "predicted"}] of each combination (`replay`, where given, when nothing changes), with a bar over several."""
+    """[{"changes", "predicted"}] of each combination (`replay`, where given, when nothing changes), with a bar over several;
+    in a grid, a combination that refuses a request is kept with "predicted" None and "refused" naming it (one alone raises)."""
     show = len(grid) > 1 and (progress if progress is not None else sys.stderr.isatty())
     runs = []
     with tqdm(total=len(grid), desc="whatif", unit="setting", disable=not show) as bar:
         for changes, cfg in zip(grid, targets):
-            runs.append({"changes": changes, "predicted": replay if not changes and replay is not None else predict(job, cfg, slo)})
+            try:
+                runs.append({"changes": changes, "predicted": replay if not changes and replay is not None else predict(job, cfg, slo)})
+            except Refused as e:
+                if len(grid) == 1:
+                    raise
+                runs.append({"changes": changes, "predicted": None, "refused": str(e)})
             bar.update()
     return runs
 
@@ -417,14 +437,17 @@ def format_report(report: dict) -> str:
 
 def _grid_lines(report: dict) -> list[str]:
     """A line per combination: its flags, predicted figures and wall time over the job's own settings'; * marks the least."""
-    base = report.get("base", report["replay"])
+    base = report["base"] if "base" in report else report["replay"]  # the trace's base is None where those settings refuse a request
     names = [_flags(run["changes"]) or "(the job's settings)" for run in report["grid"]]
     width = max(map(len, names))
-    slo = "slo_attainment" in base
+    slo = report["slo"] is not None
     lines = ["", f"  {'settings':<{width}} {'wall_s':>10} {'/ base':>7} {'ttft_p50_s':>11} {'ttft_p99_s':>11} {'padding':>8} {'preempted':>9}" + (f" {'SLO met':>8}" if slo else "")]
     for name, run in zip(names, report["grid"]):
         p, mark = run["predicted"], "*" if run["best"] else " "
-        ratio = _fmt(p["wall_s"] / base["wall_s"] if base["wall_s"] else None, "{:.2f}x")
+        if p is None:
+            lines.append(f"  {name:<{width}} refused: {run['refused']}")
+            continue
+        ratio = _fmt(p["wall_s"] / base["wall_s"] if base and base["wall_s"] else None, "{:.2f}x")
         lines.append(f"{mark} {name:<{width}} {_fmt(p['wall_s']):>10} {ratio:>7} {_fmt(p['ttft_p50_s']):>11} {_fmt(p['ttft_p99_s']):>11}"
                      f" {_fmt(p['padding']):>8} {p['num_preemptions']:>9}" + (f" {p['slo_attainment']:>8.1%}" if slo else ""))
     what = "the trace under the job's own settings" if "base" in report else "the replay, the job's own settings"

@@ -313,6 +313,7 @@ class Swap:
     yield_s: float = 0.0  # seconds it gave so, in all (the job's wall time given to the compile)
     num_yields: int = 0  # steps after which it gave them
     loaded_at: tuple[float, ...] = ()  # perf_counter after each program's load in this process (a child's)
+    late_stops: tuple[tuple[float, str], ...] = ()  # a child's stops that timed out: (perf_counter, the letters of its threads still not stopped)
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -428,7 +429,8 @@ class Refit:
         self.watch.reset(tables.chunk_tokens)
         self.swaps.append(Swap(old, tables.chunk_tokens, pending.asked_at, self.step, len(programs), ended - pending.started, pending.started, ended,
                                time.perf_counter(), child is not None, child.cpu_s if child else 0.0, child.peak_rss if child else 0,
-                               self.yield_share, pending.yield_s, pending.num_yields, tuple(child.loaded_at) if child else ()))
+                               self.yield_share, pending.yield_s, pending.num_yields, tuple(child.loaded_at) if child else (),
+                               tuple(child.late_stops) if child else ()))
         log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - pending.started)
 
     def _close_pending(self) -> None:

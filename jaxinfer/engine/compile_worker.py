@@ -142,6 +142,7 @@ class ChildCompile:
         self.finished = False
         self.finished_at = 0.0  # perf_counter when the last program was loaded
         self.loaded_at: list[float] = []  # perf_counter after each program's load here
+        self.late_stops: list[tuple[float, str]] = []  # (perf_counter, the state letters of the threads not stopped) of each stop that timed out
         self._buffer = bytearray()
         self._stderr = tempfile.TemporaryFile()
         with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: a large request never blocks the stepping thread
@@ -156,7 +157,9 @@ class ChildCompile:
         """Stop the child (a step is next): `stop`, unless it is stopped or gone."""
         if self._stopped or self.proc.poll() is not None:
             return
-        stop(self.proc)
+        if not stop(self.proc):  # a thread still ran after _STOP_WAIT_S (in the kernel, say): the step goes on beside it
+            running = [letter for letter in thread_states(self.proc.pid).values() if letter not in _STOPPED]
+            self.late_stops.append((time.perf_counter(), "".join(sorted(running))))
         self._stopped = True
 
     def state(self) -> str | None:

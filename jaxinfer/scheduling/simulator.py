@@ -104,6 +104,14 @@ def slo_met(ttft_s: np.ndarray, tpot_s: np.ndarray, finished: np.ndarray, slo_tt
     return np.asarray(finished, bool) & (np.asarray(ttft_s, np.float64) <= slo_ttft_s) & (np.asarray(tpot_s, np.float64) <= slo_tpot_s)
 
 
+class RequestRefused(ValueError):
+    """A request the simulated engine refuses under these settings (Scheduler.check): `index` in submission order."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"request {index} cannot run under these settings: {reason}")
+        self.index, self.reason = index, reason
+
+
 class VirtualClock:
     """Seconds on the simulation's clock; only `advance` moves it."""
 
@@ -197,7 +205,7 @@ class _Run:
         try:
             self.scheduler.add(request)
         except ValueError as e:
-            raise ValueError(f"request {index} cannot run under these settings: {e}") from None
+            raise RequestRefused(index, str(e)) from None
         self.inflight += 1
 
     def admit(self) -> None:

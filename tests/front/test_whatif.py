@@ -260,3 +260,20 @@ def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(t
     report = whatif_json(output)
     assert report["replay"]["num_steps"] == summary["num_steps"] and report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
     assert report["notes"] == []
+
+
+@pytest.mark.slow
+def test_the_whatif_command_imports_no_jax(finished_job):
+    code = f"import sys; from jaxinfer.cli import main; assert main(['whatif', {str(finished_job)!r}, '--json']) == 0; print('jax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("False"), result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_setting_that_refuses_a_request_names_its_input_line_and_leaves_the_grids_other_settings(finished_job):
+    with pytest.raises(whatif.Refused, match=r"input line \d cannot run under these settings"):
+        whatif.whatif(finished_job, num_pages=2, progress=False)
+    report = whatif.whatif(finished_job, num_pages=[2, 65], progress=False)
+    refused, ran = report["grid"]
+    assert refused["predicted"] is None and "cannot run under these settings" in refused["refused"] and ran["best"]
+    assert report["changes"] == {"num_pages": 65} and "refused: input line" in whatif.format_report(report)
