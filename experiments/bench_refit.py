@@ -314,18 +314,23 @@ def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) ->
         if not in_window(s, swap):
             outside.setdefault(s.key, []).append(s)
     med = {k: (float(np.median([t.seconds for t in v])), float(np.median([t.cpu_ms for t in v]))) for k, v in outside.items()}
-    late, previous_end = {}, -np.inf  # step index -> the letters of the child's threads a stop just before it left running (refit.Swap.late_stops)
+    late, after_turn, previous_end = {}, set(), -np.inf  # step index -> the letters of the child's threads a stop just before it left running
     for i, s in enumerate(steps):
         letters = [letters for t, letters in swap.late_stops if previous_end < t <= s.ended - s.seconds]
         if letters:
             late[i] = ",".join(letters)
+        if any(previous_end < t <= s.ended - s.seconds for t in swap.turn_ends):
+            after_turn.add(i)
         previous_end = s.ended
-    groups: dict[str, list[tuple[float, float, StepRecord, str | None]]] = {"window_slow": [], "window_other": [], "outside": []}
+    groups: dict[str, list[tuple[float, float, StepRecord, str | None]]] = {"window_slow": [], "window_other": [], "outside": [],
+                                                                           "window_after_a_turn": [], "window_after_none": []}
     for i, s in enumerate(steps):
         if s.key in med:
             ratio, cpu_ratio = s.seconds / med[s.key][0], s.cpu_ms / med[s.key][1] if med[s.key][1] else float("nan")
             side = "outside" if not in_window(s, swap) else "window_slow" if ratio > slow else "window_other"
             groups[side].append((ratio, cpu_ratio, s, late.get(i)))
+            if side != "outside":
+                groups["window_after_a_turn" if i in after_turn else "window_after_none"].append((ratio, cpu_ratio, s, late.get(i)))
     stat = lambda values: {"p50": float(np.median(values)), "max": float(np.max(values))} if values else None  # noqa: E731
     out = {side: {"num_steps": len(rows), "cpu_ms": stat([s.cpu_ms for _, _, s, _ in rows]), "cpu_to_key_median": stat([c for _, c, _, _ in rows]),
                   "wait_ms": stat([s.wait_ms for _, _, s, _ in rows]), "steal_ticks": stat([s.steal_ticks for _, _, s, _ in rows]),
@@ -334,6 +339,8 @@ def sched_split(steps: list[StepRecord], swap: refit.Swap, slow: float = 1.5) ->
                   "child_ms": stat([s.child_ms for _, _, s, _ in rows if s.child_ms is not None]),
                   "child_ran": sum(s.child_ms is not None and s.child_ms > 0.5 for _, _, s, _ in rows)}
            for side, rows in groups.items()}
+    for side in ("window_after_a_turn", "window_after_none"):
+        out[side]["ratio"] = stat([r for r, _, _, _ in groups[side]])
     out["late_stops"] = len(swap.late_stops)
     out["slow_steps"] = [{"key": s.key, "ratio": r, "seconds": s.seconds, "cpu_ms": s.cpu_ms, "key_median_cpu_ms": med[s.key][1], "wait_ms": s.wait_ms,
                           "steal_ticks": s.steal_ticks, "minor_faults": s.minor_faults, "threads_ran": s.threads_ran, "most_waiting": s.most_waiting,
@@ -443,6 +450,8 @@ def main() -> None:
                              "watch's judgement: measures the compile window and the swap under --quick, whose watch never asks")
     parser.add_argument("--yield-share", type=float, default=refit.YIELD_SHARE,
                         help=f"Refit's pause for the compile child after each step while it runs, as a share of the step's seconds (default {refit.YIELD_SHARE}; 0: none)")
+    parser.add_argument("--yield-every", type=int, default=refit.YIELD_EVERY,
+                        help=f"Refit gives the compile its turn after every this many steps (default {refit.YIELD_EVERY}; 1: after each)")
     parser.add_argument("--dry-run", action="store_true", help="the job's schedule alone (host only, seconds): the watch's padding gap, no program compiled")
     parser.add_argument("--dry-delay", type=int, default=12, metavar="PREFILL_STEPS", help="--dry-run: prefill steps between the watch's ask and the swap (default 12)")
     parser.add_argument("--sched-stats", action="store_true",
@@ -476,7 +485,7 @@ def main() -> None:
     alone_table = fitted_table(llm, plan.config, prompts[args.lines :], len(start_table), start_table[-1])
     if args.dry_run:
         return dry_main(args, llm, plan, prompts, start_table, alone_table)
-    options = {"yield_share": args.yield_share}
+    options = {"yield_share": args.yield_share, "yield_every": args.yield_every}
     if args.ask_at is not None:
         options["watch"] = AskAt(start_table, half=args.lines, after=args.ask_at, proposal=alone_table)
     planning.apply_plan(llm, plan)
@@ -569,6 +578,9 @@ def print_result(result: dict) -> None:
         print(f"the child's stops that timed out (after {compile_worker._STOP_WAIT_S * 1e3:.0f} ms): {sched['late_stops']}; window steps after one: "
               f"{sched['window_slow']['after_a_late_stop']} slow, {sched['window_other']['after_a_late_stop']} others; the child ran over 0.5 ms during "
               f"{sched['window_slow']['child_ran']} slow and {sched['window_other']['child_ran']} other window steps")
+        for side in ("window_after_a_turn", "window_after_none"):
+            g = sched[side]
+            print(f"{side.replace('_', ' ')} of the compile: {g['num_steps']} steps, {fmt(g['ratio'])} their key's median outside, CPU {fmt(g['cpu_to_key_median'])} its median")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ drift; `reason` says which kind a proposal is). A table that never suited the jo
 `Refit` is the job's on_step hook. On drift it starts a child process that compiles the programs the new table
 needs (engine/compile_worker.py's ChildCompile: the configs and the state's shapes, no weights; the programs come
 back serialized and `Engine.load_program` loads them here). The child runs only inside the hook: after
-each step the stepping thread lets it run (SIGCONT) for YIELD_SHARE of that step's seconds, loading what it
+every YIELD_EVERY steps the stepping thread lets it run (SIGCONT) for YIELD_SHARE of their seconds, loading what it
 sent meanwhile, and stops it (SIGSTOP) before returning, so every step runs with the cores to itself. In the
 job's own process a compile's native threads took the cores the step's threads wait for at a barrier, and its
 lowering held the GIL, whatever their priorities: in-window decode steps up to 8.01x their key's median (loaded, same sitting; 2.21x in the child). A child
@@ -72,6 +72,14 @@ _CHUNK_MULTIPLE = 16  # every refitted chunk bucket is a multiple of this (plann
 # the old table. bench_refit on a loaded 2-core Xeon (indicative): at 1.0 the 12 programs took 54.5 s, 201 steps;
 # at 3.0 23.4 s, 47 steps, and the padding after the shift 16.7% against 18.6%.
 YIELD_SHARE = 3.0
+# The compile's turn comes after every YIELD_EVERY steps, for YIELD_SHARE of their seconds together: a quarter of the
+# SIGCONT/SIGSTOP cycles. bench_refit --sched-stats, 160 lines a half, AMD EPYC, alone, one sitting: with a turn after
+# every step the slowest in-window step was 2.49x, 2.08x, 1.58x, 1.61x and 1.57x its key's median outside the window
+# (the window's steps at a median 1.00-1.14x their key's CPU time); with a turn every 4 steps 1.24x, 1.97x and 1.58x
+# (1.00-1.03x), never above the slowest step outside the window in the same run (1.78-1.94x), and the compile window
+# 11.5-11.7 s against 12.9-14.8 s. The child never ran during a step in either (its threads' CPU time, read per
+# step), and a step right after a turn was no slower than the others (0.98-1.00x at the median).
+YIELD_EVERY = 4
 # Why a refit was asked for (DriftWatch.reason; None: a watch that sets none, as a benchmark's forced ask), for the log and the job's report
 _WHY = {"drift": "prefill sizes drifted", "settle": "a table fitted to the rows since the last refit pads less", None: "a refit was asked for"}
 
@@ -309,11 +317,13 @@ class Swap:
     in_child: bool = False  # compiled in a child process stopped while the job stepped (False: in a thread here, a mesh)
     child_cpu_s: float = 0.0  # the child's CPU seconds compiling (all its threads)
     child_peak_rss: int = 0  # the child's peak resident memory, bytes
-    yield_share: float = 0.0  # the stepping thread gave the compile this share of each step's seconds
+    yield_share: float = 0.0  # the stepping thread gave the compile this share of the steps' seconds
     yield_s: float = 0.0  # seconds it gave so, in all (the job's wall time given to the compile)
     num_yields: int = 0  # steps after which it gave them
     loaded_at: tuple[float, ...] = ()  # perf_counter after each program's load in this process (a child's)
     late_stops: tuple[tuple[float, str], ...] = ()  # a child's stops that timed out: (perf_counter, the letters of its threads still not stopped)
+    yield_every: int = 1  # the compile's turn came after every this many steps
+    turn_ends: tuple[float, ...] = ()  # perf_counter at the end of each of the compile's turns
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -335,6 +345,7 @@ class _Compile:
     future: concurrent.futures.Future | None = None
     yield_s: float = 0.0
     num_yields: int = 0
+    turn_ends: list[float] = dataclasses.field(default_factory=list)  # perf_counter at the end of each turn given
 
     def done(self) -> bool:
         return self.child.finished if self.child is not None else self.future.done()
@@ -344,6 +355,11 @@ class _Compile:
             return self.child.error
         return None if not self.future.done() or self.future.exception() is None else repr(self.future.exception())
 
+    def hold(self) -> None:
+        """No turn now: a child is stopped (it is, after a turn; a new one runs until this)."""
+        if self.child is not None:
+            self.child.pause()
+
     def give(self, seconds: float) -> None:
         """The compile's turn after a step: the child runs (then stops before the next step); a thread gets a sleep."""
         start = time.perf_counter()
@@ -352,7 +368,8 @@ class _Compile:
             self.child.pause()
         else:
             concurrent.futures.wait([self.future], timeout=seconds)  # a sleep that ends when the compile does
-        self.yield_s += time.perf_counter() - start
+        self.turn_ends.append(time.perf_counter())
+        self.yield_s += self.turn_ends[-1] - start
         self.num_yields += 1
 
 
@@ -364,11 +381,12 @@ def _compile_here(engine, cfg: EngineConfig, state: tuple) -> tuple[dict, float]
 class Refit:
     """The on_step hook of a planned job: watches prefill sizes (DriftWatch), compiles a refitted chunk table's
     programs in a child process it stops while the job steps, and swaps them in between steps. `chain`: the
-    hook it wraps (called first). `yield_share`: after each step while the compile runs, it gets this share of
-    the step's seconds (0: none, it never progresses)."""
+    hook it wraps (called first). `yield_share`, `yield_every`: while the compile runs, after every `yield_every` steps it
+    gets this share of their seconds (0: none, it never progresses)."""
 
-    def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None, yield_share: float = YIELD_SHARE):
-        self.llm, self.chain, self.yield_share = llm, chain, yield_share
+    def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None, yield_share: float = YIELD_SHARE, yield_every: int = YIELD_EVERY):
+        self.llm, self.chain, self.yield_share, self.yield_every = llm, chain, yield_share, yield_every
+        self._owed: tuple[int, float] = (0, 0.0)  # steps since the compile's last turn, and their seconds
         self.enabled = not llm.engine_config.deterministic and len(llm.replicas) == 1
         self.watch = watch or DriftWatch(BucketTables.from_config(llm.engine_config).chunk_tokens)
         self.swaps: list[Swap] = []
@@ -396,6 +414,7 @@ class Refit:
         child = self._executor.submit(ChildCompile, engine, cfg).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
         self._pending = _Compile(cfg, self.step, started, child, future)
+        self._owed = (0, 0.0)
         log.info("refit: %s; compiling chunk table %s %s", _WHY[self.watch.reason], BucketTables.from_config(cfg).chunk_tokens,
                  "in a child process" if child is not None else "in the background")
 
@@ -403,7 +422,13 @@ class Refit:
         """After a step: the compile's turn, then the swap if it is done, or the end of the refit if it failed."""
         pending = self._pending
         if not pending.done() and pending.error() is None and self.yield_share > 0:
-            pending.give(self.yield_share * seconds)
+            steps, owed = self._owed[0] + 1, self._owed[1] + seconds
+            self._owed = (steps, owed)
+            if steps >= self.yield_every:
+                pending.give(self.yield_share * owed)
+                self._owed = (0, 0.0)
+            else:
+                pending.hold()  # a child starts running: stopped until its turn
         if (error := pending.error()) is not None:
             self._abandon(error)
         elif pending.done():
@@ -430,7 +455,7 @@ class Refit:
         self.swaps.append(Swap(old, tables.chunk_tokens, pending.asked_at, self.step, len(programs), ended - pending.started, pending.started, ended,
                                time.perf_counter(), child is not None, child.cpu_s if child else 0.0, child.peak_rss if child else 0,
                                self.yield_share, pending.yield_s, pending.num_yields, tuple(child.loaded_at) if child else (),
-                               tuple(child.late_stops) if child else ()))
+                               tuple(child.late_stops) if child else (), self.yield_every, tuple(pending.turn_ends)))
         log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - pending.started)
 
     def _close_pending(self) -> None:

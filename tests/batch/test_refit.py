@@ -265,16 +265,18 @@ def _refit_job(model, cache, *, during_step=None):
 
 @pytest.mark.slow
 def test_a_refit_compiled_in_a_child_process_swaps_in_and_leaves_every_token_as_without_refit(tiny_chat_model, compile_cache):
-    from jaxinfer.batch.refit import YIELD_SHARE
+    from jaxinfer.batch.refit import YIELD_EVERY, YIELD_SHARE
 
     llm, hook, without, tokens, warm, seconds = _refit_job(tiny_chat_model, compile_cache)
     (swap,) = hook.swaps
     assert swap.old_table == (16, 32, 512) and swap.new_table != swap.old_table and swap.new_table[-1] == 512
     assert swap.compile_started < swap.compile_ended <= swap.swapped_at and swap.compile_s == swap.compile_ended - swap.compile_started
     assert swap.in_child and swap.child_cpu_s > 0 and swap.child_peak_rss > 0
-    # every step from the ask to the swap gave the compile yield_share of its seconds (the test's own waits count too)
-    assert swap.yield_share == YIELD_SHARE and swap.num_yields >= swap.swapped_at_step - swap.asked_at_step
-    assert swap.yield_s >= YIELD_SHARE * sum(seconds[swap.asked_at_step - 1 : swap.swapped_at_step - 1])
+    # every YIELD_EVERY steps from the ask to the swap gave the compile yield_share of their seconds (the test's own waits count too)
+    steps = swap.swapped_at_step - swap.asked_at_step
+    assert swap.yield_share == YIELD_SHARE and swap.yield_every == YIELD_EVERY and swap.num_yields >= steps // YIELD_EVERY
+    assert swap.yield_s >= YIELD_SHARE * sum(seconds[swap.asked_at_step - 1 : swap.asked_at_step - 1 + steps // YIELD_EVERY * YIELD_EVERY])
+    assert len(swap.turn_ends) == swap.num_yields and list(swap.turn_ends) == sorted(swap.turn_ends)
     assert llm.engine.refit_compilations == swap.num_programs > 0 and llm.engine.num_compilations == warm + swap.num_programs
     tables = BucketTables.from_config(llm.engine_config)
     assert tables.chunk_tokens == swap.new_table and llm.engine.engine_cfg == llm.engine_config
