@@ -531,6 +531,9 @@ def summarize(steps, swaps, stale_steps, alone, alone_table, wall, stale_wall) -
                            "job_ended": steps[-1].ended - first}
         out["compile_window_s"] = swap.compile_ended - swap.compile_started
         out["yield_share_of_window"] = swap.yield_s / out["compile_window_s"]
+        # each interim table (the new buckets loaded so far, used before the whole table is compiled): seconds after the compile began
+        out["interim"] = [{"at_step": step, "after_s": at - swap.compile_started, "table": list(table)} for step, at, table in swap.interim]
+        out["padding_in_window"] = padding_of([s for s in steps if s.ended <= swap.swapped_at], swap.compile_started)
     return out
 
 
@@ -561,6 +564,8 @@ def print_result(result: dict) -> None:
     if result["window_s"]:
         print(f"compile window {result['compile_window_s']:.1f} s ({result['yield_share_of_window']:.0%} of it the steps' sleep), from {result['window_s']['compile_started']:.1f} s "
               f"to {result['window_s']['compile_ended']:.1f} s; swap at {result['window_s']['swapped_at']:.1f} s; the job's last step ended at {result['window_s']['job_ended']:.1f} s")
+        for i in result["interim"]:
+            print(f"interim table {tuple(i['table'])} from step {i['at_step']}, {i['after_s']:.1f} s after the compile began")
         for side, w in result["window_after_load"].items():
             print(f"window steps {side.replace('_', ' ')}: {w['num_steps']}, median {w['p50_ratio'] or 0:.2f}x and max {w['max_ratio'] or 0:.2f}x their key's median outside, "
                   f"{w['num_over_1_5x']} over 1.5x, {w['num_over_2x']} over 2x")

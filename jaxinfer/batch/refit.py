@@ -38,10 +38,14 @@ job's own process a compile's native threads took the cores the step's threads w
 lowering held the GIL, whatever their priorities: in-window decode steps up to 8.01x their key's median (loaded, same sitting; 2.21x in the child). A child
 that fails (its exit and the tail of its stderr are logged) abandons the refit, and the job refits no more;
 its outputs are unaffected. With a mesh the programs compile in this process, in a background thread
-(`Engine.compile_programs`), with the same sleeps and no protection of the steps. Once they are all loaded it
-swaps, at one step boundary, the engine's config (which adds the programs and drops none) and then the running
-schedulers' tables and the LLM's config, so a plan made on the old tables still finds its program and every
-later plan is made on the new ones.
+(`Engine.compile_programs`), with the same sleeps and no protection of the steps. The child compiles the new
+buckets in the order that saves the most padded slots on the rows the table was fitted to (`compile_order`), and
+each new bucket is used as soon as its programs are loaded: after a turn, the old table with the new buckets ready
+so far (an interim table; every bucket of it has its programs) is swapped in, so the rows that fit a new bucket
+stop padding to the old ones before the whole table is compiled. Once every program is loaded it swaps in the
+refitted table itself. Each swap, at one step boundary, changes the engine's config (which adds the programs
+and drops none) and then the running schedulers' tables and the LLM's config, so a plan made on the old tables
+still finds its program and every later plan is made on the new ones.
 
 These are compiles after warm-up, on purpose: `Engine.refit_compilations` counts them (also in
 num_compilations), each is logged as a refit compile, and `Refit.swaps` records each swap. A refit changes
@@ -205,6 +209,19 @@ def refit_chunk_table(sizes: np.ndarray, table: tuple[int, ...], count: int | No
     return cut_table(fitted, top, reach=True)
 
 
+def compile_order(rows, table: tuple[int, ...], new_table: tuple[int, ...]) -> tuple[int, ...]:
+    """`new_table`'s buckets that `table` lacks, in the order a refit compiles them: each next the one that, added to
+    `table` and those before it, pads `rows` to the fewest token slots (the smaller on a tie). No rows: ascending."""
+    rows = np.asarray(rows, np.int64)
+    left, now, order = [b for b in new_table if b not in table], set(table), []
+    while left:
+        best = min(left, key=lambda b: (int(padded_slots(rows, tuple(sorted(now | {b}))).sum()) if rows.size else 0, b))
+        order.append(best)
+        left.remove(best)
+        now.add(best)
+    return tuple(order)
+
+
 @dataclasses.dataclass
 class DriftWatch:
     """The token counts per row of recent prefill steps, a sample of those before them, and whether they have
@@ -231,6 +248,7 @@ class DriftWatch:
         self.count = len(self.table)  # buckets of every refitted table: the plan's, whatever a fit returns
         self.strikes = 0  # judgements in a row that saw drift; `strikes_needed` of them refit (noise rarely repeats)
         self.reason: Literal["drift", "settle"] | None = None  # why the last table was proposed
+        self.proposed_rows = np.zeros(0, np.int64)  # i64[N]: the sizes the last proposal was fitted to (compile_order reads them)
         self.settle_sizes: list[int] | None = None  # rows since a drift's table was swapped in, while its settle is due
         self._clear_before()
 
@@ -290,7 +308,7 @@ class DriftWatch:
 
     def _propose(self, rows: np.ndarray, reason: Literal["drift", "settle"]) -> tuple[int, ...]:
         """The table fitted to `rows`, proposed for `reason`."""
-        self.reason = reason
+        self.reason, self.proposed_rows = reason, np.asarray(rows, np.int64)
         return refit_chunk_table(rows, self.table, self.count)
 
     def reset(self, table: tuple[int, ...]) -> None:
@@ -324,6 +342,7 @@ class Swap:
     late_stops: tuple[tuple[float, str], ...] = ()  # a child's stops that timed out: (perf_counter, the letters of its threads still not stopped)
     yield_every: int = 1  # the compile's turn came after every this many steps
     turn_ends: tuple[float, ...] = ()  # perf_counter at the end of each of the compile's turns
+    interim: tuple[tuple[int, float, tuple[int, ...]], ...] = ()  # (step, perf_counter, chunk table) of each interim table swapped in before it
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -346,6 +365,8 @@ class _Compile:
     yield_s: float = 0.0
     num_yields: int = 0
     turn_ends: list[float] = dataclasses.field(default_factory=list)  # perf_counter at the end of each turn given
+    old_table: tuple[int, ...] = ()  # the chunk table when it was asked for
+    interim: list[tuple[int, float, tuple[int, ...]]] = dataclasses.field(default_factory=list)  # (step, perf_counter, chunk table) swapped in
 
     def done(self) -> bool:
         return self.child.finished if self.child is not None else self.future.done()
@@ -411,9 +432,13 @@ class Refit:
 
     def _start(self, cfg: EngineConfig) -> None:
         engine, started = self.llm.engine, time.perf_counter()
-        child = self._executor.submit(ChildCompile, engine, cfg).result() if engine.mesh is None else None
+        order = compile_order(self.watch.proposed_rows, self.watch.table, BucketTables.from_config(cfg).chunk_tokens)
+        first = {size: i for i, size in enumerate(order)}
+        # the prefill programs of the new buckets in that order, then the others as the engine lists them (a stable sort)
+        rank = lambda key: first.get(key.num_tokens, len(first)) if not isinstance(key, int) and key.phase == "prefill" else len(first)  # noqa: E731
+        child = self._executor.submit(ChildCompile, engine, cfg, rank).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
-        self._pending = _Compile(cfg, self.step, started, child, future)
+        self._pending = _Compile(cfg, self.step, started, child, future, old_table=BucketTables.from_config(self.llm.engine_config).chunk_tokens)
         self._owed = (0, 0.0)
         log.info("refit: %s; compiling chunk table %s %s", _WHY[self.watch.reason], BucketTables.from_config(cfg).chunk_tokens,
                  "in a child process" if child is not None else "in the background")
@@ -427,6 +452,8 @@ class Refit:
             if steps >= self.yield_every:
                 pending.give(self.yield_share * owed)
                 self._owed = (0, 0.0)
+                if not pending.done() and pending.error() is None:
+                    self._use_loaded()
             else:
                 pending.hold()  # a child starts running: stopped until its turn
         if (error := pending.error()) is not None:
@@ -440,22 +467,41 @@ class Refit:
         self._close_pending()
         self.enabled = False
 
-    def _swap(self) -> None:
+    def _use_loaded(self) -> None:
+        """While a child compiles: the table in use with every new bucket whose programs it has all sent, if that
+        adds one (an interim table, its other buckets the old table's, compiled at warm-up or by an earlier refit)."""
+        pending = self._pending
+        child, now = pending.child, BucketTables.from_config(self.llm.engine_config).chunk_tokens
+        if child is None:
+            return
+        waiting = {key.num_tokens for key in child.keys if not isinstance(key, int) and key.phase == "prefill" and key not in child.programs}
+        ready = [size for size in BucketTables.from_config(pending.cfg).chunk_tokens if size not in now and size not in waiting]
+        if ready:
+            cfg = with_chunk_table(self.llm.engine_config, tuple(sorted({*now, *ready})))
+            self._use(cfg, child.programs)
+            pending.interim.append((self.step, time.perf_counter(), BucketTables.from_config(cfg).chunk_tokens))
+            log.info("refit: interim chunk table %s at step %d (%d of %d programs loaded)", pending.interim[-1][2], self.step, len(child.programs), len(child.keys))
+
+    def _use(self, cfg: EngineConfig, programs: dict) -> None:
         """Between two steps: the engine first (it gains the programs), then the schedulers and the LLM's config."""
-        pending, child = self._pending, self._pending.child
-        programs, ended = (child.programs, child.finished_at) if child is not None else pending.future.result()
-        self._close_pending()
-        cfg, old = pending.cfg, BucketTables.from_config(self.llm.engine_config).chunk_tokens
         self.llm.engine.use_config(cfg, programs)
-        tables = BucketTables.from_config(cfg)
         for scheduler in getattr(getattr(self.llm, "stream_run", None), "schedulers", []):
             scheduler.use_config(cfg)
         self.llm.engine_config = cfg
+
+    def _swap(self) -> None:
+        """The refitted table swapped in, every program loaded; the watch starts over on it."""
+        pending, child = self._pending, self._pending.child
+        programs, ended = (child.programs, child.finished_at) if child is not None else pending.future.result()
+        self._close_pending()
+        old = pending.old_table
+        self._use(pending.cfg, programs)
+        tables = BucketTables.from_config(pending.cfg)
         self.watch.reset(tables.chunk_tokens)
         self.swaps.append(Swap(old, tables.chunk_tokens, pending.asked_at, self.step, len(programs), ended - pending.started, pending.started, ended,
                                time.perf_counter(), child is not None, child.cpu_s if child else 0.0, child.peak_rss if child else 0,
                                self.yield_share, pending.yield_s, pending.num_yields, tuple(child.loaded_at) if child else (),
-                               tuple(child.late_stops) if child else (), self.yield_every, tuple(pending.turn_ends)))
+                               tuple(child.late_stops) if child else (), self.yield_every, tuple(pending.turn_ends), tuple(pending.interim)))
         log.info("refit: chunk table %s -> %s swapped in at step %d (%d programs compiled after warm-up in %.1f s)", old, tables.chunk_tokens, self.step, len(programs), ended - pending.started)
 
     def _close_pending(self) -> None:
@@ -470,18 +516,23 @@ class Refit:
         self._executor.shutdown(wait=True)
 
     def unfinished(self) -> dict | None:
-        """The refit under way (asked for, not swapped in): the step it was asked at and the time given to it; None if none."""
+        """The refit under way (asked for, not swapped in): the step it was asked at, the time given to it and its
+        interim tables so far; None if none."""
         if self._pending is None:
             return None
-        return {"asked_at_step": self._pending.asked_at, "at_step": self.step, "yield_s": self._pending.yield_s, "num_yields": self._pending.num_yields}
+        return {"asked_at_step": self._pending.asked_at, "at_step": self.step, "yield_s": self._pending.yield_s, "num_yields": self._pending.num_yields,
+                "interim": list(self._pending.interim)}
 
     def report(self) -> str:
         """One line per swap, and one for a refit asked for but not swapped in (its compile outlasted the job), for the job's end."""
         lines = [f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
                  f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, "
                  + (f"in a child process stopped while the job stepped ({s.child_cpu_s:.1f} s CPU, peak {s.child_peak_rss / 2**20:.0f} MiB)" if s.in_child else "in the background")
+                 + (f"; new buckets used as they loaded from step {s.interim[0][0]} ({len(s.interim)} interim tables)" if s.interim else "")
                  for s in self.swaps]
-        if self._pending is not None:
-            lines.append(f"refit: {_WHY[self.watch.reason]} at step {self._pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
-                         f"the job's last (the steps gave it {self._pending.yield_s:.1f} s after {self._pending.num_yields}), and were not used")
+        if (pending := self._pending) is not None:
+            used = (f"; the buckets loaded were used from step {pending.interim[0][0]} (the table at the end: {pending.interim[-1][2]})" if pending.interim
+                    else ", and were not used")
+            lines.append(f"refit: {_WHY[self.watch.reason]} at step {pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
+                         f"the job's last (the steps gave it {pending.yield_s:.1f} s after {pending.num_yields})" + used)
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"

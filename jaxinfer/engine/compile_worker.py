@@ -128,12 +128,15 @@ def thread_states(pid: int, tids: list[str] | None = None) -> dict[str, str]:
 
 
 class ChildCompile:
-    """The parent's side of one child compile of the programs `engine` lacks for `engine_cfg`. `work(seconds)` lets
-    it run and loads what it sent; `pause()` stops it. `programs` ({key: compiled}) once `finished`; `error` (a
-    message) if it failed."""
+    """The parent's side of one child compile of the programs `engine` lacks for `engine_cfg`, in the order of
+    `sort_key` over the keys (a stable sort; None: the engine's order). `work(seconds)` lets it run and loads what
+    it sent; `pause()` stops it. `programs` ({key: compiled}, growing as they load) in full once `finished`; `error`
+    (a message) if it failed."""
 
-    def __init__(self, engine, engine_cfg):
+    def __init__(self, engine, engine_cfg, sort_key=None):
         req = engine.compile_request(engine_cfg)
+        if sort_key is not None:
+            req["keys"] = sorted(req["keys"], key=sort_key)
         self.engine, self.keys = engine, list(req["keys"])
         self.programs: dict = {}
         self.cpu_s = 0.0  # the child's CPU seconds compiling (all its threads)

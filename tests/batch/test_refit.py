@@ -325,3 +325,60 @@ def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
         count, multiple = int(rng.integers(1, 12)), int(rng.choice([1, 16]))
         assert fit_table(sizes, count, multiple_of=multiple) == fit_buckets(sizes, count, multiple_of=multiple)
     assert fit_table([10, 10, 30, 80], 2) == (30, 80)  # by hand: {10, 10, 30} to 30 and {80}: 170 slots; {10, 10} and {30, 80}: 180
+
+
+def test_a_refit_compiles_first_the_new_bucket_that_saves_the_most_slots():
+    from jaxinfer.batch.refit import compile_order
+
+    rows = [100] * 10 + [200] * 2
+    # on (16, 32, 512): 112 alone pads the rows to 10 x 112 + 2 x 512 = 2,144 slots, 208 alone to 10 x 208 + 2 x 208 = 2,496
+    assert compile_order(rows, (16, 32, 512), (112, 208, 512)) == (112, 208)
+    rows = [100] * 2 + [200] * 10  # 112 alone: 224 + 5,120; 208 alone: 416 + 2,080
+    assert compile_order(rows, (16, 32, 512), (112, 208, 512)) == (208, 112)
+    assert compile_order([], (16, 32, 512), (208, 112, 512)) == (112, 208)  # no rows: ascending
+    assert compile_order(rows, (16, 112, 512), (112, 512)) == ()  # nothing new
+
+
+@pytest.mark.slow
+def test_each_new_bucket_is_used_as_soon_as_its_programs_are_loaded(tiny_chat_model, compile_cache):
+    """The compile's turns are given by hand, a few milliseconds each, so that its programs load one turn after
+    another: the first interim table is the old one with the bucket compile_order puts first, every table in use
+    has all its programs, a stream runs on it, and every token is as without refit."""
+    from jaxinfer.api import LLM
+    from jaxinfer.batch.refit import Refit, compile_order
+
+    llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
+              prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # as _refit_job
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [llm.prepare("word " * (4 if i < 4 else 150 - 9 * (i % 4)), params, index=i) for i in range(16)]
+    without = [o.token_ids for o in llm.stream(prompts)]
+    plans = []
+    # no turn during the steps (a turn after 10**6 steps): the child is held stopped, and the turns below are all it gets
+    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2, alpha=0.05), yield_every=10**6, chain=lambda plan, tokens, s: plans.append(plan))
+    tokens = [o.token_ids for o in llm.stream(prompts[:8], on_step=hook)]
+    pending = hook._pending
+    assert pending is not None and pending.child is not None
+    new = BucketTables.from_config(pending.cfg).chunk_tokens
+    order = compile_order(hook.watch.proposed_rows, (16, 32, 512), new)
+    assert len(order) >= 2, f"the test needs a table with two new buckets, got {new}"
+    complete = []
+    while not pending.interim and not pending.done():
+        pending.give(0.002)
+        hook._use_loaded()
+        complete.append(set(BucketTables.from_config(llm.engine_config).all_keys()) <= set(llm.engine._programs))
+    assert pending.interim and not pending.done(), "the first new bucket's programs and the last's loaded in one turn"
+    assert pending.interim[0][2] == tuple(sorted({16, 32, 512, order[0]}))
+    start = len(plans)
+    tokens += [o.token_ids for o in llm.stream(prompts[8:12], on_step=hook)]  # on the interim table, the child held stopped
+    assert any(p.phase == "prefill" and p.bucket.num_tokens == order[0] for p in plans[start:])
+    while not pending.done() and pending.error() is None:
+        pending.give(0.002)
+        hook._use_loaded()
+        complete.append(set(BucketTables.from_config(llm.engine_config).all_keys()) <= set(llm.engine._programs))
+    tokens += [o.token_ids for o in llm.stream(prompts[12:], on_step=hook)]  # its first step swaps the refitted table in
+    hook.close()
+    assert all(complete) and len(complete) > 2
+    (swap,) = hook.swaps
+    assert swap.old_table == (16, 32, 512) and swap.new_table == new and swap.interim == tuple(pending.interim)
+    assert BucketTables.from_config(llm.engine_config).chunk_tokens == new and "interim tables" in hook.report()
+    assert tokens == without
