@@ -35,15 +35,17 @@ back serialized and `Engine.load_program` loads them here). The child runs only 
 every YIELD_EVERY steps the stepping thread lets it run (SIGCONT) for YIELD_SHARE of their seconds, loading what it
 sent meanwhile, and stops it (SIGSTOP) before returning, so every step runs with the cores to itself. In the
 job's own process a compile's native threads took the cores the step's threads wait for at a barrier, and its
-lowering held the GIL, whatever their priorities: in-window decode steps up to 8.01x their key's median (loaded, same sitting; 2.21x in the child). A child
-that fails (its exit and the tail of its stderr are logged) abandons the refit, and the job refits no more;
-its outputs are unaffected. With a mesh the programs compile in this process, in a background thread
-(`Engine.compile_programs`), with the same sleeps and no protection of the steps. The child compiles the new
-buckets in the order that saves the most padded slots on the rows the table was fitted to (`compile_order`), and
-each new bucket is used as soon as its programs are loaded: after a turn, the old table with the new buckets ready
-so far (an interim table; every bucket of it has its programs) is swapped in, so the rows that fit a new bucket
-stop padding to the old ones before the whole table is compiled. Once every program is loaded it swaps in the
-refitted table itself. Each swap, at one step boundary, changes the engine's config (which adds the programs
+lowering held the GIL, whatever their priorities: in-window decode steps up to 8.01x their key's median (loaded, same sitting; 2.21x in the child). The child
+compiles the new buckets in the order that saves the most padded slots per program on the rows the table was
+fitted to (`compile_order`), and each new bucket is used as soon as its programs are loaded: after a turn (and at
+the start, for buckets the engine has already), the old table with the new buckets ready so far (an interim
+table; every bucket of it has its programs) is swapped in, so the rows that fit a new bucket stop padding to the
+old ones before the whole table is compiled. Once every program is loaded it swaps in the refitted table itself.
+A child that fails (its exit and the tail of its stderr are logged) abandons the refit (`Refit.abandoned`), and
+the job refits no more, on the table in use then; its outputs are unaffected. An interim table still in use at
+the job's end gives way to the table before it (`close`). With a mesh the programs compile in this process, in a
+background thread (`Engine.compile_programs`), with the same sleeps and no protection of the steps, and the whole
+table is swapped in at once. Each swap, at one step boundary, changes the engine's config (which adds the programs
 and drops none) and then the running schedulers' tables and the LLM's config, so a plan made on the old tables
 still finds its program and every later plan is made on the new ones.
 
@@ -54,6 +56,7 @@ refits.
 Only one replica (data_parallel 1) is refitted. Host code only (numpy); never imports jaxinfer.bucketing.
 """
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -209,13 +212,16 @@ def refit_chunk_table(sizes: np.ndarray, table: tuple[int, ...], count: int | No
     return cut_table(fitted, top, reach=True)
 
 
-def compile_order(rows, table: tuple[int, ...], new_table: tuple[int, ...]) -> tuple[int, ...]:
+def compile_order(rows, table: tuple[int, ...], new_table: tuple[int, ...], programs: dict[int, int] | None = None) -> tuple[int, ...]:
     """`new_table`'s buckets that `table` lacks, in the order a refit compiles them: each next the one that, added to
-    `table` and those before it, pads `rows` to the fewest token slots (the smaller on a tie). No rows: ascending."""
-    rows = np.asarray(rows, np.int64)
+    `table` and those before it, saves the most token slots on `rows` per program it needs (`programs`: bucket ->
+    programs to compile; None or a bucket missing: 1), the smaller on a tie. No rows: ascending."""
+    rows, programs = np.asarray(rows, np.int64), programs or {}
     left, now, order = [b for b in new_table if b not in table], set(table), []
+    slots = lambda buckets: int(padded_slots(rows, tuple(sorted(buckets))).sum()) if rows.size else 0  # noqa: E731
     while left:
-        best = min(left, key=lambda b: (int(padded_slots(rows, tuple(sorted(now | {b}))).sum()) if rows.size else 0, b))
+        base = slots(now)
+        best = max(left, key=lambda b: ((base - slots(now | {b})) / max(1, programs.get(b, 1)), -b))
         order.append(best)
         left.remove(best)
         now.add(best)
@@ -345,6 +351,21 @@ class Swap:
     interim: tuple[tuple[int, float, tuple[int, ...]], ...] = ()  # (step, perf_counter, chunk table) of each interim table swapped in before it
 
 
+@dataclasses.dataclass(frozen=True)
+class Abandoned:
+    """A refit whose compile failed: the job kept the table in use then (the last interim one, if any) until its end."""
+
+    old_table: tuple[int, ...]
+    new_table: tuple[int, ...]
+    asked_at_step: int
+    failed_at_step: int
+    num_loaded: int  # programs the child sent and this process loaded
+    num_programs: int  # programs it had to compile
+    kept_table: tuple[int, ...]  # the table the job ran on after the failure
+    interim: tuple[tuple[int, float, tuple[int, ...]], ...]  # as Swap.interim
+    error: str
+
+
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
     """`cfg` with this chunk table and its other two tables as they are now (given explicitly)."""
     tables = BucketTables.from_config(cfg)
@@ -411,6 +432,8 @@ class Refit:
         self.enabled = not llm.engine_config.deterministic and len(llm.replicas) == 1
         self.watch = watch or DriftWatch(BucketTables.from_config(llm.engine_config).chunk_tokens)
         self.swaps: list[Swap] = []
+        self.abandoned: list[Abandoned] = []
+        self._restore: tuple[int, ...] | None = None  # the table before an interim one still in use (close() puts it back)
         self.step = 0
         # Starts each child (it dies with the thread that started it: this one lives as long as the Refit), or
         # compiles a mesh's programs.
@@ -432,16 +455,20 @@ class Refit:
 
     def _start(self, cfg: EngineConfig) -> None:
         engine, started = self.llm.engine, time.perf_counter()
-        order = compile_order(self.watch.proposed_rows, self.watch.table, BucketTables.from_config(cfg).chunk_tokens)
+        missing = collections.Counter(key.num_tokens for key in engine.missing_programs(cfg) if not isinstance(key, int) and key.phase == "prefill")
+        old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
+        new = BucketTables.from_config(cfg).chunk_tokens
+        have = tuple(size for size in new if not missing[size])  # compiled already (warm-up, an earlier refit): free to use now
+        order = compile_order(self.watch.proposed_rows, tuple(sorted({*old, *have})), new, dict(missing))
         first = {size: i for i, size in enumerate(order)}
         # the prefill programs of the new buckets in that order, then the others as the engine lists them (a stable sort)
         rank = lambda key: first.get(key.num_tokens, len(first)) if not isinstance(key, int) and key.phase == "prefill" else len(first)  # noqa: E731
         child = self._executor.submit(ChildCompile, engine, cfg, rank).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
-        self._pending = _Compile(cfg, self.step, started, child, future, old_table=BucketTables.from_config(self.llm.engine_config).chunk_tokens)
+        self._pending = _Compile(cfg, self.step, started, child, future, old_table=old)
         self._owed = (0, 0.0)
-        log.info("refit: %s; compiling chunk table %s %s", _WHY[self.watch.reason], BucketTables.from_config(cfg).chunk_tokens,
-                 "in a child process" if child is not None else "in the background")
+        log.info("refit: %s; compiling chunk table %s %s", _WHY[self.watch.reason], new, "in a child process" if child is not None else "in the background")
+        self._use_loaded()  # the new buckets the engine has already, at once
 
     def _advance(self, seconds: float) -> None:
         """After a step: the compile's turn, then the swap if it is done, or the end of the refit if it failed."""
@@ -462,8 +489,11 @@ class Refit:
             self._swap()
 
     def _abandon(self, error: str) -> None:
-        log.warning("refit: the compile of chunk table %s failed; the job keeps %s and refits no more: %s",
-                    BucketTables.from_config(self._pending.cfg).chunk_tokens, BucketTables.from_config(self.llm.engine_config).chunk_tokens, error)
+        pending, kept = self._pending, BucketTables.from_config(self.llm.engine_config).chunk_tokens
+        new = BucketTables.from_config(pending.cfg).chunk_tokens
+        loaded, needed = (len(pending.child.programs), len(pending.child.keys)) if pending.child is not None else (0, 0)
+        self.abandoned.append(Abandoned(pending.old_table, new, pending.asked_at, self.step, loaded, needed, kept, tuple(pending.interim), error))
+        log.warning("refit: the compile of chunk table %s failed; the job keeps %s and refits no more: %s", new, kept, error)
         self._close_pending()
         self.enabled = False
 
@@ -479,6 +509,8 @@ class Refit:
         if ready:
             cfg = with_chunk_table(self.llm.engine_config, tuple(sorted({*now, *ready})))
             self._use(cfg, child.programs)
+            if self._restore is None:
+                self._restore = pending.old_table
             pending.interim.append((self.step, time.perf_counter(), BucketTables.from_config(cfg).chunk_tokens))
             log.info("refit: interim chunk table %s at step %d (%d of %d programs loaded)", pending.interim[-1][2], self.step, len(child.programs), len(child.keys))
 
@@ -494,7 +526,7 @@ class Refit:
         pending, child = self._pending, self._pending.child
         programs, ended = (child.programs, child.finished_at) if child is not None else pending.future.result()
         self._close_pending()
-        old = pending.old_table
+        old, self._restore = pending.old_table, None
         self._use(pending.cfg, programs)
         tables = BucketTables.from_config(pending.cfg)
         self.watch.reset(tables.chunk_tokens)
@@ -510,10 +542,16 @@ class Refit:
         self._pending = None
 
     def close(self) -> None:
-        """Kill a child still compiling (its programs are not used); wait for a mesh's compile thread and stop it."""
+        """The job's end: kill a child still compiling (its programs are not used); wait for a mesh's compile thread
+        and stop it; an interim table still in use (the refit unfinished or failed) gives way to the table before it,
+        so the LLM leaves the job on the table it was planned with."""
         if self._pending is not None and self._pending.child is not None:
             self._pending.child.close()
         self._executor.shutdown(wait=True)
+        if self._restore is not None:
+            self._use(with_chunk_table(self.llm.engine_config, self._restore), {})
+            log.info("refit: chunk table %s restored at the job's end (the refit did not finish)", self._restore)
+            self._restore = None
 
     def unfinished(self) -> dict | None:
         """The refit under way (asked for, not swapped in): the step it was asked at, the time given to it and its
@@ -524,15 +562,21 @@ class Refit:
                 "interim": list(self._pending.interim)}
 
     def report(self) -> str:
-        """One line per swap, and one for a refit asked for but not swapped in (its compile outlasted the job), for the job's end."""
+        """One line per swap, per failed compile, and for a refit asked for but not swapped in (its compile outlasted
+        the job), for the job's end."""
         lines = [f"refit: chunk table {s.old_table} -> {s.new_table} at step {s.swapped_at_step} (asked at {s.asked_at_step}); "
                  f"{s.num_programs} programs compiled after warm-up in {s.compile_s:.1f} s, "
                  + (f"in a child process stopped while the job stepped ({s.child_cpu_s:.1f} s CPU, peak {s.child_peak_rss / 2**20:.0f} MiB)" if s.in_child else "in the background")
                  + (f"; new buckets used as they loaded from step {s.interim[0][0]} ({len(s.interim)} interim tables)" if s.interim else "")
                  for s in self.swaps]
+        lines += [f"refit: the compile of chunk table {a.new_table} (asked at step {a.asked_at_step}) failed at step {a.failed_at_step} after "
+                  f"{a.num_loaded} of {a.num_programs} programs; the job kept {a.kept_table}"
+                  + (f" (the old table with the new buckets loaded, from step {a.interim[-1][0]}; {a.old_table} put back at the end)" if a.interim else "")
+                  + f": {a.error.splitlines()[0]}"
+                  for a in self.abandoned]
         if (pending := self._pending) is not None:
-            used = (f"; the buckets loaded were used from step {pending.interim[0][0]} (the table at the end: {pending.interim[-1][2]})" if pending.interim
-                    else ", and were not used")
+            used = (f"; the buckets loaded were used from step {pending.interim[0][0]} (last {pending.interim[-1][2]}), and {pending.old_table} put back at the end"
+                    if pending.interim else ", and were not used")
             lines.append(f"refit: {_WHY[self.watch.reason]} at step {pending.asked_at}; the refitted programs were still compiling at step {self.step}, "
                          f"the job's last (the steps gave it {pending.yield_s:.1f} s after {pending.num_yields})" + used)
         return "\n".join(lines) or "refit: no drift, no program compiled after warm-up"

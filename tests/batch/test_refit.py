@@ -327,50 +327,64 @@ def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
     assert fit_table([10, 10, 30, 80], 2) == (30, 80)  # by hand: {10, 10, 30} to 30 and {80}: 170 slots; {10, 10} and {30, 80}: 180
 
 
-def test_a_refit_compiles_first_the_new_bucket_that_saves_the_most_slots():
+def test_a_refit_compiles_first_the_new_bucket_that_saves_the_most_slots_per_program():
     from jaxinfer.batch.refit import compile_order
 
     rows = [100] * 10 + [200] * 2
-    # on (16, 32, 512): 112 alone pads the rows to 10 x 112 + 2 x 512 = 2,144 slots, 208 alone to 10 x 208 + 2 x 208 = 2,496
+    # on (16, 32, 512) the rows take 12 x 512 = 6,144 slots; 112 added saves 6,144 - (10 x 112 + 2 x 512) = 4,000,
+    # 208 added 6,144 - (10 x 208 + 2 x 208) = 3,648
     assert compile_order(rows, (16, 32, 512), (112, 208, 512)) == (112, 208)
-    rows = [100] * 2 + [200] * 10  # 112 alone: 224 + 5,120; 208 alone: 416 + 2,080
+    assert compile_order(rows, (16, 32, 512), (112, 208, 512), {112: 2, 208: 1}) == (208, 112)  # 2,000 a program against 3,648
+    rows = [100] * 2 + [200] * 10  # 112 saves 6,144 - (224 + 5,120); 208 saves 6,144 - (416 + 2,080)
     assert compile_order(rows, (16, 32, 512), (112, 208, 512)) == (208, 112)
     assert compile_order([], (16, 32, 512), (208, 112, 512)) == (112, 208)  # no rows: ascending
     assert compile_order(rows, (16, 112, 512), (112, 512)) == ()  # nothing new
 
 
-@pytest.mark.slow
-def test_each_new_bucket_is_used_as_soon_as_its_programs_are_loaded(tiny_chat_model, compile_cache):
-    """The compile's turns are given by hand, a few milliseconds each, so that its programs load one turn after
-    another: the first interim table is the old one with the bucket compile_order puts first, every table in use
-    has all its programs, a stream runs on it, and every token is as without refit."""
+def _interim_job(model, cache):
+    """As _refit_job, with no turn during the steps (a turn after 10**6 steps: the child is held stopped): the first 8
+    prompts see the drift, then turns of 2 ms are given by hand, so that the programs load one turn after another,
+    until the first interim table is in use; the next 4 prompts run on it. Returns (llm, hook, the compile,
+    prompts, tokens without refit, tokens so far, the plans on the interim table, whether each table in use had all
+    its programs)."""
     from jaxinfer.api import LLM
-    from jaxinfer.batch.refit import Refit, compile_order
+    from jaxinfer.batch.refit import Refit
 
-    llm = LLM(str(tiny_chat_model), compilation_cache_dir=compile_cache, num_pages=96, max_num_seqs=1, max_context=512,
+    llm = LLM(str(model), compilation_cache_dir=cache, num_pages=96, max_num_seqs=1, max_context=512,
               prefill_chunk_buckets=(16, 32, 512), enable_prefix_caching=False)  # as _refit_job
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [llm.prepare("word " * (4 if i < 4 else 150 - 9 * (i % 4)), params, index=i) for i in range(16)]
     without = [o.token_ids for o in llm.stream(prompts)]
-    plans = []
-    # no turn during the steps (a turn after 10**6 steps): the child is held stopped, and the turns below are all it gets
+    plans, complete = [], []
     hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2, alpha=0.05), yield_every=10**6, chain=lambda plan, tokens, s: plans.append(plan))
     tokens = [o.token_ids for o in llm.stream(prompts[:8], on_step=hook)]
     pending = hook._pending
     assert pending is not None and pending.child is not None
-    new = BucketTables.from_config(pending.cfg).chunk_tokens
-    order = compile_order(hook.watch.proposed_rows, (16, 32, 512), new)
-    assert len(order) >= 2, f"the test needs a table with two new buckets, got {new}"
-    complete = []
     while not pending.interim and not pending.done():
         pending.give(0.002)
         hook._use_loaded()
         complete.append(set(BucketTables.from_config(llm.engine_config).all_keys()) <= set(llm.engine._programs))
     assert pending.interim and not pending.done(), "the first new bucket's programs and the last's loaded in one turn"
-    assert pending.interim[0][2] == tuple(sorted({16, 32, 512, order[0]}))
     start = len(plans)
     tokens += [o.token_ids for o in llm.stream(prompts[8:12], on_step=hook)]  # on the interim table, the child held stopped
-    assert any(p.phase == "prefill" and p.bucket.num_tokens == order[0] for p in plans[start:])
+    return llm, hook, pending, prompts, without, tokens, plans[start:], complete
+
+
+@pytest.mark.slow
+def test_each_new_bucket_is_used_as_soon_as_its_programs_are_loaded(tiny_chat_model, compile_cache):
+    """The first interim table is the old one with the bucket compile_order puts first, every table in use has all its
+    programs, a stream runs on it, and every token is as without refit."""
+    from jaxinfer.batch.refit import compile_order
+
+    llm, hook, pending, prompts, without, tokens, plans, complete = _interim_job(tiny_chat_model, compile_cache)
+    new = BucketTables.from_config(pending.cfg).chunk_tokens
+    prefill = [k for k in pending.child.keys if not isinstance(k, int) and k.phase == "prefill"]
+    counts = {size: sum(k.num_tokens == size for k in prefill) for size in new}
+    order = compile_order(hook.watch.proposed_rows, (16, 32, 512), new, counts)
+    assert len(order) >= 2, f"the test needs a table with two new buckets, got {new}"
+    assert prefill[0].num_tokens == order[0]  # compiled first
+    assert pending.interim[0][2] == tuple(sorted({16, 32, 512, order[0]}))
+    assert any(p.phase == "prefill" and p.bucket.num_tokens == order[0] for p in plans)  # the stream on the interim table used it
     while not pending.done() and pending.error() is None:
         pending.give(0.002)
         hook._use_loaded()
@@ -382,3 +396,30 @@ def test_each_new_bucket_is_used_as_soon_as_its_programs_are_loaded(tiny_chat_mo
     assert swap.old_table == (16, 32, 512) and swap.new_table == new and swap.interim == tuple(pending.interim)
     assert BucketTables.from_config(llm.engine_config).chunk_tokens == new and "interim tables" in hook.report()
     assert tokens == without
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["the compile fails", "the job ends first"])
+def test_a_refit_that_does_not_finish_after_an_interim_table_says_so_and_puts_the_old_table_back(tiny_chat_model, compile_cache, end):
+    import os
+    import signal
+
+    llm, hook, pending, prompts, without, tokens, _, complete = _interim_job(tiny_chat_model, compile_cache)
+    interim = pending.interim[-1][2]
+    if end == "the compile fails":
+        os.kill(pending.child.proc.pid, signal.SIGKILL)
+        pending.give(0.05)  # reads the end of its output
+        tokens += [o.token_ids for o in llm.stream(prompts[12:], on_step=hook)]  # the first step's hook abandons the refit
+        (abandoned,) = hook.abandoned
+        assert abandoned.kept_table == interim and abandoned.interim == tuple(pending.interim) and not hook.enabled
+        assert BucketTables.from_config(llm.engine_config).chunk_tokens == interim  # the rest of the job ran on it
+    else:
+        tokens += [o.token_ids for o in llm.stream(prompts[12:])]
+    hook.close()
+    report = hook.report()
+    assert "(16, 32, 512) put back at the end" in report and "no drift" not in report
+    assert ("failed" in report and "killed by signal 9" in report) if end == "the compile fails" else "still compiling" in report
+    tables = BucketTables.from_config(llm.engine_config)
+    assert tables.chunk_tokens == (16, 32, 512) and llm.engine.engine_cfg == llm.engine_config
+    assert all(s.tables == tables for s in llm.stream_run.schedulers)
+    assert not hook.swaps and all(complete) and tokens == without
