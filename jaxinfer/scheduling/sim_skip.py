@@ -42,8 +42,8 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
     running, policy = scheduler.running, scheduler.policy
     if not running or type(policy).observe is not SchedulingPolicy.observe:
         return None  # a policy that learns from every step (adaptive budgets, EDF's rate) may decide otherwise at each
-    if any(p.phase != "decode" for p in plans) or sum(len(p.request_ids) for p in plans) != len(running):
-        return None
+    if any(p.phase != "decode" for p in plans) or sorted([i for p in plans for i in p.request_ids]) != sorted([r.request_id for r in running]):
+        return None  # the last iteration's rows are the running requests (none finished or was admitted since)
     width = policy.decode_width()
     if scheduler.waiting and len(running) < width:
         return None
@@ -55,15 +55,33 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
         generated = len(r.output_ids)
         total = len(r.prompt_ids) + generated
         computed = r.num_computed_tokens
-        if r.status != running_status or computed != total - 1:
+        if r.status != running_status or computed != total - 1 or not generated:  # decoding (Scheduler._in_decode): its newest token is an output
             return None
         finish = min(finish, r.params.max_tokens - generated, max_context - total)
         if tops[pages] - computed < other:
             other = tops[pages] - computed
         tokens.append(total)
     if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
-        other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
+        other = _before_arrival(run, plans, min(finish, other))
     return int(finish) - 1, int(other), tokens
+
+
+def _before_arrival(run, plans, limit: int) -> int:
+    """The iterations of `plans` from now that start before the next arrival (at most `limit`): iteration j starts
+    at the clock after j - 1 of them, added plan by plan as the run loop adds them (an arrival at or before an
+    iteration's start is admitted at it: _Run._arrive)."""
+    if limit < 1:
+        return limit
+    arrival, now = run.timed[-1][0], run.clock.now
+    seconds = [run.step_seconds(p) for p in plans]
+    started = 1  # the first starts now, before the arrival (every arrival due was submitted)
+    while started < limit:
+        for s in seconds:
+            now += s
+        if now >= arrival:
+            break
+        started += 1
+    return started
 
 
 def repeats(run, plans) -> int:
@@ -71,10 +89,6 @@ def repeats(run, plans) -> int:
     when not known to."""
     known = bounds(run, plans)
     return max(0, min(known)) if known else 0
-
-
-def _iteration_seconds(run, plans) -> float:
-    return sum([run.step_seconds(p) for p in plans])
 
 
 def _new_pages(page_size: int, tokens: list[int], held: list[int], k: int) -> list[int]:
@@ -133,7 +147,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
     finish = lazy.min_finish() - ticks  # min over rows of min(max_tokens - generated, max_context - total)
     other = lazy.min_top() - ticks + 1  # min over rows of (tokens its page bucket holds - computed)
     if run.timed and len(running) < width:
-        other = min(other, math.floor((run.timed[-1][0] - run.clock.now) / _iteration_seconds(run, plans)))
+        other = _before_arrival(run, plans, min(finish, other))
     return finish - 1, other
 
 
@@ -207,8 +221,11 @@ def _apply(run, plans, k: int) -> None:
     stats.num_steps += k * len(plans)
     stats.real_tokens += k * real
     stats.padded_tokens += k * padded
-    run.clock.advance(k * _iteration_seconds(run, plans))
-    run.last_step = run.clock.now
+    seconds, now = [run.step_seconds(p) for p in plans], run.clock.now
+    for _ in range(k):  # plan by plan, as the run loop adds them: k * their sum rounds otherwise
+        for s in seconds:
+            now += s
+    run.clock.now = run.last_step = now
 
 
 def _apply_last(run, plans) -> None:

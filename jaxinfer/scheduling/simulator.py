@@ -90,7 +90,7 @@ class SimResult:
         pct = lambda values, q: round(float(np.nanpercentile(values, q)), 6) if np.isfinite(values).any() else None  # noqa: E731
         return {
             "wall_s": round(self.wall_s, 6), "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
-            "tpot_p50_s": pct(self.tpot_s, 50), "queue_p50_s": pct(self.queue_s, 50), "padding": round(self.padding, 6),
+            "tpot_p50_s": pct(self.tpot_s[np.isfinite(self.ttft_s)], 50), "queue_p50_s": pct(self.queue_s, 50), "padding": round(self.padding, 6),
             "num_requests": int(self.ttft_s.size), "num_steps": self.num_steps, "num_preemptions": self.num_preemptions,
             "peak_kv_utilization": round(self.peak_kv_utilization, 6), "mean_kv_utilization": round(self.mean_kv_utilization, 6),
             "output_tokens_per_s": round(self.generated_tokens / self.wall_s, 3) if self.wall_s > 0 else None,
@@ -213,8 +213,9 @@ class _Run:
         iterations that must repeat the last one, after whose finishes the same again."""
         self._arrive()
         plans, self.plans = self.plans, []
-        if self.fast_forward and plans and skip.fast_forward(self, plans):
-            self._arrive()
+        if self.fast_forward and plans:
+            skip.fast_forward(self, plans)
+            self._arrive()  # what arrived during the iterations it applied, and the places its finishes freed
 
     def _arrive(self) -> None:
         now = self.clock.now
@@ -376,8 +377,11 @@ def simulate(
     started = time.perf_counter()
     requests = list(requests)
     for i, r in enumerate(requests):
-        if r.prompt_tokens < 1 or r.output_tokens < 1 or (r.arrival_s is not None and not r.arrival_s >= 0):  # a generation samples a token at least
-            raise ValueError(f"request {i}: needs prompt_tokens >= 1, output_tokens >= 1 and arrival_s >= 0 or None, got {r}")
+        if (problem := _problem(r)) is not None:
+            raise ValueError(f"request {i}: {problem}, got {r}")
+    for name, value in (("num_pages", num_pages), ("max_inflight", max_inflight)):
+        if value is not None and not (_is_int(value) and value >= 1):
+            raise ValueError(f"simulate: {name} must be an integer >= 1 or None, got {value!r}")
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
     run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
@@ -388,6 +392,24 @@ def simulate(
     finally:
         if collecting:
             gc.enable()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _problem(r: SimRequest) -> str | None:
+    """What is wrong with a request to simulate, or None: counts are integers (a generation samples a token at
+    least), an arrival is finite and >= 0 or None, a deadline finite and > 0 or None (as Prompt's)."""
+    if not (_is_int(r.prompt_tokens) and r.prompt_tokens >= 1 and _is_int(r.output_tokens) and r.output_tokens >= 1):
+        return "prompt_tokens and output_tokens must be integers >= 1"
+    if not (_is_int(r.shared_prefix) and r.shared_prefix >= 0) or not _is_int(r.priority):
+        return "shared_prefix must be an integer >= 0 and priority an integer"
+    if r.arrival_s is not None and not (isinstance(r.arrival_s, (int, float, np.number)) and 0 <= r.arrival_s < math.inf):
+        return "arrival_s must be a finite number >= 0 or None"
+    if r.deadline_s is not None and not (isinstance(r.deadline_s, (int, float, np.number)) and 0 < r.deadline_s < math.inf):
+        return "deadline_s must be a finite number > 0 or None"
+    return None
 
 
 def _result(run: _Run, seconds: float) -> SimResult:
