@@ -144,12 +144,14 @@ def read_step_log(path: Path) -> StepLogContents:
                 kind = obj["kind"]
                 if kind == "costs":
                     costs = StepCosts.from_json(obj["table"])
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 if number > 1 and not line.endswith("\n"):
                     break  # a torn last line (the job was killed while writing it)
                 raise ValueError(f"{path}:{number}: not a step-log line ({type(e).__name__}: {e})") from None
-            if number == 1 and (kind != "header" or obj.get("format") != FORMAT):
+            if header is None and (kind != "header" or obj.get("format") != FORMAT):
                 raise ValueError(f"{path}: not a jaxinfer step log (its first line is not a {FORMAT} header)")
+            if header is not None and kind == "header":
+                raise ValueError(f"{path}:{number}: a second header (a step log holds one job's run)")
             header = obj if kind == "header" else header
             steps += [obj] if kind == "step" else []
             programs += [obj] if kind == "program" else []

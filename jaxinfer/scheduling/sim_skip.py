@@ -7,7 +7,9 @@ page count leaves its page bucket, so the split into programs (sorted by length,
 and every program key are those of the iteration just run. `fast_forward` finds how many such iterations
 come next (k) and applies them as the scheduler and the run loop would have: the pages each request
 needs (allocated through the KV manager, as `_reserve_decode_pages` would, only when all of them fit),
-k tokens per request, the scheduler's statistics, the step counts and the virtual clock.
+k tokens per request, the scheduler's statistics, the step counts and the virtual clock (moved plan by plan, as
+the run loop moves it, so every later time is the run loop's to the bit). With a sequence slot free and an
+arrival to come, k stops before the first iteration that starts at or after it on that clock.
 
 The iteration after them is the event. When that event is only a finish (the iteration repeats the plans
 once more, and some of its rows take their last token), it is applied too, as the run loop applies a

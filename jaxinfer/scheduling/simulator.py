@@ -1,10 +1,11 @@
 """The simulator: the real scheduler, bucket tables and policy on a virtual clock. Host only, no jax, no model.
 
 `simulate(engine_cfg, requests, costs)` submits each `SimRequest` (its prompt and output lengths, and when it
-arrives) to a real `Scheduler` and drives it as the one run loop, `runloop.run`, does, with a step that is a fake that
+arrives) to a real `Scheduler` and drives it as the one run loop, `runloop.run`, does (in its own copy of that loop,
+`_Run._iterations`), with a step that is a fake that
 advances a virtual clock by the step-cost table's seconds for the plan (`StepCosts.step_seconds`: the host's
 time for its rows, then its program's time) and draws token 0. Every request generates exactly its output
-length (greedy, EOS ignored), as a finished job's records say it did, so the schedule (keys, padding,
+length (greedy, EOS ignored; fewer where prompt and output would pass max_context), as a finished job's records say it did, so the schedule (keys, padding,
 preemptions, page use) is the one a real run of those lengths makes; only the clock is modelled.
 
 Requests arrive at their `arrival_s` (trace replay, as LLM.generate(arrival_times=...)), or, without one, as
@@ -366,13 +367,18 @@ def simulate(
       requests: what to run, in submission order.
       costs: seconds per program key and host seconds per step.
       num_pages: the KV pool's pages (None: engine_cfg.num_pages, or enough for max_num_seqs full contexts).
-      max_inflight: requests without an arrival time in flight at most (None: 4 x max_num_seqs, LLM.stream's
+      max_inflight: pulled requests (without an arrival time) are submitted while fewer than this many requests,
+        timed ones included, are in flight (None: 4 x max_num_seqs, LLM.stream's
         default for a batch job).
       fast_forward: skip through runs of decode iterations that must repeat the one before (sim_skip.py);
-        the results are the same either way (a test checks), only faster.
+        the results are the same either way, bit for bit (tests check), only faster.
       one_pass_decode: run each plan's rows (decode and prefill) in one pass (`_Run._run_plan`) instead of through
         runloop.run_plan, and (without a sliding-window release) count decoding rows on the decode clock
         (sim_decode.py); the results are the same bit for bit (tests check), only faster.
+
+    Raises:
+      ValueError: naming the request (its index) or the limit that is not valid (`_problem`), or a request the
+        settings refuse (RequestRefused).
     """
     started = time.perf_counter()
     requests = list(requests)

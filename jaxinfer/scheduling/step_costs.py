@@ -219,13 +219,15 @@ class StepCosts:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"not a step-cost table (expected format {FORMAT!r})")
         costs = cls()
-        for i, entry in enumerate(doc.get("programs", [])):
+        for i, entry in enumerate(_entries(doc, "programs")):
             key = _key_of(entry.get("key"), f"programs[{i}].key")
             costs.programs[key] = _observations(entry, f"programs[{i}]")
-        for i, entry in enumerate(doc.get("host", [])):
+        for i, entry in enumerate(_entries(doc, "host")):
             rows = entry.get("rows")
             if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
                 raise ValueError(f"host[{i}].rows must be an int >= 0, got {rows!r}")
+            if not entry.get("recent"):  # the host model weighs each row count by its recent seconds (to_json writes no warm-up ones)
+                raise ValueError(f"host[{i}].recent must hold seconds")
             costs.host.by_rows[rows] = _observations(entry, f"host[{i}]")
         return costs
 
@@ -272,6 +274,14 @@ def _seconds(values, where: str) -> list[float]:
     if not isinstance(values, list) or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0 for s in values):
         raise ValueError(f"{where} must be a list of seconds >= 0, got {values!r}")
     return [float(s) for s in values[-KEEP:]]
+
+
+def _entries(doc: dict, name: str) -> list[dict]:
+    """doc[name]: a list of objects (empty if absent)."""
+    entries = doc.get(name, [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{name} must be a list of objects, got {type(entries).__name__}")
+    return entries
 
 
 def _observations(entry: dict, where: str) -> Observations:

@@ -87,6 +87,17 @@ def test_a_torn_last_line_is_dropped_and_anything_else_is_named(tmp_path):
     path.write_text('{"kind": "step"}\n')
     with pytest.raises(ValueError, match="not a jaxinfer step log"):
         read_step_log(path)
+    header = text.splitlines()[0]
+    path.write_text("\n" + '{"kind": "header", "format": "someone-elses-log/9"}\n')  # a blank first line hides no foreign header
+    with pytest.raises(ValueError, match="not a jaxinfer step log"):
+        read_step_log(path)
+    path.write_text(header + "\n" + header + "\n")
+    with pytest.raises(ValueError, match=r":2: a second header"):
+        read_step_log(path)
+    bad_costs = '{"kind": "costs", "table": {"format": "jaxinfer-step-costs/1", "programs": [["decode", 1, 1, 1]]}}'
+    path.write_text(header + "\n" + bad_costs + "\n")
+    with pytest.raises(ValueError, match=r":2: not a step-log line \(ValueError: programs must be a list of objects"):
+        read_step_log(path)
 
 
 def test_the_log_lies_beside_the_outputs_real_path(tmp_path):

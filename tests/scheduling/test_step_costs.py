@@ -80,6 +80,11 @@ def test_the_table_round_trips_through_json():
     ({"format": "jaxinfer-step-costs/1", "programs": [{"key": ["decode", 1, 1, 1], "count": 1, "recent": [-1.0]}]}, "programs[0].recent"),
     ({"format": "jaxinfer-step-costs/1", "programs": [{"key": ["decode", 1, 1, 1], "count": 0, "recent": [0.1]}]}, "programs[0].count"),
     ({"format": "jaxinfer-step-costs/1", "host": [{"rows": "2", "count": 1, "recent": [0.1]}]}, "host[0].rows"),
+    ({"format": "jaxinfer-step-costs/1", "host": [{"rows": 1, "count": 0, "recent": [], "warmup": [0.001]}]}, "host[0].recent must hold seconds"),
+    ({"format": "jaxinfer-step-costs/1", "programs": {"a": 1}}, "programs must be a list of objects"),
+    ({"format": "jaxinfer-step-costs/1", "programs": [["decode", 1, 1, 1]]}, "programs must be a list of objects"),
+    ({"format": "jaxinfer-step-costs/1", "programs": None}, "programs must be a list of objects"),
+    ({"format": "jaxinfer-step-costs/1", "host": [3]}, "host must be a list of objects"),
 ])
 def test_a_bad_document_is_refused_naming_the_field(doc, needle):
     with pytest.raises(ValueError, match=__import__("re").escape(needle)):
