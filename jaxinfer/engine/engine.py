@@ -338,7 +338,7 @@ class Engine:
         self.compile_seconds = 0.0
         self.step_costs = StepCosts()  # seconds per program key: timed at warm-up, refined by every step (step_costs.py)
         self._costs_key: str | None = None
-        self._costs_read: set[str] = set()  # the step-cost cache files already merged into step_costs
+        self._costs_read: set[str] = set()  # the step-cost cache files already read into step_costs (fill_from)
 
     def bucket_keys(self) -> list[BucketKey]:
         """Every key a plan can have (the engine config's BucketTables owns them)."""
@@ -442,12 +442,11 @@ class Engine:
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
 
         runs = tuning_cache.step_timing_runs() if runs is None else runs
-        if runs and self.costs_key() not in self._costs_read:  # merged once: a second warm-up would count its timings twice
+        if runs and self.costs_key() not in self._costs_read:  # read once per key: a second warm-up adds nothing
             self._costs_read.add(self.costs_key())
             cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key())
-            if cached is not None:
-                cached.merge(self.step_costs)
-                self.step_costs = cached
+            if cached is not None:  # into the table itself: llm.step_costs() keeps returning the one every step refines
+                self.step_costs.fill_from(cached)
         tables = BucketTables.from_config(self.engine_cfg)
         missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:

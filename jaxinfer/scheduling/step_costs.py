@@ -178,16 +178,17 @@ class StepCosts:
         """This table seen through a monotone estimate (MonotoneCosts), for choosing between tables."""
         return MonotoneCosts(self)
 
-    def merge(self, other: "StepCosts") -> None:
-        """Add `other`'s observations (its recent ones) to this table."""
-        for key, obs in other.programs.items():
-            for seconds in obs.warmup:
-                self.observe(key, seconds, warmup=True)
-            for seconds in obs.recent:
-                self.observe(key, seconds)
-        for rows, obs in other.host.by_rows.items():
-            for seconds in obs.recent:
-                self.host.add(rows, seconds)
+    def fill_from(self, cached: "StepCosts") -> None:
+        """In place: the program keys and host row counts this table has no observation of, as `cached` holds them
+        (a table read from the cache; what this table measured itself wins, so a table read again after a
+        config swap never counts the same runs twice)."""
+        for key, obs in cached.programs.items():
+            self.programs.setdefault(key, obs)
+        for rows, obs in cached.host.by_rows.items():
+            self.host.by_rows.setdefault(rows, obs)
+        self.host._fit = None
+        self._estimates.clear()
+        self._cache.clear()
 
     def table(self) -> list[tuple[BucketKey, int, float]]:
         """(key, real runs observed, seconds it costs) per measured program, in key order."""

@@ -61,10 +61,13 @@ def test_a_second_warm_up_reads_the_cache_once_and_other_tables_keep_their_own_f
     engine.time_programs()
     engine.time_programs()  # a second warm-up (another table swapped in and out) must not merge the file again
     assert all(len(obs.warmup) == 2 for obs in engine.step_costs.programs.values())
-    first_key = engine.costs_key()
-    engine.use_config(dataclasses.replace(engine.engine_cfg, prefill_chunk_buckets=(8, 16)))
+    first_key, costs = engine.costs_key(), engine.step_costs
+    other = dataclasses.replace(engine.engine_cfg, prefill_chunk_buckets=(8, 16))
+    Engine(cfg, params, other).warmup()  # the other table's file exists: the swap below reads it
+    engine.use_config(other)
     engine.warmup()
-    assert engine.costs_key() != first_key
+    assert engine.costs_key() != first_key and engine.step_costs is costs  # the table llm.step_costs() gave is the one still refined
+    assert all(len(obs.warmup) == 2 for obs in engine.step_costs.programs.values())  # a key of both tables is not timed twice
     assert {p.stem for p in (cost_cache / "step_costs").glob("*.json")} == {first_key, engine.costs_key()}
 
 

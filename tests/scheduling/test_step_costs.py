@@ -165,3 +165,19 @@ def test_a_linear_table_prices_each_program_by_its_work_and_the_host_by_its_rows
     assert costs.device_seconds(DECODE) == pytest.approx(0.022) and costs.device_seconds(PREFILL) == pytest.approx(0.070)
     assert costs.host_seconds(1) == pytest.approx(0.0006) and costs.host_seconds(8) == pytest.approx(0.0013)
     assert costs.host_seconds(4) == pytest.approx(0.0009)  # on the line through the two row counts
+
+
+def test_a_cached_table_fills_only_what_this_table_has_not_measured():
+    mine, cached = StepCosts(), StepCosts()
+    mine.observe(DECODE, 0.010)
+    mine.observe_host(1, 0.001)
+    cached.observe(DECODE, 0.050)
+    cached.observe(BucketKey("decode", 8, 1, 8), 0.020)
+    cached.observe_host(1, 0.009)
+    cached.observe_host(4, 0.004)
+    same = mine
+    mine.fill_from(cached)
+    assert mine is same and mine.programs[DECODE].recent == [0.010]  # its own runs win
+    assert mine.device_seconds(BucketKey("decode", 8, 1, 8)) == pytest.approx(0.020)
+    assert mine.host.by_rows[1].recent == [0.001] and mine.host.by_rows[4].recent == [0.004]
+    assert mine.host.line == pytest.approx((0.0, 0.001), abs=1e-12)  # through (1, 0.001) and (4, 0.004): refitted after the fill
