@@ -353,7 +353,8 @@ class Swap:
 
 @dataclasses.dataclass(frozen=True)
 class Abandoned:
-    """A refit whose compile failed: the job kept the table in use then (the last interim one, if any) until its end."""
+    """A refit whose compile failed: the job ran its remaining steps on the table in use then (the last interim one,
+    if any; `Refit.close` puts the table before it back at the job's end)."""
 
     old_table: tuple[int, ...]
     new_table: tuple[int, ...]
