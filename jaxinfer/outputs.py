@@ -31,8 +31,8 @@ class RequestMetrics:
     @classmethod
     def of(cls, request: Request) -> "RequestMetrics":
         arrival, finish = request.arrival_time, request.finish_time
-        scheduled = request.first_scheduled_time or finish
-        first_token = request.first_token_time or finish
+        scheduled = finish if request.first_scheduled_time is None else request.first_scheduled_time
+        first_token = finish if request.first_token_time is None else request.first_token_time
         decode = finish - first_token
         per_token = decode / (len(request.output_ids) - 1) if len(request.output_ids) > 1 else 0.0
         return cls(scheduled - arrival, first_token - scheduled, decode, per_token, request.num_steps, request.num_preemptions)
@@ -84,7 +84,7 @@ def output_of(request: Request, text: str, *, weight_version: int = 0) -> Reques
         finish_reason=request.finish_reason,
         num_prompt_tokens=len(request.prompt_ids),
         num_generated_tokens=len(request.output_ids),
-        time_to_first_token=(request.first_token_time or request.finish_time) - request.arrival_time,
+        time_to_first_token=(request.finish_time if request.first_token_time is None else request.first_token_time) - request.arrival_time,
         latency=request.finish_time - request.arrival_time,
         num_preemptions=request.num_preemptions,
         error=request.error,

@@ -411,7 +411,8 @@ class Scheduler:
                 request.output_ids.append(int(tokens[row]))
                 if result.logprobs is not None and request.params.logprobs is not None:
                     request.logprobs.append(result.logprobs.entry(row, request.params.logprobs))
-                request.first_token_time = request.first_token_time or now
+                if request.first_token_time is None:  # a first token at time 0.0 (a virtual clock) is one too
+                    request.first_token_time = now
             sampled.append(request)
         self.kv.cache_computed_pages_of(applied)  # each names only its own pages, from its own tokens: after the loop is the same
         return sampled

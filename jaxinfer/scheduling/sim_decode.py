@@ -127,7 +127,6 @@ class DecodeRows:
         self._max_index = -1  # the largest admit_index registered while rows were registered in admission order
         self._in_admission_order = True  # whether `rows` (a dict: registration order) holds them in admit_index order
         self._ordered: list[LazyRequest] | None = None
-        self.untimed: dict[int, LazyRequest] = {}  # admit_index -> a row whose first_token_time is not set (or 0.0)
         self._by_length: list[LazyRequest] = []  # the rows sorted by (base, admit_index): by length, ties in running order
         self._length_keys: list[tuple[int, int]] = []  # their (base, admit_index), for bisect
         self._length_pages: list[int] = []  # their pages held (kept by push_need, which every growth of a row's table calls)
@@ -166,8 +165,6 @@ class DecodeRows:
         if self.name_pages and request.public_pages is None:  # a row with a public_pages count names no decode page (its own)
             self._residues.setdefault(base % self.page_size, {})[index] = request
             self._num_naming += 1
-        if not request.first_token_time:  # a first token at time 0.0: its next step's end is taken instead (Scheduler.update's `or`)
-            self.untimed[index] = request
 
     def unregister(self, request: LazyRequest) -> None:
         request.settle()
@@ -181,7 +178,6 @@ class DecodeRows:
         if self.name_pages and request.public_pages is None:
             del self._residues[request._total_base % self.page_size][index]
             self._num_naming -= 1
-        self.untimed.pop(index, None)
 
     def push_need(self, request: LazyRequest) -> bool:
         """Its next need of a page: the first tick whose token (at position base + tick - 1) is past its table;

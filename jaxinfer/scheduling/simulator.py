@@ -300,7 +300,7 @@ class _Run:
         lazy = scheduler.lazy
         scheduler.decode_clock.ticks += 1
         filling, finishing = lazy.filling(), lazy.finishing()
-        if not (filling or finishing or lazy.untimed or self.observes):  # no row to visit: the steps alone (most iterations)
+        if not (filling or finishing or self.observes):  # no row to visit: the steps alone (most iterations)
             for plan in plans:
                 self.run_step(plan)
             return []
@@ -313,12 +313,6 @@ class _Run:
             self.run_step(plan)
             if self.observes:
                 scheduler.observe(plan, clock.now - start)
-            if lazy.untimed:
-                for r in list(lazy.untimed.values()):
-                    if first <= order.index(r) < last and not r.first_token_time:
-                        r.first_token_time = clock.now
-                        if r.first_token_time:
-                            del lazy.untimed[r.admit_index]
             done += end_plan(scheduler, filling, finishing, first, last)
             first = last
         return done
@@ -346,7 +340,7 @@ class _Run:
             output, max_tokens = r.output_ids, r.params.max_tokens
             if max_tokens:
                 output.append(0)
-                if not r.first_token_time:  # Scheduler.update's `first_token_time or now`
+                if r.first_token_time is None:  # as Scheduler.update
                     r.first_token_time = now
             if not output or len(output) >= max_tokens or len(r.prompt_ids) + len(output) >= max_context:  # _LengthStops.check
                 done.append(r)
