@@ -70,7 +70,7 @@ class SimResult:
     wall_s: float  # from the first step's start to the last step's end
     ttft_s: np.ndarray  # f64[N]; from arrival to first token (NaN: never got one)
     tpot_s: np.ndarray  # f64[N]; decode seconds per token after the first
-    queue_s: np.ndarray  # f64[N]; from arrival to its first step
+    queue_s: np.ndarray  # f64[N]; from arrival to its first step (to its finish, a timeout, if it never ran)
     latency_s: np.ndarray  # f64[N]; from arrival to finish
     finish_reasons: dict[str, int]
     num_steps: int
