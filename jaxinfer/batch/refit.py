@@ -212,6 +212,11 @@ def refit_chunk_table(sizes: np.ndarray, table: tuple[int, ...], count: int | No
     return cut_table(fitted, top, reach=True)
 
 
+def _chunk_of(key) -> int | None:
+    """A prefill program's chunk bucket (its tokens per row); None for a decode or a draw program (an int)."""
+    return key.num_tokens if not isinstance(key, int) and key.phase == "prefill" else None
+
+
 def compile_order(rows, table: tuple[int, ...], new_table: tuple[int, ...], programs: dict[int, int] | None = None) -> tuple[int, ...]:
     """`new_table`'s buckets that `table` lacks, in the order a refit compiles them: each next the one that, added to
     `table` and those before it, saves the most token slots on `rows` per program it needs (`programs`: bucket ->
@@ -362,9 +367,13 @@ class Abandoned:
     failed_at_step: int
     num_loaded: int  # programs the child sent and this process loaded
     num_programs: int  # programs it had to compile
-    kept_table: tuple[int, ...]  # the table the job ran on after the failure
     interim: tuple[tuple[int, float, tuple[int, ...]], ...]  # as Swap.interim
     error: str
+
+    @property
+    def kept_table(self) -> tuple[int, ...]:
+        """The table the job ran on after the failure: the last interim one, else the old one."""
+        return self.interim[-1][2] if self.interim else self.old_table
 
 
 def with_chunk_table(cfg: EngineConfig, table: tuple[int, ...]) -> EngineConfig:
@@ -456,14 +465,14 @@ class Refit:
 
     def _start(self, cfg: EngineConfig) -> None:
         engine, started = self.llm.engine, time.perf_counter()
-        missing = collections.Counter(key.num_tokens for key in engine.missing_programs(cfg) if not isinstance(key, int) and key.phase == "prefill")
+        missing = collections.Counter(_chunk_of(key) for key in engine.missing_programs(cfg))
         old = BucketTables.from_config(self.llm.engine_config).chunk_tokens
         new = BucketTables.from_config(cfg).chunk_tokens
         have = tuple(size for size in new if not missing[size])  # compiled already (warm-up, an earlier refit): free to use now
         order = compile_order(self.watch.proposed_rows, tuple(sorted({*old, *have})), new, dict(missing))
         first = {size: i for i, size in enumerate(order)}
         # the prefill programs of the new buckets in that order, then the others as the engine lists them (a stable sort)
-        rank = lambda key: first.get(key.num_tokens, len(first)) if not isinstance(key, int) and key.phase == "prefill" else len(first)  # noqa: E731
+        rank = lambda key: first.get(_chunk_of(key), len(first))  # noqa: E731
         child = self._executor.submit(ChildCompile, engine, cfg, rank).result() if engine.mesh is None else None
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
         self._pending = _Compile(cfg, self.step, started, child, future, old_table=old)
@@ -490,11 +499,10 @@ class Refit:
             self._swap()
 
     def _abandon(self, error: str) -> None:
-        pending, kept = self._pending, BucketTables.from_config(self.llm.engine_config).chunk_tokens
-        new = BucketTables.from_config(pending.cfg).chunk_tokens
+        pending, new = self._pending, BucketTables.from_config(self._pending.cfg).chunk_tokens
         loaded, needed = (len(pending.child.programs), len(pending.child.keys)) if pending.child is not None else (0, 0)
-        self.abandoned.append(Abandoned(pending.old_table, new, pending.asked_at, self.step, loaded, needed, kept, tuple(pending.interim), error))
-        log.warning("refit: the compile of chunk table %s failed; the job keeps %s and refits no more: %s", new, kept, error)
+        self.abandoned.append(Abandoned(pending.old_table, new, pending.asked_at, self.step, loaded, needed, tuple(pending.interim), error))
+        log.warning("refit: the compile of chunk table %s failed; the job keeps %s and refits no more: %s", new, self.abandoned[-1].kept_table, error)
         self._close_pending()
         self.enabled = False
 
@@ -505,7 +513,7 @@ class Refit:
         child, now = pending.child, BucketTables.from_config(self.llm.engine_config).chunk_tokens
         if child is None:
             return
-        waiting = {key.num_tokens for key in child.keys if not isinstance(key, int) and key.phase == "prefill" and key not in child.programs}
+        waiting = {_chunk_of(key) for key in child.keys if key not in child.programs}
         ready = [size for size in BucketTables.from_config(pending.cfg).chunk_tokens if size not in now and size not in waiting]
         if ready:
             cfg = with_chunk_table(self.llm.engine_config, tuple(sorted({*now, *ready})))

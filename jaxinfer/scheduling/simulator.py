@@ -46,6 +46,7 @@ from jaxinfer.scheduling.sim_decode import LazyRequest, end_plan, in_order
 from jaxinfer.scheduling.sim_scheduler import SketchPlan, SketchScheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
+from jaxinfer.validation import FieldError, check_int, check_number
 
 _INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines of a lazy input, per max_num_seqs
 
@@ -371,17 +372,19 @@ def simulate(
         (sim_decode.py); the results are the same bit for bit (tests check), only faster.
 
     Raises:
-      ValueError: naming the request (its index) or the limit that is not valid (`_problem`), or a request the
-        settings refuse (RequestRefused).
+      ValueError: naming the request (its index) and its field, or the limit, that is not valid (`_check`; a
+        FieldError for a limit), or a request the settings refuse (RequestRefused).
     """
     started = time.perf_counter()
     requests = list(requests)
     for i, r in enumerate(requests):
-        if (problem := _problem(r)) is not None:
-            raise ValueError(f"request {i}: {problem}, got {r}")
+        try:
+            _check(r)
+        except FieldError as e:
+            raise ValueError(f"request {i}: {e}") from None
     for name, value in (("num_pages", num_pages), ("max_inflight", max_inflight)):
-        if value is not None and not (_is_int(value) and value >= 1):
-            raise ValueError(f"simulate: {name} must be an integer >= 1 or None, got {value!r}")
+        if value is not None:
+            check_int(name, value, low=1)
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
     run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
@@ -394,22 +397,17 @@ def simulate(
             gc.enable()
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _problem(r: SimRequest) -> str | None:
-    """What is wrong with a request to simulate, or None: counts are integers (a generation samples a token at
-    least), an arrival is finite and >= 0 or None, a deadline finite and > 0 or None (as Prompt's)."""
-    if not (_is_int(r.prompt_tokens) and r.prompt_tokens >= 1 and _is_int(r.output_tokens) and r.output_tokens >= 1):
-        return "prompt_tokens and output_tokens must be integers >= 1"
-    if not (_is_int(r.shared_prefix) and r.shared_prefix >= 0) or not _is_int(r.priority):
-        return "shared_prefix must be an integer >= 0 and priority an integer"
-    if r.arrival_s is not None and not (isinstance(r.arrival_s, (int, float, np.number)) and 0 <= r.arrival_s < math.inf):
-        return "arrival_s must be a finite number >= 0 or None"
-    if r.deadline_s is not None and not (isinstance(r.deadline_s, (int, float, np.number)) and 0 < r.deadline_s < math.inf):
-        return "deadline_s must be a finite number > 0 or None"
-    return None
+def _check(r: SimRequest) -> None:
+    """Raise FieldError naming a request's bad field: counts are integers (a generation samples a token at least),
+    priority, arrival and deadline as Prompt's (scheduling/request.py)."""
+    check_int("prompt_tokens", r.prompt_tokens, low=1)
+    check_int("output_tokens", r.output_tokens, low=1)
+    check_int("shared_prefix", r.shared_prefix, low=0)
+    check_int("priority", r.priority, low=-(2**62), high=2**62)
+    if r.arrival_s is not None:
+        check_number("arrival_s", r.arrival_s, low=0.0, high=1e9)
+    if r.deadline_s is not None:
+        check_number("deadline_s", r.deadline_s, low=0.0, high=math.inf, low_open=True)
 
 
 def _result(run: _Run, seconds: float) -> SimResult:

@@ -93,6 +93,12 @@ class HostModel:
         self.by_rows.setdefault(int(rows), Observations()).add(seconds)
         self._fit = None
 
+    def fill_from(self, cached: "HostModel") -> None:
+        """The row counts this model has no observation of, as `cached` holds them (StepCosts.fill_from)."""
+        for rows, obs in cached.by_rows.items():
+            self.by_rows.setdefault(rows, obs)
+        self._fit = None
+
     @property
     def line(self) -> tuple[float, float]:
         """(seconds at 0 rows, seconds per row); (0, 0) with no observation."""
@@ -184,9 +190,7 @@ class StepCosts:
         config swap never counts the same runs twice)."""
         for key, obs in cached.programs.items():
             self.programs.setdefault(key, obs)
-        for rows, obs in cached.host.by_rows.items():
-            self.host.by_rows.setdefault(rows, obs)
-        self.host._fit = None
+        self.host.fill_from(cached.host)
         self._estimates.clear()
         self._cache.clear()
 

@@ -91,18 +91,19 @@ def test_a_request_that_cannot_run_is_named():
     with pytest.raises(ValueError, match="request 1 cannot run"):
         simulate(cfg, [SimRequest(4, 2), SimRequest(40, 2)], flat_costs(cfg))
     bad_requests = {  # a generation samples a token at least, from a prompt, once arrived; a deadline as Prompt's
-        "prompt_tokens and output_tokens must be integers >= 1": [SimRequest(4, 0), SimRequest(0, 2), SimRequest(8.5, 2), SimRequest(True, 2)],
-        "shared_prefix must be an integer >= 0 and priority an integer": [SimRequest(12, 2, shared_prefix=-9), SimRequest(4, 2, priority=None)],
-        "arrival_s must be a finite number >= 0 or None": [SimRequest(4, 2, -1.0), SimRequest(4, 2, math.inf), SimRequest(4, 2, math.nan)],
-        "deadline_s must be a finite number > 0 or None": [SimRequest(4, 2, deadline_s=math.nan), SimRequest(4, 2, deadline_s=0.0)],
+        "prompt_tokens must be >= 1": [SimRequest(0, 2)], "output_tokens must be >= 1": [SimRequest(4, 0)],
+        "prompt_tokens must be an integer": [SimRequest(8.5, 2), SimRequest(True, 2)],
+        "shared_prefix must be >= 0": [SimRequest(12, 2, shared_prefix=-9)], "priority must be an integer": [SimRequest(4, 2, priority=None)],
+        "arrival_s must be a finite number": [SimRequest(4, 2, -1.0), SimRequest(4, 2, math.inf), SimRequest(4, 2, math.nan)],
+        "deadline_s must be a finite number > 0": [SimRequest(4, 2, deadline_s=math.nan), SimRequest(4, 2, deadline_s=0.0)],
     }
     for message, requests in bad_requests.items():
         for bad in requests:
             with pytest.raises(ValueError, match=f"request 1: {message}"):
                 simulate(cfg, [SimRequest(4, 2), bad], flat_costs(cfg))
     for name in ("num_pages", "max_inflight"):
-        for value in (0, -1, 2.5):
-            with pytest.raises(ValueError, match=f"{name} must be an integer >= 1 or None"):
+        for value, problem in ((0, "must be >= 1"), (-1, "must be >= 1"), (2.5, "must be an integer")):
+            with pytest.raises(ValueError, match=f"{name} {problem}"):
                 simulate(cfg, [SimRequest(4, 2)], flat_costs(cfg), **{name: value})
 
 
