@@ -433,7 +433,7 @@ class Engine:
         for key, program in (programs or {}).items():
             (self._draws if isinstance(key, int) else self._programs)[key] = program
         self.engine_cfg = engine_cfg
-        self._costs_key = None  # the tables are part of the key: timings of these programs are cached under their own
+        self._costs_key = None  # the same key unless prefill packing changed (tables and batch limits are not part of it: step_costs_key)
 
     def time_programs(self, runs: int | None = None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then
@@ -467,7 +467,8 @@ class Engine:
 
             formats = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(self.params)})
             weights = f"{'+'.join(formats)} tp{1 if self.mesh is None else shd.mesh_size(self.mesh)}"
-            self._costs_key = tuning_cache.step_costs_key(self.cfg, self.engine_cfg, backends.Impls(self.cfg.dtype, self.impl, self.matmul_impl), weights)
+            impls = backends.Impls(self.cfg.dtype, self.impl, self.matmul_impl)
+            self._costs_key = tuning_cache.step_costs_key(self.cfg, self.engine_cfg, impls, weights, self._KEPT_FIELDS)
         return self._costs_key
 
     def save_step_costs(self) -> None:

@@ -146,13 +146,14 @@ def _engine_limits(engine_cfg: EngineConfig) -> dict:
 
 
 def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None,
-              weight_formats: tuple[str, ...] = ()) -> str:
+              weight_formats: tuple[str, ...] = (), limits: dict | None = None) -> str:
     """A hex digest of everything a choice depends on: machine, jaxlib, model geometry (the ModelConfig
-    but its dtype, which is a choice), engine limits and tables, pins, the quantization option and the storage
-    formats of the loaded weights ("kind:format", e.g. "mlp:q4_k": two files of one geometry, Q4_1 and
-    Q4_K_M, are measured apart), the tuner and the CPU kernels' sources."""
+    but its dtype, which is a choice), engine limits and tables (`limits`: other engine fields instead), pins, the
+    quantization option and the storage formats of the loaded weights ("kind:format", e.g. "mlp:q4_k": two files of
+    one geometry, Q4_1 and Q4_K_M, are measured apart), the tuner and the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
-    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": _engine_limits(engine_cfg),
+    limits = _engine_limits(engine_cfg) if limits is None else limits
+    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": limits,
                 "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
                 **({"weight_formats": sorted(weight_formats)} if weight_formats else {}),
                 "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
@@ -232,10 +233,14 @@ def step_timing_runs() -> int:
     return int(value)
 
 
-def step_costs_key(cfg: ModelConfig, engine_cfg: EngineConfig, impls: Impls, weights: str) -> str:
-    """The tuner's cache key (machine, jaxlib, model geometry, engine limits and tables, kernels) for what
-    the engine runs (`impls`, resolved) over weights stored as `weights`."""
-    return cache_key(machine_fingerprint(), cfg, engine_cfg, impls, weights)
+def step_costs_key(cfg: ModelConfig, engine_cfg: EngineConfig, impls: Impls, weights: str, program_fields: tuple[str, ...]) -> str:
+    """The tuner's cache key (machine, jaxlib, model geometry, kernels) for what the engine runs (`impls`, resolved)
+    over weights stored as `weights`, with the engine fields its programs take as inputs (`program_fields`, the
+    ones a built engine keeps) and prefill packing, but not its bucket tables or batch limits: a program key fixes
+    its program's shapes, so its seconds are the same whatever table or limits it runs under, and every table's
+    programs (a plan's, a refit's) share one file."""
+    limits = {name: getattr(engine_cfg, name) for name in (*program_fields, "prefill_packing")}
+    return cache_key(machine_fingerprint(), cfg, engine_cfg, impls, weights, limits=limits)
 
 
 def _step_costs_path(directory: Path, key: str) -> Path:

@@ -8,6 +8,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine import tuning_cache
 from jaxinfer.engine.engine import CompileCounter, Engine
 from jaxinfer.scheduling import runloop
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.stopping import OutputProcessor
@@ -52,7 +53,7 @@ def test_warm_up_times_every_program_on_the_null_page_and_saves_the_table(tiny_l
     assert sum(obs.count for obs in engine.step_costs.programs.values()) == scheduler.stats.num_steps
 
 
-def test_a_second_warm_up_reads_the_cache_once_and_other_tables_keep_their_own_file(tiny_llama, compile_cache, cost_cache):
+def test_a_second_warm_up_reads_the_cache_once_and_every_table_shares_one_file(tiny_llama, compile_cache, cost_cache):
     import dataclasses
 
     cfg, params = tiny_llama
@@ -62,13 +63,20 @@ def test_a_second_warm_up_reads_the_cache_once_and_other_tables_keep_their_own_f
     engine.time_programs()  # a second warm-up (another table swapped in and out) must not merge the file again
     assert all(len(obs.warmup) == 2 for obs in engine.step_costs.programs.values())
     first_key, costs = engine.costs_key(), engine.step_costs
-    other = dataclasses.replace(engine.engine_cfg, prefill_chunk_buckets=(8, 16))
-    Engine(cfg, params, other).warmup()  # the other table's file exists: the swap below reads it
+    other = dataclasses.replace(engine.engine_cfg, prefill_chunk_buckets=(8, 16), max_num_seqs=2)  # a plan's or a refit's table and limits
+    elsewhere = Engine(cfg, params, other)
+    assert elsewhere.costs_key() == first_key  # a program key fixes its shapes: its seconds are the same under any table
     engine.use_config(other)
     engine.warmup()
-    assert engine.costs_key() != first_key and engine.step_costs is costs  # the table llm.step_costs() gave is the one still refined
+    assert engine.costs_key() == first_key and engine.step_costs is costs  # the table llm.step_costs() gave is the one still refined
+    new_keys = set(engine.bucket_keys()) - set(Engine(cfg, params, EngineConfig(**ENGINE)).bucket_keys())
+    assert new_keys and all(len(engine.step_costs.programs[k].warmup) == 2 for k in new_keys)  # only the new table's keys were timed
     assert all(len(obs.warmup) == 2 for obs in engine.step_costs.programs.values())  # a key of both tables is not timed twice
-    assert {p.stem for p in (cost_cache / "step_costs").glob("*.json")} == {first_key, engine.costs_key()}
+    assert [p.stem for p in (cost_cache / "step_costs").glob("*.json")] == [first_key]
+    saved = tuning_cache.read_step_costs(cost_cache, first_key)
+    assert set(engine.bucket_keys()) | new_keys <= set(saved.programs)  # both tables' programs in the one file
+    packed = Engine(cfg, params, dataclasses.replace(engine.engine_cfg, prefill_packing=not BucketTables.from_config(engine.engine_cfg).packed))
+    assert packed.costs_key() != first_key  # a packed prefill program is another program under the same key
 
 
 def test_under_jaxinfer_tune_0_nothing_is_timed_read_or_written(tiny_llama, compile_cache, cost_cache, monkeypatch):
