@@ -168,12 +168,30 @@ def load_trace(path: str | os.PathLike, column: str = CONTEXT_TOKENS) -> Trace:
         The trace, in file order.
 
     Raises:
-        TraceError: empty file, missing column, or a non-numeric, fractional, zero or negative count or
-            an unreadable time, naming the line. FileNotFoundError if the file does not exist.
+        TraceError: empty file, missing column, bytes that are not UTF-8, or a non-numeric, fractional, zero or
+            negative count or an unreadable time, naming the line. FileNotFoundError if the file does not exist.
     """
     if column not in LENGTH_COLUMNS:
         raise ValueError(f"column must be one of {LENGTH_COLUMNS}, got {column!r}")
     path = os.fspath(path)
+    try:
+        return _read_trace(path, column)
+    except UnicodeDecodeError:  # decoded a block at a time: the block's offset names no line
+        raise TraceError(f"{path}:{_first_undecodable_line(path)}: not UTF-8 text (a trace is a UTF-8 CSV file)") from None
+
+
+def _first_undecodable_line(path: str) -> int:
+    """The number of the first line of the file that is not UTF-8 (0 if every line is)."""
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0
+
+
+def _read_trace(path: str, column: str) -> Trace:
     with open(path, newline="", encoding="utf-8") as file:
         reader = csv.reader(file)
         header = next(reader, None)

@@ -56,6 +56,13 @@ def test_load_trace_names_line_of_non_numeric_length(tmp_path):
         load_trace(path)
 
 
+def test_load_trace_names_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_bytes(HEADER.encode() + b"0,5,5\n1,6,5\n" + b"2,7\xff,5\n" + b"3,8,5\n" * 5000)  # past the first block read
+    with pytest.raises(TraceError, match=r"trace.csv:4: not UTF-8 text"):
+        load_trace(path)
+
+
 @pytest.mark.parametrize("value", ["0", "-4"])
 def test_load_trace_names_line_of_non_positive_length(tmp_path, value):
     path = _write(tmp_path, HEADER + f"0,5,5\n1,6,5\n2,{value},5\n")
