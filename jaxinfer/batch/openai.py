@@ -245,6 +245,8 @@ def result_record(key: str, custom_id: str, endpoint: dict, output, token_text=N
     """The output line of a request that ran."""
     digest = _digest(key)
     metrics = output.metrics.as_record() | {"time_to_first_token_s": round(output.time_to_first_token, 4), "latency_s": round(output.latency, 4)}
+    if len(output.samples or ()) > 1:  # usage sums the choices: what each generated (for a replay of the job: whatif)
+        metrics["generated_tokens_per_sample"] = [sample.num_generated_tokens for sample in output.samples]
     return {
         "id": f"batch_req_{digest}", "custom_id": custom_id, "response": {"status_code": 200, "request_id": f"req_{digest}", "body": response_body(key, endpoint, output, token_text, token_bytes)},
         "error": None, "key": key, "metrics": metrics,
@@ -263,11 +265,28 @@ def error_record(key: str, custom_id: str | None, number: int, reason: str, stat
 
 
 def summary_fields(record: dict) -> dict | None:
-    """What a job's summary counts of an output line, in the names of jaxinfer's records; None for an error."""
+    """What a job's summary counts of an output line, in the names of jaxinfer's records (with n > 1, `samples`: each
+    choice's generated tokens); None for an error."""
     response = record.get("response") or {}
     if response.get("status_code") != 200:
         return None
     usage, metrics = response["body"]["usage"], record["metrics"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": usage.get("completion_tokens", 0), "num_cached_tokens": cached,
-            "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}
+    completion = usage.get("completion_tokens", 0)
+    fields = {"num_prompt_tokens": usage["prompt_tokens"], "num_generated_tokens": completion, "num_cached_tokens": cached,
+              "time_to_first_token_s": metrics["time_to_first_token_s"], "metrics": metrics}
+    per_sample = _tokens_per_choice(metrics.get("generated_tokens_per_sample"), completion, len(response["body"].get("choices") or ()))
+    if len(per_sample) > 1:
+        fields["samples"] = [{"num_generated_tokens": tokens} for tokens in per_sample]
+    return fields
+
+
+def _tokens_per_choice(recorded, completion: int, num_choices: int) -> list[int]:
+    """Each choice's generated tokens: as the record's metrics give them, else (a record written before they were)
+    the usage's completion tokens shared evenly among the choices."""
+    if isinstance(recorded, list) and len(recorded) > 1 and all(isinstance(n, int) and not isinstance(n, bool) for n in recorded):
+        return recorded
+    if num_choices < 2 or not isinstance(completion, int):
+        return [completion]
+    each, extra = divmod(completion, num_choices)
+    return [each + (i < extra) for i in range(num_choices)]

@@ -213,6 +213,12 @@ def test_n_logprobs_and_response_format_come_back_in_openai_shapes(llm, tmp_path
         check_output_line(record)
     chat = ChatCompletion.model_validate(by_id["n2"]["response"]["body"])
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    fields = openai_batch.summary_fields(by_id["n2"])  # what a replay (whatif) and the job's summary read: each choice's tokens
+    assert [s["num_generated_tokens"] for s in fields["samples"]] == [len(c.logprobs.content) for c in chat.choices]
+    del by_id["n2"]["metrics"]["generated_tokens_per_sample"]  # a record written before they were: the usage shared among the choices
+    assert [s["num_generated_tokens"] for s in openai_batch.summary_fields(by_id["n2"])["samples"]] == [
+        chat.usage.completion_tokens // 2 + chat.usage.completion_tokens % 2, chat.usage.completion_tokens // 2]
+    assert "samples" not in openai_batch.summary_fields(by_id["lp"])
     for choice in chat.choices:
         assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in choice.logprobs.content)
         assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
