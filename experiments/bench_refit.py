@@ -28,8 +28,8 @@ seconds; no program compiles): the watch's proposal is swapped in --dry-delay pr
 measured compile windows spanned 10 to 14 prefill steps), and the padding after the shift is judged against the same
 second-half table. It shows how the gap depends on the trace's length (--lines), which a real run takes minutes to.
 
-    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--table reach|plan] [--ask-at STEPS] [--yield-share S]
-    .venv/bin/python experiments/bench_refit.py --dry-run [--lines N] [--dry-delay PREFILL_STEPS]
+    .venv/bin/python experiments/bench_refit.py [--quick] [--lines N] [--seed S] [--table reach|plan] [--ask-at STEPS] [--yield-share S]
+    .venv/bin/python experiments/bench_refit.py --dry-run [--lines N] [--seed S] [--dry-delay PREFILL_STEPS]
 """
 
 import dataclasses
@@ -443,6 +443,7 @@ def main() -> None:
                                                              "41 second-half rows after the shift at 72 lines a half, 20 at 160; 8e3587f); "
                                                              "with --ask-at 10 it measures a compile window and a swap whatever the watch judges")
     parser.add_argument("--lines", type=int, default=None, help="lines per half")
+    parser.add_argument("--seed", type=int, default=0, help="the job file's random draw: prompt lengths and where each is cut from the text (default 0)")
     parser.add_argument("--table", choices=("reach", "plan"), default="reach",
                         help="the job's starting chunk table: the first half's fit reaching the chunk limit (as tests/batch/test_refit.py), or the plan's own")
     parser.add_argument("--ask-at", type=int, default=None, metavar="STEPS",
@@ -462,12 +463,12 @@ def main() -> None:
     if args.quick:
         args.out = args.out.with_name("bench_refit_quick.json")
     if args.dry_run and args.out == RESULTS:
-        args.out = args.out.with_name(f"bench_refit_dry_run_{args.lines}.json")
+        args.out = args.out.with_name(f"bench_refit_dry_run_{args.lines}{f'_seed_{args.seed}' if args.seed else ''}.json")
     # a fresh XLA cache: the refit's programs must really compile (the default persistent cache would hold them after one run)
     cache = tempfile.TemporaryDirectory(prefix="bench_refit_xla_")
     llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_prefill_tokens=MAX_PREFILL_TOKENS, compilation_cache_dir=cache.name, warmup=False)
     defaults = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    lines = job_lines(llm.tokenizer, args.lines, np.random.default_rng(0))
+    lines = job_lines(llm.tokenizer, args.lines, np.random.default_rng(args.seed))
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     input_path = WORK_DIR / "lines.jsonl"
     input_path.write_text("".join(json.dumps({"id": i, "prompt": line, "max_tokens": max_tokens_of(i)}) + "\n" for i, line in enumerate(lines)))
