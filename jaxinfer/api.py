@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import INFLIGHT_PER_SEQ, EngineConfig, ModelConfig
 from jaxinfer.engine import profiling, tuning
 from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import loading, tokenizer as tok
@@ -43,7 +43,6 @@ from jaxinfer.validation import FieldError, check_bool, check_int, check_text, c
 __all__ = ["LLM", "Prompt", "Replica", "RequestOutput", "truncate_prompt"]  # Prompt, RequestOutput, truncate_prompt: re-exported
 
 _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
-_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight prompts of a lazy input, per max_num_seqs per replica
 _TRUNCATE_MARGIN = 64  # tokens past the ones kept that a cut text prompt must still give (a cut changes only the last few)
 
 
@@ -345,7 +344,7 @@ class LLM:
         """
         size = len(prompts) if isinstance(prompts, Sized) else None
         if max_inflight is None:
-            max_inflight = max(size, 1) if size is not None else _INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
+            max_inflight = max(size, 1) if size is not None else INFLIGHT_PER_SEQ * self.engine_config.max_num_seqs * len(self.replicas)
         max_inflight = check_int("max_inflight", max_inflight, low=1)
         total = size if total is None else check_int("total", total, low=0)
         if not self._running.acquire(blocking=False):

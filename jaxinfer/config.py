@@ -38,6 +38,9 @@ DETERMINISTIC_PAGES_PER_BLOCK = 8
 # EngineConfig.policy: the scheduling policies by name (scheduling/policies.py registers one class per name;
 # a test checks that the two agree). "fcfs" is the scheduler's own order.
 POLICIES = ("fcfs", "shortest-prompt", "edf", "prefix", "adaptive")
+# Lines of a lazy input (LLM.stream, a batch job) in flight by default, per max_num_seqs per replica; the simulator and
+# whatif pull requests by the same rule
+INFLIGHT_PER_SEQ = 4
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4")  # HF model_type / GGUF general.architecture families

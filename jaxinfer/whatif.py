@@ -26,100 +26,190 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.batch import input as input_lines
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
 from jaxinfer import config
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.bucket_tables import cut_table
 from jaxinfer.scheduling import simulator
+from jaxinfer.scheduling.request import SamplingParams
 from jaxinfer.scheduling.simulator import SimRequest
 from jaxinfer.validation import FieldError
 
 FIGURES = ("wall_s", "ttft_p50_s", "ttft_p99_s", "padding")
-_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines per max_num_seqs per replica
 
 
 @dataclasses.dataclass(frozen=True)
 class FinishedJob:
-    """What a finished job says of itself: its requests (in input order), their measured TTFTs, its step log, their TPOTs."""
+    """What a finished job says of itself: its requests (in input order; a line of n samples is n of them), the
+    measured TTFT and TPOT of each line they replay, and its step log."""
 
     requests: list[SimRequest]
-    ttft_s: np.ndarray  # f64[N]
+    ttft_s: np.ndarray  # f64[L]: per line replayed (NaN: it timed out before it started)
     log: StepLogContents
-    tpot_s: np.ndarray  # f64[N], NaN where a record has none
+    tpot_s: np.ndarray  # f64[L], NaN where a record has none
     has_samples: bool = False  # a line of n > 1 samples: replayed as n requests that each compute the prompt
     labels: tuple[str, ...] = ()  # each request's origin, for a message that names it ("input line 5", "trace request 12")
+    line_starts: np.ndarray | None = None  # i64[L]: each line's first request, where a line has several (n > 1); None: one each
+    left_out: tuple[str, ...] = ()  # notes on what the replay lacks: lines it leaves out and why, an input that is gone
 
     @property
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.log.header["engine"])
 
     def measured(self, slo: tuple[float, float] | None = None) -> dict:
-        """The job's figures (FIGURES), and with `slo` (TTFT, TPOT seconds) the share of its ok lines within both."""
-        summary = self.log.summary or _summary_of_steps(self.log.steps)
-        figures = {"wall_s": summary["wall_s"], "ttft_p50_s": _pct(self.ttft_s, 50), "ttft_p99_s": _pct(self.ttft_s, 99), "padding": summary["padding"]}
-        if slo is not None:  # every record read is an ok one: finished by stop or length
-            figures["slo_attainment"] = round(float(np.mean(simulator.slo_met(self.ttft_s, self.tpot_s, np.ones(self.ttft_s.size, bool), *slo))), 4)
-        return figures
+        """The job's figures (FIGURES), and with `slo` (TTFT, TPOT seconds) the share of its replayed lines within both."""
+        summary = self.log.summary
+        return {"wall_s": summary["wall_s"]} | line_figures(self.ttft_s, self.tpot_s, slo) | {"padding": summary["padding"]}
+
+
+def line_figures(ttft_s: np.ndarray, tpot_s: np.ndarray, slo: tuple[float, float] | None = None) -> dict:
+    """TTFT p50 and p99 over the lines with a first token, and with `slo` the share of all of them (a timed-out one,
+    NaN, meets none) within both SLOs: one rule for the measured figures and the simulator's."""
+    first = np.isfinite(ttft_s)
+    figures = {"ttft_p50_s": _pct(ttft_s[first], 50), "ttft_p99_s": _pct(ttft_s[first], 99)}
+    if slo is not None:
+        figures["slo_attainment"] = round(float(np.mean(simulator.slo_met(ttft_s, tpot_s, first, *slo))), 4) if ttft_s.size else 0.0
+    return figures
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 6) if values.size else None
 
 
-def _summary_of_steps(steps: list[dict]) -> dict:
-    """A killed job's log has no summary: its figures from the steps written in full."""
-    if not steps:
-        raise ValueError("the step log has no summary and no steps: the job ran none")
-    last = steps[-1]
-    padded = sum(s["key"][1] * s["key"][2] for s in steps)
-    real = sum(s["real_tokens"] for s in steps)
-    return {"wall_s": last["t"] + last["device_s"], "padding": 1.0 - real / padded}
+class _Line(NamedTuple):
+    """One output record as a replay reads it: the input line it answers (None: not known), its prompt, each sample's
+    generated tokens (an empty list: timed out, replayed with the line's max_tokens), its TTFT (NaN: timed out), cached
+    prompt tokens, TPOT (NaN where none) and its custom_id (an OpenAI record's)."""
+
+    line: int | None
+    prompt: int
+    samples: list[int]
+    ttft: float
+    cached: int
+    tpot: float
+    custom_id: str | None
 
 
 def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
-    """The ok records of `output` (either format) of the run its step log describes, as SimRequests in input order,
-    and its step log. A resumed run's log describes that run only: the records before it are left out. A line of n
-    samples is n requests (each sample's tokens; the prompt they share in the job is computed by each). The prefix
-    every request shares (a chat template's pages) is _shared_prefix's."""
+    """The records of `output` (either format) of the run its step log describes, as SimRequests in input order, and
+    its step log. A resumed run's log describes that run only: the records before it are left out. A line of n
+    samples is n requests (each sample's tokens; the prompt they share in the job is computed by each). A line that
+    timed out in the job is replayed with its deadline and its max_tokens; one that failed in a step is left out. The
+    prefix every request shares (a chat template's pages) is _shared_prefix's."""
     output = Path(output)
     if not output.is_file():
         raise ValueError(f"{output}: no such output file")
     path = Path(step_log) if step_log is not None else log_path(output)
     if not path.is_file():
         raise ValueError(f"--step-log {path}: no such file" if step_log is not None else
-                         f"{path}: no step log beside {output} (jobs write one since jaxinfer's step log; rerun the job)")
+                         f"{path}: no step log beside {output} (a job run in this process writes one; a --ray job or an older jaxinfer's writes none)")
     log = read_step_log(path)
+    if log.summary is None or log.costs is None:
+        raise ValueError(f"{path}: no summary and step-cost table at its end: the job is still running, or was killed before it ended "
+                         "(whatif replays a run that ended; a resume writes a new log)")
     _check_engine(path, log.header)
-    if log.header.get("replicas", 1) != 1:
-        raise ValueError(f"{path}: the job ran {log.header['replicas']} data-parallel replicas; the simulator runs one")
-    records = _records(output, int(log.header.get("num_skipped") or 0) if log.header.get("resumed") else 0)
-    input_path = Path(log.header.get("input", ""))
-    lines_of = _custom_id_lines(input_path) if any("custom_id" in r for _, r in records) else {}
-    rows, has_samples = [], False
-    for number, record in records:
-        fields = _ok_fields(output, number, record)
-        if fields is None:
-            continue
-        line = lines_of.get(record["custom_id"], number) if "custom_id" in record else record.get("line", number)
-        samples = fields.get("samples") or [fields]
-        has_samples |= len(samples) > 1
-        tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
-        for sample in samples:  # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token does
-            rows.append((line, fields["num_prompt_tokens"], max(int(sample["num_generated_tokens"]), 1), fields["time_to_first_token_s"],
-                         int(fields.get("num_cached_tokens") or 0), np.nan if tpot is None else tpot))
-    if not rows:
+    header = log.header
+    if header.get("replicas", 1) != 1:
+        raise ValueError(f"{path}: the job ran {header['replicas']} data-parallel replicas; the simulator runs one")
+    before = header["records_before"] if "records_before" in header else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
+    lines, left_out = [], collections.Counter()
+    for number, record in _records(output, int(before)):
+        line = _replayed(output, number, record, left_out)
+        if line is not None:
+            lines.append(line)
+    if not lines:
         raise ValueError(f"{output}: no finished (ok) record to replay")
-    rows.sort(key=lambda row: row[0])
-    extra = _line_fields(input_path, {r[0] for r in rows})
-    shared = _shared_prefix([r[4] for r in rows])
-    requests = [SimRequest(p, g, None, *extra.get(line, (0, None)), shared_prefix=shared) for line, p, g, _, _, _ in rows]
-    return FinishedJob(requests, np.array([r[3] for r in rows], np.float64), log, np.array([r[5] for r in rows], np.float64), has_samples,
-                       tuple(f"input line {r[0]}" for r in rows))
+    openai = any(line.custom_id is not None for line in lines)
+    input_path = Path(header.get("input", ""))
+    found = _read_input(input_path, openai_batch.FORMAT if openai else "jaxinfer", {line.line for line in lines}, openai)
+    notes = [f"{n} line{'s' * (n > 1)} {why}" for why, n in left_out.items()]
+    if not input_path.is_file():
+        notes.append(f"the job's input {input_path} is gone: its lines replay without their priorities and deadlines"
+                     + (", in the order they finished" if openai else ""))
+    if openai:
+        lines = [line._replace(line=found.lines_of.get(line.custom_id)) for line in lines]
+    lines.sort(key=lambda line: (line.line is None, line.line or 0))
+    return _job_of(lines, found.fields, log, header, tuple(notes))
+
+
+def _job_of(lines: list[_Line], fields: dict[int, dict], log: StepLogContents, header: dict, notes: tuple[str, ...]) -> FinishedJob:
+    """The FinishedJob of these lines (in input order), given their input fields (priority, deadline, max_tokens)."""
+    shared = _shared_prefix([line.cached for line in lines])
+    max_context = int(header["engine"].get("max_context") or EngineConfig().max_context)
+    requests, labels, starts = [], [], []
+    for line in lines:
+        extra = fields.get(line.line, {})
+        priority, deadline = extra.get("priority", 0), extra.get("deadline_s")
+        samples = line.samples or [_max_tokens(extra, header, max_context - line.prompt)]  # a timed-out line: as it would have run
+        starts.append(len(requests))
+        label = f"input line {line.line}" if line.line is not None else f"custom_id {line.custom_id!r}"
+        for tokens in samples:  # a line of no generated token (max_tokens 0: prompt logprobs only) ends after its prefill, as one of one token
+            requests.append(SimRequest(line.prompt, max(tokens, 1), None, priority, deadline, shared_prefix=shared))
+            labels.append(label)
+    several = len(requests) > len(lines)
+    return FinishedJob(requests, np.array([line.ttft for line in lines], np.float64), log, np.array([line.tpot for line in lines], np.float64), several,
+                       tuple(labels), np.array(starts, np.int64) if several else None, notes)
+
+
+def _max_tokens(fields: dict, header: dict, room: int) -> int:
+    """A timed-out line's max_tokens: its own (max_tokens or OpenAI's max_completion_tokens, SamplingParams' rule) over
+    the job's default, at most the room its prompt leaves (None: that room)."""
+    default = SamplingParams(max_tokens=header.get("default_max_tokens", SamplingParams().max_tokens))
+    try:
+        asked = SamplingParams.from_fields({k: fields[k] for k in ("max_tokens", "max_completion_tokens") if k in fields}, default).max_tokens
+    except (TypeError, ValueError):
+        asked = default.max_tokens
+    return max(1, room if asked is None else min(asked, room))
+
+
+_REPLAY_FIELDS = ("priority", "deadline_s", "max_tokens", "max_completion_tokens")  # what a replay reads of an input line
+
+
+@dataclasses.dataclass
+class _Input:
+    """What a replay reads of the job's input, where it is still there: the line of each custom_id (an OpenAI record
+    carries none: results are written as they finish) and the replay's fields of each line that has any."""
+
+    lines_of: dict[str, int]
+    fields: dict[int, dict]
+
+
+def _read_input(path: Path, fmt: str, numbers: set[int | None], every_line: bool) -> _Input:
+    """The input's custom_ids (an OpenAI file) and the _REPLAY_FIELDS of the lines in `numbers` (`every_line`: of every
+    line, whose number a custom_id gives), each line read as the job read it (batch/input.read_lines: an OpenAI
+    line's fields are its body's)."""
+    found = _Input({}, {})
+    if not path.is_file():
+        return found
+    names = [name.encode() for name in _REPLAY_FIELDS]
+    with open(path, "rb") as f:
+        numbered = input_lines.iter_lines(iter(lambda: f.read(1 << 20), b""))
+        if not every_line:  # a jaxinfer record names its line: only those with a field to read are parsed
+            numbered = ((n, raw) for n, raw in numbered if n in numbers and isinstance(raw, bytes) and any(name in raw for name in names))
+        for line in input_lines.read_lines(numbered, fmt):
+            if line.obj is None:  # an error record's line
+                continue
+            if every_line and isinstance(line.request_id, str):
+                found.lines_of.setdefault(line.request_id, line.number)
+            fields = {name: line.obj[name] for name in _REPLAY_FIELDS if name in line.obj}
+            if fields and _valid_fields(fields):
+                found.fields[line.number] = fields
+    return found
+
+
+def _valid_fields(fields: dict) -> bool:
+    """Whether a line's priority and deadline are what the job ran it with (an int, a positive number; a line with
+    others was an error record)."""
+    priority, deadline = fields.get("priority", 0), fields.get("deadline_s")
+    return (isinstance(priority, int) and not isinstance(priority, bool)
+            and (deadline is None or (isinstance(deadline, (int, float)) and not isinstance(deadline, bool) and deadline > 0)))
 
 
 def _shared_prefix(cached: list[int]) -> int:
@@ -141,6 +231,67 @@ def _check_engine(path: Path, header: dict) -> None:
     unknown = sorted(set(engine) - {f.name for f in dataclasses.fields(EngineConfig)})
     if unknown:
         raise ValueError(f"{path}: the step log's engine settings name fields this jaxinfer lacks: {', '.join(unknown)} (a log of another version)")
+    try:
+        EngineConfig(**engine)
+    except (TypeError, ValueError) as e:  # FieldError is a ValueError
+        raise ValueError(f"{path}: the step log's engine settings are not valid: {e}") from None
+
+
+def _replayed(output: Path, number: int, record: dict, left_out: collections.Counter) -> _Line | None:
+    """A record as its replay reads it: an ok one, or one that timed out in the engine's queue (its prompt counted); None
+    for a line the job never queued (a bad line) or that failed in a step (counted in `left_out`). ValueError naming
+    the record for a field a replay reads that is missing or not a count (a number for the TTFT)."""
+    where = f"{output}:{number}"
+    try:
+        queued = record.get("finish_reason") if "num_prompt_tokens" in record and _is_error(record) else None
+        if queued is None and _is_error(record):
+            if _timed_out(record):
+                left_out["timed out in the job, in records written before jaxinfer kept their prompts' sizes: left out of the replay"] += 1
+            return None
+        if queued == "error":
+            left_out["failed in a step: left out of the replay"] += 1
+            return None
+        fields = record if queued is not None or "custom_id" not in record else openai_batch.summary_fields(record)
+        prompt = _count(where, fields, "num_prompt_tokens", low=1)
+        if queued == "timeout":
+            return _Line(_record_line(where, record), prompt, [], math.nan, 0, math.nan, record.get("custom_id"))
+        samples = [_count(where, sample, "num_generated_tokens") for sample in (fields.get("samples") or [fields])]
+        ttft = fields["time_to_first_token_s"]
+        if not isinstance(ttft, (int, float)) or isinstance(ttft, bool) or not math.isfinite(ttft) or ttft < 0:
+            raise ValueError(f"{where}: the record's time_to_first_token_s is not a number of seconds: {ttft!r}")
+        tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
+        tpot = float(tpot) if isinstance(tpot, (int, float)) and not isinstance(tpot, bool) else math.nan
+        cached = _count(where, fields, "num_cached_tokens") if fields.get("num_cached_tokens") is not None else 0
+        return _Line(_record_line(where, record), prompt, samples, float(ttft), cached, tpot, record.get("custom_id"))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: not a jaxinfer or OpenAI batch result record (no {e})") from None
+
+
+def _is_error(record: dict) -> bool:
+    """An error record, in either format."""
+    return (record.get("response") or {}).get("status_code") != 200 if "custom_id" in record else record.get("status") != "ok"
+
+
+def _timed_out(record: dict) -> bool:
+    """An error record of a line whose deadline passed (408), as a record written before finish_reason was kept says it."""
+    if "custom_id" in record:
+        return (record.get("response") or {}).get("status_code") == 408
+    return ": timed out:" in str(record.get("error"))
+
+
+def _count(where: str, fields: dict, name: str, low: int = 0) -> int:
+    """A record's count `name` (a missing one is a KeyError); ValueError naming the record for one that is not a whole number >= low."""
+    value = fields[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{where}: the record's {name} is not a count" + (f" of at least {low}" if low else "") + f": {value!r}")
+    return value
+
+
+def _record_line(where: str, record: dict) -> int | None:
+    """The input line a record answers: its `line` (a jaxinfer record's); None for an OpenAI record (its custom_id says)."""
+    if "custom_id" in record:
+        return None
+    return _count(where, record, "line", low=1)
 
 
 def _records(output: Path, skip: int) -> list[tuple[int, dict]]:
@@ -164,53 +315,6 @@ def _records(output: Path, skip: int) -> list[tuple[int, dict]]:
     except UnicodeDecodeError as e:
         raise ValueError(f"{output}: not UTF-8 text ({e})") from None
     return records[skip:]
-
-
-def _ok_fields(output: Path, number: int, record: dict) -> dict | None:
-    """A record's summary fields (jaxinfer's names) when it is an ok one, else None; ValueError naming the line for a
-    record that lacks what a replay reads."""
-    try:
-        fields = openai_batch.summary_fields(record) if "custom_id" in record else record if record.get("status") == "ok" else None
-        if fields is not None:
-            for name in ("num_prompt_tokens", "time_to_first_token_s"):
-                if not isinstance(fields[name], (int, float)) or isinstance(fields[name], bool):
-                    raise ValueError(f"{output}:{number}: the record's {name} is not a number: {fields[name]!r}")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{output}:{number}: not a jaxinfer or OpenAI batch result record (no {e})") from None
-    return fields
-
-
-def _custom_id_lines(input_path: Path) -> dict[str, int]:
-    """custom_id -> its line in an OpenAI batch input, where the input is still there: an OpenAI record carries no line
-    number, and results are written as they finish."""
-    lines = {}
-    if not input_path.is_file():
-        return lines
-    with open(input_path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                custom_id = json.loads(raw).get("custom_id")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(custom_id, str):
-                lines.setdefault(custom_id, number)
-    return lines
-
-
-def _line_fields(input_path: Path, lines: set[int]) -> dict[int, tuple[int, float | None]]:
-    """(priority, deadline_s) of the input's lines, where the input is still there (else every line's defaults)."""
-    fields = {}
-    if not input_path.is_file():
-        return fields
-    with open(input_path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number in lines and (b"priority" in raw or b"deadline_s" in raw):
-                try:
-                    obj = json.loads(raw)
-                    fields[number] = (int(obj.get("priority", 0)), obj.get("deadline_s"))
-                except (ValueError, TypeError, AttributeError):
-                    continue
-    return fields
 
 
 def bucket_strategy(spec: str, job: FinishedJob, cfg: EngineConfig):
@@ -262,7 +366,7 @@ def _table_top(cfg: EngineConfig, limit: str) -> int:
 
 def _inflight(job: FinishedJob, cfg: EngineConfig) -> int:
     header = job.log.header
-    return header.get("max_inflight_given") or _INFLIGHT_PER_SEQ * cfg.max_num_seqs * header.get("replicas", 1)
+    return header.get("max_inflight_given") or config.INFLIGHT_PER_SEQ * cfg.max_num_seqs * header.get("replicas", 1)
 
 
 class Refused(ValueError):
@@ -273,15 +377,16 @@ def predict(job: FinishedJob, cfg: EngineConfig, slo: tuple[float, float] | None
     """The simulator's figures for the job's requests under `cfg` (FIGURES, then the rest of its summary; with `slo`,
     (TTFT, TPOT) seconds, the share of requests within both: slo_attainment)."""
     costs = job.log.costs
-    if costs is None:
-        raise ValueError("the step log holds no step-cost table (the job was killed before it ended); rerun the job")
     pages = cfg.num_pages or job.log.header.get("num_pages")  # a --num-pages asked for, else the job's pool
     try:
         result = simulator.simulate(cfg, job.requests, costs, num_pages=pages, max_inflight=_inflight(job, cfg))
     except simulator.RequestRefused as e:
         label = job.labels[e.index] if e.index < len(job.labels) else f"request {e.index}"
         raise Refused(f"{label} cannot run under these settings: {e.reason}") from None
-    summary = result.summary() | ({"slo_attainment": round(result.slo_attainment(*slo), 4)} if slo is not None else {})
+    ttft, tpot = result.ttft_s, result.tpot_s
+    if job.line_starts is not None:  # a line of n samples: its first token is its first sample's, its TPOT its slowest's
+        ttft, tpot = np.fmin.reduceat(ttft, job.line_starts), np.fmax.reduceat(tpot, job.line_starts)
+    summary = result.summary() | line_figures(ttft, tpot, slo)  # per line, as the measured figures
     return {name: summary[name] for name in FIGURES} | {k: v for k, v in summary.items() if k not in FIGURES} | {"simulated_in_s": round(result.seconds, 3)}
 
 
@@ -328,8 +433,9 @@ def whatif(output: Path, *, step_log: Path | None = None, trace: Path | None = N
 
 def _notes(job: FinishedJob, replay: dict) -> list[str]:
     """What makes the replay's error more than the simulator's on this job: a resumed run's log, lines of n samples,
-    and a replay whose steps are not the job's (an interrupted job's unfinished lines, a step log of another job)."""
-    notes = []
+    lines left out, and a replay whose steps are not the job's (an interrupted job's unfinished lines, a step log of
+    another job)."""
+    notes = list(job.left_out)
     if job.log.header.get("resumed"):
         notes.append("the step log is of a resumed run: the measured figures and the replay cover that run's records only")
     if job.has_samples:
@@ -337,7 +443,7 @@ def _notes(job: FinishedJob, replay: dict) -> list[str]:
     ran = (job.log.summary or {}).get("num_steps")
     if ran is not None and ran != replay["num_steps"]:
         notes.append(f"the replay ran {replay['num_steps']} steps where the job ran {ran} (an interrupted job's unfinished lines, n > 1 samples, "
-                     "or the step log of another job): the error is not the simulator's alone")
+                     "lines left out, a refit's tables, or the step log of another job): the error is not the simulator's alone")
     return notes
 
 
@@ -369,7 +475,7 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
     kept = arrivals[fits]
     read = {"path": str(path), "num_requests": len(requests), "num_left_out": int((~fits).sum()), "span_s": round(float(kept.max() - kept.min()), 3),
             "rate": rate, "max_context": max_context}
-    return dataclasses.replace(job, requests=requests, labels=labels), read
+    return dataclasses.replace(job, requests=requests, labels=labels, line_starts=None, left_out=()), read
 
 
 def _slo(ttft_s: float | None, tpot_s: float | None) -> tuple[float, float] | None:

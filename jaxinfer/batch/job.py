@@ -66,7 +66,6 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from jaxinfer import api as api_module
 from jaxinfer.api import LLM, Prompt
 from jaxinfer.batch import embed_lines, step_log
 from jaxinfer.batch import openai as openai_batch
@@ -75,6 +74,7 @@ from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
 from jaxinfer.batch.output_file import RESOLVED, OutputLock, check_resolved, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
 from jaxinfer.batch.records import JobSummary, error_record, record_of, token_bytes_of
+from jaxinfer.config import INFLIGHT_PER_SEQ
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
 from jaxinfer.scheduling.scheduler import PromptTooLongError
 from jaxinfer.validation import FieldError, check_int
@@ -306,6 +306,7 @@ class BatchJob:
         if scan is not None:
             repair_output(self.output, scan)
         done = scan.keys if scan is not None else KeyTable()
+        self.records_before = len(done)  # the output's records before this run (whatif replays the ones after them)
         num_lines, num_todo, ignored = 0, 0, {}
         self.num_runnable = 0  # lines to do that parsed (the others are error records that need no model)
         for line in self.read_lines():
@@ -377,11 +378,13 @@ class BatchJob:
             llm.engine.save_step_costs()
 
     def _step_log_header(self, llm: LLM) -> dict:
-        """What `jaxinfer whatif` needs to replay this run: the input, the engine's settings and pool, the in-flight limit."""
-        inflight = self.runner.max_inflight or api_module._INFLIGHT_PER_SEQ * llm.engine_config.max_num_seqs * len(llm.replicas)
+        """What `jaxinfer whatif` needs to replay this run: the input, the engine's settings and pool, the in-flight limit, the
+        output's records before this run and the sampling defaults' max_tokens (a timed-out line's, where it sets none)."""
+        inflight = self.runner.max_inflight or INFLIGHT_PER_SEQ * llm.engine_config.max_num_seqs * len(llm.replicas)
         return {"input": str(Path(self._input_path).resolve()), "output": str(Path(self.output).resolve()), "engine": step_log.engine_settings(llm.engine_config),
                 "num_pages": llm.engine.num_pages, "max_inflight": inflight, "max_inflight_given": self.runner.max_inflight,
-                "replicas": len(llm.replicas), "resumed": self.resume, "num_skipped": self.summary.num_skipped, "started": time.time()}
+                "replicas": len(llm.replicas), "resumed": self.resume, "num_skipped": self.summary.num_skipped, "records_before": self.records_before,
+                "default_max_tokens": self.runner.defaults.max_tokens, "started": time.time()}
 
     def write(self, records: Iterable[dict]) -> JobSummary:
         """Append each record as it comes. A key already written in this run is dropped (a batch that a

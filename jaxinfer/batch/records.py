@@ -110,20 +110,22 @@ def _byte_alphabet() -> dict[str, int]:
     return chars
 
 
-def error_record(line: InputLine, reason: str, status_code: int = 400, param: str | None = None) -> dict:
-    """The record of a line that could not run, in its format."""
+def error_record(line: InputLine, reason: str, status_code: int = 400, param: str | None = None, output: "RequestOutput | None" = None) -> dict:
+    """The record of a line that could not run, in its format; with the `output` of one the engine queued (it timed
+    out, or a step failed), also its finish_reason and num_prompt_tokens, which `jaxinfer whatif` replays."""
+    queued = {} if output is None else {"finish_reason": output.finish_reason, "num_prompt_tokens": output.num_prompt_tokens}
     if line.fmt == openai_batch.FORMAT:
-        return openai_batch.error_record(line.key, line.request_id, line.number, reason, status_code, param)
-    return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"}
+        return openai_batch.error_record(line.key, line.request_id, line.number, reason, status_code, param) | queued
+    return {"id": line.request_id, "line": line.number, "key": line.key, "status": "error", "error": f"line {line.number}: {reason}"} | queued
 
 
 def record_of(line: InputLine, output: "RequestOutput", token_text=None, token_bytes=None) -> dict:
     """The record of a line that ran (or timed out, or failed in a step), in its format. `token_text`
     (token id -> its text) names the tokens of an OpenAI record's logprobs, `token_bytes` gives their bytes."""
     if output.finish_reason == "timeout":
-        return error_record(line, "timed out: its deadline passed before it started", 408)
+        return error_record(line, "timed out: its deadline passed before it started", 408, output=output)
     if output.finish_reason == "error":
-        return error_record(line, output.error, 500)
+        return error_record(line, output.error, 500, output=output)
     if output.embedding is not None:
         record = embed_lines.record_of(line, output)
     elif line.fmt == openai_batch.FORMAT:

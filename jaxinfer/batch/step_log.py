@@ -132,8 +132,18 @@ class StepLogContents:
     costs: StepCosts | None
 
 
+_STEP_FIELDS = {"t": float, "key": list, "rows": int, "real_tokens": int, "device_s": float, "host_s": float}  # what a replay reads of a step line
+
+
 def read_step_log(path: Path) -> StepLogContents:
     """Read a step log; ValueError naming the file and line for anything that is not one."""
+    try:
+        return _read(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a block read): not a step log") from None
+
+
+def _read(path: Path) -> StepLogContents:
     header, steps, programs, summary, costs = None, [], [], None, None
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -144,10 +154,14 @@ def read_step_log(path: Path) -> StepLogContents:
                 kind = obj["kind"]
                 if kind == "costs":
                     costs = StepCosts.from_json(obj["table"])
+                elif kind == "step" and header is not None:  # a first line is the header's to judge
+                    _check_step(obj)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 if number > 1 and not line.endswith("\n"):
                     break  # a torn last line (the job was killed while writing it)
                 raise ValueError(f"{path}:{number}: not a step-log line ({type(e).__name__}: {e})") from None
+            if header is None and kind == "header" and str(obj.get("format", "")).startswith("jaxinfer-step-log/") and obj["format"] != FORMAT:
+                raise ValueError(f"{path}: a step log of another format ({obj['format']}; this jaxinfer reads {FORMAT})")
             if header is None and (kind != "header" or obj.get("format") != FORMAT):
                 raise ValueError(f"{path}: not a jaxinfer step log (its first line is not a {FORMAT} header)")
             if header is not None and kind == "header":
@@ -159,3 +173,11 @@ def read_step_log(path: Path) -> StepLogContents:
     if header is None:
         raise ValueError(f"{path}: empty step log")
     return StepLogContents(header, steps, programs, summary, costs)
+
+
+def _check_step(obj: dict) -> None:
+    """A step line's fields (_STEP_FIELDS): present, of their kind (an int is a float too); KeyError or TypeError naming one."""
+    for name, kind in _STEP_FIELDS.items():
+        value = obj[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise TypeError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}: {value!r}")

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import INFLIGHT_PER_SEQ, EngineConfig
 from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
@@ -47,9 +47,6 @@ from jaxinfer.scheduling.sim_scheduler import SketchPlan, SketchScheduler
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.validation import FieldError, check_int, check_number
-
-_INFLIGHT_PER_SEQ = 4  # LLM.stream's default in-flight lines of a lazy input, per max_num_seqs
-
 
 @dataclasses.dataclass(frozen=True)
 class SimRequest:
@@ -386,7 +383,7 @@ def simulate(
         if value is not None:
             check_int(name, value, low=1)
     pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-    run = _Run(engine_cfg, requests, costs, pages, max_inflight or _INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
+    run = _Run(engine_cfg, requests, costs, pages, max_inflight or INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
     gc.disable()  # the run makes many objects and no garbage cycle: the cyclic collector's passes over them only cost time
     try:

@@ -98,6 +98,18 @@ def test_a_torn_last_line_is_dropped_and_anything_else_is_named(tmp_path):
     path.write_text(header + "\n" + bad_costs + "\n")
     with pytest.raises(ValueError, match=r":2: not a step-log line \(ValueError: programs must be a list of objects"):
         read_step_log(path)
+    step = json.loads(text.splitlines()[1])
+    for broken, message in ((step | {"rows": "4"}, r":2: not a step-log line \(TypeError: its rows is not an int: '4'\)"),
+                            ({k: v for k, v in step.items() if k != "device_s"}, r":2: not a step-log line \(KeyError: 'device_s'\)")):
+        path.write_text(header + "\n" + json.dumps(broken) + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_step_log(path)
+    path.write_text(header.replace("jaxinfer-step-log/1", "jaxinfer-step-log/2") + "\n")
+    with pytest.raises(ValueError, match=r"a step log of another format \(jaxinfer-step-log/2; this jaxinfer reads jaxinfer-step-log/1\)"):
+        read_step_log(path)
+    path.write_bytes(header.encode() + b"\n\xff\n")
+    with pytest.raises(ValueError, match=r"t.steps.jsonl: not UTF-8 text"):
+        read_step_log(path)
 
 
 def test_the_log_lies_beside_the_outputs_real_path(tmp_path):

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxinfer import whatif
@@ -201,13 +202,49 @@ def _header(edit):
 
 @pytest.mark.slow
 def test_a_resumed_runs_log_replays_that_runs_records_only(finished_job, tmp_path):
-    def resumed(header):
+    def resumed(header):  # a log written before records_before counted the output's records: the lines skipped
         header["resumed"], header["num_skipped"] = True, 2
+        del header["records_before"]
     output = _copy_job(finished_job, tmp_path, edit_log=_header(resumed))
     records = [json.loads(line) for line in finished_job.read_text().splitlines()]
     job = whatif.read_job(output)
     assert len(job.requests) == 4 and job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[2:]]
     assert any("resumed run" in note for note in whatif.whatif(output, progress=False)["notes"])
+
+    def edited(header):  # the input changed before the resume: 2 of its lines were done, but the output held 3 records
+        header["resumed"], header["num_skipped"], header["records_before"] = True, 2, 3
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    job = whatif.read_job(_copy_job(finished_job, folder, edit_log=_header(edited)))
+    assert job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[3:]]  # the records this run wrote, not one before it
+
+
+@pytest.mark.slow
+def test_a_line_of_n_samples_is_n_requests_and_one_measured_and_predicted_ttft(finished_job, tmp_path):
+    def two_samples(records):
+        first = json.loads(records[0])
+        first["samples"] = [{"num_generated_tokens": first["num_generated_tokens"]}, {"num_generated_tokens": 3}]
+        return [json.dumps(first) + "\n", *records[1:]]
+
+    output = _copy_job(finished_job, tmp_path, edit_records=two_samples)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    job = whatif.read_job(output)
+    by_line = sorted(records, key=lambda r: r["line"])
+    assert len(job.requests) == 7 and job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in by_line]  # one TTFT a line
+    first = next(i for i, r in enumerate(by_line) if r["line"] == records[0]["line"])
+    assert [r.output_tokens for r in job.requests[first : first + 2]] == [records[0]["num_generated_tokens"], 3]
+    assert job.line_starts.tolist() == [i + (i > first) for i in range(6)]
+    report = whatif.whatif(output, progress=False, slo_ttft_s=1000.0)
+    assert report["measured"]["slo_attainment"] == 1.0 and report["replay"]["slo_attainment"] == 1.0  # six lines, not seven requests
+    ttfts = sorted(r["time_to_first_token_s"] for r in records)
+    assert report["measured"]["ttft_p50_s"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
+
+
+def _edit_first(**fields):
+    """An edit of the output's records: the first one's fields set to these."""
+    def edit(records):
+        return [json.dumps(json.loads(records[0]) | fields) + "\n", *records[1:]]
+    return edit
 
 
 @pytest.mark.slow
@@ -224,7 +261,11 @@ def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_pa
 
     cases = [(dict(edit_records=lambda records: records + ["5\n"]), r"out.jsonl:7: not a JSON record \(a JSON int\)"),
              (dict(edit_records=drop_prompt_count), r"out.jsonl:1: not a jaxinfer or OpenAI batch result record \(no 'num_prompt_tokens'\)"),
-             (dict(edit_records=null_ttft), r"out.jsonl:1: the record's time_to_first_token_s is not a number: None"),
+             (dict(edit_records=null_ttft), r"out.jsonl:1: the record's time_to_first_token_s is not a number of seconds: None"),
+             (dict(edit_records=_edit_first(num_generated_tokens="many")), r"out.jsonl:1: the record's num_generated_tokens is not a count: 'many'"),
+             (dict(edit_records=_edit_first(num_prompt_tokens=37.5)), r"out.jsonl:1: the record's num_prompt_tokens is not a count of at least 1: 37.5"),
+             (dict(edit_records=_edit_first(line="2")), r"out.jsonl:1: the record's line is not a count of at least 1: '2'"),
+             (dict(edit_records=_edit_first(samples=[{"text": "a"}])), r"out.jsonl:1: not a jaxinfer or OpenAI batch result record \(no 'num_generated_tokens'\)"),
              (dict(edit_log=_header(lambda header: header["engine"].update(future_field=1))), r"fields this jaxinfer lacks: future_field"),
              (dict(edit_log=_header(lambda header: header.pop("engine"))), r"holds no engine settings")]
     for i, (edits, message) in enumerate(cases):
@@ -244,10 +285,12 @@ def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_pa
 @pytest.mark.slow
 def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(tmp_path, compile_cache):
     """Chat lines whose first one generates the most, so the results are written in another order than the input's,
-    and a chat template every prompt shares: the replay, put back in input order by custom_id with the cached tokens of
-    usage.prompt_tokens_details, runs the job's steps with its padding."""
+    a chat template every prompt shares, and a last line of a higher priority (-1, in its body): the replay, put back
+    in input order by custom_id with the cached tokens of usage.prompt_tokens_details and the priority, runs the job's
+    steps with its padding."""
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 24 - 4 * i}} for i, q in enumerate(QUESTIONS[:5])]
+              "body": {"model": "default", "messages": [{"role": "user", "content": q}], "max_tokens": 24 - 4 * i, **({"priority": -1} if i == 4 else {})}}
+             for i, q in enumerate(QUESTIONS[:5])]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     output = tmp_path / "out.jsonl"
     result = cli("generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(output), "--compile-cache", compile_cache,
@@ -257,6 +300,7 @@ def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(t
     assert [r["custom_id"] for r in records] != [line["custom_id"] for line in lines]  # written as they finished
     assert max(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in records) > 0
     summary = next(json.loads(line) for line in output.with_name("out.jsonl.steps.jsonl").read_text().splitlines() if '"summary"' in line)
+    assert [r.priority for r in whatif.read_job(output).requests] == [0, 0, 0, 0, -1]  # read from the body, as the job read it
     report = whatif_json(output)
     assert report["replay"]["num_steps"] == summary["num_steps"] and report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
     assert report["notes"] == []
@@ -277,3 +321,26 @@ def test_a_setting_that_refuses_a_request_names_its_input_line_and_leaves_the_gr
     refused, ran = report["grid"]
     assert refused["predicted"] is None and "cannot run under these settings" in refused["refused"] and ran["best"]
     assert report["changes"] == {"num_pages": 65} and "refused: input line" in whatif.format_report(report)
+
+
+@pytest.mark.slow
+def test_lines_that_timed_out_are_replayed_with_their_deadlines_and_count_against_the_slo(tmp_path, compile_cache):
+    """One sequence at a time, the earliest deadline first: of the four lines in flight at the start, each with a
+    deadline of 50 ms, those whose deadline passes before their turn time out in the job. Their records keep their prompt's size, so the replay queues them too, with their deadlines, and the SLO's share
+    counts them as misses, measured and replayed alike."""
+    lines = [{"id": f"d{i}", "messages": [{"role": "user", "content": q}], "max_tokens": 20, **({"deadline_s": 0.05} if i < 4 else {})}
+             for i, q in enumerate(QUESTIONS)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out.jsonl"
+    result = cli("generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(output), "--compile-cache", compile_cache,
+                 *ENGINE_FLAGS[:2], "--max-num-seqs", "1", *ENGINE_FLAGS[4:], "--policy", "edf")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    timed_out = [r for r in records if r["status"] == "error"]
+    assert timed_out and all(r["finish_reason"] == "timeout" and r["num_prompt_tokens"] > 0 for r in timed_out)
+    job = whatif.read_job(output)
+    assert len(job.requests) == 6 and [r.deadline_s for r in job.requests] == [0.05] * 4 + [None] * 2  # the first 4 lines are in flight at once
+    assert int(np.isnan(job.ttft_s).sum()) == len(timed_out)
+    report = whatif.whatif(output, progress=False, slo_ttft_s=1000.0)
+    assert report["measured"]["slo_attainment"] == round(1 - len(timed_out) / 6, 4)
+    assert report["replay"]["finish_reasons"].get("timeout", 0) >= 1 and report["notes"] == []
