@@ -104,6 +104,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--max-context", type=int, default=_engine_default("max_context"), help="tokens per sequence, prompt + output (default: %(default)s)")
     group.add_argument("--max-num-seqs", type=int, default=_engine_default("max_num_seqs"), help="sequences decoded together at most (default: %(default)s)")
+    group.add_argument("--max-prefill-tokens", type=int, default=_engine_default("max_prefill_tokens"),
+                       help="prompt tokens one step prefills at most, the largest chunk (vLLM's --max-num-batched-tokens for prefill; default: %(default)s)")
     group.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: a share of free memory)")
     group.add_argument("--page-size", type=int, default=_engine_default("page_size"), help="tokens per KV page (default: %(default)s)")
     group.add_argument(
@@ -251,7 +253,7 @@ def _add_tune_parser(commands) -> None:
 # Field names of SamplingParams / EngineConfig -> the flag that sets them, so errors use the user's words.
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
 _ENGINE_FLAGS = {
-    "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "num_pages": "--num-pages", "page_size": "--page-size",
+    "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "max_prefill_tokens": "--max-prefill-tokens", "num_pages": "--num-pages", "page_size": "--page-size",
     "attention_impl": "--attention", "matmul_impl": "--matmul", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
     "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel", "dtype": "--dtype", "parse_special": "--no-parse-special",
 }
@@ -280,7 +282,7 @@ def _engine_config(args):
 
     try:
         return EngineConfig(
-            max_context=args.max_context, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages, page_size=args.page_size,
+            max_context=args.max_context, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, matmul_impl=args.matmul, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
             enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic, policy=args.policy,
         )

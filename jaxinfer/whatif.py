@@ -36,7 +36,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
 from jaxinfer import config
 from jaxinfer.config import EngineConfig
-from jaxinfer.scheduling.bucket_tables import cut_table
+from jaxinfer.scheduling.bucket_tables import BucketTables, cut_table
 from jaxinfer.scheduling import simulator
 from jaxinfer.scheduling.request import SamplingParams
 from jaxinfer.scheduling.simulator import SimRequest
@@ -440,6 +440,11 @@ def _notes(job: FinishedJob, replay: dict) -> list[str]:
         notes.append("the step log is of a resumed run: the measured figures and the replay cover that run's records only")
     if job.has_samples:
         notes.append("lines of n > 1 samples are replayed as n requests that each compute the prompt (the job shares it)")
+    chunks = set(BucketTables.from_config(job.engine_config).chunk_tokens)
+    refitted = sorted({p["key"][2] for p in job.log.programs if p["key"][0] == "prefill" and p["key"][2] not in chunks})
+    if refitted:
+        notes.append(f"the job's prefill steps ran chunk buckets its starting tables lack ({', '.join(map(str, refitted))}: a refit swapped its "
+                     "tables during the job); the replay runs on the tables it started with")
     ran = (job.log.summary or {}).get("num_steps")
     if ran is not None and ran != replay["num_steps"]:
         notes.append(f"the replay ran {replay['num_steps']} steps where the job ran {ran} (an interrupted job's unfinished lines, n > 1 samples, "
@@ -538,6 +543,9 @@ def format_report(report: dict) -> str:
         err = report["replay_error"][name]
         lines.append(f"{name:<14} {_fmt(report['measured'][name]):>12} {_fmt(report['replay'][name]):>12} {'-' if err is None else f'{err:+.1%}':>8}"
                      + ("" if grid else f" {_fmt(report['predicted'][name]):>12}"))
+    if "buckets" in report["changes"]:
+        lines.append("(--buckets is whatif's: a job takes such tables from Python, EngineConfig(buckets=...) with bucketing.strategies.EngineBuckets, "
+                     "or fits its own with jaxinfer generate --plan)")
     return "\n".join(lines + (_grid_lines(report) if grid else []))
 
 

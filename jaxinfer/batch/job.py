@@ -157,10 +157,8 @@ class LineRunner:
             try:
                 if line.problem is not None:
                     raise LineError(line.problem, line.status_code, line.param)
-                if embed_lines.options_of(line) is not None:  # prefilled in this stream, pooled, nothing generated
-                    prompt = embed_lines.prompt_of(llm, line, index=next(counter))
-                else:
-                    prompt = self._prepare(llm, line, index=next(counter))
+                prompt = self.prompt_of(llm, line, index=next(counter))
+                if embed_lines.options_of(line) is None:
                     line = self._echo_as_scored(llm, line, prompt)
             except LineError as e:
                 pending.append(error_record(line, str(e), e.status_code, e.param))
@@ -170,6 +168,13 @@ class LineRunner:
             index_to_line[prompt.index] = line
             yield prompt
         done[0] = True
+
+    def prompt_of(self, llm: LLM, line: InputLine, *, index: int) -> Prompt:
+        """The line's prompt as the job runs it: an embedding line's (prefilled, pooled, nothing generated), else
+        a generation's; LineError for a line that cannot run."""
+        if embed_lines.options_of(line) is not None:
+            return embed_lines.prompt_of(llm, line, index=index)
+        return self._prepare(llm, line, index=index)
 
     def host_error(self, line: InputLine) -> LineError | None:
         """The error a parsed line's sampling fields give before any model is needed (None: it may run)."""

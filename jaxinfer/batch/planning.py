@@ -114,7 +114,7 @@ def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample
     prompts, outputs = [], []
     for index, line in enumerate(lines):
         try:
-            prompt = job.runner._prepare(llm, line, index=index)  # exactly as the job will prepare it
+            prompt = job.runner.prompt_of(llm, line, index=index)  # exactly as the job will prepare it (an embedding line: its prefill alone)
         except ValueError:  # a LineError: the line's own error record, not part of the workload
             continue
         for _ in range(prompt.params.n):
@@ -235,7 +235,8 @@ def grid_values(base: EngineConfig, options: PlanOptions) -> list[tuple[int, int
     """The (max_num_seqs, max_prefill_tokens) a plan tries: within the given max_num_seqs and the context; in
     deterministic mode only those whose tables are the given config's (so every program shape is kept)."""
     seqs = {s for s in options.max_num_seqs if s <= base.max_num_seqs} | {base.max_num_seqs}
-    tokens = {min(t, base.max_context) for t in options.max_prefill_tokens} | {base.max_prefill_tokens}
+    given = min(base.max_prefill_tokens, base.max_context)  # a budget over the context chunks as the context does
+    tokens = {min(t, base.max_context) for t in options.max_prefill_tokens if min(t, base.max_context) != given} | {base.max_prefill_tokens}
     points = [(s, t) for s in sorted(seqs) for t in sorted(tokens)]
     if base.deterministic:
         tables = BucketTables.from_config(base)
@@ -320,7 +321,9 @@ def make_plan(sample: WorkloadSample, given: EngineConfig, costs: StepCosts, opt
     if given.num_pages is None:
         raise ValueError("make_plan needs the engine's pool: given.num_pages (Engine.num_pages)")
     costs = costs.monotone()
-    base = dataclasses.replace(given, policy="prefix") if given.enable_prefix_caching and sample.shared_fraction >= options.prefix_share else given
+    # from the default policy only: a policy asked for (edf's deadlines, adaptive's latency target) is the user's to keep
+    shares = given.enable_prefix_caching and sample.shared_fraction >= options.prefix_share
+    base = dataclasses.replace(given, policy="prefix") if shares and given.policy == EngineConfig().policy else given
     requests = sample.requests(options.simulated_requests)
     budget = options.program_budget or num_programs(given)
     grid = tuple(evaluate(base, requests, costs, budget, s, t) for s, t in grid_values(base, options))

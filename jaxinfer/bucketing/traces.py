@@ -292,18 +292,20 @@ def replay(llm, prompts: list, sampling_params, arrival_s, *, rate: float = 1.0,
 
 
 def replay_report(outputs: list, arrivals, *, slo_ttft_s: float = DEFAULT_SLO_TTFT_S, slo_tpot_s: float = DEFAULT_SLO_TPOT_S) -> dict:
-    """TTFT and TPOT percentiles, throughput and goodput (requests per second meeting both SLOs, as
+    """TTFT and TPOT percentiles over the requests that finished (stop or length: one that timed out or failed has no
+    first token, as the simulator's NaN says), throughput and goodput (requests per second meeting both SLOs, as
     DistServe counts it) of a replay; its duration runs from the first arrival to the last finish."""
     arrivals = np.asarray(arrivals, np.float64)
-    ttft = np.array([o.time_to_first_token for o in outputs])
-    tpot = np.array([o.metrics.time_per_output_token_s for o in outputs])
+    finished = np.array([o.finish_reason in ("stop", "length") for o in outputs], bool)
+    ttft = np.array([o.time_to_first_token for o in outputs], np.float64)
+    tpot = np.array([o.metrics.time_per_output_token_s for o in outputs], np.float64)
     duration = float(max(arrivals[o.index] + o.latency for o in outputs) - arrivals.min())
-    met = int(np.sum(slo_met(ttft, tpot, [o.finish_reason in ("stop", "length") for o in outputs], slo_ttft_s, slo_tpot_s)))
+    met = int(np.sum(slo_met(ttft, tpot, finished, slo_ttft_s, slo_tpot_s)))
+    pct = lambda values, q, digits: round(float(np.percentile(values[finished], q)), digits) if finished.any() else None  # noqa: E731
     tokens = sum(o.num_generated_tokens for o in outputs)
     return {
         "num_requests": len(outputs), "duration_s": round(duration, 4), "output_tokens_per_s": round(tokens / duration, 3),
         "requests_per_s": round(len(outputs) / duration, 4), "goodput_requests_per_s": round(met / duration, 4), "slo_attainment": round(met / len(outputs), 4),
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
-        **{f"ttft_p{q}_s": round(float(np.percentile(ttft, q)), 4) for q in (50, 99)},
-        **{f"tpot_p{q}_s": round(float(np.percentile(tpot, q)), 5) for q in (50, 99)},
+        "num_finished": int(finished.sum()), **{f"ttft_p{q}_s": pct(ttft, q, 4) for q in (50, 99)}, **{f"tpot_p{q}_s": pct(tpot, q, 5) for q in (50, 99)},
     }

@@ -80,6 +80,11 @@ class SchedulingPolicy:
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """One step ran: its plan and how long it took (wall clock, or a simulator's model)."""
 
+    def use_config(self, cfg: EngineConfig) -> None:
+        """The scheduler's config changed between steps (a refit's tables; the limits are the same): what the
+        policy derives from it follows."""
+        self.cfg = cfg
+
 
 class ShortestPromptFirst(SchedulingPolicy):
     """Within a priority, the shortest prompt first (then arrival): short requests stop queueing behind long prefills."""
@@ -90,20 +95,29 @@ class ShortestPromptFirst(SchedulingPolicy):
         return (request.priority, len(request.prompt_ids), request.arrival_index)
 
 
-class StepWindow:
-    """The last `size` steps: phase, prefill tokens computed, real sequences, seconds."""
+class PrefillRate:
+    """How fast the engine prefills while it does: the prefill tokens of the last `size` iterations that held a
+    prefill step, over their seconds (the prefill step's and the same iteration's decode steps', which share the
+    device). An iteration without a prefill (nothing waiting, or no slot free) says nothing of it, so a quiet spell
+    neither lowers the rate nor forgets it."""
 
     def __init__(self, size: int):
-        self.steps: collections.deque[tuple[str, int, int, float]] = collections.deque(maxlen=check_int("window", size, low=1))
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=check_int("window", size, low=1))  # (tokens, seconds)
+        self._decode: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
 
     def add(self, plan: StepPlan, seconds: float) -> None:
-        tokens = sum(plan.num_new_tokens) if plan.phase == "prefill" else 0
-        self.steps.append((plan.phase, tokens, len(plan.request_ids), float(seconds)))
+        if plan.phase == "decode":  # an iteration's decode plans hold disjoint rows and come before its prefill plan
+            rows = set(plan.request_ids)
+            seen, spent = self._decode if self._decode is not None and rows.isdisjoint(self._decode[0]) else (set(), 0.0)
+            self._decode = (seen | rows, spent + float(seconds))
+            return
+        spent = self._decode[1] if self._decode is not None else 0.0
+        self._decode = None
+        self.samples.append((sum(plan.num_new_tokens), float(seconds) + spent))
 
-    def prefill_tokens_per_second(self) -> float | None:
-        """Prefill tokens over the window's wall time, decode steps included (they share the device); None
-        before a prefill step has been seen."""
-        tokens, seconds = sum(s[1] for s in self.steps), sum(s[3] for s in self.steps)
+    def tokens_per_second(self) -> float | None:
+        """None before a prefill step has been seen."""
+        tokens, seconds = sum(s[0] for s in self.samples), sum(s[1] for s in self.samples)
         return tokens / seconds if tokens and seconds > 0 else None
 
 
@@ -114,9 +128,10 @@ class EarliestDeadlineFirst(SchedulingPolicy):
 
     A request's start is estimated as now + (prefill tokens ahead of it: running prompts' remaining tokens,
     then the prompts before it in admission order that are kept) / prefill throughput. The throughput is
-    `tokens_per_second` when given, else measured over the last `window` steps (`observe`); before any
-    prefill has been measured nothing is shed. Cached prefixes are not subtracted, and waits for a free
-    sequence slot are not added.
+    `tokens_per_second` when given, else measured over the last `window` iterations that prefilled (`observe`,
+    PrefillRate: an idle spell leaves it as it was); before any prefill has been measured nothing is shed.
+    Cached prefixes are not subtracted, and waits for a free sequence slot are not added. A request the
+    scheduler has admitted once has started, and is never shed (nor expired) after a preemption.
     """
 
     name = "edf"
@@ -126,13 +141,13 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         if tokens_per_second is not None:
             tokens_per_second = check_number("tokens_per_second", tokens_per_second, low=0.0, high=math.inf, low_open=True)
         self.tokens_per_second = tokens_per_second
-        self.window = StepWindow(window)
+        self.rate = PrefillRate(window)
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
-        self.window.add(plan, seconds)
+        self.rate.add(plan, seconds)
 
     def shed(self, view: SchedulerView, now: float) -> list[Request]:
-        rate = self.tokens_per_second or self.window.prefill_tokens_per_second()
+        rate = self.tokens_per_second or self.rate.tokens_per_second()
         left = view.waiting.num_with_deadline  # the walk ends after the last of them
         if rate is None or not left:
             return []
@@ -141,7 +156,7 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         for request in view.waiting.first(len(view.waiting)):
             if request.deadline is not None:
                 left -= 1
-                if not request.output_ids and now + ahead / rate > request.deadline:
+                if request.admit_index < 0 and now + ahead / rate > request.deadline:  # not started yet (RequestQueue.expire's rule)
                     shed.append(request)
                     continue
             if not left:
@@ -232,8 +247,9 @@ class AdaptiveBudgets(SchedulingPolicy):
     """First-come-first-served order, with the prefill token budget (chunk size) and the decode width steered
     toward a step-latency target (`EngineConfig.latency_target_s`).
 
-    Every `window` steps of a phase, the p99 of their latencies is compared with the target: over it, that
-    phase's limit shrinks (x `shrink`, down to its floor); under `headroom` x the target while the limit was
+    Every `window` steps of a phase, the p99 of their latencies (a decode step's only where its rows were within the
+    width: a narrower width takes effect as running rows finish) is compared with the target: over it, that phase's
+    limit shrinks (x `shrink`, down to its floor); under `headroom` x the target while the limit was
     used (mean utilisation, tokens / budget or rows / width, at least `busy`), it grows (x `grow`, up to the
     configured maximum). Floors are the smallest chunk bucket and the smallest decode-row bucket, so every
     budget maps to programs compiled at warm-up. `changes` records (step, phase, p99, new limit).
@@ -253,14 +269,26 @@ class AdaptiveBudgets(SchedulingPolicy):
         self.window = check_int("window", window, low=1)
         self.shrink, self.grow = check_number("shrink", shrink, low=0.0, high=1.0, low_open=True), check_number("grow", grow, low=1.0, high=math.inf)
         self.headroom, self.busy = check_number("headroom", headroom, low=0.0, high=1.0), check_number("busy", busy, low=0.0, high=1.0)
-        tables = BucketTables.from_config(cfg)
-        self.limits = {"prefill": (min(tables.chunk_tokens[0], cfg.max_prefill_tokens), cfg.max_prefill_tokens),
-                       "decode": (min(tables.decode_rows[0], cfg.max_num_seqs), cfg.max_num_seqs)}
+        self.limits = self._limits(cfg)
         self.current = {"prefill": cfg.max_prefill_tokens, "decode": cfg.max_num_seqs}
-        self._seen: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}  # (seconds, utilisation)
+        self._seen: dict[str, list[tuple[float, float, int]]] = {"prefill": [], "decode": []}  # (seconds, utilisation, tokens or rows used)
         self._decode: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
         self.num_steps = 0
         self.changes: list[tuple[int, str, float, int]] = []
+
+    @staticmethod
+    def _limits(cfg: EngineConfig) -> dict[str, tuple[int, int]]:
+        """Each phase's (floor, ceiling): the smallest bucket of its table, and its configured limit."""
+        tables = BucketTables.from_config(cfg)
+        return {"prefill": (min(tables.chunk_tokens[0], cfg.max_prefill_tokens), cfg.max_prefill_tokens),
+                "decode": (min(tables.decode_rows[0], cfg.max_num_seqs), cfg.max_num_seqs)}
+
+    def use_config(self, cfg: EngineConfig) -> None:
+        """New tables (a refit): the floors are their smallest buckets, each limit in force kept within them."""
+        super().use_config(cfg)
+        self.limits = self._limits(cfg)
+        for phase, (floor, ceiling) in self.limits.items():
+            self.current[phase] = min(ceiling, max(floor, self.current[phase]))
 
     def prefill_budget(self) -> int:
         return self.current["prefill"]
@@ -289,16 +317,22 @@ class AdaptiveBudgets(SchedulingPolicy):
 
     def _record(self, phase: str, seconds: float, used: int) -> None:
         seen = self._seen[phase]
-        seen.append((seconds, min(1.0, used / self.current[phase])))
+        seen.append((seconds, min(1.0, used / self.current[phase]), used))
         if len(seen) >= self.window:
             self._steer(phase, seen)
             seen.clear()
 
-    def _steer(self, phase: str, seen: list[tuple[float, float]]) -> None:
-        p99 = float(np.percentile([s for s, _ in seen], 99))
-        utilisation = sum(u for _, u in seen) / len(seen)
-        floor, ceiling = self.limits[phase]
+    def _steer(self, phase: str, seen: list[tuple[float, float, int]]) -> None:
         value = self.current[phase]
+        # A narrower decode width stops admissions and takes effect only as running rows finish: the latency it answers
+        # for is that of the steps within it. Judged on every step, a narrowing not yet in force would be narrowed
+        # again, window after window, down to the floor while the latency stays the same.
+        seconds = [s for s, _, used in seen if phase != "decode" or used <= value]
+        if not seconds:
+            return
+        p99 = float(np.percentile(seconds, 99))
+        utilisation = sum(u for _, u, _ in seen) / len(seen)
+        floor, ceiling = self.limits[phase]
         if p99 > self.target_s:
             value = max(floor, int(value * self.shrink))
         elif p99 < self.headroom * self.target_s and utilisation >= self.busy:

@@ -137,15 +137,16 @@ class RequestQueue:
     # ------------------------------------------------------------ deadlines
 
     def expire(self, now: float) -> list[Request]:
-        """Take out and return, in line order, the requests whose deadline is before `now` and that have
-        not generated a token yet. O(log n) per entry past its deadline; O(1) when none is."""
+        """Take out and return, in line order, the requests whose deadline is before `now` and that have not
+        started (never admitted: one preempted after its admission, with or without a token, has started). O(log n)
+        per entry past its deadline; O(1) when none is."""
         expired = []
         heap = self._deadlines
         while heap and heap[0][0] < now:
             _, seq, request = heapq.heappop(heap)
-            if self._seq_of.get(request) == seq and not request.output_ids:
+            if self._seq_of.get(request) == seq and request.admit_index < 0:
                 expired.append((seq, request))
-            # a live request with output tokens never expires while it waits: its entry is just dropped
+            # a live request that started never expires while it waits: its entry is just dropped
         for _, request in expired:
             self.remove(request)
         return [request for _, request in sorted(expired, key=lambda pair: pair[0])]

@@ -95,9 +95,11 @@ class Scheduler:
 
     def use_config(self, cfg: EngineConfig) -> None:
         """Plan with `cfg`'s bucket tables from the next iteration on (batch/refit.py swaps a refitted chunk table in
-        between steps); the pool, the policy and the requests stay as they are."""
+        between steps); the pool, the policy (told of the new config: SchedulingPolicy.use_config) and the requests stay
+        as they are."""
         self.cfg, self.tables = cfg, BucketTables.from_config(cfg)
         self._program_costs.clear()
+        self.policy.use_config(cfg)
 
     @property
     def block_pool(self) -> BlockPool:

@@ -119,6 +119,15 @@ def test_the_plan_is_the_grids_fastest_point_and_shared_prefixes_turn_on_the_pre
     plan = planning.make_plan(_sample(prompts, outputs, shared), CONFIG, planning.prior_costs(), options)
     assert plan.config.policy == "prefix" and plan.prefill_tokens_saved == shared.sum()
     assert "prefill tokens saved" in plan.summary() and "policy                 fcfs -> prefix" in plan.summary()
+    for asked in ("edf", "adaptive", "shortest-prompt"):  # a policy asked for is the user's: only the default gives way
+        given = dataclasses.replace(CONFIG, policy=asked)
+        assert planning.make_plan(_sample(prompts, outputs, shared), given, planning.prior_costs(), options).config.policy == asked
+
+
+def test_the_grid_tries_one_prefill_budget_per_effect_under_a_short_context():
+    base = EngineConfig(num_pages=400, max_num_seqs=16, max_context=256, max_prefill_tokens=512)  # 512 prefills as 256 would
+    points = planning.grid_values(base, planning.PlanOptions(max_num_seqs=(16,), max_prefill_tokens=(128, 256, 512, 1024)))
+    assert points == [(16, 128), (16, 512)]
 
 
 def test_in_deterministic_mode_the_grid_keeps_every_table():
@@ -163,16 +172,25 @@ def test_a_planned_deterministic_job_writes_the_same_tokens_as_an_unplanned_one(
 
 @pytest.mark.slow
 def test_the_plan_counts_requests_to_run_and_takes_scored_lines_and_lines_that_cannot_run(tmp_path, capsys, compile_cache):
-    """Two lines of n=2, a scored prompt (max_tokens 0), a prompt over the context and a line that is not JSON: the
-    sample holds 5 requests, standing for the 5 the job will run (the other two lines are error records); a file of
-    lines none of which can run is planned from nothing and says so."""
+    """Two lines of n=2, a scored prompt (max_tokens 0), an embedding line, a prompt over the context and a line that
+    is not JSON: the sample holds 6 requests, standing for the 6 the job will run (the other two lines are error
+    records), the embedding line's of one token (its max_tokens is not a generation's); a file of lines none of which
+    can run is planned from nothing and says so."""
     lines = [json.dumps({"id": i, "prompt": f"Write a line about the number {i}.", "max_tokens": 6, "n": 2, "temperature": 0.8, "seed": i}) for i in range(2)]
     lines += [json.dumps({"id": "scored", "prompt": "The sky is blue.", "max_tokens": 0, "prompt_logprobs": 1}),
+              json.dumps({"id": "embedded", "prompt": "The sea is green.", "embed": True, "max_tokens": 500}),  # pooled: its prefill alone
               json.dumps({"id": "long", "prompt": "word " * 1000, "max_tokens": 6}), "{not json"]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     args = ["--output", str(tmp_path / "out.jsonl"), "--plan-only", "--max-context", "512", "--compile-cache", compile_cache]
     assert main(["generate", "--input", str(tmp_path / "in.jsonl"), *args]) == 0
-    assert "plan: 5 sampled requests of 5 lines to do (about 5 requests to run)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan: 6 sampled requests of 6 lines to do (about 6 requests to run)" in out, out
+    (tmp_path / "embed.jsonl").write_text("".join(json.dumps({"id": i, "prompt": f"Sentence {i} to embed.", "embed": True}) + "\n" for i in range(4)))
+    plans = []
+    for max_tokens in ("1", "200"):  # the default max_tokens is a generation's: an embedding line generates nothing whatever it is
+        assert main(["generate", "--input", str(tmp_path / "embed.jsonl"), *args, "--max-tokens", max_tokens]) == 0
+        plans.append([line for line in capsys.readouterr().out.splitlines() if "predicted wall time" in line or "decode_batch_buckets" in line])
+    assert plans[0] == plans[1] and len(plans[0]) == 2, plans
     (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "prompt": "word " * 1000, "max_tokens": 6}) + "\n")
     assert main(["generate", "--input", str(tmp_path / "long.jsonl"), *args]) == 0
     assert "plan: no sampled line can run" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 steps, and times it from then; traces.replay scales a trace's times by a rate and reports TTFT, TPOT,
 throughput and goodput, here checked against the outputs by hand."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -51,5 +52,12 @@ def test_replay_scales_the_trace_and_reports_what_the_outputs_say(llm):
     assert report["duration_s"] == pytest.approx(duration, abs=1e-3) and report["goodput_requests_per_s"] <= report["requests_per_s"]
     assert report["ttft_p99_s"] == round(float(np.percentile(ttft, 99)), 4)
     assert replay_report(outputs, ARRIVALS, slo_ttft_s=0.0, slo_tpot_s=0.0)["goodput_requests_per_s"] == 0.0
+    # two requests shed at arrival (a deadline policy's timeouts): no first token, so no TTFT, and no SLO met
+    shed = [dataclasses.replace(o, finish_reason="timeout", token_ids=[], num_generated_tokens=0, time_to_first_token=0.0, latency=0.0)
+            if o.index in (1, 4) else o for o in outputs]
+    kept = np.array([o.time_to_first_token for o in outputs if o.index not in (1, 4)])
+    report = replay_report(shed, ARRIVALS, slo_ttft_s=100.0, slo_tpot_s=100.0)
+    assert report["num_finished"] == 4 and report["slo_attainment"] == round(4 / 6, 4)
+    assert report["ttft_p50_s"] == round(float(np.percentile(kept, 50)), 4)  # not pulled toward 0 by the requests shed
     with pytest.raises(ValueError, match="rate"):
         replay(llm, prompts, params, ARRIVALS, rate=0.0)

@@ -33,10 +33,21 @@ def test_flag_defaults_are_the_library_s_defaults():
         assert actions[field].default == getattr(load, field), field
     for field in ("temperature", "top_k", "top_p", "seed", "max_tokens"):
         assert actions[field].default == getattr(sampling, field), field
-    for flag, field in (("max_context", "max_context"), ("max_num_seqs", "max_num_seqs"), ("page_size", "page_size"), ("engine_seed", "seed")):
+    for flag, field in (("max_context", "max_context"), ("max_num_seqs", "max_num_seqs"), ("max_prefill_tokens", "max_prefill_tokens"), ("page_size", "page_size"),
+                        ("engine_seed", "seed")):
         assert actions[flag].default == getattr(engine, field), flag
     assert actions["truncate"].default == "none" and actions["attention"].default == engine.attention_impl
     assert actions["matmul"].default == engine.matmul_impl == "auto"
+
+
+def test_every_limit_whatif_can_change_is_a_generate_flag_that_reaches_the_engine_config():
+    """`jaxinfer whatif` prints its best settings as flags; those a job takes reach its EngineConfig, a bad one named by its flag."""
+    parser = cli._build_parser()
+    args = parser.parse_args(["generate", "--input", "in.jsonl", "--output", "out.jsonl", "--max-num-seqs", "8", "--max-prefill-tokens", "128", "--num-pages", "300"])
+    cfg = cli._engine_config(args)
+    assert (cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.num_pages) == (8, 128, 300)
+    with pytest.raises(ValueError, match="--max-prefill-tokens must be >= 1"):
+        cli._engine_config(parser.parse_args(["generate", "--input", "in.jsonl", "--output", "out.jsonl", "--max-prefill-tokens", "0"]))
 
 
 def test_load_options_refuse_bad_values_naming_the_field():

@@ -240,6 +240,18 @@ def test_a_line_of_n_samples_is_n_requests_and_one_measured_and_predicted_ttft(f
     assert report["measured"]["ttft_p50_s"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
 
 
+@pytest.mark.slow
+def test_a_job_whose_prefill_ran_buckets_its_starting_tables_lack_is_noted_as_refitted(finished_job, tmp_path):
+    def refitted(log):  # a refit's chunk bucket in the per-program totals (the header keeps the tables the job started with)
+        lines = [json.loads(line) for line in log]
+        program = next(line for line in lines if line["kind"] == "program" and line["key"][0] == "prefill")
+        program["key"][2] = 40
+        return [json.dumps(line) + "\n" for line in lines]
+
+    notes = whatif.whatif(_copy_job(finished_job, tmp_path, edit_log=refitted), progress=False)["notes"]
+    assert any("chunk buckets its starting tables lack (40: a refit swapped its tables" in note for note in notes), notes
+
+
 def _edit_first(**fields):
     """An edit of the output's records: the first one's fields set to these."""
     def edit(records):

@@ -4,6 +4,7 @@ budgets); the prefix policy's prefill saving on a shared-preamble workload (dry 
 name. The last test runs the real default model in deterministic mode: a policy changes which step computes
 a token, never the token."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -14,9 +15,13 @@ from hypothesis import strategies as st
 from jaxinfer.config import POLICIES, EngineConfig
 from jaxinfer.scheduling import runloop
 from jaxinfer.scheduling.bucket_tables import BucketTables
-from jaxinfer.scheduling.policies import REGISTRY, AdaptiveBudgets, EarliestDeadlineFirst, PrefixAware, SchedulingPolicy, make_policy
+from jaxinfer.scheduling.plan import BucketKey
+from jaxinfer.scheduling.policies import REGISTRY, AdaptiveBudgets, EarliestDeadlineFirst, PrefillRate, PrefixAware, SchedulingPolicy, make_policy
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
+from jaxinfer.scheduling.sim_scheduler import SketchPlan
+from jaxinfer.scheduling.simulator import SimRequest, simulate
+from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.validation import FieldError
 
 from fakes import FakePagedEngine, expected_output, request, run_to_completion, small_config
@@ -127,15 +132,15 @@ def test_edf_sheds_a_request_whose_deadline_can_no_longer_be_met_so_the_next_mee
     assert scheduler.expire(now=100.0) == []
 
 
-def test_edf_never_sheds_a_preempted_request_that_has_output_tokens():
-    """A request that has started (it holds generated tokens, re-queued after preemption) is past its
-    deadline's meaning, as in the queue's own expiry; the same request without output is shed."""
+def test_edf_never_sheds_a_preempted_request_that_had_started():
+    """A request that has started (admitted once, re-queued after a preemption before its first token, its prefill
+    thrown away) is past its deadline's meaning, as in the queue's own expiry; one never admitted is shed."""
     cfg = small_config()
     scheduler = Scheduler(cfg, num_pages=30, policy=EarliestDeadlineFirst(cfg, tokens_per_second=1.0))
     scheduler.add(request("blocker", 8, 2, 0))
     scheduler.schedule()  # the blocker runs: its 8 prompt tokens take 8 s
     started, fresh = request("started", 8, 2, 1), request("fresh", 8, 2, 2)
-    started.deadline, started.output_ids, fresh.deadline = 100.1, [5], 100.2
+    started.deadline, started.admit_index, fresh.deadline = 100.1, 7, 100.2  # its admission (the 8th), then a preemption
     scheduler.add(started)
     scheduler.add(fresh)
     assert scheduler.expire(now=100.0) == [fresh] and started.status == "waiting"
@@ -155,6 +160,32 @@ def test_edf_sheds_nothing_before_it_has_measured_a_prefill_then_uses_the_measur
     scheduler.observe(plan, 2.0)  # a's 8 tokens in 2 s: 4 prefill tokens a second
     # c starts now (10.0 <= 10.5); d behind c's 8 tokens starts at 12.0 > 11.0
     assert scheduler.expire(now=10.0) == [d] and d.finish_reason == "timeout" and c.status == "waiting"
+
+
+def test_edf_measures_the_prefill_rate_of_iterations_that_prefill_so_an_idle_spell_neither_lowers_nor_forgets_it():
+    window = PrefillRate(32)
+    plan = lambda phase, ids, tokens: SketchPlan(phase, BucketKey(phase, len(ids), max(tokens), 1), ids, tokens, (True,) * len(ids))  # noqa: E731
+    window.add(plan("decode", ("a", "b"), (1, 1)), 0.03)  # the iteration's decode step, then its prefill of 128 tokens
+    window.add(plan("prefill", ("c",), (128,)), 0.05)
+    assert window.tokens_per_second() == pytest.approx(128 / 0.08)
+    for _ in range(40):  # decode only: the queue was empty, nothing says how fast a prefill would go
+        window.add(plan("decode", ("a", "b", "c"), (1, 1, 1)), 0.05)
+    assert window.tokens_per_second() == pytest.approx(128 / 0.08)
+
+
+def test_edf_sheds_none_of_a_burst_that_arrives_after_a_decode_only_spell_and_starts_at_once():
+    """One request decodes alone for a second; then 8 short requests arrive, each to start within about 1 s. Every
+    one starts in the next step (as under fcfs), so none may be shed (the rate once counted the idle decode steps:
+    6 of the 8 were)."""
+    finishes = {}
+    for name in ("fcfs", "edf"):
+        cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=16, max_prefill_tokens=256, compilation_cache_dir=None, policy=name)
+        costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(0.05, 0.0), host=(0.0, 0.0), max_rows=16)
+        requests = [SimRequest(16, 200, arrival_s=0.0)] + [SimRequest(16, 4, arrival_s=1.0, deadline_s=1.0 + 0.01 * i) for i in range(8)]
+        result = simulate(cfg, requests, costs, num_pages=200)
+        finishes[name] = result.finish_reasons
+        assert np.all(result.queue_s[1:] <= 0.05 + 1e-9), name
+    assert finishes == {"fcfs": {"length": 9}, "edf": {"length": 9}}
 
 
 def test_prefix_policy_orders_the_queue_by_the_page_trie_so_siblings_are_adjacent():
@@ -279,6 +310,36 @@ def test_adaptive_budgets_shrink_to_the_floors_when_slow_and_grow_back_when_fast
     lowest = {phase: min(v for _, p, _, v in policy.changes if p == phase) for phase in ("prefill", "decode")}
     assert lowest == {"prefill": 4, "decode": 2}, policy.changes
     assert (policy.prefill_budget(), policy.decode_width()) == (8, 4), policy.changes
+
+
+def test_adaptive_budgets_do_not_narrow_the_decode_width_again_before_the_last_narrowing_is_in_force():
+    """Decode steps cost 10 ms + 10 ms a row against a 250 ms target: 24 rows at most. The 32 rows admitted at the
+    start keep every step over the target until they finish; a narrower width only stops admissions, so the
+    controller narrows once and waits (it once narrowed every window down to 1 row while the latency stayed)."""
+    cfg = EngineConfig(page_size=16, max_context=512, max_num_seqs=32, max_prefill_tokens=512, compilation_cache_dir=None, policy="adaptive",
+                       latency_target_s=0.25)
+    policy = AdaptiveBudgets(cfg)
+    scheduler = Scheduler(cfg, 32 * 32 + 1, policy=policy)
+    for i in range(64):
+        scheduler.add(prompt_request(str(i), [1 + (i * 7 + j) % 500 for j in range(32)], 200, i))
+    now = [0.0]
+
+    def step(plan):
+        now[0] += 0.01 + 0.01 * len(plan.request_ids) if plan.phase == "decode" else 0.02 + 1e-4 * sum(plan.num_new_tokens)
+        return np.zeros(plan.seeds.shape[0], np.int32)
+
+    finished = list(runloop.run(scheduler, step, runloop.OutputProcessor(None, None, cfg.max_context), clock=lambda: now[0]))
+    widths = [value for _, phase, _, value in policy.changes if phase == "decode"]
+    assert len(finished) == 64 and widths and min(widths) >= 18, policy.changes
+
+
+def test_a_refits_tables_reach_the_policy_whose_floors_follow_them():
+    cfg = small_config(policy="adaptive", prefill_chunk_buckets=(4, 8), max_prefill_tokens=8)
+    scheduler = Scheduler(cfg, 30)
+    scheduler.policy.current["prefill"] = 4  # a slow spell left the budget at the old floor
+    refitted = dataclasses.replace(cfg, prefill_chunk_buckets=(6, 8))
+    scheduler.use_config(refitted)  # as batch/refit.py swaps a table in between steps
+    assert scheduler.policy.cfg is refitted and scheduler.policy.limits["prefill"] == (6, 8) and scheduler.policy.prefill_budget() == 6
 
 
 def test_adaptive_budgets_take_an_iterations_split_decode_as_one_step():

@@ -121,10 +121,10 @@ def test_preempted_request_goes_before_equal_keys_and_latest_preempted_first():
     assert list(queue.first(2)) == [d, c]
 
 
-def test_expire_takes_out_only_requests_past_deadline_without_output():
+def test_expire_takes_out_only_requests_past_deadline_that_never_started():
     queue = RequestQueue()
     stale, fresh, started, none = new_request("s", 0, 1.0, 0), new_request("f", 0, 9.0, 1), new_request("g", 0, 1.0, 2), new_request("n", 0, None, 3)
-    started.output_ids.append(5)
+    started.admit_index = 0  # admitted once, then preempted before its first token: it has started
     for r in (stale, fresh, started, none):
         queue.append(r)
     assert queue.expire(1.0) == []  # strictly before now

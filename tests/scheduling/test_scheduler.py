@@ -229,7 +229,7 @@ class OldWaitingList(list):
         return sorted(self, key=order)[: max(k, 0)]
 
     def expire(self, now: float):
-        expired = [r for r in self if r.deadline is not None and r.deadline < now and not r.output_ids]
+        expired = [r for r in self if r.deadline is not None and r.deadline < now and r.admit_index < 0]  # never admitted: not started
         for r in expired:
             self.remove(r)
         return expired
