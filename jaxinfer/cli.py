@@ -135,6 +135,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "for deadlines that cannot be met), prefix (shared prefixes together), adaptive (budgets steered to a step-latency target) (default: %(default)s)",
     )
     group.add_argument(
+        "--policy-epoch", type=int, default=_engine_default("policy_epoch"), metavar="N",
+        help="with --policy prefix or shortest-prompt: reorder a request only among the N arrivals of its epoch, so none waits "
+        "behind later ones (default: one epoch, the most reordering; in a long stream a request may wait until the input ends)",
+    )
+    group.add_argument(
         "--tensor-parallel", type=int, default=_LOAD_DEFAULTS.tensor_parallel, metavar="N",
         help="shard the model over N devices (query/kv heads, MLP width and vocabulary where they divide N, "
         "replicated where not); on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates devices (default: %(default)s)",
@@ -253,7 +258,7 @@ def _add_tune_parser(commands) -> None:
 # Field names of SamplingParams / EngineConfig -> the flag that sets them, so errors use the user's words.
 _SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "max_tokens": "--max-tokens", "stop": "--stop"}
 _ENGINE_FLAGS = {
-    "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "max_prefill_tokens": "--max-prefill-tokens", "num_pages": "--num-pages", "page_size": "--page-size",
+    "max_context": "--max-context", "max_num_seqs": "--max-num-seqs", "max_prefill_tokens": "--max-prefill-tokens", "policy_epoch": "--policy-epoch", "num_pages": "--num-pages", "page_size": "--page-size",
     "attention_impl": "--attention", "matmul_impl": "--matmul", "group_size": "--group-size", "quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype", "compilation_cache_dir": "--compile-cache", "seed": "--engine-seed",
     "tensor_parallel": "--tensor-parallel", "data_parallel": "--data-parallel", "dtype": "--dtype", "parse_special": "--no-parse-special",
 }
@@ -285,6 +290,7 @@ def _engine_config(args):
             max_context=args.max_context, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens, num_pages=args.num_pages, page_size=args.page_size,
             attention_impl=args.attention, matmul_impl=args.matmul, kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache or None, seed=args.engine_seed,
             enable_prefix_caching=not args.no_prefix_cache, deterministic=args.deterministic, policy=args.policy,
+            policy_epoch=args.policy_epoch,
         )
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None

@@ -490,6 +490,10 @@ class EngineConfig:
     # in deterministic mode, only which step computes it.
     policy: str = "fcfs"
     latency_target_s: float = 0.25  # seconds: the p99 step latency the "adaptive" policy steers toward
+    # Arrivals per epoch for the policies that reorder the queue ("prefix", "shortest-prompt"): a request is reordered
+    # only among those of its epoch (arrival index // policy_epoch), so none waits behind later epochs. None: one
+    # epoch, the most reordering, where in a stream a request may wait until the input ends.
+    policy_epoch: int | None = None
 
     def __post_init__(self):
         self._check_limits()
@@ -522,6 +526,8 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise FieldError("policy", f"must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         check_number("latency_target_s", self.latency_target_s, low=0.0, high=math.inf, low_open=True)
+        if self.policy_epoch is not None:
+            check_int("policy_epoch", self.policy_epoch, low=1)
         check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
         check_int("max_logprobs", self.max_logprobs, low=0)
         check_int("max_logit_bias", self.max_logit_bias, low=1)

@@ -86,13 +86,21 @@ class SchedulingPolicy:
         self.cfg = cfg
 
 
+def epoch_of(request: Request, epoch: int | None) -> int:
+    """The request's epoch of `epoch` arrivals (EngineConfig.policy_epoch; None: one epoch): a reordering policy's
+    bound on how many later arrivals may go before it."""
+    return request.arrival_index // epoch if epoch else 0
+
+
 class ShortestPromptFirst(SchedulingPolicy):
-    """Within a priority, the shortest prompt first (then arrival): short requests stop queueing behind long prefills."""
+    """Within a priority (and an epoch of `EngineConfig.policy_epoch` arrivals), the shortest prompt first, then
+    arrival: short requests stop queueing behind long prefills. Without an epoch a long prompt waits while shorter
+    ones keep arriving, in a stream until the input ends."""
 
     name = "shortest-prompt"
 
     def queue_key(self, request: Request) -> tuple:
-        return (request.priority, len(request.prompt_ids), request.arrival_index)
+        return (request.priority, epoch_of(request, self.cfg.policy_epoch), len(request.prompt_ids), request.arrival_index)
 
 
 class PrefillRate:
@@ -179,7 +187,7 @@ class PrefixAware(SchedulingPolicy):
     A newly seen prefix ranks after those seen before, so in a stream a family that keeps arriving goes
     before a later one, whose requests may wait until the input ends. `epoch` bounds that wait: requests
     are ordered by (arrival index // epoch) first, the trie only within an epoch of that many arrivals
-    (None: one epoch, the most sharing).
+    (None: `EngineConfig.policy_epoch`, whose None is one epoch, the most sharing).
 
     The ranks are kept for the names of queued requests only: once the names ranked are over twice those
     of the last prune plus `prune_slack`, the others are dropped (a queued request's key never changes;
@@ -191,7 +199,7 @@ class PrefixAware(SchedulingPolicy):
 
     def __init__(self, cfg: EngineConfig, *, epoch: int | None = None):
         super().__init__(cfg)
-        self.epoch = None if epoch is None else check_int("epoch", epoch, low=1)
+        self.epoch = cfg.policy_epoch if epoch is None else check_int("epoch", epoch, low=1)
         self._rank: dict[bytes, int] = {}  # page name -> order first seen (names of queued requests, and those since the last prune)
         self._next_rank = 0
         self._kept = 0  # names kept at the last prune
@@ -209,8 +217,7 @@ class PrefixAware(SchedulingPolicy):
                 self._next_rank += 1
             path.append(place)
         path = tuple(path)
-        epoch = request.arrival_index // self.epoch if self.epoch else 0
-        return (request.priority, epoch, path, request.arrival_index)
+        return (request.priority, epoch_of(request, self.epoch), path, request.arrival_index)
 
     def admission_order(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
         if len(self._rank) > 2 * self._kept + self.prune_slack:

@@ -34,7 +34,7 @@ def test_flag_defaults_are_the_library_s_defaults():
     for field in ("temperature", "top_k", "top_p", "seed", "max_tokens"):
         assert actions[field].default == getattr(sampling, field), field
     for flag, field in (("max_context", "max_context"), ("max_num_seqs", "max_num_seqs"), ("max_prefill_tokens", "max_prefill_tokens"), ("page_size", "page_size"),
-                        ("engine_seed", "seed")):
+                        ("engine_seed", "seed"), ("policy_epoch", "policy_epoch")):
         assert actions[flag].default == getattr(engine, field), flag
     assert actions["truncate"].default == "none" and actions["attention"].default == engine.attention_impl
     assert actions["matmul"].default == engine.matmul_impl == "auto"

@@ -188,6 +188,23 @@ def test_edf_sheds_none_of_a_burst_that_arrives_after_a_decode_only_spell_and_st
     assert finishes == {"fcfs": {"length": 9}, "edf": {"length": 9}}
 
 
+@pytest.mark.parametrize("name", ["prefix", "shortest-prompt"])
+def test_an_epoch_bounds_how_long_a_reordering_policy_keeps_a_request_waiting(name):
+    """Request B (its own, longer prompt) arrives just after a family sharing a 48-token preamble, whose members keep
+    arriving every 0.1 s for 30 s on 2 slots: under one epoch B waits for the whole family (the run's end), under
+    epochs of 8 arrivals only for its own epoch and the one before."""
+    waits = {}
+    for epoch in (None, 8):
+        cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=2, max_prefill_tokens=64, compilation_cache_dir=None, policy=name, policy_epoch=epoch)
+        costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(0.05, 0.0), host=(0.0, 0.0), max_rows=2)
+        requests = [SimRequest(64, 20, arrival_s=0.0, shared_prefix=48), SimRequest(80, 20, arrival_s=0.01)]
+        requests += [SimRequest(64, 20, arrival_s=0.1 * i, shared_prefix=48) for i in range(300)]
+        result = simulate(cfg, requests, costs, num_pages=64)
+        waits[epoch] = float(result.queue_s[1])
+        assert result.finish_reasons == {"length": 302}
+    assert waits[None] > 100.0 and waits[8] < 10.0, waits
+
+
 def test_prefix_policy_orders_the_queue_by_the_page_trie_so_siblings_are_adjacent():
     cfg = small_config(policy="prefix", max_context=64, page_size=4)
     scheduler = Scheduler(cfg, num_pages=60)
