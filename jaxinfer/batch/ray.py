@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxinfer.batch import step_log
 from jaxinfer.scheduling.request import SamplingParams
 
 from jaxinfer.validation import check_int, check_number
@@ -111,6 +112,8 @@ def run_job(
     context.enable_progress_bars = progress
     context.max_errored_blocks = -1  # a batch whose actor died too often is skipped; its lines are tried again alone
     actor_kwargs = {"model": None if model is None else str(model), "load_options": load_options, "engine_config": engine_config}
+    # its steps run in the actors: no step log describes this run, and one an earlier run left would pass for it (whatif)
+    step_log.log_path(job.output).unlink(missing_ok=True)
     return job.write(_records(ray, job, options, actor, actor_kwargs))
 
 

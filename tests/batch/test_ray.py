@@ -158,7 +158,10 @@ def test_a_killed_driver_resumes_on_ray_without_loss_or_duplicates(job):
     partial = len(records(output))
     assert partial < 40, "the job ended before the kill"
     wait_for(lambda: not actor_pids(), 120, "the killed driver's actors to exit")
+    stale = output.with_name(output.name + ".steps.jsonl")
+    stale.write_text('{"kind": "header"}\n')  # an earlier run's step log, as a local run leaves one
     result = run(cli(input_path, output, cache, model, *RAY_FLAGS, "--resume"))
+    assert not stale.exists()  # a Ray run writes none, and leaves none to pass for its own (whatif)
     counts = re.search(r"requests ok / error / skipped\s+(\d+) / (\d+) / (\d+)", result.stderr)
     assert counts and int(counts[3]) == partial, result.stderr[-2000:]  # the resumed run did only the rest
     got = by_key(output)
