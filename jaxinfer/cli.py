@@ -403,7 +403,7 @@ def _run_generate(args) -> int:
         raise ValueError("--force-settings works with --resume")
     from jaxinfer.batch.job import BatchJob, check_paths
 
-    check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite)
+    check_paths(args.input, args.output, resume=args.resume, overwrite=args.overwrite or args.plan_only)  # --plan-only writes nothing
     try:
         job = BatchJob(
             args.input, args.output, defaults, resume=args.resume, truncate=args.truncate, settings=_job_settings(args), force_settings=args.force_settings,

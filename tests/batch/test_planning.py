@@ -154,6 +154,10 @@ def test_plan_only_prints_the_plan_and_writes_no_output(tmp_path, capsys, compil
     out = capsys.readouterr().out
     assert code == 0 and "predicted wall time" in out and "programs" in out and "policy                 fcfs -> prefix" in out
     assert not (tmp_path / "out.jsonl").exists()
+    (tmp_path / "out.jsonl").write_text("an earlier job's records\n")  # plans beside an existing output, which it leaves as it is
+    assert main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--plan-only",
+                 "--max-context", "512", "--compile-cache", compile_cache]) == 0
+    assert (tmp_path / "out.jsonl").read_text() == "an earlier job's records\n"
 
 
 @pytest.mark.slow
