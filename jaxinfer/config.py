@@ -490,9 +490,8 @@ class EngineConfig:
     # in deterministic mode, only which step computes it.
     policy: str = "fcfs"
     latency_target_s: float = 0.25  # seconds: the p99 step latency the "adaptive" policy steers toward
-    # Arrivals per epoch for the policies that reorder the queue ("prefix", "shortest-prompt"): a request is reordered
-    # only among those of its epoch (arrival index // policy_epoch), so none waits behind later epochs. None: one
-    # epoch, the most reordering, where in a stream a request may wait until the input ends.
+    # "prefix" and "shortest-prompt" reorder a request only among the arrivals of its epoch (arrival index // this), so
+    # none waits behind later epochs; None: one epoch, the most reordering (in a stream, a wait until the input ends)
     policy_epoch: int | None = None
 
     def __post_init__(self):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import whatif
+from jaxinfer.batch import finished_job as finished
 from jaxinfer.scheduling import simulator
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German.", "Describe a cat.", "Who painted the Mona Lisa?"]
@@ -114,7 +115,7 @@ def test_a_trace_is_predicted_on_the_jobs_settings_and_step_costs_beside_other_s
     assert report["trace"] | {"path": None} == {"path": None, "num_requests": 5, "num_left_out": 2, "span_s": 0.5, "rate": 2.0, "max_context": 256}
     assert [run["changes"] for run in report["grid"]] == [{}, {"max_num_seqs": 1}]
     assert report["base"] == report["grid"][0]["predicted"] and report["replay"]["num_requests"] == 6
-    job = whatif.read_job(finished_job)  # the same prediction from the simulator itself, the arrivals divided by hand
+    job = finished.read_job(finished_job)  # the same prediction from the simulator itself, the arrivals divided by hand
     kept = [(40, 12, 0.0), (90, 30, 0.05), (25, 1, 0.1), (130, 40, 0.4), (60, 16, 0.5)]  # none generated: its prefill's one token
     direct = simulator.simulate(job.engine_config, [simulator.SimRequest(p, o, t) for p, o, t in kept], job.log.costs,
                                 num_pages=job.log.header["num_pages"], max_inflight=16).summary()
@@ -149,7 +150,7 @@ def test_an_slo_adds_the_share_of_requests_within_it_measured_from_the_records_a
 
 @pytest.mark.slow
 def test_a_new_limit_cuts_the_jobs_own_table_at_it_and_adds_it(finished_job):
-    job = whatif.read_job(finished_job)
+    job = finished.read_job(finished_job)
     engine = job.log.header["engine"] | {"prefill_chunk_buckets": [32, 80, 160, 224], "decode_batch_buckets": [1, 2, 4]}  # as a planned job's log holds them
     planned = dataclasses.replace(job, log=dataclasses.replace(job.log, header=job.log.header | {"engine": engine}))
     cfg = whatif.new_config(planned, max_prefill_tokens=100, max_num_seqs=8)
@@ -175,11 +176,11 @@ def test_an_unknown_bucket_strategy_is_named(finished_job):
 
 
 def test_the_shared_prefix_is_a_cached_count_most_records_had_never_one_repeated_lines_hit():
-    assert whatif._shared_prefix([0, 0, 16, 16, 16, 16]) == 16  # a chat template: the first requests ran before it was cached
-    assert whatif._shared_prefix([0, 0, 0, 0, 0, 64]) == 0  # one repeated line
-    assert whatif._shared_prefix([0] * 20 + [64, 64]) == 0  # two of 22 records: under a tenth
-    assert whatif._shared_prefix([0, 32, 32, 48, 48, 48]) == 48
-    assert whatif._shared_prefix([]) == 0 and whatif._shared_prefix([0, 0]) == 0
+    assert finished._shared_prefix([0, 0, 16, 16, 16, 16]) == 16  # a chat template: the first requests ran before it was cached
+    assert finished._shared_prefix([0, 0, 0, 0, 0, 64]) == 0  # one repeated line
+    assert finished._shared_prefix([0] * 20 + [64, 64]) == 0  # two of 22 records: under a tenth
+    assert finished._shared_prefix([0, 32, 32, 48, 48, 48]) == 48
+    assert finished._shared_prefix([]) == 0 and finished._shared_prefix([0, 0]) == 0
 
 
 def _copy_job(job, folder, edit_records=None, edit_log=None):
@@ -207,7 +208,7 @@ def test_a_resumed_runs_log_replays_that_runs_records_only(finished_job, tmp_pat
         del header["records_before"]
     output = _copy_job(finished_job, tmp_path, edit_log=_header(resumed))
     records = [json.loads(line) for line in finished_job.read_text().splitlines()]
-    job = whatif.read_job(output)
+    job = finished.read_job(output)
     assert len(job.requests) == 4 and job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[2:]]
     assert any("resumed run" in note for note in whatif.whatif(output, progress=False)["notes"])
 
@@ -215,7 +216,7 @@ def test_a_resumed_runs_log_replays_that_runs_records_only(finished_job, tmp_pat
         header["resumed"], header["num_skipped"], header["records_before"] = True, 2, 3
     folder = tmp_path / "edited"
     folder.mkdir()
-    job = whatif.read_job(_copy_job(finished_job, folder, edit_log=_header(edited)))
+    job = finished.read_job(_copy_job(finished_job, folder, edit_log=_header(edited)))
     assert job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[3:]]  # the records this run wrote, not one before it
 
 
@@ -228,7 +229,7 @@ def test_a_line_of_n_samples_is_n_requests_and_one_measured_and_predicted_ttft(f
 
     output = _copy_job(finished_job, tmp_path, edit_records=two_samples)
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    job = whatif.read_job(output)
+    job = finished.read_job(output)
     by_line = sorted(records, key=lambda r: r["line"])
     assert len(job.requests) == 7 and job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in by_line]  # one TTFT a line
     first = next(i for i, r in enumerate(by_line) if r["line"] == records[0]["line"])
@@ -284,11 +285,11 @@ def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_pa
         folder = tmp_path / str(i)
         folder.mkdir()
         with pytest.raises(ValueError, match=message):
-            whatif.read_job(_copy_job(finished_job, folder, **edits))
+            finished.read_job(_copy_job(finished_job, folder, **edits))
     torn = _copy_job(finished_job, tmp_path, edit_records=lambda records: records + ['{"line": 7, "status": "o'])  # a killed job's last line
-    assert len(whatif.read_job(torn).requests) == 6
+    assert len(finished.read_job(torn).requests) == 6
     with pytest.raises(ValueError, match=r"--step-log .*none.jsonl: no such file"):
-        whatif.read_job(finished_job, tmp_path / "none.jsonl")
+        finished.read_job(finished_job, tmp_path / "none.jsonl")
     (tmp_path / "inf.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,12\ninf,30,5\n")
     with pytest.raises(ValueError, match=r"inf.csv: request 2's arrival is not a finite time"):
         whatif.whatif(finished_job, trace=tmp_path / "inf.csv", progress=False)
@@ -312,7 +313,7 @@ def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(t
     assert [r["custom_id"] for r in records] != [line["custom_id"] for line in lines]  # written as they finished
     assert max(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in records) > 0
     summary = next(json.loads(line) for line in output.with_name("out.jsonl.steps.jsonl").read_text().splitlines() if '"summary"' in line)
-    assert [r.priority for r in whatif.read_job(output).requests] == [0, 0, 0, 0, -1]  # read from the body, as the job read it
+    assert [r.priority for r in finished.read_job(output).requests] == [0, 0, 0, 0, -1]  # read from the body, as the job read it
     report = whatif_json(output)
     assert report["replay"]["num_steps"] == summary["num_steps"] and report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
     assert report["notes"] == []
@@ -350,7 +351,7 @@ def test_lines_that_timed_out_are_replayed_with_their_deadlines_and_count_agains
     records = [json.loads(line) for line in output.read_text().splitlines()]
     timed_out = [r for r in records if r["status"] == "error"]
     assert timed_out and all(r["finish_reason"] == "timeout" and r["num_prompt_tokens"] > 0 for r in timed_out)
-    job = whatif.read_job(output)
+    job = finished.read_job(output)
     assert len(job.requests) == 6 and [r.deadline_s for r in job.requests] == [0.05] * 4 + [None] * 2  # the first 4 lines are in flight at once
     assert int(np.isnan(job.ttft_s).sum()) == len(timed_out)
     report = whatif.whatif(output, progress=False, slo_ttft_s=1000.0)

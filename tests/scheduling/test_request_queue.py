@@ -27,7 +27,7 @@ class OldWaitingList(list):
         return sorted(self, key=old_key)[: max(k, 0)]
 
     def expire(self, now: float) -> list[Request]:
-        expired = [r for r in self if r.deadline is not None and r.deadline < now and not r.output_ids]
+        expired = [r for r in self if r.deadline is not None and r.deadline < now and r.admit_index < 0]  # never admitted: not started
         for r in expired:
             self.remove(r)
         return expired
@@ -77,11 +77,12 @@ class Driver:
         for r in walked[:j]:
             self.model.remove(r)
             self.out.append(r)
+            r.admit_index = self.num_added  # as Scheduler._admit numbers it
 
     def requeue(self, pick, generated):
         if self.out:
             r = self.out.pop(pick % len(self.out))
-            if generated:  # a request preempted after it generated never times out while it waits
+            if generated:  # preempted after its first token, or before it: admitted once, it never times out while it waits
                 r.output_ids.append(7)
             self.queue.appendleft(r)
             self.model.appendleft(r)
