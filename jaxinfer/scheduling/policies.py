@@ -103,6 +103,31 @@ class ShortestPromptFirst(SchedulingPolicy):
         return (request.priority, epoch_of(request, self.cfg.policy_epoch), len(request.prompt_ids), request.arrival_index)
 
 
+class DecodeStep:
+    """An iteration's decode plans taken together, as one decode step: the scheduler may split its decoding rows into
+    two programs (each observed on its own), and a sequence waits for both. The plans of one iteration hold disjoint
+    rows and come before its prefill plan, so a decode plan holding a row already seen starts the next iteration."""
+
+    def __init__(self):
+        self._step: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
+
+    def add(self, plan: StepPlan, seconds: float) -> tuple[int, float] | None:
+        """A decode plan; the decode step it ends, (rows, seconds), when it starts a new iteration, else None."""
+        rows = set(plan.request_ids)
+        ended = self.end() if self._step is not None and not rows.isdisjoint(self._step[0]) else None
+        seen, spent = self._step or (set(), 0.0)
+        self._step = (seen | rows, spent + float(seconds))
+        return ended
+
+    def end(self) -> tuple[int, float] | None:
+        """The decode step under way, (rows, seconds), ended (a prefill plan came, or the iteration did); None if none."""
+        if self._step is None:
+            return None
+        rows, seconds = self._step
+        self._step = None
+        return len(rows), seconds
+
+
 class PrefillRate:
     """How fast the engine prefills while it does: the prefill tokens of the last `size` iterations that held a
     prefill step, over their seconds (the prefill step's and the same iteration's decode steps', which share the
@@ -111,17 +136,14 @@ class PrefillRate:
 
     def __init__(self, size: int):
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=check_int("window", size, low=1))  # (tokens, seconds)
-        self._decode: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
+        self._decode = DecodeStep()
 
     def add(self, plan: StepPlan, seconds: float) -> None:
-        if plan.phase == "decode":  # an iteration's decode plans hold disjoint rows and come before its prefill plan
-            rows = set(plan.request_ids)
-            seen, spent = self._decode if self._decode is not None and rows.isdisjoint(self._decode[0]) else (set(), 0.0)
-            self._decode = (seen | rows, spent + float(seconds))
+        if plan.phase == "decode":
+            self._decode.add(plan, seconds)
             return
-        spent = self._decode[1] if self._decode is not None else 0.0
-        self._decode = None
-        self.samples.append((sum(plan.num_new_tokens), float(seconds) + spent))
+        decode = self._decode.end()  # the same iteration's decode step, which shared the device with this prefill
+        self.samples.append((sum(plan.num_new_tokens), float(seconds) + (decode[1] if decode else 0.0)))
 
     def tokens_per_second(self) -> float | None:
         """None before a prefill step has been seen."""
@@ -261,10 +283,7 @@ class AdaptiveBudgets(SchedulingPolicy):
     configured maximum). Floors are the smallest chunk bucket and the smallest decode-row bucket, so every
     budget maps to programs compiled at warm-up. `changes` records (step, phase, p99, new limit).
 
-    A decode step is an iteration's decode plans together: the scheduler may split its decoding rows into two
-    programs by length (each observed on its own), and a sequence waits for both, so their seconds and rows are
-    summed. The plans of one iteration hold disjoint rows and come before its prefill plan: an iteration's decode
-    step ends at a prefill plan, or at a decode plan holding a row already seen.
+    A decode step is an iteration's decode plans together (DecodeStep: their seconds and rows summed).
     """
 
     name = "adaptive"
@@ -279,7 +298,7 @@ class AdaptiveBudgets(SchedulingPolicy):
         self.limits = self._limits(cfg)
         self.current = {"prefill": cfg.max_prefill_tokens, "decode": cfg.max_num_seqs}
         self._seen: dict[str, list[tuple[float, float, int]]] = {"prefill": [], "decode": []}  # (seconds, utilisation, tokens or rows used)
-        self._decode: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
+        self._decode = DecodeStep()
         self.num_steps = 0
         self.changes: list[tuple[int, str, float, int]] = []
 
@@ -305,22 +324,11 @@ class AdaptiveBudgets(SchedulingPolicy):
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         self.num_steps += 1
-        if plan.phase == "decode":
-            rows = set(plan.request_ids)
-            if self._decode is not None and not rows.isdisjoint(self._decode[0]):  # a new iteration: the last one's decode step is whole
-                self._end_decode()
-            seen_rows, spent = self._decode or (set(), 0.0)
-            self._decode = (seen_rows | rows, spent + float(seconds))
-            return
-        self._end_decode()
-        self._record("prefill", float(seconds), sum(plan.num_new_tokens))
-
-    def _end_decode(self) -> None:
-        """The decode step under way (the iteration's decode plans so far), recorded."""
-        if self._decode is not None:
-            rows, seconds = self._decode
-            self._decode = None
-            self._record("decode", seconds, len(rows))
+        ended = self._decode.add(plan, seconds) if plan.phase == "decode" else self._decode.end()
+        if ended is not None:
+            self._record("decode", ended[1], ended[0])
+        if plan.phase == "prefill":
+            self._record("prefill", float(seconds), sum(plan.num_new_tokens))
 
     def _record(self, phase: str, seconds: float, used: int) -> None:
         seen = self._seen[phase]
