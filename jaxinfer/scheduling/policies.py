@@ -13,7 +13,7 @@ pages and preemption by recompute. A `SchedulingPolicy` decides
 - what it learns from each step (`observe(plan, seconds)`, which the run loop calls after every step).
 
 The base class is first-come-first-served, the scheduler's own behaviour: (priority, deadline, arrival)
-order, most recently admitted preempted first, the configured limits. Policies are chosen by name
+order, the least urgent priority preempted first (the most recently admitted of it), the configured limits. Policies are chosen by name
 (`EngineConfig.policy`, `make_policy`), so the same policy runs in a real job, a replay and a simulation
 (a simulator passes its own clock to `shed` through `Scheduler.expire(now)` and its modelled step times to
 `observe`). No policy changes a token in deterministic mode, only which step computes it.
@@ -43,6 +43,9 @@ class SchedulerView(Protocol):
     waiting: RequestQueue
     kv: KVManager
 
+    def prefill_end(self, request: Request) -> int:
+        """Tokens a prefill of this request covers (Scheduler.prefill_end)."""
+
 
 class SchedulingPolicy:
     """The protocol, with first-come-first-served as every decision's default."""
@@ -66,8 +69,9 @@ class SchedulingPolicy:
         return []
 
     def victim(self, running: list[Request]) -> Request:
-        """The running request to preempt when pages run out: the most recently admitted."""
-        return running[-1]
+        """The running request to preempt when pages run out: of the least urgent priority (the largest value), the most
+        recently admitted; a request of a more urgent priority keeps its pages, whenever it was admitted."""
+        return max(running, key=_victim_order)
 
     def prefill_budget(self) -> int:
         """Prefill tokens one step may compute (summed over its chunks)."""
@@ -84,6 +88,10 @@ class SchedulingPolicy:
         """The scheduler's config changed between steps (a refit's tables; the limits are the same): what the
         policy derives from it follows."""
         self.cfg = cfg
+
+
+def _victim_order(request: Request) -> tuple[int, int]:
+    return request.priority, request.admit_index
 
 
 def epoch_of(request: Request, epoch: int | None) -> int:
@@ -156,8 +164,9 @@ class EarliestDeadlineFirst(SchedulingPolicy):
     time by which it must start) can no longer be met is finished as 'timeout' at once, so the prefill
     time it would take goes to the requests that can still meet theirs.
 
-    A request's start is estimated as now + (prefill tokens ahead of it: running prompts' remaining tokens,
-    then the prompts before it in admission order that are kept) / prefill throughput. The throughput is
+    A request's start is estimated as now + (prefill tokens ahead of it: what the running requests' prefills have
+    left, a preempted one's recompute included, then the prompts before it in admission order that are kept) /
+    prefill throughput. The throughput is
     `tokens_per_second` when given, else measured over the last `window` iterations that prefilled (`observe`,
     PrefillRate: an idle spell leaves it as it was); before any prefill has been measured nothing is shed.
     Cached prefixes are not subtracted, and waits for a free sequence slot are not added. A request the
@@ -181,7 +190,7 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         left = view.waiting.num_with_deadline  # the walk ends after the last of them
         if rate is None or not left:
             return []
-        ahead = sum(max(0, len(r.prompt_ids) - r.num_computed_tokens) for r in view.running)
+        ahead = sum(max(0, view.prefill_end(r) - r.num_computed_tokens) for r in view.running)
         shed = []
         for request in view.waiting.first(len(view.waiting)):
             if request.deadline is not None:
@@ -227,7 +236,13 @@ class PrefixAware(SchedulingPolicy):
         self._kept = 0  # names kept at the last prune
 
     def _names(self, request: Request) -> list[bytes]:
-        """Names of the prompt's full pages that a prefix-cache hit may serve (its last token is computed)."""
+        """Names of the prompt's full pages that a prefix-cache hit may serve (Request.first_logits_position's rule:
+        none for a mean-pooled embedding, those before the first scored token with prompt_logprobs)."""
+        return name_pages(request, request.first_logits_position(len(request.prompt_ids)) // self.cfg.page_size, self.cfg.page_size)
+
+    def _computed_names(self, request: Request) -> list[bytes]:
+        """Names of the full prompt pages a request's prefill computes and names (those another request may share),
+        whether or not a hit may serve it."""
         return name_pages(request, (len(request.prompt_ids) - 1) // self.cfg.page_size, self.cfg.page_size)
 
     def queue_key(self, request: Request) -> tuple:
@@ -259,7 +274,7 @@ class PrefixAware(SchedulingPolicy):
     def _not_waiting_for_pages(self, view: SchedulerView, free_slots: int) -> Iterator[Request]:
         computing = set()  # names of prompt pages a running request is computing
         for request in view.running:
-            computing.update(self._names(request)[request.num_computed_tokens // self.cfg.page_size :])
+            computing.update(self._computed_names(request)[request.num_computed_tokens // self.cfg.page_size :])
         for request in view.waiting.first(len(view.waiting)):
             if free_slots <= 0:
                 return

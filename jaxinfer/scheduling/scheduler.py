@@ -3,14 +3,15 @@
 Each call to `schedule()` returns the plans of one engine iteration:
 
   1. decode: every running request whose prompt is fully in the pool gets one token. If its next token
-     needs a new page and none is free, requests are preempted by recompute, most recently admitted first
-     (their pages are freed, their generated tokens kept, and they re-queue at the front).
+     needs a new page and none is free, requests are preempted by recompute, the least urgent priority first,
+     the most recently admitted of it (their pages are freed, their generated tokens kept, and they re-queue at the front).
   2. prefill: partially prefilled requests continue, then waiting requests are admitted in (priority,
      deadline, arrival) order (earliest deadline first within a priority; ties go to the front of the
      line, where preempted requests re-queue), under the per-step token budget, the sequence limit and
      the free pages. A prompt longer than the largest chunk bucket is split over several steps (chunked
      prefill). The waiting queue (request_queue.py) is a heap: a step costs O(log n) per admission and
-     per expiry, and a step with no free sequence slot does not read it.
+     per expiry, and a step with no free sequence slot does not read it (under the default policy: EDF's shedding
+     and the prefix policy's pruning read it).
 
 `update(plan, tokens)` applies the sampled tokens; the output processor (stopping.py) decides which
 requests are done and `finish` frees them. The run loop that joins the three is runloop.run.
@@ -172,7 +173,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ phases of a running request
 
-    def _prefill_end(self, request: Request) -> int:
+    def prefill_end(self, request: Request) -> int:
         """Tokens a prefill may cover. In deterministic mode only the prompt: generated tokens, when a
         preempted request recomputes them, are replayed through decode steps, as they were first computed."""
         return len(request.prompt_ids) if self.cfg.deterministic and request.output_ids else request.num_tokens
@@ -183,7 +184,7 @@ class Scheduler:
         if not output:
             return False
         computed, total = request.num_computed_tokens, len(request.prompt_ids) + len(output)
-        # the newest token, or (deterministic mode: _prefill_end is the prompt's end) a generated one replayed
+        # the newest token, or (deterministic mode: prefill_end is the prompt's end) a generated one replayed
         return computed == total - 1 or (self.cfg.deterministic and len(request.prompt_ids) <= computed < total)
 
     def _reserve_decode_pages(self) -> tuple[list[Request], list[Request]]:
@@ -240,7 +241,7 @@ class Scheduler:
             waiting = request.status == RequestStatus.WAITING  # until its admission below
             if waiting and not self._prompt_shared(request):
                 break  # a sample of n waits for its first sample's prompt pages; the order is kept
-            hit = kv.share_cached_prefix(request, self._prefill_end(request)) if waiting else 0
+            hit = kv.share_cached_prefix(request, self.prefill_end(request)) if waiting else 0
             limit = budget if pages_left is None else min(budget, pages_left * page_size - request.num_computed_tokens)
             chunk = self._fit_chunk(request, limit) if limit > 0 else 0
             if chunk == 0:
@@ -273,7 +274,7 @@ class Scheduler:
     def _fit_chunk(self, request: Request, budget: int) -> int:
         """Longest chunk (<= budget, <= largest bucket) whose pages can be allocated now; 0 if none."""
         computed = request.num_computed_tokens  # allocation leaves it as it is
-        chunk = min(self._prefill_end(request) - computed, budget, self.tables.max_chunk)
+        chunk = min(self.prefill_end(request) - computed, budget, self.tables.max_chunk)
         while chunk > 0 and self.kv.try_allocate(request, computed + chunk) is None:
             free_tokens = self.kv.num_free_pages * self.cfg.page_size
             spare = self.kv.num_pages_held(request) * self.cfg.page_size - computed

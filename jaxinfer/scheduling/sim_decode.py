@@ -195,8 +195,16 @@ class DecodeRows:
             return True
         return False
 
+    def use_page_buckets(self, buckets: tuple[int, ...]) -> None:
+        """New decode page buckets (a table swap): every row's bucket and its end again, the memo forgotten."""
+        self.page_buckets, self._buckets = buckets, {}
+        for at, ((base, _), pages) in enumerate(zip(self._length_keys, self._length_pages)):
+            bucket = self._length_buckets[at] = self.page_bucket(pages)
+            self._length_tops[at] = bucket * self.page_size - base
+        self.version += 1
+
     def page_bucket(self, pages: int) -> int:
-        """pad_to_bucket(pages, page_buckets), memoised (the tables are fixed)."""
+        """pad_to_bucket(pages, page_buckets), memoised (forgotten by use_page_buckets)."""
         bucket = self._buckets.get(pages)
         if bucket is None:
             bucket = self._buckets[pages] = pad_to_bucket(pages, self.page_buckets)

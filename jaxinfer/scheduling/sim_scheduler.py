@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.plan import BucketKey
+from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request
 from jaxinfer.scheduling.scheduler import Scheduler
 from jaxinfer.scheduling.sim_decode import DecodeClock, DecodeRows
@@ -52,6 +53,16 @@ class SketchScheduler(Scheduler):
         self.decode_order: list[Request] = []  # with the clock: the decoding rows in the order of the decode plans (_split_decode)
         self._checked: set[tuple[int, int]] = set()  # (prompt tokens, max_tokens) that Scheduler.check passed
         self._group_plans: tuple[list, list[SketchPlan], tuple[int, int, int]] | None = None  # (_split_decode's groups, their plans, counts)
+        self._policy_orders = type(self.policy).admission_order is not SchedulingPolicy.admission_order  # the policy's own admission_order
+
+    def use_config(self, cfg: EngineConfig) -> None:
+        """Scheduler.use_config, and the keys, plans and page buckets kept for the old tables forgotten."""
+        super().use_config(cfg)
+        self._decode_keys.clear()
+        self._prefill_keys.clear()
+        self._split, self._plans, self._group_plans = None, [], None
+        if self.lazy is not None:
+            self.lazy.use_page_buckets(self.tables.pages)
 
     def check(self, request: Request) -> None:
         """Scheduler.check, once per prompt length and max_tokens (all it reads of a request)."""
@@ -63,7 +74,7 @@ class SketchScheduler(Scheduler):
     def use_decode_clock(self) -> None:
         """Count decoding rows on the decode clock (sim_decode.py); the run loop then ticks it once per iteration."""
         self.lazy = DecodeRows(self.decode_clock, self.cfg.page_size, self.cfg.max_context, self.block_pool.tables, self.cfg.enable_prefix_caching)
-        self.lazy.page_buckets = self.tables.pages
+        self.lazy.use_page_buckets(self.tables.pages)
 
     def _admit(self, request: Request, num_cached_tokens: int = 0) -> None:
         super()._admit(request, num_cached_tokens)
@@ -149,9 +160,12 @@ class SketchScheduler(Scheduler):
         return list(plans)
 
     def _plan_prefill(self, partial: list[Request]) -> list[tuple[Request, int]]:
-        """Scheduler._plan_prefill, which plans nothing, and reads or changes nothing, when no request prefills
-        and no sequence slot is free or nothing waits (every policy's admission_order offers no request then)."""
+        """Scheduler._plan_prefill, which plans nothing when no request prefills and no sequence slot is free or nothing
+        waits (every policy's admission_order offers no request then): of it, only the policy's admission_order is
+        called then, where the policy keeps its own (the prefix policy prunes its ranks there)."""
         if not partial and (not self.waiting or self.policy.decode_width() <= len(self.running)):
+            if self._policy_orders:
+                self._waiting_in_order()
             return []
         return super()._plan_prefill(partial)
 

@@ -146,6 +146,27 @@ def test_edf_never_sheds_a_preempted_request_that_had_started():
     assert scheduler.expire(now=100.0) == [fresh] and started.status == "waiting"
 
 
+def test_edf_counts_a_preempted_requests_whole_recompute_as_the_prefill_ahead():
+    """A request preempted after 20 generated tokens recomputes its 8 prompt and 20 output tokens. At 1 token/s a
+    queued request with a 5-s deadline cannot start in time behind that recompute, so EDF sheds it (counting only
+    the prompt's remaining tokens, it saw nothing ahead and kept it)."""
+    cfg = small_config(max_num_seqs=4, max_context=64, page_size=4, max_prefill_tokens=8, prefill_chunk_buckets=(4, 8), enable_prefix_caching=False)
+    scheduler, engine = Scheduler(cfg, num_pages=40, policy=EarliestDeadlineFirst(cfg, tokens_per_second=1.0)), FakePagedEngine(40, 4)
+    first = request("first", 8, 30, 0)
+    scheduler.add(first)
+    for _ in range(20):
+        for plan in scheduler.schedule():
+            scheduler.update(plan, engine.step(plan))
+    scheduler._preempt(first)  # as _reserve_decode_pages does when pages run out
+    for plan in scheduler.schedule():  # re-admitted: the first chunk of its recompute, past its prompt
+        scheduler.update(plan, engine.step(plan))
+    assert first.num_computed_tokens >= len(first.prompt_ids) and first.num_tokens - first.num_computed_tokens >= 10
+    late = request("late", 4, 4, 1)
+    late.deadline = 5.0
+    scheduler.add(late)
+    assert scheduler.policy.shed(scheduler, 0.0) == [late]
+
+
 def test_edf_sheds_nothing_before_it_has_measured_a_prefill_then_uses_the_measured_rate():
     cfg = small_config()
     scheduler = Scheduler(cfg, num_pages=30, policy=make_policy("edf", cfg))
@@ -236,6 +257,21 @@ def test_prefix_policy_holds_a_sibling_until_the_shared_pages_are_computed_then_
     prefill = next(p for p in plans if p.phase == "prefill")
     assert prefill.request_ids == ("sibling",) and prefill.num_new_tokens == (1,)  # 12 tokens came from the cache
     assert sibling.num_cached_tokens == 12
+
+
+def test_prefix_policy_does_not_hold_back_a_mean_pooled_request_for_pages_it_cannot_share():
+    """A mean-pooled embedding reads every prompt token's hidden state, so no cached page may serve it: the prefix
+    policy admits it beside a running sibling computing the same preamble instead of waiting a step for it."""
+    cfg = small_config(policy="prefix", max_context=64, max_prefill_tokens=32, prefill_chunk_buckets=(8, 16, 32), prefill_seq_buckets=(1,),
+                       max_prefill_seqs=4, enable_prefix_caching=True)
+    scheduler = Scheduler(cfg, num_pages=60)
+    preamble = list(range(100, 112))  # 3 full pages
+    first = Request("first", preamble + [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), seed=0, arrival_index=0)
+    pooled = Request("pooled", preamble + [2], SamplingParams(temperature=0, max_tokens=0, pooling="mean"), seed=0, arrival_index=1)
+    scheduler.add(first)
+    scheduler.add(pooled)
+    (plan,) = scheduler.schedule()
+    assert sorted(plan.request_ids) == ["first", "pooled"]
 
 
 def test_fcfs_admits_the_sibling_at_once_and_computes_the_preamble_twice():

@@ -61,6 +61,24 @@ def test_preemption_takes_most_recently_admitted_and_keeps_its_output():
     assert a.num_preemptions == 0
 
 
+def test_preemption_spares_a_more_urgent_priority_admitted_later():
+    """A priority-5 request runs first; a priority-0 one (more urgent) arrives after it. When the 6-page pool runs
+    out, the less urgent one is preempted, though it was admitted first, and the urgent one never is."""
+    cfg = small_config(max_num_seqs=4, max_context=32, page_size=4, max_prefill_tokens=8, prefill_chunk_buckets=(4, 8))
+    scheduler, engine = Scheduler(cfg, num_pages=7), FakePagedEngine(7, 4)
+    low = request("low", 8, 16, 0, priority=5)
+    scheduler.add(low)
+    for plan in scheduler.schedule():
+        scheduler.update(plan, engine.step(plan))
+    high = request("high", 8, 16, 1, priority=0)
+    scheduler.add(high)
+    for _ in range(12):
+        for plan in scheduler.schedule():
+            scheduler.update(plan, engine.step(plan))
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert len(high.output_ids) > len(low.output_ids)
+
+
 def test_all_outputs_match_hash_chain_when_pool_forces_preemption():
     cfg = small_config()
     scheduler = Scheduler(cfg, num_pages=9)

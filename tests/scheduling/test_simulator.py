@@ -443,3 +443,44 @@ def test_the_sketch_schedulers_shortcuts_give_the_plain_schedulers_results(monke
     for name in ("ttft_s", "tpot_s", "queue_s", "latency_s"):
         np.testing.assert_array_equal(getattr(sketch, name), getattr(plain, name))
     assert (sketch.num_preemptions > 0) == (num_pages == 40)
+
+
+def test_the_prefix_policys_pruning_runs_at_the_same_steps_in_the_sketch_as_in_the_plain_scheduler(monkeypatch):
+    # The sketch's shortcut (no prefill to plan) still calls the policy's admission order, where the prefix policy
+    # prunes its ranks; pruning at other steps would rank a returning name anew at another time, and reorder the queue.
+    from jaxinfer.scheduling import sim_scheduler
+    from jaxinfer.scheduling.policies import PrefixAware
+    from jaxinfer.scheduling.scheduler import Scheduler
+
+    cfg = small_config(max_num_seqs=2, max_context=128, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2), decode_page_buckets=(1, 2, 4, 8, 16, 32), policy="prefix", enable_prefix_caching=True)
+    costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 1e-5), host=(1e-4, 1e-5), max_rows=4)
+    monkeypatch.setattr(PrefixAware, "prune_slack", 2)
+    runs = []
+    for seed in (20, 21, 22):
+        rng = np.random.default_rng(seed)
+        arrivals = np.cumsum(rng.exponential(0.05, 60))
+        prompts, outputs, shared = rng.integers(5, 30, 60), rng.integers(1, 30, 60), rng.choice([0, 0, 0, 0, 12], 60)
+        runs.append([SimRequest(int(p), int(o), float(t), shared_prefix=int(s)) for p, o, t, s in zip(prompts, outputs, arrivals, shared)])
+    sketch = [simulate(cfg, requests, costs, num_pages=200) for requests in runs]
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_plan_prefill", Scheduler._plan_prefill)
+    for requests, result in zip(runs, sketch):
+        plain = simulate(cfg, requests, costs, num_pages=200)
+        np.testing.assert_array_equal(result.ttft_s, plain.ttft_s)
+        assert result.summary() == plain.summary()
+
+
+def test_the_sketch_scheduler_prices_the_new_tables_keys_after_a_swap():
+    import dataclasses
+
+    from jaxinfer.scheduling.sim_scheduler import SketchScheduler
+
+    cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24))
+    scheduler = SketchScheduler(cfg, 100)
+    scheduler.use_decode_clock()
+    assert scheduler._decode_key([None] * 3, 3) == ("decode", 4, 1, 4)
+    new = dataclasses.replace(cfg, decode_batch_buckets=(8,), decode_page_buckets=(24,))
+    scheduler.use_config(new)
+    assert scheduler._decode_key([None] * 3, 3) == BucketTables.from_config(new).decode_key(3, 3) == ("decode", 8, 1, 24)
+    assert scheduler.lazy.page_bucket(3) == 24
