@@ -38,6 +38,7 @@ DETERMINISTIC_PAGES_PER_BLOCK = 8
 # EngineConfig.policy: the scheduling policies by name (scheduling/policies.py registers one class per name;
 # a test checks that the two agree). "fcfs" is the scheduler's own order.
 POLICIES = ("fcfs", "shortest-prompt", "edf", "prefix", "adaptive")
+EPOCH_POLICIES = ("shortest-prompt", "prefix")  # those that reorder arrivals only within an epoch (EngineConfig.policy_epoch)
 # Lines of a lazy input (LLM.stream, a batch job) in flight by default, per max_num_seqs per replica; the simulator and
 # whatif pull requests by the same rule
 INFLIGHT_PER_SEQ = 4
@@ -503,7 +504,7 @@ class EngineConfig:
         if self.num_pages is not None:
             check_int("num_pages", self.num_pages, low=2)  # page 0 is the null page
         check_number("kv_memory_fraction", self.kv_memory_fraction, low=0.0, high=1.0, low_open=True)
-        for name in ("max_num_seqs", "max_prefill_tokens", "max_context", "compile_threads"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "max_context", "compile_threads", "max_prefill_seqs", "max_logit_bias"):
             check_int(name, getattr(self, name), low=1)
         if self.max_context % self.page_size:
             raise FieldError("max_context", f"must be a multiple of page_size ({self.page_size}), got {self.max_context}")
@@ -525,11 +526,9 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise FieldError("policy", f"must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         check_number("latency_target_s", self.latency_target_s, low=0.0, high=math.inf, low_open=True)
-        if self.policy_epoch is not None:
-            check_int("policy_epoch", self.policy_epoch, low=1)
-        check_int("max_prefill_seqs", self.max_prefill_seqs, low=1)
+        if self.policy_epoch is not None and check_int("policy_epoch", self.policy_epoch, low=1) and self.policy not in EPOCH_POLICIES:
+            raise FieldError("policy_epoch", f"applies to the {' and '.join(EPOCH_POLICIES)} policies; policy {self.policy!r} orders no epochs")
         check_int("max_logprobs", self.max_logprobs, low=0)
-        check_int("max_logit_bias", self.max_logit_bias, low=1)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise FieldError("logprobs_mode", f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.prefill_packing is not None:

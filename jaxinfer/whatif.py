@@ -66,6 +66,8 @@ def new_config(job: FinishedJob, *, policy: str | None = None, buckets: str | No
         if not any(f.name == "policy" for f in dataclasses.fields(EngineConfig)):
             raise ValueError("--policy: this jaxinfer has no scheduling policies (EngineConfig has no 'policy')")
         changes["policy"] = policy
+        if cfg.policy_epoch is not None and policy not in config.EPOCH_POLICIES:  # the job's epoch orders nothing under this policy
+            changes["policy_epoch"] = None
     limits = {"max_num_seqs": (max_num_seqs, "decode_batch_buckets"), "max_prefill_tokens": (max_prefill_tokens, "prefill_chunk_buckets")}
     asked = {name: table for name, (value, table) in limits.items() if value is not None}
     changes |= {name: limits[name][0] for name in asked} | ({"num_pages": num_pages} if num_pages is not None else {})
@@ -333,6 +335,8 @@ def _values(kind: type, choices=None):
     """An argparse type: one value, or several separated by commas (a list: the grid's axis)."""
     def parse(text: str):
         values = [part.strip() for part in text.split(",")]
+        if len(values) > 1 and not all(values):
+            raise argparse.ArgumentTypeError(f"has an empty value between its commas: {text!r}")
         try:
             values = [kind(v) for v in values if v]
         except ValueError:

@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -72,6 +73,7 @@ class _Line(NamedTuple):
     cached: int
     tpot: float
     custom_id: str | None
+    key: str | None  # the record's key (its input line's: batch/input.read_lines)
 
 
 def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
@@ -81,6 +83,8 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     timed out in the job is replayed with its deadline and its max_tokens; one that failed in a step is left out. The
     prefix every request shares (a chat template's pages) is _shared_prefix's."""
     output = Path(output)
+    if output.is_dir():
+        raise ValueError(f"{output}: a directory, not an output file")
     if not output.is_file():
         raise ValueError(f"{output}: no such output file")
     path = Path(step_log) if step_log is not None else log_path(output)
@@ -88,6 +92,7 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
         raise ValueError(f"--step-log {path}: no such file" if step_log is not None else
                          f"{path}: no step log beside {output} (a job run in this process writes one; a --ray job or an older jaxinfer's writes none)")
     log = read_step_log(path)
+    _check_output(path, log.header, output)
     if log.summary is None or log.costs is None:
         raise ValueError(f"{path}: no summary and step-cost table at its end: the job is still running, or was killed before it ended "
                          "(whatif replays a run that ended; a resume writes a new log)")
@@ -96,24 +101,73 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     if header.get("replicas", 1) != 1:
         raise ValueError(f"{path}: the job ran {header['replicas']} data-parallel replicas; the simulator runs one")
     before = header["records_before"] if "records_before" in header else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
-    lines, left_out = [], collections.Counter()
-    for number, record in _records(output, int(before)):
+    records, torn = _records(output, int(before))
+    lines, left_out, keys = [], collections.Counter(), set()
+    for number, record in records:
         line = _replayed(output, number, record, left_out)
-        if line is not None:
+        if line is not None and line.key is not None and line.key in keys:
+            left_out["repeat an earlier record's key (one run writes each line's record once: outputs joined, or a record copied): left out of the replay"] += 1
+        elif line is not None:
             lines.append(line)
+            keys.add(line.key)
     if not lines:
         raise ValueError(f"{output}: no finished (ok) record to replay")
     openai = any(line.custom_id is not None for line in lines)
     input_path = Path(header.get("input", ""))
     found = _read_input(input_path, openai_batch.FORMAT if openai else "jaxinfer", {line.line for line in lines}, openai)
     notes = [f"{n} line{'s' * (n > 1)} {why}" for why, n in left_out.items()]
+    if torn is not None:
+        notes.append(f"the last record, {output}:{torn}, is torn (the job was killed while writing it): left out of the replay")
     if not input_path.is_file():
         notes.append(f"the job's input {input_path} is gone: its lines replay without their priorities and deadlines"
                      + (", in the order they finished" if openai else ""))
+    else:
+        notes += _input_changes(input_path, lines, found, openai)
     if openai:
         lines = [line._replace(line=found.lines_of.get(line.custom_id)) for line in lines]
     lines.sort(key=lambda line: (line.line is None, line.line or 0))
     return _job_of(lines, found.fields, log, header, tuple(notes))
+
+
+def _check_output(path: Path, header: dict, output: Path) -> None:
+    """The step log is of this output's job: the output its header names, where another file of another name is there,
+    is not this one (a log moved, copied or renamed with its output names a path that is gone, or the same name)."""
+    named = header.get("output")
+    if named and Path(named).name != output.name and Path(named).is_file() and not os.path.samefile(named, output):
+        raise ValueError(f"{path}: the step log of the job that wrote {named}, not {output} (give --step-log the log of {output}'s own run)")
+
+
+def _input_changes(path: Path, lines: list[_Line], found: "_Input", openai: bool) -> list[str]:
+    """Notes on records the job's input no longer matches (it was edited since): a record's input line whose key is
+    not the record's (the replay then takes none of that line's fields: `found.fields` loses it), a line past the
+    input's end, an OpenAI record whose custom_id the input lacks."""
+    if openai:
+        missing = [line.custom_id for line in lines if line.custom_id not in found.lines_of]
+        return [f"{len(missing)} record{'s' * (len(missing) > 1)}' custom_ids (first: {missing[0]!r}) are not in the input {path} (changed since the job): "
+                "replayed in the order they finished, without priorities and deadlines"] if missing else []
+    changed = [line.line for line in lines if line.line in found.keys and line.key is not None and _base(found.keys[line.line]) != _base(line.key)]
+    for number in changed:
+        found.fields.pop(number, None)
+    past = [line.line for line in lines if line.line is not None and line.line > found.num_lines]
+    notes = []
+    if changed:
+        notes.append(f"{len(changed)} input line{'s' * (len(changed) > 1)} (first: {path}:{changed[0]}) are not the line{'s' * (len(changed) > 1)} "
+                     "the job ran (the input changed since: another key than the record's): replayed without their priorities and deadlines")
+    if past:
+        notes.append(f"{len(past)} record{'s' * (len(past) > 1)} answer lines past the end of {path} ({found.num_lines} lines; it changed since the job): "
+                     "replayed without their priorities and deadlines")
+    return notes
+
+
+def _base(key: str) -> str:
+    """A line's key without its repeat number (`#2`: read_lines numbers repeats over the lines it reads)."""
+    head, _, repeat = key.rpartition("#")
+    return head if head and repeat.isdigit() else key
+
+
+def _key_of(record: dict) -> str | None:
+    key = record.get("key")
+    return key if isinstance(key, str) else None
 
 
 def _job_of(lines: list[_Line], fields: dict[int, dict], log: StepLogContents, header: dict, notes: tuple[str, ...]) -> FinishedJob:
@@ -156,21 +210,24 @@ class _Input:
 
     lines_of: dict[str, int]
     fields: dict[int, dict]
+    keys: dict[int, str] = dataclasses.field(default_factory=dict)  # line number -> its key, for the lines read (a jaxinfer input's)
+    num_lines: int = 0  # the input's last line number
 
 
 def _read_input(path: Path, fmt: str, numbers: set[int | None], every_line: bool) -> _Input:
-    """The input's custom_ids (an OpenAI file) and the _REPLAY_FIELDS of the lines in `numbers` (`every_line`: of every
-    line, whose number a custom_id gives), each line read as the job read it (batch/input.read_lines: an OpenAI
-    line's fields are its body's)."""
+    """The input's custom_ids (an OpenAI file), and the keys and _REPLAY_FIELDS of the lines in `numbers` (`every_line`:
+    of every line, whose number a custom_id gives), each line read as the job read it (batch/input.read_lines: an
+    OpenAI line's fields are its body's); its last line number."""
     found = _Input({}, {})
     if not path.is_file():
         return found
-    names = [name.encode() for name in _REPLAY_FIELDS]
     with open(path, "rb") as f:
-        numbered = input_lines.iter_lines(iter(lambda: f.read(1 << 20), b""))
-        if not every_line:  # a jaxinfer record names its line: only those with a field to read are parsed
-            numbered = ((n, raw) for n, raw in numbered if n in numbers and isinstance(raw, bytes) and any(name in raw for name in names))
+        numbered = _counting(input_lines.iter_lines(iter(lambda: f.read(1 << 20), b"")), found)
+        if not every_line:  # a jaxinfer record names its line: only those are read
+            numbered = ((n, raw) for n, raw in numbered if n in numbers)
         for line in input_lines.read_lines(numbered, fmt):
+            if not every_line:
+                found.keys[line.number] = line.key
             if line.obj is None:  # an error record's line
                 continue
             if every_line and isinstance(line.request_id, str):
@@ -179,6 +236,13 @@ def _read_input(path: Path, fmt: str, numbers: set[int | None], every_line: bool
             if fields and _valid_fields(fields):
                 found.fields[line.number] = fields
     return found
+
+
+def _counting(numbered, found: _Input):
+    """`numbered` as it is, its last line number kept in found.num_lines."""
+    for number, raw in numbered:
+        found.num_lines = number
+        yield number, raw
 
 
 def _valid_fields(fields: dict) -> bool:
@@ -231,7 +295,7 @@ def _replayed(output: Path, number: int, record: dict, left_out: collections.Cou
         fields = record if queued is not None or "custom_id" not in record else openai_batch.summary_fields(record)
         prompt = _count(where, fields, "num_prompt_tokens", low=1)
         if queued == "timeout":
-            return _Line(_record_line(where, record), prompt, [], math.nan, 0, math.nan, record.get("custom_id"))
+            return _Line(_record_line(where, record), prompt, [], math.nan, 0, math.nan, record.get("custom_id"), _key_of(record))
         samples = [_count(where, sample, "num_generated_tokens") for sample in (fields.get("samples") or [fields])]
         ttft = fields["time_to_first_token_s"]
         if not isinstance(ttft, (int, float)) or isinstance(ttft, bool) or not math.isfinite(ttft) or ttft < 0:
@@ -239,7 +303,7 @@ def _replayed(output: Path, number: int, record: dict, left_out: collections.Cou
         tpot = (fields.get("metrics") or {}).get("time_per_output_token_s")
         tpot = float(tpot) if isinstance(tpot, (int, float)) and not isinstance(tpot, bool) else math.nan
         cached = _count(where, fields, "num_cached_tokens") if fields.get("num_cached_tokens") is not None else 0
-        return _Line(_record_line(where, record), prompt, samples, float(ttft), cached, tpot, record.get("custom_id"))
+        return _Line(_record_line(where, record), prompt, samples, float(ttft), cached, tpot, record.get("custom_id"), _key_of(record))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}: not a jaxinfer or OpenAI batch result record (no {e})") from None
 
@@ -271,10 +335,11 @@ def _record_line(where: str, record: dict) -> int | None:
     return _count(where, record, "line", low=1)
 
 
-def _records(output: Path, skip: int) -> list[tuple[int, dict]]:
+def _records(output: Path, skip: int) -> tuple[list[tuple[int, dict]], int | None]:
     """(line number, record) of the output's records past its first `skip` (a resumed run's log leaves out the records
-    before it); blank lines skipped, a torn last line (a killed job's) dropped. ValueError naming the line."""
-    records = []
+    before it), blank lines skipped; and the line number of a torn last line (a killed job's, dropped), else None.
+    ValueError naming the line."""
+    records, torn = [], None
     try:
         with open(output, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -284,11 +349,12 @@ def _records(output: Path, skip: int) -> list[tuple[int, dict]]:
                     record = json.loads(line)
                 except ValueError:
                     if not line.endswith("\n"):
-                        break  # a torn last line: the job was killed while writing it
+                        torn = number  # a torn last line: the job was killed while writing it
+                        break
                     raise ValueError(f"{output}:{number}: not a JSON record") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{output}:{number}: not a JSON record (a JSON {type(record).__name__})")
                 records.append((number, record))
     except UnicodeDecodeError as e:
         raise ValueError(f"{output}: not UTF-8 text ({e})") from None
-    return records[skip:]
+    return records[skip:], torn

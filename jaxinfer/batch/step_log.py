@@ -20,6 +20,7 @@ time also refines the step-cost table's host model.
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -156,6 +157,10 @@ def _read(path: Path) -> StepLogContents:
                     costs = StepCosts.from_json(obj["table"])
                 elif kind == "step" and header is not None:  # a first line is the header's to judge
                     _check_step(obj)
+                elif kind == "summary":
+                    _check_summary(obj)
+                elif kind == "header" and obj.get("format") == FORMAT:
+                    _check_header(obj)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 if number > 1 and not line.endswith("\n"):
                     break  # a torn last line (the job was killed while writing it)
@@ -173,6 +178,33 @@ def _read(path: Path) -> StepLogContents:
     if header is None:
         raise ValueError(f"{path}: empty step log")
     return StepLogContents(header, steps, programs, summary, costs)
+
+
+_HEADER_COUNTS = {"num_pages": 1, "max_inflight": 1, "max_inflight_given": 1, "replicas": 1, "num_skipped": 0, "records_before": 0, "default_max_tokens": 0}  # a header's counts a replay reads, at least these
+
+
+def _check_header(obj: dict) -> None:
+    """The header's paths are strings and its counts (_HEADER_COUNTS, where present) whole numbers in range; TypeError naming one."""
+    for name in ("input", "output"):
+        if name in obj and not isinstance(obj[name], str):
+            raise TypeError(f"its {name} is not a path: {obj[name]!r}")
+    for name, low in _HEADER_COUNTS.items():
+        value = obj.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise TypeError(f"its {name} is not a count of at least {low}: {value!r}")
+
+
+def _check_summary(obj: dict) -> None:
+    """The summary's wall_s is a number of seconds and its padding, where given, a share from 0 to 1; TypeError naming one."""
+    wall, padding = obj["wall_s"], obj.get("padding")
+    if not _finite(wall) or wall < 0:
+        raise TypeError(f"its wall_s is not a number of seconds: {wall!r}")
+    if padding is not None and (not _finite(padding) or not 0 <= padding <= 1):
+        raise TypeError(f"its padding is not a share from 0 to 1: {padding!r}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_step(obj: dict) -> None:

@@ -94,6 +94,8 @@ def test_settings_with_several_values_predict_every_combination_and_mark_the_fas
     assert "4 settings" in text and "* --max-num-seqs 4, --num-pages 200 " in text and text.count("--max-num-seqs 1, --num-pages") == 2, text
     bad = cli("whatif", str(finished_job), "--policy", "fcfs,magic", timeout=120)
     assert bad.returncode == 2 and "--policy: expects one or more of fcfs" in bad.stderr, bad.stderr
+    empty = cli("whatif", str(finished_job), "--policy", "fcfs,,edf", timeout=120)
+    assert empty.returncode == 2 and "has an empty value between its commas: 'fcfs,,edf'" in empty.stderr, empty.stderr
 
 
 TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
@@ -158,6 +160,8 @@ def test_a_new_limit_cuts_the_jobs_own_table_at_it_and_adds_it(finished_job):
     cfg = whatif.new_config(planned, max_prefill_tokens=400, max_num_seqs=2)
     assert (cfg.prefill_chunk_buckets, cfg.decode_batch_buckets) == ((32, 80, 160, 224, 256), (1, 2))  # a chunk is at most max_context (256)
     assert whatif.new_config(planned, num_pages=40).decode_batch_buckets == (1, 2, 4)  # a change of no limit keeps the tables
+    epoch = dataclasses.replace(job, log=dataclasses.replace(job.log, header=job.log.header | {"engine": engine | {"policy": "prefix", "policy_epoch": 8}}))
+    assert whatif.new_config(epoch, policy="fcfs").policy_epoch is None and whatif.new_config(epoch, policy="shortest-prompt").policy_epoch == 8
 
 
 def test_an_output_without_a_step_log_or_missing_is_a_one_line_error(tmp_path):
@@ -193,6 +197,12 @@ def _copy_job(job, folder, edit_records=None, edit_log=None):
     return output
 
 
+def _summary(**fields):
+    def apply(log):
+        return [json.dumps(json.loads(line) | fields) + "\n" if '"kind": "summary"' in line else line for line in log]
+    return apply
+
+
 def _header(edit):
     def apply(log):
         header = json.loads(log[0])
@@ -218,6 +228,32 @@ def test_a_resumed_runs_log_replays_that_runs_records_only(finished_job, tmp_pat
     folder.mkdir()
     job = finished.read_job(_copy_job(finished_job, folder, edit_log=_header(edited)))
     assert job.ttft_s.tolist() == [r["time_to_first_token_s"] for r in records[3:]]  # the records this run wrote, not one before it
+
+
+@pytest.mark.slow
+def test_an_input_changed_since_the_job_gives_no_fields_to_the_lines_it_no_longer_holds_and_says_so(finished_job, tmp_path):
+    lines = [json.loads(line) for line in finished_job.with_name("in.jsonl").read_text().splitlines()]
+    edited = [line | {"priority": 5 - i, "deadline_s": 0.05} | ({"id": f"z{i}"} if i < 4 else {}) for i, line in enumerate(lines)]
+    (tmp_path / "edited.jsonl").write_text("".join(json.dumps(line) + "\n" for line in edited))
+    job = finished.read_job(_copy_job(finished_job, tmp_path, edit_log=_header(lambda header: header.update(input=str(tmp_path / "edited.jsonl")))))
+    assert [r.priority for r in job.requests] == [0, 0, 0, 0, 1, 0] and [r.deadline_s for r in job.requests][:4] == [None] * 4
+    assert any(note.startswith("4 input lines (first: ") and "edited.jsonl:1)" in note for note in job.left_out), job.left_out
+    (tmp_path / "cut.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:3]))
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    job = finished.read_job(_copy_job(finished_job, folder, edit_log=_header(lambda header: header.update(input=str(tmp_path / "cut.jsonl")))))
+    assert any(note.startswith("3 records answer lines past the end of") and "(3 lines;" in note for note in job.left_out), job.left_out
+
+
+@pytest.mark.slow
+def test_records_written_twice_are_replayed_once_and_another_jobs_step_log_is_refused(finished_job, tmp_path):
+    job = finished.read_job(_copy_job(finished_job, tmp_path, edit_records=lambda records: records + records))
+    assert len(job.requests) == 6 and any(note.startswith("6 lines repeat an earlier record's key") for note in job.left_out), job.left_out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "another.jsonl").write_text(finished_job.read_text())
+    with pytest.raises(ValueError, match=r"the step log of the job that wrote .*out.jsonl, not .*another.jsonl"):
+        finished.read_job(other / "another.jsonl", finished_job.with_name("out.jsonl.steps.jsonl"))
 
 
 @pytest.mark.slow
@@ -280,14 +316,21 @@ def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_pa
              (dict(edit_records=_edit_first(line="2")), r"out.jsonl:1: the record's line is not a count of at least 1: '2'"),
              (dict(edit_records=_edit_first(samples=[{"text": "a"}])), r"out.jsonl:1: not a jaxinfer or OpenAI batch result record \(no 'num_generated_tokens'\)"),
              (dict(edit_log=_header(lambda header: header["engine"].update(future_field=1))), r"fields this jaxinfer lacks: future_field"),
-             (dict(edit_log=_header(lambda header: header.pop("engine"))), r"holds no engine settings")]
+             (dict(edit_log=_header(lambda header: header.pop("engine"))), r"holds no engine settings"),
+             (dict(edit_log=_header(lambda header: header.update(num_pages=-5))), r"steps.jsonl:1: .*its num_pages is not a count of at least 1: -5"),
+             (dict(edit_log=_header(lambda header: header.update(num_skipped="x"))), r"steps.jsonl:1: .*its num_skipped is not a count of at least 0: 'x'"),
+             (dict(edit_log=_summary(wall_s="fast")), r"steps.jsonl:\d+: .*its wall_s is not a number of seconds: 'fast'"),
+             (dict(edit_log=_summary(wall_s=float("nan"))), r"steps.jsonl:\d+: .*its wall_s is not a number of seconds: nan")]
     for i, (edits, message) in enumerate(cases):
         folder = tmp_path / str(i)
         folder.mkdir()
         with pytest.raises(ValueError, match=message):
             finished.read_job(_copy_job(finished_job, folder, **edits))
     torn = _copy_job(finished_job, tmp_path, edit_records=lambda records: records + ['{"line": 7, "status": "o'])  # a killed job's last line
-    assert len(finished.read_job(torn).requests) == 6
+    job = finished.read_job(torn)
+    assert len(job.requests) == 6 and any("out.jsonl:7, is torn" in note for note in job.left_out), job.left_out
+    with pytest.raises(ValueError, match=r"a directory, not an output file"):
+        finished.read_job(tmp_path)
     with pytest.raises(ValueError, match=r"--step-log .*none.jsonl: no such file"):
         finished.read_job(finished_job, tmp_path / "none.jsonl")
     (tmp_path / "inf.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,12\ninf,30,5\n")
@@ -317,6 +360,9 @@ def test_an_openai_batch_job_is_replayed_in_input_order_with_its_cached_prefix(t
     report = whatif_json(output)
     assert report["replay"]["num_steps"] == summary["num_steps"] and report["replay"]["padding"] == pytest.approx(summary["padding"], abs=1e-6)
     assert report["notes"] == []
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line | {"custom_id": "renamed-" + line["custom_id"]}) + "\n" for line in lines))
+    job = finished.read_job(output)  # the input changed since: no record's custom_id is in it
+    assert [r.priority for r in job.requests] == [0] * 5 and any(note.startswith("5 records' custom_ids (first: ") for note in job.left_out), job.left_out
 
 
 @pytest.mark.slow

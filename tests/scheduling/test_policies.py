@@ -63,6 +63,13 @@ def test_an_unknown_policy_is_refused_naming_the_valid_ones():
         EngineConfig(latency_target_s=0)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "adaptive"])
+def test_an_epoch_for_a_policy_that_orders_no_epochs_is_refused(policy):
+    with pytest.raises(FieldError, match=rf"policy_epoch applies to the shortest-prompt and prefix policies; policy '{policy}' orders no epochs"):
+        EngineConfig(policy=policy, policy_epoch=4)
+    assert EngineConfig(policy="prefix", policy_epoch=4).policy_epoch == 4
+
+
 def test_the_cli_flag_reaches_the_engine_config():
     from jaxinfer.cli import _build_parser, _engine_config
 
