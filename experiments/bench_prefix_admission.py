@@ -163,7 +163,7 @@ def main() -> None:
     lines = build_lines(tokenizer, args.lines, args.preambles, args.preamble_tokens)
     prompts = [tokenizer.encode(line) for line in lines]
     start = time.perf_counter()
-    default_pages = EngineConfig().max_num_seqs * EngineConfig().max_pages_per_seq + 1  # the pool LLM() takes where memory allows
+    default_pages = runloop.pool_pages(EngineConfig())  # the pool LLM() takes where memory allows
     dry = dry_runs(EngineConfig(), prompts, args.max_tokens, [default_pages, 256, 128, 96])
     runs, agreement = ({}, None) if args.dry_run_only else run_models(args, lines)
     result = {"question": "prefix-aware admission's prefill tokens and wall time against first-come-first-served, outputs equal in deterministic mode",

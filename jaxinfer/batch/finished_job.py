@@ -50,15 +50,10 @@ class FinishedJob:
 def line_figures(ttft_s: np.ndarray, tpot_s: np.ndarray, slo: tuple[float, float] | None = None) -> dict:
     """TTFT p50 and p99 over the lines with a first token, and with `slo` the share of all of them (a timed-out one,
     NaN, meets none) within both SLOs: one rule for the measured figures and the simulator's."""
-    first = np.isfinite(ttft_s)
-    figures = {"ttft_p50_s": _pct(ttft_s[first], 50), "ttft_p99_s": _pct(ttft_s[first], 99)}
+    figures = {"ttft_p50_s": simulator.finite_percentile(ttft_s, 50), "ttft_p99_s": simulator.finite_percentile(ttft_s, 99)}
     if slo is not None:
-        figures["slo_attainment"] = round(float(np.mean(simulator.slo_met(ttft_s, tpot_s, first, *slo))), 4) if ttft_s.size else 0.0
+        figures["slo_attainment"] = round(simulator.slo_attainment(ttft_s, tpot_s, *slo), 4)
     return figures
-
-
-def _pct(values: np.ndarray, q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 6) if values.size else None
 
 
 class _Line(NamedTuple):

@@ -42,6 +42,7 @@ from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.kv_manager import page_release_window
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
+from jaxinfer.scheduling.runloop import pool_pages
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.validation import FieldError
 
@@ -247,7 +248,7 @@ def num_pages_for(engine_cfg: EngineConfig, free: int, page_bytes: int) -> int:
     kv_memory_fraction of free memory holds them, else what fits on the ladder (`pages_on_ladder`)."""
     if engine_cfg.num_pages is not None:
         return engine_cfg.num_pages
-    wanted = engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+    wanted = pool_pages(engine_cfg)  # max_num_seqs full contexts and the null page
     fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
     return wanted if fitted >= wanted else pages_on_ladder(fitted)
 

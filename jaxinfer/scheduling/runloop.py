@@ -89,14 +89,19 @@ def _count_step(scheduler: Scheduler, plan: StepPlan, now: float) -> None:
                 request.first_scheduled_time = now
 
 
+def pool_pages(engine_cfg, num_pages: int | None = None) -> int:
+    """The pages of a host-only run's pool (a dry run's, a simulation's): `num_pages`, else the engine config's, else
+    enough for max_num_seqs full contexts and the null page."""
+    return num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+
+
 def dry_run(engine_cfg, prompts: list[list[int]], max_tokens: list[int], num_pages: int | None = None) -> tuple[list[StepPlan], SchedulerStats]:
     """The plans the real scheduler makes for these requests (greedy, EOS ignored, each generating exactly
     its max_tokens) when every step returns token 0: the schedule of an offline batch, host only, in
     milliseconds. Greedy tokens do not change a schedule whose stops are lengths, so the plans' keys,
     padding and page use are those of a real run (the prefix cache sees the same prompts). `num_pages`:
     the pool's pages (None: the engine config's, or enough for max_num_seqs full contexts)."""
-    pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
-    scheduler = Scheduler(engine_cfg, pages)
+    scheduler = Scheduler(engine_cfg, pool_pages(engine_cfg, num_pages))
     for i, (prompt, out) in enumerate(zip(prompts, max_tokens, strict=True)):
         scheduler.add(Request(str(i), list(prompt), SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), seed=i, arrival_index=i))
     plans: list[StepPlan] = []

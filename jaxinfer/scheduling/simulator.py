@@ -81,12 +81,12 @@ class SimResult:
     seconds: float = 0.0  # real seconds the simulation took
 
     def slo_attainment(self, slo_ttft_s: float = math.inf, slo_tpot_s: float = math.inf) -> float:
-        """The share of requests that met both SLOs (slo_met); a simulated request with a first token finished by length."""
-        return float(np.mean(slo_met(self.ttft_s, self.tpot_s, np.isfinite(self.ttft_s), slo_ttft_s, slo_tpot_s))) if self.ttft_s.size else 0.0
+        """The share of requests that met both SLOs (slo_attainment); a simulated request with a first token finished by length."""
+        return slo_attainment(self.ttft_s, self.tpot_s, slo_ttft_s, slo_tpot_s)
 
     def summary(self) -> dict:
         """The headline figures as JSON-ready numbers."""
-        pct = lambda values, q: round(float(np.nanpercentile(values, q)), 6) if np.isfinite(values).any() else None  # noqa: E731
+        pct = finite_percentile
         return {
             "wall_s": round(self.wall_s, 6), "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
             "tpot_p50_s": pct(self.tpot_s[np.isfinite(self.ttft_s)], 50), "queue_p50_s": pct(self.queue_s, 50), "padding": round(self.padding, 6),
@@ -97,9 +97,23 @@ class SimResult:
         }
 
 
+def finite_percentile(values: np.ndarray, q: float) -> float | None:
+    """The q-th percentile of the finite values (NaN: a request without a first token), to the microsecond; None if
+    none: the one rule for the simulator's figures and a finished job's (batch/finished_job.line_figures)."""
+    values = np.asarray(values, np.float64)
+    values = values[np.isfinite(values)]
+    return round(float(np.percentile(values, q)), 6) if values.size else None
+
+
+def slo_attainment(ttft_s: np.ndarray, tpot_s: np.ndarray, slo_ttft_s: float = math.inf, slo_tpot_s: float = math.inf) -> float:
+    """The share of requests (a NaN TTFT: one without a first token, which meets none) within both SLOs (slo_met); 0 for none."""
+    ttft_s = np.asarray(ttft_s, np.float64)
+    return float(np.mean(slo_met(ttft_s, tpot_s, np.isfinite(ttft_s), slo_ttft_s, slo_tpot_s))) if ttft_s.size else 0.0
+
+
 def slo_met(ttft_s: np.ndarray, tpot_s: np.ndarray, finished: np.ndarray, slo_ttft_s: float = math.inf, slo_tpot_s: float = math.inf) -> np.ndarray:
-    """bool[N]: the requests that finished (`finished`: stop or length, not an error or a deadline) with a TTFT and a
-    TPOT within the SLOs, the ones DistServe's goodput counts; a NaN time (no first token) meets none."""
+    """bool[N]: the requests counted as served (`finished`; its callers count every request with a first token) with a
+    TTFT and a TPOT within the SLOs, the ones DistServe's goodput counts; a NaN time (no first token) meets none."""
     return np.asarray(finished, bool) & (np.asarray(ttft_s, np.float64) <= slo_ttft_s) & (np.asarray(tpot_s, np.float64) <= slo_tpot_s)
 
 
@@ -382,7 +396,7 @@ def simulate(
     for name, value in (("num_pages", num_pages), ("max_inflight", max_inflight)):
         if value is not None:
             check_int(name, value, low=1)
-    pages = num_pages or engine_cfg.num_pages or engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq + 1
+    pages = runloop.pool_pages(engine_cfg, num_pages)
     run = _Run(engine_cfg, requests, costs, pages, max_inflight or INFLIGHT_PER_SEQ * engine_cfg.max_num_seqs, fast_forward, one_pass_decode)
     collecting = gc.isenabled()
     gc.disable()  # the run makes many objects and no garbage cycle: the cyclic collector's passes over them only cost time
