@@ -171,8 +171,8 @@ def marking(hook, probe: SchedProbe):
 def plan_first_half(llm, prompts) -> planning.Plan:
     """What `--plan` would choose from a sample of the first half's lines (planning.plan_job, its sample narrowed)."""
     ids = [p.token_ids for p in prompts]
-    shared = planning.shared_page_tokens(ids, llm.engine_config.page_size) if llm.engine_config.enable_prefix_caching else np.zeros(len(ids), np.int64)
-    sample = planning.WorkloadSample(np.array([len(i) for i in ids]), np.array([p.params.max_tokens for p in prompts]), shared, 2 * len(ids))
+    cfg = llm.engine_config
+    sample = planning.WorkloadSample.of_prompts(ids, [p.params.max_tokens for p in prompts], cfg.page_size, cfg.enable_prefix_caching, 2 * len(ids))
     given = dataclasses.replace(llm.engine_config, num_pages=llm.engine.num_pages)
     options = planning.PlanOptions(max_num_seqs=(MAX_NUM_SEQS,), max_prefill_tokens=(MAX_PREFILL_TOKENS,))
     return planning.make_plan(sample, given, planning.engine_costs(llm), options)

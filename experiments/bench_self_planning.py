@@ -110,7 +110,7 @@ def run_workload(name: str, lines: list[str], args, llm, base: EngineConfig, pro
     prompts = [llm.prepare(line, params, index=i) for i, line in enumerate(lines)]
     given = dataclasses.replace(base, num_pages=llm.engine.num_pages)  # the impls as the tuner resolved them
     ids = [p.token_ids for p in prompts]
-    sample = planning.WorkloadSample(np.array([len(i) for i in ids]), np.full(len(ids), args.max_tokens), planning.shared_page_tokens(ids, base.page_size), len(ids))
+    sample = planning.WorkloadSample.of_prompts(ids, np.full(len(ids), args.max_tokens), base.page_size, base.enable_prefix_caching, len(ids))
     options = planning.PlanOptions(max_num_seqs=tuple(args.seqs), max_prefill_tokens=tuple(args.tokens))
     costs, start = planning.engine_costs(llm), time.perf_counter()
     plan = planning.make_plan(sample, given, costs, options)

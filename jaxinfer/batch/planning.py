@@ -21,6 +21,7 @@ planning is opt-in (`--plan`). Never imports
 jaxinfer.bucketing (the runtime does not; a test checks it).
 """
 
+import collections
 import contextlib
 import dataclasses
 import random
@@ -60,6 +61,18 @@ class WorkloadSample:
     shared_tokens: np.ndarray  # i64[N]; leading tokens in full pages equal to an earlier sampled prompt's
     num_lines: int  # lines the job has to do (the sample is drawn from these)
     num_requests: float | None = None  # requests the job will run, estimated from the sample (None: one per line to do)
+    families: tuple[np.ndarray, np.ndarray] | None = None  # (i64[N] prefix group, i64[N] its shareable tokens): prefix_families; None: one group
+
+    @classmethod
+    def of_prompts(cls, prompts: list[list[int]], outputs, page_size: int, prefix_caching: bool, num_lines: int,
+                   num_requests: float | None = None) -> "WorkloadSample":
+        """The sample of these prompts' token ids and outputs (max_tokens), their shared pages counted as the prefix
+        cache shares them (none without it)."""
+        if prefix_caching:
+            shared, families = shared_page_tokens(prompts, page_size), prefix_families(prompts, page_size)
+        else:
+            shared, families = np.zeros(len(prompts), np.int64), None
+        return cls(np.array([len(p) for p in prompts]), np.asarray(outputs), shared, num_lines, num_requests, families)
 
     @property
     def requests_to_run(self) -> float:
@@ -71,8 +84,12 @@ class WorkloadSample:
         return float(self.shared_tokens.sum() / max(1, self.prompt_tokens.sum()))
 
     def requests(self, count: int) -> list[SimRequest]:
+        """The first `count` sampled requests as the simulator's: each prompt's shareable prefix in its group (families),
+        else its shared tokens in one group."""
         n = min(count, self.prompt_tokens.size)
-        return [SimRequest(int(p), int(o), shared_prefix=int(s)) for p, o, s in zip(self.prompt_tokens[:n], self.output_tokens[:n], self.shared_tokens[:n])]
+        groups, shared = self.families if self.families is not None else (np.zeros(n, np.int64), self.shared_tokens)
+        return [SimRequest(int(p), int(o), shared_prefix=int(s), prefix_group=int(g))
+                for p, o, s, g in zip(self.prompt_tokens[:n], self.output_tokens[:n], shared[:n], groups[:n])]
 
 
 def shared_page_tokens(prompts: list[list[int]], page_size: int) -> np.ndarray:
@@ -91,6 +108,32 @@ def shared_page_tokens(prompts: list[list[int]], page_size: int) -> np.ndarray:
                 matching = False
                 seen.add(name)
     return shared
+
+
+def prefix_families(prompts: list[list[int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i64[N] group, i64[N] shareable tokens): per prompt, the tokens of its leading full pages that another sampled
+    prompt also holds (named by the prefix cache's chain, at most (its tokens - 1) // page_size pages, as
+    shared_page_tokens counts), whichever of them runs first, and its group: one per distinct first page among the
+    prompts that share any (0 for those that share none). The simulator gives each group one chain of shared pages
+    (SimRequest.prefix_group), so prompts of a group share up to the shorter of their prefixes; two preambles are
+    two groups, and a group's first prompt computes the pages the others then find cached."""
+    chains = []
+    for ids in prompts:
+        name, chain = None, []
+        for page in range(len(ids) // page_size):
+            name = hash((name, tuple(ids[page * page_size : (page + 1) * page_size])))
+            chain.append(name)
+        chains.append(chain)
+    holders = collections.Counter(name for chain in chains for name in set(chain))
+    groups, shareable, firsts = np.zeros(len(prompts), np.int64), np.zeros(len(prompts), np.int64), {}
+    for i, (ids, chain) in enumerate(zip(prompts, chains)):
+        pages = 0
+        while pages < (len(ids) - 1) // page_size and holders[chain[pages]] > 1:
+            pages += 1
+        if pages:
+            groups[i] = firsts.setdefault(chain[0], len(firsts) + 1)
+            shareable[i] = pages * page_size
+    return groups, shareable
 
 
 def reservoir(items, size: int, rng: random.Random) -> list:
@@ -122,9 +165,8 @@ def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample
             outputs.append(max(1, prompt.params.max_tokens))
     if not prompts:
         return None
-    shared = shared_page_tokens(prompts, llm.engine_config.page_size) if llm.engine_config.enable_prefix_caching else np.zeros(len(prompts), np.int64)
-    # the lines sampled stand for every line that parsed (num_runnable); their requests, for the requests those make
-    return WorkloadSample(np.array([len(p) for p in prompts]), np.array(outputs), shared, len(job.todo), job.num_runnable * len(prompts) / len(lines))
+    cfg = llm.engine_config  # the lines sampled stand for every line that parsed (num_runnable); their requests, for the requests those make
+    return WorkloadSample.of_prompts(prompts, outputs, cfg.page_size, cfg.enable_prefix_caching, len(job.todo), job.num_runnable * len(prompts) / len(lines))
 
 
 def prior_costs() -> StepCosts:

@@ -1,8 +1,8 @@
 """The simulator's page names: given by how each synthetic prompt is built, and a request's own ones named only if
 it is preempted. Host only, no jax.
 
-`page_names` names every page a simulated request may fill from its construction (`[1] * shared + [i + 2, 0, ...]`
-then output 0s), equal exactly where the prefix cache's hash chain would be, so nothing is hashed. `SimKV` is the
+`page_names` names every page a simulated request may fill from its construction (`[g] * shared + [i + 2, 0, ...]`
+then output 0s, g its prefix group's token), equal exactly where the prefix cache's hash chain would be, so nothing is hashed. `SimKV` is the
 KV manager with one exact shortcut: a page past a request's shared prefix has a name no other request can have,
 so it is named only when its request is preempted (the one case in which anyone looks it up).
 """
@@ -49,19 +49,29 @@ class SimKV(KVManager):
             self.cache_computed_pages(request)
 
 
-def page_names(index: int, prompt_tokens: int, shared: int, output_tokens: int, page_size: int, max_context: int) -> list:
+MAX_PREFIX_GROUPS = 1 << 20  # SimRequest.prefix_group < this (a shared page's name holds it above the page's place)
+
+
+def group_token(group: int) -> int:
+    """The token a simulated prompt of this prefix group repeats over its shared prefix: 1 for group 0, -group for the
+    others (never a request's own token, index + 2, nor the 0s after it)."""
+    return 1 if group == 0 else -group
+
+
+def page_names(index: int, prompt_tokens: int, shared: int, output_tokens: int, page_size: int, max_context: int, group: int = 0) -> list:
     """Names for every page the simulated request `index` may fill (Request.page_names, which the KV manager
     extends by hashing, kv_manager.name_pages), equal exactly where two of its sequences are: page j covers
-    tokens [0, (j + 1) * page_size) of `[1] * shared + [index + 2, 0, ...]` (its prompt) then its output's 0s.
-    A page inside the shared ones is the same in every request (-1 - j); a page past the request's own token
-    (index + 2) is its own ((index + 1) << 20 | j, as max_context // page_size < 2 ** 20); a prompt that is all
-    shared (shared == prompt_tokens) continues with 0s, the same for every prompt of its length
-    (("ones", prompt_tokens, j)). Names are ints and tuples, never a hash's bytes."""
+    tokens [0, (j + 1) * page_size) of `[g] * shared + [index + 2, 0, ...]` (its prompt; g = group_token(group)) then
+    its output's 0s. A page inside the shared ones is the same in every request of its group (-1 - j - group * 2 ** 20);
+    a page past the request's own token (index + 2) is its own ((index + 1) << 20 | j, as max_context // page_size
+    < 2 ** 20); a prompt that is all shared (shared == prompt_tokens) continues with 0s, the same for every prompt of
+    its group and length (("ones", group, prompt_tokens, j)). Names are ints and tuples, never a hash's bytes."""
     num_pages, num_shared = min(prompt_tokens + output_tokens, max_context) // page_size, shared // page_size
     own = (index + 1) << 20
     if not num_shared and shared < prompt_tokens:  # no shared page (most prompts)
         return list(range(own, own + num_pages))
-    names = list(range(-1, -1 - min(num_shared, num_pages), -1))
+    first = -1 - (group << 20)
+    names = list(range(first, first - min(num_shared, num_pages), -1))
     if shared < prompt_tokens:
         return names + list(range(own + num_shared, own + num_pages))
-    return names + [("ones", prompt_tokens, j) for j in range(num_shared, num_pages)]
+    return names + [("ones", group, prompt_tokens, j) for j in range(num_shared, num_pages)]

@@ -20,8 +20,9 @@ deterministic mode and sliding-window release), decoding rows are counted on the
 an iteration's decode tokens are one tick, and the scheduler's decode bookkeeping (`_reserve_decode_pages`,
 `_split_decode`, the utilization statistic) visits only the rows with an event (a page to allocate, a page to
 name, a last token), in the order and with the calls the real methods make.
-Each prompt is `[1] * shared_prefix + [i + 2, 0, 0, ...]`, so with prefix caching on only the shared prefix's
-full pages are shared (as a chat template's are in a real job). Its pages' names (sim_pages.py) are given by
+Each prompt is `[g] * shared_prefix + [i + 2, 0, 0, ...]` (g: 1 for prefix group 0, -k for group k), so with prefix
+caching on only the shared prefix's full pages are shared, among the requests of its group (as a chat template's are
+in a real job, or a few-shot preamble's among the lines that use it). Its pages' names (sim_pages.py) are given by
 that construction, equal exactly where the prefix cache's hashes would be, so nothing is hashed, and its own
 pages (past the shared prefix) are named only if it is preempted.
 """
@@ -41,7 +42,7 @@ from jaxinfer.scheduling import runloop, sim_skip as skip
 from jaxinfer.scheduling.plan import BucketKey, StepResult
 from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import Request, SamplingParams
-from jaxinfer.scheduling.sim_pages import page_names
+from jaxinfer.scheduling.sim_pages import MAX_PREFIX_GROUPS, group_token, page_names
 from jaxinfer.scheduling.sim_decode import LazyRequest, end_plan, in_order
 from jaxinfer.scheduling.sim_scheduler import SketchPlan, SketchScheduler
 from jaxinfer.scheduling.step_costs import StepCosts
@@ -58,7 +59,8 @@ class SimRequest:
     arrival_s: float | None = None
     priority: int = 0
     deadline_s: float | None = None  # seconds after its arrival by which it must start
-    shared_prefix: int = 0  # leading prompt tokens equal in every request that has them (a chat template's, a system prompt)
+    shared_prefix: int = 0  # leading prompt tokens equal in every request of its prefix group that has them (a chat template's, a preamble)
+    prefix_group: int = 0  # which shared prefix: a group's requests share theirs (up to the shorter), another group's differs from its first token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,13 +208,13 @@ class _Run:
             params = self.params[spec.output_tokens] = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
         deadline = None if spec.deadline_s is None else now + spec.deadline_s
         shared = min(spec.shared_prefix, spec.prompt_tokens)
-        prompt = [0] * spec.prompt_tokens  # [1] * shared + [index + 2] + [0, ...]
+        prompt = [0] * spec.prompt_tokens  # [g] * shared + [index + 2] + [0, ...]
         if shared:
-            prompt[:shared] = [1] * shared
+            prompt[:shared] = [group_token(spec.prefix_group)] * shared
         if shared < spec.prompt_tokens:
             prompt[shared] = index + 2
         request = LazyRequest.make(str(index), prompt, params, priority=spec.priority, deadline=deadline, arrival_index=index, arrival_time=now)
-        request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context)
+        request.page_names = page_names(index, spec.prompt_tokens, shared, spec.output_tokens, self.cfg.page_size, self.cfg.max_context, spec.prefix_group)
         if self.defer_names and shared < spec.prompt_tokens and not self.cfg.deterministic:  # its pages past the shared ones are its own (page_names)
             request.public_pages = shared // self.cfg.page_size
         try:
@@ -414,6 +416,7 @@ def _check(r: SimRequest) -> None:
     check_int("prompt_tokens", r.prompt_tokens, low=1)
     check_int("output_tokens", r.output_tokens, low=1)
     check_int("shared_prefix", r.shared_prefix, low=0)
+    check_int("prefix_group", r.prefix_group, low=0, high=MAX_PREFIX_GROUPS - 1)
     check_int("priority", r.priority, low=-(2**62), high=2**62)
     if r.arrival_s is not None:
         check_number("arrival_s", r.arrival_s, low=0.0, high=1e9)

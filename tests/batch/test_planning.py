@@ -48,6 +48,32 @@ def test_shared_page_tokens_equal_the_real_prefix_caches_hits():
     assert planning.shared_page_tokens(prompts, 16).tolist() == hits
 
 
+def test_prefix_families_group_prompts_by_their_shared_first_page_each_with_the_pages_another_prompt_holds():
+    a, b = [7] * 4, [8] * 4
+    prompts = [a * 3 + [1], a * 2 + [9] * 4, b * 2 + [2], a * 3 + [3], b * 3, [5] * 6]
+    groups, shareable = planning.prefix_families(prompts, 4)
+    # the a-prompts: the first and fourth hold 3 equal pages, the second 2 of them; the b-prompts share 1 page (the
+    # last one's own last token is computed, so it may share at most 2, and the third has only 2 full pages); the
+    # last prompt shares nothing
+    assert shareable.tolist() == [12, 8, 8, 12, 8, 0]
+    assert groups[0] == groups[1] == groups[3] != groups[2] == groups[4] and groups[5] == 0 and 0 not in groups[:5]
+
+
+def test_a_few_shot_samples_simulated_schedule_is_the_real_schedulers_on_its_prompts():
+    """Three preambles of 48 tokens, four lines each: the sample's simulated requests (a prefix group per preamble) run
+    the schedule the real scheduler runs on the prompts themselves, with the same prefill computed (modelled as one
+    group, the later preambles' first lines would find the first preamble's pages cached)."""
+    preambles = [[100 + k] * 48 for k in range(3)]
+    prompts = [preambles[i % 3] + [1000 + i] * 8 for i in range(12)]
+    sample = planning.WorkloadSample.of_prompts(prompts, [4] * 12, 16, True, 12)
+    cfg = EngineConfig(page_size=16, max_context=256, max_num_seqs=2, max_prefill_tokens=64, num_pages=200)
+    result = simulate(cfg, sample.requests(12), StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 0.0), host=(0.0, 0.0), max_rows=4))
+    plans, stats = runloop.dry_run(cfg, prompts, [4] * 12)
+    padded = sum(n * key.num_rows * key.num_tokens for key, n in result.steps_by_key.items())
+    assert sample.shared_tokens.tolist() == [0, 0, 0] + [48] * 9  # an earlier prompt holds the preamble
+    assert result.num_steps == len(plans) and round((1 - result.padding) * padded) == stats.real_tokens
+
+
 def test_reservoir_keeps_everything_when_short_and_samples_uniformly_when_long():
     assert planning.reservoir(range(5), 10, random.Random(0)) == [0, 1, 2, 3, 4]
     counts = np.zeros(100)

@@ -310,17 +310,19 @@ def test_a_first_token_at_time_zero_counts_from_time_zero_on_every_path():
 def test_page_names_are_equal_exactly_where_the_hashed_pages_are():
     # The reference: the block pool's hash chain over each simulated sequence (prompt, then output 0s).
     from jaxinfer.scheduling.block_pool import page_hashes
-    from jaxinfer.scheduling.simulator import page_names
+    from jaxinfer.scheduling.sim_pages import group_token, page_names
 
     page_size, max_context = 4, 64
     specs = [(10, 0, 9), (10, 0, 3), (7, 7, 9), (7, 7, 9), (7, 9, 9), (12, 8, 20), (12, 8, 20), (13, 8, 6), (8, 8, 30), (9, 30, 5), (3, 1, 2), (16, 16, 60)]
+    specs = [(*spec, 0) for spec in specs] + [(12, 8, 20, 1), (13, 8, 6, 1), (12, 12, 9, 1), (12, 12, 9, 0), (16, 16, 60, 2), (7, 7, 9, 3)]  # (.., prefix group)
     names, hashes = [], []
-    for index, (prompt_tokens, shared, output_tokens) in enumerate(specs):
+    for index, (prompt_tokens, shared, output_tokens, group) in enumerate(specs):
         shared = min(shared, prompt_tokens)
-        prompt = [1] * shared + [index + 2] + [0] * (prompt_tokens - shared - 1) if shared < prompt_tokens else [1] * shared
+        mark = group_token(group)
+        prompt = [mark] * shared + [index + 2] + [0] * (prompt_tokens - shared - 1) if shared < prompt_tokens else [mark] * shared
         sequence = (prompt + [0] * output_tokens)[:max_context]
         hashes.append(page_hashes(sequence, page_size))
-        names.append(page_names(index, prompt_tokens, shared, output_tokens, page_size, max_context))
+        names.append(page_names(index, prompt_tokens, shared, output_tokens, page_size, max_context, group))
         assert len(names[-1]) == len(hashes[-1])
     pairs = [(a, b, j) for a in range(len(specs)) for b in range(len(specs)) for j in range(min(len(names[a]), len(names[b])))]
     assert all((names[a][j] == names[b][j]) == (hashes[a][j] == hashes[b][j]) for a, b, j in pairs)
@@ -334,7 +336,8 @@ def test_page_names_by_construction_give_the_results_of_hashed_names(monkeypatch
     cfg = small_config(max_num_seqs=8, max_context=96, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
                        decode_batch_buckets=(1, 2, 4, 8), decode_page_buckets=(1, 2, 4, 8, 16, 24), policy=policy)
     rng = np.random.default_rng(29)
-    requests = [SimRequest(int(p), int(o), shared_prefix=int(s)) for p, o, s in zip(rng.integers(1, 40, 120), rng.integers(1, 40, 120), rng.choice([0, 8, 12, 40], 120))]
+    requests = [SimRequest(int(p), int(o), shared_prefix=int(s), prefix_group=int(g))
+                for p, o, s, g in zip(rng.integers(1, 40, 120), rng.integers(1, 40, 120), rng.choice([0, 8, 12, 40], 120), rng.integers(0, 3, 120))]
     named = simulate(cfg, requests, work_costs(cfg), num_pages=30, max_inflight=24)
     monkeypatch.setattr(simulator, "page_names", lambda *args: [])  # the KV manager hashes every page
     hashed = simulate(cfg, requests, work_costs(cfg), num_pages=30, max_inflight=24)
