@@ -164,8 +164,8 @@ class Scheduler:
         return plans
 
     def _decode_plans(self, groups: list[tuple[list[Request], list[int]]]) -> list[StepPlan]:
-        """The decode plans of these groups (_split_decode's): each group's programs (_decode_programs), each
-        with its largest table."""
+        """The decode plans of these groups (_split_decode's): each group's programs (at most max_decode_rows rows each,
+        several only in deterministic mode), each with its largest table."""
         plans, size = [], self.tables.max_decode_rows
         for group, pages in groups:
             plans += [self._decode_plan(group[i : i + size], max(pages[i : i + size])) for i in range(0, len(group), size)]
@@ -302,7 +302,8 @@ class Scheduler:
         return self.tables.decode_key(len(requests), max(self.kv.num_pages_held_by(requests)) if max_pages is None else max_pages)
 
     def _split_decode(self, requests: list[Request]) -> list[tuple[list[Request], list[int]]]:
-        """split_decode_rows(requests, self._decode_cost), in O(rows) (split_sorted_rows): the groups, each
+        """split_decode_rows(requests, cost), cost summing _program_cost over a group's programs, in O(rows)
+        (split_sorted_rows): the groups, each
         with its rows' pages held."""
         if len(requests) < 2:
             return [(requests, self.kv.num_pages_held_by(requests))] if requests else []
@@ -331,22 +332,13 @@ class Scheduler:
         return split
 
     def _program_cost(self, num_rows: int, max_pages: int) -> float:
-        """_decode_cost's term for one program of `num_rows` rows whose longest table holds `max_pages` pages."""
+        """Modelled cost of one decode program of `num_rows` rows whose longest table holds `max_pages` pages: a fixed
+        part (decode_split_overhead: the weights read once) plus rows x (pages + 2), on the bucketed key."""
         cost = self._program_costs.get((num_rows, max_pages))
         if cost is None:
             key = self.tables.decode_key(num_rows, max_pages)
             cost = self._program_costs[num_rows, max_pages] = self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2)
         return cost
-
-    def _decode_programs(self, requests: list[Request]) -> list[list[Request]]:
-        """One decode group as programs of at most max_decode_rows rows (several only in deterministic mode)."""
-        size = self.tables.max_decode_rows
-        return [requests[i : i + size] for i in range(0, len(requests), size)]
-
-    def _decode_cost(self, requests: list[Request]) -> float:
-        """Modelled cost of decoding a group: per program, a fixed part (weights read once) plus rows x (pages + 2)."""
-        keys = [self._decode_key(piece) for piece in self._decode_programs(requests)]
-        return sum(self.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2) for key in keys)
 
     def _decode_plan(self, requests: list[Request], max_pages: int | None = None) -> StepPlan:
         chunks = [self._chunk(r, r.num_computed_tokens, 1, r.num_computed_tokens == r.num_tokens - 1) for r in requests]

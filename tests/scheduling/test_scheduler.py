@@ -190,19 +190,30 @@ def test_the_linear_split_picks_the_groups_costing_every_split_picks(pages, prog
     assert [[r.request_id for r in g] for g in reference] == linear
 
 
+def decode_cost(scheduler: Scheduler, group: list) -> float:
+    """A group's modelled decode cost, by hand: per program of at most max_decode_rows rows, the split overhead plus
+    rows x (pages + 2) of its bucketed key."""
+    size, total = scheduler.tables.max_decode_rows, 0.0
+    for i in range(0, len(group), size):
+        piece = group[i : i + size]
+        key = scheduler.tables.decode_key(len(piece), max(scheduler.kv.num_pages_held_by(piece)))
+        total += scheduler.cfg.decode_split_overhead + key.num_rows * (key.num_pages + 2)
+    return total
+
+
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 63), min_size=1, max_size=12), grown=st.lists(st.integers(0, 3), min_size=12, max_size=12),
        overhead=st.sampled_from([0.0, 3.0, 44.0]))
 def test_the_scheduler_cuts_decode_rows_where_every_split_costed_from_their_pages_cuts(lengths, grown, overhead):
-    # The reference: split_decode_rows over the scheduler's own modelled cost (_decode_cost, which reads the
-    # pages each request holds now). Some rows hold pages beyond their tokens (`grown`), so pages need not
+    # The reference: split_decode_rows over the modelled cost of a group (decode_cost, which reads the pages each
+    # request holds now). Some rows hold pages beyond their tokens (`grown`), so pages need not
     # follow length; asked twice, the second answer comes from the scheduler's memo of earlier cuts.
     cfg = small_config(max_context=64, max_num_seqs=16, decode_batch_buckets=(2, 4, 8, 16), decode_page_buckets=(1, 2, 4, 8, 16), decode_split_overhead=overhead)
     scheduler = Scheduler(cfg, num_pages=400)
     requests = [request(f"r{i}", n, 1, i) for i, n in enumerate(lengths)]
     for r, extra in zip(requests, grown):
         assert scheduler.kv.try_allocate(r, min(64, r.num_tokens + extra * cfg.page_size)) is not None
-    reference = [[r.request_id for r in group] for group in split_decode_rows(requests, scheduler._decode_cost)]
+    reference = [[r.request_id for r in group] for group in split_decode_rows(requests, lambda group: decode_cost(scheduler, group))]
     for _ in range(2):
         groups = scheduler._split_decode(requests)
         assert [[r.request_id for r in group] for group, _ in groups] == reference
