@@ -329,6 +329,9 @@ class Plan:
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
             before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")
+            largest = BucketTables.from_config(cfg).max_chunk
+            if name == "max_prefill_tokens" and largest < cfg.max_prefill_tokens:  # the budget is a step's, summed over its chunks
+                lines[-1] += f" (a step's tokens over its chunks; the largest chunk {largest})"
         lines.append(f"  programs               {self.given_programs} -> {self.programs} (bucket keys compiled at warm-up)")
         lines.append(f"  predicted wall time    {self.given_wall_s:.1f} s -> {self.predicted_wall_s:.1f} s (simulated, outputs at their max_tokens)")
         share = self.prefill_tokens_saved / max(1, self.prompt_tokens)

@@ -145,6 +145,8 @@ def test_the_plan_is_the_grids_fastest_point_and_shared_prefixes_turn_on_the_pre
     plan = planning.make_plan(_sample(prompts, outputs, shared), CONFIG, planning.prior_costs(), options)
     assert plan.config.policy == "prefix" and plan.prefill_tokens_saved == shared.sum()
     assert "prefill tokens saved" in plan.summary() and "policy                 fcfs -> prefix" in plan.summary()
+    largest = BucketTables.from_config(plan.config).max_chunk  # a fitted chunk table may end under the step's budget
+    assert (f"the largest chunk {largest})" in plan.summary()) == (largest < plan.config.max_prefill_tokens), plan.summary()
     for asked in ("edf", "adaptive", "shortest-prompt"):  # a policy asked for is the user's: only the default gives way
         given = dataclasses.replace(CONFIG, policy=asked)
         assert planning.make_plan(_sample(prompts, outputs, shared), given, planning.prior_costs(), options).config.policy == asked
