@@ -9,10 +9,10 @@ price is its expected step, which the median is not: a program's steps are not o
 1.13x in an A/B on the null page; attention reads only the pages its rows fill, 0.7x to 1x of a full table's),
 and pricing at the median left the predicted device seconds low in 23 of 30 runs of bench_simulator. The cap
 keeps one stall (a collection, a page-fault storm) from raising a key's price by more than (CAP - 1) / KEEP of
-its median. The window is long (KEEP runs, about 17 five-second jobs of a busy decode key, which runs about 60
-times in one) because a shared machine has slow spells: on a 2-core AMD EPYC three runs of the same 5-s job's steps
-took 4.36, 4.96 and 5.17 s, and a window of 32 held little but the spell and priced the next job 12-19% over what it
-ran; a spell should move a key's price by its share of the key's history, not become it. A key never measured is estimated from the measured keys of its phase, by a least-squares line in
+its median. The window is short on purpose: a window of 1,024 runs (about 17 five-second jobs of a busy decode
+key) was tried against the carry of a slow spell into the next prediction, and on a 2-core AMD EPYC whose speed drifted
+over minutes it lagged instead (24 of 30 bench_simulator predictions within both goals, a +5-9% bias in a faster
+stretch, against 26 of 30 twice with 32). A key never measured is estimated from the measured keys of its phase, by a least-squares line in
 the key's work (`work`: token slots computed plus page slots read). The host's time per step
 (planning, sampling masks, detokenizing, writing records: the gap between one step's end and the next one's
 start) is a line in the step's rows, fitted through the median gap at each row count (`HostModel`), so a
@@ -33,7 +33,7 @@ import statistics
 from jaxinfer.scheduling.plan import BucketKey
 
 FORMAT = "jaxinfer-step-costs/1"
-KEEP = 1024  # most recent observations kept per program (and per host row count); the price is over these
+KEEP = 32  # most recent observations kept per program (and per host row count); the price is over these
 CAP = 3.0  # a program run counts at most this many times its key's median in the key's mean
 DEFAULT_STEP_S = 0.01  # seconds of a step when nothing at all was measured
 MAX_HOST_GAP_S = 1.0  # host gaps longer than this are waits (an arrival, a new batch), not host work
