@@ -62,6 +62,7 @@ class WorkloadSample:
     num_lines: int  # lines the job has to do (the sample is drawn from these)
     num_requests: float | None = None  # requests the job will run, estimated from the sample (None: one per line to do)
     families: tuple[np.ndarray, np.ndarray] | None = None  # (i64[N] prefix group, i64[N] its shareable tokens): prefix_families; None: one group
+    num_error_lines: int = 0  # lines to do that cannot run (their error records need no step)
 
     @classmethod
     def of_prompts(cls, prompts: list[list[int]], outputs, page_size: int, prefix_caching: bool, num_lines: int,
@@ -166,7 +167,8 @@ def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample
     if not prompts:
         return None
     cfg = llm.engine_config  # the lines sampled stand for every line that parsed (num_runnable); their requests, for the requests those make
-    return WorkloadSample.of_prompts(prompts, outputs, cfg.page_size, cfg.enable_prefix_caching, len(job.todo), job.num_runnable * len(prompts) / len(lines))
+    sample = WorkloadSample.of_prompts(prompts, outputs, cfg.page_size, cfg.enable_prefix_caching, len(job.todo), job.num_runnable * len(prompts) / len(lines))
+    return dataclasses.replace(sample, num_error_lines=len(job.todo) - job.num_runnable)
 
 
 def prior_costs() -> StepCosts:
@@ -324,8 +326,10 @@ class Plan:
     def summary(self) -> str:
         """The plan in a few lines: what changes, the programs, the predicted wall time, the prefill tokens saved."""
         cfg, given = self.config, self.given
+        errors = self.sample.num_error_lines
+        noted = f"; lines to do that fail before tokenizing (error records): {errors:,}" if errors else ""
         lines = [f"plan: {self.sample.prompt_tokens.size} sampled requests of {self.sample.num_lines} lines to do (about {self.sample.requests_to_run:,.0f} "
-                 f"requests to run); {len(self.grid)} configurations simulated"]
+                 f"requests to run{noted}); {len(self.grid)} configurations simulated"]
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
             before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")

@@ -216,7 +216,7 @@ def test_the_plan_counts_requests_to_run_and_takes_scored_lines_and_lines_that_c
     args = ["--output", str(tmp_path / "out.jsonl"), "--plan-only", "--max-context", "512", "--compile-cache", compile_cache]
     assert main(["generate", "--input", str(tmp_path / "in.jsonl"), *args]) == 0
     out = capsys.readouterr().out
-    assert "plan: 6 sampled requests of 6 lines to do (about 6 requests to run)" in out, out
+    assert "plan: 6 sampled requests of 6 lines to do (about 6 requests to run; lines to do that fail before tokenizing (error records): 1)" in out, out
     (tmp_path / "embed.jsonl").write_text("".join(json.dumps({"id": i, "prompt": f"Sentence {i} to embed.", "embed": True}) + "\n" for i in range(4)))
     plans = []
     for max_tokens in ("1", "200"):  # the default max_tokens is a generation's: an embedding line generates nothing whatever it is
