@@ -336,7 +336,7 @@ def _values(kind: type, choices=None):
     def parse(text: str):
         values = [part.strip() for part in text.split(",")]
         if len(values) > 1 and not all(values):
-            raise argparse.ArgumentTypeError(f"has an empty value between its commas: {text!r}")
+            raise argparse.ArgumentTypeError(f"has an empty value in its comma-separated list: {text!r}")
         try:
             values = [kind(v) for v in values if v]
         except ValueError:

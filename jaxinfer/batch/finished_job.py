@@ -8,7 +8,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,7 +16,7 @@ import numpy as np
 from jaxinfer.batch import input as input_lines
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EPOCH_POLICIES, EngineConfig
 from jaxinfer.scheduling import simulator
 from jaxinfer.scheduling.request import SamplingParams
 from jaxinfer.scheduling.simulator import SimRequest
@@ -44,7 +43,7 @@ class FinishedJob:
     def measured(self, slo: tuple[float, float] | None = None) -> dict:
         """The job's figures (FIGURES), and with `slo` (TTFT, TPOT seconds) the share of its replayed lines within both."""
         summary = self.log.summary
-        return {"wall_s": summary["wall_s"]} | line_figures(self.ttft_s, self.tpot_s, slo) | {"padding": summary["padding"]}
+        return {"wall_s": summary["wall_s"]} | line_figures(self.ttft_s, self.tpot_s, slo) | {"padding": summary.get("padding")}
 
 
 def line_figures(ttft_s: np.ndarray, tpot_s: np.ndarray, slo: tuple[float, float] | None = None) -> dict:
@@ -87,7 +86,6 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
         raise ValueError(f"--step-log {path}: no such file" if step_log is not None else
                          f"{path}: no step log beside {output} (a job run in this process writes one; a --ray job or an older jaxinfer's writes none)")
     log = read_step_log(path)
-    _check_output(path, log.header, output)
     if log.summary is None or log.costs is None:
         raise ValueError(f"{path}: no summary and step-cost table at its end: the job is still running, or was killed before it ended "
                          "(whatif replays a run that ended; a resume writes a new log)")
@@ -95,7 +93,7 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     header = log.header
     if header.get("replicas", 1) != 1:
         raise ValueError(f"{path}: the job ran {header['replicas']} data-parallel replicas; the simulator runs one")
-    before = header["records_before"] if "records_before" in header else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
+    before = header.get("records_before") if header.get("records_before") is not None else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
     records, torn = _records(output, int(before))
     lines, left_out, keys = [], collections.Counter(), set()
     for number, record in records:
@@ -110,7 +108,7 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     openai = any(line.custom_id is not None for line in lines)
     input_path = Path(header.get("input", ""))
     found = _read_input(input_path, openai_batch.FORMAT if openai else "jaxinfer", {line.line for line in lines}, openai)
-    notes = [f"{n} line{'s' * (n > 1)} {why}" for why, n in left_out.items()]
+    notes = [f"{n} line{'s' * (n > 1)} {why}" for why, n in left_out.items()] + _other_output(path, header, output)
     if torn is not None:
         notes.append(f"the last record, {output}:{torn}, is torn (the job was killed while writing it): left out of the replay")
     if not input_path.is_file():
@@ -124,12 +122,14 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     return _job_of(lines, found.fields, log, header, tuple(notes))
 
 
-def _check_output(path: Path, header: dict, output: Path) -> None:
-    """The step log is of this output's job: the output its header names, where another file of another name is there,
-    is not this one (a log moved, copied or renamed with its output names a path that is gone, or the same name)."""
+def _other_output(path: Path, header: dict, output: Path) -> list[str]:
+    """A note when the step log was written for another output path than this one: renamed or copied with its output,
+    it is this job's; given with --step-log from another job, the replay is not this job's."""
     named = header.get("output")
-    if named and Path(named).name != output.name and Path(named).is_file() and not os.path.samefile(named, output):
-        raise ValueError(f"{path}: the step log of the job that wrote {named}, not {output} (give --step-log the log of {output}'s own run)")
+    if not named or Path(named).resolve() == output.resolve():
+        return []
+    return [f"the step log {path} was written for {named}, not {output}: a log renamed or copied with its output is its job's, "
+            "another job's replays that job's steps (its records_before, input and settings)"]
 
 
 def _input_changes(path: Path, lines: list[_Line], found: "_Input", openai: bool) -> list[str]:
@@ -140,7 +140,7 @@ def _input_changes(path: Path, lines: list[_Line], found: "_Input", openai: bool
         missing = [line.custom_id for line in lines if line.custom_id not in found.lines_of]
         return [f"{len(missing)} record{'s' * (len(missing) > 1)}' custom_ids (first: {missing[0]!r}) are not in the input {path} (changed since the job): "
                 "replayed in the order they finished, without priorities and deadlines"] if missing else []
-    changed = [line.line for line in lines if line.line in found.keys and line.key is not None and _base(found.keys[line.line]) != _base(line.key)]
+    changed = sorted(line.line for line in lines if line.line in found.keys and line.key is not None and _base(found.keys[line.line]) != _base(line.key))
     for number in changed:
         found.fields.pop(number, None)
     past = [line.line for line in lines if line.line is not None and line.line > found.num_lines]
@@ -267,6 +267,8 @@ def _check_engine(path: Path, header: dict) -> None:
     unknown = sorted(set(engine) - {f.name for f in dataclasses.fields(EngineConfig)})
     if unknown:
         raise ValueError(f"{path}: the step log's engine settings name fields this jaxinfer lacks: {', '.join(unknown)} (a log of another version)")
+    if engine.get("policy_epoch") is not None and engine.get("policy", "fcfs") not in EPOCH_POLICIES:
+        engine["policy_epoch"] = None  # a log written before such an epoch was refused: it ordered nothing under that policy
     try:
         EngineConfig(**engine)
     except (TypeError, ValueError) as e:  # FieldError is a ValueError

@@ -114,10 +114,12 @@ def shared_page_tokens(prompts: list[list[int]], page_size: int) -> np.ndarray:
 def prefix_families(prompts: list[list[int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(i64[N] group, i64[N] shareable tokens): per prompt, the tokens of its leading full pages that another sampled
     prompt also holds (named by the prefix cache's chain, at most (its tokens - 1) // page_size pages, as
-    shared_page_tokens counts), whichever of them runs first, and its group: one per distinct first page among the
-    prompts that share any (0 for those that share none). The simulator gives each group one chain of shared pages
-    (SimRequest.prefix_group), so prompts of a group share up to the shorter of their prefixes; two preambles are
-    two groups, and a group's first prompt computes the pages the others then find cached."""
+    shared_page_tokens counts), whichever of them runs first, and its group: one per distinct chain of those pages
+    (its last shared page's name; 0 for a prompt that shares none). The simulator gives each group one chain of
+    shared pages (SimRequest.prefix_group), so a group's prompts share exactly that prefix: two preambles are two
+    groups, each computed by its first prompt to run, also where a chat template's first page opens both. A prefix
+    shorter than a prompt's own shared run (that template alone, shared with prompts of other groups) is modelled
+    as not shared across groups: each group computes it once."""
     chains = []
     for ids in prompts:
         name, chain = None, []
@@ -132,7 +134,7 @@ def prefix_families(prompts: list[list[int]], page_size: int) -> tuple[np.ndarra
         while pages < (len(ids) - 1) // page_size and holders[chain[pages]] > 1:
             pages += 1
         if pages:
-            groups[i] = firsts.setdefault(chain[0], len(firsts) + 1)
+            groups[i] = firsts.setdefault(chain[pages - 1], len(firsts) + 1)
             shareable[i] = pages * page_size
     return groups, shareable
 
@@ -333,9 +335,10 @@ class Plan:
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
             before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")
-            largest = BucketTables.from_config(cfg).max_chunk
-            if name == "max_prefill_tokens" and largest < cfg.max_prefill_tokens:  # the budget is a step's, summed over its chunks
-                lines[-1] += f" (a step's tokens over its chunks; the largest chunk {largest})"
+            tables = BucketTables.from_config(cfg)
+            if name == "max_prefill_tokens" and tables.max_chunk < cfg.max_prefill_tokens:
+                capped = tables.packed or tables.max_prefill_rows == 1  # a step prefills one row (packed: its chunks in it) of at most the largest chunk
+                lines[-1] += f" (a step prefills at most the largest chunk, {tables.max_chunk})" if capped else f" (a step's tokens over its rows; the largest chunk {tables.max_chunk})"
         lines.append(f"  programs               {self.given_programs} -> {self.programs} (bucket keys compiled at warm-up)")
         lines.append(f"  predicted wall time    {self.given_wall_s:.1f} s -> {self.predicted_wall_s:.1f} s (simulated, outputs at their max_tokens)")
         share = self.prefill_tokens_saved / max(1, self.prompt_tokens)

@@ -181,16 +181,20 @@ def _read(path: Path) -> StepLogContents:
 
 
 _HEADER_COUNTS = {"num_pages": 1, "max_inflight": 1, "max_inflight_given": 1, "replicas": 1, "num_skipped": 0, "records_before": 0, "default_max_tokens": 0}  # a header's counts a replay reads, at least these
+_HEADER_NULLS = ("max_inflight_given", "default_max_tokens")  # counts a job writes as null (none given)
 
 
 def _check_header(obj: dict) -> None:
-    """The header's paths are strings and its counts (_HEADER_COUNTS, where present) whole numbers in range; TypeError naming one."""
+    """The header's paths are strings and its counts (_HEADER_COUNTS, where present) whole numbers in range, null only
+    where a job writes null; TypeError naming one."""
     for name in ("input", "output"):
         if name in obj and not isinstance(obj[name], str):
             raise TypeError(f"its {name} is not a path: {obj[name]!r}")
     for name, low in _HEADER_COUNTS.items():
-        value = obj.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        if name not in obj or (obj[name] is None and name in _HEADER_NULLS):
+            continue
+        value = obj[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise TypeError(f"its {name} is not a count of at least {low}: {value!r}")
 
 

@@ -46,6 +46,9 @@ class SchedulerView(Protocol):
     def prefill_end(self, request: Request) -> int:
         """Tokens a prefill of this request covers (Scheduler.prefill_end)."""
 
+    def in_decode(self, request: Request) -> bool:
+        """Whether its next step feeds one token through a decode step (Scheduler.in_decode)."""
+
 
 class SchedulingPolicy:
     """The protocol, with first-come-first-served as every decision's default."""
@@ -190,7 +193,7 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         left = view.waiting.num_with_deadline  # the walk ends after the last of them
         if rate is None or not left:
             return []
-        ahead = sum(max(0, view.prefill_end(r) - r.num_computed_tokens) for r in view.running)
+        ahead = sum(max(0, view.prefill_end(r) - r.num_computed_tokens) for r in view.running if not view.in_decode(r))
         shed = []
         for request in view.waiting.first(len(view.waiting)):
             if request.deadline is not None:
@@ -282,7 +285,7 @@ class PrefixAware(SchedulingPolicy):
             cached = view.kv.num_cached_pages(names)
             if cached < len(names) and names[cached] in computing:
                 continue  # its next page is on its way: take it from the cache next step
-            computing.update(names[cached:])
+            computing.update(self._computed_names(request)[cached:])  # the pages it computes (a hit serves a prefix of them)
             free_slots -= 1
             yield request
 

@@ -257,7 +257,7 @@ class Request:
     error: str | None = None  # why it failed, when finish_reason is "error"
     cache_salt: str | None = None  # prefix-cache isolation: pages are shared only between equal salts
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first admission
-    admit_index: int = -1  # order of the latest admission; preemption takes the largest first
+    admit_index: int = -1  # order of the latest admission; preemption takes the largest of the least urgent priority first
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # when a step first computed any of its tokens (runloop)
     num_steps: int = 0  # engine steps that computed its tokens

@@ -178,7 +178,7 @@ class Scheduler:
         preempted request recomputes them, are replayed through decode steps, as they were first computed."""
         return len(request.prompt_ids) if self.cfg.deterministic and request.output_ids else request.num_tokens
 
-    def _in_decode(self, request: Request) -> bool:
+    def in_decode(self, request: Request) -> bool:
         """The next step feeds one token: the newest (normal decode) or a generated one being replayed."""
         output = request.output_ids
         if not output:
@@ -191,7 +191,7 @@ class Scheduler:
         """Give every decoding request room for one more token, preempting when the pool is full; returns
         the decoding rows and the running requests still prefilling, each in running order."""
         rows, partial, preempted = [], [], False
-        kv, page_size, in_decode = self.kv, self.cfg.page_size, self._in_decode
+        kv, page_size, in_decode = self.kv, self.cfg.page_size, self.in_decode
         running = list(self.running)
         # each entry read before its request's own allocation; a preempted request's is never read (it is not RUNNING)
         for request, held in zip(running, kv.num_pages_held_by(running)):

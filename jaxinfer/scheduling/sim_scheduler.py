@@ -103,7 +103,7 @@ class SketchScheduler(Scheduler):
         """Put the admitted requests that now decode on the clock."""
         admitted = self._admitted
         if admitted:
-            decoding = [self._in_decode(r) for r in admitted]
+            decoding = [self.in_decode(r) for r in admitted]
             if any(decoding):
                 self._admitted = [r for r, decodes in zip(admitted, decoding) if not decodes]
                 for r, decodes in zip(admitted, decoding):
@@ -229,7 +229,7 @@ class SketchScheduler(Scheduler):
         stats.padded_tokens += shape.num_rows * shape.num_tokens
         if self.cfg.deterministic:  # a replayed row keeps no token
             samples = tuple(r.num_computed_tokens == r.num_tokens - 1 for r in requests)
-        else:  # every decoding row feeds its newest token (Scheduler._in_decode)
+        else:  # every decoding row feeds its newest token (Scheduler.in_decode)
             samples = (True,) * n
             for plan, rows in self._plans:  # the same rows as a recent plan (their ids in the same order)
                 if plan.bucket == shape and rows == requests:

@@ -57,7 +57,7 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
         generated = len(r.output_ids)
         total = len(r.prompt_ids) + generated
         computed = r.num_computed_tokens
-        if r.status != running_status or computed != total - 1 or not generated:  # decoding (Scheduler._in_decode): its newest token is an output
+        if r.status != running_status or computed != total - 1 or not generated:  # decoding (Scheduler.in_decode): its newest token is an output
             return None
         finish = min(finish, r.params.max_tokens - generated, max_context - total)
         if tops[pages] - computed < other:

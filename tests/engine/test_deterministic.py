@@ -48,7 +48,7 @@ def run_with_needle(engine: Engine, others: list[list[int]], position: int, para
     scheduler.stats.max_decoding = 0
 
     def on_step(plan, tokens, _):
-        decoding = sum(scheduler._in_decode(r) for r in scheduler.running)
+        decoding = sum(scheduler.in_decode(r) for r in scheduler.running)
         scheduler.stats.max_decoding = max(scheduler.stats.max_decoding, decoding)
         for row, rid in enumerate(plan.request_ids):
             if rid == str(position) and plan.samples[row]:

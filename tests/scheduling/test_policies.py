@@ -174,6 +174,24 @@ def test_edf_counts_a_preempted_requests_whole_recompute_as_the_prefill_ahead():
     assert scheduler.policy.shed(scheduler, 0.0) == [late]
 
 
+def test_edf_counts_no_prefill_ahead_for_decoding_rows():
+    """Six requests all decoding (no prefill left anywhere): a queued request with a 5-s deadline at 1 token/s starts
+    at once and is kept (each decoding row's one uncomputed token is a decode step's, not prefill ahead)."""
+    cfg = small_config(max_num_seqs=8, max_context=64, page_size=4, max_prefill_tokens=32, prefill_chunk_buckets=(4, 8, 16, 32),
+                       decode_batch_buckets=(1, 2, 4, 8), enable_prefix_caching=False)
+    scheduler, engine = Scheduler(cfg, num_pages=60, policy=EarliestDeadlineFirst(cfg, tokens_per_second=1.0)), FakePagedEngine(60, 4)
+    for i in range(6):
+        scheduler.add(request(f"r{i}", 4, 30, i))
+    for _ in range(3):
+        for plan in scheduler.schedule():
+            scheduler.update(plan, engine.step(plan))
+    assert len(scheduler.running) == 6 and all(scheduler.in_decode(r) for r in scheduler.running)
+    late = request("late", 4, 4, 99)
+    late.deadline = 5.0
+    scheduler.add(late)
+    assert scheduler.policy.shed(scheduler, 0.0) == []
+
+
 def test_edf_sheds_nothing_before_it_has_measured_a_prefill_then_uses_the_measured_rate():
     cfg = small_config()
     scheduler = Scheduler(cfg, num_pages=30, policy=make_policy("edf", cfg))
@@ -268,17 +286,28 @@ def test_prefix_policy_holds_a_sibling_until_the_shared_pages_are_computed_then_
 
 def test_prefix_policy_does_not_hold_back_a_mean_pooled_request_for_pages_it_cannot_share():
     """A mean-pooled embedding reads every prompt token's hidden state, so no cached page may serve it: the prefix
-    policy admits it beside a running sibling computing the same preamble instead of waiting a step for it."""
+    policy admits it while a running sibling still computes the preamble, instead of waiting for those pages. The
+    other way round, the pooled request computes (and names) the preamble, so a sibling admitted behind it in the
+    same step waits for those pages instead of computing them too."""
     cfg = small_config(policy="prefix", max_context=64, max_prefill_tokens=32, prefill_chunk_buckets=(8, 16, 32), prefill_seq_buckets=(1,),
                        max_prefill_seqs=4, enable_prefix_caching=True)
+    preamble = list(range(100, 140))  # 10 full pages: the first prefill step computes 8 of them
     scheduler = Scheduler(cfg, num_pages=60)
-    preamble = list(range(100, 112))  # 3 full pages
     first = Request("first", preamble + [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), seed=0, arrival_index=0)
-    pooled = Request("pooled", preamble + [2], SamplingParams(temperature=0, max_tokens=0, pooling="mean"), seed=0, arrival_index=1)
     scheduler.add(first)
+    (plan,) = scheduler.schedule()
+    scheduler.update(plan, np.zeros(len(plan.request_ids), np.int32))
+    pooled = Request("pooled", preamble + [2], SamplingParams(temperature=0, max_tokens=0, pooling="mean"), seed=0, arrival_index=1)
     scheduler.add(pooled)
     (plan,) = scheduler.schedule()
-    assert sorted(plan.request_ids) == ["first", "pooled"]
+    assert plan.request_ids == ("first", "pooled")
+    scheduler = Scheduler(cfg, num_pages=60)
+    pooled = Request("pooled", preamble[:12] + [2], SamplingParams(temperature=0, max_tokens=0, pooling="mean"), seed=0, arrival_index=0)
+    sibling = Request("sibling", preamble[:12] + [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), seed=0, arrival_index=1)
+    scheduler.add(pooled)
+    scheduler.add(sibling)
+    (plan,) = scheduler.schedule()
+    assert plan.request_ids == ("pooled",)
 
 
 def test_fcfs_admits_the_sibling_at_once_and_computes_the_preamble_twice():
