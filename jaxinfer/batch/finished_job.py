@@ -93,7 +93,7 @@ def read_job(output: Path, step_log: Path | None = None) -> FinishedJob:
     header = log.header
     if header.get("replicas", 1) != 1:
         raise ValueError(f"{path}: the job ran {header['replicas']} data-parallel replicas; the simulator runs one")
-    before = header.get("records_before") if header.get("records_before") is not None else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
+    before = header["records_before"] if "records_before" in header else int(header.get("num_skipped") or 0) if header.get("resumed") else 0
     records, torn = _records(output, int(before))
     lines, left_out, keys = [], collections.Counter(), set()
     for number, record in records:

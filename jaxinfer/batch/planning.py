@@ -99,16 +99,28 @@ def shared_page_tokens(prompts: list[list[int]], page_size: int) -> np.ndarray:
     always computed, so a prompt shares at most (its tokens - 1) // page_size pages; every full page of a prompt
     is named once it is computed)."""
     seen, shared = set(), np.zeros(len(prompts), np.int64)
-    for i, ids in enumerate(prompts):
-        name, matching, shareable = None, True, (len(ids) - 1) // page_size
-        for page in range(len(ids) // page_size):
-            name = hash((name, tuple(ids[page * page_size : (page + 1) * page_size])))
+    for i, (ids, chain) in enumerate(zip(prompts, _page_chains(prompts, page_size))):
+        matching, shareable = True, (len(ids) - 1) // page_size
+        for page, name in enumerate(chain):
             if matching and page < shareable and name in seen:
                 shared[i] += page_size
             else:
                 matching = False
                 seen.add(name)
     return shared
+
+
+def _page_chains(prompts: list[list[int]], page_size: int) -> list[list[int]]:
+    """Per prompt, the names of its full pages as the prefix cache's chain names them (a page by its tokens and its
+    parent's name; a hash of both here, within one process)."""
+    chains = []
+    for ids in prompts:
+        name, chain = None, []
+        for page in range(len(ids) // page_size):
+            name = hash((name, tuple(ids[page * page_size : (page + 1) * page_size])))
+            chain.append(name)
+        chains.append(chain)
+    return chains
 
 
 def prefix_families(prompts: list[list[int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -120,13 +132,7 @@ def prefix_families(prompts: list[list[int]], page_size: int) -> tuple[np.ndarra
     groups, each computed by its first prompt to run, also where a chat template's first page opens both. A prefix
     shorter than a prompt's own shared run (that template alone, shared with prompts of other groups) is modelled
     as not shared across groups: each group computes it once."""
-    chains = []
-    for ids in prompts:
-        name, chain = None, []
-        for page in range(len(ids) // page_size):
-            name = hash((name, tuple(ids[page * page_size : (page + 1) * page_size])))
-            chain.append(name)
-        chains.append(chain)
+    chains = _page_chains(prompts, page_size)
     holders = collections.Counter(name for chain in chains for name in set(chain))
     groups, shareable, firsts = np.zeros(len(prompts), np.int64), np.zeros(len(prompts), np.int64), {}
     for i, (ids, chain) in enumerate(zip(prompts, chains)):
@@ -332,10 +338,10 @@ class Plan:
         noted = f"; lines to do that fail before tokenizing (error records): {errors:,}" if errors else ""
         lines = [f"plan: {self.sample.prompt_tokens.size} sampled requests of {self.sample.num_lines} lines to do (about {self.sample.requests_to_run:,.0f} "
                  f"requests to run{noted}); {len(self.grid)} configurations simulated"]
+        tables = BucketTables.from_config(cfg)
         for name in ("max_num_seqs", "max_prefill_tokens", "policy", "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets"):
             before, after = _setting(given, name), _setting(cfg, name)
             lines.append(f"  {name:<22} {_short(before)} -> {_short(after)}" if after != before else f"  {name:<22} {_short(after)} (kept)")
-            tables = BucketTables.from_config(cfg)
             if name == "max_prefill_tokens" and tables.max_chunk < cfg.max_prefill_tokens:
                 capped = tables.packed or tables.max_prefill_rows == 1  # a step prefills one row (packed: its chunks in it) of at most the largest chunk
                 lines[-1] += f" (a step prefills at most the largest chunk, {tables.max_chunk})" if capped else f" (a step's tokens over its rows; the largest chunk {tables.max_chunk})"

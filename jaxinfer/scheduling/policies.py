@@ -244,8 +244,8 @@ class PrefixAware(SchedulingPolicy):
         return name_pages(request, request.first_logits_position(len(request.prompt_ids)) // self.cfg.page_size, self.cfg.page_size)
 
     def _computed_names(self, request: Request) -> list[bytes]:
-        """Names of the full prompt pages a request's prefill computes and names (those another request may share),
-        whether or not a hit may serve it."""
+        """Names of the full prompt pages before its last token (the pages _names counts for a plain request), which its
+        prefill computes and names whether or not a hit may serve it."""
         return name_pages(request, (len(request.prompt_ids) - 1) // self.cfg.page_size, self.cfg.page_size)
 
     def queue_key(self, request: Request) -> tuple:
