@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxinfer.batch import embed_lines
 from jaxinfer.batch import input as input_lines
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
@@ -185,13 +186,13 @@ def _job_of(lines: list[_Line], fields: dict[int, dict], log: StepLogContents, h
 
 
 def _max_tokens(fields: dict, header: dict, room: int) -> int:
-    """A timed-out line's max_tokens: its own (max_tokens or OpenAI's max_completion_tokens, SamplingParams' rule) over
-    the job's default, at most the room its prompt leaves (None: that room)."""
-    default = SamplingParams(max_tokens=header.get("default_max_tokens", SamplingParams().max_tokens))
-    try:
-        asked = SamplingParams.from_fields({k: fields[k] for k in ("max_tokens", "max_completion_tokens") if k in fields}, default).max_tokens
-    except (TypeError, ValueError):
-        asked = default.max_tokens
+    """A timed-out line's max_tokens: its own (max_tokens, else OpenAI's max_completion_tokens; 0 for an embedding line,
+    which `_read_input` marks) over the job's default, at most the room its prompt leaves (None: that room). A value
+    the job would have refused (not a count) gives the default."""
+    default = header.get("default_max_tokens", SamplingParams().max_tokens)
+    asked = next((fields[k] for k in ("max_tokens", "max_completion_tokens") if k in fields), default)
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 0):
+        asked = default
     return max(1, room if asked is None else min(asked, room))
 
 
@@ -228,6 +229,8 @@ def _read_input(path: Path, fmt: str, numbers: set[int | None], every_line: bool
             if every_line and isinstance(line.request_id, str):
                 found.lines_of.setdefault(line.request_id, line.number)
             fields = {name: line.obj[name] for name in _REPLAY_FIELDS if name in line.obj}
+            if embed_lines.options_of(line) is not None:  # prefilled and pooled, nothing generated (embed_lines.prompt_of)
+                fields["max_tokens"] = 0
             if fields and _valid_fields(fields):
                 found.fields[line.number] = fields
     return found

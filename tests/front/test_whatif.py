@@ -409,3 +409,32 @@ def test_lines_that_timed_out_are_replayed_with_their_deadlines_and_count_agains
     report = whatif.whatif(output, progress=False, slo_ttft_s=1000.0)
     assert report["measured"]["slo_attainment"] == round(1 - len(timed_out) / 6, 4)
     assert report["replay"]["finish_reasons"].get("timeout", 0) >= 1 and report["notes"] == []
+
+
+@pytest.mark.slow
+def test_a_timed_out_embedding_or_prompt_only_line_replays_as_its_prefill_and_a_zero_default_is_no_error(finished_job, tmp_path):
+    """A line that timed out replays as it would have run: an embedding line and a line of max_tokens 0 (prompt logprobs
+    only) generate nothing, one of another max_tokens that many, a line without one the job's default, even a default of
+    0 (a scoring job's)."""
+    lines = [json.loads(line) for line in finished_job.with_name("in.jsonl").read_text().splitlines()]
+    edits = [{"embed": True}, {"max_tokens": 0, "prompt_logprobs": 0}, {"max_tokens": 5}, {}]
+    edited = [line | {"deadline_s": 0.05} | edit for line, edit in zip(lines, edits)]
+    del edited[3]["max_tokens"]
+    (tmp_path / "edited.jsonl").write_text("".join(json.dumps(line) + "\n" for line in [*edited, *lines[4:]]))
+
+    def timed_out(records):
+        out = []
+        for raw in records:
+            r = json.loads(raw)
+            if r["line"] <= 4:
+                r = {k: r[k] for k in ("id", "line", "key", "num_prompt_tokens")} | {
+                    "status": "error", "error": f"line {r['line']}: timed out: its deadline passed before it started", "finish_reason": "timeout"}
+            out.append(json.dumps(r) + "\n")
+        return out
+
+    for default, line_4 in ((128, 128), (0, 1)):
+        folder = tmp_path / f"default_{default}"
+        folder.mkdir()
+        log = _header(lambda header: header.update(input=str(tmp_path / "edited.jsonl"), default_max_tokens=default))
+        job = finished.read_job(_copy_job(finished_job, folder, edit_records=timed_out, edit_log=log))
+        assert [r.output_tokens for r in job.requests[:4]] == [1, 1, 5, line_4] and [r.deadline_s for r in job.requests[:4]] == [0.05] * 4
