@@ -434,7 +434,7 @@ class Refit:
     """The on_step hook of a planned job: watches prefill sizes (DriftWatch), compiles a refitted chunk table's
     programs in a child process it stops while the job steps, and swaps them in between steps. `chain`: the
     hook it wraps (called first). `yield_share`, `yield_every`: while the compile runs, after every `yield_every` steps it
-    gets this share of their seconds (0: none, it never progresses)."""
+    gets this share of their seconds (0: none, a child never progresses: it stays stopped)."""
 
     def __init__(self, llm, *, chain=None, watch: DriftWatch | None = None, yield_share: float = YIELD_SHARE, yield_every: int = YIELD_EVERY):
         self.llm, self.chain, self.yield_share, self.yield_every = llm, chain, yield_share, yield_every
@@ -483,10 +483,10 @@ class Refit:
     def _advance(self, seconds: float) -> None:
         """After a step: the compile's turn, then the swap if it is done, or the end of the refit if it failed."""
         pending = self._pending
-        if not pending.done() and pending.error() is None and self.yield_share > 0:
+        if not pending.done() and pending.error() is None:
             steps, owed = self._owed[0] + 1, self._owed[1] + seconds
             self._owed = (steps, owed)
-            if steps >= self.yield_every:
+            if self.yield_share > 0 and steps >= self.yield_every:
                 pending.give(self.yield_share * owed)
                 self._owed = (0, 0.0)
                 if not pending.done() and pending.error() is None:

@@ -226,11 +226,11 @@ def _lengths_of(rng, count: int, mean: float, sigma: float) -> np.ndarray:
     return np.clip(rng.lognormal(np.log(mean), sigma, count).astype(int), 8, 900)
 
 
-def _refit_job(model, cache, *, during_step=None):
+def _refit_job(model, cache, *, during_step=None, yield_share=None):
     """A real engine (tiny_chat_model) on a table fitted to short prompts runs 4 short prompts, then 12 of ~150 tokens,
     twice: without refit, then with a Refit (window 4, every 2, a test at 5%: 2 rows against 4 reach 4.7% at best)
     that sees the drift at the 8th. `during_step(hook)` runs inside
-    every step of the refit run, before the engine's own. Returns (llm, hook, tokens without, tokens with, the
+    every step of the refit run, before the engine's own; `yield_share`: the Refit's (None: its default). Returns (llm, hook, tokens without, tokens with, the
     engine's compiles before the refit run, each refit-run step's seconds)."""
     from jaxinfer.api import LLM
     from jaxinfer.batch.refit import Refit
@@ -247,7 +247,8 @@ def _refit_job(model, cache, *, during_step=None):
     prompts = [llm.prepare("word " * (4 if i < 4 else 150 - 9 * (i % 4)), params, index=i) for i in range(16)]
     without = [o.token_ids for o in llm.stream(prompts)]
     warm, seconds = llm.engine.num_compilations, []  # each step's, in order (Refit counts steps from 1)
-    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2, alpha=0.05), chain=lambda plan, tokens, s: seconds.append(s))
+    shares = {} if yield_share is None else {"yield_share": yield_share}
+    hook = Refit(llm, watch=DriftWatch((16, 32, 512), window=4, every=2, alpha=0.05), chain=lambda plan, tokens, s: seconds.append(s), **shares)
     if during_step is not None:
         step = llm.engine.step
         llm.engine.step = lambda plan, **kw: (during_step(hook), step(plan, **kw))[1]  # the runloop takes it at the stream's start
@@ -296,6 +297,20 @@ def test_the_compile_child_is_stopped_while_every_step_runs(tiny_chat_model, com
 
     _, hook, _, _, _, _ = _refit_job(tiny_chat_model, compile_cache, during_step=record)
     assert hook.swaps and states and set(states) == {"T"}  # Linux /proc state: stopped (by SIGSTOP) in each step
+
+
+@pytest.mark.slow
+def test_with_no_share_of_the_steps_the_compile_child_stays_stopped_until_given_a_turn(tiny_chat_model, compile_cache):
+    states = []
+
+    def record(hook):
+        if hook._pending is not None and hook._pending.child is not None:
+            states.append(hook._pending.child.state())
+
+    _, hook, _, _, _, _ = _refit_job(tiny_chat_model, compile_cache, during_step=record, yield_share=0.0)
+    (swap,) = hook.swaps
+    assert len(states) >= 2 and set(states) == {"T"}  # stopped in every step from the ask on, its first turn the test's own
+    assert swap.num_yields == len(swap.turn_ends) and swap.yield_share == 0.0
 
 
 @pytest.mark.slow
