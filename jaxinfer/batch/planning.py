@@ -245,7 +245,9 @@ def _fitted_tables(cfg: EngineConfig, sizes: dict[str, np.ndarray], counts: dict
 
 def fit_tables(cfg: EngineConfig, steps_by_key: dict[BucketKey, int], costs: StepCosts, budget: int) -> tuple[EngineConfig, float]:
     """(cfg with fitted tables, their predicted device seconds): from one bucket per table, the bucket that
-    saves the most predicted seconds per program it adds is added while the programs stay within `budget`.
+    saves the most predicted seconds per program it adds is added while the programs stay within `budget`. That
+    start may itself be over a small budget (a table that must reach its limit holds two buckets): make_plan then
+    keeps the given tables.
     Priced on `costs.monotone()`: on raw noisy medians a wider bucket can look cheaper than a narrower one,
     so that a bucket that cuts padding seems to save nothing and the greedy stops at sparse tables."""
     costs = costs.monotone()
@@ -385,13 +387,24 @@ def make_plan(sample: WorkloadSample, given: EngineConfig, costs: StepCosts, opt
     requests = sample.requests(options.simulated_requests)
     budget = options.program_budget or num_programs(given)
     grid = tuple(evaluate(base, requests, costs, budget, s, t) for s, t in grid_values(base, options))
-    best = min(grid, key=lambda point: point.wall_s)
+    best = min(_within(grid, budget) or [_as_given(base, requests, costs)], key=lambda point: point.wall_s)
     scale = sample.requests_to_run / len(requests)
     predicted = simulate(best.config, requests, costs, num_pages=given.num_pages).wall_s * scale
     as_given = simulate(given, requests, costs, num_pages=given.num_pages).wall_s * scale
     per_request = sample.requests_to_run / sample.prompt_tokens.size
     return Plan(best.config, given, best.programs, num_programs(given), predicted, as_given,
                 int(sample.shared_tokens.sum() * per_request), int(sample.prompt_tokens.sum() * per_request), sample, grid)
+
+
+def _within(grid: tuple[GridPoint, ...], budget: int) -> list[GridPoint]:
+    """The grid points that compile at most `budget` programs: fit_tables starts from one bucket per table, and a table
+    that must reach its limit holds two, so under a budget as small as the given tables' (one bucket each) none may."""
+    return [point for point in grid if point.programs <= budget]
+
+
+def _as_given(base: EngineConfig, requests: list[SimRequest], costs: StepCosts) -> GridPoint:
+    """The given tables (and limits) as a grid point: the plan when no fitted point is within the budget."""
+    return GridPoint(base.max_num_seqs, base.max_prefill_tokens, num_programs(base), simulate(base, requests, costs, num_pages=base.num_pages).wall_s, base)
 
 
 def engine_costs(llm) -> StepCosts:
