@@ -71,6 +71,7 @@ class StepLog:
         self.num_steps = self.real_tokens = self.padded_tokens = 0
         self.first_start: float | None = None
         self.last_end: float | None = None
+        self._hook_s = 0.0  # seconds the chained hook took after the last step: not the next step's host work
 
     def _write(self, obj: dict) -> None:
         self._file.write(json.dumps(obj) + "\n")
@@ -78,7 +79,7 @@ class StepLog:
     def __call__(self, plan, tokens, seconds: float) -> None:
         end = self.clock()
         start = end - seconds
-        host = 0.0 if self.last_end is None else max(0.0, start - self.last_end)
+        host = 0.0 if self.last_end is None else max(0.0, start - self.last_end - self._hook_s)
         self.first_start = start if self.first_start is None else self.first_start
         self.last_end = end
         key, rows, real = tuple(plan.bucket), len(plan.request_ids), int(plan.num_real_tokens)
@@ -94,8 +95,10 @@ class StepLog:
         self.padded_tokens += key[1] * key[2]
         if self.costs is not None and self.num_steps > 1:
             self.costs.observe_host(rows, host)
-        if self.chain is not None:
+        if self.chain is not None:  # a refit's compile turn, a profiler: their seconds count in the wall time, not as host time
+            before = self.clock()
             self.chain(plan, tokens, seconds)
+            self._hook_s = self.clock() - before
 
     def summary(self) -> dict:
         wall = 0.0 if self.first_start is None else self.last_end - self.first_start

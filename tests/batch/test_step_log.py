@@ -77,6 +77,23 @@ def test_host_gaps_refine_the_cost_tables_host_line_and_the_table_is_written(tmp
     assert EngineConfig(**contents.header["engine"]) == small_config()  # the settings replay as they were
 
 
+def test_a_chained_hooks_seconds_count_in_the_wall_time_not_as_the_next_steps_host_time(tmp_path):
+    clock, costs = TickClock(), StepCosts()
+
+    def compile_turn(plan, tokens, seconds):  # a refit giving its compile a turn after the step
+        clock.now += 0.6
+
+    log = StepLog(tmp_path / "h.steps.jsonl", {"input": "in.jsonl", "engine": engine_settings(small_config())}, costs=costs, clock=clock, chain=compile_turn)
+    plans = real_plans()
+    for plan in plans:
+        clock.now += 0.25 + 0.5  # the host's gap, then the step
+        log(plan, None, 0.5)
+    log.close()
+    steps = [line for line in map(json.loads, (tmp_path / "h.steps.jsonl").read_text().splitlines()) if line["kind"] == "step"]
+    assert [s["host_s"] for s in steps] == [0.0] + [0.25] * (len(plans) - 1) and costs.host_seconds(2) == pytest.approx(0.25)
+    assert log.summary()["wall_s"] == pytest.approx(1.35 * len(plans) - 0.25 - 0.6)  # from the first step's start to the last one's end
+
+
 def test_a_torn_last_line_is_dropped_and_anything_else_is_named(tmp_path):
     path = tmp_path / "t.steps.jsonl"
     write_log(path, real_plans(), full_steps=100)
