@@ -61,9 +61,10 @@ class Observations:
 
     @property
     def expected(self) -> float:
-        """The mean of the recent runs (else the warm-up ones), each counted at most CAP x their median."""
+        """The mean of the recent runs (else the warm-up ones), each counted at most CAP x their median; of two runs (the
+        warm-up's default), at most CAP x the faster: their median is their mean, which a stall would raise past its cap."""
         kept = self.recent or self.warmup
-        ceiling = CAP * statistics.median(kept)
+        ceiling = CAP * (statistics.median(kept) if len(kept) > 2 else min(kept))
         return sum(min(s, ceiling) for s in kept) / len(kept)
 
 

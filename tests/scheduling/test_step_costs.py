@@ -20,6 +20,9 @@ def test_a_measured_key_costs_the_mean_of_its_recent_runs_a_stall_counted_at_mos
         costs.observe(PREFILL, 0.5)
     assert costs.device_seconds(PREFILL) == pytest.approx(0.5)
     assert costs.programs[PREFILL].count == 5 + KEEP
+    costs.observe(DECODE, 0.05, warmup=True)
+    costs.observe(DECODE, 5.0, warmup=True)  # two warm-up runs, one a stall: capped at CAP x the faster, not at their mean
+    assert costs.device_seconds(DECODE) == pytest.approx((0.05 + CAP * 0.05) / 2)
 
 
 def test_a_key_whose_steps_come_in_two_sizes_is_priced_at_what_they_sum_to_not_its_median():
