@@ -461,6 +461,8 @@ class Refit:
             if table is None:
                 return
             self._start(with_chunk_table(self.llm.engine_config, table))
+            if self._pending is None:  # its child did not start: abandoned
+                return
         self._advance(seconds)
 
     def _start(self, cfg: EngineConfig) -> None:
@@ -473,7 +475,12 @@ class Refit:
         first = {size: i for i, size in enumerate(order)}
         # the prefill programs of the new buckets in that order, then the others as the engine lists them (a stable sort)
         rank = lambda key: first.get(_chunk_of(key), len(first))  # noqa: E731
-        child = self._executor.submit(ChildCompile, engine, cfg, rank).result() if engine.mesh is None else None
+        try:
+            child = self._executor.submit(ChildCompile, engine, cfg, rank).result() if engine.mesh is None else None
+        except Exception as e:  # a child that cannot start (fork, a full temporary folder): the refit ends as a failed one does
+            self._pending = _Compile(cfg, self.step, started, old_table=old)
+            self._abandon(f"the compile child did not start: {e!r}")
+            return
         future = None if child is not None else self._executor.submit(_compile_here, engine, cfg, engine.abstract_state())
         self._pending = _Compile(cfg, self.step, started, child, future, old_table=old)
         self._owed = (0, 0.0)

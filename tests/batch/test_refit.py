@@ -331,6 +331,19 @@ def test_a_failing_compile_child_abandons_the_refit_and_leaves_the_outputs_intac
     assert tokens == without
 
 
+@pytest.mark.slow
+def test_a_compile_child_that_cannot_start_abandons_the_refit_and_leaves_the_outputs_intact(tiny_chat_model, compile_cache, caplog, monkeypatch, tmp_path):
+    import logging
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))  # the child's request and stderr files cannot be made
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.batch.refit"):
+        llm, hook, without, tokens, warm, _ = _refit_job(tiny_chat_model, compile_cache)
+    (abandoned,) = hook.abandoned
+    assert not hook.swaps and not hook.enabled and hook._pending is None and "did not start: FileNotFoundError" in abandoned.error
+    assert "refits no more" in caplog.text and llm.engine.num_compilations == warm and tokens == without
+
+
 def test_the_runtimes_exact_fit_equals_the_offline_fit_buckets():
     from jaxinfer.batch.refit import fit_table
 
