@@ -53,7 +53,8 @@ class SketchScheduler(Scheduler):
         self.decode_order: list[Request] = []  # with the clock: the decoding rows in the order of the decode plans (_split_decode)
         self._checked: set[tuple[int, int]] = set()  # (prompt tokens, max_tokens) that Scheduler.check passed
         self._group_plans: tuple[list, list[SketchPlan], tuple[int, int, int]] | None = None  # (_split_decode's groups, their plans, counts)
-        self._policy_orders = type(self.policy).admission_order is not SchedulingPolicy.admission_order  # the policy's own admission_order
+        # the policy's own admission_order (the prefix policy prunes its ranks there): called every iteration, arrivals pushed one by one (sim_skip)
+        self.policy_orders = type(self.policy).admission_order is not SchedulingPolicy.admission_order
 
     def use_config(self, cfg: EngineConfig) -> None:
         """Scheduler.use_config, and the keys, plans and page buckets kept for the old tables forgotten."""
@@ -164,7 +165,7 @@ class SketchScheduler(Scheduler):
         waits (every policy's admission_order offers no request then): of it, only the policy's admission_order is
         called then, where the policy keeps its own (the prefix policy prunes its ranks there)."""
         if not partial and (not self.waiting or self.policy.decode_width() <= len(self.running)):
-            if self._policy_orders:
+            if self.policy_orders:
                 self._waiting_in_order()
             return []
         return super()._plan_prefill(partial)
@@ -246,9 +247,11 @@ class SketchScheduler(Scheduler):
         return self.block_pool.num_extra_owners() * self.cfg.page_size if self.shares_pages else 0
 
     def _record_utilization(self) -> None:
-        """The real statistic (Scheduler._record_utilization: a shared page counts once) in O(running): a
-        request's pages hold its tokens, the prefix cache's shared pages are full, and past its shared prefix
+        """The real statistic (Scheduler._record_utilization: a shared page counts once) in O(running), without a
+        sliding window (its released pages: the real method): a request's pages hold its tokens, the prefix cache's shared pages are full, and past its shared prefix
         every simulated prompt has a token of its own, so no later page is shared."""
+        if self.kv.window is not None:  # pages a sliding window released hold tokens no more: the real count, page by page
+            return super()._record_utilization()
         pool, size = self.kv.block_pool, self.cfg.page_size
         used_pages = pool.num_used
         if used_pages:

@@ -9,7 +9,9 @@ come next (k) and applies them as the scheduler and the run loop would have: the
 needs (allocated through the KV manager, as `_reserve_decode_pages` would, only when all of them fit),
 k tokens per request, the scheduler's statistics, the step counts and the virtual clock (moved plan by plan, as
 the run loop moves it, so every later time is the run loop's to the bit). With a sequence slot free and an
-arrival to come, k stops before the first iteration that starts at or after it on that clock.
+arrival to come, k stops before the first iteration that starts at or after it on that clock; so it does with every
+slot taken under a policy with its own admission order, which every iteration calls (the prefix policy prunes its
+ranks there, so a prune falls between the same two arrivals as step by step).
 
 The iteration after them is the event. When that event is only a finish (the iteration repeats the plans
 once more, and some of its rows take their last token), it is applied too, as the run loop applies a
@@ -63,7 +65,7 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
         if tops[pages] - computed < other:
             other = tops[pages] - computed
         tokens.append(total)
-    if run.timed and len(running) < width:  # an arrival would be admitted at the first iteration after it
+    if run.timed and (len(running) < width or scheduler.policy_orders):  # an arrival is admitted, or ordered, at the first iteration after it
         other = _before_arrival(run, plans, min(finish, other))
     return int(finish) - 1, int(other), tokens
 
@@ -148,7 +150,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
     ticks = scheduler.decode_clock.ticks
     finish = lazy.min_finish() - ticks  # min over rows of min(max_tokens - generated, max_context - total)
     other = lazy.min_top() - ticks + 1  # min over rows of (tokens its page bucket holds - computed)
-    if run.timed and len(running) < width:
+    if run.timed and (len(running) < width or scheduler.policy_orders):
         other = _before_arrival(run, plans, min(finish, other))
     return finish - 1, other
 

@@ -473,6 +473,40 @@ def test_the_prefix_policys_pruning_runs_at_the_same_steps_in_the_sketch_as_in_t
         assert result.summary() == plain.summary()
 
 
+def test_the_prefix_policys_pruning_falls_between_the_same_arrivals_with_the_fast_forward_as_without(monkeypatch):
+    # Both slots decode through three arrivals; the third's push crosses the prune threshold, and a fourth returns to a
+    # prefix group whose requests all ran. Step by step the prune falls before the fourth is pushed, which ranks its
+    # names anew (last); a fast-forward that pushed all four after its run would keep their old rank (first).
+    from jaxinfer.scheduling.policies import PrefixAware
+
+    monkeypatch.setattr(PrefixAware, "prune_slack", 0)
+    cfg = small_config(max_num_seqs=2, max_context=128, page_size=4, max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       decode_batch_buckets=(1, 2), decode_page_buckets=(32,), policy="prefix", enable_prefix_caching=True)
+    costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 0.0), host=(0.0, 0.0), max_rows=2)
+    requests = [SimRequest(9, 1, 0.0, shared_prefix=8, prefix_group=1), SimRequest(5, 100, 0.0), SimRequest(5, 100, 0.0),
+                SimRequest(9, 5, 0.020, shared_prefix=8, prefix_group=2), SimRequest(5, 5, 0.030),
+                SimRequest(9, 5, 0.040, shared_prefix=8, prefix_group=3), SimRequest(9, 5, 0.050, shared_prefix=8, prefix_group=1)]
+    fast, every_step = simulate(cfg, requests, costs, num_pages=200), simulate(cfg, requests, costs, num_pages=200, fast_forward=False)
+    np.testing.assert_array_equal(fast.ttft_s, every_step.ttft_s)
+    assert fast.summary() == every_step.summary()
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_kv_utilization_counts_no_page_a_sliding_window_released(monkeypatch, fast_forward):
+    from jaxinfer.scheduling import sim_scheduler
+    from jaxinfer.scheduling.scheduler import Scheduler
+
+    cfg = small_config(max_num_seqs=4, max_context=64, page_size=4, max_prefill_tokens=8, prefill_chunk_buckets=(4, 8),
+                       decode_batch_buckets=(2, 4), release_window=8)
+    costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 0.0), host=(0.0, 0.0), max_rows=4)
+    requests = [SimRequest(4, 50), SimRequest(10, 30), SimRequest(20, 12)]
+    sketch = simulate(cfg, requests, costs, fast_forward=fast_forward)
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_record_utilization", Scheduler._record_utilization)
+    real = simulate(cfg, requests, costs, fast_forward=False)
+    assert sketch.num_steps == real.num_steps and sketch.peak_kv_utilization == real.peak_kv_utilization <= 1.0
+    assert sketch.mean_kv_utilization == pytest.approx(real.mean_kv_utilization, rel=1e-12)
+
+
 def test_the_sketch_scheduler_prices_the_new_tables_keys_after_a_swap():
     import dataclasses
 
