@@ -182,7 +182,9 @@ class _Run:
         self.expires = any(r.deadline_s is not None for r in requests) or type(self.scheduler.policy).shed is not SchedulingPolicy.shed
         # Scheduler.observe does nothing under a policy that learns nothing from a step (the base's observe)
         self.observes = type(self.scheduler.policy).observe is not SchedulingPolicy.observe
-        self.scheduler.shares_pages = cfg.enable_prefix_caching and any(r.shared_prefix >= cfg.page_size for r in requests)
+        # pages shared through the prefix cache: a shared prefix's full ones, and a whole-shared prompt's (equal prompts: their output
+        # pages are named alike, so a preempted one's recompute shares a twin's)
+        self.scheduler.shares_pages = cfg.enable_prefix_caching and any(0 < r.shared_prefix and r.shared_prefix >= min(r.prompt_tokens, cfg.page_size) for r in requests)
         self.lazy = self.one_pass_decode and cfg.release_window is None  # decoding rows counted on the decode clock (sim_decode.py)
         if self.lazy:
             self.scheduler.use_decode_clock()

@@ -262,6 +262,25 @@ def test_kv_utilization_counts_a_page_shared_through_the_prefix_cache_once(monke
     assert real.peak_kv_utilization <= 1.0  # counted once per owner, the shared pages pushed it past 1
 
 
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_kv_utilization_counts_once_the_pages_equal_short_prompts_share_after_a_preemption(monkeypatch, fast_forward):
+    # Equal 3-token prompts (pages of 4): their output pages are named alike, so a preempted one's recompute shares a
+    # running twin's pages through the prefix cache, though no prompt holds a full shared page.
+    from jaxinfer.scheduling import sim_scheduler
+    from jaxinfer.scheduling.scheduler import Scheduler
+
+    cfg = small_config(max_num_seqs=4, max_context=64, page_size=4, max_prefill_tokens=8, prefill_chunk_buckets=(4, 8),
+                       decode_batch_buckets=(2, 4), enable_prefix_caching=True)
+    costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 0.0), host=(0.0, 0.0), max_rows=4)
+    requests = [SimRequest(3, 40, shared_prefix=3) for _ in range(12)]
+    sketch = simulate(cfg, requests, costs, num_pages=24, fast_forward=fast_forward)
+    monkeypatch.setattr(sim_scheduler.SketchScheduler, "_record_utilization", Scheduler._record_utilization)
+    real = simulate(cfg, requests, costs, num_pages=24, fast_forward=False)
+    assert sketch.num_preemptions > 0 and sketch.num_steps == real.num_steps
+    assert sketch.peak_kv_utilization == pytest.approx(real.peak_kv_utilization, rel=1e-12) and real.peak_kv_utilization <= 1.0
+    assert sketch.mean_kv_utilization == pytest.approx(real.mean_kv_utilization, rel=1e-12)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("num_pages", [400, 60])  # roomy; tight enough to preempt
 def test_decode_clock_gives_the_run_loops_results_on_larger_batches(num_pages, policy):
