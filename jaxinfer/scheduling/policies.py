@@ -87,6 +87,9 @@ class SchedulingPolicy:
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """One step ran: its plan and how long it took (wall clock, or a simulator's model)."""
 
+    def new_iteration(self) -> None:
+        """An iteration is planned (Scheduler.schedule): every step of the one before it was observed."""
+
     def use_config(self, cfg: EngineConfig) -> None:
         """The scheduler's config changed between steps (a refit's tables; the limits are the same): what the
         policy derives from it follows."""
@@ -117,7 +120,9 @@ class ShortestPromptFirst(SchedulingPolicy):
 class DecodeStep:
     """An iteration's decode plans taken together, as one decode step: the scheduler may split its decoding rows into
     two programs (each observed on its own), and a sequence waits for both. The plans of one iteration hold disjoint
-    rows and come before its prefill plan, so a decode plan holding a row already seen starts the next iteration."""
+    rows and come before its prefill plan, so a decode plan holding a row already seen starts the next iteration;
+    the scheduler says so too (`end` at SchedulingPolicy.new_iteration), which an iteration of a prefill alone after
+    one whose rows all finished needs: no row of it is seen again."""
 
     def __init__(self):
         self._step: tuple[set[str], float] | None = None  # the iteration's decode plans so far: (their rows, their seconds)
@@ -156,6 +161,10 @@ class PrefillRate:
         decode = self._decode.end()  # the same iteration's decode step, which shared the device with this prefill
         self.samples.append((sum(plan.num_new_tokens), float(seconds) + (decode[1] if decode else 0.0)))
 
+    def new_iteration(self) -> None:
+        """The last iteration's decode step, if it held no prefill, says nothing of the rate."""
+        self._decode.end()
+
     def tokens_per_second(self) -> float | None:
         """None before a prefill step has been seen."""
         tokens, seconds = sum(s[0] for s in self.samples), sum(s[1] for s in self.samples)
@@ -187,6 +196,9 @@ class EarliestDeadlineFirst(SchedulingPolicy):
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         self.rate.add(plan, seconds)
+
+    def new_iteration(self) -> None:
+        self.rate.new_iteration()
 
     def shed(self, view: SchedulerView, now: float) -> list[Request]:
         rate = self.tokens_per_second or self.rate.tokens_per_second()
@@ -347,6 +359,11 @@ class AdaptiveBudgets(SchedulingPolicy):
             self._record("decode", ended[1], ended[0])
         if plan.phase == "prefill":
             self._record("prefill", float(seconds), sum(plan.num_new_tokens))
+
+    def new_iteration(self) -> None:
+        ended = self._decode.end()
+        if ended is not None:
+            self._record("decode", ended[1], ended[0])
 
     def _record(self, phase: str, seconds: float, used: int) -> None:
         seen = self._seen[phase]

@@ -144,6 +144,7 @@ class Scheduler:
 
     def schedule(self) -> list[StepPlan]:
         """The plans of one iteration; never empty while requests are running (see _plan_step)."""
+        self.policy.new_iteration()
         plans = self._plan_step()
         while not plans and self.running:
             # Partial prefills can hold every page while none can grow: free the policy's victim.

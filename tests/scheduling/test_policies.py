@@ -219,6 +219,26 @@ def test_edf_measures_the_prefill_rate_of_iterations_that_prefill_so_an_idle_spe
     assert window.tokens_per_second() == pytest.approx(128 / 0.08)
 
 
+def test_edf_counts_no_decode_step_of_an_iteration_before_in_a_prefill_alone_after_the_batch_finished():
+    """a prefills (8 tokens, 1 s), decodes its last token alone (0.5 s) and finishes; then b's prefill runs alone in
+    the next iteration (8 tokens, 1 s): the rate is 16 tokens over 2 s, with no decode step of the iteration before."""
+    cfg = small_config()
+    policy = make_policy("edf", cfg)
+    scheduler = Scheduler(cfg, num_pages=30, policy=policy)
+    a, b = request("a", 8, 2, 0), request("b", 8, 2, 1)
+    scheduler.add(a)
+    for seconds in (1.0, 0.5):  # a's prefill (its first token), then its last token in a decode step
+        (plan,) = scheduler.schedule()
+        scheduler.update(plan, np.zeros(1, np.int32))
+        scheduler.observe(plan, seconds)
+    scheduler.finish(a, "length")
+    scheduler.add(b)
+    (plan,) = scheduler.schedule()
+    assert plan.phase == "prefill"
+    scheduler.observe(plan, 1.0)
+    assert policy.rate.tokens_per_second() == pytest.approx(16 / 2.0)
+
+
 def test_edf_sheds_none_of_a_burst_that_arrives_after_a_decode_only_spell_and_starts_at_once():
     """One request decodes alone for a second; then 8 short requests arrive, each to start within about 1 s. Every
     one starts in the next step (as under fcfs), so none may be shed (the rate once counted the idle decode steps:
