@@ -311,7 +311,7 @@ class BatchJob:
         if scan is not None:
             repair_output(self.output, scan)
         done = scan.keys if scan is not None else KeyTable()
-        self.records_before = len(done)  # the output's records before this run (whatif replays the ones after them)
+        self.records_before = scan.num_records if scan is not None else 0  # the output's records before this run (whatif replays the ones after them)
         num_lines, num_todo, ignored = 0, 0, {}
         self.num_runnable = 0  # lines to do that parsed (the others are error records that need no model)
         for line in self.read_lines():

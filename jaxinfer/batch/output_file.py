@@ -335,6 +335,7 @@ class OutputScan:
     size: int  # bytes of the file when scanned
     keep_bytes: int  # bytes to keep: size, or less to cut a torn last record
     add_newline: bool  # the last record is whole but lacks its newline
+    num_records: int = 0  # the records kept, a key written twice counted twice (whatif skips this many of a resumed run's output)
 
     @property
     def needs_repair(self) -> bool:
@@ -355,15 +356,15 @@ def scan_output(path: Path, iter_lines) -> OutputScan:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         complete_end = _end_of_last_line(fd, size)
-        newlines = [0]
-        keys = KeyTable(_record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines)))
+        newlines, records = [0], []
+        keys = KeyTable(records.append(number) or _record_key(path, number, raw) for number, raw in iter_lines(_blocks(fd, complete_end, newlines)))
         tail = os.pread(fd, size - complete_end, complete_end) if size > complete_end else b""
     if not tail.strip():
-        return OutputScan(keys, size, size, False)
+        return OutputScan(keys, size, size, False, len(records))
     if _is_torn_record(tail):
-        return OutputScan(keys, size, complete_end, False)
+        return OutputScan(keys, size, complete_end, False, len(records))
     keys.add(_record_key(path, newlines[0] + 1, tail))
-    return OutputScan(keys, size, size, True)
+    return OutputScan(keys, size, size, True, len(records) + 1)
 
 
 _SCAN_BLOCK = 1 << 20

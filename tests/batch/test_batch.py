@@ -204,6 +204,17 @@ def test_torn_last_record_is_dropped_and_redone(llm, tmp_path):
     assert sorted(by_key(out)) == sorted(f'id:"q{i}"' for i in range(4))
 
 
+def test_the_resume_scan_counts_the_records_it_keeps_a_key_written_twice_twice(tmp_path):
+    """whatif skips a resumed run's records_before records of the output: records, not keys, and not a torn tail."""
+    rec = lambda key: json.dumps({"id": key, "key": key, "status": "ok"})  # noqa: E731
+    path = tmp_path / "out.jsonl"
+    path.write_text(rec("a") + "\n\n" + rec("b") + "\n" + rec("a") + "\n" + '{"id": "c", "ke')  # a blank line; a torn last record
+    scan = batch_output.scan_output(path, iter_lines)
+    assert scan.num_records == 3 and len(scan.keys) == 2
+    path.write_text(rec("a") + "\n" + rec("a") + "\n" + rec("b"))  # whole, its newline missing
+    assert batch_output.scan_output(path, iter_lines).num_records == 3
+
+
 def test_resume_over_foreign_or_damaged_output_is_one_clear_error(tmp_path):
     inp = write(tmp_path / "in.jsonl", [good(0)])
     write(tmp_path / "a.jsonl", [{"status": "ok"}])
