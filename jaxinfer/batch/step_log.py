@@ -160,6 +160,8 @@ def _read(path: Path) -> StepLogContents:
                     costs = StepCosts.from_json(obj["table"])
                 elif kind == "step" and header is not None:  # a first line is the header's to judge
                     _check_step(obj)
+                elif kind == "program" and header is not None:
+                    _check_key(obj["key"])
                 elif kind == "summary":
                     _check_summary(obj)
                 elif kind == "header" and obj.get("format") == FORMAT:
@@ -220,3 +222,11 @@ def _check_step(obj: dict) -> None:
         value = obj[name]
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise TypeError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}: {value!r}")
+    _check_key(obj["key"])
+
+
+def _check_key(key) -> None:
+    """A step's or a program's key: [phase, rows, tokens, pages] as BucketKey holds them; TypeError naming it."""
+    if (not isinstance(key, list) or len(key) != 4 or key[0] not in ("prefill", "decode")
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in key[1:])):
+        raise TypeError(f"its key is not [\"prefill\" or \"decode\", rows, tokens, pages] (counts of at least 1): {key!r}")

@@ -117,7 +117,10 @@ def test_a_torn_last_line_is_dropped_and_anything_else_is_named(tmp_path):
         read_step_log(path)
     step = json.loads(text.splitlines()[1])
     for broken, message in ((step | {"rows": "4"}, r":2: not a step-log line \(TypeError: its rows is not an int: '4'\)"),
-                            ({k: v for k, v in step.items() if k != "device_s"}, r":2: not a step-log line \(KeyError: 'device_s'\)")):
+                            ({k: v for k, v in step.items() if k != "device_s"}, r":2: not a step-log line \(KeyError: 'device_s'\)"),
+                            (step | {"key": []}, r':2: not a step-log line \(TypeError: its key is not \["prefill" or "decode", rows'),
+                            ({"kind": "program"}, r":2: not a step-log line \(KeyError: 'key'\)"),
+                            ({"kind": "program", "key": ["decode", 4, 1, 0]}, r":2: not a step-log line \(TypeError: its key is not")):
         path.write_text(header + "\n" + json.dumps(broken) + "\n")
         with pytest.raises(ValueError, match=message):
             read_step_log(path)
