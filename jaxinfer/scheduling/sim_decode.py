@@ -17,6 +17,7 @@ the page size.
 
 import bisect
 import heapq
+import math
 from operator import attrgetter
 
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
@@ -278,6 +279,15 @@ class DecodeRows:
                 rows += found.values()
         rows.sort(key=_admit_index)
         return rows
+
+    def ticks_before_naming(self) -> int | float:
+        """Ticks from now before the first at which a row that names its pages as they fill (filled_within) fills
+        one, when two or more such rows run (equal whole prompts name their pages alike, and the first to fill a
+        page keeps its name: they must name in the order they fill); math.inf with fewer."""
+        if self._num_naming < 2:
+            return math.inf
+        ticks, size = self.clock.ticks, self.page_size
+        return min((-residue - ticks) % size for residue, rows in self._residues.items() if rows)
 
     def filling(self) -> list[LazyRequest]:
         """Rows whose token of this tick fills a page (only rows that name their pages as they fill)."""

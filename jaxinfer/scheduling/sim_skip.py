@@ -11,7 +11,9 @@ k tokens per request, the scheduler's statistics, the step counts and the virtua
 the run loop moves it, so every later time is the run loop's to the bit). With a sequence slot free and an
 arrival to come, k stops before the first iteration that starts at or after it on that clock; so it does with every
 slot taken under a policy with its own admission order, which every iteration calls (the prefix policy prunes its
-ranks there, so a prune falls between the same two arrivals as step by step).
+ranks there, so a prune falls between the same two arrivals as step by step). With two or more rows that name their
+pages as they fill (equal whole prompts name theirs alike, and the first to fill a page keeps the name), k stops before
+the first iteration at which one fills a page, so that they name in the run loop's order.
 
 The iteration after them is the event. When that event is only a finish (the iteration repeats the plans
 once more, and some of its rows take their last token), it is applied too, as the run loop applies a
@@ -65,6 +67,9 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
         if tops[pages] - computed < other:
             other = tops[pages] - computed
         tokens.append(total)
+    naming = [total for r, total in zip(running, tokens) if r.public_pages is None] if cfg.enable_prefix_caching else []
+    if len(naming) > 1:  # rows that name their pages as they fill, in the order they fill (DecodeRows.ticks_before_naming)
+        other = min(other, min((-total) % page_size for total in naming))
     if run.timed and (len(running) < width or scheduler.policy_orders):  # an arrival is admitted, or ordered, at the first iteration after it
         other = _before_arrival(run, plans, min(finish, other))
     return int(finish) - 1, int(other), tokens
@@ -149,7 +154,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
         return None
     ticks = scheduler.decode_clock.ticks
     finish = lazy.min_finish() - ticks  # min over rows of min(max_tokens - generated, max_context - total)
-    other = lazy.min_top() - ticks + 1  # min over rows of (tokens its page bucket holds - computed)
+    other = min(lazy.min_top() - ticks + 1, lazy.ticks_before_naming())  # min over rows of (tokens its page bucket holds - computed)
     if run.timed and (len(running) < width or scheduler.policy_orders):
         other = _before_arrival(run, plans, min(finish, other))
     return finish - 1, other

@@ -510,6 +510,27 @@ def test_the_prefix_policys_pruning_falls_between_the_same_arrivals_with_the_fas
     assert fast.summary() == every_step.summary()
 
 
+@pytest.mark.parametrize("one_pass_decode", [True, False])
+@pytest.mark.parametrize("seed", [24, 139, 169, 256])
+def test_equal_whole_prompts_name_their_pages_in_the_order_they_fill_with_the_fast_forward_as_without(seed, one_pass_decode):
+    # Prompts that are all shared prefix (equal whole prompts, of 1 to 5 tokens) name their output pages alike, and the
+    # first to fill a page keeps the name; under preemption a twin ahead in length may have been admitted later. The
+    # fast-forward used to name the pages of the iterations it applied in admission order (these seeds diverged).
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([4, 8]))
+    cfg = small_config(page_size=page_size, max_context=128, max_num_seqs=int(rng.integers(2, 6)), max_prefill_tokens=16, prefill_chunk_buckets=(4, 8, 16),
+                       prefill_seq_buckets=(1, 2), decode_batch_buckets=(2, 4, 8), decode_page_buckets=None, enable_prefix_caching=True)
+    costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 1e-5), host=(1e-4, 0.0), max_rows=8)
+    prompts, outputs, arrivals, priorities = rng.integers(1, 6, 30), rng.integers(1, 60, 30), np.cumsum(rng.exponential(0.01, 30)), rng.integers(0, 2, 30)
+    requests = [SimRequest(int(p), int(o), float(t) if rng.random() < 0.5 else None, priority=int(pr), shared_prefix=int(p))
+                for p, o, t, pr in zip(prompts, outputs, arrivals, priorities)]
+    pages = int(rng.integers(12, 40))
+    fast = simulate(cfg, requests, costs, num_pages=pages, one_pass_decode=one_pass_decode)
+    every_step = simulate(cfg, requests, costs, num_pages=pages, fast_forward=False, one_pass_decode=one_pass_decode)
+    assert fast.num_preemptions > 0 and fast.summary() == every_step.summary()
+    np.testing.assert_array_equal(fast.ttft_s, every_step.ttft_s)
+
+
 @pytest.mark.parametrize("fast_forward", [False, True])
 def test_kv_utilization_counts_no_page_a_sliding_window_released(monkeypatch, fast_forward):
     from jaxinfer.scheduling import sim_scheduler
