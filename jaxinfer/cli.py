@@ -200,7 +200,7 @@ def _add_generate_io_args(gen: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", metavar="TEXT", help="a single prompt; the reply is printed")
     source.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of requests")
     gen.add_argument("--output", type=Path, metavar="FILE", help="JSONL results (required with --input)")
-    gen.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user message")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user message (with --input, a line that gives 'messages' is a chat)")
     gen.add_argument(
         "--truncate", default=TRUNCATE_SIDES[0], choices=TRUNCATE_SIDES,
         help="cut prompts that do not fit --max-context (prompts that fit are never cut), keeping room for --max-tokens "
@@ -397,6 +397,8 @@ def _run_generate(args) -> int:
     ray_options = _ray_options(args)
     if args.input is None:
         return _generate_one(args, defaults, load_options, engine_config)
+    if args.chat:
+        raise ValueError("--chat works with --prompt; an --input line is a chat when it gives 'messages' instead of 'prompt'")
     if args.output is None:
         raise ValueError("--output FILE is required with --input")
     if args.force_settings and not args.resume:

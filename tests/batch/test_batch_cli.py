@@ -196,6 +196,12 @@ def test_prompt_refuses_batch_only_flags(flag):
     assert one_line_error(run_fast("--prompt", "hi", *flag), flag[0], "--input")
 
 
+def test_an_input_file_refuses_the_prompt_only_chat_flag(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    assert one_line_error(run_fast("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--chat"), "--chat works with --prompt", "'messages'")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_resume_over_an_output_without_keys_is_one_line(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
     (tmp_path / "out.jsonl").write_text('{"status": "ok"}\n')
