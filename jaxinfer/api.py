@@ -308,12 +308,7 @@ class LLM:
           chat_options: encode_chat's add_generation_prompt, continue_final_message, chat_template_kwargs.
           request_fields: priority, deadline_s, identity (see Prompt).
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
-        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
-        check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
-        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
-        check_sampling_limits(self.engine_config, params)
+        self._check_params(params)
         if chat:
             ids = self.encode_chat(prompt, **(chat_options or {}))
         elif isinstance(prompt, str) and truncate in ("left", "right"):
@@ -323,6 +318,32 @@ class LLM:
         ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
         check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
         return Prompt(index, ids, params, **request_fields)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Sampling parameters this model and engine can run: its token ids in the vocabulary, its logprobs and n within
+        the engine's limits; TypeError or ValueError naming the field."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
+        check_sampling_limits(self.engine_config, params)
+
+    def _checked(self, prompt) -> Prompt:
+        """An item stream() pulled: a Prompt (as LLM.prepare makes; one built by hand is checked as prepare checks it),
+        else TypeError; ValueError naming its index for a token id outside the vocabulary or a parameter over a limit."""
+        if not isinstance(prompt, Prompt):
+            raise TypeError(f"LLM.stream takes Prompts, as LLM.prepare makes them (LLM.generate takes texts and token ids), not a {type(prompt).__name__}")
+        try:
+            ids = np.asarray(prompt.token_ids)
+            if ids.dtype.kind not in "iu" or ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.model_config.vocab_size)):
+                check_token_ids("token_ids", prompt.token_ids, self.model_config.vocab_size)  # names the first bad one
+            self._check_params(prompt.params)
+        except TypeError as e:
+            raise TypeError(f"prompt {prompt.index}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"prompt {prompt.index}: {e}") from None
+        return prompt
 
     # ------------------------------------------------------------ running
 
@@ -492,7 +513,7 @@ class _StreamRun:
         room = max_inflight - self.inflight - len(self.arrivals)
         if self.exhausted or room <= 0:
             return
-        chunk = list(itertools.islice(prompts, room))
+        chunk = [self.llm._checked(prompt) for prompt in itertools.islice(prompts, room)]
         self.exhausted = len(chunk) < room
         self.submit(self.arrivals.hold(chunk))
 

@@ -87,6 +87,19 @@ def test_a_failing_source_stops_the_stream_and_frees_the_llm(llm):
     assert llm.generate(["Hi"], PARAMS, progress=False)[0].num_generated_tokens == 5  # not left "already generating"
 
 
+def test_stream_refuses_what_prepare_did_not_make_naming_it_and_frees_the_llm(llm):
+    from jaxinfer.api import Prompt
+
+    with pytest.raises(TypeError, match=r"LLM.stream takes Prompts, as LLM.prepare makes them .* not a str"):
+        list(llm.stream(["Hello"], progress=False))
+    vocab = llm.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 3: token_ids holds {vocab} at index 1; token ids must be integers in \[0, {vocab}\)"):
+        list(llm.stream([Prompt(3, [1, vocab, 2], PARAMS)], progress=False))
+    with pytest.raises(ValueError, match=r"prompt 4: logprobs"):
+        list(llm.stream([Prompt(4, [1, 2], SamplingParams(max_tokens=2, logprobs=10_000))], progress=False))
+    assert llm.generate(["Hi"], PARAMS, progress=False)[0].num_generated_tokens == 5  # not left "already generating"
+
+
 def _dp_worker(model: str) -> dict:
     """Two replicas (two simulated CPU devices) fed a generator in chunks of max_inflight=3."""
     llm = LLM(model, data_parallel=2, max_context=64, page_size=8, max_num_seqs=2, max_prefill_tokens=32, num_pages=24, compilation_cache_dir=None,
