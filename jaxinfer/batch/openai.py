@@ -100,7 +100,7 @@ def parse_request(obj) -> tuple[dict, dict]:
     if obj.get("method", "POST") != "POST":
         raise RequestError(f"method {obj.get('method')!r} is not allowed; batch requests are POST", status_code=405, param="method")
     url = obj.get("url")
-    if url not in ENDPOINTS:
+    if not isinstance(url, str) or url not in ENDPOINTS:  # a list or an object is unhashable: not an endpoint either
         raise RequestError(f"url {url!r} is not supported; use one of {', '.join(ENDPOINTS)}", status_code=404, param="url")
     body = obj.get("body")
     if not isinstance(body, dict):

@@ -84,6 +84,27 @@ def test_parse_line_returns_a_request_or_raises_line_error_and_nothing_else(text
     assert isinstance(obj, dict) and ("prompt" in obj) != ("messages" in obj)
 
 
+_ENVELOPE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.sampled_from(["POST", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(["messages", "prompt", "input", "model", "max_tokens"]), children, max_size=3),
+    max_leaves=8,
+)
+_OPENAI_LINES = st.one_of(
+    st.fixed_dictionaries({}, optional={name: _ENVELOPE_VALUES for name in ("custom_id", "method", "url", "body", "x")}),
+    st.fixed_dictionaries({"custom_id": st.text(min_size=1, max_size=4)}, optional={"method": st.just("POST"), "url": _ENVELOPE_VALUES, "body": _ENVELOPE_VALUES}),
+).map(json.dumps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_OPENAI_LINES)
+def test_an_openai_line_of_any_shape_is_a_request_or_a_line_error_and_nothing_else(text):
+    try:
+        obj, endpoint = parse(text, "openai")
+    except LineError:
+        return
+    assert isinstance(obj, dict) and endpoint["url"] in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
 @settings(max_examples=200, deadline=None)
 @given(lines=st.lists(st.binary(max_size=30) | _HOSTILE.map(str.encode), max_size=6))
 def test_read_input_over_arbitrary_bytes_gives_every_line_a_key_and_never_raises(lines):
