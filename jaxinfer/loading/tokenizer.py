@@ -101,13 +101,16 @@ class TextTokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set: set add_generation_prompt false to continue the last message")
         template = _template_environment().from_string(self.chat_template)
-        text = template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_id),
-            eos_token=self._token_text(self.eos_id),
-            **variables,
-        )
+        try:
+            text = template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_id),
+                eos_token=self._token_text(self.eos_id),
+                **variables,
+            )
+        except jinja2.TemplateError as e:  # a message field the template reads as another shape (a tool call without its function, say)
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
         if not continue_final_message:
             return text
         final = messages[-1]["content"].strip()

@@ -157,6 +157,16 @@ def test_chat_template_renders_as_transformers_does(template_tokenizers, templat
             assert render() == case["rendered"], (template, case["conversation"], case["add_generation_prompt"])
 
 
+def test_a_message_the_template_reads_as_another_shape_is_a_value_error_naming_the_template(template_tokenizers):
+    """Llama 3.1's template reads an assistant message's tool_calls[i].function; a tool call without one is refused with a
+    ValueError (a batch line's error record), not jinja2's UndefinedError (which stopped a job)."""
+    case = next(c for c in CHAT["cases"] if c["template"] == "llama-3.1")
+    tokenizer = dataclasses.replace(template_tokenizers[case["vocab"]], chat_template=CHAT["templates"]["llama-3.1"])
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "user", "content": "go on"}]
+    with pytest.raises(ValueError, match="the chat template cannot render these messages: UndefinedError"):
+        tokenizer.apply_chat_template(messages, date_string=CHAT["date_string"])
+
+
 def test_chat_template_from_the_gguf_metadata_is_used():
     qwen = vocab_tokenizer_of("qwen2")
     text = qwen.apply_chat_template([{"role": "user", "content": "Hi"}])
