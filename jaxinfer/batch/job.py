@@ -304,6 +304,8 @@ class BatchJob:
             self._settings["format"] = self.format
         if self.strict_fields:
             self._settings["strict_fields"] = True
+        if self.max_line_bytes != DEFAULT_MAX_LINE_BYTES:  # it decides which lines are too long, and so their keys
+            self._settings["max_line_bytes"] = self.max_line_bytes
         self.settings = json.loads(json.dumps(self._settings))  # as the settings file will hold them (tuples as lists)
         scan = scan_output(self.output, iter_lines) if self.resume else None
         if scan is not None and not force_settings:

@@ -273,6 +273,9 @@ def test_resume_under_changed_settings_is_refused_listing_them(full_run, tmp_pat
     assert records(out) == full_records
     forced = run_cli(input_path, out, compile_cache, model, "--resume", "--temperature", "0.7", "--force-settings")
     assert forced.returncode == 0 and records(out) == full_records, forced.stderr[-1500:]
+    other_limit = run_cli(input_path, out, compile_cache, model, "--resume", "--max-line-bytes", "16")  # longer lines get other keys: records twice
+    assert one_line_error(other_limit, "other settings", "max_line_bytes"), other_limit.stderr[-1500:]
+    assert records(out) == full_records
 
 
 def test_swapped_input_and_output_under_resume_leave_the_prompt_file_untouched(tmp_path):
