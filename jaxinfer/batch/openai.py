@@ -59,14 +59,17 @@ _JAXINFER_FIELDS = frozenset({"id", "prompt", "messages"})  # what marks a jaxin
 
 
 def line_format(obj) -> str | None:
-    """The format a parsed line is written in (the format detection): 'openai' when it holds any of the
-    envelope's fields (custom_id, method, url, body), 'jaxinfer' when it holds id, prompt or messages
-    instead, None when it says neither (not an object, or neither format's fields)."""
+    """The format a parsed line is written in (the format detection): 'openai' when it holds a custom_id, or the
+    envelope's other fields (method, url, body) and none of jaxinfer's; 'jaxinfer' when it holds id, prompt or
+    messages without a custom_id (a jaxinfer line may carry a field named url or body: an unknown field, warned
+    of and ignored); None when it says neither (not an object, or neither format's fields)."""
     if not isinstance(obj, dict):
         return None
-    if not _ENVELOPE_FIELDS.isdisjoint(obj):
+    if "custom_id" in obj:
         return FORMAT
-    return "jaxinfer" if not _JAXINFER_FIELDS.isdisjoint(obj) else None
+    if not _JAXINFER_FIELDS.isdisjoint(obj):
+        return "jaxinfer"
+    return FORMAT if not _ENVELOPE_FIELDS.isdisjoint(obj) else None
 
 
 def valid_custom_id(value) -> bool:

@@ -288,6 +288,15 @@ def test_a_file_whose_lines_disagree_on_the_format_is_refused_before_anything_ru
         assert job.format == "openai" and len(job.todo) == 3
 
 
+def test_a_jaxinfer_line_with_a_field_named_url_or_body_is_a_jaxinfer_line(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"id": "a", "prompt": "Summarize the page.", "url": "https://example.com/a"}, {"id": "b", "prompt": "Summarize it.", "body": "text"},
+             {"id": "c", "prompt": "Hi"}]
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with BatchJob(inp, out, DEFAULTS) as job:  # the other fields are unknown to jaxinfer: warned of and ignored
+        assert job.format == "jaxinfer" and len(job.todo) == 3 and job.num_runnable == 3
+
+
 def test_null_fields_mean_the_default_a_seed_is_any_64_bit_integer_and_a_custom_id_must_be_unicode(llm, tmp_path):
     nulls = dict.fromkeys(("temperature", "top_p", "max_tokens", "stop", "n", "logit_bias", "presence_penalty", "frequency_penalty", "seed"))
     lines = [
