@@ -72,7 +72,9 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.input import CHAT_FIELDS, DEFAULT_MAX_LINE_BYTES, EncodingCheck, InputLine, LineError, SpooledInput, detect_format, iter_lines, read_lines
 from jaxinfer.batch.keys import KeyTable
 from jaxinfer.batch.output_file import ResumeError  # noqa: F401 (re-exported: the job raises it)
-from jaxinfer.batch.output_file import RESOLVED, OutputLock, check_resolved, check_settings, check_settings_path, check_side_file_names, repair_output, scan_output, write_settings
+from jaxinfer.batch.output_file import (
+    RESOLVED, OutputLock, check_resolved, check_settings, check_settings_path, check_side_file_names, read_settings, repair_output, scan_output, write_settings,
+)
 from jaxinfer.batch.records import JobSummary, error_record, record_of, token_bytes_of
 from jaxinfer.config import INFLIGHT_PER_SEQ
 from jaxinfer.scheduling.request import SAMPLING_FIELDS, SamplingParams
@@ -312,6 +314,8 @@ class BatchJob:
             check_settings(self.output, self.settings, has_records=bool(scan.keys))
         if scan is not None:
             repair_output(self.output, scan)
+            if (resolved := (read_settings(self.output) or {}).get(RESOLVED)) is not None:  # kept until this run's engine says
+                self.settings[RESOLVED] = resolved  # (record_resolved): a run that loads no model keeps it in the settings it writes
         done = scan.keys if scan is not None else KeyTable()
         self.records_before = scan.num_records if scan is not None else 0  # the output's records before this run (whatif replays the ones after them)
         num_lines, num_todo, ignored = 0, 0, {}

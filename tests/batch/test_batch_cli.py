@@ -278,6 +278,19 @@ def test_resume_under_changed_settings_is_refused_listing_them(full_run, tmp_pat
     assert records(out) == full_records
 
 
+@pytest.mark.slow
+def test_a_resume_that_loads_no_model_keeps_what_the_engine_resolved_in_the_settings(full_run, tmp_path):
+    input_path, _, _, full_records, model = full_run
+    out = copy_output(full_run, tmp_path)
+    resolved = json.loads(out.with_name("out.jsonl.meta.json").read_text())["settings"]["resolved"]
+    more = tmp_path / "more.jsonl"  # one more line, which cannot run: its error record needs no model
+    more.write_text(input_path.read_text() + json.dumps({"id": "late", "prompt": "p", "temperature": -1}) + "\n")
+    result = run_cli(more, out, "unused", model, "--resume")
+    assert result.returncode == 0 and "without loading the model" in result.stderr, result.stderr[-1500:]
+    assert len(records(out)) == len(full_records) + 1
+    assert json.loads(out.with_name("out.jsonl.meta.json").read_text())["settings"]["resolved"] == resolved  # later resumes still check it
+
+
 def test_swapped_input_and_output_under_resume_leave_the_prompt_file_untouched(tmp_path):
     prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
     prompts.write_bytes(b'{"id":"p1","prompt":"Hello"}\n{"id":"p2","prompt":"World"}')
