@@ -182,7 +182,8 @@ class EarliestDeadlineFirst(SchedulingPolicy):
     `tokens_per_second` when given, else measured over the last `window` iterations that prefilled (`observe`,
     PrefillRate: an idle spell leaves it as it was); before any prefill has been measured nothing is shed.
     Cached prefixes are not subtracted, and waits for a free sequence slot are not added. A request the
-    scheduler has admitted once has started, and is never shed (nor expired) after a preemption.
+    scheduler has admitted once has started (Request.has_started; so has a later sample of n once its first is
+    admitted), and is never shed (nor expired) after a preemption.
     """
 
     name = "edf"
@@ -210,7 +211,7 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         for request in view.waiting.first(len(view.waiting)):
             if request.deadline is not None:
                 left -= 1
-                if request.admit_index < 0 and now + ahead / rate > request.deadline:  # not started yet (RequestQueue.expire's rule)
+                if not request.has_started and now + ahead / rate > request.deadline:
                     shed.append(request)
                     continue
             if not left:

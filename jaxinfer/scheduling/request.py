@@ -323,6 +323,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def has_started(self) -> bool:
+        """Admitted once (one preempted since, with or without a token, has started), or a later sample of n whose first
+        sample was: it waits only for that sample's prompt pages. A request that started never times out."""
+        return self.admit_index >= 0 or (self.fork_of is not None and self.fork_of.admit_index >= 0)
+
     def tokens_between(self, start: int, stop: int) -> list[int]:
         """Token ids at positions [start, stop) of prompt + output (0 <= start <= stop), without joining the two lists."""
         prompt = len(self.prompt_ids)

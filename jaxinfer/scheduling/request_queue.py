@@ -138,13 +138,12 @@ class RequestQueue:
 
     def expire(self, now: float) -> list[Request]:
         """Take out and return, in line order, the requests whose deadline is before `now` and that have not
-        started (never admitted: one preempted after its admission, with or without a token, has started). O(log n)
-        per entry past its deadline; O(1) when none is."""
+        started (Request.has_started). O(log n) per entry past its deadline; O(1) when none is."""
         expired = []
         heap = self._deadlines
         while heap and heap[0][0] < now:
             _, seq, request = heapq.heappop(heap)
-            if self._seq_of.get(request) == seq and request.admit_index < 0:
+            if self._seq_of.get(request) == seq and not request.has_started:
                 expired.append((seq, request))
             # a live request that started never expires while it waits: its entry is just dropped
         for _, request in expired:

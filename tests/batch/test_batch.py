@@ -2,7 +2,9 @@
 error record, resume is exactly-once, and a fuzzed job killed at random points and resumed ends equal
 to an uninterrupted run."""
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,19 @@ def test_torn_last_record_is_dropped_and_redone(llm, tmp_path):
     assert len(read_done(out)) == 2 and out.read_bytes().endswith(b"}\n")
     run_job(llm, inp, out, resume=True)
     assert sorted(by_key(out)) == sorted(f'id:"q{i}"' for i in range(4))
+
+
+def test_a_line_whose_later_sample_failed_in_a_step_is_an_error_record_naming_it():
+    from jaxinfer.batch.records import record_of
+    from jaxinfer.outputs import RequestMetrics, RequestOutput
+
+    (line,) = read_lines(iter_lines([b'{"id": "a", "prompt": "hi", "n": 2}\n']))
+    ok = RequestOutput(0, "x", [5], "length", 3, 1, 0.1, 0.2, num_samples=2, metrics=RequestMetrics(0.0, 0.1, 0.1, 0.0, 2, 0))
+    failed = RequestOutput(0, "", [], "error", 3, 0, math.nan, 0.2, error="the step failed: OSError: gone", sample_index=1, num_samples=2)
+    record = record_of(line, dataclasses.replace(ok, samples=[ok, failed]))
+    assert record["status"] == "error" and record["error"] == "line 1: sample 1 of 2 failed: the step failed: OSError: gone"
+    assert record["finish_reason"] == "error" and record["num_prompt_tokens"] == 3  # as whatif reads a line that failed in a step
+    assert record_of(line, dataclasses.replace(ok, samples=[ok, ok]))["status"] == "ok"
 
 
 def test_the_resume_scan_counts_the_records_it_keeps_a_key_written_twice_twice(tmp_path):

@@ -148,6 +148,29 @@ def test_earliest_deadline_first_within_a_priority_and_expiry():
     assert plan.request_ids == ("soon",)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "edf"])
+def test_a_later_sample_of_n_never_times_out_once_its_first_sample_started(policy):
+    # Sample 1 waits for sample 0's prompt pages (Scheduler._prompt_shared); the line has started when sample 0 was
+    # admitted, so its deadline passing leaves sample 1 queued, as it leaves a preempted request (a partial line used to
+    # be written as an ok record holding a timed-out sample).
+    import dataclasses
+
+    from jaxinfer.scheduling.policies import make_policy
+
+    cfg = small_config(max_prefill_tokens=4, prefill_chunk_buckets=(4,), enable_prefix_caching=True, policy=policy)
+    scheduler = Scheduler(cfg, num_pages=20, policy=make_policy(policy, cfg))
+    first = request("s0", 12, 2, 0)
+    later = dataclasses.replace(request("s1", 12, 2, 0), prompt_ids=first.prompt_ids, fork_of=first)
+    first.deadline = later.deadline = 5.0
+    scheduler.add(first)
+    scheduler.add(later)
+    (plan,) = scheduler.schedule()  # the first chunk of sample 0; sample 1 waits for its prompt pages
+    assert plan.request_ids == ("s0",) and later.status == "waiting"
+    if policy == "edf":
+        scheduler.observe(plan, 10.0)  # a rate slow enough that a request not started would be shed
+    assert scheduler.expire(now=10.0) == [] and later.status == "waiting" and later.finish_reason is None
+
+
 def test_decode_splits_off_a_long_sequence_when_cheaper():
     scheduler = Scheduler(small_config(max_context=64, decode_batch_buckets=(1, 2, 4), decode_split_overhead=2.0), num_pages=40)
     engine = FakePagedEngine(40, 4)
