@@ -90,7 +90,9 @@ class LLMActor:
 
 
 def line_to_json(line: "InputLine") -> str:
-    return json.dumps(dataclasses.asdict(line))  # ASCII: a lone surrogate from the input stays a JSON escape
+    """The line for an actor: its fields as they are (dataclasses.asdict would copy its request's JSON, recursing in
+    Python: a nesting the JSON decoder took could pass its limit). ASCII: a lone surrogate stays a JSON escape."""
+    return json.dumps({field.name: getattr(line, field.name) for field in dataclasses.fields(line)})
 
 
 def line_from_json(text: str) -> "InputLine":

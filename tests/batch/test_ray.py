@@ -231,3 +231,16 @@ def test_a_line_that_kills_its_actor_is_retried_a_bounded_number_of_times_then_i
     crash = got['id:"crash"']
     assert crash["status"] == "error" and "actor died running it (3 times" in crash["error"] and crash["line"] == 3
     assert all(got[f'id:"q{i}"']["status"] == "ok" for i in range(5))
+
+
+def test_a_deeply_nested_line_the_parser_took_travels_to_an_actor_whole():
+    """A line's unknown field nested 600 deep parses (the line runs without it); sending it to an actor copied its
+    JSON recursively in Python (dataclasses.asdict) and stopped the driver."""
+    from jaxinfer.batch.input import iter_lines, read_lines
+    from jaxinfer.batch.ray import line_from_json, line_to_json
+
+    raw = ('{"id": 1, "prompt": "hi", "meta": ' + "[" * 600 + "]" * 600 + "}\n").encode()
+    (line,) = read_lines(iter_lines([raw]))
+    assert line.problem is None and line.ignored == ("meta",)
+    back = line_from_json(line_to_json(line))
+    assert (back.number, back.key, back.obj["prompt"], back.problem) == (line.number, line.key, "hi", None)
