@@ -404,10 +404,10 @@ class BatchJob:
         nothing to do leaves the recorded settings as they were."""
         start, written = time.perf_counter(), KeyTable()
         try:
-            if not self.resume:
-                write_settings(self.output, self.settings)
             with open(self.output, "ab" if self.resume else "wb") as self._file, _sigterm_interrupts():
                 try:
+                    if not self.resume:  # once the old output is emptied: a kill in between leaves no old record under new settings
+                        write_settings(self.output, self.settings)
                     for record in records:
                         if record["key"] in written:
                             continue

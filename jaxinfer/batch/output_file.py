@@ -282,10 +282,14 @@ def write_settings(output: Path, settings: dict) -> None:
     """Write the settings atomically (a kill leaves the old file or the new one, never half of one)."""
     path = meta_path(output)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": META_FORMAT, "settings": settings}, indent=1, sort_keys=True) + "\n", "utf-8")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"format": META_FORMAT, "settings": settings}, indent=1, sort_keys=True) + "\n", "utf-8")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: no temporary file is left beside the output
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def settings_differences(recorded: dict, current: dict) -> list[str]:

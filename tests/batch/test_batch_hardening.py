@@ -360,3 +360,19 @@ def test_a_job_whose_every_line_is_an_error_runs_without_a_model(tmp_path):
         assert job.num_runnable == 0 and len(job.todo) == 3
         summary = job.run(None, progress=False)
     assert summary.num_errors == 3 and [r["status"] for r in records(tmp_path / "out.jsonl")] == ["error"] * 3
+
+
+def test_a_settings_write_that_fails_leaves_no_temporary_file_and_the_old_settings(tmp_path, monkeypatch):
+    from jaxinfer.batch import output_file
+
+    out = tmp_path / "out.jsonl"
+    output_file.write_settings(out, {"truncate": "none"})
+    before = output_file.meta_path(out).read_bytes()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(output_file.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        output_file.write_settings(out, {"truncate": "left"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl.meta.json"] and output_file.meta_path(out).read_bytes() == before
