@@ -328,6 +328,10 @@ class LLM:
         check_token_ids("logit_bias", [token for token, _ in params.logit_bias], self.model_config.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
         check_sampling_limits(self.engine_config, params)
+        if isinstance(self.tokenizer, MissingTokenizer):  # its outputs have no text to stop at, ban or constrain
+            for name in ("stop", "bad_words", "structured_outputs"):
+                if getattr(params, name):
+                    raise FieldError(name, f"needs text: {self.tokenizer.error}")
 
     def _checked(self, prompt) -> Prompt:
         """An item stream() pulled: a Prompt (as LLM.prepare makes; one built by hand is checked as prepare checks it),

@@ -41,3 +41,12 @@ def test_text_is_an_error_naming_the_missing_tokenizer(llm, call):
             llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
         else:
             llm.encode("Hello")
+
+
+@pytest.mark.parametrize("field", [{"stop": ("a",)}, {"bad_words": ("a",)}, {"structured_outputs": ("regex", "[0-9]+")}])
+def test_parameters_that_need_text_are_refused_naming_the_field_and_the_missing_tokenizer(llm, field):
+    # without a tokenizer an output has no text: a stop string never matched (the request ran to max_tokens), a bad
+    # word failed inside the stream
+    name = next(iter(field))
+    with pytest.raises(ValueError, match=rf"prompt 0: {name} needs text: {FOLDER} has no tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **field))
