@@ -252,8 +252,8 @@ class LLM:
             if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
                 raise FieldError("prompt", f"must be text or token ids (a list of ints or a 1-D integer array), got a {prompt.ndim}-D {prompt.dtype} array")
             prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence):
-            raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):  # bytes are a sequence of ints, not token ids
+            raise FieldError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}" + (": decode it to str" if isinstance(prompt, (bytes, bytearray)) else ""))
         return check_token_ids("prompt", prompt, self.model_config.vocab_size)
 
     def _encode_to_cut(self, text: str, side: str) -> list[int]:
@@ -595,7 +595,7 @@ def _prompt_list(prompts) -> list:
         if prompts.ndim > 2:
             raise FieldError("prompts", f"must be text, token ids or a list of them, got a {prompts.ndim}-D array")
         return [prompts] if prompts.ndim <= 1 else list(prompts)
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, bytes, bytearray)):  # bytes: one prompt, which encode refuses
         return [prompts]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], (int, np.integer)):

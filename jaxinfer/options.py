@@ -60,7 +60,7 @@ def check_quantization(value, group_size: int | None = None) -> str | None:
     if group_size is not None:
         if value != "int4":
             raise FieldError("group_size", f"applies to quantization='int4' only, got quantization={value!r}")
-        if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:  # 64.0 == 64, but reshapes fail
             raise FieldError("group_size", f"must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     return value
 

@@ -74,6 +74,8 @@ def test_numpy_token_id_prompts_run_as_their_list_of_ints(llm):
         ([np.array([[5, 6]])], r"prompt 0: prompt must be text or token ids .*2-D"),
         ([np.array([5, 49152])], r"prompt 0: prompt holds 49152 at index 1"),
         (np.zeros((1, 2, 2), dtype=np.int64), r"prompts must be .*3-D"),
+        (b"Hello", r"prompt 0: prompt must be text or a list of token ids, got bytes: decode it to str"),  # not the ids 72, 101, ...
+        ([b"a", bytearray(b"b")], r"prompt 0: prompt must be text or a list of token ids, got bytes"),
     ],
 )
 def test_numpy_prompts_that_are_not_token_ids_are_errors_naming_the_prompt(llm, prompts, message):
@@ -227,7 +229,7 @@ def test_random_engine_configs_are_a_clear_error_or_a_completed_run(tiny_chat_mo
     assert all(o.finish_reason in ("length", "stop") for o in outputs)
 
 
-@pytest.mark.parametrize(("quantization", "group_size"), [("int8", 64), (None, 32), ("int4", 48), ("int4", True)])
+@pytest.mark.parametrize(("quantization", "group_size"), [("int8", 64), (None, 32), ("int4", 48), ("int4", True), ("int4", 64.0)])
 def test_group_size_is_checked_at_the_boundary(quantization, group_size):
     from conftest import FIXTURES
 
