@@ -490,6 +490,8 @@ class LLM:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
                 work.append(self.prepare(prompt, sp, index=i, chat=chat, chat_options=chat_options, arrival_s=arrivals[i]))
+            except TypeError as e:
+                raise TypeError(f"prompt {i}: {e}") from None
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return sorted(self.stream(work, progress=progress, on_step=on_step), key=lambda o: o.index)

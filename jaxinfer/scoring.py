@@ -115,7 +115,7 @@ def _check_fit(llm, pairs) -> None:
     for i, (context, continuation) in enumerate(pairs):
         if not context or not continuation:
             raise FieldError("context" if not context else "continuation", f"of pair {i} is empty")
-        if len(context) + len(continuation) >= limit:
+        if len(context) + len(continuation) > limit:  # a prompt of exactly max_context tokens fits (it generates nothing)
             raise FieldError("context", f"of pair {i}: {len(context)} + {len(continuation)} tokens do not fit the context of {limit} (cut the context's start)")
 
 

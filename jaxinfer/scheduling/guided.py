@@ -74,6 +74,8 @@ def _json_value(text: str):
         return json.loads(text)
     except RecursionError:
         raise FieldError("structured_outputs", "is nested too deeply to decode as JSON") from None
+    except (TypeError, ValueError) as e:  # the (kind, JSON text) form with text that is not JSON
+        raise FieldError("structured_outputs", f"holds {text!r}, which is not JSON: {e}") from None
 
 
 @functools.lru_cache(maxsize=256)

@@ -83,6 +83,11 @@ def test_numpy_prompts_that_are_not_token_ids_are_errors_naming_the_prompt(llm, 
         llm.generate(prompts, GREEDY)
 
 
+def test_a_params_entry_of_the_wrong_type_names_its_prompt(llm):
+    with pytest.raises(TypeError, match=r"prompt 1: expected SamplingParams, got dict"):
+        llm.generate(["a", "b"], [GREEDY, {"temperature": 0}])
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_errors(llm):
     with pytest.raises(ValueError, match="stop_token_ids holds 49152"):
         llm.generate("hello", SamplingParams(stop_token_ids=(49152,)))
@@ -120,6 +125,7 @@ def test_misspelt_engine_field_gets_a_close_match_hint():
         (dict(stop_token_ids=("5",)), "stop_token_ids must be an integer"),
         (dict(stop_token_ids=(1.5,)), "stop_token_ids must be an integer"),
         (dict(ignore_eos="yes"), "ignore_eos must be true or false"),
+        (dict(structured_outputs=("json", "{bad")), "structured_outputs holds '{bad', which is not JSON"),
     ],
 )
 def test_bad_sampling_params_name_the_field(fields, message):

@@ -176,3 +176,17 @@ def test_many_contexts_run_in_batches_that_fit_the_pool_and_keep_every_context_s
     for (context, continuation), result in zip(pairs[:3], results[:3]):
         out = tiny_uncached_llm.generate([context + continuation], SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0, logprob_start=len(context)))[0]
         np.testing.assert_allclose(result.token_logprobs, [lp for lp, _ in out.prompt_logprobs[len(context) :]], atol=1e-5, rtol=0)
+
+
+def test_a_pair_of_exactly_max_context_tokens_is_scored_and_one_more_is_refused(tiny_scoring_llm):
+    from jaxinfer.engine import generate
+    from jaxinfer.validation import FieldError
+
+    llm, limit = tiny_scoring_llm, tiny_scoring_llm.engine_config.max_context
+    ids = (PASSAGE * (limit // len(PASSAGE) + 1))[:limit]
+    (result,) = llm.score(ids[:-4], [ids[-4:]])
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0)
+    reference = generate.generate_one(llm.engine.params, llm.model_config, ids, params, seed=0, eos_id=llm.tokenizer.eos_id)
+    np.testing.assert_allclose(result.token_logprobs, [lp for lp, _ in reference.prompt_logprobs[-4:]], atol=1e-4, rtol=0)
+    with pytest.raises(FieldError, match=rf"of pair 0: {limit - 2} \+ 4 tokens do not fit the context of {limit}"):
+        llm.score(ids[:-3] + ids[:1], [ids[-4:]])  # limit + 1 tokens
