@@ -26,7 +26,7 @@ from pathlib import Path
 
 from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.keys import KeyTable
-from jaxinfer.scheduling.request import GUIDED_ALIASES, MAX_SEED, SAMPLING_FIELDS
+from jaxinfer.scheduling.request import GUIDED_ALIASES, SAMPLING_FIELDS
 from jaxinfer.validation import check_text, unknown_field_error, unsupported_field_error
 
 _BOM = b"\xef\xbb\xbf"
@@ -235,8 +235,6 @@ def parse(text: str, fmt: str = "jaxinfer") -> tuple[dict, dict | None]:
             fields, endpoint = openai_batch.parse_request(obj)
         except openai_batch.RequestError as e:
             raise LineError(str(e), status_code=e.status_code, param=e.param) from None
-        if "seed" in fields:
-            fields["seed"] = device_seed(fields["seed"])
         return fields, endpoint
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
@@ -247,20 +245,6 @@ def parse(text: str, fmt: str = "jaxinfer") -> tuple[dict, dict | None]:
     if "prompt" in obj and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
         raise LineError("'prompt' must be a non-empty string")
     return obj, None
-
-
-_SEED_LOW, _SEED_HIGH = -(2**63), 2**64  # an OpenAI seed: any 64-bit integer, signed or unsigned
-
-
-def device_seed(seed) -> int:
-    """An OpenAI request's seed as a device seed (0 <= seed < MAX_SEED): one in that range is kept, any
-    other 64-bit integer is folded into it by a hash (so equal seeds draw equal tokens); LineError else."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not _SEED_LOW <= seed < _SEED_HIGH:
-        raise LineError(f"seed must be a 64-bit integer, got {seed!r}", param="seed")
-    if 0 <= seed < MAX_SEED:
-        return seed
-    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % MAX_SEED
 
 
 def _valid_id(value) -> bool:

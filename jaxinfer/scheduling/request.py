@@ -33,7 +33,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # 1 means no nucleus cut
-    seed: int | None = None  # None: derived from the engine seed and the request's identity
+    seed: int | None = None  # None: derived from the engine seed and the request's identity; any 64-bit integer (device_seed)
     max_tokens: int = 128  # generated tokens at most; 0 (with prompt_logprobs) scores the prompt and generates nothing
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept in the output)
     stop: tuple[str, ...] = ()  # finish when the text contains one of these (the text is cut before it)
@@ -66,7 +66,7 @@ class SamplingParams:
             "temperature": check_number("temperature", self.temperature, low=0.0, high=math.inf),
             "top_k": check_int("top_k", self.top_k, low=0, high=MAX_TOP_K),
             "top_p": check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True),
-            "seed": None if self.seed is None else check_int("seed", self.seed, low=0, high=MAX_SEED - 1),
+            "seed": None if self.seed is None else device_seed(self.seed),
             "max_tokens": check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None or self.pooling is not None else 1),
             "stop_token_ids": check_stop_token_ids(self.stop_token_ids),
             "stop": check_stop_strings(self.stop),
@@ -164,6 +164,20 @@ def _response_format_spec(value) -> dict | None:
     if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
         return {"json": value["json_schema"]["schema"]}
     raise FieldError("response_format", f"must be {{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {{'schema': ...}}}}, got {value!r}")
+
+
+_SEED_LOW, _SEED_HIGH = -(2**63), 2**64  # a seed as OpenAI and vLLM take one: any 64-bit integer, signed or unsigned
+
+
+def device_seed(seed) -> int:
+    """A seed as the device draws with it (0 <= seed < MAX_SEED): one in that range is kept, any other 64-bit integer
+    is folded into it by a hash (equal seeds draw equal tokens); FieldError for anything else. The one rule for the
+    API, the CLI and both line formats."""
+    seed = check_int("seed", seed, low=_SEED_LOW, high=_SEED_HIGH - 1)
+    if 0 <= seed < MAX_SEED:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % MAX_SEED
 
 
 def derive_seed(base_seed: int, identity: str) -> int:

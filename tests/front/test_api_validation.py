@@ -83,6 +83,17 @@ def test_numpy_prompts_that_are_not_token_ids_are_errors_naming_the_prompt(llm, 
         llm.generate(prompts, GREEDY)
 
 
+def test_any_64_bit_seed_is_taken_as_openai_and_vllm_take_it_folded_into_the_devices_range_by_one_rule():
+    from jaxinfer.batch.input import parse
+
+    assert SamplingParams(seed=7).seed == 7 and SamplingParams(seed=2**31 - 1).seed == 2**31 - 1
+    folded = {seed: SamplingParams(seed=seed).seed for seed in (2**31, 2**63 - 1, -1, -(2**63))}
+    assert all(0 <= s < 2**31 for s in folded.values()) and len(set(folded.values())) == 4
+    line = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "seed": 9223372036854775807}}'
+    fields, _ = parse(line, "openai")
+    assert SamplingParams.from_fields({"seed": fields["seed"]}).seed == folded[2**63 - 1]  # an OpenAI line, a jaxinfer line and the API alike
+
+
 def test_a_params_entry_of_the_wrong_type_names_its_prompt(llm):
     with pytest.raises(TypeError, match=r"prompt 1: expected SamplingParams, got dict"):
         llm.generate(["a", "b"], [GREEDY, {"temperature": 0}])
@@ -119,6 +130,7 @@ def test_misspelt_engine_field_gets_a_close_match_hint():
         (dict(top_k=1.5), "top_k must be an integer"),
         (dict(top_p=0.0), "top_p must be a finite number in (0, 1]"),
         (dict(seed=True), "seed must be an integer"),
+        (dict(seed=2**64), "seed must be in [-9223372036854775808, 18446744073709551615]"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(stop=("",)), "stop must hold non-empty strings"),
         (dict(stop=(1,)), "stop must hold non-empty strings"),
