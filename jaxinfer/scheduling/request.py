@@ -38,7 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept in the output)
     stop: tuple[str, ...] = ()  # finish when the text contains one of these (the text is cut before it)
     ignore_eos: bool = False  # keep going past the end-of-sequence token
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings not looked for, until this many tokens are generated
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's (0: off)
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (vLLM, OpenAI)
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far

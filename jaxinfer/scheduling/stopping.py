@@ -126,11 +126,13 @@ class OutputProcessor:
         return state
 
     def _stop_string_found(self, request: Request) -> bool:
+        """Whether a stop string ends in the text the newest tokens added; none is looked for until min_tokens tokens
+        are out (vLLM's rule), and then not in the text before: a stop string completed earlier does not count."""
         state = self._state(request)
         start = len(state.detokenizer.text)
         new_ids = request.output_ids[len(state.detokenizer.ids) :]
         state.detokenizer.add(new_ids)
-        return self._find_stop(state, request.params.stop, start)
+        return len(request.output_ids) > request.params.min_tokens and self._find_stop(state, request.params.stop, start)
 
     def _find_stop(self, state: _TextState, stops: tuple[str, ...], start: int) -> bool:
         """Look for a stop string that ends in the text added after `start`."""
@@ -149,7 +151,8 @@ class OutputProcessor:
         state.detokenizer.add(request.output_ids[len(state.detokenizer.ids) :])
         start = len(state.detokenizer.text)
         state.detokenizer.flush()
-        self._find_stop(state, request.params.stop, start)
+        if len(request.output_ids) > request.params.min_tokens:
+            self._find_stop(state, request.params.stop, start)
         del self._texts[request.request_id]
         text = state.detokenizer.text
         if state.stop_at is None:

@@ -72,6 +72,23 @@ def test_stop_string_cuts_text_before_it_and_ends_the_request(decode, smollm2_to
     assert processor.text(request) == "one two"
 
 
+def test_no_stop_string_is_looked_for_until_min_tokens_are_out_nor_one_completed_before(decode, smollm2_tokenizer):
+    """vLLM's rule: with min_tokens 4, the " two" inside the first 4 tokens does not stop the request, nor is it matched
+    later; the next " two", after them, does."""
+    ids = smollm2_tokenizer.encode("one two three four five six two seven", add_bos=False)
+    assert len(smollm2_tokenizer.encode("one two", add_bos=False)) <= 4  # the first " two" lies within min_tokens
+    processor = OutputProcessor(decode, eos_id=None, max_context=100)
+    request = request_with([], stop=(" two",), max_tokens=50, min_tokens=4)
+    reasons = []
+    for t in ids:
+        request.output_ids.append(t)
+        reasons.append(processor.check(request))
+        if reasons[-1]:
+            break
+    assert reasons[-1] == "stop" and len(reasons) == len(smollm2_tokenizer.encode("one two three four five six two", add_bos=False))
+    assert processor.text(request) == "one two three four five six"
+
+
 def test_stop_string_spanning_tokens_is_found(decode, smollm2_tokenizer):
     ids = smollm2_tokenizer.encode("abcdefgh")
     processor = OutputProcessor(decode, None, 100)
