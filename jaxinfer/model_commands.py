@@ -18,7 +18,11 @@ from jaxinfer.options import LoadOptions
 def info(model, load_options: LoadOptions, *, quantization: str | None) -> int:
     """`jaxinfer info`: the model's configuration, features, tokenizer, parameters, weight bytes and KV bytes."""
     path = loading.resolve_model_path(model)
-    cfg, params = loading.load_model(path, **load_options.load_kwargs)
+    if load_options.quantization == "auto":  # what the engine holds: a GGUF's blocks where its kernel may run them, F16/BF16 16-bit
+        cfg, params = loading.load_for_engine(path, load_options, EngineConfig())
+        quantization = "auto, as the engine loads it"
+    else:
+        cfg, params = loading.load_model(path, **load_options.load_kwargs)
     print(f"model file        {path} ({path.stat().st_size / 2**20:.1f} MiB on disk)" if path.is_file() else f"model folder      {path}")
     print(f"{'family':<17} {cfg.architecture}")
     for feature, value in cfg.features().items():

@@ -139,3 +139,11 @@ def test_cli_info_prints_config_and_parameter_count():
     result = cli("info")
     assert result.returncode == 0, result.stderr
     assert "num_layers        30" in result.stdout and "parameters        134,515,008" in result.stdout
+    # under the default quantization (auto), the weights as the engine holds them: the Q4_1 file's blocks where the
+    # CPU kernel may run them (their formats from the weights the engine loads), not a dense float32 copy
+    from jaxinfer.engine import backends, tuning_cache
+    from jaxinfer.loading import loading
+
+    path = loading.resolve_model_path(None)
+    resolved = backends.resolve_quantization("auto", path, backends.Impls("auto", "auto", "auto"), on_mesh=False, tuning=tuning_cache.tuning_enabled())
+    assert "quantization: auto, as the engine loads it" in result.stdout and (" q4_1 " in result.stdout) == (resolved == "gguf"), result.stdout
