@@ -87,15 +87,16 @@ class _Arrivals:
 
 
 class MissingTokenizer:
-    """Stands in for the tokenizer of a Hugging Face folder that has none (the usual tiny random test model):
+    """Stands in for the tokenizer of a model that has none (a Hugging Face folder without tokenizer.json, the usual
+    tiny random test model; a GGUF without tokenizer metadata):
     prompts are token ids, outputs carry the ids with empty text and never stop at an EOS, and whatever needs
     text (a text prompt, a chat, stop strings' or bad words' text, a grammar) raises an error naming the folder."""
 
     bos_id = eos_id = chat_template = None
     add_bos, max_token_chars, vocab_size = False, 1, 0
 
-    def __init__(self, folder):
-        self.error = f"{folder} has no tokenizer (no tokenizer.json), so this model takes token ids, not text"
+    def __init__(self, model, why: str = "no tokenizer.json"):
+        self.error = f"{model} has no tokenizer ({why}), so this model takes token ids, not text"
 
     def encode(self, *args, **kwargs):
         raise ValueError(self.error)
@@ -111,11 +112,10 @@ class MissingTokenizer:
 
 
 def _load_tokenizer(model) -> "tok.TextTokenizer | MissingTokenizer":
-    """The model's tokenizer, or a MissingTokenizer for a Hugging Face folder without tokenizer.json."""
+    """The model's tokenizer, or a MissingTokenizer for a model without one (tokenizer.missing_tokenizer)."""
     path = loading.resolve_model_path(model)
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
-        return MissingTokenizer(path)
-    return tok.load_tokenizer(path)
+    missing = tok.missing_tokenizer(path)
+    return tok.load_tokenizer(path) if missing is None else MissingTokenizer(path, missing)
 
 
 class LLM:
@@ -158,8 +158,9 @@ class LLM:
             raise FieldError("options", "replaces dtype, quantization, group_size, tensor_parallel, data_parallel and parse_special; pass one or the other")
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
+        tokenizer = _load_tokenizer(model)  # before the weights: a tokenizer that cannot load fails at once
         model_config, params = loading.load_for_engine(model, options, engine_config)
-        self._start(model_config, params, _load_tokenizer(model), engine_config, options, warmup=warmup, dtype=options.dtype,
+        self._start(model_config, params, tokenizer, engine_config, options, warmup=warmup, dtype=options.dtype,
                     quantization=options.quantization)
 
     @classmethod

@@ -9,7 +9,7 @@ import sys
 from jaxinfer.config import KV_CACHE_DTYPES, EngineConfig
 from jaxinfer.engine import tuning
 from jaxinfer.loading import loading
-from jaxinfer.loading.tokenizer import describe_tokenizer, load_tokenizer
+from jaxinfer.loading.tokenizer import describe_tokenizer, load_tokenizer, missing_tokenizer
 from jaxinfer.model import kv_pool
 from jaxinfer.model import params as params_module
 from jaxinfer.options import LoadOptions
@@ -47,7 +47,8 @@ def tune(model, load_options: LoadOptions, engine_config: EngineConfig) -> int:
         raise ValueError("--dtype, --attention and --matmul are all pinned: nothing to tune")
     print(f"tuning on {tuning.machine_fingerprint().get('cpu') or tuning.machine_fingerprint().get('device')}...", file=sys.stderr)
     progress = lambda m: print(f"  {m.candidate}: {m.status}", file=sys.stderr, flush=True)  # noqa: E731
-    result = tuning.choose_for_model(cfg, params, engine_config, pins, tokenizer=load_tokenizer(model), enabled=True,
+    tokenizer = load_tokenizer(model) if missing_tokenizer(model) is None else None  # a model without one is tuned on token ids, as LLM runs it
+    result = tuning.choose_for_model(cfg, params, engine_config, pins, tokenizer=tokenizer, enabled=True,
                                      quantization=load_options.quantization, on_mesh=load_options.on_mesh, progress=progress, refresh=True)
     if not result.measurements:
         raise ValueError(f"nothing to tune with {result.reason}: the fixed rule applies")

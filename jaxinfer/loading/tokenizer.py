@@ -344,18 +344,25 @@ def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:
         raise ValueError(f"{path}: {e}") from None
 
 
+def missing_tokenizer(model: str | Path | None = None) -> str | None:
+    """Why a model has no tokenizer ('no tokenizer.json' in a Hugging Face folder, 'no tokenizer.ggml metadata' in a
+    GGUF), read from metadata without building one; None when it has one. Such a model runs on token ids."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return None if (path / "tokenizer.json").is_file() else "no tokenizer.json"
+    return None if gguf_field(open_gguf(path), "tokenizer.ggml.model") is not None else "no tokenizer.ggml metadata"
+
+
 def describe_tokenizer(model: str | Path | None = None) -> str:
     """The tokenizer kind of a model in words (for `jaxinfer info`), read from metadata without building it."""
     path = resolve_model_path(model)
+    if (missing := missing_tokenizer(path)) is not None:
+        return f"none ({missing})"
     if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            return "none (no tokenizer.json)"
         kind = json.loads((path / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("type", "?")
         return f"tokenizer.json ({kind})"
     reader = open_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind is None:
-        return "none (no tokenizer.ggml metadata)"
     size = len(reader.fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in reader.fields else 0
     names = {"llama": "SentencePiece BPE", "gemma4": "Gemma 4 BPE over UTF-8", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
     return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"
