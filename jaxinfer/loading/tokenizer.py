@@ -323,11 +323,15 @@ def from_hf_folder(folder: Path) -> TextTokenizer:
         token = token.get("content") if isinstance(token, dict) else token
         return tokenizer.token_to_id(token) if token else None
 
+    bos_id = token_id("bos_token")
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:  # transformers then leaves it to tokenizer.json's post-processor (Llama 3's puts <|begin_of_text|> first)
+        add_bos = bos_id is not None and tokenizer.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
     return TextTokenizer(
         tokenizer=tokenizer,
-        bos_id=token_id("bos_token"),
+        bos_id=bos_id,
         eos_id=token_id("eos_token"),
-        add_bos=bool(config.get("add_bos_token", False)),
+        add_bos=bool(add_bos),
         chat_template=config.get("chat_template"),
     )
 

@@ -82,6 +82,18 @@ def test_hf_unsupported_model_type_is_named(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_quantized_checkpoint_is_refused_naming_its_method_not_loaded_as_its_codes(tmp_path, where):
+    # compressed-tensors int8 keeps each projection's name and shape, with its scales beside: read as floats, the codes
+    # would make a model that runs and is wrong
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    quantization = {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    config |= {"quantization_config": quantization} if where == "top" else {"text_config": {"quantization_config": quantization}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config.json: unsupported quantization_config \(quant_method 'compressed-tensors'\)"):
+        load_model(tmp_path)
+
+
 @pytest.mark.parametrize(
     "config, message",
     [

@@ -131,6 +131,23 @@ def test_gguf_without_tokenizer_is_an_error_naming_the_file(tmp_path):
         load_tokenizer(path)
 
 
+@pytest.mark.parametrize("config, first", [({}, "bos"), ({"add_bos_token": False}, "text"), ({"add_bos_token": True}, "bos")])
+def test_an_hf_folder_puts_its_bos_first_as_its_tokenizer_json_does_unless_its_config_says(tmp_path, config, first):
+    """Llama 3's tokenizer_config.json has no add_bos_token: its tokenizer.json's post-processor puts <|begin_of_text|>
+    first, as transformers and vLLM encode it (and the GGUF of the same model does)."""
+    from tokenizers import Tokenizer, processors
+
+    inner = load_tokenizer().tokenizer
+    bos = "<|endoftext|>"
+    inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, inner.token_to_id(bos))])
+    inner.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": bos} | config))
+    reference = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("Hello there", add_special_tokens=True).ids
+    assert reference[0] == inner.token_to_id(bos)
+    ids = load_tokenizer(tmp_path).encode("Hello there")
+    assert ids == (reference if first == "bos" else reference[1:])
+
+
 def test_hf_folder_without_tokenizer_json_is_an_error_naming_it():
     with pytest.raises(ValueError, match="tiny_qwen2: no tokenizer.json"):
         load_tokenizer(FIXTURES / "tiny_qwen2")
