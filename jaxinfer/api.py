@@ -316,6 +316,11 @@ class LLM:
             ids = self._encode_to_cut(prompt, truncate)
         else:
             ids = self.encode(prompt)
+        if chat or isinstance(prompt, str):  # the tokenizer's ids: one past the embedding's rows would read another row
+            try:
+                self._check_ids("prompt", ids)
+            except FieldError as e:
+                raise FieldError("prompt", f"was tokenized to an id outside the model's vocabulary (a tokenizer that does not match the weights?): {e}") from None
         ids = truncate_prompt(ids, self.engine_config.max_context, params.max_tokens, truncate)
         check_request(self.engine_config, self.engine.num_pages, len(ids), params.max_tokens)
         return Prompt(index, ids, params, **request_fields)
@@ -334,15 +339,20 @@ class LLM:
                 if getattr(params, name):
                     raise FieldError(name, f"needs text: {self.tokenizer.error}")
 
+    def _check_ids(self, field: str, token_ids) -> None:
+        """Token ids in this model's vocabulary: a fast pass over a list of ints; anything else (a bool, a numpy int, an id
+        out of range) goes through check_token_ids, which names the first bad one."""
+        ids = np.asarray(token_ids) if isinstance(token_ids, list) and set(map(type, token_ids)) <= {int} else None
+        if ids is None or ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.model_config.vocab_size)):
+            check_token_ids(field, token_ids, self.model_config.vocab_size)
+
     def _checked(self, prompt) -> Prompt:
         """An item stream() pulled: a Prompt (as LLM.prepare makes; one built by hand is checked as prepare checks it),
         else TypeError; ValueError naming its index for a token id outside the vocabulary or a parameter over a limit."""
         if not isinstance(prompt, Prompt):
             raise TypeError(f"LLM.stream takes Prompts, as LLM.prepare makes them (LLM.generate takes texts and token ids), not a {type(prompt).__name__}")
         try:
-            ids = np.asarray(prompt.token_ids)
-            if ids.dtype.kind not in "iu" or ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.model_config.vocab_size)):
-                check_token_ids("token_ids", prompt.token_ids, self.model_config.vocab_size)  # names the first bad one
+            self._check_ids("token_ids", prompt.token_ids)
             self._check_params(prompt.params)
         except TypeError as e:
             raise TypeError(f"prompt {prompt.index}: {e}") from None

@@ -265,3 +265,23 @@ def test_group_size_reaches_the_int4_weights(tiny_chat_model, capsys):
         LLM(tiny_chat_model, quantization="int4", group_size=64, warmup=False, max_context=128, num_pages=4)
     assert cli.main(["info", "--model", str(tiny_chat_model), "--group-size", "64"]) == 2
     assert "--group-size applies to quantization='int4' only" in capsys.readouterr().err
+
+
+def test_text_a_mismatched_tokenizer_turns_into_an_id_past_the_embedding_is_an_error_naming_it(tiny_chat_model, compile_cache, tmp_path):
+    """A tokenizer.json with a token added past the embedding's rows (49152 of them): its id would read another row
+    (the gather clamps it); the prompt is refused, as an id prompt with that id is."""
+    import shutil
+
+    from tokenizers import AddedToken
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    from jaxinfer.loading.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder).tokenizer
+    tokenizer.add_special_tokens([AddedToken("<|tool|>", special=True)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    llm = LLM(folder, compilation_cache_dir=compile_cache, **TINY_CHAT_ENGINE)
+    with pytest.raises(ValueError, match=r"prompt 0: prompt was tokenized to an id outside the model's vocabulary .* holds 49152 at index"):
+        llm.generate(["Call <|tool|> now"], GREEDY)
+    assert llm.generate(["Call it now"], GREEDY)[0].finish_reason in ("length", "stop")
