@@ -27,6 +27,7 @@ from jaxinfer.config import INFLIGHT_PER_SEQ, EngineConfig, ModelConfig
 from jaxinfer.engine import profiling, tuning
 from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import loading, tokenizer as tok
+from jaxinfer.loading.tokenizer import MissingTokenizer
 from jaxinfer.model import sharding
 from jaxinfer.model.params import Params
 from jaxinfer.options import LoadOptions
@@ -86,38 +87,6 @@ class _Arrivals:
         return None if prompt.arrival_s is None else self.start + prompt.arrival_s
 
 
-class MissingTokenizer:
-    """Stands in for the tokenizer of a model that has none (a Hugging Face folder without tokenizer.json, the usual
-    tiny random test model; a GGUF without tokenizer metadata):
-    prompts are token ids, outputs carry the ids with empty text and never stop at an EOS, and whatever needs
-    text (a text prompt, a chat, stop strings' or bad words' text, a grammar) raises an error naming the folder."""
-
-    bos_id = eos_id = chat_template = None
-    add_bos, max_token_chars, vocab_size = False, 1, 0
-
-    def __init__(self, model, why: str = "no tokenizer.json"):
-        self.error = f"{model} has no tokenizer ({why}), so this model takes token ids, not text"
-
-    def encode(self, *args, **kwargs):
-        raise ValueError(self.error)
-
-    encode_chat = apply_chat_template = encode
-
-    def decode(self, ids, *, skip_special: bool = False) -> str:
-        return ""
-
-    @property
-    def tokenizer(self):
-        raise AttributeError(self.error)
-
-
-def _load_tokenizer(model) -> "tok.TextTokenizer | MissingTokenizer":
-    """The model's tokenizer, or a MissingTokenizer for a model without one (tokenizer.missing_tokenizer)."""
-    path = loading.resolve_model_path(model)
-    missing = tok.missing_tokenizer(path)
-    return tok.load_tokenizer(path) if missing is None else MissingTokenizer(path, missing)
-
-
 class LLM:
     """A loaded model with a warmed-up paged engine.
 
@@ -158,7 +127,7 @@ class LLM:
             raise FieldError("options", "replaces dtype, quantization, group_size, tensor_parallel, data_parallel and parse_special; pass one or the other")
         options = options or LoadOptions(**fields)
         engine_config = EngineConfig.with_overrides(engine_config, **engine_overrides)
-        tokenizer = _load_tokenizer(model)  # before the weights: a tokenizer that cannot load fails at once
+        tokenizer = tok.tokenizer_or_missing(model)  # before the weights: a tokenizer that cannot load fails at once
         model_config, params = loading.load_for_engine(model, options, engine_config)
         self._start(model_config, params, tokenizer, engine_config, options, warmup=warmup, dtype=options.dtype,
                     quantization=options.quantization)

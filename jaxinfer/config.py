@@ -205,11 +205,6 @@ def from_hf_config(config: dict[str, Any], *, dtype: str = "float32", max_contex
     """
     if not isinstance(config, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
-    quantized = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if quantized:  # int8 codes would load as weights and their scales be dropped: a model that runs and is wrong
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ValueError(f"unsupported quantization_config (quant_method {method!r}): jaxinfer reads a checkpoint's float weights, "
-                         "not its quantized codes and scales; load the unquantized model, or a GGUF (and --quantization to quantize it here)")
     if isinstance(config.get("text_config"), dict) and config.get("model_type") in _GEMMA_MULTIMODAL:
         config = {"model_type": f"{config['model_type']}_text", **config["text_config"]}  # the text model of Gemma 3/4 (4B and up)
     model_type = _GEMMA_TEXT_TYPES.get(config.get("model_type", "llama"), config.get("model_type", "llama"))

@@ -369,7 +369,7 @@ def load_hf_folder(
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: no config.json (a Hugging Face model folder needs config.json and *.safetensors)")
     try:
-        cfg = from_hf_config(json.loads(config_path.read_text()), dtype=dtype, max_context=max_context)
+        cfg = from_hf_config(_unquantized(json.loads(config_path.read_text())), dtype=dtype, max_context=max_context)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError, AttributeError) as e:
         kind = "" if type(e) is ValueError else f"{type(e).__name__}: "  # from_hf_config's own errors read as they are
         raise ModelLoadError(f"{config_path}: {kind}{e}") from None
@@ -393,6 +393,17 @@ def load_hf_folder(
             if spec.name.endswith("norm"):
                 hf.update({name: hf[name] + np.float32(cfg.norm_weight_offset) for name in spec.file_names(cfg, "hf") if name in hf})
     return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
+
+
+def _unquantized(config):
+    """config.json's object, refused (ValueError) when it declares a quantized checkpoint: its int8 codes would load as
+    weights and their scales be dropped, a model that runs and is wrong."""
+    quantized = isinstance(config, dict) and (config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config"))
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ValueError(f"unsupported quantization_config (quant_method {method!r}): jaxinfer reads a checkpoint's float weights, "
+                         "not its quantized codes and scales; load the unquantized model, or a GGUF (and --quantization to quantize it here)")
+    return config
 
 
 # Multimodal Gemma 3/4 checkpoints keep the text model under these prefixes (transformers 5, then 4.x saves).

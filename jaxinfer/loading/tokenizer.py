@@ -370,3 +370,35 @@ def describe_tokenizer(model: str | Path | None = None) -> str:
     size = len(reader.fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in reader.fields else 0
     names = {"llama": "SentencePiece BPE", "gemma4": "Gemma 4 BPE over UTF-8", "gpt2": f"byte-level BPE, pre-tokenizer {gguf_field(reader, 'tokenizer.ggml.pre', 'default')}"}
     return f"{names.get(kind, kind)} (GGUF tokenizer.ggml.model={kind}, {size} tokens)"
+
+
+class MissingTokenizer:
+    """Stands in for the tokenizer of a model that has none (a Hugging Face folder without tokenizer.json, the usual
+    tiny random test model; a GGUF without tokenizer metadata):
+    prompts are token ids, outputs carry the ids with empty text and never stop at an EOS, and whatever needs
+    text (a text prompt, a chat, stop strings' or bad words' text, a grammar) raises an error naming the model."""
+
+    bos_id = eos_id = chat_template = None
+    add_bos, max_token_chars, vocab_size = False, 1, 0
+
+    def __init__(self, model, why: str = "no tokenizer.json"):
+        self.error = f"{model} has no tokenizer ({why}), so this model takes token ids, not text"
+
+    def encode(self, *args, **kwargs):
+        raise ValueError(self.error)
+
+    encode_chat = apply_chat_template = encode
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:
+        return ""
+
+    @property
+    def tokenizer(self):
+        raise AttributeError(self.error)
+
+
+def tokenizer_or_missing(model: str | Path | None = None) -> "TextTokenizer | MissingTokenizer":
+    """The model's tokenizer, or a MissingTokenizer for a model without one (missing_tokenizer): LLM's."""
+    path = resolve_model_path(model)
+    missing = missing_tokenizer(path)
+    return load_tokenizer(path) if missing is None else MissingTokenizer(path, missing)
