@@ -323,6 +323,7 @@ class LLM:
         try:
             self._check_ids("token_ids", prompt.token_ids)
             self._check_params(prompt.params)
+            check_request(self.engine_config, self.engine.num_pages, len(prompt.token_ids), prompt.params.max_tokens)
         except TypeError as e:
             raise TypeError(f"prompt {prompt.index}: {e}") from None
         except ValueError as e:

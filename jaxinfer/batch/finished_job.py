@@ -19,7 +19,7 @@ from jaxinfer.batch import openai as openai_batch
 from jaxinfer.batch.step_log import StepLogContents, log_path, read_step_log
 from jaxinfer.config import EPOCH_POLICIES, EngineConfig
 from jaxinfer.scheduling import simulator
-from jaxinfer.scheduling.request import SamplingParams
+from jaxinfer.scheduling.request import SamplingParams, resolve_aliases
 from jaxinfer.scheduling.simulator import SimRequest
 
 
@@ -190,7 +190,10 @@ def _max_tokens(fields: dict, header: dict, room: int) -> int:
     which `_read_input` marks) over the job's default, at most the room its prompt leaves (None: that room). A value
     the job would have refused (not a count) gives the default."""
     default = header.get("default_max_tokens", SamplingParams().max_tokens)
-    asked = next((fields[k] for k in ("max_tokens", "max_completion_tokens") if k in fields), default)
+    try:  # OpenAI's max_completion_tokens as the job read it (request.resolve_aliases, the one owner)
+        asked = resolve_aliases({k: fields[k] for k in ("max_tokens", "max_completion_tokens") if k in fields}).get("max_tokens", default)
+    except ValueError:  # both, disagreeing: the line was an error record
+        asked = default
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 0):
         asked = default
     return max(1, room if asked is None else min(asked, room))

@@ -264,7 +264,7 @@ class BatchJob:
 
     `settings` are what decide a line's tokens besides the line itself (the CLI passes the model's
     identity and the engine's numerics); the sampling defaults and `truncate` are always included, and
-    the format and `strict_fields` when not the defaults. A resume under other settings raises
+    the format, `strict_fields` and `max_line_bytes` when not the defaults. A resume under other settings raises
     ResumeError listing them, unless `force_settings`. `fmt`: 'auto' (detected from the lines that
     parse), 'jaxinfer' or 'openai'. `max_inflight`: lines in flight at most (None: LLM.stream's default).
     `max_line_bytes`: a longer input line is its error record, never held whole.
@@ -312,10 +312,10 @@ class BatchJob:
         scan = scan_output(self.output, iter_lines) if self.resume else None
         if scan is not None and not force_settings:
             check_settings(self.output, self.settings, has_records=bool(scan.keys))
-        if scan is not None:
-            repair_output(self.output, scan)
             if (resolved := (read_settings(self.output) or {}).get(RESOLVED)) is not None:  # kept until this run's engine says
                 self.settings[RESOLVED] = resolved  # (record_resolved): a run that loads no model keeps it in the settings it writes
+        if scan is not None:
+            repair_output(self.output, scan)
         done = scan.keys if scan is not None else KeyTable()
         self.records_before = scan.num_records if scan is not None else 0  # the output's records before this run (whatif replays the ones after them)
         num_lines, num_todo, ignored = 0, 0, {}

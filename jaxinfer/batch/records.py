@@ -126,9 +126,10 @@ def record_of(line: InputLine, output: "RequestOutput", token_text=None, token_b
         return error_record(line, "timed out: its deadline passed before it started", 408, output=output)
     if output.finish_reason == "error":
         return error_record(line, output.error, 500, output=output)
-    failed = next((i for i, sample in enumerate(output.samples or ()) if sample.finish_reason == "error"), None)
-    if failed is not None:  # a later sample of n failed in a step: the line did not give its n samples
-        return error_record(line, f"sample {failed} of {output.num_samples} failed: {output.samples[failed].error}", 500, output=output.samples[failed])
+    failed = next((sample for sample in output.samples or () if sample.finish_reason in ("timeout", "error")), None)
+    if failed is not None:  # a later sample of n timed out or failed in a step: the line did not give its n samples
+        why = "timed out: its deadline passed before it started" if failed.finish_reason == "timeout" else f"failed: {failed.error}"
+        return error_record(line, f"sample {failed.sample_index} of {output.num_samples} {why}", 408 if failed.finish_reason == "timeout" else 500, output=failed)
     if output.embedding is not None:
         record = embed_lines.record_of(line, output)
     elif line.fmt == openai_batch.FORMAT:

@@ -90,6 +90,12 @@ class SchedulingPolicy:
     def new_iteration(self) -> None:
         """An iteration is planned (Scheduler.schedule): every step of the one before it was observed."""
 
+    @classmethod
+    def learns_from_steps(cls) -> bool:
+        """Whether it overrides observe or new_iteration: each step may then change its decisions, so a simulator
+        runs every iteration of it (no fast-forward)."""
+        return cls.observe is not SchedulingPolicy.observe or cls.new_iteration is not SchedulingPolicy.new_iteration
+
     def use_config(self, cfg: EngineConfig) -> None:
         """The scheduler's config changed between steps (a refit's tables; the limits are the same): what the
         policy derives from it follows."""
@@ -207,16 +213,19 @@ class EarliestDeadlineFirst(SchedulingPolicy):
         if rate is None or not left:
             return []
         ahead = sum(max(0, view.prefill_end(r) - r.num_computed_tokens) for r in view.running if not view.in_decode(r))
-        shed = []
+        shed, shed_ids = [], set()
         for request in view.waiting.first(len(view.waiting)):
+            first = request.fork_of  # a later sample of n follows its first: shed with it, kept with it, its prompt shared
             if request.deadline is not None:
                 left -= 1
-                if not request.has_started and now + ahead / rate > request.deadline:
+                late = id(first) in shed_ids if first is not None else now + ahead / rate > request.deadline
+                if not request.has_started and late:
                     shed.append(request)
+                    shed_ids.add(id(request))
                     continue
             if not left:
                 break
-            ahead += request.num_tokens
+            ahead += request.num_tokens if first is None else len(request.output_ids)
         return shed
 
 

@@ -103,7 +103,7 @@ class SamplingParams:
     def from_fields(cls, fields: dict, defaults: "SamplingParams | None" = None) -> "SamplingParams":
         """Build from a dict of field values (a JSONL line) over `defaults`; unknown names are errors."""
         names = {f.name for f in dataclasses.fields(cls)}
-        fields = _resolve_aliases(fields)
+        fields = resolve_aliases(fields)
         for name in fields:
             if name not in names:
                 raise unknown_field_error(name, names | SAMPLING_ALIASES.keys())
@@ -124,7 +124,7 @@ OPENAI_FIELDS = ("response_format", "top_logprobs")
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | SAMPLING_ALIASES.keys() | GUIDED_ALIASES.keys() | set(OPENAI_FIELDS)
 
 
-def _resolve_aliases(fields: dict) -> dict:
+def resolve_aliases(fields: dict) -> dict:
     """The fields in SamplingParams' names: OpenAI's and vLLM's other spellings translated, the one owner."""
     fields = _translate_openai(dict(fields))
     renames = SAMPLING_ALIASES | {alias: "structured_outputs" for alias in GUIDED_ALIASES}
@@ -295,7 +295,7 @@ class Request:
 
     def next_token_bans(self) -> tuple[int, ...]:
         """The ids its next token may not be: the stop ids and EOS while fewer than min_tokens are generated
-        (the one owner of min_tokens). They reach the draw in the token mask (engine.token_masks), apart
+        (min_tokens' bans; stopping.OutputProcessor holds back stop strings as long). They reach the draw in the token mask (engine.token_masks), apart
         from logit_bias's slots, so any number of stop ids fits."""
         if len(self.output_ids) >= self.params.min_tokens:
             return ()

@@ -29,7 +29,6 @@ pages run out, fill or end within them are visited, in the order and with the ca
 import math
 
 from jaxinfer.scheduling.bucket_tables import pad_to_bucket
-from jaxinfer.scheduling.policies import SchedulingPolicy
 from jaxinfer.scheduling.request import RequestStatus
 from jaxinfer.scheduling.sim_decode import end_plan, in_order
 
@@ -46,7 +45,7 @@ def _scan(run, plans, held: list[int]) -> tuple[int, int, list[int]] | None:
     tokens (prompt + generated, in running order) read on the way."""
     scheduler, cfg = run.scheduler, run.cfg
     running, policy = scheduler.running, scheduler.policy
-    if not running or type(policy).observe is not SchedulingPolicy.observe:
+    if not running or policy.learns_from_steps():
         return None  # a policy that learns from every step (adaptive budgets, EDF's rate) may decide otherwise at each
     if any(p.phase != "decode" for p in plans) or sorted([i for p in plans for i in p.request_ids]) != sorted([r.request_id for r in running]):
         return None  # the last iteration's rows are the running requests (none finished or was admitted since)
@@ -145,7 +144,7 @@ def _bounds_on_clock(run, plans) -> tuple[int, int] | None:
     scheduler = run.scheduler
     running, policy, lazy = scheduler.running, scheduler.policy, scheduler.lazy
     scheduler.register_decoders()
-    if not running or type(policy).observe is not SchedulingPolicy.observe or len(lazy.rows) != len(running):
+    if not running or policy.learns_from_steps() or len(lazy.rows) != len(running):
         return None
     if sum([len(p.request_ids) for p in plans]) != len(running):
         return None

@@ -181,7 +181,7 @@ class _Run:
         # Scheduler.expire finds nothing when no request has a deadline and the policy sheds none (the base's shed)
         self.expires = any(r.deadline_s is not None for r in requests) or type(self.scheduler.policy).shed is not SchedulingPolicy.shed
         # Scheduler.observe does nothing under a policy that learns nothing from a step (the base's observe)
-        self.observes = type(self.scheduler.policy).observe is not SchedulingPolicy.observe
+        self.observes = self.scheduler.policy.learns_from_steps()
         # pages shared through the prefix cache: a shared prefix's full ones, and a whole-shared prompt's (equal prompts: their output
         # pages are named alike, so a preempted one's recompute shares a twin's)
         self.scheduler.shares_pages = cfg.enable_prefix_caching and any(0 < r.shared_prefix and r.shared_prefix >= min(r.prompt_tokens, cfg.page_size) for r in requests)

@@ -156,10 +156,11 @@ class StepCosts:
 
     def calibration(self, phase: str) -> float:
         """Real runs over warm-up runs (the median over the phase's keys that have both of the ratio of their
-        real runs' price, Observations.expected, to their warm-up runs' median; 1 with none): a padding plan's
-        run can be faster than real rows', or slower (it reads every page of its table)."""
-        ratios = [o.expected / statistics.median(o.warmup) for k, o in self.programs.items()
-                  if k.phase == phase and o.recent and o.warmup and statistics.median(o.warmup) > 0]
+        real runs' price, Observations.expected, to their warm-up runs' price, the same capped mean, which a
+        warm-up-only key is priced at; 1 with none): a padding plan's run can be faster than real rows', or
+        slower (it reads every page of its table)."""
+        ratios = [o.expected / warm for k, o in self.programs.items()
+                  if k.phase == phase and o.recent and o.warmup and (warm := Observations(warmup=o.warmup).expected) > 0]
         return statistics.median(ratios) if ratios else 1.0
 
     def host_seconds(self, rows: int) -> float:

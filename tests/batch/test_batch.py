@@ -216,6 +216,9 @@ def test_a_line_whose_later_sample_failed_in_a_step_is_an_error_record_naming_it
     record = record_of(line, dataclasses.replace(ok, samples=[ok, failed]))
     assert record["status"] == "error" and record["error"] == "line 1: sample 1 of 2 failed: the step failed: OSError: gone"
     assert record["finish_reason"] == "error" and record["num_prompt_tokens"] == 3  # as whatif reads a line that failed in a step
+    late = dataclasses.replace(failed, finish_reason="timeout", error=None)
+    record = record_of(line, dataclasses.replace(ok, samples=[ok, late]))
+    assert record["error"] == "line 1: sample 1 of 2 timed out: its deadline passed before it started" and record["finish_reason"] == "timeout"
     assert record_of(line, dataclasses.replace(ok, samples=[ok, ok]))["status"] == "ok"
 
 

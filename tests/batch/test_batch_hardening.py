@@ -199,6 +199,11 @@ def test_resume_of_records_without_a_settings_file_is_refused_unless_forced(tmp_
         BatchJob(inp, out, DEFAULTS, resume=True)
     with BatchJob(inp, out, DEFAULTS, resume=True, force_settings=True) as job:
         assert list(job.todo) == []
+    meta_path(out).write_text("{not json")  # a damaged settings file: --force-settings is the way past it
+    with pytest.raises(ResumeError, match="force-settings"):
+        BatchJob(inp, out, DEFAULTS, resume=True)
+    with BatchJob(inp, out, DEFAULTS, resume=True, force_settings=True) as job:
+        assert list(job.todo) == [] and "resolved" not in job.settings
 
 
 def test_a_whole_last_record_without_its_newline_is_kept_and_its_newline_restored(llm, tmp_path):

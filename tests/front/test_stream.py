@@ -97,6 +97,8 @@ def test_stream_refuses_what_prepare_did_not_make_naming_it_and_frees_the_llm(ll
         list(llm.stream([Prompt(3, [1, vocab, 2], PARAMS)], progress=False))
     with pytest.raises(ValueError, match=r"prompt 5: token_ids holds True at index 0"):
         list(llm.stream([Prompt(5, [True, 2], PARAMS)], progress=False))
+    with pytest.raises(ValueError, match=r"prompt 6: .*context"):  # longer than the context: refused before it is queued
+        list(llm.stream([Prompt(6, [1] * 200, PARAMS)], progress=False))
     with pytest.raises(ValueError, match=r"prompt 4: logprobs"):
         list(llm.stream([Prompt(4, [1, 2], SamplingParams(max_tokens=2, logprobs=10_000))], progress=False))
     assert llm.generate(["Hi"], PARAMS, progress=False)[0].num_generated_tokens == 5  # not left "already generating"

@@ -417,7 +417,7 @@ def test_a_timed_out_embedding_or_prompt_only_line_replays_as_its_prefill_and_a_
     only) generate nothing, one of another max_tokens that many, a line without one the job's default, even a default of
     0 (a scoring job's)."""
     lines = [json.loads(line) for line in finished_job.with_name("in.jsonl").read_text().splitlines()]
-    edits = [{"embed": True}, {"max_tokens": 0, "prompt_logprobs": 0}, {"max_tokens": 5}, {}]
+    edits = [{"embed": True}, {"max_tokens": 0, "prompt_logprobs": 0}, {"max_tokens": None, "max_completion_tokens": 5}, {}]  # 5: OpenAI's name
     edited = [line | {"deadline_s": 0.05} | edit for line, edit in zip(lines, edits)]
     del edited[3]["max_tokens"]
     (tmp_path / "edited.jsonl").write_text("".join(json.dumps(line) + "\n" for line in [*edited, *lines[4:]]))

@@ -171,6 +171,30 @@ def test_a_later_sample_of_n_never_times_out_once_its_first_sample_started(polic
     assert scheduler.expire(now=10.0) == [] and later.status == "waiting" and later.finish_reason is None
 
 
+def test_edf_keeps_or_sheds_the_samples_of_n_of_a_line_together():
+    # Measured rate: 4 prefill tokens a second. Sample 0 can start at once (10.0 <= 10.5); sample 1 only waits for its
+    # prompt pages, so it is not estimated behind sample 0's 12 tokens (13.0 > 10.5), and is kept with it. A line
+    # whose first sample is late is shed whole.
+    import dataclasses
+
+    from jaxinfer.scheduling.policies import make_policy
+
+    cfg = small_config(max_prefill_tokens=8, prefill_chunk_buckets=(4, 8), enable_prefix_caching=True, policy="edf")
+    for deadline, shed in ((10.5, False), (9.5, True)):
+        scheduler = Scheduler(cfg, num_pages=30, policy=make_policy("edf", cfg))
+        a = request("a", 8, 4, 0)
+        scheduler.add(a)
+        (plan,) = scheduler.schedule()
+        scheduler.update(plan, np.zeros(1, np.int32))
+        scheduler.observe(plan, 2.0)
+        first = request("s0", 12, 2, 1)
+        later = dataclasses.replace(request("s1", 12, 2, 1), prompt_ids=first.prompt_ids, fork_of=first)
+        first.deadline = later.deadline = deadline
+        scheduler.add(first)
+        scheduler.add(later)
+        assert scheduler.expire(now=10.0) == ([first, later] if shed else []), deadline
+
+
 def test_decode_splits_off_a_long_sequence_when_cheaper():
     scheduler = Scheduler(small_config(max_context=64, decode_batch_buckets=(1, 2, 4), decode_split_overhead=2.0), num_pages=40)
     engine = FakePagedEngine(40, 4)

@@ -531,8 +531,8 @@ def test_equal_whole_prompts_name_their_pages_in_the_order_they_fill_with_the_fa
     np.testing.assert_array_equal(fast.ttft_s, every_step.ttft_s)
 
 
-@pytest.mark.parametrize("fast_forward", [False, True])
-def test_kv_utilization_counts_no_page_a_sliding_window_released(monkeypatch, fast_forward):
+def test_kv_utilization_counts_no_page_a_sliding_window_released(monkeypatch):
+    # (a sliding window turns the fast-forward and the decode clock off: the sketch's own path is the plain one)
     from jaxinfer.scheduling import sim_scheduler
     from jaxinfer.scheduling.scheduler import Scheduler
 
@@ -540,9 +540,9 @@ def test_kv_utilization_counts_no_page_a_sliding_window_released(monkeypatch, fa
                        decode_batch_buckets=(2, 4), release_window=8)
     costs = StepCosts.linear(BucketTables.from_config(cfg).all_keys(), program=(1e-3, 0.0), host=(0.0, 0.0), max_rows=4)
     requests = [SimRequest(4, 50), SimRequest(10, 30), SimRequest(20, 12)]
-    sketch = simulate(cfg, requests, costs, fast_forward=fast_forward)
+    sketch = simulate(cfg, requests, costs)
     monkeypatch.setattr(sim_scheduler.SketchScheduler, "_record_utilization", Scheduler._record_utilization)
-    real = simulate(cfg, requests, costs, fast_forward=False)
+    real = simulate(cfg, requests, costs)
     assert sketch.num_steps == real.num_steps and sketch.peak_kv_utilization == real.peak_kv_utilization <= 1.0
     assert sketch.mean_kv_utilization == pytest.approx(real.mean_kv_utilization, rel=1e-12)
 

@@ -111,6 +111,12 @@ def test_warm_up_runs_count_until_real_runs_come_and_are_scaled_by_the_phases_re
     assert costs.programs[both].count == 1  # warm-up runs are not counted as runs
     again = StepCosts.from_json(json.loads(json.dumps(costs.to_json())))
     assert again.device_seconds(only_warm) == pytest.approx(0.30)
+    stalled = StepCosts()  # two warm-up runs, one a stall: the ratio's warm-up side is their capped price, as only_warm's is
+    stalled.observe(both, 0.10, warmup=True)
+    stalled.observe(both, 5.0, warmup=True)
+    stalled.observe(both, 0.20)
+    stalled.observe(only_warm, 0.20, warmup=True)
+    assert stalled.device_seconds(only_warm) == pytest.approx(0.20 * 0.20 / ((0.10 + CAP * 0.10) / 2))
 
 
 def _noisy_prefill_and_decode(seed: int) -> StepCosts:
