@@ -247,7 +247,7 @@ def fit_tables(cfg: EngineConfig, steps_by_key: dict[BucketKey, int], costs: Ste
     """(cfg with fitted tables, their predicted device seconds): from one bucket per table, the bucket that
     saves the most predicted seconds per program it adds is added while the programs stay within `budget`. That
     start may itself be over a small budget (a table that must reach its limit holds two buckets): make_plan then
-    keeps the given tables.
+    keeps the given tables, or with none within a budget given smaller, the points of the fewest programs.
     Priced on `costs.monotone()`: on raw noisy medians a wider bucket can look cheaper than a narrower one,
     so that a bucket that cuts padding seems to save nothing and the greedy stops at sparse tables."""
     costs = costs.monotone()
@@ -387,7 +387,7 @@ def make_plan(sample: WorkloadSample, given: EngineConfig, costs: StepCosts, opt
     requests = sample.requests(options.simulated_requests)
     budget = options.program_budget or num_programs(given)
     grid = tuple(evaluate(base, requests, costs, budget, s, t) for s, t in grid_values(base, options))
-    best = min(_within(grid, budget) or [_as_given(base, requests, costs)], key=lambda point: point.wall_s)
+    best = min(_within(grid, budget) or _fewest((*grid, _as_given(base, requests, costs))), key=lambda point: point.wall_s)
     scale = sample.requests_to_run / len(requests)
     predicted = simulate(best.config, requests, costs, num_pages=given.num_pages).wall_s * scale
     as_given = simulate(given, requests, costs, num_pages=given.num_pages).wall_s * scale
@@ -402,8 +402,14 @@ def _within(grid: tuple[GridPoint, ...], budget: int) -> list[GridPoint]:
     return [point for point in grid if point.programs <= budget]
 
 
+def _fewest(points: tuple[GridPoint, ...]) -> list[GridPoint]:
+    """The points that compile the fewest programs: the plan's choice when none is within the budget."""
+    least = min(point.programs for point in points)
+    return [point for point in points if point.programs == least]
+
+
 def _as_given(base: EngineConfig, requests: list[SimRequest], costs: StepCosts) -> GridPoint:
-    """The given tables (and limits) as a grid point: the plan when no fitted point is within the budget."""
+    """The given tables (and limits) as a grid point, which a default budget (theirs) always admits."""
     return GridPoint(base.max_num_seqs, base.max_prefill_tokens, num_programs(base), simulate(base, requests, costs, num_pages=base.num_pages).wall_s, base)
 
 

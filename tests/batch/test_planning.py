@@ -246,7 +246,7 @@ def test_the_predicted_wall_time_is_scaled_by_the_requests_to_run():
 def test_the_plan_is_the_fastest_grid_point_within_the_budget_and_else_the_given_tables():
     """One bucket per table (2 programs): a fitted table that must reach its limit holds two buckets, so a fitted grid
     point may compile more than the given tables; the plan is the fastest within the budget, and where none is
-    (a budget of 1), the given tables."""
+    (a budget of 1), one of the fewest programs."""
     prompts, outputs = _conversation()
     given = dataclasses.replace(CONFIG, prefill_chunk_buckets=(512,), decode_batch_buckets=(16,), decode_page_buckets=(16,))
     options = planning.PlanOptions(max_num_seqs=(4, 16), max_prefill_tokens=(256, 512), simulated_requests=120)
@@ -256,4 +256,4 @@ def test_the_plan_is_the_fastest_grid_point_within_the_budget_and_else_the_given
     assert within and len(within) < len(plan.grid)  # a point over the budget, which the plan must pass over
     assert plan.programs <= budget and plan.config == min(within, key=lambda point: point.wall_s).config
     plan = planning.make_plan(_sample(prompts, outputs), given, planning.prior_costs(), dataclasses.replace(options, program_budget=1))
-    assert BucketTables.from_config(plan.config) == BucketTables.from_config(given) and plan.programs == budget
+    assert plan.programs == min(point.programs for point in plan.grid) == budget  # none within 1: the fewest (the given tables' 2)
