@@ -373,26 +373,56 @@ def load_hf_folder(
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, TypeError, AttributeError) as e:
         kind = "" if type(e) is ValueError else f"{type(e).__name__}: "  # from_hf_config's own errors read as they are
         raise ModelLoadError(f"{config_path}: {kind}{e}") from None
-    files = sorted(folder.glob("*.safetensors"))
+    weight_map = _shard_index(folder)
+    files = [folder / name for name in sorted(set(weight_map.values()))] if weight_map is not None else sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weight files")
     hf: dict[str, np.ndarray] = {}
+    found: dict[str, Path] = {}  # tensor name -> its file (without an index, one name in two files is an error)
     for file in files:
         try:
-            hf.update({k: np.asarray(v, np.float32) for k, v in load_file(file).items()})
+            tensors = load_file(file)
         except Exception as e:
             raise ModelLoadError(f"{file}: cannot read safetensors: {e}") from None
+        for name, value in tensors.items():
+            if weight_map is not None and weight_map.get(name) != file.name:
+                continue  # the index takes each tensor from one file
+            if name in found:
+                raise ModelLoadError(f"{folder}: tensor {name!r} is in both {found[name].name} and {file.name} (a stale file beside the weights?)")
+            found[name], hf[name] = file, np.asarray(value, np.float32)
     hf = _text_model_names(hf)
     hf.update(params_lib.unfuse(hf, cfg))  # Phi-3's qkv_proj and gate_up_proj, split into their parts
     if weight_spec("embed").hf not in hf and "embed_tokens.weight" in hf:  # a base model saved bare (Qwen3Model: Qwen3-Embedding)
         hf = {name if name == weight_spec("lm_head").hf else f"model.{name}": value for name, value in hf.items()}
-    if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings:
-        cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights
+    if weight_spec("lm_head").hf not in hf and not cfg.tie_embeddings and weight_spec("lm_head").hf not in (weight_map or {}):
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)  # some exports omit the flag but share weights (an index listing it does not)
     if cfg.norm_weight_offset:  # Gemma 2/3 store w for x * (1 + w): the Params hold 1 + w, as a GGUF does
         for spec in params_lib.present(cfg):
             if spec.name.endswith("norm"):
                 hf.update({name: hf[name] + np.float32(cfg.norm_weight_offset) for name in spec.file_names(cfg, "hf") if name in hf})
-    return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
+    try:
+        return cfg, _assemble(cfg, hf, quantization=quantization, group_size=group_size, on_host=on_host)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+
+
+def _shard_index(folder: Path) -> dict[str, str] | None:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file), each shard there; None without an index.
+    ModelLoadError naming the index, or the first shard it lists that is missing (an interrupted download)."""
+    path = folder / "model.safetensors.index.json"
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
+    shards = sorted(set(weight_map.values()))
+    missing = [name for name in shards if not (folder / name).is_file()]
+    if missing:
+        raise ModelLoadError(f"{folder}: {missing[0]}, listed in {path.name}, is missing ({len(missing)} of {len(shards)} shards; an interrupted download?)")
+    return weight_map
 
 
 def _unquantized(config):

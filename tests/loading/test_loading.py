@@ -159,3 +159,58 @@ def test_cli_info_prints_config_and_parameter_count():
     path = loading.resolve_model_path(None)
     resolved = backends.resolve_quantization("auto", path, backends.Impls("auto", "auto", "auto"), on_mesh=False, tuning=tuning_cache.tuning_enabled())
     assert "quantization: auto, as the engine loads it" in result.stdout and (" q4_1 " in result.stdout) == (resolved == "gguf"), result.stdout
+
+
+def _sharded(tmp_path, *, untied: bool = False):
+    """tiny_llama's weights in two shards with their index (an untied head in the second), as the Hub holds a large
+    model; returns the folder and its tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    tensors = load_file(TINY_LLAMA / "model.safetensors")
+    if untied:
+        config["tie_word_embeddings"] = False
+        tensors["lm_head.weight"] = np.random.default_rng(0).standard_normal(tensors["model.embed_tokens.weight"].shape).astype(np.float32)
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    if untied:
+        first, second = [n for n in names if n != "lm_head.weight"], ["lm_head.weight"]
+    save_file({n: tensors[n] for n in first}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n] for n in second}, str(folder / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first} | {n: "model-00002-of-00002.safetensors" for n in second}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder, tensors
+
+
+def test_sharded_weights_load_by_their_index_and_a_missing_shard_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    folder, tensors = _sharded(tmp_path, untied=True)
+    cfg, params = load_model(folder)
+    assert not cfg.tie_embeddings
+    save_file({"model.layers.0.self_attn.q_proj.weight": np.zeros_like(tensors["model.layers.0.self_attn.q_proj.weight"])}, str(folder / "zz-stale.safetensors"))
+    again_cfg, again = load_model(folder)  # a stale file beside the index is not read
+    np.testing.assert_array_equal(np.asarray(again.layers.wq), np.asarray(params.layers.wq))
+    (folder / "model-00002-of-00002.safetensors").unlink()  # the untied head's shard: not a silently tied head
+    with pytest.raises(ModelLoadError, match=r"sharded: model-00002-of-00002.safetensors, listed in model.safetensors.index.json, is missing \(1 of 2"):
+        load_model(folder)
+
+
+def test_without_an_index_a_tensor_in_two_files_is_named_and_missing_weights_name_the_folder(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "plain"
+    shutil.copytree(TINY_LLAMA, folder)
+    save_file({"model.layers.0.self_attn.q_proj.weight": load_file(TINY_LLAMA / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]},
+              str(folder / "zz-stale.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"plain: tensor 'model.layers.0.self_attn.q_proj.weight' is in both model.safetensors and zz-stale"):
+        load_model(folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "zz-stale.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"plain: weight 'model.layers.1.mlp.up_proj.weight' is missing from the model file"):
+        load_model(folder)
