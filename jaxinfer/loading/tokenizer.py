@@ -314,9 +314,17 @@ def from_hf_folder(folder: Path) -> TextTokenizer:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"{folder}: no tokenizer.json; pass token ids instead of text for this model")
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file (an interrupted download)
+        raise ValueError(f"{path}: cannot read the tokenizer: {e}") from None
     config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: cannot read it: {e}") from None
 
     def token_id(key: str) -> int | None:
         token = config.get(key)
@@ -332,8 +340,25 @@ def from_hf_folder(folder: Path) -> TextTokenizer:
         bos_id=bos_id,
         eos_id=token_id("eos_token"),
         add_bos=bool(add_bos),
-        chat_template=config.get("chat_template"),
+        chat_template=_chat_template(folder, config),
     )
+
+
+def _chat_template(folder: Path, config: dict) -> str | None:
+    """A folder's chat template, as transformers reads it: chat_template.jinja (where transformers now saves it) first,
+    else tokenizer_config.json's chat_template, a string or a list of named templates (the one named 'default')."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template is a list of named templates without one named 'default' ({sorted(map(str, named))})")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string, got {type(template).__name__}")
+    return template
 
 
 def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:

@@ -214,3 +214,34 @@ def test_control_tokens_in_text_match_llama_cpp_python_when_parse_special(vocab)
     ids = tokenizer.encode(text, add_bos=False)
     assert ids == LLAMA_CPP["vocabs"][vocab]["chat"]["ids"]
     assert tokenizer.encode(text, add_bos=False, parse_special=False) != ids  # as plain text they split up
+
+
+def test_an_hf_folders_chat_template_is_read_as_transformers_reads_it(tmp_path):
+    """chat_template.jinja (where transformers now saves it) first; else tokenizer_config.json's, a string or a list
+    of named templates (the 'default' one)."""
+    import shutil
+
+    from jaxinfer.loading.tiny_model import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "m", load_tokenizer())
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template = config.pop("chat_template")
+    config_path.write_text(json.dumps(config))
+    assert load_tokenizer(folder).chat_template is None
+    (folder / "chat_template.jinja").write_text(template)
+    assert load_tokenizer(folder).chat_template == template
+    (folder / "chat_template.jinja").unlink()
+    config_path.write_text(json.dumps(config | {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}))
+    assert load_tokenizer(folder).chat_template == template
+    config_path.write_text(json.dumps(config | {"chat_template": [{"name": "tool_use", "template": "x"}]}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: chat_template is a list of named templates without one named 'default'"):
+        load_tokenizer(folder)
+    shutil.copy(folder / "tokenizer.json", tmp_path / "whole.json")
+    (folder / "tokenizer.json").write_bytes((tmp_path / "whole.json").read_bytes()[:1000])  # an interrupted download
+    with pytest.raises(ValueError, match=r"m/tokenizer.json: cannot read the tokenizer"):
+        load_tokenizer(folder)
+    (folder / "tokenizer.json").write_bytes((tmp_path / "whole.json").read_bytes())
+    config_path.write_text('{"bos_token": ')
+    with pytest.raises(ValueError, match=r"m/tokenizer_config.json: cannot read it"):
+        load_tokenizer(folder)
