@@ -95,6 +95,7 @@ def _gguf_name(field: str) -> str:
 
 
 def gguf_config(reader, path: Path, *, dtype: str, max_context: int | None) -> ModelConfig:
+    _check_whole_little_endian(reader, path)
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
@@ -354,6 +355,17 @@ def load_gguf(
         for hf_name, gguf_name in zip(spec.file_names(cfg, "hf"), spec.file_names(cfg, "gguf")):
             hf[hf_name] = get(gguf_name) if heads is None else _unpermute_rotary(get(gguf_name), heads)
     return cfg, _assemble(cfg, hf, kept=kept, quantization=quantization, group_size=group_size, on_host=on_host)
+
+
+def _check_whole_little_endian(reader, path: Path) -> None:
+    """ModelLoadError for a GGUF this loader would misread: one shard of a split model (gguf-split), whose tensors lie
+    in its sibling files, and a big-endian file, whose tensors the dequantizers would read byte-swapped."""
+    shards = gguf_field(reader, "split.count")
+    if shards is not None and int(shards) > 1:
+        number = int(gguf_field(reader, "split.no", 0)) + 1
+        raise ModelLoadError(f"{path} is shard {number} of a {int(shards)}-file split GGUF; merge the shards first (llama-gguf-split --merge)")
+    if getattr(reader, "byte_order", "<") == ">":
+        raise ModelLoadError(f"{path} is a big-endian GGUF; jaxinfer reads little-endian ones (convert the model again without --bigendian)")
 
 
 # ---------------------------------------------------------------- Hugging Face

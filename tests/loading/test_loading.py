@@ -214,3 +214,22 @@ def test_without_an_index_a_tensor_in_two_files_is_named_and_missing_weights_nam
     (folder / "zz-stale.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"plain: weight 'model.layers.1.mlp.up_proj.weight' is missing from the model file"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("kind", ["split", "big-endian"])
+def test_a_split_or_big_endian_gguf_is_refused_by_name_not_misread(tmp_path, monkeypatch, kind):
+    import functools
+
+    if kind == "split":  # gguf-py writes the shards itself (as llama-gguf-split would): each holds some of the tensors
+        monkeypatch.setattr(gguf, "GGUFWriter", functools.partial(gguf.GGUFWriter, split_max_tensors=8))
+        gguf_convert.convert(TINY_LLAMA, tmp_path / "tiny.gguf")
+        shards = sorted(tmp_path.glob("tiny-*.gguf"))
+        assert len(shards) > 1
+        for number, shard in enumerate(shards, 1):
+            with pytest.raises(ModelLoadError, match=rf"is shard {number} of a {len(shards)}-file split GGUF; merge the shards first"):
+                load_model(shard)
+    else:  # norms read byte-swapped: 1.0 as 4.6e-41
+        monkeypatch.setattr(gguf, "GGUFWriter", functools.partial(gguf.GGUFWriter, endianess=gguf.GGUFEndian.BIG))
+        path = gguf_convert.convert(TINY_LLAMA, tmp_path / "big.gguf")
+        with pytest.raises(ModelLoadError, match="big.gguf is a big-endian GGUF; jaxinfer reads little-endian ones"):
+            load_model(path)
