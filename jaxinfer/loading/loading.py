@@ -269,7 +269,10 @@ def _kept_gguf_weight(spec: params_lib.WeightSpec, cfg: ModelConfig, tensors: di
     def read_layer(i: int) -> quant.QuantizedTensor:
         data = tensors[names[i]].data
         if targets[stored[i]] is not None:
-            data = kept_blocks.converted_blocks(data, stored[i], types[i], names[i])
+            try:
+                data = kept_blocks.converted_blocks(data, stored[i], types[i], names[i])
+            except NotImplementedError:  # a type gguf sizes but cannot dequantize (Q8_1, Q8_K, Q1_0): as _dequantize says it
+                raise ModelLoadError(f"{path}: tensor {names[i]!r} is of GGUF type {tensors[names[i]].tensor_type.name}, which can be neither kept nor dequantized") from None
         try:
             q = quant.from_gguf(data, types[i], **_gguf_factoring(spec, cfg))
         except ValueError as e:

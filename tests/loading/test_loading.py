@@ -233,3 +233,21 @@ def test_a_split_or_big_endian_gguf_is_refused_by_name_not_misread(tmp_path, mon
         path = gguf_convert.convert(TINY_LLAMA, tmp_path / "big.gguf")
         with pytest.raises(ModelLoadError, match="big.gguf is a big-endian GGUF; jaxinfer reads little-endian ones"):
             load_model(path)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_a_gguf_type_that_can_be_neither_kept_nor_dequantized_is_named_on_either_path(tmp_path, monkeypatch, quantization):
+    import gguf_files
+
+    add = gguf_files.add_weight
+
+    def q8_1_queries(writer, name, value, qtype=gguf.GGMLQuantizationType.F32):  # Q8_1: gguf sizes it, but cannot dequantize it
+        if name.endswith("attn_q.weight"):
+            writer.add_tensor(name, np.zeros((value.shape[0], value.shape[1] // 32 * 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            add(writer, name, value, qtype)
+
+    monkeypatch.setattr(gguf_files, "add_weight", q8_1_queries)
+    path = gguf_convert.convert(TINY_LLAMA, tmp_path / "q8_1.gguf")
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.attn_q.weight' is of GGUF type Q8_1, which can be neither kept nor dequantized"):
+        load_model(path, quantization=quantization)
