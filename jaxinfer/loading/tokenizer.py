@@ -371,6 +371,8 @@ def load_tokenizer(model: str | Path | None = None) -> TextTokenizer:
         return from_gguf_reader(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    except Exception as e:  # damaged metadata (a list shorter than the tokens, a bad merge): the tokenizers library's own errors
+        raise ValueError(f"{path}: the GGUF's tokenizer metadata cannot be read ({type(e).__name__}: {e})") from None
 
 
 def missing_tokenizer(model: str | Path | None = None) -> str | None:

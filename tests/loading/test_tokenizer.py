@@ -245,3 +245,17 @@ def test_an_hf_folders_chat_template_is_read_as_transformers_reads_it(tmp_path):
     config_path.write_text('{"bos_token": ')
     with pytest.raises(ValueError, match=r"m/tokenizer_config.json: cannot read it"):
         load_tokenizer(folder)
+
+
+def test_damaged_gguf_tokenizer_metadata_is_an_error_naming_the_file(tmp_path):
+    import gguf
+
+    path = tmp_path / "damaged.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("tokenizer.ggml.model", "gpt2")  # its tokens and merges are missing
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"damaged.gguf: the GGUF's tokenizer metadata cannot be read \(TypeError"):
+        load_tokenizer(path)
