@@ -25,6 +25,7 @@ import jax
 from jaxinfer.config import ATTENTION_IMPLS, DTYPES, MATMUL_IMPLS, EngineConfig, ModelConfig
 from jaxinfer.engine import backends
 from jaxinfer.engine.backends import Impls
+from jaxinfer.scheduling.bucket_tables import BucketTables
 from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
@@ -140,9 +141,11 @@ def _version(package: str) -> str:
 
 
 def _engine_limits(engine_cfg: EngineConfig) -> dict:
+    """The engine fields a choice is timed under, and its bucket tables as derived (a bucket strategy's, the packed
+    prefill's sequence buckets: the tuner's probe runs their programs)."""
     names = ("page_size", "max_num_seqs", "max_prefill_tokens", "max_context", "max_prefill_seqs", "kv_cache_dtype",
              "prefill_chunk_buckets", "decode_batch_buckets", "decode_page_buckets", "prefill_packing")
-    return {name: getattr(engine_cfg, name) for name in names}
+    return {name: getattr(engine_cfg, name) for name in names} | {"tables": dataclasses.asdict(BucketTables.from_config(engine_cfg))}
 
 
 def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pins: Impls, quantization: str | None = None,
@@ -153,7 +156,7 @@ def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pin
     one geometry, Q4_1 and Q4_K_M, are measured apart), the tuner and the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
     limits = _engine_limits(engine_cfg) if limits is None else limits
-    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": limits,
+    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "jax": _version("jax"), "geometry": geometry, "limits": limits,
                 "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
                 **({"weight_formats": sorted(weight_formats)} if weight_formats else {}),
                 "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}

@@ -68,6 +68,7 @@ def test_cache_key_changes_with_fingerprint_geometry_limits_pins_and_kernels(mon
         "cpu flags": tuning.cache_key({**FINGERPRINT, "flags": "avx2 avx512f fma"}, cfg, engine, Impls()),
         "geometry": tuning.cache_key(FINGERPRINT, dataclasses.replace(cfg, num_layers=3), engine, Impls()),
         "limits": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 8}), Impls()),
+        "prefill rows": tuning.cache_key(FINGERPRINT, cfg, EngineConfig(**SMALL_ENGINE, prefill_seq_buckets=(1, 2)), Impls()),  # the probe's programs
         "pins": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(dtype="float32")),
         "quantization": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(), "int8"),
         "weight formats": tuning.cache_key(FINGERPRINT, cfg, engine, Impls(), None, ("mlp:q4_k", "mlp:q6_k")),
