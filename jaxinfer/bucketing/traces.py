@@ -101,8 +101,8 @@ def _parse_count(text: str, column: str, where: str, minimum: int) -> int:
         value = float(text)
     except ValueError:
         raise TraceError(f"{where}: {column}={text!r} is not a number") from None
-    if not math.isfinite(value) or value != int(value):
-        raise TraceError(f"{where}: {column}={text!r} is not a whole number of tokens")
+    if not math.isfinite(value) or value != int(value) or value >= 2**53:  # a float holds every count below 2**53 exactly
+        raise TraceError(f"{where}: {column}={text!r} is not a whole number of tokens" + (" below 2**53" if math.isfinite(value) and value >= 2**53 else ""))
     if value < minimum:
         kind = "zero or negative" if minimum == 1 else "negative"
         raise TraceError(f"{where}: {column}={text!r} is {kind}; token counts must be >= {minimum}")
@@ -122,6 +122,8 @@ def _parse_row(row: list[str], positions: dict[str, int], where: str, column: st
         raise TraceError(f"{where}: expected at least {max(positions.values()) + 1} fields, got {len(row)}")
     try:
         timestamp = _parse_timestamp(row[positions[TIMESTAMP]])
+        if np.isnan(timestamp) if isinstance(timestamp, np.datetime64) else not math.isfinite(timestamp):  # nan, inf, NaT
+            raise ValueError
     except ValueError:
         raise TraceError(f"{where}: {TIMESTAMP}={row[positions[TIMESTAMP]]!r} is not a time") from None
     counts = tuple(
@@ -192,9 +194,9 @@ def _first_undecodable_line(path: str) -> int:
 
 
 def _read_trace(path: str, column: str) -> Trace:
-    with open(path, newline="", encoding="utf-8") as file:
+    with open(path, newline="", encoding="utf-8-sig") as file:  # a byte-order mark (a spreadsheet's "CSV UTF-8") is not the header's
         reader = csv.reader(file)
-        header = next(reader, None)
+        header = next((row for row in reader if any(field.strip() for field in row)), None)  # blank lines before it skipped
         if header is None or not any(field.strip() for field in header):
             raise TraceError(f"{path}: empty file (expected a header {TIMESTAMP},{CONTEXT_TOKENS},{GENERATED_TOKENS})")
         positions = _header_positions(header, path)

@@ -75,6 +75,25 @@ def test_load_trace_rejects_fractional_length(tmp_path):
         load_trace(_write(tmp_path, HEADER + "0,2.5,5\n"))
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "NaT"])
+def test_load_trace_names_a_timestamp_that_is_not_a_time(tmp_path, value):
+    # one such row made every arrival NaN (seconds since the first)
+    with pytest.raises(TraceError, match=rf"trace.csv:3: TIMESTAMP='{value}' is not a time"):
+        load_trace(_write(tmp_path, HEADER + f"0,5,5\n{value},6,5\n"))
+
+
+def test_load_trace_names_a_count_past_what_a_float_holds_exactly(tmp_path):
+    with pytest.raises(TraceError, match=r"trace.csv:2: ContextTokens='1e19' is not a whole number of tokens below 2\*\*53"):
+        load_trace(_write(tmp_path, HEADER + "0,1e19,5\n"))
+
+
+def test_load_trace_reads_a_header_after_a_byte_order_mark_or_blank_lines(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_bytes(b"\xef\xbb\xbf\n\n" + (HEADER + "0,5,7\n1,6,8\n").encode())  # a spreadsheet's "CSV UTF-8"
+    trace = load_trace(path)
+    assert trace.context_tokens.tolist() == [5, 6] and trace.timestamps.tolist() == [0.0, 1.0]
+
+
 def test_load_trace_allows_zero_in_other_column_but_not_negative(tmp_path):
     assert load_trace(_write(tmp_path, HEADER + "0,5,0\n")).generated_tokens.tolist() == [0]
     with pytest.raises(TraceError, match=r":2: GeneratedTokens='-1' is negative"):
