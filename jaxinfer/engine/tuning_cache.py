@@ -181,6 +181,7 @@ def read_cached(directory: Path, key: str) -> "TuneResult | None":
         choice = Impls(**doc["choice"])
         measurements = [Measurement(**{**m, "impls": Impls(**m["impls"])}) for m in doc["measurements"]]
         attention = [AttentionMeasurement(**m) for m in doc.get("attention", [])]
+        _check_numbers(doc.get("seconds", 0.0), *(getattr(m, f) for m in measurements for f in _MEASURED))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if (problem := unrunnable(choice)) is not None:
@@ -189,6 +190,16 @@ def read_cached(directory: Path, key: str) -> "TuneResult | None":
         return None
     return TuneResult(choice, measurements, key=key, path=path, seconds=doc.get("seconds", 0.0), from_cache=True, attention=attention,
                       source="cached")
+
+
+_MEASURED = ("prefill_ms", "decode_ms", "score", "relative_error", "greedy_agreement", "f32_relative_error", "matmul_error")
+
+
+def _check_numbers(*values) -> None:
+    """TypeError for a value of a cached result that is not a number or None (a damaged or hand-edited file)."""
+    for value in values:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"not a number: {value!r}")
 
 
 def unrunnable(choice: Impls) -> str | None:

@@ -297,6 +297,11 @@ def test_the_tuner_times_attention_alone_then_only_the_winner_whole(tiny, engine
     assert cached.attention == result.attention
     table = tuning.format_table(result)
     assert "attention alone" in table and table.count("<- chosen") == 2, table
+    path = cached.path  # damaged but parseable: a score that is not a number is measured again, never printed
+    doc = json.loads(path.read_text())
+    doc["measurements"][0]["score"] = "x"
+    path.write_text(json.dumps(doc))
+    assert tuning.read_cached(tmp_path, result.key) is None
 
 
 def test_an_attention_that_cannot_run_is_noted_and_not_chosen(tiny, engine_cfg):
