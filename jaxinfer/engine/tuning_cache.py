@@ -156,7 +156,7 @@ def cache_key(fingerprint: dict, cfg: ModelConfig, engine_cfg: EngineConfig, pin
     one geometry, Q4_1 and Q4_K_M, are measured apart), the tuner and the CPU kernels' sources."""
     geometry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
     limits = _engine_limits(engine_cfg) if limits is None else limits
-    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "jax": _version("jax"), "geometry": geometry, "limits": limits,
+    document = {"fingerprint": fingerprint, "jaxlib": _version("jaxlib"), "geometry": geometry, "limits": limits,
                 "pins": dataclasses.asdict(pins), "quantization": quantization, "tuner": TUNER_VERSION,
                 **({"weight_formats": sorted(weight_formats)} if weight_formats else {}),
                 "kernels": kernel_build.sources_digest(), "cpu_kernels_built": _cpu_kernels_built()}
