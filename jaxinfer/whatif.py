@@ -194,7 +194,8 @@ def _with_trace(job: FinishedJob, path: Path, rate: float, limit: int | None) ->
     trace = trace.head(limit) if limit is not None else trace
     max_context = job.engine_config.max_context
     fits = trace.context_tokens < max_context
-    arrivals = trace.timestamps / rate
+    with np.errstate(over="ignore"):  # a slow --rate may push an arrival past a float: named below
+        arrivals = trace.timestamps / rate
     if not np.isfinite(arrivals).all():
         row = int(np.flatnonzero(~np.isfinite(arrivals))[0])
         raise ValueError(f"{path}: request {row + 1}'s arrival is not a finite time ({trace.timestamps[row]} s" + (f" / --rate {rate:g})" if rate != 1.0 else ")"))

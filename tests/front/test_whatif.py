@@ -340,8 +340,11 @@ def test_bad_records_logs_and_traces_are_errors_naming_them(finished_job, tmp_pa
     with pytest.raises(ValueError, match=r"--step-log .*none.jsonl: no such file"):
         finished.read_job(finished_job, tmp_path / "none.jsonl")
     (tmp_path / "inf.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,12\ninf,30,5\n")
-    with pytest.raises(ValueError, match=r"inf.csv: request 2's arrival is not a finite time"):
+    with pytest.raises(ValueError, match=r"inf.csv:3: TIMESTAMP='inf' is not a time"):  # the trace's reader names it
         whatif.whatif(finished_job, trace=tmp_path / "inf.csv", progress=False)
+    (tmp_path / "far.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,12\n1e308,30,5\n")
+    with pytest.raises(ValueError, match=r"far.csv: request 2's arrival is not a finite time \(1e\+308 s / --rate 1e-09\)"):
+        whatif.whatif(finished_job, trace=tmp_path / "far.csv", rate=1e-9, progress=False)
 
 
 @pytest.mark.slow
