@@ -287,26 +287,27 @@ def test_a_refit_compiled_in_a_child_process_swaps_in_and_leaves_every_token_as_
     assert "in a child process" in hook.report() and hook.unfinished() is None
 
 
-@pytest.mark.slow
-def test_the_compile_child_is_stopped_while_every_step_runs(tiny_chat_model, compile_cache):
+def _child_states() -> tuple[list, object]:
+    """(the compile child's /proc states, one per step, and the during_step hook that records them)."""
     states = []
 
     def record(hook):
         if hook._pending is not None and hook._pending.child is not None:
             states.append(hook._pending.child.state())
 
+    return states, record
+
+
+@pytest.mark.slow
+def test_the_compile_child_is_stopped_while_every_step_runs(tiny_chat_model, compile_cache):
+    states, record = _child_states()
     _, hook, _, _, _, _ = _refit_job(tiny_chat_model, compile_cache, during_step=record)
     assert hook.swaps and states and set(states) == {"T"}  # Linux /proc state: stopped (by SIGSTOP) in each step
 
 
 @pytest.mark.slow
 def test_with_no_share_of_the_steps_the_compile_child_stays_stopped_until_given_a_turn(tiny_chat_model, compile_cache):
-    states = []
-
-    def record(hook):
-        if hook._pending is not None and hook._pending.child is not None:
-            states.append(hook._pending.child.state())
-
+    states, record = _child_states()
     _, hook, _, _, _, _ = _refit_job(tiny_chat_model, compile_cache, during_step=record, yield_share=0.0)
     (swap,) = hook.swaps
     assert len(states) >= 2 and set(states) == {"T"}  # stopped in every step from the ask on, its first turn the test's own

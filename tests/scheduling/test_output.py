@@ -58,16 +58,22 @@ def request_with(output_ids, **params) -> Request:
     return Request("r", [1, 2, 3], SamplingParams(**params), seed=0, output_ids=list(output_ids))
 
 
-def test_stop_string_cuts_text_before_it_and_ends_the_request(decode, smollm2_tokenizer):
-    ids = smollm2_tokenizer.encode("one two three four five")
-    processor = OutputProcessor(decode, eos_id=None, max_context=100)
-    request = request_with([], stop=(" three",), max_tokens=50)
+def checked_until_it_ends(processor: OutputProcessor, request: Request, ids: list[int]) -> list:
+    """The processor's verdict after each of `ids` is generated, up to the first that ends the request."""
     reasons = []
     for t in ids:
         request.output_ids.append(t)
         reasons.append(processor.check(request))
         if reasons[-1]:
             break
+    return reasons
+
+
+def test_stop_string_cuts_text_before_it_and_ends_the_request(decode, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("one two three four five")
+    processor = OutputProcessor(decode, eos_id=None, max_context=100)
+    request = request_with([], stop=(" three",), max_tokens=50)
+    reasons = checked_until_it_ends(processor, request, ids)
     assert reasons[-1] == "stop" and reasons[:-1] == [None] * (len(reasons) - 1)
     assert processor.text(request) == "one two"
 
@@ -79,12 +85,7 @@ def test_no_stop_string_is_looked_for_until_min_tokens_are_out_nor_one_completed
     assert len(smollm2_tokenizer.encode("one two", add_bos=False)) <= 4  # the first " two" lies within min_tokens
     processor = OutputProcessor(decode, eos_id=None, max_context=100)
     request = request_with([], stop=(" two",), max_tokens=50, min_tokens=4)
-    reasons = []
-    for t in ids:
-        request.output_ids.append(t)
-        reasons.append(processor.check(request))
-        if reasons[-1]:
-            break
+    reasons = checked_until_it_ends(processor, request, ids)
     assert reasons[-1] == "stop" and len(reasons) == len(smollm2_tokenizer.encode("one two three four five six two", add_bos=False))
     assert processor.text(request) == "one two three four five six"
 
