@@ -34,7 +34,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.scheduling.bucket_tables import BucketTables, TableLimits, cut_table
 from jaxinfer.scheduling.plan import BucketKey
 from jaxinfer.scheduling.simulator import SimRequest, simulate
-from jaxinfer.scheduling.step_costs import StepCosts
+from jaxinfer.scheduling.step_costs import StepCosts, work
 
 _CHUNK_STEP = 16  # tokens between the fine chunk table's buckets (and the multiple every fitted chunk bucket is)
 
@@ -180,14 +180,27 @@ def sample_job(job, llm, options: PlanOptions = PlanOptions()) -> WorkloadSample
 
 
 def prior_costs() -> StepCosts:
-    """Step costs when this machine has none cached for the model: lines in work (rows x (tokens + pages))
-    through SmolLM2-135M's measured programs on the 2-core development CPU (prefill about 3 ms a token past
-    50 ms; decode 40 ms plus 0.2 ms a row-page). Only their ratios steer a plan."""
+    """Step costs when none can be measured (JAXINFER_TUNE=0): lines in work (rows x (tokens + pages)) through
+    SmolLM2-135M's measured programs on the 2-core development CPU (prefill about 3 ms a token past 50 ms; decode
+    40 ms plus 0.2 ms a row-page). Only their ratios steer a plan, and on another machine or model they are wrong:
+    a plan priced on them kept 2 programs on the conversation workload and ran 1.32x the grid's best."""
     costs = StepCosts()
     for key, seconds in ((BucketKey("prefill", 1, 32, 1), 0.15), (BucketKey("prefill", 1, 512, 8), 1.6),
                          (BucketKey("decode", 1, 1, 1), 0.04), (BucketKey("decode", 32, 1, 32), 0.25)):
         costs.observe(key, seconds, warmup=True)
     return costs
+
+
+def anchor_keys(cfg: EngineConfig) -> list[BucketKey]:
+    """The programs a plan times when this machine has no step costs for the model: per phase, the key of the
+    least, the middle and the most work (step_costs.work) of `cfg`'s tables. The plan prices every key on its
+    phase's line in work (StepCosts.monotone()), which three measured keys fix."""
+    keys, chosen = BucketTables.from_config(cfg).all_keys(), {}
+    for phase in ("prefill", "decode"):
+        ranked = sorted((k for k in keys if k.phase == phase), key=lambda k: (work(k), k))
+        if ranked:
+            chosen |= dict.fromkeys([ranked[0], ranked[len(ranked) // 2], ranked[-1]])
+    return list(chosen)
 
 
 def _limits(cfg: EngineConfig) -> TableLimits:
@@ -415,11 +428,20 @@ def _as_given(base: EngineConfig, requests: list[SimRequest], costs: StepCosts) 
 
 def engine_costs(llm) -> StepCosts:
     """The step costs a plan prices with, before warm-up: this machine's cached table for the model as loaded
-    (tuning_cache, keyed as the engine keys it; never under JAXINFER_TUNE=0), else `prior_costs()`."""
+    (tuning_cache, keyed as the engine keys it), else the engine's own table after timing `anchor_keys` of its
+    tables (Engine.measure: a few compiles, kept for warm-up), else (JAXINFER_TUNE=0, which times nothing)
+    `prior_costs()`."""
     from jaxinfer.engine import tuning_cache  # noqa: PLC0415
 
-    cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), llm.engine.costs_key()) if tuning_cache.step_timing_runs() else None
-    return cached if cached is not None and cached.programs else prior_costs()
+    if not tuning_cache.step_timing_runs():
+        return prior_costs()
+    cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), llm.engine.costs_key())
+    if cached is not None and cached.programs:
+        return cached
+    keys = anchor_keys(llm.engine.engine_cfg)
+    print(f"plan: no step costs of this model on this machine yet; compiling and timing {len(keys)} programs to price the plan...", file=sys.stderr)
+    llm.engine.measure(keys)
+    return llm.engine.step_costs
 
 
 def apply_plan(llm, plan: Plan) -> None:

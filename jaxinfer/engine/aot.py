@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig, from_hf_config
-from jaxinfer.engine import engine as eng
+from jaxinfer.engine import engine as eng, pool_size
 from jaxinfer.engine.backends import resolve_impl
 from jaxinfer import geometries
 from jaxinfer.model import kv_pool as kvp
@@ -212,7 +212,7 @@ def pool_pages(cfg: ModelConfig, engine_cfg: EngineConfig, *, memory_bytes: int 
     params_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(mp.abstract(cfg)))
     free = int(memory_bytes * XLA_MEMORY_FRACTION) - params_bytes
     page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
-    return eng.num_pages_for(engine_cfg, free, page_bytes)
+    return pool_size.num_pages_for(engine_cfg, free, page_bytes)
 
 
 def engine_programs(cfg: ModelConfig, engine_cfg: EngineConfig, mesh: jax.sharding.Mesh, *, num_pages: int) -> list[tuple[str, object]]:

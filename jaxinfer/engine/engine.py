@@ -36,13 +36,13 @@ from jaxinfer.scheduling import guided
 from jaxinfer.model import forward as model, panels, quant, sampling
 from jaxinfer.model import sharding as shd
 from jaxinfer.engine import host_memory
+from jaxinfer.engine.pool_size import resolve_num_pages
 from jaxinfer.engine.backends import packer, resolve_impl, resolve_matmul_impl
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.model.params import Params
 from jaxinfer.scheduling.bucket_tables import BucketTables
 from jaxinfer.scheduling.kv_manager import page_release_window
 from jaxinfer.scheduling.plan import BucketKey, Logprobs, StepPlan, StepResult
-from jaxinfer.scheduling.runloop import pool_pages
 from jaxinfer.scheduling.step_costs import StepCosts
 from jaxinfer.validation import FieldError
 
@@ -74,10 +74,6 @@ class CompileCounter:
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._listener)
-
-
-class PoolTooLargeError(ValueError):
-    """The requested KV pool does not fit the available memory."""
 
 
 @jax.tree_util.register_dataclass
@@ -202,57 +198,6 @@ def token_counts(history: jax.Array, inputs: StepInputs, vocab_size: int) -> sam
     return sampling.TokenCounts(output, in_prompt)
 
 
-def available_bytes(device: jax.Device) -> int:
-    """Free memory of the device; host MemAvailable for CPU devices."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", info["MemFree"])
-
-
-def pages_on_ladder(fitted: int) -> int:
-    """The largest page count <= `fitted` of the form m * 2**e with m in {4, 5, 6, 7}: a pool sized from
-    free memory keeps one shape (and so hits the persistent compile cache) while free memory moves by up
-    to a fifth, and never gives up more than a fifth of what fits. Counts under 4 stay as they are."""
-    if fitted < 4:
-        return fitted
-    exponent = fitted.bit_length() - 3  # fitted = m * 2**exponent + rest, with 4 <= m < 8
-    return (fitted >> exponent) << exponent
-
-
-def resolve_num_pages(cfg: ModelConfig, engine_cfg: EngineConfig, device: jax.Device, *, mesh=None) -> int:
-    """Pages of the pool: as configured, or a share of free memory rounded down to a fixed ladder (so
-    program shapes do not follow free memory from run to run); fails if it cannot fit.
-
-    On a mesh, a page costs each device its share (all of it when kv heads are replicated); simulated
-    CPU devices share the host's memory, so there a page costs that share on every device."""
-    page_bytes = kvp.pool_bytes(cfg, 1, engine_cfg.page_size, engine_cfg.kv_cache_dtype)
-    if mesh is not None:
-        size = shd.mesh_size(mesh)
-        page_bytes = -(-page_bytes // shd.kv_shards(cfg, size)) * (size if device.platform == "cpu" else 1)
-    free = available_bytes(device)
-    num_pages = num_pages_for(engine_cfg, free, page_bytes)
-    needed = num_pages * page_bytes
-    if num_pages < 2 or needed > free:
-        raise PoolTooLargeError(
-            f"KV pool ({engine_cfg.kv_cache_dtype or cfg.dtype}{', scales included' if engine_cfg.kv_cache_dtype else ''}) of {num_pages} pages x {page_bytes} bytes needs {needed} bytes "
-            f"({needed / 2**30:.2f} GiB); {free} bytes ({free / 2**30:.2f} GiB) are available on {device}"
-        )
-    return num_pages
-
-
-def num_pages_for(engine_cfg: EngineConfig, free: int, page_bytes: int) -> int:
-    """The pool's pages given `free` bytes: as configured, else enough for max_num_seqs full contexts where
-    kv_memory_fraction of free memory holds them, else what fits on the ladder (`pages_on_ladder`)."""
-    if engine_cfg.num_pages is not None:
-        return engine_cfg.num_pages
-    wanted = pool_pages(engine_cfg)  # max_num_seqs full contexts and the null page
-    fitted = int(free * engine_cfg.kv_memory_fraction) // page_bytes
-    return wanted if fitted >= wanted else pages_on_ladder(fitted)
-
-
 def enable_compilation_cache(directory: str | None) -> None:
     """Point JAX's persistent compilation cache at `directory`; None disables it. EngineConfig's default
     names `<cache root>/xla` (kernels_cpu.build.cache_root owns the root: $JAXINFER_CACHE_DIR, else
@@ -358,9 +303,23 @@ class Engine:
         return key, compiled, time.perf_counter() - start
 
     def warmup(self, progress=None) -> None:
-        """Compile every bucket's forward program and every draw program (in parallel threads). `progress(key,
-        seconds)` is called per forward program."""
-        missing = self.missing_programs(self.engine_cfg)
+        """Compile every bucket's forward program and every draw program (in parallel threads), then time those the
+        step-cost table lacks (time_programs). `progress(key, seconds)` is called per forward program."""
+        self._compile_missing(self.missing_programs(self.engine_cfg), progress)
+        self.time_programs()
+
+    def measure(self, keys: list[BucketKey]) -> None:
+        """Compile the programs of these bucket keys (of the current tables) that the engine lacks, with their draw
+        programs, and time those the step-cost table lacks, as warm-up does: a plan made before warm-up prices its
+        choices on them when this machine has no step costs for the model (batch/planning.engine_costs)."""
+        outside = set(keys) - set(self.bucket_keys())
+        if outside:
+            raise ValueError(f"measure takes keys of the engine's tables; not in them: {sorted(outside)}")
+        slots = {_num_slots(k, self.engine_cfg) for k in keys}
+        self._compile_missing([k for k in self.missing_programs(self.engine_cfg) if k in keys or k in slots])
+        self.time_programs(keys=keys)
+
+    def _compile_missing(self, missing: list, progress=None) -> None:
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
             for key, compiled, seconds in pool.map(self._compile, missing):
@@ -371,7 +330,6 @@ class Engine:
                 if progress is not None and not isinstance(key, int):
                     progress(key, seconds)
         self.compile_seconds += time.perf_counter() - start
-        self.time_programs()
 
     # Fields a swapped-in config (use_config) must share with this engine's: they shape the pool or the programs' inputs.
     _KEPT_FIELDS = ("page_size", "max_context", "max_prefill_seqs", "prefill_seq_buckets", "max_logprobs", "max_logit_bias", "logprobs_mode",
@@ -436,10 +394,11 @@ class Engine:
         self.engine_cfg = engine_cfg
         self._costs_key = None  # the same key unless prefill packing changed (tables and batch limits are not part of it: step_costs_key)
 
-    def time_programs(self, runs: int | None = None) -> None:
+    def time_programs(self, runs: int | None = None, keys: list[BucketKey] | None = None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then
-        `runs` timed runs (after one untimed) of each program it lacks, on an all-padding plan (every slot on
-        the null page). `runs` None: tuning_cache.step_timing_runs() (2; 0 under JAXINFER_TUNE=0)."""
+        `runs` timed runs (after one untimed) of each program it lacks (of `keys`, compiled; None: every bucket key),
+        on an all-padding plan (every slot on the null page). `runs` None: tuning_cache.step_timing_runs() (2; 0
+        under JAXINFER_TUNE=0)."""
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
 
         runs = tuning_cache.step_timing_runs() if runs is None else runs
@@ -449,7 +408,7 @@ class Engine:
             if cached is not None:  # into the table itself: llm.step_costs() keeps returning the one every step refines
                 self.step_costs.fill_from(cached)
         tables = BucketTables.from_config(self.engine_cfg)
-        missing = [key for key in self.bucket_keys() if not self.step_costs.measured(key)]  # real or warm-up runs
+        missing = [key for key in (self.bucket_keys() if keys is None else keys) if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:
             plan = _timing_plan(key, self.engine_cfg, tables.packed_seqs)
             self.step(plan, observe=False)  # the first run of a program may pay one-time costs

@@ -56,11 +56,11 @@ import numpy as np
 
 from jaxinfer.model import forward as model, kv_pool as kvp, panels, quant, w8a8_exact
 from jaxinfer.scheduling import runloop
-from jaxinfer.engine import tune_attention
+from jaxinfer.engine import backends, tune_attention
 from jaxinfer.engine.host_memory import release_freed_memory
+from jaxinfer.engine.pool_size import available_bytes
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.engine import Engine, available_bytes
-from jaxinfer.engine import backends
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.backends import Impls, packer
 from jaxinfer.engine.numerics_check import TOLERANCES, W8A8_MATMUL_TOLERANCE, Reference, Tolerance, tolerance_for, uses_exact_reference  # noqa: F401  (Tolerance: read by tests)
 from jaxinfer.engine.numerics_check import greedy_agreement as _greedy_agreement, logit_error

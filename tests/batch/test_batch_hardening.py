@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_CHAT_ENGINE
-from jaxinfer.engine import engine as engine_module
+from jaxinfer.engine import engine as engine_module, pool_size
 from jaxinfer.api import LLM
 from jaxinfer.batch.input import InputFileError, LineError, iter_lines, parse, read_lines
 from jaxinfer.batch.job import BatchJob, check_paths
@@ -163,7 +163,7 @@ def test_pool_pages_and_program_shapes_do_not_follow_small_changes_in_free_memor
     page_bytes = engine_module.kvp.pool_bytes(cfg, 1, 16, None)
     shapes = []
     for free_pages in (20.5 / 0.2, 22 / 0.2, 23.5 / 0.2):  # 20, 22 and 23 pages would fit; 33 are wanted
-        monkeypatch.setattr(engine_module, "available_bytes", lambda device, n=free_pages: int(n * page_bytes))
+        monkeypatch.setattr(pool_size, "available_bytes", lambda device, n=free_pages: int(n * page_bytes))
         engine = engine_module.Engine(cfg, params, engine_cfg)
         shapes.append((engine.num_pages, engine.pool.k.shape))
     assert shapes[0] == shapes[1] == shapes[2] and shapes[0][0] == 20, shapes
@@ -171,9 +171,9 @@ def test_pool_pages_and_program_shapes_do_not_follow_small_changes_in_free_memor
 
 @given(fitted=st.integers(0, 10**9))
 def test_pages_on_the_ladder_keep_at_least_four_fifths_of_what_fits(fitted):
-    pages = engine_module.pages_on_ladder(fitted)
+    pages = pool_size.pages_on_ladder(fitted)
     assert pages <= fitted and pages * 5 >= fitted * 4 - 4
-    assert engine_module.pages_on_ladder(pages) == pages  # the ladder's own rungs are fixed points
+    assert pool_size.pages_on_ladder(pages) == pages  # the ladder's own rungs are fixed points
 
 
 def test_resume_under_other_settings_is_refused_listing_the_differences(llm, tmp_path):

@@ -11,7 +11,8 @@ from engine_runs import assert_greedy_is_dense_argmax, run_engine
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.api import Prompt
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.engine import CompileCounter, Engine, PoolTooLargeError
+from jaxinfer.engine.engine import CompileCounter, Engine
+from jaxinfer.engine.pool_size import PoolTooLargeError
 from jaxinfer.scheduling.request import SamplingParams
 from jaxinfer.scheduling.scheduler import Scheduler
 

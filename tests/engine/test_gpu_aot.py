@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine import aot
-from jaxinfer.engine import engine as eng
+from jaxinfer.engine import engine as eng, pool_size
 
 PTXAS_REPORT = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'bound_mosaic_gpu_kernel' for 'sm_90a'
@@ -44,7 +44,7 @@ def test_the_h200_pool_is_sized_by_the_engine_rule():
     assert aot.pool_pages(cfg, EngineConfig()) == 32 * 32 + 1
     # On a 4 GiB device the share left after 0.27 GB of params fits fewer, rounded down on the ladder.
     fitted = int((int(4 * 2**30 * 0.75) - 269_030_016) * EngineConfig().kv_memory_fraction) // 1_474_560
-    assert aot.pool_pages(cfg, EngineConfig(), memory_bytes=4 * 2**30) == eng.pages_on_ladder(fitted) < 1025
+    assert aot.pool_pages(cfg, EngineConfig(), memory_bytes=4 * 2**30) == pool_size.pages_on_ladder(fitted) < 1025
 
 
 def test_the_reason_names_the_plugin_or_the_platform_setting():

@@ -95,3 +95,42 @@ def test_a_bad_step_timing_setting_is_named(monkeypatch):
     monkeypatch.setenv(tuning_cache.STEP_TIMING_ENV, "two")
     with pytest.raises(ValueError, match="JAXINFER_STEP_TIMING_RUNS"):
         tuning_cache.step_timing_runs()
+
+
+def test_measure_compiles_and_times_only_the_keys_asked_and_warm_up_adds_the_rest(tiny_llama, compile_cache, cost_cache):
+    cfg, params = tiny_llama
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    keys = engine.bucket_keys()
+    asked = [keys[0], keys[-1]]
+    engine.measure(asked)
+    assert set(engine._programs) == set(asked) and set(engine.step_costs.programs) == set(asked)
+    assert all(len(engine.step_costs.programs[k].warmup) == 2 for k in asked)
+    timed = {k: list(engine.step_costs.programs[k].warmup) for k in asked}
+    engine.warmup()
+    assert set(engine._programs) == set(keys) and set(engine.step_costs.programs) == set(keys)
+    assert {k: engine.step_costs.programs[k].warmup for k in asked} == timed  # measured once, not again at warm-up
+    with pytest.raises(ValueError, match="not in them"):
+        engine.measure([keys[0]._replace(num_pages=7)])
+
+
+def test_a_plan_without_cached_step_costs_times_three_programs_a_phase_and_then_reads_them_back(tiny_llama, compile_cache, cost_cache, monkeypatch):
+    import types
+
+    from jaxinfer.batch import planning
+    from jaxinfer.scheduling.plan import BucketKey
+
+    cfg, params = tiny_llama
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    llm = types.SimpleNamespace(engine=engine)
+    # max_context 512 and 16 sequences: 14 prefill keys and 16 decode keys; least, middle (8th of 15, 9th of 16) and most work
+    assert planning.anchor_keys(EngineConfig(max_context=512, max_num_seqs=16)) == [
+        BucketKey("prefill", 1, 32, 1), BucketKey("prefill", 1, 160, 4), BucketKey("prefill", 1, 512, 8),
+        BucketKey("decode", 1, 1, 1), BucketKey("decode", 8, 1, 2), BucketKey("decode", 16, 1, 8)]
+    anchors = planning.anchor_keys(engine.engine_cfg)  # ENGINE's tables: two keys a phase (2 and 8 pages), each an anchor
+    assert sorted(anchors) == sorted(engine.bucket_keys())
+    costs = planning.engine_costs(llm)
+    assert costs is engine.step_costs and set(costs.programs) == set(anchors) and set(engine._programs) == set(anchors)
+    again = planning.engine_costs(types.SimpleNamespace(engine=Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))))
+    assert set(again.programs) == set(anchors)  # the cache file the timing saved
+    monkeypatch.setenv(tuning_cache.STEP_TIMING_ENV, "0")  # nothing timed: the prior
+    assert set(planning.engine_costs(llm).programs) == set(planning.prior_costs().programs)

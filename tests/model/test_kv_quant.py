@@ -12,7 +12,8 @@ from conftest import FIXTURES
 from jaxinfer.model import kv_pool as kvp
 from jaxinfer.scheduling import runloop
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.engine import Engine, PoolTooLargeError, resolve_num_pages
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.pool_size import PoolTooLargeError, resolve_num_pages
 from jaxinfer.scheduling.stopping import OutputProcessor
 from jaxinfer.scheduling.request import Request, SamplingParams
 from jaxinfer.validation import FieldError
