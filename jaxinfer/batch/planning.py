@@ -427,21 +427,22 @@ def _as_given(base: EngineConfig, requests: list[SimRequest], costs: StepCosts) 
 
 
 def engine_costs(llm) -> StepCosts:
-    """The step costs a plan prices with, before warm-up: this machine's cached table for the model as loaded
-    (tuning_cache, keyed as the engine keys it), else the engine's own table after timing `anchor_keys` of its
-    tables (Engine.measure: a few compiles, kept for warm-up), else (JAXINFER_TUNE=0, which times nothing)
-    `prior_costs()`."""
+    """The step costs a plan prices with, before warm-up: the engine's table (this machine's cached one for the
+    model as loaded, tuning_cache) with `anchor_keys` of its tables timed where it lacks them (Engine.measure: a
+    few compiles, kept for warm-up). A cached table can hold only the tuner's probe programs, whose narrow spread
+    of work fixes no line. Under JAXINFER_TUNE=0, which times nothing: `prior_costs()`."""
     from jaxinfer.engine import tuning_cache  # noqa: PLC0415
 
     if not tuning_cache.step_timing_runs():
         return prior_costs()
-    cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), llm.engine.costs_key())
-    if cached is not None and cached.programs:
-        return cached
-    keys = anchor_keys(llm.engine.engine_cfg)
-    print(f"plan: no step costs of this model on this machine yet; compiling and timing {len(keys)} programs to price the plan...", file=sys.stderr)
-    llm.engine.measure(keys)
-    return llm.engine.step_costs
+    engine = llm.engine
+    keys = anchor_keys(engine.engine_cfg)
+    engine.read_cached_costs()
+    missing = [k for k in keys if not engine.step_costs.measured(k)]
+    if missing:
+        print(f"plan: timing {len(missing)} programs this machine has no step costs of yet, to price the plan...", file=sys.stderr)
+        engine.measure(missing)
+    return engine.step_costs
 
 
 def apply_plan(llm, plan: Plan) -> None:

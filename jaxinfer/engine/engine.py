@@ -309,12 +309,18 @@ class Engine:
         self.time_programs()
 
     def measure(self, keys: list[BucketKey]) -> None:
-        """Compile the programs of these bucket keys (of the current tables) that the engine lacks, with their draw
-        programs, and time those the step-cost table lacks, as warm-up does: a plan made before warm-up prices its
-        choices on them when this machine has no step costs for the model (batch/planning.engine_costs)."""
+        """Time these bucket keys' programs (of the current tables) as warm-up does, where neither this machine's
+        cached table nor a run so far measured them, compiling those (and their draw programs) first: a plan made
+        before warm-up prices its choices on them (batch/planning.engine_costs). Nothing under JAXINFER_TUNE=0."""
+        from jaxinfer.engine import tuning_cache  # noqa: PLC0415
+
         outside = set(keys) - set(self.bucket_keys())
         if outside:
             raise ValueError(f"measure takes keys of the engine's tables; not in them: {sorted(outside)}")
+        if not tuning_cache.step_timing_runs():
+            return
+        self.read_cached_costs()
+        keys = [k for k in keys if not self.step_costs.measured(k)]
         slots = {_num_slots(k, self.engine_cfg) for k in keys}
         self._compile_missing([k for k in self.missing_programs(self.engine_cfg) if k in keys or k in slots])
         self.time_programs(keys=keys)
@@ -402,11 +408,8 @@ class Engine:
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
 
         runs = tuning_cache.step_timing_runs() if runs is None else runs
-        if runs and self.costs_key() not in self._costs_read:  # read once per key: a second warm-up adds nothing
-            self._costs_read.add(self.costs_key())
-            cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key())
-            if cached is not None:  # into the table itself: llm.step_costs() keeps returning the one every step refines
-                self.step_costs.fill_from(cached)
+        if runs:
+            self.read_cached_costs()
         tables = BucketTables.from_config(self.engine_cfg)
         missing = [key for key in (self.bucket_keys() if keys is None else keys) if not self.step_costs.measured(key)]  # real or warm-up runs
         for key in missing if runs else []:
@@ -419,6 +422,17 @@ class Engine:
             host_memory.trim_heap()  # a first run's freed buffers, before the next program's
         if missing and runs:
             self.save_step_costs()
+
+    def read_cached_costs(self) -> None:
+        """This machine's cached step-cost table for what the engine runs, into the table itself (llm.step_costs()
+        keeps returning the one every step refines); read once per key: a second warm-up adds nothing."""
+        from jaxinfer.engine import tuning_cache  # noqa: PLC0415
+
+        if self.costs_key() not in self._costs_read:
+            self._costs_read.add(self.costs_key())
+            cached = tuning_cache.read_step_costs(tuning_cache.cache_dir(), self.costs_key())
+            if cached is not None:
+                self.step_costs.fill_from(cached)
 
     def costs_key(self) -> str:
         """The tuner's cache key of what this engine runs (its resolved implementations and weight formats)."""

@@ -130,7 +130,24 @@ def test_a_plan_without_cached_step_costs_times_three_programs_a_phase_and_then_
     assert sorted(anchors) == sorted(engine.bucket_keys())
     costs = planning.engine_costs(llm)
     assert costs is engine.step_costs and set(costs.programs) == set(anchors) and set(engine._programs) == set(anchors)
-    again = planning.engine_costs(types.SimpleNamespace(engine=Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))))
-    assert set(again.programs) == set(anchors)  # the cache file the timing saved
+    again = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    assert set(planning.engine_costs(types.SimpleNamespace(engine=again)).programs) == set(anchors)  # the cache file the timing saved
+    assert again._programs == {}  # read, not compiled again
     monkeypatch.setenv(tuning_cache.STEP_TIMING_ENV, "0")  # nothing timed: the prior
     assert set(planning.engine_costs(llm).programs) == set(planning.prior_costs().programs)
+
+
+def test_a_plan_times_the_anchor_programs_a_cached_table_lacks(tiny_llama, compile_cache, cost_cache):
+    """The tuner's probe engines save their few programs' timings under the engine's key: the plan times the rest."""
+    import types
+
+    from jaxinfer.batch import planning
+
+    cfg, params = tiny_llama
+    probe = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    anchors = planning.anchor_keys(probe.engine_cfg)
+    probe.measure(anchors[:1])  # the cache file now holds one anchor
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    costs = planning.engine_costs(types.SimpleNamespace(engine=engine))
+    assert set(costs.programs) == set(anchors) and set(engine._programs) == set(anchors[1:])
+    assert costs.programs[anchors[0]].warmup == pytest.approx(probe.step_costs.programs[anchors[0]].warmup, abs=1e-6)  # read from the file
