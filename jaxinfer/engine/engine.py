@@ -393,12 +393,13 @@ class Engine:
         refit between steps with the `programs` compile_programs made (added to the table; none is dropped, so a
         plan already made on the old tables still runs). Its scheduler must take the new tables at the same moment."""
         changed = [name for name in self._KEPT_FIELDS if getattr(engine_cfg, name) != getattr(self.engine_cfg, name)]
+        if BucketTables.from_config(engine_cfg).packed_seqs != BucketTables.from_config(self.engine_cfg).packed_seqs:
+            changed.append("prefill_packing")  # a packed prefill program takes other inputs under the same bucket key
         if changed:
             raise ValueError(f"use_config cannot change {', '.join(changed)} of a built engine")
         for key, program in (programs or {}).items():
             (self._draws if isinstance(key, int) else self._programs)[key] = program
-        self.engine_cfg = engine_cfg
-        self._costs_key = None  # the same key unless prefill packing changed (tables and batch limits are not part of it: step_costs_key)
+        self.engine_cfg = engine_cfg  # costs_key stays: tables and batch limits are not part of it (step_costs_key)
 
     def time_programs(self, runs: int | None = None, keys: list[BucketKey] | None = None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then

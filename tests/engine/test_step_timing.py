@@ -77,6 +77,8 @@ def test_a_second_warm_up_reads_the_cache_once_and_every_table_shares_one_file(t
     assert set(engine.bucket_keys()) | new_keys <= set(saved.programs)  # both tables' programs in the one file
     packed = Engine(cfg, params, dataclasses.replace(engine.engine_cfg, prefill_packing=not BucketTables.from_config(engine.engine_cfg).packed))
     assert packed.costs_key() != first_key  # a packed prefill program is another program under the same key
+    with pytest.raises(ValueError, match="cannot change prefill_packing"):  # so a built engine's programs cannot swap it
+        engine.use_config(packed.engine_cfg)
 
 
 def test_under_jaxinfer_tune_0_nothing_is_timed_read_or_written(tiny_llama, compile_cache, cost_cache, monkeypatch):
