@@ -34,6 +34,7 @@ from jaxinfer.model.attention import CPU_IMPL, DETERMINISTIC_IMPL, DETERMINISTIC
 from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
 from kernels_cpu import quant_matmul as cpu_quant_matmul
+from kernels_cpu.build import has_int8_vector_path
 
 W8A8_MATMULS = ("int8", "cpu_int8")  # activations quantized to int8: offered only under dtype="auto" or pinned
 
@@ -206,3 +207,14 @@ def resolve_quantization(quantization: str | None, model_path, pins: Impls, *, o
     dtype = "float32" if pins.dtype == "auto" else pins.dtype
     usable = gguf_file and kernel_may_run and cpu_kernel_obstacle(dtype, on_mesh=on_mesh, quantized=True) is None
     return "gguf" if usable else None
+
+
+def kernel_first(candidates: list, vector_path: bool | None = None, *, dense_fits: bool = False) -> list:
+    """The tuner's `candidates` (tuning.Candidate) with matmul 'cpu_int8' (it multiplies kept blocks as they are) first,
+    its score pruning the slower ones (tuning.PRUNE_FACTOR). On a CPU without its vector path (`vector_path` None:
+    kernels_cpu.build.has_int8_vector_path()), where its int8 dots are scalar loops and it is the slow one, last; left
+    out there where the blocks' dense copy fits (`dense_fits`) and another candidate remains."""
+    kernel, others = [c for c in candidates if c.matmul_impl == "cpu_int8"], [c for c in candidates if c.matmul_impl != "cpu_int8"]
+    if has_int8_vector_path() if vector_path is None else vector_path:
+        return kernel + others
+    return others if dense_fits and others else others + kernel

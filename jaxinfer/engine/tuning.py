@@ -17,10 +17,10 @@ candidate (matmul 'cpu_int8') is checked instead against its exact reference (th
 fake-quantized by their rule: model/w8a8_reference.py), whole and matmul by matmul (numerics_check.py). The attention
 implementation is chosen first, per compute dtype, by timing each one alone on contexts of the engine's
 own size (tune_attention.py: the probe's are too short to tell them apart); only the default candidates
-with the winner are then timed whole. The passing
-candidate with the least `score` wins; one whose first steps score above PRUNE_FACTOR times the best so far
-is not timed further and cannot win. Under quantization='auto' the kernel's candidates are timed first
-(`kernel_first`), so that the others, which dequantize the kept blocks, stop after a prefill and a decode step. The choice is cached (tuning_cache.py) per machine fingerprint, jaxlib version, model
+with the winner are then timed whole. The passing candidate with the least `score` wins; one whose first steps
+score above PRUNE_FACTOR times the best so far is not timed further and cannot win. Under quantization='auto' the
+kernel's candidates are timed first (`backends.kernel_first`; without AVX-512 VNNI, whose int8 dots are then scalar
+loops, last, or not at all where the dense copy fits), so that the others, which dequantize the kept blocks, stop after a prefill and a decode step. The choice is cached (tuning_cache.py) per machine fingerprint, jaxlib version, model
 geometry and engine limits (`cache_key`), under `cache_dir()`; a cached start reads one small JSON file.
 
 Weights under quantization='auto' (the default; backends.resolve_quantization): a GGUF's blocks are loaded kept where the
@@ -39,7 +39,6 @@ reference's prefill (tokens x dequantized weights) is shorter; the table's "prob
 The float32 reference itself reads the kept blocks as they are: each layer's matrices dequantized inside the
 layer scan, and the head (tied or not, kept or packed) REFERENCE_HEAD_ROWS vocabulary entries at a time
 (`reference_logits`): no dense or packed copy of any weight (Llama-3.2-1B Q4_K_M: 1.7 -> 0.3 GB above the load).
-
 Imports jax and the engine (it builds one per candidate); api.py imports this module, never the reverse.
 """
 
@@ -455,13 +454,6 @@ def narrow_attention(cfg: ModelConfig, engine_cfg: EngineConfig, candidates: lis
     return [c for c in candidates if c.attention_impl == chosen[c.dtype]], rows
 
 
-def kernel_first(candidates: list[Candidate]) -> list[Candidate]:
-    """`candidates` with those that multiply kept blocks as they are (matmul 'cpu_int8') first, in order: every
-    other candidate dequantizes the blocks, so the kernel's score, measured first, prunes the slower ones after
-    one generation (PRUNE_FACTOR) instead of timing them fully before it."""
-    return sorted(candidates, key=lambda c: c.matmul_impl != "cpu_int8")
-
-
 def fixed_choice(pins: Impls) -> Impls:
     """The choice without measuring: float32 for an auto dtype, the engine's fixed rules for the rest."""
     return Impls("float32" if pins.dtype == "auto" else pins.dtype, pins.attention_impl, pins.matmul_impl)
@@ -485,7 +477,7 @@ def tune(cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, pins: Impls
                 progress(row)
     candidates = [c for c in candidates if c.fits(pins)]  # pins hold
     if auto_weights:
-        candidates = kernel_first(candidates)
+        candidates = backends.kernel_first(candidates, dense_fits=dense_fits(params))
     if not candidates:
         raise ValueError(f"no candidate keeps the pins {pins}")
     if prompt_ids is None:

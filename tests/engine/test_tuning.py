@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.loading import loading
-from jaxinfer.engine import tuning
+from jaxinfer.engine import backends, tuning
 from jaxinfer.model.attention import CPU_IMPL
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.backends import Impls, resolve_matmul_impl
@@ -369,7 +369,30 @@ def test_kept_block_candidates_time_the_kernel_first_and_keep_the_rest_in_order(
     that their score prunes the ones that dequantize the blocks after their first steps."""
     found = [tuning.Candidate("float32", "cpu", "xla"), tuning.Candidate("float32", "cpu", "cpu"), BF16_XLA,
              tuning.Candidate("float32", "reference", "cpu_int8"), tuning.Candidate("float32", "cpu", "cpu_int8")]
-    assert [c.name for c in tuning.kernel_first(found)] == [found[3].name, found[4].name, found[0].name, found[1].name, BF16_XLA.name]
+    assert [c.name for c in backends.kernel_first(found, vector_path=True)] == [found[3].name, found[4].name, found[0].name, found[1].name, BF16_XLA.name]
+
+
+def test_without_the_kernels_vector_path_the_kept_block_candidates_are_timed_last():
+    """On a CPU without AVX-512 VNNI the kernel's int8 dots are scalar loops (33x XLA's score on an AMD EPYC with AVX2):
+    timed last, so the others' scores prune it after its first steps, and not at all where XLA can run the dense copy."""
+    found = [tuning.Candidate("float32", "reference", "cpu_int8"), tuning.Candidate("float32", "cpu", "xla"), BF16_XLA,
+             tuning.Candidate("float32", "cpu", "cpu_int8")]
+    assert [c.name for c in backends.kernel_first(found, vector_path=False)] == [found[1].name, BF16_XLA.name, found[0].name, found[3].name]
+    assert [c.name for c in backends.kernel_first(found, vector_path=False, dense_fits=True)] == [found[1].name, BF16_XLA.name]  # never the fastest then
+    assert backends.kernel_first([found[0], found[3]], vector_path=False, dense_fits=True) == [found[0], found[3]]  # pinned to the kernel
+    assert backends.kernel_first(found, vector_path=True, dense_fits=True)[:2] == [found[0], found[3]]
+
+
+def test_the_vector_path_is_read_from_the_cpus_flags(monkeypatch):
+    from kernels_cpu import build
+
+    zen4 = "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+    monkeypatch.setattr(build, "_cpu_identity", lambda: zen4)
+    assert build.has_int8_vector_path()
+    monkeypatch.setattr(build, "_cpu_identity", lambda: zen4.replace(" avx512_vnni", ""))  # Skylake-X: AVX-512 without VNNI
+    assert not build.has_int8_vector_path()
+    monkeypatch.setattr(build, "_cpu_identity", lambda: "model name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma")  # an AVX2 machine
+    assert not build.has_int8_vector_path()
 
 
 def test_kept_blocks_too_large_to_expand_build_only_the_kernel_once_it_passes(monkeypatch, cpu_kernels, engine_cfg):
