@@ -141,9 +141,10 @@ def test_scheduling_lab_compares_policies_draws_frontiers_and_puts_predictions_b
         # More load never costs throughput: the highest rate's is at least the lowest's, within 5%. (Not strictly
         # above it: the costs are this machine's, measured in the notebook, and on a loaded machine even the lowest
         # rate saturates it, so the two differ by noise: 2.134 against 2.106 tokens/s once. Not near the best
-        # either: past its deadlines edf sheds requests, and with them output tokens.)
+        # either.) Except what a policy sheds: past its deadlines edf drops requests, and their output tokens with
+        # them (on an AVX2-only AMD EPYC, whose costs are ~3x, 2.818 against 3.143 tokens/s once).
         throughput = [p["output_tokens_per_s"] for p in points]
-        assert throughput[-1] >= 0.95 * throughput[0] > 0, policy
+        assert throughput[0] > 0 and (throughput[-1] >= 0.95 * throughput[0] or points[-1]["timeouts"] > points[0]["timeouts"]), (policy, points)
     assert [r["policy"] for r in probe["rows"]] == ["fcfs", "shortest-prompt"]
     assert all(0.5 < r["predicted_wall_s"] / r["wall_s"] < 2.0 for r in probe["rows"])  # loose: a shared, loaded machine
     assert _num_images(notebook) == 1
