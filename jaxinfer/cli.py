@@ -115,7 +115,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--matmul", default=_engine_default("matmul_impl"), choices=MATMUL_IMPLS,
-        help="layer matmuls: auto (tuned like --dtype; with JAXINFER_TUNE=0 the CPU kernel exactly when --attention is), "
+        help="layer matmuls: auto (tuned like --dtype; with JAXINFER_TUNE=0 the CPU kernel exactly when --attention is and the CPU has AVX-512, else xla), "
         "xla (XLA's dot), cpu (the C++ panel kernel, f32 on a CPU), int8 (W8A8 with --quantization int8, or a Q8_0 GGUF "
         "with --quantization gguf: activations quantized in blocks of 32, XLA's int8 dot), cpu_int8 (the C++ kernels, with int8, Q8_0, "
         "Q4_0 and Q4_1 weights multiplied W8A8 in blocks of 32 by the quantized-matmul kernel: --quantization int8 or gguf); "

@@ -34,7 +34,7 @@ from jaxinfer.model.attention import CPU_IMPL, DETERMINISTIC_IMPL, DETERMINISTIC
 from kernels_cpu import layer_matmul as cpu_layer_matmul
 from kernels_cpu import paged_attention as cpu_kernel
 from kernels_cpu import quant_matmul as cpu_quant_matmul
-from kernels_cpu.build import has_int8_vector_path
+from kernels_cpu.build import has_int8_vector_path, has_matmul_vector_path
 
 W8A8_MATMULS = ("int8", "cpu_int8")  # activations quantized to int8: offered only under dtype="auto" or pinned
 
@@ -125,14 +125,16 @@ def resolve_impl(impl: str, *, deterministic: bool = False, dtype=None, kv_cache
 
 
 def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on_mesh: bool, int8_weights: bool = False,
-                        affine_weights: bool = False) -> str:
+                        affine_weights: bool = False, vector_path: bool | None = None) -> str:
     """'xla', 'cpu', 'int8' or 'cpu_int8' for an EngineConfig.matmul_impl, given the resolved attention impl.
-    'auto' is 'cpu' exactly when the attention is the CPU kernel (quantized matrices then stay as they are, only
-    dense ones are packed). An explicit impl that cannot run raises ValueError, naming why, before anything is
-    packed. `int8_weights`: the params hold int8-coded matrices (quantization='int8', or a GGUF's Q8_0 kept);
+    'auto' is 'cpu' exactly when the attention is the CPU kernel and this CPU has the layer-matmul kernel's wide
+    path (`vector_path` None: kernels_cpu.build.has_matmul_vector_path(); without it XLA's dot is the faster one),
+    else 'xla' (under 'cpu' quantized matrices stay as they are, only dense ones are packed). An explicit impl that
+    cannot run raises ValueError, naming why, before anything is packed. `int8_weights`: the params hold int8-coded matrices (quantization='int8', or a GGUF's Q8_0 kept);
     `affine_weights`: they hold matrices the quantized kernel reads (int8, or a GGUF's Q8_0, Q4_0 or Q4_1)."""
     if matmul_impl == "auto":
-        return "cpu" if attention_impl == CPU_IMPL else "xla"
+        wide = has_matmul_vector_path() if vector_path is None else vector_path
+        return "cpu" if attention_impl == CPU_IMPL and wide else "xla"
     if matmul_impl in ("cpu", "cpu_int8") and (obstacle := cpu_kernel_obstacle(dtype, on_mesh=on_mesh, quantized=matmul_impl == "cpu_int8")):
         raise ValueError(f"matmul_impl={matmul_impl!r}: the CPU kernels {obstacle}; use matmul_impl='auto' or 'xla'")
     if matmul_impl == "cpu_int8" and not affine_weights:

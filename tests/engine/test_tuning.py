@@ -8,6 +8,8 @@ the environment variable for LLM and the CLI) and keep the cache in a temporary 
 
 import dataclasses
 import json
+import pathlib
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -148,8 +150,19 @@ def test_cpu_attention_runs_with_xla_dots(tiny, engine_cfg, cpu_kernels):
 def test_explicit_cpu_matmul_that_cannot_run_is_refused():
     with pytest.raises(ValueError, match="matmul_impl='cpu'.*float32"):
         resolve_matmul_impl("cpu", "reference", dtype="bfloat16", on_mesh=False)
-    assert resolve_matmul_impl("auto", "cpu", dtype="float32", on_mesh=False) == "cpu"
     assert resolve_matmul_impl("auto", "reference", dtype="float32", on_mesh=False) == "xla"
+
+
+def test_the_untuned_matmul_is_the_cpu_kernel_only_beside_its_attention_on_a_cpu_with_its_wide_path():
+    """Without AVX-512 the layer-matmul kernel's AVX2 tiles lose to XLA's dot (build.has_matmul_vector_path), so the fixed
+    rule (JAXINFER_TUNE=0) keeps XLA's there, as the tuner chose on such a CPU."""
+    for wide in (True, False):
+        assert resolve_matmul_impl("auto", "cpu", dtype="float32", on_mesh=False, vector_path=wide) == ("cpu" if wide else "xla")
+        assert resolve_matmul_impl("auto", "reference", dtype="float32", on_mesh=False, vector_path=wide) == "xla"
+        assert resolve_matmul_impl("cpu", "cpu", dtype="float32", on_mesh=False, vector_path=wide) == "cpu"  # a pin is kept
+    flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    here = "cpu" if re.search(r"^flags\s*:.*\bavx512f\b", flags, re.M) else "xla"
+    assert resolve_matmul_impl("auto", "cpu", dtype="float32", on_mesh=False) == here
 
 
 def test_llm_applies_a_cached_bfloat16_choice_for_auto_dtype(tiny_chat_model, tiny, compile_cache, tmp_path, monkeypatch):
