@@ -130,7 +130,8 @@ def resolve_matmul_impl(matmul_impl: str, attention_impl: str, *, dtype: str, on
     'auto' is 'cpu' exactly when the attention is the CPU kernel and this CPU has the layer-matmul kernel's wide
     path (`vector_path` None: kernels_cpu.build.has_matmul_vector_path(); without it XLA's dot is the faster one),
     else 'xla' (under 'cpu' quantized matrices stay as they are, only dense ones are packed). An explicit impl that
-    cannot run raises ValueError, naming why, before anything is packed. `int8_weights`: the params hold int8-coded matrices (quantization='int8', or a GGUF's Q8_0 kept);
+    cannot run raises ValueError, naming why, before anything is packed. `int8_weights`: the params hold int8-coded
+    matrices (quantization='int8', or a GGUF's Q8_0 kept);
     `affine_weights`: they hold matrices the quantized kernel reads (int8, or a GGUF's Q8_0, Q4_0 or Q4_1)."""
     if matmul_impl == "auto":
         wide = has_matmul_vector_path() if vector_path is None else vector_path
