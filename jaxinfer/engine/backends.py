@@ -176,14 +176,20 @@ def _backend_combos(backend: str, *, int8_weights: bool, affine_weights: bool) -
     return combos + ([("float32", a, "cpu_int8") for a in ("reference", CPU_IMPL)] if affine_weights else [])
 
 
-def candidates(pins: Impls, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False) -> list[Impls]:
+def candidates(pins: Impls, backend: str | None = None, *, int8_weights: bool = False, affine_weights: bool = False,
+               vector_path: bool | None = None) -> list[Impls]:
     """The impls of this backend the tuner may time, keeping the pins. W8A8 matmuls (bench_quant_w8a8.json:
     +0.62% perplexity over f32 on SmolLM2, inside the 1% the tuner may trade for speed) only under dtype="auto"
     or a matmul pinned to one: an explicit dtype means that compute dtype for every matmul. A pinned float16 is
-    offered through XLA."""
-    combos = _backend_combos(backend or jax.default_backend(), int8_weights=int8_weights, affine_weights=affine_weights)
+    offered through XLA. The dense layer-matmul kernel (matmul 'cpu') only on a CPU with its wide path (`vector_path`
+    None: kernels_cpu.build.has_matmul_vector_path()) or pinned: its AVX2 tiles lose to XLA's dot (docs/tuning.md:
+    13x XLA's probe prefill on an AMD EPYC with AVX2), so timing it there only costs its compile and probe."""
+    backend = backend or jax.default_backend()
+    combos = _backend_combos(backend, int8_weights=int8_weights, affine_weights=affine_weights)
     if pins.dtype != "auto" and pins.matmul_impl not in W8A8_MATMULS:
         combos = [c for c in combos if c[2] not in W8A8_MATMULS]
+    if backend == "cpu" and pins.matmul_impl != "cpu" and not (has_matmul_vector_path() if vector_path is None else vector_path):
+        combos = [c for c in combos if c[2] != "cpu"]
     combos += [] if pins.dtype in ("auto", "float32", "bfloat16") else [(pins.dtype, "reference", "xla")]
     return [impls for impls in (Impls(*combo) for combo in combos) if impls.fits(pins)]
 
