@@ -152,7 +152,9 @@ def _proposals(watch: DriftWatch, sizes) -> list[int]:
     """The prefill steps at which the watch proposed a table, fed one row of each size (swapped in at once)."""
     plans, steps = {}, []
     for step, n in enumerate(np.minimum(sizes, TOP)):
-        plan = plans.setdefault(int(n), _prefill(int(n)))
+        plan = plans.get(int(n))
+        if plan is None:  # built once per size (setdefault's default would be built every step)
+            plan = plans[int(n)] = _prefill(int(n))
         new = watch.observe(plan)
         if new is not None:
             steps.append(step)
