@@ -14,7 +14,6 @@ Owns: LLM and one stream's state (`_StreamRun`). What a request gives back is ou
 
 import dataclasses
 import functools
-import heapq
 import itertools
 import threading
 import time
@@ -33,6 +32,7 @@ from jaxinfer.model.params import Params
 from jaxinfer.options import LoadOptions
 from jaxinfer.outputs import RequestOutput, Samples, output_of
 from jaxinfer.scheduling import guided, runloop
+from jaxinfer.scheduling.arrivals import Arrivals
 from jaxinfer.scheduling.block_pool import BlockPool
 from jaxinfer.scheduling.kv_manager import page_release_window
 from jaxinfer.scheduling.replicas import Router
@@ -47,44 +47,33 @@ _PROGRESS_MIN_REQUESTS = 8  # show a progress bar for jobs at least this large
 _TRUNCATE_MARGIN = 64  # tokens past the ones kept that a cut text prompt must still give (a cut changes only the last few)
 
 
+class _TuningBar:
+    """The tuner's progress (a bar counting its measurements, total unknown beforehand), opened at its first
+    measurement: a cached or fixed choice measures nothing and shows no bar."""
+
+    def __init__(self, show: bool):
+        self.show, self.bar = show, None
+
+    def update(self, measurement) -> None:
+        if self.show and self.bar is None:
+            self.bar = tqdm(desc="tuning on this machine (cached for later starts)", unit="measurement", leave=False)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def __enter__(self) -> "_TuningBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 @dataclasses.dataclass
 class Replica:
     """One model replica: an engine on its own devices and the block pool of its KV pool."""
 
     engine: Engine
     block_pool: BlockPool
-
-
-class _Arrivals:
-    """Replayed prompts (Prompt.arrival_s) not yet arrived, by due time; the stream admits each between
-    steps once its time has come, and sleeps to the next one when nothing runs."""
-
-    def __init__(self, start: float):
-        self.start, self._heap, self._order = start, [], itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def hold(self, prompts: list["Prompt"]) -> list["Prompt"]:
-        """Keep the prompts that arrive later; return those due now (no arrival time, or already past)."""
-        now = time.perf_counter()
-        for prompt in prompts:
-            if prompt.arrival_s is not None:
-                heapq.heappush(self._heap, (self.start + prompt.arrival_s, next(self._order), prompt))
-        return [p for p in prompts if p.arrival_s is None] + self.due(now)
-
-    def due(self, now: float | None = None) -> list["Prompt"]:
-        now = time.perf_counter() if now is None else now
-        ready = []
-        while self._heap and self._heap[0][0] <= now:
-            ready.append(heapq.heappop(self._heap)[2])
-        return ready
-
-    def wait(self) -> None:
-        time.sleep(max(0.0, self._heap[0][0] - time.perf_counter()))
-
-    def time_of(self, prompt: "Prompt") -> float | None:
-        return None if prompt.arrival_s is None else self.start + prompt.arrival_s
 
 
 class LLM:
@@ -115,12 +104,15 @@ class LLM:
         control token. None (the default): yes in plain prompts (as llama.cpp's `special=True`), never
         in chat message content, so a message cannot inject a role; False: never; True: in both.
       options: the fields above as one validated `LoadOptions` (what the CLI and the Ray actors pass).
+      warmup: compile every program now (False: call `warmup()` before the first request).
+      progress: progress bars on stderr while a first start on this machine tunes and while warm-up compiles and times
+        the programs, each phase's with its total (False: none).
     """
 
     def __init__(
         self, model=None, *, dtype: str = "auto", quantization: str | None = "auto", group_size: int | None = None,
         tensor_parallel: int = 1, data_parallel: int = 1, parse_special: bool | None = None, options: LoadOptions | None = None,
-        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+        engine_config: EngineConfig | None = None, warmup: bool = True, progress: bool = True, **engine_overrides,
     ):
         fields = dict(dtype=dtype, quantization=quantization, group_size=group_size, tensor_parallel=tensor_parallel, data_parallel=data_parallel, parse_special=parse_special)
         if options is not None and fields != dataclasses.asdict(LoadOptions()):
@@ -130,29 +122,31 @@ class LLM:
         tokenizer = tok.tokenizer_or_missing(model)  # before the weights: a tokenizer that cannot load fails at once
         model_config, params = loading.load_for_engine(model, options, engine_config)
         self._start(model_config, params, tokenizer, engine_config, options, warmup=warmup, dtype=options.dtype,
-                    quantization=options.quantization)
+                    quantization=options.quantization, progress=progress)
 
     @classmethod
     def from_params(
         cls, model_config: ModelConfig, params: Params, tokenizer: tok.TextTokenizer, *, options: LoadOptions | None = None,
-        engine_config: EngineConfig | None = None, warmup: bool = True, **engine_overrides,
+        engine_config: EngineConfig | None = None, warmup: bool = True, progress: bool = True, **engine_overrides,
     ) -> "LLM":
         """An LLM over a model already in memory (for experiments that build or transform params
         themselves); the same engines, checks and run loop as `LLM(path)`. `options` gives the
         parallel layout and parse_special (its dtype and quantization are the params' own: the dtype is
-        pinned; attention_impl and matmul_impl left at "auto" are tuned)."""
+        pinned; attention_impl and matmul_impl left at "auto" are tuned). `warmup`, `progress`: as LLM's."""
         llm = cls.__new__(cls)
         llm._start(model_config, params, tokenizer, EngineConfig.with_overrides(engine_config, **engine_overrides), options or LoadOptions(),
-                   warmup=warmup, quantization=None)
+                   warmup=warmup, quantization=None, progress=progress)
         return llm
 
     def _start(self, model_config, params, tokenizer, engine_config: EngineConfig, options: LoadOptions, *, warmup: bool, dtype: str | None = None,
-               quantization: str | None = None) -> None:
+               quantization: str | None = None, progress: bool = True) -> None:
         """`dtype`: the compute dtype asked for, "auto" (tuned) or pinned; None pins the params' own.
         `quantization`: what the params were loaded for (LoadOptions.quantization; None for params given as
         they are, whose quantized matrices are never made dense)."""
         pins = tuning.Impls(dtype or model_config.dtype, engine_config.attention_impl, engine_config.matmul_impl)
-        self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=None if isinstance(tokenizer, MissingTokenizer) else tokenizer, quantization=quantization, on_mesh=options.on_mesh)
+        with _TuningBar(progress) as bar:
+            self.tuning = tuning.choose_for_model(model_config, params, engine_config, pins, tokenizer=None if isinstance(tokenizer, MissingTokenizer) else tokenizer,
+                                                  quantization=quantization, on_mesh=options.on_mesh, progress=bar.update)
         model_config, params, engine_config = tuning.apply_choice(self.tuning.choice, model_config, params, engine_config, quantization)
         if engine_config.release_window != page_release_window(model_config):  # a windowed model hands pages back (kv_manager)
             engine_config = EngineConfig.with_overrides(engine_config, release_window=page_release_window(model_config))
@@ -161,12 +155,18 @@ class LLM:
         self.engine, self.block_pool = self.replicas[0].engine, self.replicas[0].block_pool
         self.choices = dataclasses.replace(self.tuning.choice, attention_impl=self.engine.impl, matmul_impl=self.engine.matmul_impl)
         if warmup:
-            for replica in self.replicas:
-                replica.engine.warmup()
+            self.warmup(progress)
         self.last_stats = None
         self.replica_stats: list = []  # per replica, of the latest stream
         self.last_routes: list[int] = []  # replica of each prompt of the latest stream, in input order
         self._running = threading.Lock()  # one stream at a time: the replicas' pools are not shared safely
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every replica's programs and time those its step-cost table lacks, as `LLM(...)` does unless
+        warmup=False; programs already compiled are kept. `progress`: a bar per phase with work, with its total."""
+        bars = functools.partial(tqdm, unit="program", leave=False, disable=not progress)
+        for replica in self.replicas:
+            replica.engine.warmup(bars)
 
     def _replica(self, index: int, params: Params) -> Replica:
         mesh = None  # one device, no mesh: the programs of a plain engine
@@ -488,7 +488,7 @@ class _StreamRun:
         self.schedulers = [Scheduler(cfg, r.engine.num_pages, block_pool=r.block_pool) for r in llm.replicas]
         self.processors = [OutputProcessor(llm._decode, llm.tokenizer.eos_id, cfg.max_context) for _ in llm.replicas]
         self.router = Router([r.block_pool for r in llm.replicas], page_size=cfg.page_size, enable_prefix_caching=cfg.enable_prefix_caching)
-        self.arrivals = _Arrivals(time.perf_counter())
+        self.arrivals = Arrivals(time.perf_counter())
         self.samples = Samples()
         self.loops: dict[int, Iterator[Request]] = {}  # replica -> its run loop, while it has work
         self.routes: list[int] = []  # replica of each prompt, in submission order

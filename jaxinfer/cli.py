@@ -217,7 +217,7 @@ def _add_generate_io_args(gen: argparse.ArgumentParser) -> None:
         "--no-parse-special", action="store_true",
         help="treat control-token text in prompts (e.g. '<|im_start|>') as plain text; chat message content is always plain text",
     )
-    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bars (the tuner's on a first start, warm-up's compiling and timing, the requests')")
     gen.add_argument(
         "--format", default="auto", choices=INPUT_FORMATS,
         help="--input format: jaxinfer's lines, or OpenAI Batch requests (custom_id, method, url, body) as vllm run-batch reads them, "
@@ -312,7 +312,7 @@ def _make_llm(args, load_options: LoadOptions, engine_config):
 
     print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct Q4_1)'} and compiling the engine's programs...", file=sys.stderr)
     try:
-        return LLM(args.model, options=load_options, engine_config=engine_config)
+        return LLM(args.model, options=load_options, engine_config=engine_config, progress=not getattr(args, "no_progress", False))
     except ValueError as e:
         raise _with_flag_names(e, _ENGINE_FLAGS) from None
 

@@ -467,7 +467,7 @@ def plan_job(job, args, load_options, engine_config, options: PlanOptions = Plan
         print("plan: no line to run, nothing to plan", file=sys.stderr)
         return None
     print(f"loading {args.model or 'the default model'} to plan the job (no compile yet)...", file=sys.stderr)
-    llm = LLM(args.model, options=load_options, engine_config=engine_config, warmup=False)
+    llm = LLM(args.model, options=load_options, engine_config=engine_config, warmup=False, progress=not args.no_progress)
     given = dataclasses.replace(llm.engine_config, num_pages=llm.engine.num_pages)
     sample = sample_job(job, llm, options)
     if sample is None:  # every sampled line is an error record (a prompt over the context, ...): the job writes them
@@ -478,8 +478,7 @@ def plan_job(job, args, load_options, engine_config, options: PlanOptions = Plan
     if args.plan_only:
         return None
     apply_plan(llm, plan)
-    for replica in llm.replicas:
-        replica.engine.warmup()
+    llm.warmup(progress=not args.no_progress)
     return llm
 
 

@@ -80,7 +80,7 @@ class LLMActor:
         from jaxinfer.api import LLM
         from jaxinfer.batch.job import LineRunner
 
-        self.llm = LLM(model, options=load_options, engine_config=engine_config)
+        self.llm = LLM(model, options=load_options, engine_config=engine_config, progress=False)  # its stderr is a Ray log
         self.runner = LineRunner(defaults or SamplingParams(), truncate)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:

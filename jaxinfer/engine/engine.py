@@ -304,9 +304,11 @@ class Engine:
 
     def warmup(self, progress=None) -> None:
         """Compile every bucket's forward program and every draw program (in parallel threads), then time those the
-        step-cost table lacks (time_programs). `progress(key, seconds)` is called per forward program."""
-        self._compile_missing(self.missing_programs(self.engine_cfg), progress)
-        self.time_programs()
+        step-cost table lacks (time_programs). `progress(desc=, total=)`: opens a bar (as tqdm does; `update(1)` per
+        program, `close()`) for each phase with work to do; None: no bar."""
+        missing = self.missing_programs(self.engine_cfg)
+        self._compile_missing(missing, progress(desc="compiling programs", total=len(missing)) if progress and missing else None)
+        self.time_programs(progress=progress)
 
     def measure(self, keys: list[BucketKey]) -> None:
         """Time these bucket keys' programs (of the current tables) as warm-up does, where neither this machine's
@@ -325,16 +327,16 @@ class Engine:
         self._compile_missing([k for k in self.missing_programs(self.engine_cfg) if k in keys or k in slots])
         self.time_programs(keys=keys)
 
-    def _compile_missing(self, missing: list, progress=None) -> None:
+    def _compile_missing(self, missing: list, bar=None) -> None:
         start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, self.engine_cfg.compile_threads)) as pool, _closing(bar):
             for key, compiled, seconds in pool.map(self._compile, missing):
                 (self._draws if isinstance(key, int) else self._programs)[key] = compiled
                 self.num_compilations += 1
                 host_memory.trim_heap()  # the compiler's freed working memory, before the next compile adds its own
                 log.info("compiled %s in %.2fs", key, seconds)
-                if progress is not None and not isinstance(key, int):
-                    progress(key, seconds)
+                if bar is not None:
+                    bar.update(1)
         self.compile_seconds += time.perf_counter() - start
 
     # Fields a swapped-in config (use_config) must share with this engine's: they shape the pool or the programs' inputs.
@@ -401,11 +403,11 @@ class Engine:
             (self._draws if isinstance(key, int) else self._programs)[key] = program
         self.engine_cfg = engine_cfg  # costs_key stays: tables and batch limits are not part of it (step_costs_key)
 
-    def time_programs(self, runs: int | None = None, keys: list[BucketKey] | None = None) -> None:
+    def time_programs(self, runs: int | None = None, keys: list[BucketKey] | None = None, progress=None) -> None:
         """Fill the step-cost table: the cached one of this machine, model and engine (tuning_cache), then
         `runs` timed runs (after one untimed) of each program it lacks (of `keys`, compiled; None: every bucket key),
         on an all-padding plan (every slot on the null page). `runs` None: tuning_cache.step_timing_runs() (2; 0
-        under JAXINFER_TUNE=0)."""
+        under JAXINFER_TUNE=0). `progress`: warmup's."""
         from jaxinfer.engine import tuning_cache  # noqa: PLC0415  (tuning_cache imports the tuner, which imports this module)
 
         runs = tuning_cache.step_timing_runs() if runs is None else runs
@@ -413,14 +415,18 @@ class Engine:
             self.read_cached_costs()
         tables = BucketTables.from_config(self.engine_cfg)
         missing = [key for key in (self.bucket_keys() if keys is None else keys) if not self.step_costs.measured(key)]  # real or warm-up runs
-        for key in missing if runs else []:
-            plan = _timing_plan(key, self.engine_cfg, tables.packed_seqs)
-            self.step(plan, observe=False)  # the first run of a program may pay one-time costs
-            for _ in range(runs):
-                start = time.perf_counter()
-                self.step(plan, observe=False)
-                self.step_costs.observe(key, time.perf_counter() - start, warmup=True)
-            host_memory.trim_heap()  # a first run's freed buffers, before the next program's
+        bar = progress(desc="timing programs", total=len(missing)) if progress and missing and runs else None
+        with _closing(bar):
+            for key in missing if runs else []:
+                plan = _timing_plan(key, self.engine_cfg, tables.packed_seqs)
+                self.step(plan, observe=False)  # the first run of a program may pay one-time costs
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    self.step(plan, observe=False)
+                    self.step_costs.observe(key, time.perf_counter() - start, warmup=True)
+                host_memory.trim_heap()  # a first run's freed buffers, before the next program's
+                if bar is not None:
+                    bar.update(1)
         if missing and runs:
             self.save_step_costs()
 
@@ -569,3 +575,8 @@ def _check_pages(block_tables: np.ndarray, slot_pages: np.ndarray, num_pages: in
     for name, pages in (("block_tables", block_tables), ("slot_pages", slot_pages)):
         if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
             raise ValueError(f"{name} holds page ids outside [0, {num_pages}): min {pages.min()}, max {pages.max()}")
+
+
+def _closing(bar):
+    """A progress bar closed when its phase ends, however it ends; a null context for no bar."""
+    return contextlib.nullcontext() if bar is None else contextlib.closing(bar)

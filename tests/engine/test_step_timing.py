@@ -153,3 +153,38 @@ def test_a_plan_times_the_anchor_programs_a_cached_table_lacks(tiny_llama, compi
     costs = planning.engine_costs(types.SimpleNamespace(engine=engine))
     assert set(costs.programs) == set(anchors) and set(engine._programs) == set(anchors[1:])
     assert costs.programs[anchors[0]].warmup == pytest.approx(probe.step_costs.programs[anchors[0]].warmup, abs=1e-6)  # read from the file
+
+
+class _Bars:
+    """warmup's `progress`: records each bar's description, total and updates."""
+
+    def __init__(self):
+        self.opened: list[list] = []  # [desc, total, updates, closed]
+
+    def __call__(self, desc: str, total: int):
+        record = [desc, total, 0, False]
+        self.opened.append(record)
+
+        class Bar:
+            def update(self, n: int) -> None:
+                record[2] += n
+
+            def close(self) -> None:
+                record[3] = True
+
+        return Bar()
+
+
+def test_warm_up_shows_a_bar_per_phase_with_work_each_with_its_total(tiny_llama, compile_cache, cost_cache):
+    """Compiling (every program, draws included) and timing (every bucket key the table lacks): each bar counts
+    up to its total and is closed; a warm-up with nothing left to do opens none."""
+    cfg, params = tiny_llama
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, compilation_cache_dir=compile_cache))
+    bars = _Bars()
+    engine.warmup(bars)
+    programs = engine.num_compilations
+    assert programs > len(engine.bucket_keys())  # the draw programs too
+    assert bars.opened == [["compiling programs", programs, programs, True], ["timing programs", len(engine.bucket_keys()), len(engine.bucket_keys()), True]]
+    again = _Bars()
+    engine.warmup(again)
+    assert again.opened == [] and engine.num_compilations == programs
