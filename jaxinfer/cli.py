@@ -152,7 +152,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_ray_args(parser: argparse.ArgumentParser) -> None:
-    from jaxinfer.batch.ray import DEFAULT_BATCH_SIZE
+    from jaxinfer.batch.ray import DEFAULT_BATCH_SIZE, MAX_TASK_RETRIES
 
     group = parser.add_argument_group("Ray (jobs across machines; see 'ray' below)")
     group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help="run an --input job on a Ray cluster (default address: a local cluster or RAY_ADDRESS)")
@@ -160,6 +160,9 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray-batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B", help="lines per actor call (default: %(default)s)")
     group.add_argument("--ray-gpus-per-actor", type=float, default=0.0, metavar="G", help="GPUs each actor reserves, 1 on GPU machines (default: %(default)s)")
     group.add_argument("--ray-cpus-per-actor", type=float, default=1.0, metavar="C", help="CPUs each actor reserves (default: %(default)s)")
+    group.add_argument("--ray-max-retries", type=int, default=MAX_TASK_RETRIES, metavar="R",
+                       help="times a batch whose actor died (a crash, out of memory) runs again on the restarted actor, then each of its lines alone; "
+                            "a line that still kills it gets an error record (default: %(default)s)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -346,7 +349,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-_RAY_FLAGS = {"num_actors": "--ray-actors", "batch_size": "--ray-batch-size", "num_gpus": "--ray-gpus-per-actor", "num_cpus": "--ray-cpus-per-actor"}
+_RAY_FLAGS = {"num_actors": "--ray-actors", "batch_size": "--ray-batch-size", "num_gpus": "--ray-gpus-per-actor", "num_cpus": "--ray-cpus-per-actor",
+              "max_retries": "--ray-max-retries"}
 
 
 def _ray_options(args):

@@ -9,12 +9,12 @@ contract. Each actor holds one `LLM` and runs its batch through `job.LineRunner`
 its own error record and the rest of its batch runs. A request without its own seed derives one from its
 line's key, so which actor runs it does not change its tokens.
 
-When an actor dies, Ray restarts it and runs its unfinished batch again, at most MAX_TASK_RETRIES times
-(`max_restarts=-1, max_task_retries=MAX_TASK_RETRIES`, pinned in `map_batches`' remote args); a record
+When an actor dies, Ray restarts it and runs its unfinished batch again, at most `RayOptions.max_retries` times
+(`max_restarts=-1, max_task_retries=max_retries`, pinned in `map_batches`' remote args); a record
 whose key was already written is dropped by the writer, so a retried batch never writes a line twice. A
 batch that still fails is skipped (`max_errored_blocks=-1`), and its lines are run again one a batch, so
 a line that kills its actor (a segfault, out of memory) ends as its own error record (500) after
-1 + MAX_TASK_RETRIES tries alone, and the other lines' records are written. When the driver dies,
+1 + max_retries tries alone, and the other lines' records are written. When the driver dies,
 `--resume` continues.
 
 Ray is an optional extra: `pip install 'jaxinfer[ray]'`.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # batch/job.py (and through it jax) is imported where it is u
     from jaxinfer.options import LoadOptions
 
 DEFAULT_BATCH_SIZE = 16  # lines per actor call: enough for continuous batching inside each actor
-MAX_TASK_RETRIES = 2  # a batch whose actor dies is run again this many times (on the restarted actor)
+MAX_TASK_RETRIES = 2  # the default: a batch whose actor dies is run again this many times (on the restarted actor)
 
 
 def _import_ray():
@@ -61,9 +61,11 @@ class RayOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     num_gpus: float = 0.0  # per actor (1 on GPU machines: one replica per GPU)
     num_cpus: float = 1.0  # per actor
+    max_retries: int = MAX_TASK_RETRIES  # runs again of a batch, then of a line alone, whose actor died (each death restarts it)
 
     def __post_init__(self):
         check_int("num_actors", self.num_actors, low=1)
+        check_int("max_retries", self.max_retries, low=0, high=100)
         check_int("batch_size", self.batch_size, low=1)
         check_number("num_gpus", self.num_gpus, low=0.0, high=1024.0)
         check_number("num_cpus", self.num_cpus, low=0.0, high=1024.0)
@@ -136,9 +138,10 @@ def _records(ray, job: "BatchJob", options: RayOptions, actor: type, actor_kwarg
         pending = [line for line in pending if line.key not in done]
     if num_ran == 0 and len(pending) > 1:  # not one line ran, alone or in a batch: the actors cannot run at all
         raise RuntimeError(f"every batch failed on Ray ({len(pending)} lines, none ran): see the actors' errors in the Ray logs (`ray logs`)")
-    attempts = 1 + MAX_TASK_RETRIES
+    attempts = 1 + options.max_retries
+    times = f"{attempts} time{'s' if attempts > 1 else ''}"
     for line in pending:
-        yield error_record(line, f"its Ray actor died running it ({attempts} times, alone in its batch: a crash, or out of memory); the other lines ran", 500)
+        yield error_record(line, f"its Ray actor died running it ({times}, alone in its batch: a crash, or out of memory; --ray-max-retries); the other lines ran", 500)
 
 
 def _run_lines(ray, job: "BatchJob", lines: list, options: RayOptions, actor: type, actor_kwargs: dict) -> Iterator[dict]:
@@ -149,7 +152,7 @@ def _run_lines(ray, job: "BatchJob", lines: list, options: RayOptions, actor: ty
         compute=ray.data.ActorPoolStrategy(size=options.num_actors, max_tasks_in_flight_per_actor=1),  # a crash takes only its own batch down
         num_cpus=options.num_cpus, num_gpus=options.num_gpus or None,
         fn_constructor_kwargs=actor_kwargs | {"defaults": job.runner.defaults, "truncate": job.runner.truncate},
-        max_restarts=-1, max_task_retries=MAX_TASK_RETRIES,  # Ray Data passes extra keywords to the actors as their remote args
+        max_restarts=-1, max_task_retries=options.max_retries,  # Ray Data passes extra keywords to the actors as their remote args
     )
     for row in ds.iter_rows():
         yield json.loads(row["record"])
