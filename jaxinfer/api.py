@@ -105,8 +105,8 @@ class LLM:
         in chat message content, so a message cannot inject a role; False: never; True: in both.
       options: the fields above as one validated `LoadOptions` (what the CLI and the Ray actors pass).
       warmup: compile every program now (False: call `warmup()` before the first request).
-      progress: progress bars on stderr while a first start on this machine tunes and while warm-up compiles and times
-        the programs, each phase's with its total (False: none).
+      progress: progress bars on stderr while a first start on this machine tunes (its measurements counted) and while
+        warm-up compiles and times the programs (each bar with its total) (False: none).
     """
 
     def __init__(

@@ -30,7 +30,7 @@ from kernels_cpu import build as kernel_build
 
 TUNE_ENV = "JAXINFER_TUNE"  # "0": measure nothing; "auto" keeps the fixed rule
 CACHE_ENV = "JAXINFER_CACHE_DIR"  # overrides $XDG_CACHE_HOME/jaxinfer and ~/.cache/jaxinfer
-TUNER_VERSION = 10  # part of the cache key: a change of the candidates or the check invalidates old choices
+TUNER_VERSION = 11  # part of the cache key: a change of the candidates or the check invalidates old choices
 
 
 @dataclasses.dataclass(frozen=True)
